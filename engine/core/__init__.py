@@ -1,0 +1,1 @@
+"""Scheduling and KV-cache bookkeeping: pure Python, no tensors."""

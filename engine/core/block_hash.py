@@ -1,0 +1,97 @@
+"""Prefix-block hashes: a full block's identity, chained over its parent.
+
+A full block's hash covers (parent block's hash, extra keys, its token ids). Two
+blocks have the same hash exactly when they hold the same tokens after the same
+prefix under the same extra keys (cache salt, adapter, multimodal input id), so
+they hold the same K/V and one physical block can serve both.
+
+NOTE: hashes are 128-bit keyed BLAKE2b digests over the packed token ids, never
+Python's ``hash()``. The KV cache manager relies on them without re-checking the
+token ids on a hit: a collision among 2**32 cached blocks has probability ~2**-64.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from hashlib import blake2b
+
+BlockHash = bytes  # 16-byte digest
+ExtraKey = str | int | bytes
+
+HASH_SIZE = 16
+_PERSON = b"paged.kv.block"  # domain separation from any other BLAKE2b use
+_ROOT_PARENT = b"\x00" * HASH_SIZE  # stands for "no parent" (the first block)
+_TOKEN_BYTES = array("q").itemsize  # token ids are packed as int64
+
+
+def encode_extra_keys(extra_keys: Sequence[ExtraKey] | None) -> bytes:
+    """Packs extra keys into bytes that no other key tuple packs into (type-tagged, length-prefixed)."""
+    if not extra_keys:
+        return b""
+    parts = []
+    for key in extra_keys:
+        if isinstance(key, bytes):
+            tag, raw = b"b", key
+        elif isinstance(key, str):
+            tag, raw = b"s", key.encode()
+        elif isinstance(key, int) and not isinstance(key, bool):
+            tag, raw = b"i", str(key).encode()
+        else:
+            raise TypeError(f"extra keys must be str, int or bytes; got {type(key).__name__}")
+        parts.append(tag + len(raw).to_bytes(4, "little") + raw)
+    return b"".join(parts)
+
+
+def hash_block_tokens(
+    parent_hash: BlockHash | None,
+    token_ids: Sequence[int],
+    extra_keys: Sequence[ExtraKey] | None = None,
+) -> BlockHash:
+    """Hashes one full block.
+
+    Args:
+        parent_hash: The previous block's hash; None for a request's first block.
+        token_ids: The block's token ids.
+        extra_keys: Whatever else changes the block's K/V (cache salt, adapter id, ...).
+
+    Returns:
+        The block's 16-byte hash.
+    """
+    return _hash_packed(parent_hash, array("q", token_ids).tobytes(), encode_extra_keys(extra_keys))
+
+
+def extend_block_hashes(
+    block_hashes: list[BlockHash],
+    token_ids: Sequence[int],
+    num_tokens: int,
+    block_size: int,
+    cache_salt: str | None = None,
+) -> None:
+    """Appends the hashes of the full blocks within ``token_ids[:num_tokens]`` not hashed yet.
+
+    Work is proportional to the new blocks only, so a running request pays nothing on
+    the steps that do not fill a block.
+
+    NOTE: ``cache_salt`` enters the first block only; the chain carries it to the rest.
+    """
+    start = len(block_hashes)
+    stop = min(num_tokens, len(token_ids)) // block_size
+    if stop <= start:
+        return
+    packed = memoryview(array("q", token_ids[start * block_size : stop * block_size]).tobytes())
+    stride = block_size * _TOKEN_BYTES
+    parent = block_hashes[-1] if block_hashes else None
+    for i in range(stop - start):
+        extra = encode_extra_keys((cache_salt,)) if (start + i == 0 and cache_salt is not None) else b""
+        parent = _hash_packed(parent, packed[i * stride : (i + 1) * stride], extra)
+        block_hashes.append(parent)
+
+
+def _hash_packed(parent_hash: BlockHash | None, packed_ids: bytes | memoryview, extra: bytes) -> BlockHash:
+    h = blake2b(digest_size=HASH_SIZE, person=_PERSON)
+    h.update(parent_hash if parent_hash is not None else _ROOT_PARENT)
+    h.update(len(extra).to_bytes(4, "little"))
+    h.update(extra)
+    h.update(packed_ids)
+    return h.digest()

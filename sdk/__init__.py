@@ -1,1 +1,52 @@
-"""paged SDK."""
+"""paged SDK: clients over the in-process engine, shared prefixes, hooks and framework adapters.
+
+    from sdk import AsyncClient, Client
+    from sdk.hooks import Hook, AuditLog, RegexFilter, ContentBlocked
+"""
+
+from sdk.client import AsyncClient, PrefixHandle
+from sdk.errors import (
+    ContentBlocked,
+    EngineFailure,
+    HookFailed,
+    InvalidRequestError,
+    OverloadedError,
+    PagedError,
+    RequestTimeout,
+)
+from sdk.hooks import Hook, RequestContext, Stop
+from sdk.sync import Client
+from sdk.types import (
+    ChatMessage,
+    ChatRequest,
+    ChatResult,
+    CompletionRequest,
+    CompletionResult,
+    Delta,
+    FinishReason,
+    Usage,
+)
+
+__all__ = [
+    "AsyncClient",
+    "ChatMessage",
+    "ChatRequest",
+    "ChatResult",
+    "Client",
+    "CompletionRequest",
+    "CompletionResult",
+    "ContentBlocked",
+    "Delta",
+    "EngineFailure",
+    "FinishReason",
+    "Hook",
+    "HookFailed",
+    "InvalidRequestError",
+    "OverloadedError",
+    "PagedError",
+    "PrefixHandle",
+    "RequestContext",
+    "RequestTimeout",
+    "Stop",
+    "Usage",
+]

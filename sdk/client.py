@@ -1,0 +1,392 @@
+"""AsyncClient: chat, complete, stream, batch and shared prefixes, with the hooks run on every request."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+import weakref
+from typing import Any, AsyncIterator, Iterable, Sequence, Union
+
+from sdk.errors import OverloadedError, RequestTimeout
+from sdk.hooks import Hook, HookChain, RequestContext
+from sdk.transport import EngineRequest, InProcessTransport, PrefixPin, Transport, TransportOutput
+from sdk.types import ChatMessage, ChatRequest, ChatResult, CompletionRequest, CompletionResult, Delta, Usage
+
+logger = logging.getLogger(__name__)
+
+MessagesLike = Union[str, ChatRequest, Sequence[Union[ChatMessage, dict[str, Any], tuple[str, str]]]]
+PromptLike = Union[str, list[int], CompletionRequest]
+
+_RETRY_BACKOFF = 0.05  # seconds, doubled per retry of an overloaded request
+
+
+def to_messages(messages: str | Sequence[ChatMessage | dict[str, Any] | tuple[str, str]]) -> list[ChatMessage]:
+    """A conversation from a user string, ``ChatMessage``s, ``{"role", "content"}`` dicts or (role, content) pairs."""
+    if isinstance(messages, str):
+        return [ChatMessage(role="user", content=messages)]
+    out = []
+    for m in messages:
+        if isinstance(m, ChatMessage):
+            out.append(m)
+        elif isinstance(m, dict):
+            out.append(ChatMessage(**m))
+        else:
+            role, content = m
+            out.append(ChatMessage(role=role, content=content))  # type: ignore[arg-type]
+    return out
+
+
+class PrefixHandle:
+    """A shared prefix whose KV blocks stay pinned in the engine while the handle is open.
+
+    Requests whose prompt starts with the prefix's tokens (for a chat prefix: a conversation
+    that starts with ``messages``) skip its prefill; ``num_hit_tokens`` counts the tokens they
+    were served from the cache. Close it with ``aclose()`` / ``close()`` or a ``with`` block;
+    a handle that is garbage-collected unpins too.
+    """
+
+    def __init__(self, client: AsyncClient, pin: PrefixPin, messages: list[ChatMessage] | None) -> None:
+        self._client = client
+        self.pin_id = pin.pin_id
+        self.token_ids = pin.token_ids
+        self.messages = messages
+        """The prefix conversation (chat prefixes); start requests with ``[*handle.messages, ...]``."""
+        self.num_cached_at_pin = pin.num_cached_tokens
+        self.num_requests = 0
+        """Requests that started with this prefix."""
+        self.num_hit_tokens = 0
+        """Prompt tokens of those requests served from the cache, up to the prefix's length."""
+        self.closed = False
+        self._finalizer = weakref.finalize(self, _unpin_later, client._transport, pin.pin_id)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def matches(self, prompt_token_ids: Sequence[int]) -> bool:
+        """Whether a prompt starts with this prefix."""
+        n = len(self.token_ids)
+        return len(prompt_token_ids) >= n and list(prompt_token_ids[:n]) == self.token_ids
+
+    async def aclose(self) -> None:
+        """Unpin the prefix; its blocks stay cached (evictable). Idempotent."""
+        if not self.closed:
+            self.closed = True
+            self._finalizer.detach()
+            await self._client._transport.unpin_prefix(self.pin_id)
+
+    def close(self) -> None:
+        """Sync ``aclose()`` (runs on the SDK's loop thread); not for use inside a running event loop."""
+        from sdk.sync import run_sync
+
+        run_sync(self.aclose())
+
+    async def __aenter__(self) -> PrefixHandle:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __enter__(self) -> PrefixHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"PrefixHandle(num_tokens={self.num_tokens}, num_requests={self.num_requests}, "
+            f"num_hit_tokens={self.num_hit_tokens}, closed={self.closed})"
+        )
+
+
+def _unpin_later(transport: Transport, pin_id: str) -> None:
+    from sdk.sync import submit
+
+    submit(transport.unpin_prefix(pin_id))
+
+
+class AsyncClient:
+    """The async SDK client; the in-process engine by default.
+
+    Example:
+        client = AsyncClient(hooks=[AuditLog("audit.jsonl")])
+        async with await client.prefix(SYSTEM) as system:
+            result = await client.chat([*system.messages, ChatMessage(role="user", content="Hi")])
+
+    Args:
+        model: HF directory or ``.gguf`` path; None = the bundled SmolLM2-135M-Instruct.
+        hooks: run in order on every request (see ``sdk.hooks``).
+        tenant: written to each request's context and audit record.
+        transport: where requests run; default: the process-wide in-process engine for
+            (model, engine_config).
+        route: names the surface in hook contexts and audit records (adapters set theirs).
+        max_retries: times to retry a request the engine refused as overloaded (with backoff).
+        **engine_config: ``engine.EngineConfig`` fields for the in-process engine.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        hooks: Sequence[Hook] = (),
+        tenant: str | None = None,
+        transport: Transport | None = None,
+        route: str = "client",
+        max_retries: int = 0,
+        **engine_config: Any,
+    ) -> None:
+        if transport is not None and (model is not None or engine_config):
+            raise ValueError("give a transport or model/engine_config, not both")
+        self._transport = transport or InProcessTransport(model=model, **engine_config)
+        self.hooks = HookChain(hooks)
+        self.tenant = tenant
+        self.route = route
+        self.max_retries = max_retries
+        self._prefixes: weakref.WeakSet[PrefixHandle] = weakref.WeakSet()
+        self._started = False
+
+    async def start(self) -> None:
+        """Load or connect the transport (the engine on first use); every call does it lazily."""
+        if not self._started:
+            await self._transport.start()
+            self._started = True
+
+    @property
+    def model_name(self) -> str:
+        """The served model's name (after ``start()``)."""
+        return self._transport.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest prompt + completion in tokens (after ``start()``)."""
+        return self._transport.max_model_len
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's figures (``engine.AsyncEngine.stats()`` keys) plus ``hook_failures``.
+
+        Raises:
+            RuntimeError: before ``start()`` (or a first request).
+        """
+        if not self._started:
+            raise RuntimeError("client not started: await start() or make a request first")
+        return {**self._transport.stats(), "hook_failures": self.hooks.num_failures}
+
+    async def chat(self, messages: MessagesLike, **options: Any) -> ChatResult:
+        """Generate a reply to a conversation.
+
+        Args:
+            messages: a user string, a list of messages (``ChatMessage``, dicts or (role,
+                content) pairs) or a ``ChatRequest``.
+            **options: ``ChatRequest`` fields: sampling knobs (``max_tokens``, ``temperature``,
+                ``stop`` ...), ``request_id``, ``priority``, ``cache_salt``, ``timeout``.
+
+        Returns:
+            The reply with its finish reason and usage.
+
+        Raises:
+            ContentBlocked: an input filter blocked the request.
+            HookFailed: a filter hook raised (fail closed).
+            InvalidRequestError: bad options, or a prompt the engine cannot serve.
+            OverloadedError: the engine's queue stayed full through the retries.
+            RequestTimeout: ``timeout`` passed; the request was aborted.
+            EngineFailure: the engine failed.
+        """
+        request = self._chat_request(messages, options)
+        return ChatResult(**(await self._collect(request)).model_dump())
+
+    async def complete(self, prompt: PromptLike, **options: Any) -> CompletionResult:
+        """Continue a raw prompt (text or token ids; no chat template). Options and errors as ``chat``."""
+        return await self._collect(self._completion_request(prompt, options))
+
+    def stream(
+        self, messages: MessagesLike | None = None, *, prompt: PromptLike | None = None, **options: Any
+    ) -> AsyncIterator[Delta]:
+        """Stream a chat reply (``messages``) or a raw completion (``prompt=``) as deltas.
+
+        The last delta has ``finish_reason`` and ``usage``. Leaving the loop early aborts the
+        request once the iterator is closed (``contextlib.aclosing`` makes that immediate).
+        Options and errors as ``chat``; an output filter that stops the stream ends it with
+        ``finish_reason="content_filter"`` (not an error).
+        """
+        if (messages is None) == (prompt is None):
+            raise ValueError("give messages (chat) or prompt= (completion), not both")
+        if messages is not None:
+            return self._run(self._chat_request(messages, options))
+        return self._run(self._completion_request(prompt, options))  # type: ignore[arg-type]
+
+    async def batch(
+        self, requests: Iterable[MessagesLike], *, return_exceptions: bool = False, **options: Any
+    ) -> list[Any]:
+        """Run many chat requests concurrently (the engine batches them); results in order.
+
+        Args:
+            requests: conversations, as ``chat`` takes them.
+            return_exceptions: put errors in the list instead of raising the first.
+            **options: applied to every request.
+        """
+        coros = [self.chat(r, **options) for r in requests]
+        return list(await asyncio.gather(*coros, return_exceptions=return_exceptions))
+
+    async def prefix(
+        self, prefix: str | Sequence[ChatMessage | dict[str, Any] | tuple[str, str]], *, cache_salt: str | None = None
+    ) -> PrefixHandle:
+        """Warm and pin a shared prefix: a system prompt (a string) or the first messages of conversations.
+
+        Args:
+            prefix: a system prompt, or a list of messages every conversation will start with.
+            cache_salt: pin it in this cache namespace (requests must use the same salt to hit it).
+
+        Returns:
+            An open ``PrefixHandle``; close it to unpin.
+        """
+        await self.start()
+        messages = [ChatMessage(role="system", content=prefix)] if isinstance(prefix, str) else to_messages(prefix)
+        token_ids = self._transport.render_chat(messages, add_generation_prompt=False)
+        handle = PrefixHandle(self, await self._transport.pin_prefix(token_ids, cache_salt), messages)
+        self._prefixes.add(handle)
+        return handle
+
+    async def aclose(self) -> None:
+        """Unpin this client's open prefixes. The shared engine stays up for other clients."""
+        for handle in list(self._prefixes):
+            await handle.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # --- the request path ----------------------------------------------------------------
+
+    def _chat_request(self, messages: MessagesLike, options: dict[str, Any]) -> ChatRequest:
+        if isinstance(messages, ChatRequest):
+            return messages.model_copy(update=options) if options else messages
+        return ChatRequest(messages=to_messages(messages), **options)
+
+    def _completion_request(self, prompt: PromptLike, options: dict[str, Any]) -> CompletionRequest:
+        if isinstance(prompt, CompletionRequest):
+            return prompt.model_copy(update=options) if options else prompt
+        return CompletionRequest(prompt=prompt, **options)
+
+    async def _collect(self, request: ChatRequest | CompletionRequest) -> CompletionResult:
+        text: list[str] = []
+        token_ids: list[int] = []
+        last: Delta | None = None
+        async for last in self._run(request):
+            text.append(last.text)
+            token_ids.extend(last.token_ids)
+        assert last is not None and last.finish_reason is not None and last.usage is not None
+        return CompletionResult(
+            request_id=last.request_id,
+            model=self.model_name,
+            text="".join(text),
+            token_ids=token_ids,
+            finish_reason=last.finish_reason,
+            usage=last.usage,
+        )
+
+    async def _run(self, request: ChatRequest | CompletionRequest) -> AsyncIterator[Delta]:
+        await self.start()
+        is_chat = isinstance(request, ChatRequest)
+        ctx = RequestContext(
+            request_id=request.request_id or f"{'chat' if is_chat else 'cmpl'}-{uuid.uuid4().hex}",
+            model=self.model_name,
+            route=self.route,
+            kind="chat" if is_chat else "completion",
+            params=request.sampling_kwargs(),
+            tenant=self.tenant,
+            messages=list(request.messages) if is_chat else None,  # type: ignore[union-attr]
+            prompt=None if is_chat else request.prompt,  # type: ignore[union-attr]
+        )
+        prompt_token_ids: Sequence[int] = ()
+        in_engine = False  # the engine holds the request: abort it unless it finished
+        try:
+            await self.hooks.on_request(ctx)
+            prompt = self._transport.render_chat(ctx.messages) if ctx.messages is not None else ctx.prompt
+            assert prompt is not None
+            engine_request = EngineRequest(ctx.request_id, prompt, ctx.params, request.priority, request.cache_salt)
+            deadline = None if request.timeout is None else time.monotonic() + request.timeout
+            stream = await self._open(engine_request, deadline)
+            in_engine = True
+            try:
+                while (out := await _next(stream, deadline)) is not None:
+                    prompt_token_ids = out.prompt_token_ids
+                    ctx.usage = Usage(
+                        prompt_tokens=len(out.prompt_token_ids),
+                        completion_tokens=ctx.usage.completion_tokens + len(out.token_ids),
+                        cached_tokens=out.num_cached_tokens,
+                    )
+                    delta = Delta(request_id=ctx.request_id, text=out.text, token_ids=out.token_ids)
+                    if (delta.text or delta.token_ids) and await self.hooks.on_chunk(ctx, delta) is not None:
+                        ctx.finish_reason = "content_filter"
+                        yield Delta(request_id=ctx.request_id, finish_reason="content_filter", usage=ctx.usage)
+                        return
+                    if ctx.first_token_monotonic is None:
+                        ctx.first_token_monotonic = time.monotonic()
+                    ctx.output_text += delta.text
+                    if out.finish_reason is not None:
+                        in_engine = False
+                        ctx.finish_reason = delta.finish_reason = out.finish_reason  # type: ignore[assignment]
+                        delta.usage = ctx.usage
+                    yield delta
+            finally:
+                await stream.aclose()
+        except TimeoutError as exc:
+            ctx.error = exc
+            raise RequestTimeout(f"request {ctx.request_id} timed out after {request.timeout}s") from exc
+        except BaseException as exc:  # also GeneratorExit / CancelledError: the caller went away
+            ctx.error = exc
+            raise
+        finally:
+            if in_engine:
+                await self._transport.abort(ctx.request_id)
+            if ctx.finish_reason is None and ctx.error is not None and in_engine:
+                ctx.finish_reason = "abort"
+            ctx.end_monotonic = time.monotonic()
+            self._count_prefix_hits(prompt_token_ids, ctx.usage.cached_tokens)
+            await self.hooks.on_finish(ctx)
+
+    async def _open(self, request: EngineRequest, deadline: float | None) -> AsyncIterator[TransportOutput]:
+        """Start the request in the engine and wait for its first output, retrying while overloaded."""
+        for attempt in range(self.max_retries + 1):
+            stream = self._transport.generate(request)
+            try:
+                first = await _next(stream, deadline)
+            except OverloadedError:
+                await stream.aclose()
+                if attempt == self.max_retries:
+                    raise
+                await asyncio.sleep(_RETRY_BACKOFF * 2**attempt)
+                continue
+            return _prepend(first, stream)
+        raise AssertionError("unreachable")
+
+    def _count_prefix_hits(self, prompt_token_ids: Sequence[int], num_cached_tokens: int) -> None:
+        for handle in list(self._prefixes):
+            if not handle.closed and handle.matches(prompt_token_ids):
+                handle.num_requests += 1
+                handle.num_hit_tokens += min(num_cached_tokens, handle.num_tokens)
+
+
+async def _next(stream: AsyncIterator[TransportOutput], deadline: float | None) -> TransportOutput | None:
+    """The next output, or None at the end; raises TimeoutError past ``deadline``."""
+    try:
+        if deadline is None:
+            return await anext(stream)
+        return await asyncio.wait_for(anext(stream), max(deadline - time.monotonic(), 0.0))
+    except StopAsyncIteration:
+        return None
+
+
+async def _prepend(first: TransportOutput | None, stream: AsyncIterator[TransportOutput]) -> AsyncIterator[TransportOutput]:
+    try:
+        if first is not None:
+            yield first
+            async for out in stream:
+                yield out
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]

@@ -1,0 +1,91 @@
+"""Ready-made content filters."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from sdk.errors import ContentBlocked
+from sdk.hooks import Hook, RequestContext, Stop
+from sdk.types import Delta
+
+
+class RegexFilter(Hook):
+    """Block or redact text matching a regular expression.
+
+    On input (``on="input"``) the pattern is searched in every message (or the text
+    prompt): ``action="block"`` rejects the request with ``ContentBlocked`` before any KV
+    block is allocated; ``action="redact"`` replaces each match with ``replacement``.
+    A token-id prompt cannot be inspected, so an input filter blocks it (fails closed).
+
+    On output (``on="output"``) the pattern is searched in the text generated so far,
+    delta by delta, so matches that span deltas are caught; at the first match the
+    delta is withheld and the stream ends with ``finish_reason="content_filter"``. Text
+    emitted before that delta may hold the start of the match. Output supports
+    ``action="block"`` only: text already streamed cannot be redacted.
+
+    Args:
+        pattern: a regular expression (string or compiled).
+        on: ``"input"`` or ``"output"``.
+        action: ``"block"`` or (input only) ``"redact"``.
+        replacement: what redaction writes in place of each match.
+        name: the name in errors and audit decisions (default ``RegexFilter``).
+
+    Raises:
+        ValueError: an unknown ``on`` / ``action`` or an output redaction.
+    """
+
+    def __init__(
+        self,
+        pattern: str | re.Pattern[str],
+        on: Literal["input", "output"] = "input",
+        action: Literal["block", "redact"] = "block",
+        *,
+        replacement: str = "[REDACTED]",
+        name: str | None = None,
+    ) -> None:
+        if on not in ("input", "output"):
+            raise ValueError(f"on must be 'input' or 'output'; got {on!r}")
+        if action not in ("block", "redact"):
+            raise ValueError(f"action must be 'block' or 'redact'; got {action!r}")
+        if on == "output" and action == "redact":
+            raise ValueError("output filters can only block: streamed text cannot be redacted")
+        self.pattern = re.compile(pattern)
+        self.on = on
+        self.action = action
+        self.replacement = replacement
+        self._name = name
+
+    @property
+    def name(self) -> str:
+        return self._name or super().name
+
+    async def on_request(self, ctx: RequestContext) -> None:
+        if self.on != "input":
+            return
+        if ctx.messages is not None:
+            texts = [m.content for m in ctx.messages]
+        elif isinstance(ctx.prompt, str):
+            texts = [ctx.prompt]
+        else:
+            raise ContentBlocked("token-id prompts cannot be inspected by the input filter", hook=self.name)
+        num_matches = sum(len(self.pattern.findall(t)) for t in texts)
+        if num_matches == 0:
+            return
+        if self.action == "block":
+            raise ContentBlocked(f"input matched the {self.name} filter", hook=self.name)
+        if ctx.messages is not None:
+            ctx.messages = [
+                m.model_copy(update={"content": self.pattern.sub(self.replacement, m.content)})
+                for m in ctx.messages
+            ]
+        else:
+            ctx.prompt = self.pattern.sub(self.replacement, texts[0])
+        ctx.record(self.name, "input", "redact", f"{num_matches} match(es)")
+
+    async def on_chunk(self, ctx: RequestContext, delta: Delta) -> Stop | None:
+        if self.on != "output" or not delta.text:
+            return None
+        if self.pattern.search(ctx.output_text + delta.text):
+            return Stop(f"output matched the {self.name} filter")
+        return None

@@ -1,0 +1,191 @@
+"""Hooks on the request path: input filters, output filters and audit, run by the client for every route.
+
+A hook subclasses ``Hook`` and overrides what it needs; the client runs the hooks of a
+request in the order given:
+
+- ``on_request(ctx)`` before the request reaches the engine: may rewrite ``ctx.messages`` /
+  ``ctx.prompt`` (redact) or raise ``ContentBlocked`` (block). Nothing is allocated yet.
+- ``on_chunk(ctx, delta)`` for each output delta before the caller sees it: returning
+  ``Stop(reason)`` withholds the delta, aborts the engine request (its blocks are freed)
+  and ends the stream with ``finish_reason="content_filter"``.
+- ``on_finish(ctx)`` exactly once per request, whatever the outcome (finished, blocked,
+  failed, aborted, cancelled); ``ctx`` then holds usage, finish reason, error and timing.
+
+A hook that raises in ``on_request`` / ``on_chunk`` fails closed (``HookFailed``) unless its
+class sets ``fail_closed = False`` (audit hooks do): then the failure is logged and counted
+in ``HookChain.num_failures`` and the request goes on. ``on_finish`` failures are always
+logged and counted, never raised.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, Sequence
+
+from sdk.errors import ContentBlocked, HookFailed
+from sdk.types import ChatMessage, Delta, FinishReason, Usage
+
+__all__ = [
+    "AuditLog",
+    "ContentBlocked",
+    "FilterDecision",
+    "Hook",
+    "HookChain",
+    "HookFailed",
+    "RegexFilter",
+    "RequestContext",
+    "Stop",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def __getattr__(name: str) -> Any:
+    # NOTE: the ready-made hooks import this module, so they are re-exported lazily.
+    if name == "AuditLog":
+        from sdk.audit import AuditLog
+
+        return AuditLog
+    if name == "RegexFilter":
+        from sdk.filters import RegexFilter
+
+        return RegexFilter
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """Returned by ``Hook.on_chunk`` to end the stream with ``finish_reason="content_filter"``."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class FilterDecision:
+    """One filter action on a request, as written to the audit log (never the matched text)."""
+
+    hook: str
+    stage: Literal["input", "output"]
+    action: str  # "block" | "redact" | "stop"
+    detail: str = ""
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """What hooks see of one request. Filters may rewrite ``messages`` / ``prompt`` in ``on_request``."""
+
+    request_id: str
+    model: str
+    route: str  # who sent it: "client", "langchain", "llamaindex", "http", ...
+    kind: Literal["chat", "completion"]
+    params: dict[str, Any]  # the sampling knobs actually sent (SamplingOptions fields)
+    tenant: str | None = None
+    messages: list[ChatMessage] | None = None
+    prompt: str | list[int] | None = None
+    started_at: float = field(default_factory=time.time)  # wall clock, seconds
+    start_monotonic: float = field(default_factory=time.monotonic)
+    first_token_monotonic: float | None = None
+    end_monotonic: float | None = None
+    output_text: str = ""  # emitted so far; during on_chunk, the text before the current delta
+    finish_reason: FinishReason | None = None
+    usage: Usage = field(default_factory=Usage)
+    error: BaseException | None = None
+    decisions: list[FilterDecision] = field(default_factory=list)
+
+    @property
+    def latency(self) -> float | None:
+        """Seconds from arrival to the end, once finished."""
+        return None if self.end_monotonic is None else self.end_monotonic - self.start_monotonic
+
+    @property
+    def ttft(self) -> float | None:
+        """Seconds from arrival to the first output delta, if any came."""
+        if self.first_token_monotonic is None:
+            return None
+        return self.first_token_monotonic - self.start_monotonic
+
+    def record(self, hook: str, stage: Literal["input", "output"], action: str, detail: str = "") -> None:
+        """Note a filter decision for the audit record."""
+        self.decisions.append(FilterDecision(hook, stage, action, detail))
+
+
+class Hook:
+    """Base of every hook: subclass and override the hook points you need (all async).
+
+    Example:
+        class NoShouting(Hook):
+            async def on_chunk(self, ctx, delta):
+                return Stop("shouting") if delta.text.isupper() else None
+    """
+
+    fail_closed: ClassVar[bool] = True
+    """When the hook raises in on_request / on_chunk, reject the request (True) or log, count and go on."""
+
+    @property
+    def name(self) -> str:
+        """The hook's name in errors and audit decisions."""
+        return type(self).__name__
+
+    async def on_request(self, ctx: RequestContext) -> None:
+        """Before admission: inspect or rewrite the input, or raise ``ContentBlocked``."""
+
+    async def on_chunk(self, ctx: RequestContext, delta: Delta) -> Stop | None:
+        """For each output delta before the caller sees it; return ``Stop`` to end the stream."""
+        return None
+
+    async def on_finish(self, ctx: RequestContext) -> None:
+        """Exactly once per request, after its outcome is known (also on errors and aborts)."""
+
+
+class HookChain:
+    """Runs a list of hooks in order with the failure semantics in the module docstring."""
+
+    def __init__(self, hooks: Sequence[Hook] = ()) -> None:
+        for hook in hooks:
+            if not isinstance(hook, Hook):
+                raise TypeError(f"hooks must be sdk.hooks.Hook instances; got {type(hook).__name__}")
+        self.hooks = tuple(hooks)
+        self.num_failures = 0
+
+    def _failed(self, hook: Hook, stage: str) -> None:
+        self.num_failures += 1
+        logger.exception("hook %s failed in %s", hook.name, stage)
+
+    async def on_request(self, ctx: RequestContext) -> None:
+        """Run every ``on_request``; raises ``ContentBlocked`` or ``HookFailed`` to reject the request."""
+        for hook in self.hooks:
+            try:
+                await hook.on_request(ctx)
+            except ContentBlocked as exc:
+                exc.hook = exc.hook or hook.name
+                ctx.record(exc.hook, "input", "block", exc.reason)
+                raise
+            except Exception as exc:
+                if hook.fail_closed:
+                    raise HookFailed(hook.name, "on_request") from exc
+                self._failed(hook, "on_request")
+
+    async def on_chunk(self, ctx: RequestContext, delta: Delta) -> Stop | None:
+        """Run every ``on_chunk`` until one stops the stream; raises ``HookFailed`` to fail closed."""
+        for hook in self.hooks:
+            try:
+                stop = await hook.on_chunk(ctx, delta)
+            except Exception as exc:
+                if hook.fail_closed:
+                    raise HookFailed(hook.name, "on_chunk") from exc
+                self._failed(hook, "on_chunk")
+                continue
+            if stop is not None:
+                ctx.record(hook.name, "output", "stop", stop.reason)
+                return stop
+        return None
+
+    async def on_finish(self, ctx: RequestContext) -> None:
+        """Run every ``on_finish``; never raises (failures are logged and counted)."""
+        for hook in self.hooks:
+            try:
+                await hook.on_finish(ctx)
+            except Exception:
+                self._failed(hook, "on_finish")

@@ -1,0 +1,264 @@
+"""A ``Transport`` over any OpenAI-compatible HTTP endpoint (``paged serve``, or a vLLM fleet).
+
+Chat requests go to ``/v1/chat/completions`` with the messages (the server applies its own
+chat template); raw prompts go to ``/v1/completions``. Both stream (SSE) and ask for
+``return_token_ids`` (a vLLM extension ``paged serve`` also speaks), so token ids and usage
+match what the in-process transport reports. Closing the output iterator closes the HTTP
+response, which the server turns into an abort of the engine request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import aiohttp
+
+from sdk.errors import (
+    ContentBlocked,
+    EngineFailure,
+    InvalidRequestError,
+    OverloadedError,
+    PagedError,
+    RequestTimeout,
+)
+from sdk.transport import EngineRequest, PrefixPin, Transport, TransportOutput
+from sdk.types import ChatMessage
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_MODEL_LEN = 1 << 20  # when the endpoint does not say
+
+
+class ChatPrompt(str):
+    """A rendered chat prompt that remembers its messages, so the server applies the template.
+
+    ``render_chat`` returns it in place of token ids: its text is a plain transcript (for
+    logs and lengths); ``generate`` sends ``messages`` to ``/v1/chat/completions``.
+    """
+
+    messages: tuple[ChatMessage, ...]
+
+    def __new__(cls, messages: Sequence[ChatMessage]) -> ChatPrompt:
+        prompt = super().__new__(cls, "\n".join(f"{m.role}: {m.content}" for m in messages))
+        prompt.messages = tuple(messages)
+        return prompt
+
+
+class HttpTransport(Transport):
+    """Runs requests on a remote OpenAI-compatible server.
+
+    Args:
+        base_url: the server's root, with or without the ``/v1`` suffix.
+        api_key: sent as ``Authorization: Bearer``; None sends none.
+        model: the model id to request; None takes the first one ``/v1/models`` lists.
+        timeout: seconds to connect; a request itself is bounded by the SDK's per-request timeout.
+        session: an ``aiohttp.ClientSession`` to use (it must live on the caller's loop);
+            by default one is made per event loop and closed by ``close()``.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        model: str | None = None,
+        *,
+        timeout: float = 30.0,
+        session: aiohttp.ClientSession | None = None,
+    ) -> None:
+        root = base_url.rstrip("/")
+        self._base = root if root.endswith("/v1") else root + "/v1"
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._model = model
+        self._max_model_len: int | None = None
+        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout)
+        self._session = session
+        self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
+        self._open: dict[str, aiohttp.ClientResponse] = {}
+
+    @property
+    def model_name(self) -> str:
+        if self._model is None:
+            raise RuntimeError("transport not started: await start() first")
+        return self._model
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len or DEFAULT_MAX_MODEL_LEN
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is not None:
+            return self._session
+        # NOTE: a session belongs to one event loop; the sync client runs on a loop of its own.
+        loop = asyncio.get_running_loop()
+        session = self._sessions.get(loop)
+        if session is None or session.closed:
+            session = aiohttp.ClientSession(timeout=self._timeout, headers=self._headers)
+            self._sessions[loop] = session
+        return session
+
+    async def start(self) -> None:
+        if self._model is not None and self._max_model_len is not None:
+            return
+        async with self._client().get(self._base + "/models", headers=self._headers) as resp:
+            body = await _json_or_raise(resp)
+        cards = body.get("data") or []
+        if self._model is None:
+            if not cards:
+                raise EngineFailure(f"{self._base}/models lists no model")
+            self._model = cards[0]["id"]
+        for card in cards:
+            if card.get("id") == self._model and card.get("max_model_len"):
+                self._max_model_len = int(card["max_model_len"])
+
+    async def close(self) -> None:
+        """Close the sessions this transport opened."""
+        sessions, self._sessions = list(self._sessions.values()), {}
+        for session in sessions:
+            await session.close()
+
+    def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
+        if not add_generation_prompt:
+            raise InvalidRequestError("a remote endpoint renders chats only with a generation prompt")
+        return ChatPrompt(messages)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[TransportOutput]:
+        body = _sampling_body(request.sampling)
+        body.update(model=self.model_name, stream=True, return_token_ids=True)
+        body["stream_options"] = {"include_usage": True}
+        if request.priority:
+            body["priority"] = request.priority
+        if request.cache_salt is not None:
+            body["cache_salt"] = request.cache_salt
+        if isinstance(request.prompt, ChatPrompt):
+            url = self._base + "/chat/completions"
+            body["messages"] = [m.model_dump(exclude_none=True) for m in request.prompt.messages]
+        else:
+            url = self._base + "/completions"
+            body["prompt"] = request.prompt if isinstance(request.prompt, list) else str(request.prompt)
+        headers = {**self._headers, "X-Request-Id": request.request_id}
+        async with self._client().post(url, json=body, headers=headers) as resp:
+            if resp.status != 200:
+                await _json_or_raise(resp)
+            self._open[request.request_id] = resp
+            try:
+                async for out in _read_stream(resp):
+                    yield out
+            finally:
+                self._open.pop(request.request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        # NOTE: closing the connection is how an HTTP client aborts; the server frees the blocks.
+        resp = self._open.pop(request_id, None)
+        if resp is not None:
+            resp.close()
+
+    async def pin_prefix(self, prompt: str | list[int], cache_salt: str | None = None) -> PrefixPin:
+        """Warm the remote prefix cache with ``prompt`` (one generated token).
+
+        A remote server cannot hold blocks for a client, so the pin is advisory: the
+        server's prefix cache keeps the blocks while they are reused.
+        """
+        request = EngineRequest("pin", prompt, {"max_tokens": 1}, cache_salt=cache_salt)
+        prompt_ids: list[int] = []
+        num_cached = 0
+        async for out in self.generate(request):
+            prompt_ids = list(out.prompt_token_ids) or prompt_ids
+            num_cached = out.num_cached_tokens
+        return PrefixPin(pin_id=f"remote-{id(request)}", token_ids=prompt_ids, num_cached_tokens=num_cached)
+
+    async def unpin_prefix(self, pin_id: str) -> None:
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        """Nothing: a remote engine's figures are on its ``/metrics`` route."""
+        return {}
+
+
+_BODY_NAMES = {
+    "max_tokens": "max_tokens",
+    "min_tokens": "min_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "seed": "seed",
+    "stop": "stop",
+    "stop_token_ids": "stop_token_ids",
+    "ignore_eos": "ignore_eos",
+}
+
+
+def _sampling_body(sampling: dict[str, Any]) -> dict[str, Any]:
+    unknown = set(sampling) - set(_BODY_NAMES)
+    if unknown:
+        raise InvalidRequestError(f"{sorted(unknown)[0]} is not supported over HTTP")
+    body = {_BODY_NAMES[k]: v for k, v in sampling.items() if v is not None}
+    if "stop" in body:
+        body["stop"] = list(body["stop"])
+    if "stop_token_ids" in body:
+        body["stop_token_ids"] = list(body["stop_token_ids"])
+    return body
+
+
+async def _read_stream(resp: aiohttp.ClientResponse) -> AsyncIterator[TransportOutput]:
+    """SSE events -> deltas; the usage event (or the last choice) closes the request."""
+    prompt_ids: list[int] = []
+    finish_reason: str | None = None
+    num_cached = 0
+    async for raw in resp.content:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            break
+        event = json.loads(data)
+        if "error" in event:
+            raise _error(resp.status, event["error"])
+        prompt_ids = event.get("prompt_token_ids") or prompt_ids
+        usage = event.get("usage")
+        if usage:
+            num_cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
+        for choice in event.get("choices") or ():
+            text = choice.get("text")
+            if text is None:
+                text = (choice.get("delta") or {}).get("content") or ""
+            token_ids = list(choice.get("token_ids") or ())
+            finish_reason = choice.get("finish_reason") or finish_reason
+            if text or token_ids:
+                yield TransportOutput(text, token_ids, None, prompt_ids, num_cached)
+    if finish_reason is None:
+        raise EngineFailure("the server closed the stream before the request finished")
+    yield TransportOutput("", [], finish_reason, prompt_ids, num_cached)
+
+
+async def _json_or_raise(resp: aiohttp.ClientResponse) -> dict[str, Any]:
+    try:
+        body = await resp.json(content_type=None)
+    except (json.JSONDecodeError, aiohttp.ContentTypeError, UnicodeDecodeError):
+        body = None
+    if resp.status == 200 and isinstance(body, dict):
+        return body
+    error = body.get("error") if isinstance(body, dict) else None
+    raise _error(resp.status, error if isinstance(error, dict) else {"message": resp.reason or ""})
+
+
+def _error(status: int, error: dict[str, Any]) -> PagedError:
+    """The SDK error for an OpenAI error body; the message is the server's."""
+    message = str(error.get("message") or f"HTTP {status}")
+    if error.get("code") == "content_filter" or error.get("type") == "content_filter":
+        return ContentBlocked(message)
+    if status == 429:
+        return OverloadedError(message)
+    if status == 408:
+        return RequestTimeout(message)
+    if status in (400, 404, 413, 422):
+        return InvalidRequestError(message)
+    return EngineFailure(f"HTTP {status}: {message}")

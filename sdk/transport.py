@@ -1,0 +1,235 @@
+"""Transports: where a client's engine-level requests run.
+
+The client builds an ``EngineRequest`` (prompt + sampling knobs, after the hooks ran),
+a ``Transport`` executes it and yields ``TransportOutput`` deltas. ``InProcessTransport``
+drives an ``engine.AsyncEngine`` in this process; engines are shared per (model, config)
+by every client and adapter of the process, started lazily and shut down at exit.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import atexit
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
+
+from sdk.chat_template import render_chat
+from sdk.errors import EngineFailure, InvalidRequestError, OverloadedError
+from sdk.types import ChatMessage
+
+if TYPE_CHECKING:
+    from engine import AsyncEngine
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """One request as the engine sees it: hooks have run, the chat template is applied."""
+
+    request_id: str
+    prompt: str | list[int]
+    sampling: dict[str, Any]  # engine.SamplingParams keyword arguments
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+@dataclass(slots=True)
+class TransportOutput:
+    """New output since the previous one; ``finish_reason`` is set on the last."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    prompt_token_ids: Sequence[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixPin:
+    """A prefix whose KV blocks the engine keeps resident until unpinned."""
+
+    pin_id: str
+    token_ids: list[int]
+    num_cached_tokens: int  # tokens already cached when it was pinned
+
+
+class Transport(abc.ABC):
+    """Executes engine-level requests; every method may be called from any event loop."""
+
+    @property
+    @abc.abstractmethod
+    def model_name(self) -> str:
+        """The served model's name, as results report it."""
+
+    @property
+    @abc.abstractmethod
+    def max_model_len(self) -> int:
+        """Longest prompt + completion, in tokens."""
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Make the transport ready (load or connect); idempotent."""
+
+    @abc.abstractmethod
+    def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str | list[int]:
+        """The prompt for ``messages`` under the model's chat template."""
+
+    @abc.abstractmethod
+    def generate(self, request: EngineRequest) -> AsyncIterator[TransportOutput]:
+        """Run ``request``, yielding deltas; closing the iterator early aborts the request.
+
+        Raises:
+            InvalidRequestError: bad sampling knobs or a prompt the engine cannot serve.
+            OverloadedError: the admission queue is full.
+            EngineFailure: the engine failed while serving.
+        """
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """Stop a running request and free its blocks; unknown ids are a no-op."""
+
+    @abc.abstractmethod
+    async def pin_prefix(self, prompt: str | list[int], cache_salt: str | None = None) -> PrefixPin:
+        """Compute and keep resident the KV blocks of ``prompt``."""
+
+    @abc.abstractmethod
+    async def unpin_prefix(self, pin_id: str) -> None:
+        """Release a pin; its blocks stay cached (evictable) until their space is needed."""
+
+    @abc.abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """The engine's figures (keys as ``engine.AsyncEngine.stats()``)."""
+
+
+class InProcessTransport(Transport):
+    """Runs requests on an ``engine.AsyncEngine`` of this process.
+
+    Args:
+        engine: the engine to drive; when None, the process-wide engine for ``model`` and
+            ``engine_config`` is created on ``start()`` (or reused if another client made it).
+        model: HF directory or ``.gguf`` path; None = the bundled model.
+        **engine_config: ``engine.EngineConfig`` fields.
+    """
+
+    def __init__(self, engine: AsyncEngine | None = None, model: str | None = None, **engine_config: Any) -> None:
+        self._engine = engine
+        self._model = model
+        self._engine_config = engine_config
+
+    @property
+    def engine(self) -> AsyncEngine:
+        if self._engine is None:
+            raise RuntimeError("transport not started: await start() first")
+        return self._engine
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    async def start(self) -> None:
+        if self._engine is None:
+            # NOTE: loading weights blocks for seconds; it runs off the event loop.
+            self._engine = await asyncio.to_thread(shared_engine, self._model, **self._engine_config)
+
+    def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        return render_chat(self.engine.tokenizer, messages, add_generation_prompt)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[TransportOutput]:
+        from engine.sampling_params import SamplingParams
+        from engine.errors import EngineError, EngineOverloaded, RequestRejected
+
+        try:
+            params = SamplingParams(**request.sampling)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequestError(str(exc)) from exc
+        num_text = num_tokens = 0
+        stream = None
+        try:
+            stream = self.engine.generate(
+                request.prompt, params, request_id=request.request_id, priority=request.priority,
+                cache_salt=request.cache_salt,
+            )  # fmt: skip
+            async for out in stream:
+                completion = out.outputs[0]
+                delta = TransportOutput(
+                    text=completion.text[num_text:],
+                    token_ids=completion.token_ids[num_tokens:],
+                    finish_reason=completion.finish_reason if out.finished else None,
+                    prompt_token_ids=out.prompt_token_ids,
+                    num_cached_tokens=out.num_cached_tokens,
+                )
+                num_text, num_tokens = len(completion.text), len(completion.token_ids)
+                yield delta
+        except RequestRejected as exc:
+            raise InvalidRequestError(str(exc)) from exc
+        except EngineOverloaded as exc:
+            raise OverloadedError(str(exc)) from exc
+        except EngineError as exc:
+            raise EngineFailure(str(exc)) from exc
+        finally:
+            if stream is not None:
+                await stream.aclose()
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    async def pin_prefix(self, prompt: str | list[int], cache_salt: str | None = None) -> PrefixPin:
+        from engine.errors import RequestRejected
+
+        token_ids = prompt if isinstance(prompt, list) else self.engine.tokenizer.encode(prompt, add_special_tokens=False)
+        try:
+            pinned = await self.engine.pin_prefix(token_ids, cache_salt=cache_salt)
+        except RequestRejected as exc:
+            raise InvalidRequestError(str(exc)) from exc
+        return PrefixPin(str(pinned.pin_id), list(token_ids), pinned.num_cached_tokens)
+
+    async def unpin_prefix(self, pin_id: str) -> None:
+        await self.engine.unpin_prefix(pin_id)
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+
+# --- the process-wide engines -------------------------------------------------------------
+
+_engines: dict[tuple[str | None, tuple[tuple[str, Any], ...]], AsyncEngine] = {}
+_engines_lock = threading.Lock()
+
+
+def shared_engine(model: str | None = None, **engine_config: Any) -> AsyncEngine:
+    """The process's engine for (model, config), created on first use and shut down at exit.
+
+    Blocks while the model loads; call it from a thread (``asyncio.to_thread``) in async code.
+    """
+    key = (None if model is None else str(model), tuple(sorted(engine_config.items())))
+    with _engines_lock:
+        engine = _engines.get(key)
+        if engine is None:
+            from engine import AsyncEngine
+
+            engine = AsyncEngine(model, **engine_config)
+            _engines[key] = engine
+        return engine
+
+
+def shutdown_engines() -> None:
+    """Shut every shared engine down (registered with ``atexit``); later requests start new ones."""
+    with _engines_lock:
+        engines = list(_engines.values())
+        _engines.clear()
+    for engine in engines:
+        try:
+            asyncio.run(engine.shutdown())
+        except Exception:
+            logger.exception("engine shutdown failed")
+
+
+atexit.register(shutdown_engines)

@@ -1,0 +1,240 @@
+"""The aiohttp application: ``create_app()`` wires auth, errors, routes and the engine's lifetime.
+
+Lifecycle::
+
+    starting --(engine loaded)--> serving --(shutdown: SIGTERM)--> draining --> stopped
+         \\--(load failed)--> dead            (engine died) --> dead
+
+``/health`` answers 200 only while serving. On shutdown the server stops admitting (503),
+lets in-flight requests finish for ``drain_timeout`` seconds, then aborts the rest; every
+request still gets a terminal answer (an error body, or a final SSE event and ``[DONE]``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import hashlib
+import hmac
+import logging
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from integrations.openai_server import routes
+from integrations.openai_server.errors import ApiError, error_middleware
+from integrations.openai_server.metrics import EngineCollector, ServerMetrics
+from integrations.openai_server.serving import Serving
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CLIENT_MAX_SIZE = 4 << 20  # bytes of request body
+DEFAULT_DRAIN_TIMEOUT = 30.0  # seconds
+
+
+class Phase(enum.Enum):
+    STARTING = "starting"
+    SERVING = "serving"
+    DRAINING = "draining"
+    DEAD = "dead"
+
+
+@dataclass(eq=False)
+class ServerState:
+    """What the handlers share: the phase, the serving glue, API keys and the in-flight registry."""
+
+    api_keys: dict[str, str]  # key -> tenant id (a configured name or a short hash, never the key)
+    drain_timeout: float
+    phase: Phase = Phase.STARTING
+    serving: Serving | None = None
+    collector: EngineCollector = field(default_factory=EngineCollector)
+    metrics: ServerMetrics = field(init=False)
+    # request id -> (set when shutdown aborts it, its handler task)
+    in_flight: dict[str, tuple[asyncio.Event, asyncio.Task]] = field(default_factory=dict)
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.metrics = ServerMetrics(self.collector)
+        self.idle.set()
+
+    def is_healthy(self) -> bool:
+        if self.phase is Phase.SERVING and self.serving is not None and not self.serving.is_running():
+            self.phase = Phase.DEAD
+        return self.phase is Phase.SERVING
+
+    def tenant_for(self, authorization: str | None) -> str | None:
+        """The tenant id of a valid ``Authorization: Bearer <key>`` header; None when invalid."""
+        if not self.api_keys:
+            return "anonymous"
+        token = ""
+        if authorization and authorization[:7].lower() == "bearer ":
+            token = authorization[7:].strip()
+        found = None
+        # NOTE: compare against every key, so timing does not tell which key almost matched.
+        for key, tenant in self.api_keys.items():
+            if hmac.compare_digest(token.encode(), key.encode()):
+                found = tenant
+        return found
+
+    @contextlib.contextmanager
+    def track(self, request_id: str, task: asyncio.Task) -> Iterator[asyncio.Event]:
+        """Register an in-flight request; yields the event set when shutdown aborts it."""
+        event = asyncio.Event()
+        self.in_flight[request_id] = (event, task)
+        self.idle.clear()
+        try:
+            yield event
+        finally:
+            del self.in_flight[request_id]
+            if not self.in_flight:
+                self.idle.set()
+
+
+STATE = web.AppKey("paged_state", ServerState)
+TENANT = web.RequestKey("paged_tenant", str)
+
+
+def key_id(key: str) -> str:
+    """A tenant id for an unnamed API key: a short hash, safe to log and audit."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def _parse_keys(api_key: str | Sequence[str] | Mapping[str, str] | None) -> dict[str, str]:
+    if api_key is None:
+        return {}
+    if isinstance(api_key, str):
+        api_key = [api_key]
+    if isinstance(api_key, Mapping):
+        pairs = [(key, name) for name, key in api_key.items()]
+    else:
+        pairs = [(key, key_id(key)) for key in api_key]
+    keys = {}
+    for key, tenant in pairs:
+        if not key:
+            raise ValueError("api_key must not be empty")
+        keys[key] = tenant
+    return keys
+
+
+def create_app(
+    model: str | None = None,
+    *,
+    api_key: str | Sequence[str] | Mapping[str, str] | None = None,
+    served_model_name: str | None = None,
+    hooks: Sequence[Any] = (),
+    client_max_size: int = DEFAULT_CLIENT_MAX_SIZE,
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
+    serving_factory: Callable[[], Serving] | None = None,
+    **engine_config: Any,
+) -> web.Application:
+    """Build the OpenAI-compatible application; the engine starts with the app and stops with it.
+
+    Args:
+        model: HF directory or ``.gguf`` path; None serves the bundled SmolLM2.
+        api_key: one key, several, or ``{tenant_name: key}``; None disables auth. Tenants
+            (what the SDK hooks and audit see) are the names, or a short hash of each key.
+        served_model_name: the ``model`` id clients use; defaults to the engine's model name.
+        hooks: SDK hooks run on every request (``sdk.hooks.Hook`` instances).
+        client_max_size: largest accepted request body in bytes (larger ones get 413).
+        drain_timeout: seconds in-flight requests get to finish on shutdown before abort.
+        serving_factory: builds the serving glue (tests inject one over a prepared engine);
+            by default an in-process engine is built from ``model`` and ``engine_config``.
+        **engine_config: ``EngineConfig`` fields (block_size, num_blocks, max_num_seqs, ...).
+
+    Returns:
+        The application; run it with ``web.run_app`` or an ``AppRunner``.
+    """
+    state = ServerState(api_keys=_parse_keys(api_key), drain_timeout=drain_timeout)
+    app = web.Application(
+        client_max_size=client_max_size,
+        middlewares=[_count_middleware, error_middleware, _auth_middleware],
+    )
+    app[STATE] = state
+    routes.add_routes(app)
+
+    def default_factory() -> Serving:
+        return Serving.create(
+            model, served_model_name=served_model_name, hooks=hooks, **engine_config
+        )
+
+    factory = serving_factory or default_factory
+
+    async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
+        load = asyncio.create_task(_load(state, factory))
+        yield
+        state.phase = Phase.DRAINING
+        if not load.done():
+            load.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await load
+        if state.serving is not None:
+            await state.serving.close()
+
+    app.cleanup_ctx.append(engine_ctx)
+    app.on_shutdown.append(_drain)
+    return app
+
+
+async def _load(state: ServerState, factory: Callable[[], Serving]) -> None:
+    try:
+        # NOTE: loading weights blocks; a thread keeps /health answering "starting" meanwhile.
+        serving = await asyncio.to_thread(factory)
+        await serving.start()
+    except Exception:
+        logger.exception("engine failed to start")
+        state.phase = Phase.DEAD
+        return
+    state.serving = serving
+    state.collector.bind(serving.stats)
+    if state.phase is Phase.STARTING:
+        state.phase = Phase.SERVING
+        logger.info("serving %s", serving.model_name)
+
+
+async def _drain(app: web.Application) -> None:
+    """Stop admitting, wait for in-flight requests up to the drain timeout, then abort the rest."""
+    state = app[STATE]
+    state.phase = Phase.DRAINING
+    if not state.in_flight:
+        return
+    logger.info("draining %d in-flight requests", len(state.in_flight))
+    try:
+        await asyncio.wait_for(state.idle.wait(), state.drain_timeout)
+        return
+    except asyncio.TimeoutError:
+        pass
+    logger.warning("drain timeout: aborting %d requests", len(state.in_flight))
+    for event, task in list(state.in_flight.values()):
+        # NOTE: the handler sees the event, aborts its engine request and answers 503 / a final event.
+        event.set()
+        task.cancel()
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(state.idle.wait(), 5.0)
+
+
+_PUBLIC = frozenset({"/health"})
+
+
+@web.middleware
+async def _count_middleware(request: web.Request, handler) -> web.StreamResponse:
+    response = await handler(request)
+    resource = request.match_info.route.resource
+    route = resource.canonical if resource is not None else "unmatched"
+    request.app[STATE].metrics.http_requests.labels(route, str(response.status)).inc()
+    return response
+
+
+@web.middleware
+async def _auth_middleware(request: web.Request, handler) -> web.StreamResponse:
+    state = request.app[STATE]
+    if request.path not in _PUBLIC:
+        tenant = state.tenant_for(request.headers.get("Authorization"))
+        if tenant is None:
+            raise ApiError(
+                401, "missing or invalid API key", code="invalid_api_key"
+            )
+        request[TENANT] = tenant
+    return await handler(request)

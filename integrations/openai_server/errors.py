@@ -1,0 +1,92 @@
+"""OpenAI-style error bodies, and the mapping from every failure the server sees to one of them."""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from integrations.openai_server.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+class ApiError(Exception):
+    """A failure with an HTTP status and an OpenAI error body; raised by handlers, rendered by the middleware."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(
+            error=ErrorInfo(
+                message=self.message,
+                type=_TYPES.get(self.status, "invalid_request_error"),
+                param=self.param,
+                code=self.code,
+            )
+        )
+
+    def response(self) -> web.Response:
+        return web.json_response(
+            self.body().model_dump(), status=self.status, headers=self.headers
+        )
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def from_validation(exc: ValidationError) -> ApiError:
+    """The first pydantic error as a 400 naming the offending field (no input values echoed)."""
+    first = exc.errors(include_url=False, include_input=False)[0]
+    param = ".".join(str(p) for p in first["loc"]) or None
+    return bad_request(f"{param}: {first['msg']}" if param else first["msg"], param=param)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """Render every failure as an OpenAI error body; never a stack trace."""
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return exc.response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = exc.reason
+        if exc.status == 413:
+            message = f"request body too large (limit {request.app._client_max_size} bytes)"
+        return ApiError(exc.status, message, code=_http_code(exc.status)).response()
+    except Exception:
+        logger.exception("unhandled error on %s %s", request.method, request.path)
+        return ApiError(500, "internal server error", code="internal_error").response()
+
+
+def _http_code(status: int) -> str | None:
+    return {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(status)

@@ -1,0 +1,111 @@
+"""``/metrics``: the engine's ``stats()`` in Prometheus text format, read at scrape time.
+
+Names are ``paged_`` + the ``Engine.stats()`` key; monotonic figures are counters (the
+exposition adds ``_total``), the rest gauges, ``ttft_seconds`` / ``itl_seconds``
+histograms. Two derived gauges: ``paged_kv_cache_usage`` (used / total blocks) and
+``paged_prefix_cache_hit_rate`` (hit tokens / queried tokens). The server adds its own
+``paged_http_requests_total{route,status}``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+PREFIX = "paged_"
+
+GAUGES = {
+    "num_requests_running": "Requests running in the current batch.",
+    "num_requests_waiting": "Requests waiting for admission into the batch.",
+    "kv_blocks_total": "KV cache blocks in the pool.",
+    "kv_blocks_used": "KV cache blocks referenced by running requests.",
+    "kv_blocks_cached": "Free KV cache blocks that still hold a reusable prefix.",
+}
+COUNTERS = {
+    "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
+    "prefix_cache_hits": "Prompt tokens served from the prefix cache.",
+    "prompt_tokens_computed": "Prompt tokens run through the model.",
+    "generation_tokens": "Tokens generated.",
+    "num_preemptions": "Requests preempted for lack of KV blocks.",
+}
+HISTOGRAMS = {
+    "ttft_seconds": "Time to first token.",
+    "itl_seconds": "Inter-token latency.",
+}
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class EngineCollector(Collector):
+    """A collector over a ``stats()`` callable; reports nothing until one is bound."""
+
+    def __init__(self) -> None:
+        self._stats: Callable[[], Mapping[str, Any]] | None = None
+
+    def bind(self, stats: Callable[[], Mapping[str, Any]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Any]:
+        if self._stats is None:
+            return
+        stats = self._stats()
+        for key, doc in GAUGES.items():
+            if key in stats:
+                yield GaugeMetricFamily(PREFIX + key, doc, value=float(stats[key]))
+        for key, doc in COUNTERS.items():
+            if key in stats:
+                yield CounterMetricFamily(PREFIX + key, doc, value=float(stats[key]))
+        total, used = stats.get("kv_blocks_total"), stats.get("kv_blocks_used")
+        if total:
+            yield GaugeMetricFamily(
+                PREFIX + "kv_cache_usage", "Fraction of KV blocks in use.", value=used / total
+            )
+        queries, hits = stats.get("prefix_cache_queries"), stats.get("prefix_cache_hits")
+        if queries is not None and hits is not None:
+            yield GaugeMetricFamily(
+                PREFIX + "prefix_cache_hit_rate",
+                "Prompt tokens served from the prefix cache / prompt tokens queried.",
+                value=hits / queries if queries else 0.0,
+            )
+        for key, doc in HISTOGRAMS.items():
+            if key in stats:
+                buckets, _, total_sum = histogram_parts(stats[key])
+                yield HistogramMetricFamily(
+                    PREFIX + key, doc, buckets=buckets, sum_value=total_sum
+                )
+
+
+def histogram_parts(hist: Any) -> tuple[list[tuple[str, float]], float, float]:
+    """Cumulative ``(le, count)`` buckets ending in ``+Inf``, the count and the sum of a histogram.
+
+    Takes ``engine.metrics.Histogram`` or its ``snapshot()`` dict (cumulative ``[le, count]``
+    pairs under ``buckets``).
+    """
+    if hasattr(hist, "snapshot"):
+        hist = hist.snapshot()
+    count = float(hist["count"])
+    buckets = [(repr(float(le)), float(c)) for le, c in hist["buckets"] if not math.isinf(le)]
+    buckets.append(("+Inf", count))
+    return buckets, count, float(hist["sum"])
+
+
+class ServerMetrics:
+    """The server's own registry: the engine collector plus HTTP request counts."""
+
+    def __init__(self, collector: EngineCollector) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(collector)
+        self.http_requests = Counter(
+            PREFIX + "http_requests",
+            "HTTP requests answered, by route and status code.",
+            ["route", "status"],
+            registry=self.registry,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,419 @@
+"""Route handlers: OpenAI request bodies in, SDK calls, OpenAI response bodies (or SSE) out."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from integrations.openai_server import protocol as p
+from integrations.openai_server.errors import ApiError, bad_request, from_validation
+from integrations.openai_server.metrics import CONTENT_TYPE
+from integrations.openai_server.serving import Chunk, Serving, TokenInfo
+from integrations.openai_server.sse import EventStream
+from sdk.errors import ContentBlocked, OverloadedError, PagedError
+from sdk.types import SAMPLING_FIELDS, ChatMessage
+
+if TYPE_CHECKING:
+    from integrations.openai_server.app import ServerState
+
+DISCONNECT_POLL = 0.2  # seconds between checks that the client is still connected
+RETRY_AFTER = "1"  # seconds, on 429 and 503
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+
+
+def _state(request: web.Request) -> ServerState:
+    from integrations.openai_server.app import STATE
+
+    return request.app[STATE]
+
+
+def _tenant(request: web.Request) -> str:
+    from integrations.openai_server.app import TENANT
+
+    return request[TENANT]
+
+
+def _serving(state: ServerState) -> Serving:
+    """The serving glue, or a 503 while starting, draining or dead."""
+    if not state.is_healthy() or state.serving is None:
+        raise ApiError(
+            503,
+            f"server is {state.phase.value}",
+            code=f"server_{state.phase.value}",
+            headers={"Retry-After": RETRY_AFTER},
+        )
+    return state.serving
+
+
+async def health(request: web.Request) -> web.Response:
+    state = _state(request)
+    status = 200 if state.is_healthy() else 503
+    return web.json_response({"status": state.phase.value}, status=status)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = _state(request).metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def models(request: web.Request) -> web.Response:
+    serving = _serving(_state(request))
+    card = p.ModelCard(id=serving.model_name, max_model_len=serving.max_model_len)
+    return _json(p.ModelList(data=[card]))
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = _state(request)
+    serving = _serving(state)
+    body = await _parse(request, p.ChatCompletionRequest)
+    _check_common(body, serving)
+    messages = []
+    for i, m in enumerate(body.messages):
+        try:
+            role = "system" if m.role == "developer" else m.role
+            messages.append(ChatMessage(role=role, content=m.text(), name=m.name))
+        except (ValueError, ValidationError) as exc:
+            raise bad_request(str(exc), param=f"messages.{i}.content") from exc
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    run = _Run(request, state, serving, body, "chatcmpl", logprobs)
+    return await run.execute(messages=messages, options=_options(body, max_tokens))
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = _state(request)
+    serving = _serving(state)
+    body = await _parse(request, p.CompletionRequest)
+    _check_common(body, serving)
+    prompts = body.prompts()
+    if not prompts or any(len(x) == 0 for x in prompts):
+        raise bad_request("prompt must not be empty", param="prompt")
+    run = _Run(request, state, serving, body, "cmpl", body.logprobs)
+    return await run.execute(prompts=prompts, options=_options(body, body.max_tokens))
+
+
+async def _parse(request: web.Request, model: type[p._SamplingFields]) -> Any:
+    raw = await request.read()  # NOTE: raises 413 past client_max_size
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"request body is not valid JSON: {exc.msg if hasattr(exc, 'msg') else exc}")
+    if not isinstance(data, dict):
+        raise bad_request("request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation(exc) from None
+
+
+def _check_common(body: Any, serving: Serving) -> None:
+    if (field := body.unsupported()) is not None:
+        raise bad_request(f"{field} is not supported by this server", param=field)
+    if body.model is not None and body.model != serving.model_name:
+        raise ApiError(
+            404, f"the model {body.model!r} does not exist", param="model", code="model_not_found"
+        )
+
+
+def _options(body: p._SamplingFields, max_tokens: int | None) -> dict[str, Any]:
+    options = {name: getattr(body, name, None) for name in SAMPLING_FIELDS}
+    options.update(max_tokens=max_tokens, stop=body.stop_list() or None)
+    options = {k: v for k, v in options.items() if v is not None}
+    options.update(priority=body.priority, cache_salt=body.cache_salt)
+    return options
+
+
+def _api_error(exc: PagedError) -> ApiError:
+    """The HTTP answer to an SDK error; messages are the SDK's, never a traceback."""
+    message = str(exc)
+    if isinstance(exc, OverloadedError):
+        return ApiError(429, message, code="overloaded", headers={"Retry-After": RETRY_AFTER})
+    if isinstance(exc, ContentBlocked):
+        return ApiError(400, f"blocked by a content filter: {exc.reason}", code="content_filter")
+    if exc.status_code == 400:
+        first = message.split(" ", 1)[0]
+        param = first if first in SAMPLING_FIELDS or first in ("n", "logprobs", "prompt") else None
+        return ApiError(400, message, param=param)
+    if exc.status_code == 408:
+        return ApiError(408, message, code="timeout")
+    return ApiError(500, "the engine failed to serve the request", code="engine_error")
+
+
+def _json(model: BaseModel, status: int = 200) -> web.Response:
+    return web.Response(
+        text=model.model_dump_json(exclude_none=True), status=status, content_type="application/json"
+    )
+
+
+@contextlib.contextmanager
+def _cancel_on_disconnect(request: web.Request, task: asyncio.Task) -> Iterator[None]:
+    """Cancel the handler when its client goes away, whatever the runner's handler_cancellation."""
+
+    async def watch() -> None:
+        while (transport := request.transport) is not None and not transport.is_closing():
+            await asyncio.sleep(DISCONNECT_POLL)
+        task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        yield
+    finally:
+        watcher.cancel()
+
+
+class _Run:
+    """One chat or completion request from admission to its terminal answer."""
+
+    def __init__(
+        self,
+        request: web.Request,
+        state: ServerState,
+        serving: Serving,
+        body: Any,
+        id_prefix: str,
+        logprobs: int | None,
+    ) -> None:
+        self.request = request
+        self.state = state
+        self.serving = serving
+        self.body = body
+        self.is_chat = id_prefix == "chatcmpl"
+        self.request_id = p.random_id(id_prefix)
+        self.logprobs = logprobs
+        self.created = p.now()
+        self.events = EventStream(request)
+
+    async def execute(self, **inputs: Any) -> web.StreamResponse:
+        task = asyncio.current_task()
+        assert task is not None
+        with self.state.track(self.request_id, task) as shutdown, _cancel_on_disconnect(self.request, task):
+            try:
+                return await self._execute(inputs)
+            except asyncio.CancelledError:
+                if not shutdown.is_set():
+                    raise  # the client went away: nothing to answer
+                task.uncancel()
+                return await self._shutdown_answer()
+
+    async def _execute(self, inputs: dict[str, Any]) -> web.StreamResponse:
+        try:
+            stream = await self.serving.open(
+                _tenant(self.request),
+                self.request_id,
+                n=self.body.n,
+                logprobs=self.logprobs,
+                **inputs,
+            )
+        except PagedError as exc:
+            raise _api_error(exc) from None
+        async with contextlib.aclosing(stream):
+            try:
+                if self.body.stream:
+                    return await self._stream(stream)
+                return await self._collect(stream)
+            except PagedError as exc:
+                error = _api_error(exc)
+                if not self.events.started:
+                    raise error from None
+                await self.events.send(error.body())
+                return await self.events.done()
+
+    async def _shutdown_answer(self) -> web.StreamResponse:
+        error = ApiError(503, "the server shut down before the request finished", code="shutdown")
+        if not self.events.started:
+            return error.response()
+        with contextlib.suppress(ConnectionError):
+            await self.events.send(error.body())
+            await self.events.done()
+        return self.events._response  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------ non-streaming
+
+    async def _collect(self, stream: AsyncIterator[Chunk]) -> web.Response:
+        choices: dict[int, list[Chunk]] = {}
+        async for chunk in stream:
+            choices.setdefault(chunk.index, []).append(chunk)
+        usage = _usage(self.body.n, [c[-1] for c in choices.values()])
+        ordered = [choices[i] for i in sorted(choices)]
+        want_ids = self.body.return_token_ids
+        if self.is_chat:
+            chat = p.ChatCompletionResponse(
+                id=self.request_id,
+                created=self.created,
+                model=self.serving.model_name,
+                choices=[
+                    p.ChatChoice(
+                        index=c[0].index,
+                        message=p.ChatMessage(content="".join(x.text for x in c)),
+                        logprobs=self._chat_logprobs(c),
+                        finish_reason=c[-1].finish_reason,
+                        token_ids=_ids(c) if want_ids else None,
+                    )
+                    for c in ordered
+                ],
+                usage=usage,
+                prompt_token_ids=list(ordered[0][-1].prompt_token_ids or ()) if want_ids else None,
+            )
+            return _json(chat)
+        completion = p.CompletionResponse(
+            id=self.request_id,
+            created=self.created,
+            model=self.serving.model_name,
+            choices=[
+                p.CompletionChoice(
+                    index=c[0].index,
+                    text="".join(x.text for x in c),
+                    logprobs=self._completion_logprobs(c),
+                    finish_reason=c[-1].finish_reason,
+                    token_ids=_ids(c) if want_ids else None,
+                    prompt_token_ids=list(c[-1].prompt_token_ids or ()) if want_ids else None,
+                )
+                for c in ordered
+            ],
+            usage=usage,
+        )
+        return _json(completion)
+
+    # ------------------------------------------------------------------ streaming
+
+    async def _stream(self, stream: AsyncIterator[Chunk]) -> web.StreamResponse:
+        started: set[int] = set()
+        finals: list[Chunk] = []
+        want_ids = self.body.return_token_ids
+        first = True
+        async for chunk in stream:
+            prompt_ids = None
+            if want_ids and (first or not self.is_chat):
+                prompt_ids = list(chunk.prompt_token_ids or ())
+            first = False
+            if self.is_chat and chunk.index not in started:
+                started.add(chunk.index)
+                await self.events.send(self._chat_chunk(chunk.index, p.DeltaMessage(role="assistant", content="")))
+            if chunk.text or chunk.token_ids or chunk.finish_reason is not None:
+                await self.events.send(self._event(chunk, prompt_ids))
+            if chunk.finish_reason is not None:
+                finals.append(chunk)
+        if self.body.include_usage():
+            usage = _usage(self.body.n, finals)
+            if self.is_chat:
+                event: BaseModel = p.ChatCompletionChunk(
+                    id=self.request_id, created=self.created, model=self.serving.model_name,
+                    choices=[], usage=usage,
+                )  # fmt: skip
+            else:
+                event = p.CompletionResponse(
+                    id=self.request_id, created=self.created, model=self.serving.model_name,
+                    choices=[], usage=usage,
+                )  # fmt: skip
+            await self.events.send(event)
+        return await self.events.done()
+
+    def _event(self, chunk: Chunk, prompt_ids: list[int] | None) -> BaseModel:
+        ids = chunk.token_ids if self.body.return_token_ids else None
+        if self.is_chat:
+            event = self._chat_chunk(
+                chunk.index,
+                p.DeltaMessage(content=chunk.text) if chunk.text else p.DeltaMessage(),
+                logprobs=self._chat_logprobs([chunk]),
+                finish_reason=chunk.finish_reason,
+                token_ids=ids,
+            )
+            event.prompt_token_ids = prompt_ids
+            return event
+        return p.CompletionResponse(
+            id=self.request_id,
+            created=self.created,
+            model=self.serving.model_name,
+            choices=[
+                p.CompletionChoice(
+                    index=chunk.index,
+                    text=chunk.text,
+                    logprobs=self._completion_logprobs([chunk]),
+                    finish_reason=chunk.finish_reason,
+                    token_ids=ids,
+                    prompt_token_ids=prompt_ids,
+                )
+            ],
+        )
+
+    def _chat_chunk(self, index: int, delta: p.DeltaMessage, **choice: Any) -> p.ChatCompletionChunk:
+        return p.ChatCompletionChunk(
+            id=self.request_id,
+            created=self.created,
+            model=self.serving.model_name,
+            choices=[p.ChatChunkChoice(index=index, delta=delta, **choice)],
+        )
+
+    # ------------------------------------------------------------------ logprobs
+
+    def _chat_logprobs(self, chunks: list[Chunk]) -> p.ChatLogprobs | None:
+        infos = _infos(chunks) if self.logprobs is not None else None
+        if infos is None:
+            return None
+        return p.ChatLogprobs(
+            content=[
+                p.TokenLogprob(
+                    token=t.token,
+                    logprob=t.logprob,
+                    bytes=list(t.token.encode()),
+                    top_logprobs=[
+                        p.TopLogprob(token=s, logprob=lp, bytes=list(s.encode())) for s, lp in t.top
+                    ],
+                )
+                for t in infos
+            ]
+        )
+
+    def _completion_logprobs(self, chunks: list[Chunk]) -> p.CompletionLogprobs | None:
+        infos = _infos(chunks) if self.logprobs is not None else None
+        if infos is None:
+            return None
+        offsets, offset = [], 0
+        for t in infos:
+            offsets.append(offset)
+            offset += len(t.token)
+        return p.CompletionLogprobs(
+            tokens=[t.token for t in infos],
+            token_logprobs=[t.logprob for t in infos],
+            top_logprobs=[dict(t.top) for t in infos],
+            text_offset=offsets,
+        )
+
+
+def _infos(chunks: list[Chunk]) -> list[TokenInfo]:
+    return [info for c in chunks for info in (c.logprobs or ())]
+
+
+def _ids(chunks: list[Chunk]) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]
+
+
+def _usage(n: int, finals: list[Chunk]) -> p.Usage:
+    """Usage over every choice: each prompt counted once, completions summed."""
+    prompt = cached = completion = 0
+    for chunk in finals:
+        if chunk.usage is None:
+            continue
+        completion += chunk.usage.completion_tokens
+        if chunk.index % n == 0:
+            prompt += chunk.usage.prompt_tokens
+            cached += chunk.usage.cached_tokens
+    return p.Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details={"cached_tokens": cached},
+    )

@@ -1,0 +1,48 @@
+"""Server-sent events: the framing OpenAI streaming uses (``data: {json}`` ... ``data: [DONE]``)."""
+
+from __future__ import annotations
+
+from aiohttp import web
+from pydantic import BaseModel
+
+DONE = b"data: [DONE]\n\n"
+
+
+def encode(event: BaseModel) -> bytes:
+    return b"data: " + event.model_dump_json(exclude_unset=False).encode() + b"\n\n"
+
+
+class EventStream:
+    """One SSE response: prepared lazily, so errors raised before the first event still get a JSON body."""
+
+    def __init__(self, request: web.Request) -> None:
+        self._request = request
+        self._response: web.StreamResponse | None = None
+
+    @property
+    def started(self) -> bool:
+        return self._response is not None
+
+    async def send(self, event: BaseModel) -> None:
+        await self._write(encode(event))
+
+    async def done(self) -> web.StreamResponse:
+        await self._write(DONE)
+        assert self._response is not None
+        await self._response.write_eof()
+        return self._response
+
+    async def _write(self, data: bytes) -> None:
+        if self._response is None:
+            response = web.StreamResponse(
+                headers={
+                    "Content-Type": "text/event-stream",
+                    "Cache-Control": "no-cache",
+                    "X-Accel-Buffering": "no",
+                }
+            )
+            await response.prepare(self._request)
+            self._response = response
+        # NOTE: a write to a closed connection raises (ClientConnectionResetError), which
+        # unwinds the handler and aborts the request in the engine.
+        await self._response.write(data)

@@ -1,0 +1,80 @@
+"""A scripted stand-in for ``engine.AsyncEngine``: the same interface, deterministic tokens, fault switches.
+
+The real engine serves most server tests; this one makes the rare paths (overload, an engine
+fault mid-stream, a slow queue) exact and instant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from engine.errors import EngineError, EngineOverloaded, RequestRejected
+from engine.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+class FakeEngine:
+    """Emits ``params.max_tokens`` copies of the token " ok" (one per ``delay`` seconds).
+
+    Args:
+        tokenizer: a real tokenizer (chat templates and prompt lengths are real).
+        delay: seconds per generated token.
+        overloaded: every ``generate`` raises ``EngineOverloaded``.
+        fail_after: raise ``EngineError`` after this many tokens.
+    """
+
+    model_name = "fake-model"
+    max_model_len = 256
+
+    def __init__(self, tokenizer: Any, *, delay: float = 0.0, overloaded: bool = False, fail_after: int | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.delay = delay
+        self.overloaded = overloaded
+        self.fail_after = fail_after
+        self.running: dict[str, asyncio.Event] = {}
+        self.num_finished = 0
+        self.is_running = True
+        self.token_id = tokenizer.encode(" ok", add_special_tokens=False)[0]
+
+    async def generate(self, prompt: Any, params: Any, request_id: str | None = None, priority: int = 0, cache_salt: str | None = None):
+        ids = list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt, add_special_tokens=False)
+        if not ids or len(ids) >= self.max_model_len:
+            raise RequestRejected(f"prompt of {len(ids)} tokens does not fit max_model_len {self.max_model_len}")
+        if self.overloaded:
+            raise EngineOverloaded("admission queue is full (max_queued_requests)")
+        aborted = self.running[request_id] = asyncio.Event()
+        tokens: list[int] = []
+        logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        try:
+            for i in range(params.max_tokens):
+                if self.delay:
+                    await asyncio.sleep(self.delay)
+                if aborted.is_set():
+                    yield self._output(request_id, ids, tokens, logprobs, "abort")
+                    return
+                if self.fail_after is not None and i >= self.fail_after:
+                    raise EngineError("the step failed")
+                tokens.append(self.token_id)
+                if logprobs is not None:
+                    top = {self.token_id: Logprob(-0.5, 1, " ok"), 0: Logprob(-1.5, 2, "<x>")}
+                    logprobs.append(dict(list(top.items())[: max(params.logprobs, 1)]))
+                finish = "length" if i == params.max_tokens - 1 else None
+                yield self._output(request_id, ids, tokens, logprobs, finish)
+        finally:
+            del self.running[request_id]
+            self.num_finished += 1
+
+    def _output(self, request_id: str, ids: list[int], tokens: list[int], logprobs: Any, finish: str | None) -> RequestOutput:
+        text = " ok" * len(tokens)
+        completion = CompletionOutput(0, text, list(tokens), finish, list(logprobs) if logprobs is not None else None)
+        return RequestOutput(request_id, ids, [completion], finish is not None, num_cached_tokens=0)
+
+    async def abort(self, request_id: str) -> None:
+        if request_id in self.running:
+            self.running[request_id].set()
+
+    def stats(self) -> dict[str, Any]:
+        return {"num_requests_running": len(self.running), "num_requests_waiting": 0, "kv_blocks_total": 8, "kv_blocks_used": len(self.running)}
+
+    async def shutdown(self) -> None:
+        self.is_running = False

@@ -1,0 +1,168 @@
+"""Error paths of the HTTP server over a scripted engine: status codes, OpenAI error bodies, clients' exception classes."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from integrations.openai_server.app import create_app
+from integrations.openai_server.serving import Serving
+from tests.integrations.fake_engine import FakeEngine
+
+KEY = "sk-test-key"
+
+
+@pytest.fixture
+def make_server(live_server, tokenizer):
+    """``make_server(**engine_kwargs, **app_kwargs)`` -> (LiveServer, FakeEngine)."""
+
+    def make(api_key: str | None = KEY, client_max_size: int = 1 << 20, **engine_kwargs):
+        engine = FakeEngine(tokenizer, **engine_kwargs)
+        app = create_app(api_key=api_key, client_max_size=client_max_size, serving_factory=lambda: Serving(engine))
+        return live_server(app), engine
+
+    return make
+
+
+def _client(server, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key=key, max_retries=0, timeout=10)
+
+
+def _raw(server, path: str, body: bytes | None = None, headers: dict | None = None) -> tuple[int, dict, dict]:
+    request = urllib.request.Request(server.root + path, data=body, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            return resp.status, dict(resp.headers), json.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as err:
+        return err.code, dict(err.headers), json.loads(err.read())
+
+
+def test_chat_roundtrip_through_fake_engine(make_server):
+    """A chat completion returns the engine's text, finish reason and usage in the OpenAI shape."""
+    server, _ = make_server()
+    out = _client(server).chat.completions.create(
+        model="fake-model", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+    )
+    assert out.choices[0].message.content == " ok ok ok"
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 3 and out.usage.prompt_tokens > 0
+
+
+def test_missing_or_wrong_key_is_401_except_health(make_server):
+    """Every route but /health needs the key; a wrong one maps to the client's AuthenticationError."""
+    server, _ = make_server()
+    with pytest.raises(openai.AuthenticationError) as err:
+        _client(server, key="sk-wrong").models.list()
+    assert err.value.body["code"] == "invalid_api_key"
+    for path in ("/v1/models", "/metrics"):
+        status, _, body = _raw(server, path)
+        assert status == 401 and body["error"]["type"] == "authentication_error"
+    assert _raw(server, "/health")[0] == 200
+    assert [m.id for m in _client(server).models.list().data] == ["fake-model"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("temperature", 5.0), ("n", 0), ("top_p", 0.0), ("messages", []), ("max_tokens", 0), ("top_logprobs", 99)],
+)
+def test_invalid_parameters_are_400_naming_the_field(make_server, field, value):
+    """Out-of-range knobs and empty messages are BadRequestError with ``param`` naming the field."""
+    server, engine = make_server()
+    kwargs = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, field: value}
+    if field == "top_logprobs":
+        kwargs["logprobs"] = True
+    with pytest.raises(openai.BadRequestError) as err:
+        _client(server).chat.completions.create(**kwargs)
+    assert err.value.body["param"] == field
+    assert err.value.body["type"] == "invalid_request_error"
+    assert engine.num_finished == 0  # nothing reached the engine
+
+
+def test_engine_side_validation_is_400(make_server):
+    """Knobs the wire schema lets through but the engine refuses (repetition_penalty=0) come back as 400 naming them."""
+    server, _ = make_server()
+    with pytest.raises(openai.BadRequestError) as err:
+        _client(server).completions.create(model="fake-model", prompt="hi", extra_body={"repetition_penalty": 0.0})
+    assert err.value.body["param"] == "repetition_penalty"
+
+
+def test_overlong_prompt_is_400(make_server):
+    """A prompt longer than max_model_len is rejected before it queues."""
+    server, _ = make_server()
+    with pytest.raises(openai.BadRequestError) as err:
+        _client(server).completions.create(model="fake-model", prompt="word " * 400, max_tokens=4)
+    assert "max_model_len" in err.value.body["message"]
+
+
+def test_unknown_model_unsupported_field_and_bad_json(make_server):
+    """Unknown model -> 404, tools -> 400 naming tools, a body that is not JSON -> 400; all OpenAI error bodies."""
+    server, _ = make_server()
+    client = _client(server)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}], tools=[tool])
+    assert err.value.body["param"] == "tools"
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    status, _, body = _raw(server, "/v1/chat/completions", b"{not json", headers)
+    assert status == 400 and set(body["error"]) == {"message", "type", "param", "code"}
+    status, _, body = _raw(server, "/v1/nowhere", None, headers)
+    assert status == 404 and body["error"]["code"] == "not_found"
+
+
+def test_oversize_body_is_413(make_server):
+    """A body past client_max_size gets 413 with an OpenAI error body."""
+    server, engine = make_server(client_max_size=4096)
+    body = json.dumps({"model": "fake-model", "prompt": "x" * 10_000}).encode()
+    status, _, err = _raw(server, "/v1/completions", body, {"Authorization": f"Bearer {KEY}"})
+    assert status == 413 and err["error"]["code"] == "request_too_large"
+    assert engine.num_finished == 0
+
+
+def test_overloaded_engine_is_429_with_retry_after(make_server):
+    """Full admission limits map to RateLimitError with a Retry-After header."""
+    server, _ = make_server(overloaded=True)
+    with pytest.raises(openai.RateLimitError) as err:
+        _client(server).chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}])
+    assert err.value.response.headers["Retry-After"] == "1"
+
+
+def test_engine_fault_is_500_without_traceback_and_ends_a_stream(make_server):
+    """An engine fault answers 500 (no stack trace in the body); mid-stream it becomes an error event the client raises."""
+    server, _ = make_server(fail_after=2)
+    client = _client(server)
+    with pytest.raises(openai.InternalServerError) as err:
+        client.completions.create(model="fake-model", prompt="hi", max_tokens=5)
+    assert "Traceback" not in err.value.response.text
+    stream = client.completions.create(model="fake-model", prompt="hi", max_tokens=5, stream=True)
+    with pytest.raises(openai.APIError):
+        for _ in stream:
+            pass
+
+
+def test_starting_server_is_503(live_server, tokenizer):
+    """Until the engine is loaded, /health and the API answer 503 (phase "starting")."""
+    import threading
+
+    loaded = threading.Event()
+
+    def slow_factory() -> Serving:
+        loaded.wait(20)
+        return Serving(FakeEngine(tokenizer))
+
+    server = live_server(create_app(serving_factory=slow_factory), wait_healthy=False)
+    try:
+        status, headers, body = _raw(server, "/health")
+        assert (status, body["status"]) == (503, "starting")
+        with pytest.raises(openai.InternalServerError) as err:
+            _client(server).models.list()
+        assert err.value.status_code == 503
+    finally:
+        loaded.set()
+    server.wait_phase("serving")
+    assert _raw(server, "/health")[0] == 200

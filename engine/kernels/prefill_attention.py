@@ -1,0 +1,203 @@
+"""Varlen prefill attention over a cached prefix, read through the block table.
+
+Sequence ``i`` brings ``query_len_i`` new tokens at the end of a context of ``seq_len_i``
+tokens; its earlier ``seq_len_i - query_len_i`` tokens are already in the paged cache (a
+shared prefix, an earlier chunk, or earlier decode steps) and the new ones were stored just
+before. Every query attends causally to the whole context:
+
+    context positions   0 ............ context_len-1 | context_len ........ seq_len-1
+                        cached prefix: fully visible | new tokens: causal (kv_pos <= q_pos)
+
+One program owns ``BLOCK_Q`` consecutive query tokens of one sequence and all the query heads
+that share one kv head (GQA), packed as rows ``token * BLOCK_G + head`` of one tile, so each K/V
+tile is loaded once for the whole group. Decode rows (query_len 1) in a mixed batch thus cost a
+tile of ``BLOCK_G`` rows, not one of ``BLOCK_M``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels._checks import (
+    check_heads,
+    check_launchable,
+    check_paged_cache,
+    check_tensor,
+    dot_precision,
+    head_block,
+)
+
+BLOCK_M = 64  # query rows (tokens x heads of a group) per program
+TILE_N = 64  # context tokens per inner-loop step; independent of the cache block size
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    out_ptr,  # [num_tokens, num_q_heads, head_dim]
+    q_ptr,  # [num_tokens, num_q_heads, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_blocks] int32
+    query_start_loc_ptr,  # [num_seqs + 1] int32
+    seq_lens_ptr,  # [num_seqs] int32, new tokens included
+    scale_log2,  # softmax scale * log2(e): scores live in the exp2 domain
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_c_blk,
+    stride_c_slot,
+    stride_c_head,
+    stride_bt,
+    num_queries_per_kv,
+    head_dim,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,  # query tokens per program
+    BLOCK_G: tl.constexpr,  # query heads per kv head, padded to a power of two
+    TILE_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    q_block = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_block * BLOCK_Q >= query_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - query_len
+
+    r = tl.arange(0, BLOCK_Q * BLOCK_G)
+    q_idx = q_block * BLOCK_Q + r // BLOCK_G  # [BLOCK_M] token within the sequence's queries
+    g = r % BLOCK_G
+    q_heads = kv_head * num_queries_per_kv + g
+    row_mask = (q_idx < query_len) & (g < num_queries_per_kv)
+    q_pos = context_len + q_idx  # [BLOCK_M] position of each row's token in the context
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < head_dim
+    tok = (q_start + q_idx).to(tl.int64)
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_q_tok + q_heads[:, None] * stride_q_head + d[None, :],
+        mask=row_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # [BLOCK_M, BLOCK_D]
+
+    m = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    # The last query of this block sees positions < kv_end; nothing beyond is loaded.
+    kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
+    for tile_start in range(0, kv_end, TILE_N):
+        pos = tile_start + tl.arange(0, TILE_N)  # [TILE_N] context positions
+        pos_mask = pos < kv_end
+        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
+        row = blk * stride_c_blk + (pos % BLOCK_SIZE) * stride_c_slot + kv_head * stride_c_head
+        kv_mask = pos_mask[:, None] & d_mask[None, :]
+        k = tl.load(key_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(value_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
+        visible = (pos[None, :] <= q_pos[:, None]) & pos_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        # NOTE: position 0 is visible to every row and sits in the first tile, so m is finite
+        # from then on and fully masked rows of later tiles give p = 0, never NaN.
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m = m_new
+
+    acc = acc / l[:, None]
+    o_off = tok[:, None] * stride_o_tok + q_heads[:, None] * stride_o_head + d[None, :]
+    tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+def prefill_attention(
+    q: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    max_query_len: int,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
+    """Causal attention of a varlen batch of new tokens over their sequences' paged contexts.
+
+    Args:
+        q: queries of the new tokens, sequences back to back.
+        key_cache, value_cache: the paged caches of one layer, the new tokens' K/V already stored.
+        block_tables: physical block of each logical block, padded past each sequence's blocks.
+        query_start_loc: sequence ``i`` owns tokens ``query_start_loc[i]:query_start_loc[i + 1]``,
+            at context positions ``seq_lens[i] - query_len_i .. seq_lens[i] - 1``.
+        seq_lens: context length of each sequence, new tokens included.
+        max_query_len: an upper bound of the query lengths known on the host (sizes the grid).
+        scale: softmax scale, usually ``head_dim ** -0.5``.
+
+    Returns:
+        A new tensor of ``q``'s shape and dtype. Sequences may have any query length >= 1,
+        so a batch mixing prefill chunks and decode tokens goes through here in one launch.
+
+    Raises:
+        ValueError / TypeError: on shapes, strides, dtypes or devices the kernel cannot take.
+    """
+    device = q.device
+    _, block_size, num_kv_heads, head_dim = check_paged_cache(key_cache, value_cache, q.dtype, device)
+    check_tensor("q", q, 3, (torch.float32, torch.float16, torch.bfloat16), device)
+    group = check_heads(q, num_kv_heads, head_dim)
+    check_tensor("block_tables", block_tables, 2, torch.int32, device)
+    check_tensor("query_start_loc", query_start_loc, 1, torch.int32, device)
+    check_tensor("seq_lens", seq_lens, 1, torch.int32, device)
+    num_seqs = seq_lens.shape[0]
+    if query_start_loc.shape[0] != num_seqs + 1 or block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"{num_seqs} sequences need query_start_loc of {num_seqs + 1} and block_tables of "
+            f"{num_seqs} rows, got {query_start_loc.shape[0]} and {block_tables.shape[0]}"
+        )
+    if block_tables.stride(1) != 1:
+        raise ValueError("block_tables rows must be contiguous")
+    out = torch.empty_like(q)
+    if num_seqs == 0 or q.shape[0] == 0:
+        return out
+    if max_query_len < 1:
+        raise ValueError(f"max_query_len must be >= 1, got {max_query_len}")
+    check_launchable(_prefill_attention_kernel, device)
+
+    block_g = triton.next_power_of_2(group)
+    block_q = max(1, BLOCK_M // block_g)  # NOTE: rows = max(BLOCK_M, block_g) >= 16, as tl.dot needs
+    grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_q))
+    _prefill_attention_kernel[grid](
+        out,
+        q,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale * math.log2(math.e),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        block_tables.stride(0),
+        group,
+        head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_Q=block_q,
+        BLOCK_G=block_g,
+        TILE_N=TILE_N,
+        BLOCK_D=head_block(head_dim),
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=4,
+    )
+    return out

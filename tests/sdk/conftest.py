@@ -34,3 +34,10 @@ def make_client(fake_engine: FakeAsyncEngine):
         return AsyncClient(transport=InProcessTransport(fake_engine), **kwargs)
 
     return make
+
+
+@pytest.fixture
+def shared_fake(monkeypatch: pytest.MonkeyPatch, fake_engine: FakeAsyncEngine) -> FakeAsyncEngine:
+    """Make the process-wide engine registry hand out the fake engine (for adapters built by name)."""
+    monkeypatch.setattr("sdk.transport.shared_engine", lambda model=None, **config: fake_engine)
+    return fake_engine

@@ -1,0 +1,380 @@
+"""LangChain adapters: ``PagedChat`` (a chat model) and ``PagedLLM`` (a text-completion LLM).
+
+Both run on the process's shared in-process engine through an SDK client, so hooks,
+audit and prefix caching apply to every call. Tool calling, structured output and
+multimodal inputs are not supported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator, ClassVar, Iterator, Sequence
+
+try:
+    from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+    from langchain_core.language_models import BaseChatModel, LangSmithParams
+    from langchain_core.language_models.chat_models import agenerate_from_stream, generate_from_stream
+    from langchain_core.language_models.llms import LLM
+    from langchain_core.messages import AIMessageChunk, BaseMessage, ChatMessage as LCChatMessage
+    from langchain_core.messages import HumanMessage, SystemMessage, AIMessage, ToolMessage
+    from langchain_core.messages.ai import UsageMetadata
+    from langchain_core.outputs import ChatGenerationChunk, ChatResult, GenerationChunk, LLMResult
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("sdk.integrations.langchain needs langchain-core: pip install langchain-core") from exc
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+
+from sdk.client import AsyncClient
+from sdk.hooks import Hook
+from sdk.sync import Client
+from sdk.types import ChatMessage, Delta
+
+BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
+PROVIDER = "paged"
+_PER_CALL = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop"}
+_PER_CALL |= {"presence_penalty", "frequency_penalty", "min_tokens", "request_id", "priority", "cache_salt", "timeout"}
+_ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool", "user": "user", "assistant": "assistant"}
+
+
+class _PagedParams(BaseModel):
+    """Settings shared by the LangChain adapters."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
+
+    model: str | None = Field(default=None, alias="model_name")
+    """HF model directory or ``.gguf`` path; None = the bundled SmolLM2-135M-Instruct."""
+    temperature: float | None = None
+    """Sampling temperature; 0 = greedy. None = the engine's default (1.0)."""
+    max_tokens: int | None = None
+    """Most tokens to generate. None = the engine's default (256)."""
+    top_p: float | None = None
+    """Nucleus sampling mass."""
+    top_k: int | None = None
+    """Sample among the k most likely tokens."""
+    min_p: float | None = None
+    """Drop tokens below this fraction of the top token's probability."""
+    repetition_penalty: float | None = None
+    """Penalty on tokens already in prompt or output (1 = off)."""
+    seed: int | None = None
+    """Per-request seed: same seed, same output."""
+    stop: list[str] | None = Field(default=None, alias="stop_sequences")
+    """Stop sequences; generation ends before the first one."""
+    timeout: float | None = None
+    """Seconds before a request is aborted (``RequestTimeout``)."""
+    max_retries: int = 2
+    """Retries, with backoff, of requests the engine refused as overloaded."""
+    hooks: list[Hook] = Field(default_factory=list)
+    """SDK hooks (filters, audit) run on every call."""
+    tenant: str | None = None
+    """Tenant id written to hook contexts and audit records."""
+    cache_salt: str | None = None
+    """Cache namespace: requests with different salts never share KV blocks."""
+    engine_config: dict[str, Any] = Field(default_factory=dict)
+    """``engine.EngineConfig`` fields for the shared in-process engine (e.g. ``num_blocks``)."""
+
+    _client: Client = PrivateAttr()
+
+    @model_validator(mode="after")
+    def _build_client(self) -> Any:
+        # NOTE: cheap: the engine is created (or shared) on the first request, not here.
+        self._client = Client(
+            self.model, hooks=self.hooks, tenant=self.tenant, route=self._route, max_retries=self.max_retries,
+            **self.engine_config,
+        )  # fmt: skip
+        return self
+
+    _route: ClassVar[str] = "langchain"
+
+    @property
+    def client(self) -> Client:
+        """The SDK client behind the adapter (shares the engine with every client of the process)."""
+        return self._client
+
+    @property
+    def aclient(self) -> AsyncClient:
+        return self._client.aclient
+
+    @property
+    def _model_display_name(self) -> str:
+        return self.model or BUNDLED_MODEL_NAME
+
+    def _options(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+        if kwargs.get("model") not in (None, self.model):
+            raise ValueError("a per-call model override is not supported; create another adapter for that model")
+        unknown = set(kwargs) - _PER_CALL - {"model"}
+        if unknown:
+            raise ValueError(f"unsupported argument(s): {', '.join(sorted(unknown))}")
+        options: dict[str, Any] = {
+            "max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+            "min_p": self.min_p, "repetition_penalty": self.repetition_penalty, "seed": self.seed,
+            "stop": self.stop, "timeout": self.timeout, "cache_salt": self.cache_salt,
+        }  # fmt: skip
+        options.update((k, v) for k, v in kwargs.items() if k != "model")
+        if stop is not None:
+            options["stop"] = stop
+        options["stop"] = options["stop"] or None
+        return {k: v for k, v in options.items() if v is not None}
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {
+            "model": self._model_display_name, "temperature": self.temperature, "max_tokens": self.max_tokens,
+            "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed, "stop": self.stop,
+        }  # fmt: skip
+
+
+def to_sdk_messages(messages: Sequence[BaseMessage]) -> list[ChatMessage]:
+    """LangChain messages as SDK messages; non-text content blocks are refused (no multimodal input)."""
+    out = []
+    for message in messages:
+        if isinstance(message, LCChatMessage):
+            role = _ROLES.get(message.role, message.role)
+        elif isinstance(message, (HumanMessage, AIMessage, SystemMessage, ToolMessage)):
+            role = _ROLES[message.type]
+        else:
+            raise ValueError(f"unsupported message type {type(message).__name__}")
+        if isinstance(message.content, str):
+            content = message.content
+        else:
+            parts = []
+            for block in message.content:
+                if isinstance(block, str):
+                    parts.append(block)
+                elif block.get("type") == "text":
+                    parts.append(block["text"])
+                else:
+                    raise ValueError(f"unsupported content block type {block.get('type')!r}: text only")
+            content = "".join(parts)
+        out.append(ChatMessage(role=role, content=content, name=message.name))  # type: ignore[arg-type]
+    return out
+
+
+class PagedChat(_PagedParams, BaseChatModel):
+    """Chat model on paged's in-process engine (continuous batching, shared prefix cache).
+
+    Setup:
+        ``pip install paged``; the bundled SmolLM2-135M-Instruct needs no download.
+
+    Instantiate:
+        .. code-block:: python
+
+            from sdk.integrations.langchain import PagedChat
+            chat = PagedChat(temperature=0, max_tokens=128, hooks=[AuditLog("audit.jsonl")])
+
+    Invoke:
+        .. code-block:: python
+
+            chat.invoke([("system", SYSTEM), ("human", "Hi!")]).content
+
+    Stream:
+        .. code-block:: python
+
+            for chunk in chat.stream("Tell me a joke"):
+                print(chunk.content, end="")
+
+    Async:
+        .. code-block:: python
+
+            await chat.ainvoke("Hi"); [c async for c in chat.astream("Hi")]; await chat.abatch(["a", "b"])
+
+    Every instance with the same ``model`` and ``engine_config`` shares one engine, so
+    concurrent calls with one system prompt compute its KV once. Responses carry
+    ``usage_metadata`` (``input_token_details.cache_read`` = prompt tokens from the cache)
+    and ``response_metadata`` (``finish_reason``, ``model_name``).
+    """
+
+    streaming: bool = False
+    """Stream tokens to callbacks during ``invoke`` (LangChain's convention)."""
+
+    @property
+    def _llm_type(self) -> str:
+        return "paged-chat"
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = LangSmithParams(
+            ls_provider=PROVIDER, ls_model_name=kwargs.get("model") or self._model_display_name, ls_model_type="chat"
+        )
+        if (temperature := kwargs.get("temperature", self.temperature)) is not None:
+            params["ls_temperature"] = temperature
+        if (max_tokens := kwargs.get("max_tokens", self.max_tokens)) is not None:
+            params["ls_max_tokens"] = max_tokens
+        if stop := stop or self.stop:
+            params["ls_stop"] = stop
+        return params
+
+    def _to_chunk(self, delta: Delta) -> ChatGenerationChunk:
+        if delta.finish_reason is None:
+            return ChatGenerationChunk(message=AIMessageChunk(content=delta.text, id=delta.request_id))
+        assert delta.usage is not None
+        usage = UsageMetadata(
+            input_tokens=delta.usage.prompt_tokens,
+            output_tokens=delta.usage.completion_tokens,
+            total_tokens=delta.usage.total_tokens,
+            input_token_details={"cache_read": delta.usage.cached_tokens},
+        )
+        metadata = {"finish_reason": delta.finish_reason, "model_name": self.aclient.model_name,
+                    "model_provider": PROVIDER}  # fmt: skip
+        message = AIMessageChunk(
+            content=delta.text, id=delta.request_id, usage_metadata=usage, response_metadata=metadata,
+            chunk_position="last",
+        )  # fmt: skip
+        return ChatGenerationChunk(message=message, generation_info={"finish_reason": delta.finish_reason})
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        stream = self.client.stream(to_sdk_messages(messages), **self._options(stop, kwargs))
+        try:
+            for delta in stream:
+                chunk = self._to_chunk(delta)
+                if run_manager:
+                    run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                yield chunk
+        finally:
+            stream.close()  # type: ignore[attr-defined]
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        stream = self.aclient.stream(to_sdk_messages(messages), **self._options(stop, kwargs))
+        try:
+            async for delta in stream:
+                chunk = self._to_chunk(delta)
+                if run_manager:
+                    await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                yield chunk
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        return generate_from_stream(self._stream(messages, stop, run_manager, **kwargs))
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        return await agenerate_from_stream(self._astream(messages, stop, run_manager, **kwargs))
+
+
+class PagedLLM(_PagedParams, LLM):
+    """Text-completion LLM on paged's in-process engine: the prompt is used as given (no chat template).
+
+    Instantiate / invoke / stream:
+        .. code-block:: python
+
+            from sdk.integrations.langchain import PagedLLM
+            llm = PagedLLM(max_tokens=64, temperature=0)
+            llm.invoke("The capital of France is")
+            for text in llm.stream("Once upon a time"):
+                print(text, end="")
+
+    ``generation_info`` of the last chunk holds ``finish_reason`` and the token usage.
+    """
+
+    @property
+    def _llm_type(self) -> str:
+        return "paged-llm"
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = super()._get_ls_params(stop=stop, **kwargs)
+        params["ls_provider"] = PROVIDER
+        params["ls_model_name"] = kwargs.get("model") or self._model_display_name
+        return params
+
+    @staticmethod
+    def _to_chunk(delta: Delta) -> GenerationChunk:
+        if delta.finish_reason is None:
+            return GenerationChunk(text=delta.text)
+        assert delta.usage is not None
+        info = {"finish_reason": delta.finish_reason, "usage": delta.usage.model_dump()}
+        return GenerationChunk(text=delta.text, generation_info=info)
+
+    def _stream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[GenerationChunk]:
+        stream = self.client.stream(prompt=prompt, **self._options(stop, kwargs))
+        try:
+            for delta in stream:
+                chunk = self._to_chunk(delta)
+                if run_manager:
+                    run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                yield chunk
+        finally:
+            stream.close()  # type: ignore[attr-defined]
+
+    async def _astream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[GenerationChunk]:
+        stream = self.aclient.stream(prompt=prompt, **self._options(stop, kwargs))
+        try:
+            async for delta in stream:
+                chunk = self._to_chunk(delta)
+                if run_manager:
+                    await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                yield chunk
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    def _generate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        generations = []
+        for prompt in prompts:
+            generation = GenerationChunk(text="")
+            for chunk in self._stream(prompt, stop, run_manager, **kwargs):
+                generation += chunk
+            generations.append([generation])
+        return LLMResult(generations=generations)
+
+    async def _agenerate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        async def one(prompt: str) -> GenerationChunk:
+            generation = GenerationChunk(text="")
+            async for chunk in self._astream(prompt, stop, run_manager, **kwargs):
+                generation += chunk
+            return generation
+
+        generations = await asyncio.gather(*(one(p) for p in prompts))  # the engine batches them
+        return LLMResult(generations=[[g] for g in generations])
+
+    def _call(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> str:
+        return self._generate([prompt], stop, run_manager, **kwargs).generations[0][0].text

@@ -1,0 +1,48 @@
+"""Linear layers whose parameters know how to load checkpoint tensors (fused ones by shard)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} for a parameter of {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+class Linear(nn.Module):
+    """``y = x W^T + b``; ``weight`` is [out, in], as in checkpoints."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
+    """Several projections of one input fused into one matmul; output shards sit side by side.
+
+    A checkpoint stores each shard as its own tensor; ``weight_loader(param, loaded, shard)``
+    copies one of them into its rows of ``weight`` or ``bias``.
+    """
+
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False) -> None:
+        super().__init__(in_features, sum(shard_sizes.values()), bias)
+        self.shard_offsets: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for name, size in shard_sizes.items():
+            self.shard_offsets[name] = (offset, size)
+            offset += size
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str) -> None:
+        offset, size = self.shard_offsets[shard]
+        default_weight_loader(param.data.narrow(0, offset, size), loaded)
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return y.split([size for _, size in self.shard_offsets.values()], dim=-1)

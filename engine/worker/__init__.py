@@ -1,0 +1,1 @@
+"""The device side of one engine step: input preparation, the forward context, the model runner."""

@@ -1,0 +1,153 @@
+"""ModelRunner: owns the device side of the engine (weights, KV cache) and runs one step."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig
+from engine.core.scheduler_output import SchedulerOutput
+from engine.errors import ModelLoadError
+from engine.layers.attention import Attention, get_attention_backend
+from engine.layers.rotary import RotaryEmbedding
+from engine.models.registry import get_model_class
+from engine.worker.forward_context import ForwardContext, set_forward_context
+from engine.worker.input_batch import prepare_inputs
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# NOTE: measured in docs/performance.md: on an AVX2-only CPU bfloat16 matmuls are emulated
+# and slower than float32, so "auto" means float32 there.
+_AUTO_DTYPE = {"cpu": torch.float32, "cuda": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    return _AUTO_DTYPE[device.type] if name == "auto" else _DTYPES[name]
+
+
+class ModelRunner:
+    """Loads a Llama-family model and its paged KV cache on one device and executes steps.
+
+    Args:
+        config: the engine settings (dtype, device, block size, KV cache budget, backend).
+        model_dir: a Hugging Face model directory (``engine.loader.resolve_model`` output).
+
+    Raises:
+        ModelLoadError: the directory's architecture or weights cannot be loaded.
+        ValueError: the settings cannot be met (no CUDA, a cache too small for one block,
+            a ``max_model_len`` beyond the model's positions).
+    """
+
+    def __init__(self, config: EngineConfig, model_dir: Path) -> None:
+        from transformers import AutoConfig
+
+        self.config = config
+        self.hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.block_size = config.block_size
+        self.vocab_size: int = self.hf_config.vocab_size
+        self.max_model_len = self._max_model_len()
+        self.model = self._load_model(Path(model_dir))
+        self.num_blocks = self._num_blocks()
+        self.kv_cache = self._allocate_kv_cache()
+        self.attn_backend = get_attention_backend(config.attention_backend, self.device)
+        for attn, kv_cache in zip(self._attention_layers(), self.kv_cache):
+            attn.kv_cache, attn.backend = kv_cache, self.attn_backend
+        logger.info(
+            "model %s on %s (%s): %d KV blocks of %d tokens",
+            self.hf_config.model_type, self.device, self.dtype, self.num_blocks, self.block_size,
+        )
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
+        """Run one step; returns float32 logits [num_logits, vocab] for the ``needs_logits`` requests, in batch order."""
+        scheduled = scheduler_output.scheduled
+        if not scheduled:
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        inputs = prepare_inputs(scheduled, self.block_size, self.device)
+        with set_forward_context(ForwardContext(inputs.attn_metadata)):
+            hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
+        # NOTE: the LM head runs only on the rows whose next token is sampled.
+        return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices)).float()
+
+    # ------------------------------------------------------------------------------------ set-up
+
+    def _max_model_len(self) -> int:
+        max_positions = self.hf_config.max_position_embeddings
+        if self.config.max_model_len is not None and self.config.max_model_len > max_positions:
+            raise ValueError(
+                f"max_model_len={self.config.max_model_len} exceeds the model's max_position_embeddings={max_positions}"
+            )
+        max_len = self.config.max_model_len or max_positions
+        window = getattr(self.hf_config, "sliding_window", None)
+        if window and window < max_len:  # full attention is exact up to the window; no sliding-window kernels
+            logger.info("max_model_len capped at the sliding window: %d", window)
+            max_len = window
+        return max_len
+
+    def _load_model(self, model_dir: Path) -> torch.nn.Module:
+        model_class = get_model_class(self.hf_config)
+        with torch.device("meta"):
+            model = model_class(self.hf_config)
+        model = model.to(dtype=self.dtype).to_empty(device=self.device)
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise ModelLoadError(f"{str(model_dir)!r} has no *.safetensors weights")
+        try:
+            model.load_weights(_iter_safetensors(files))
+        except (ValueError, KeyError) as e:
+            raise ModelLoadError(f"cannot load weights from {str(model_dir)!r}: {e}") from None
+        for module in model.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.materialize(self.device, self.dtype)
+        return model.eval()
+
+    def _attention_layers(self) -> list[Attention]:
+        return [m for m in self.model.modules() if isinstance(m, Attention)]
+
+    def _num_blocks(self) -> int:
+        layers = self._attention_layers()
+        attn = layers[0]
+        bytes_per_block = (
+            len(layers) * 2 * self.block_size * attn.num_kv_heads * attn.head_dim * self.dtype.itemsize
+        )
+        if self.config.num_blocks is not None:
+            return self.config.num_blocks
+        if self.config.kv_cache_memory is not None:
+            budget = self.config.kv_cache_memory
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * DEFAULT_GPU_MEMORY_UTILIZATION)
+        else:
+            budget = DEFAULT_CPU_KV_CACHE_MEMORY
+        num_blocks = budget // bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(f"a KV cache budget of {budget} bytes holds no block of {bytes_per_block} bytes")
+        return num_blocks
+
+    def _allocate_kv_cache(self) -> torch.Tensor:
+        attn = self._attention_layers()[0]
+        shape = (
+            len(self._attention_layers()), 2, self.num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim
+        )
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)  # [L, 2, NB, BS, Hkv, D]
+
+
+def _iter_safetensors(files: list[Path]):
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)

@@ -1,0 +1,56 @@
+"""A minimal stand-in for scheduler + KV cache manager: assigns shuffled blocks and builds SchedulerOutputs."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+
+
+class PagedDriver:
+    """Tracks each request's tokens, computed count and block table over a runner's cache.
+
+    Blocks come from a shuffled free list, so tables are never contiguous or ordered.
+    """
+
+    def __init__(self, runner, seed: int = 0) -> None:
+        self.runner = runner
+        self.block_size = runner.block_size
+        self.free_blocks = list(range(runner.num_blocks))
+        random.Random(seed).shuffle(self.free_blocks)
+        self.tokens: dict[str, list[int]] = {}
+        self.num_computed: dict[str, int] = {}
+        self.block_ids: dict[str, list[int]] = {}
+
+    def add(self, req_id: str, prompt: list[int]) -> None:
+        self.tokens[req_id], self.num_computed[req_id], self.block_ids[req_id] = list(prompt), 0, []
+
+    def fork(self, req_id: str, parent: str, num_shared_blocks: int, tail: list[int]) -> None:
+        """A request whose first blocks are ``parent``'s (already cached or written this step)."""
+        shared = num_shared_blocks * self.block_size
+        self.tokens[req_id] = self.tokens[parent][:shared] + list(tail)
+        self.num_computed[req_id] = shared
+        self.block_ids[req_id] = self.block_ids[parent][:num_shared_blocks]
+
+    def append(self, req_id: str, token_id: int) -> None:
+        self.tokens[req_id].append(token_id)
+
+    def step(self, chunks: dict[str, int | None]) -> dict[str, torch.Tensor]:
+        """Schedule ``chunks`` (req_id -> tokens to compute, None = all pending) in one batch; logits by req_id."""
+        scheduled = []
+        for req_id, n in chunks.items():
+            start = self.num_computed[req_id]
+            n = len(self.tokens[req_id]) - start if n is None else n
+            table = self.block_ids[req_id]
+            while len(table) * self.block_size < start + n:
+                table.append(self.free_blocks.pop())
+            needs_logits = start + n == len(self.tokens[req_id])
+            token_ids = self.tokens[req_id][start : start + n]
+            scheduled.append(ScheduledRequest(req_id, token_ids, start, list(table), needs_logits))
+        logits = self.runner.execute_model(SchedulerOutput(scheduled=scheduled))
+        assert logits.shape == (sum(r.needs_logits for r in scheduled), self.runner.vocab_size)
+        for req in scheduled:
+            self.num_computed[req.req_id] += req.num_tokens
+        return dict(zip([r.req_id for r in scheduled if r.needs_logits], logits))

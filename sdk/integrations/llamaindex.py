@@ -1,0 +1,229 @@
+"""LlamaIndex adapter: ``PagedLLM``, a chat LLM on the process's shared in-process engine.
+
+Chat is the native path (the model's chat template); completion derives from it through
+LlamaIndex's ``chat_to_completion_decorator`` family, except ``formatted=True`` prompts,
+which are sent as given. Every call goes through an SDK client, so hooks and audit apply.
+
+    from sdk.integrations.llamaindex import PagedLLM
+    from llama_index.core import Settings
+    Settings.llm = PagedLLM(max_tokens=128, temperature=0)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+try:
+    from llama_index.core.base.llms.generic_utils import (
+        achat_to_completion_decorator,
+        astream_chat_to_completion_decorator,
+        chat_to_completion_decorator,
+        stream_chat_to_completion_decorator,
+    )
+    from llama_index.core.base.llms.types import (
+        ChatMessage as LIChatMessage,
+        ChatResponse,
+        ChatResponseAsyncGen,
+        ChatResponseGen,
+        CompletionResponse,
+        CompletionResponseAsyncGen,
+        CompletionResponseGen,
+        LLMMetadata,
+        MessageRole,
+    )
+    from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+    from llama_index.core.llms.llm import LLM
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("sdk.integrations.llamaindex needs llama-index-core: pip install llama-index-core") from exc
+from pydantic import Field, PrivateAttr
+
+from sdk.client import AsyncClient
+from sdk.hooks import Hook
+from sdk.sync import Client
+from sdk.types import ChatMessage, CompletionResult, Delta
+
+DEFAULT_NUM_OUTPUT = 256  # the engine's max_tokens default
+_ROLES = {
+    MessageRole.SYSTEM: "system",
+    MessageRole.DEVELOPER: "system",
+    MessageRole.USER: "user",
+    MessageRole.ASSISTANT: "assistant",
+    MessageRole.CHATBOT: "assistant",
+    MessageRole.MODEL: "assistant",
+    MessageRole.TOOL: "tool",
+}
+
+
+def to_sdk_messages(messages: Sequence[LIChatMessage]) -> list[ChatMessage]:
+    """LlamaIndex messages as SDK messages (text only)."""
+    out = []
+    for message in messages:
+        if message.role not in _ROLES:
+            raise ValueError(f"unsupported message role {message.role!s}")
+        out.append(ChatMessage(role=_ROLES[message.role], content=message.content or ""))  # type: ignore[arg-type]
+    return out
+
+
+class PagedLLM(LLM):
+    """paged's in-process engine as a LlamaIndex chat LLM (sync, async and streaming).
+
+    Example:
+        .. code-block:: python
+
+            llm = PagedLLM(max_tokens=64, temperature=0)
+            print(llm.complete("Name a colour.").text)
+            for r in llm.stream_chat([ChatMessage(role="user", content="Hi")]):
+                print(r.delta, end="")
+    """
+
+    model: str | None = Field(default=None, description="HF model directory or .gguf path; None = the bundled model.")
+    temperature: float | None = Field(default=None, description="Sampling temperature; 0 = greedy.")
+    max_tokens: int | None = Field(default=None, description="Most tokens to generate (None = 256).")
+    top_p: float | None = Field(default=None, description="Nucleus sampling mass.")
+    seed: int | None = Field(default=None, description="Per-request seed: same seed, same output.")
+    stop: list[str] | None = Field(default=None, description="Stop sequences.")
+    context_window: int | None = Field(default=None, description="Prompt budget; None = the engine's max_model_len.")
+    timeout: float | None = Field(default=None, description="Seconds before a request is aborted.")
+    max_retries: int = Field(default=2, description="Retries of requests refused as overloaded.")
+    hooks: list[Hook] = Field(default_factory=list, description="SDK hooks run on every call.", exclude=True)
+    tenant: str | None = Field(default=None, description="Tenant id for hook contexts and audit records.")
+    cache_salt: str | None = Field(default=None, description="Cache namespace (no KV sharing across salts).")
+    engine_config: dict[str, Any] = Field(default_factory=dict, description="engine.EngineConfig fields.")
+
+    _client: Client | None = PrivateAttr(default=None)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "PagedLLM"
+
+    @property
+    def client(self) -> Client:
+        """The SDK client (built on first use; the engine is shared by the process)."""
+        if self._client is None:
+            self._client = Client(
+                self.model, hooks=self.hooks, tenant=self.tenant, route="llamaindex", max_retries=self.max_retries,
+                **self.engine_config,
+            )  # fmt: skip
+        return self._client
+
+    @property
+    def aclient(self) -> AsyncClient:
+        return self.client.aclient
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        return LLMMetadata(
+            context_window=self.context_window or self.client.max_model_len,
+            num_output=self.max_tokens or DEFAULT_NUM_OUTPUT,
+            is_chat_model=True,
+            model_name=self.client.model_name,
+        )
+
+    def _options(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        options = {
+            "max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
+            "stop": self.stop or None, "timeout": self.timeout, "cache_salt": self.cache_salt, **kwargs,
+        }  # fmt: skip
+        return {k: v for k, v in options.items() if v is not None}
+
+    @staticmethod
+    def _extra(delta: Delta | CompletionResult) -> dict[str, Any]:
+        if delta.finish_reason is None or delta.usage is None:
+            return {}
+        return {"finish_reason": delta.finish_reason, "usage": delta.usage.model_dump()}
+
+    # --- chat: the native path ----------------------------------------------------------
+
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[LIChatMessage], **kwargs: Any) -> ChatResponse:
+        result = self.client.chat(to_sdk_messages(messages), **self._options(kwargs))
+        message = LIChatMessage(role=MessageRole.ASSISTANT, content=result.text)
+        return ChatResponse(message=message, raw=result.model_dump(), additional_kwargs=self._extra(result))
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[LIChatMessage], **kwargs: Any) -> ChatResponse:
+        result = await self.aclient.chat(to_sdk_messages(messages), **self._options(kwargs))
+        message = LIChatMessage(role=MessageRole.ASSISTANT, content=result.text)
+        return ChatResponse(message=message, raw=result.model_dump(), additional_kwargs=self._extra(result))
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[LIChatMessage], **kwargs: Any) -> ChatResponseGen:
+        stream = self.client.stream(to_sdk_messages(messages), **self._options(kwargs))
+
+        def gen() -> ChatResponseGen:
+            text = ""
+            try:
+                for delta in stream:
+                    text += delta.text
+                    message = LIChatMessage(role=MessageRole.ASSISTANT, content=text)
+                    yield ChatResponse(message=message, delta=delta.text, additional_kwargs=self._extra(delta))
+            finally:
+                stream.close()  # type: ignore[attr-defined]
+
+        return gen()
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[LIChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        stream = self.aclient.stream(to_sdk_messages(messages), **self._options(kwargs))
+
+        async def gen() -> ChatResponseAsyncGen:
+            text = ""
+            try:
+                async for delta in stream:
+                    text += delta.text
+                    message = LIChatMessage(role=MessageRole.ASSISTANT, content=text)
+                    yield ChatResponse(message=message, delta=delta.text, additional_kwargs=self._extra(delta))
+            finally:
+                await stream.aclose()  # type: ignore[attr-defined]
+
+        return gen()
+
+    # --- completion: derived from chat, or raw when the prompt is already formatted -------
+
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        if not formatted:
+            return chat_to_completion_decorator(self.chat)(prompt, **kwargs)
+        result = self.client.complete(prompt, **self._options(kwargs))
+        return CompletionResponse(text=result.text, raw=result.model_dump(), additional_kwargs=self._extra(result))
+
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        if not formatted:
+            return await achat_to_completion_decorator(self.achat)(prompt, **kwargs)
+        result = await self.aclient.complete(prompt, **self._options(kwargs))
+        return CompletionResponse(text=result.text, raw=result.model_dump(), additional_kwargs=self._extra(result))
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        if not formatted:
+            return stream_chat_to_completion_decorator(self.stream_chat)(prompt, **kwargs)
+        stream = self.client.stream(prompt=prompt, **self._options(kwargs))
+
+        def gen() -> CompletionResponseGen:
+            text = ""
+            try:
+                for delta in stream:
+                    text += delta.text
+                    yield CompletionResponse(text=text, delta=delta.text, additional_kwargs=self._extra(delta))
+            finally:
+                stream.close()  # type: ignore[attr-defined]
+
+        return gen()
+
+    @llm_completion_callback()
+    async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
+        if not formatted:
+            return await astream_chat_to_completion_decorator(self.astream_chat)(prompt, **kwargs)
+        stream = self.aclient.stream(prompt=prompt, **self._options(kwargs))
+
+        async def gen() -> CompletionResponseAsyncGen:
+            text = ""
+            try:
+                async for delta in stream:
+                    text += delta.text
+                    yield CompletionResponse(text=text, delta=delta.text, additional_kwargs=self._extra(delta))
+            finally:
+                await stream.aclose()  # type: ignore[attr-defined]
+
+        return gen()

@@ -231,6 +231,7 @@ async def _read_stream(resp: aiohttp.ClientResponse) -> AsyncIterator[TransportO
             if text is None:
                 text = (choice.get("delta") or {}).get("content") or ""
             token_ids = list(choice.get("token_ids") or ())
+            prompt_ids = choice.get("prompt_token_ids") or prompt_ids  # completions: per choice
             finish_reason = choice.get("finish_reason") or finish_reason
             if text or token_ids:
                 yield TransportOutput(text, token_ids, None, prompt_ids, num_cached)

@@ -1,0 +1,82 @@
+"""sdk.AsyncClient over HttpTransport against the real server: same results, usage and errors as in-process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from integrations.openai_server.app import create_app
+from integrations.openai_server.serving import Serving
+from sdk.client import AsyncClient
+from sdk.errors import ContentBlocked, InvalidRequestError, OverloadedError
+from sdk.hooks import RegexFilter
+from sdk.http_transport import HttpTransport
+from tests.integrations.fake_engine import FakeEngine
+
+KEY = "sk-transport"
+
+
+@pytest.fixture
+def make_server(live_server, tokenizer):
+    def make(hooks=(), **engine_kwargs):
+        engine = FakeEngine(tokenizer, **engine_kwargs)
+        app = create_app(api_key=KEY, hooks=hooks, serving_factory=lambda: Serving(engine, hooks=hooks))
+        return live_server(app), engine
+
+    return make
+
+
+@contextlib.asynccontextmanager
+async def _remote(server, **kwargs):
+    transport = HttpTransport(server.root, api_key=KEY)
+    try:
+        yield AsyncClient(transport=transport, **kwargs)
+    finally:
+        await transport.close()
+
+
+async def test_chat_complete_and_stream_over_http(make_server, tokenizer):
+    """chat/complete/stream return the server's text, token ids and usage; the model comes from /v1/models."""
+    server, _ = make_server()
+    async with _remote(server) as client:
+        result = await client.chat("hi", max_tokens=3)
+        assert result.model == "fake-model" and client.max_model_len == 256
+        assert result.text == " ok ok ok" and result.finish_reason == "length"
+        assert result.token_ids == tokenizer.encode(" ok ok ok", add_special_tokens=False)
+        assert result.usage.completion_tokens == 3 and result.usage.prompt_tokens > 3
+        ids = tokenizer.encode("hello there", add_special_tokens=False)
+        completion = await client.complete(ids, max_tokens=2)
+        assert completion.usage.prompt_tokens == len(ids) and completion.text == " ok ok"
+        deltas = [d async for d in client.stream("hi", max_tokens=2)]
+        assert "".join(d.text for d in deltas) == " ok ok" and deltas[-1].finish_reason == "length"
+
+
+async def test_remote_errors_map_to_sdk_errors(make_server):
+    """429 -> OverloadedError, 400 -> InvalidRequestError, a server-side filter -> ContentBlocked."""
+    server, _ = make_server(hooks=[RegexFilter("secret")])
+    async with _remote(server) as client:
+        with pytest.raises(InvalidRequestError, match="temperature"):
+            await client.chat("hi", temperature=50.0)
+        with pytest.raises(ContentBlocked):
+            await client.chat("my secret")
+    server2, _ = make_server(overloaded=True)
+    async with _remote(server2) as client:
+        with pytest.raises(OverloadedError):
+            await client.chat("hi")
+
+
+async def test_leaving_a_remote_stream_aborts_on_the_server(make_server):
+    """Breaking out of a remote stream closes the connection; the server aborts the engine request."""
+    server, engine = make_server(delay=0.02)
+    async with _remote(server) as client:
+        stream = client.stream("hi", max_tokens=500)
+        async with contextlib.aclosing(stream):
+            async for _ in stream:
+                break
+        for _ in range(100):
+            if not engine.running:
+                break
+            await asyncio.sleep(0.01)
+        assert not engine.running

@@ -1,0 +1,103 @@
+"""The machine's own ceiling for a model: matmul throughput at the model's linear-layer shapes.
+
+A decode step of ``batch`` sequences multiplies a ``[batch, in]`` activation by every
+linear layer's ``[in, out]`` weight once per token, so a token costs
+``2 * params_in_matmuls`` FLOPs. Timing exactly those matmuls at the run's dtype gives the
+best tokens/s the machine can reach for this model if everything else (attention,
+norms, sampling, Python) were free; the engine's throughput is reported as a fraction of it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+def linear_shapes(config: dict[str, Any]) -> Counter[tuple[int, int]]:
+    """``(in_features, out_features) -> count`` of every matmul one token goes through.
+
+    Covers the Llama family (Llama, Mistral, Qwen2/3, SmolLM): q/k/v/o projections, the
+    gated MLP and the LM head (tied or not, it is one more matmul).
+    """
+    hidden = config["hidden_size"]
+    num_heads = config["num_attention_heads"]
+    num_kv_heads = config.get("num_key_value_heads") or num_heads
+    head_dim = config.get("head_dim") or hidden // num_heads
+    intermediate = config["intermediate_size"]
+    layers = config["num_hidden_layers"]
+    shapes: Counter[tuple[int, int]] = Counter()
+    shapes[(hidden, num_heads * head_dim)] += layers  # q
+    shapes[(hidden, num_kv_heads * head_dim)] += 2 * layers  # k, v
+    shapes[(num_heads * head_dim, hidden)] += layers  # o
+    shapes[(hidden, intermediate)] += 2 * layers  # gate, up
+    shapes[(intermediate, hidden)] += layers  # down
+    shapes[(hidden, config["vocab_size"])] += 1  # lm head
+    return shapes
+
+
+def _time_linear(batch: int, in_features: int, out_features: int, dtype: torch.dtype, min_time_s: float) -> float:
+    """Seconds per ``linear([batch, in], [out, in])``, the best of a few timed rounds."""
+    x = torch.randn(batch, in_features, dtype=dtype)
+    weight = torch.randn(out_features, in_features, dtype=dtype)
+    with torch.inference_mode():
+        for _ in range(3):
+            F.linear(x, weight)
+        best = float("inf")
+        deadline = time.perf_counter() + min_time_s
+        while True:
+            reps = 0
+            start = time.perf_counter()
+            while reps < 8 or time.perf_counter() - start < min_time_s / 4:
+                F.linear(x, weight)
+                reps += 1
+            best = min(best, (time.perf_counter() - start) / reps)
+            if time.perf_counter() >= deadline:
+                return best
+
+
+def measure_ceiling(model_dir: Path, dtype: torch.dtype, batch: int = 64, min_time_s: float = 0.3) -> dict[str, Any]:
+    """Matmul GFLOP/s at the model's shapes and the tokens/s ceiling it implies.
+
+    Args:
+        model_dir: Hugging Face model directory (its ``config.json`` gives the shapes).
+        dtype: the dtype the contenders run in.
+        batch: rows of the activation (the number of sequences decoded together).
+        min_time_s: timing budget per distinct shape.
+
+    Returns:
+        ``{"dtype", "batch", "params_in_matmuls", "flops_per_token", "step_s", "gflops",
+        "tokens_per_s", "threads", "shapes": [{"in", "out", "count", "gflops"}]}``.
+    """
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    shapes = linear_shapes(config)
+    step_s, per_shape = 0.0, []
+    for (in_features, out_features), count in sorted(shapes.items()):
+        seconds = _time_linear(batch, in_features, out_features, dtype, min_time_s)
+        step_s += count * seconds
+        per_shape.append(
+            {
+                "in": in_features,
+                "out": out_features,
+                "count": count,
+                "gflops": 2 * batch * in_features * out_features / seconds / 1e9,
+            }
+        )
+    params = sum(i * o * c for (i, o), c in shapes.items())
+    flops_per_token = 2 * params
+    return {
+        "dtype": str(dtype).removeprefix("torch."),
+        "batch": batch,
+        "params_in_matmuls": params,
+        "flops_per_token": flops_per_token,
+        "step_s": step_s,
+        "gflops": flops_per_token * batch / step_s / 1e9,
+        "tokens_per_s": batch / step_s,
+        "threads": torch.get_num_threads(),
+        "shapes": per_shape,
+    }

@@ -1,0 +1,236 @@
+"""``paged bench``: the engine against the alternatives a user would pick, in one run, on one machine.
+
+Protocol (the same for every contender): greedy decoding, exactly ``--max-tokens`` new
+tokens per request (EOS ignored), every request submitted at once, output tokens/s =
+total new tokens / wall time from the first submit to the last token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+from integrations.bench.workloads import WORKLOADS
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = ("float32", "bfloat16")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``paged bench`` options."""
+    parser.add_argument("--model", default=None, help="HF directory or .gguf file (default: bundled SmolLM2)")
+    parser.add_argument("--workload", choices=WORKLOADS, default="shared-prefix")
+    parser.add_argument("--num-requests", type=_positive_int, default=64)
+    parser.add_argument("--max-tokens", type=_positive_int, default=128, help="new tokens per request")
+    parser.add_argument("--dtype", choices=_DTYPES, default="float32")
+    parser.add_argument(
+        "--num-blocks", type=_positive_int, default=None, help="engine KV cache blocks (default: the engine's budget)"
+    )
+    parser.add_argument("--compare", action="store_true", help="also run the Hugging Face baselines")
+    parser.add_argument(
+        "--baselines",
+        default="one-by-one,static-16,continuous",
+        help="comma-separated baselines for --compare: one-by-one, static-N (e.g. static-64), continuous",
+    )
+    parser.add_argument(
+        "--baseline-requests",
+        type=_positive_int,
+        default=None,
+        help="run one-by-one generation on this many requests only (its rate is per token served)",
+    )
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--plot", type=Path, default=None, help="write PNG plots into this folder")
+    parser.add_argument("--profile", action="store_true", help="per-phase step times and a torch profiler trace")
+    parser.add_argument("--profile-dir", type=Path, default=Path("bench-out"), help="where --profile writes")
+    parser.add_argument("--rate", type=float, default=1.0, help="poisson: first arrival rate (requests/s)")
+    parser.add_argument("--itl-bound", type=float, default=0.25, help="poisson: p99 inter-token latency bound (s)")
+    parser.add_argument("--rate-trials", type=_positive_int, default=5, help="poisson: rates to try in the search")
+    parser.add_argument(
+        "--concurrency",
+        type=_int_list,
+        default=[1, 2, 4, 8, 16, 32, 64, 128],
+        help="sweep: comma-separated concurrency levels",
+    )
+    parser.add_argument("--no-ceiling", action="store_true", help="skip the matmul ceiling measurement")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return sorted(set(values))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark described by ``args``; prints the tables, writes JSON and plots."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    import transformers
+    from tqdm.auto import tqdm
+
+    from engine.loader import resolve_model
+    from integrations.bench import baselines, engine_runs
+    from integrations.bench.ceiling import measure_ceiling
+    from integrations.bench.report import build_report, format_poisson, format_profile, format_sweep, format_table
+    from integrations.bench.workloads import build_workload
+
+    model_dir = resolve_model(args.model)
+    dtype = getattr(torch, args.dtype)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    num_requests = max(args.num_requests, max(args.concurrency)) if args.workload == "sweep" else args.num_requests
+    workload = build_workload(args.workload, tokenizer, num_requests)
+    baseline_names = [b.strip() for b in args.baselines.split(",") if b.strip()] if args.compare else []
+
+    bar = tqdm(
+        total=_expected_tokens(args, workload, baseline_names),
+        unit="tok",
+        desc=f"paged bench {args.workload}",
+        disable=args.no_progress,
+    )
+    engine_kwargs: dict[str, Any] = {"dtype": args.dtype}
+    if args.num_blocks is not None:
+        engine_kwargs["num_blocks"] = args.num_blocks
+    results, poisson, sweep, profile = [], None, None, None
+
+    if args.workload == "poisson":
+        poisson = engine_runs.poisson_search(
+            args.model, engine_kwargs, workload.prompts, args.max_tokens, args.rate, args.itl_bound,
+            args.rate_trials, bar.update,
+        )
+    elif args.workload == "sweep":
+        hf_model = baselines.load_hf_model(model_dir, dtype) if args.compare else None
+        sweep = engine_runs.concurrency_sweep(
+            args.model, engine_kwargs, workload.prompts, args.max_tokens, args.concurrency, hf_model,
+            pad_token_id, bar.update,
+        )
+    else:
+        results.append(engine_runs.run_offline(args.model, engine_kwargs, workload.prompts, args.max_tokens, bar.update))
+        if baseline_names:
+            hf_model = baselines.load_hf_model(model_dir, dtype)
+            baselines.warm_up(hf_model, pad_token_id)
+            # NOTE: generate_batch switches the model's attention to its paged variant, so it runs last.
+            for name in sorted(baseline_names, key=lambda n: n == "continuous"):
+                bar.set_postfix_str(name)
+                results.append(
+                    baselines.run_baseline(
+                        name, hf_model, workload.prompts, args.max_tokens, pad_token_id,
+                        args.baseline_requests, bar.update,
+                    )
+                )
+    if args.profile:
+        bar.set_postfix_str("profile")
+        profile = engine_runs.profile_steps(
+            args.model, engine_kwargs, workload.prompts[: min(len(workload.prompts), 64)], args.max_tokens,
+            args.profile_dir,
+        )
+    ceiling = None
+    if not args.no_ceiling:
+        bar.set_postfix_str("matmul ceiling")
+        ceiling = measure_ceiling(model_dir, dtype)
+    bar.close()
+
+    report = build_report(
+        results,
+        workload={
+            "name": workload.name,
+            "description": workload.description,
+            "num_requests": len(workload.prompts),
+            "num_prompt_tokens": workload.num_prompt_tokens,
+        },
+        machine=machine_info(),
+        protocol={
+            "model": str(args.model or "bundled SmolLM2-135M-Instruct"),
+            "dtype": args.dtype,
+            "max_tokens": args.max_tokens,
+            "greedy": True,
+            "ignore_eos": True,
+            "submitted": "all at once" if args.workload != "poisson" else f"poisson arrivals from {args.rate} req/s",
+        },
+        ceiling=ceiling,
+        poisson=poisson,
+        sweep=sweep,
+        profile=profile,
+    )
+    print(_render(report, format_table, format_poisson, format_sweep, format_profile))  # noqa: T201
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+    if args.plot:
+        from integrations.bench.plots import write_plots
+
+        for path in write_plots(args.plot, f"{args.workload}-{args.dtype}", results, report):
+            logger.info("wrote %s", path)
+    return 0
+
+
+def _render(report: dict[str, Any], table: Any, poisson: Any, sweep: Any, profile: Any) -> str:
+    w = report["workload"]
+    p = report["protocol"]
+    parts = [
+        f"\n{w['description']}: {w['num_requests']} requests, {w['num_prompt_tokens']} prompt tokens, "
+        f"{p['max_tokens']} new tokens each, {p['dtype']}\n"
+    ]
+    if report["results"] or report["ceiling"]:
+        parts.append(table(report))
+    if report["poisson"]:
+        parts.append("\n" + poisson(report["poisson"]))
+    if report["sweep"]:
+        parts.append("\n" + sweep(report["sweep"]))
+    if report["profile"]:
+        parts.append("\n" + profile(report["profile"]))
+    return "\n".join(parts)
+
+
+def _expected_tokens(args: argparse.Namespace, workload: Any, baseline_names: list[str]) -> int | None:
+    if args.workload in ("poisson", "sweep"):
+        return None
+    total = len(workload.prompts) * args.max_tokens
+    for name in baseline_names:
+        count = len(workload.prompts)
+        if name == "one-by-one" and args.baseline_requests is not None:
+            count = min(count, args.baseline_requests)
+        total += count * args.max_tokens
+    return total
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU model, cores, library versions: enough to tell whether two runs are comparable."""
+    import torch
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }

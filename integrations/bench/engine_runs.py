@@ -1,0 +1,344 @@
+"""The engine's side of the benchmark: offline batch, Poisson arrivals, concurrency sweep.
+
+The offline run submits every request with ``Engine.add_request`` and steps the engine
+until all finish, as ``Engine.generate`` does, recording when each request's tokens
+appear (TTFT and inter-token latency per token, not histogram buckets).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+from integrations.bench.report import ENGINE, RunResult, summarize
+
+Progress = Callable[[int], None]
+
+
+def greedy_params(max_tokens: int) -> Any:
+    from engine import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def make_engine(model: str | None, engine_kwargs: dict[str, Any]) -> Any:
+    """An engine, warmed up on a prompt unrelated to the workloads (first-call costs are not measured)."""
+    from engine import Engine
+
+    engine = Engine(model, **engine_kwargs)
+    engine.generate([[1, 2, 3, 4]], greedy_params(2), use_tqdm=False)
+    return engine
+
+
+def _stat_delta(before: dict[str, Any], after: dict[str, Any], key: str) -> int:
+    return int(after.get(key, 0)) - int(before.get(key, 0))
+
+
+def run_batch(engine: Any, prompts: list[list[int]], max_tokens: int, progress: Progress) -> RunResult:
+    """All ``prompts`` submitted at once to a ready engine; stepped until the last token."""
+    params = greedy_params(max_tokens)
+    before = engine.stats()
+    start = time.perf_counter()
+    ids = [engine.add_request(f"bench-{i}", p, params) for i, p in enumerate(prompts)]
+    index = {req_id: i for i, req_id in enumerate(ids)}
+    num_seen = [0] * len(prompts)
+    last_stamp: list[float | None] = [None] * len(prompts)
+    ttft: list[float] = []
+    itl: list[float] = []
+    outputs: list[list[int]] = [[] for _ in prompts]
+    while engine.has_unfinished_requests():
+        step_outputs = engine.step()
+        now = time.perf_counter()
+        for out in step_outputs:
+            i = index.get(out.request_id)
+            if i is None:
+                continue
+            tokens = out.outputs[0].token_ids
+            new = len(tokens) - num_seen[i]
+            if new <= 0:
+                continue
+            if last_stamp[i] is None:
+                ttft.append(now - start)
+            else:
+                itl.append(now - last_stamp[i])
+            last_stamp[i], num_seen[i] = now, len(tokens)
+            if out.finished:
+                outputs[i] = list(tokens)
+            progress(new)
+    wall = time.perf_counter() - start
+    failures = engine.pop_failures()
+    if failures:
+        raise RuntimeError(f"the engine failed {len(failures)} requests: {next(iter(failures.values()))}")
+    after = engine.stats()
+    queries = _stat_delta(before, after, "prefix_cache_queries")
+    hits = _stat_delta(before, after, "prefix_cache_hits")
+    return RunResult(
+        name=ENGINE,
+        num_requests=len(prompts),
+        num_new_tokens=sum(len(o) for o in outputs),
+        wall_s=wall,
+        num_prompt_tokens=sum(len(p) for p in prompts),
+        ttft_s=ttft,
+        itl_s=itl,
+        prompt_tokens_computed=_stat_delta(before, after, "prompt_tokens_computed"),
+        prefix_cache_hit_rate=hits / queries if queries else None,
+        num_preemptions=_stat_delta(before, after, "num_preemptions"),
+        output_token_ids=outputs,
+        prompt_indices=list(range(len(prompts))),
+    )
+
+
+def run_offline(
+    model: str | None, engine_kwargs: dict[str, Any], prompts: list[list[int]], max_tokens: int, progress: Progress
+) -> RunResult:
+    """The protocol run: a fresh engine, every request submitted at once."""
+    return run_batch(make_engine(model, engine_kwargs), prompts, max_tokens, progress)
+
+
+# ------------------------------------------------------------------------------------ concurrency sweep
+
+
+def concurrency_sweep(
+    model: str | None,
+    engine_kwargs: dict[str, Any],
+    prompts: list[list[int]],
+    max_tokens: int,
+    levels: list[int],
+    hf_model: Any | None,
+    pad_token_id: int,
+    progress: Progress,
+) -> dict[str, Any]:
+    """Throughput with ``c`` requests in flight, for each ``c`` in ``levels``.
+
+    Each level submits ``c`` requests at once (a fresh engine per level, so no level reuses
+    another's prefix cache); with ``hf_model`` the same ``c`` requests also run as one static
+    Hugging Face batch.
+
+    Returns:
+        ``{"levels": [{"concurrency", "tokens_per_s": {name: rate}, "itl_s": {name: summary}}],
+        "saturation_concurrency": c}``, the latter from ``saturation_point``.
+    """
+    from integrations.bench.baselines import run_static_batches
+
+    rows = []
+    for c in levels:
+        batch = [prompts[i % len(prompts)] for i in range(c)]
+        engine = make_engine(model, {**engine_kwargs, "max_num_seqs": max(c, 1)})
+        result = run_batch(engine, batch, max_tokens, progress)
+        row: dict[str, Any] = {"concurrency": c, "tokens_per_s": {ENGINE: result.tokens_per_s}}
+        row["itl_s"] = {ENGINE: summarize(result.itl_s)}
+        del engine
+        if hf_model is not None:
+            hf = run_static_batches(hf_model, batch, c, max_tokens, pad_token_id, progress)
+            row["tokens_per_s"]["HF generate, one static batch"] = hf.tokens_per_s
+            row["itl_s"]["HF generate, one static batch"] = summarize(hf.itl_s)
+        rows.append(row)
+    return {"levels": rows, "saturation_concurrency": saturation_point(rows)}
+
+
+def saturation_point(sweep: list[dict[str, Any]], name: str = ENGINE, min_gain: float = 0.1) -> int | None:
+    """The first concurrency after which doubling gains less than ``min_gain`` (10%) throughput."""
+    points = [(row["concurrency"], row["tokens_per_s"].get(name)) for row in sweep]
+    points = [(c, t) for c, t in points if t]
+    for (c, t), (_, t_next) in zip(points, points[1:]):
+        if t_next < t * (1 + min_gain):
+            return c
+    return None
+
+
+# ------------------------------------------------------------------------------------ Poisson arrivals
+
+
+async def _poisson_once(
+    engine: Any, prompts: list[list[int]], max_tokens: int, rate: float, seed: int, progress: Progress
+) -> dict[str, Any]:
+    rng = random.Random(seed)
+    params = greedy_params(max_tokens)
+    ttft: list[float] = []
+    itl: list[float] = []
+    num_tokens = 0
+
+    async def one(i: int, prompt: list[int], delay: float) -> None:
+        nonlocal num_tokens
+        await asyncio.sleep(delay)
+        submitted = last = time.perf_counter()
+        seen = 0
+        async for out in engine.generate(prompt, params, request_id=f"poisson-{seed}-{i}"):
+            new = len(out.outputs[0].token_ids) - seen
+            if new <= 0:
+                continue
+            now = time.perf_counter()
+            (itl if seen else ttft).append(now - (last if seen else submitted))
+            last, seen = now, seen + new
+            num_tokens += new
+            progress(new)
+
+    delays, t = [], 0.0
+    for _ in prompts:
+        delays.append(t)
+        t += rng.expovariate(rate)
+    start = time.perf_counter()
+    await asyncio.gather(*(one(i, p, d) for i, (p, d) in enumerate(zip(prompts, delays))))
+    wall = time.perf_counter() - start
+    return {
+        "rate": rate,
+        "num_requests": len(prompts),
+        "tokens_per_s": num_tokens / wall if wall else 0.0,
+        "wall_s": wall,
+        "ttft_s": summarize(ttft),
+        "itl_s": summarize(itl),
+    }
+
+
+def poisson_search(
+    model: str | None,
+    engine_kwargs: dict[str, Any],
+    prompts: list[list[int]],
+    max_tokens: int,
+    first_rate: float,
+    itl_bound: float,
+    num_trials: int,
+    progress: Progress,
+) -> dict[str, Any]:
+    """Requests arriving as a Poisson process through ``AsyncEngine``; find the highest rate within the bound.
+
+    The rate doubles while p99 inter-token latency stays within ``itl_bound`` and halves
+    while it does not; once both sides are known, it bisects between them.
+    """
+    from engine import AsyncEngine
+
+    async def search() -> dict[str, Any]:
+        engine = AsyncEngine(model, **engine_kwargs)
+        try:
+            async for _ in engine.generate([1, 2, 3, 4], greedy_params(2)):  # warm-up
+                pass
+            runs: list[dict[str, Any]] = []
+            good, bad, rate = None, None, first_rate
+            for trial in range(num_trials):
+                run = await _poisson_once(engine, prompts, max_tokens, rate, seed=trial, progress=progress)
+                p99 = run["itl_s"]["p99"]
+                run["within_bound"] = p99 is not None and p99 <= itl_bound
+                runs.append(run)
+                if run["within_bound"]:
+                    good = rate if good is None else max(good, rate)
+                else:
+                    bad = rate if bad is None else min(bad, rate)
+                rate = rate * 2 if bad is None else rate / 2 if good is None else (good + bad) / 2
+            return {"itl_bound_s": itl_bound, "max_rate_within_bound": good, "runs": runs}
+        finally:
+            await _close(engine)
+
+    return asyncio.run(search())
+
+
+async def _close(engine: Any) -> None:
+    for name in ("aclose", "close", "shutdown"):
+        method = getattr(engine, name, None)
+        if method is not None:
+            result = method()
+            if asyncio.iscoroutine(result):
+                await result
+            return
+
+
+# ------------------------------------------------------------------------------------ step profile
+
+
+class _PhaseTimer:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def wrap(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+                self.calls[phase] = self.calls.get(phase, 0) + 1
+
+        return timed
+
+
+def profile_steps(
+    model: str | None,
+    engine_kwargs: dict[str, Any],
+    prompts: list[list[int]],
+    max_tokens: int,
+    out_dir: Any,
+    trace_steps: int = 6,
+) -> dict[str, Any]:
+    """Where a step's time goes, and a torch profiler trace of the first steps.
+
+    Times the phases of ``Engine.step`` by wrapping what it calls (scheduler, input
+    preparation, model forward, sampler, scheduler update, detokenizer, output building)
+    over one full run of ``prompts``; then traces ``trace_steps`` steps of a second run
+    with ``torch.profiler`` into ``out_dir``.
+    """
+    from contextlib import ExitStack
+    from pathlib import Path
+    from unittest import mock
+
+    import torch
+
+    import engine.detokenizer as detokenizer_module
+    import engine.worker.model_runner as runner_module
+
+    engine = make_engine(model, engine_kwargs)
+    timer = _PhaseTimer()
+    with ExitStack() as stack:
+        targets = [
+            (engine.scheduler, "schedule", "schedule"),
+            (runner_module, "prepare_inputs", "prepare inputs"),
+            (engine.runner, "execute_model", "execute_model"),
+            (engine, "sampler", "sample"),
+            (engine.scheduler, "update_from_output", "update"),
+            (detokenizer_module.IncrementalDetokenizer, "update", "detokenize"),
+            (engine, "_make_output", "emit outputs"),
+            (engine, "step", "step"),
+        ]
+        for target, attr, phase in targets:
+            if hasattr(target, attr):
+                stack.enter_context(mock.patch.object(target, attr, timer.wrap(phase, getattr(target, attr))))
+        result = run_batch(engine, prompts, max_tokens, lambda n: None)
+    seconds = timer.seconds
+    step_total = seconds.pop("step", 0.0)
+    prepare = seconds.get("prepare inputs", 0.0)
+    phases = {
+        "schedule": seconds.get("schedule", 0.0),
+        "prepare inputs": prepare,
+        "forward": seconds.pop("execute_model", 0.0) - prepare,
+        "sample": seconds.get("sample", 0.0),
+        "update": seconds.get("update", 0.0),
+        "detokenize": seconds.get("detokenize", 0.0),
+        "emit outputs": seconds.get("emit outputs", 0.0),
+        "hooks": 0.0,
+    }
+    phases["other"] = max(0.0, step_total - sum(phases.values()))
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    trace = out_dir / f"trace-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    params = greedy_params(max_tokens)
+    ids = [engine.add_request(f"trace-{i}", p, params) for i, p in enumerate(prompts)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(trace_steps):
+            if not engine.has_unfinished_requests():
+                break
+            with torch.profiler.record_function("Engine.step"):
+                engine.step()
+    engine.abort_request(ids)
+    prof.export_chrome_trace(str(trace))
+    return {
+        "num_steps": timer.calls.get("step", 0),
+        "step_s": step_total,
+        "wall_s": result.wall_s,
+        "tokens_per_s": result.tokens_per_s,
+        "phases_s": phases,
+        "trace": str(trace),
+        "note": "hooks run in the SDK client, not inside Engine.step; the engine alone spends nothing on them",
+    }

@@ -1,0 +1,217 @@
+"""Results of one benchmark run: per-contender figures, the printed table and the JSON document.
+
+JSON layout (``paged bench --json PATH``), stable so that later runs can be compared::
+
+    {"schema": 1, "workload": {...}, "machine": {...}, "protocol": {...},
+     "results": [{"name", "tokens_per_s", "ratio_to_engine", "wall_s", "num_requests",
+                  "num_new_tokens", "num_prompt_tokens", "prompt_tokens_computed",
+                  "prefix_cache_hit_rate", "num_preemptions", "ttft_s": {"p50", "p99", "mean"},
+                  "itl_s": {...}, "matches_engine", "notes"}, ...],
+     "ceiling": {...} | null, "poisson": {...} | null, "sweep": {"levels": [...], "saturation_concurrency"} | null,
+     "profile": {...} | null}
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+ENGINE = "paged engine"
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class RunResult:
+    """What one contender did on one workload.
+
+    ``ttft_s`` is measured from the moment the request was submitted (for one-by-one
+    generation: from its own start, i.e. without queueing behind earlier requests).
+    """
+
+    name: str
+    num_requests: int
+    num_new_tokens: int
+    wall_s: float
+    num_prompt_tokens: int
+    ttft_s: list[float] = field(default_factory=list)
+    itl_s: list[float] = field(default_factory=list)
+    prompt_tokens_computed: int | None = None
+    prefix_cache_hit_rate: float | None = None
+    num_preemptions: int | None = None
+    notes: str = ""
+    output_token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    prompt_indices: list[int] = field(default_factory=list, repr=False)  # which workload prompts ran
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The ``q``-th percentile (0-100) by linear interpolation; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    low, high = math.floor(pos), math.ceil(pos)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def summarize(values: list[float]) -> dict[str, float | None]:
+    """p50 / p99 / mean of a latency sample (None when empty)."""
+    return {
+        "p50": percentile(values, 50),
+        "p99": percentile(values, 99),
+        "mean": sum(values) / len(values) if values else None,
+        "count": len(values),
+    }
+
+
+def matches_engine(result: RunResult, engine: RunResult | None) -> float | None:
+    """Fraction of the requests both ran whose greedy tokens equal the engine's."""
+    if engine is None or result is engine or not result.output_token_ids or not engine.output_token_ids:
+        return None
+    by_prompt = dict(zip(engine.prompt_indices, engine.output_token_ids))
+    pairs = [(ids, by_prompt.get(i)) for i, ids in zip(result.prompt_indices, result.output_token_ids)]
+    pairs = [(a, b) for a, b in pairs if b is not None]
+    if not pairs:
+        return None
+    return sum(a == b for a, b in pairs) / len(pairs)
+
+
+def result_to_dict(result: RunResult, engine: RunResult | None) -> dict[str, Any]:
+    ratio = result.tokens_per_s / engine.tokens_per_s if engine and engine.tokens_per_s > 0 else None
+    return {
+        "name": result.name,
+        "tokens_per_s": result.tokens_per_s,
+        "ratio_to_engine": ratio,
+        "wall_s": result.wall_s,
+        "num_requests": result.num_requests,
+        "num_new_tokens": result.num_new_tokens,
+        "num_prompt_tokens": result.num_prompt_tokens,
+        "prompt_tokens_computed": result.prompt_tokens_computed,
+        "prefix_cache_hit_rate": result.prefix_cache_hit_rate,
+        "num_preemptions": result.num_preemptions,
+        "ttft_s": summarize(result.ttft_s),
+        "itl_s": summarize(result.itl_s),
+        "matches_engine": matches_engine(result, engine),
+        "notes": result.notes,
+    }
+
+
+def find_engine(results: list[RunResult]) -> RunResult | None:
+    return next((r for r in results if r.name == ENGINE), None)
+
+
+def build_report(
+    results: list[RunResult],
+    *,
+    workload: dict[str, Any],
+    machine: dict[str, Any],
+    protocol: dict[str, Any],
+    ceiling: dict[str, Any] | None = None,
+    poisson: dict[str, Any] | None = None,
+    sweep: dict[str, Any] | None = None,
+    profile: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The JSON document of one run (see the module docstring for its layout)."""
+    engine = find_engine(results)
+    if ceiling is not None and engine is not None and ceiling.get("tokens_per_s"):
+        ceiling = {**ceiling, "engine_fraction": engine.tokens_per_s / ceiling["tokens_per_s"]}
+    return {
+        "schema": SCHEMA_VERSION,
+        "workload": workload,
+        "machine": machine,
+        "protocol": protocol,
+        "results": [result_to_dict(r, engine) for r in results],
+        "ceiling": ceiling,
+        "poisson": poisson,
+        "sweep": sweep,
+        "profile": profile,
+    }
+
+
+def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
+    return "-" if value is None else format(value * scale, spec)
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The results table as GitHub-flavoured Markdown (printed by the command, pasted in docs)."""
+    header = (
+        "| contender | tok/s | x engine | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) "
+        "| prefix hit | prompt tok computed / total | same tokens |"
+    )
+    lines = [header, "|" + " --- |" * 8]
+    for r in report["results"]:
+        computed = r["prompt_tokens_computed"]
+        lines.append(
+            f"| {r['name']} | {r['tokens_per_s']:.1f} | {_fmt(r['ratio_to_engine'], '.2f')} "
+            f"| {_fmt(r['ttft_s']['p50'], '.2f')} / {_fmt(r['ttft_s']['p99'], '.2f')} "
+            f"| {_fmt(r['itl_s']['p50'], '.0f', 1e3)} / {_fmt(r['itl_s']['p99'], '.0f', 1e3)} "
+            f"| {_fmt(r['prefix_cache_hit_rate'], '.0%')} "
+            f"| {'-' if computed is None else computed} / {r['num_prompt_tokens']} "
+            f"| {_fmt(r['matches_engine'], '.0%')} |"
+        )
+    notes = [f"- {r['name']}: {r['notes']}" for r in report["results"] if r["notes"]]
+    ceiling = report.get("ceiling")
+    if ceiling:
+        frac = ceiling.get("engine_fraction")
+        notes.append(
+            f"- machine ceiling ({ceiling['dtype']}, matmuls at batch {ceiling['batch']}): "
+            f"{ceiling['gflops']:.0f} GFLOP/s = {ceiling['tokens_per_s']:.0f} tok/s"
+            + ("" if frac is None else f"; the engine reaches {frac:.0%} of it")
+        )
+    return "\n".join(lines + ([""] + notes if notes else []))
+
+
+def format_poisson(poisson: dict[str, Any]) -> str:
+    lines = [
+        "| rate (req/s) | tok/s | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | within bound |",
+        "|" + " --- |" * 5,
+    ]
+    for p in poisson["runs"]:
+        lines.append(
+            f"| {p['rate']:.2f} | {p['tokens_per_s']:.1f} "
+            f"| {_fmt(p['ttft_s']['p50'], '.2f')} / {_fmt(p['ttft_s']['p99'], '.2f')} "
+            f"| {_fmt(p['itl_s']['p50'], '.0f', 1e3)} / {_fmt(p['itl_s']['p99'], '.0f', 1e3)} "
+            f"| {'yes' if p['within_bound'] else 'no'} |"
+        )
+    best = poisson.get("max_rate_within_bound")
+    bound_ms = poisson["itl_bound_s"] * 1e3
+    lines.append("")
+    lines.append(
+        f"- highest rate with p99 ITL <= {bound_ms:.0f} ms: "
+        + ("none of the rates tried" if best is None else f"{best:.2f} req/s")
+    )
+    return "\n".join(lines)
+
+
+def format_sweep(sweep: dict[str, Any]) -> str:
+    levels = sweep["levels"]
+    names = list(levels[0]["tokens_per_s"])
+    lines = ["| concurrency | " + " | ".join(f"{n} tok/s" for n in names) + " |", "|" + " --- |" * (len(names) + 1)]
+    for row in levels:
+        cells = " | ".join(_fmt(row["tokens_per_s"].get(n), ".1f") for n in names)
+        lines.append(f"| {row['concurrency']} | {cells} |")
+    knee = sweep.get("saturation_concurrency")
+    lines.append("")
+    lines.append(
+        f"- {ENGINE} throughput stops growing (< 10% per doubling) after {knee} concurrent requests"
+        if knee is not None
+        else f"- {ENGINE} throughput still grows at the highest concurrency tried"
+    )
+    return "\n".join(lines)
+
+
+def format_profile(profile: dict[str, Any]) -> str:
+    lines = ["| phase | total (s) | share |", "| --- | --- | --- |"]
+    total = sum(profile["phases_s"].values()) or 1.0
+    for phase, seconds in profile["phases_s"].items():
+        lines.append(f"| {phase} | {seconds:.2f} | {seconds / total:.0%} |")
+    if profile.get("trace"):
+        lines.append("")
+        lines.append(f"- torch profiler trace: {profile['trace']}")
+    if profile.get("note"):
+        lines.append(f"- {profile['note']}")
+    return "\n".join(lines)

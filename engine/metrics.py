@@ -1,0 +1,73 @@
+"""Histograms behind ``stats()`` and ``/metrics``: Prometheus-style cumulative buckets."""
+
+from __future__ import annotations
+
+import bisect
+import math
+from typing import Any, Sequence
+
+# Seconds; spans a fast GPU decode step (ms) to a long CPU queue wait (minutes).
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
+)
+
+
+class Histogram:
+    """Counts of observations per bucket (upper bounds, ``le``), plus their count and sum.
+
+    ``quantile`` interpolates linearly inside the bucket, as Prometheus'
+    ``histogram_quantile`` does.
+    """
+
+    __slots__ = ("bounds", "counts", "count", "sum")
+
+    def __init__(self, bounds: Sequence[float] = LATENCY_BUCKETS) -> None:
+        if list(bounds) != sorted(set(bounds)) or not bounds:
+            raise ValueError("histogram bounds must be strictly increasing and non-empty")
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # last = +Inf bucket
+        self.count = 0
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.count += 1
+        self.sum += value
+
+    def quantile(self, q: float) -> float:
+        """The ``q``-quantile (0..1) estimated from the buckets; NaN when empty."""
+        if not 0.0 <= q <= 1.0:
+            raise ValueError(f"quantile must be in [0, 1]; got {q}")
+        if self.count == 0:
+            return math.nan
+        rank = q * self.count
+        cumulative = 0
+        for i, n in enumerate(self.counts):
+            if n and cumulative + n >= rank:
+                if i == len(self.bounds):  # +Inf bucket: the largest finite bound is all we know
+                    return self.bounds[-1]
+                low = self.bounds[i - 1] if i > 0 else 0.0
+                return low + (self.bounds[i] - low) * (rank - cumulative) / n
+            cumulative += n
+        return self.bounds[-1]
+
+    @property
+    def mean(self) -> float:
+        return self.sum / self.count if self.count else math.nan
+
+    def snapshot(self) -> dict[str, Any]:
+        """A JSON-ready copy: cumulative ``buckets`` as ``[le, count]`` (last ``le`` is inf), quantiles."""
+        cumulative, buckets = 0, []
+        for bound, n in zip((*self.bounds, math.inf), self.counts):
+            cumulative += n
+            buckets.append([bound, cumulative])
+        return {
+            "count": self.count,
+            "sum": self.sum,
+            "mean": self.mean,
+            "p50": self.quantile(0.5),
+            "p90": self.quantile(0.9),
+            "p99": self.quantile(0.99),
+            "buckets": buckets,
+        }

@@ -1,0 +1,146 @@
+"""Sampler: each knob changes the draw as specified; seeded rows ignore their batch company."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.layers.sampler import Sampler
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+V = 8
+PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0, 0.0, 0.0, 0.0])
+LOGITS = torch.log(PROBS.clamp_min(1e-30))
+
+
+def make_request(prompt=(7,), output=(), stop_ids=(), **params) -> Request:
+    r = Request("r", list(prompt), SamplingParams(**params), stop_token_ids=frozenset(stop_ids))
+    for t in output:
+        r.append_token(t)
+    return r
+
+
+def draw(params: dict, rows: int = 4000, logits: torch.Tensor = LOGITS, **kw) -> torch.Tensor:
+    """Samples ``rows`` independent rows (one request each) from the same logits."""
+    sampler = Sampler(V, seed=1)
+    reqs = [make_request(**kw, **params) for _ in range(rows)]
+    return torch.tensor(sampler(logits.expand(rows, V).clone(), reqs).token_ids)
+
+
+def freqs(tokens: torch.Tensor) -> torch.Tensor:
+    return torch.bincount(tokens, minlength=V).float() / len(tokens)
+
+
+def test_greedy_is_argmax_per_row() -> None:
+    """temperature=0 takes each row's argmax."""
+    logits = torch.randn(5, V)
+    out = Sampler(V)(logits, [make_request(temperature=0) for _ in range(5)])
+    assert out.token_ids == logits.argmax(-1).tolist()
+
+
+def test_random_sampling_follows_softmax() -> None:
+    """At temperature 1 the empirical distribution matches softmax(logits)."""
+    assert torch.allclose(freqs(draw({})), PROBS, atol=0.03)
+
+
+def test_temperature_sharpens_and_flattens() -> None:
+    """Low temperature concentrates on the argmax; high temperature spreads over the support."""
+    assert freqs(draw(dict(temperature=0.05)))[0] > 0.99
+    hot = freqs(draw(dict(temperature=5.0)))
+    expected = torch.softmax(LOGITS / 5.0, -1)
+    assert torch.allclose(hot, expected, atol=0.03)
+
+
+def test_top_k() -> None:
+    """top_k=2 never draws outside the two most likely tokens, and renormalises between them."""
+    f = freqs(draw(dict(top_k=2)))
+    assert f[2:].sum() == 0 and abs(f[0] - 0.5 / 0.8) < 0.03
+
+
+def test_top_p() -> None:
+    """top_p keeps the smallest prefix whose mass reaches p."""
+    assert set(draw(dict(top_p=0.7)).tolist()) == {0, 1}
+    assert set(draw(dict(top_p=0.5)).tolist()) == {0}
+    assert set(draw(dict(top_p=0.81)).tolist()) == {0, 1, 2}
+
+
+def test_min_p() -> None:
+    """min_p drops tokens below min_p times the top probability."""
+    assert set(draw(dict(min_p=0.5)).tolist()) == {0, 1}
+    assert set(draw(dict(min_p=0.7)).tolist()) == {0}
+
+
+def test_repetition_penalty_covers_prompt_and_output() -> None:
+    """A repetition penalty pushes a token seen in the prompt or the output below an unseen one."""
+    logits = torch.tensor([[2.0, 1.5, 0, 0, 0, 0, 0, 0]])
+    sampler = Sampler(V)
+    assert sampler(logits, [make_request(prompt=(0,), temperature=0)]).token_ids == [0]
+    assert sampler(logits, [make_request(prompt=(0,), temperature=0, repetition_penalty=2.0)]).token_ids == [1]
+    assert sampler(logits, [make_request(prompt=(5,), output=(0,), temperature=0, repetition_penalty=2.0)]).token_ids == [1]
+    neg = torch.tensor([[-1.0, -1.5, -9, -9, -9, -9, -9, -9]])  # negative logits are multiplied
+    assert sampler(neg, [make_request(prompt=(0,), temperature=0, repetition_penalty=2.0)]).token_ids == [1]
+
+
+def test_presence_and_frequency_penalties_count_output_tokens() -> None:
+    """Presence subtracts once per seen token, frequency once per occurrence; the prompt is not counted."""
+    logits = torch.tensor([[2.0, 1.5, 0, 0, 0, 0, 0, 0]])
+    sampler = Sampler(V)
+    assert sampler(logits, [make_request(prompt=(0,), temperature=0, presence_penalty=1.0)]).token_ids == [0]
+    assert sampler(logits, [make_request(output=(0,), temperature=0, presence_penalty=1.0)]).token_ids == [1]
+    assert sampler(logits, [make_request(output=(0,), temperature=0, frequency_penalty=0.4)]).token_ids == [0]
+    assert sampler(logits, [make_request(output=(0, 0), temperature=0, frequency_penalty=0.4)]).token_ids == [1]
+
+
+def test_penalty_counts_are_incremental() -> None:
+    """Tokens appended between steps are counted once each across repeated calls."""
+    logits = torch.tensor([[2.0, 1.5, 0, 0, 0, 0, 0, 0]])
+    sampler = Sampler(V)
+    r = make_request(temperature=0, frequency_penalty=0.4)
+    assert sampler(logits, [r]).token_ids == [0]
+    r.append_token(0)
+    assert sampler(logits, [r]).token_ids == [0]  # 2.0 - 0.4 > 1.5
+    r.append_token(0)
+    assert sampler(logits, [r]).token_ids == [1]  # 2.0 - 0.8 < 1.5
+
+
+def test_min_tokens_suppresses_stop_ids() -> None:
+    """Below min_tokens the stop ids (EOS included) cannot be drawn; after it they can."""
+    logits = torch.tensor([[0.0, 5.0, 1.0, 0, 0, 0, 0, 0]])
+    sampler = Sampler(V)
+    early = make_request(stop_ids=(1,), output=(3,), temperature=0, min_tokens=2)
+    assert sampler(logits, [early]).token_ids == [2]
+    late = make_request(stop_ids=(1,), output=(3, 3), temperature=0, min_tokens=2)
+    assert sampler(logits, [late]).token_ids == [1]
+
+
+def test_seed_is_reproducible_in_any_batch_company() -> None:
+    """A seeded request draws the same tokens whatever else is in the batch and wherever its row is."""
+    logits = torch.zeros(1, V)
+
+    def run(company: int, position: int) -> list[int]:
+        sampler = Sampler(V, seed=company)
+        seeded = make_request(seed=1234)
+        tokens = []
+        for _ in range(6):
+            rows = [make_request() for _ in range(company)]
+            rows.insert(position, seeded)
+            out = sampler(logits.expand(len(rows), V).clone(), rows)
+            tokens.append(out.token_ids[position])
+        return tokens
+
+    alone = run(0, 0)
+    assert run(3, 1) == alone and run(7, 7) == alone
+    assert len(set(alone)) > 1  # really random, not a constant
+    other = Sampler(V)
+    assert [other(logits, [make_request(seed=99)]).token_ids[0] for _ in range(6)] != alone
+
+
+def test_logprobs_are_raw_log_softmax_with_ranks() -> None:
+    """logprobs=k returns the sampled token first, then the top k with ranks, from the raw logits."""
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0, 0, 0, 0, 0]])
+    out = Sampler(V)(logits, [make_request(temperature=0, logprobs=2), make_request(temperature=0)])
+    ref = torch.log_softmax(logits[0], -1)
+    row = out.logprobs[0]
+    assert [t for t, _, _ in row] == [1, 1, 2] and [r for _, _, r in row] == [1, 1, 2]
+    assert abs(row[2][1] - ref[2].item()) < 1e-6
+    assert out.logprobs[1] is None

@@ -10,6 +10,7 @@ import asyncio
 from typing import Any
 
 from engine.errors import EngineError, EngineOverloaded, RequestRejected
+from engine.metrics import Histogram
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -74,7 +75,23 @@ class FakeEngine:
             self.running[request_id].set()
 
     def stats(self) -> dict[str, Any]:
-        return {"num_requests_running": len(self.running), "num_requests_waiting": 0, "kv_blocks_total": 8, "kv_blocks_used": len(self.running)}
+        ttft = Histogram()
+        for value in (0.004, 0.2, 3.0):
+            ttft.observe(value)
+        return {
+            "num_requests_running": len(self.running),
+            "num_requests_waiting": 0,
+            "kv_blocks_total": 8,
+            "kv_blocks_used": len(self.running),
+            "kv_blocks_cached": 2,
+            "prefix_cache_queries": 40,
+            "prefix_cache_hits": 10,
+            "prompt_tokens_computed": 30,
+            "generation_tokens": 7,
+            "num_preemptions": 1,
+            "ttft_seconds": ttft,
+            "itl_seconds": Histogram().snapshot(),
+        }
 
     async def shutdown(self) -> None:
         self.is_running = False

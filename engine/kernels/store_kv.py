@@ -8,6 +8,8 @@ import triton.language as tl
 
 from engine.kernels._checks import check_launchable, check_paged_cache, check_tensor
 
+TILE_ELEMS = 4096  # elements of K (and of V) one program moves: a few tokens of a real model
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -16,6 +18,7 @@ def _store_kv_kernel(
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping_ptr,  # [num_tokens] int64, negative = padding token, not stored
+    num_tokens,
     stride_k_tok,
     stride_k_head,
     stride_v_tok,
@@ -26,23 +29,24 @@ def _store_kv_kernel(
     num_kv_heads,
     head_dim,
     BLOCK_SIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,  # tokens per program
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    tok = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
-    if slot < 0:
-        return
+    # Rows of the tile are (token, kv head) pairs: row = token * BLOCK_H + head.
+    r = tl.arange(0, BLOCK_T * BLOCK_H)
+    tok = tl.program_id(0).to(tl.int64) * BLOCK_T + r // BLOCK_H  # [BLOCK_T * BLOCK_H]
+    h = r % BLOCK_H
+    d = tl.arange(0, BLOCK_D)
+    slot = tl.load(slot_mapping_ptr + tok, mask=tok < num_tokens, other=-1).to(tl.int64)
+    row_mask = (slot >= 0) & (h < num_kv_heads)
+    mask = row_mask[:, None] & (d[None, :] < head_dim)  # [BLOCK_T * BLOCK_H, BLOCK_D]
+
+    k = tl.load(key_ptr + (tok * stride_k_tok + h * stride_k_head)[:, None] + d[None, :], mask=mask)
+    v = tl.load(value_ptr + (tok * stride_v_tok + h * stride_v_head)[:, None] + d[None, :], mask=mask)
     blk = slot // BLOCK_SIZE
     off = slot % BLOCK_SIZE
-
-    h = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_D)
-    mask = (h[:, None] < num_kv_heads) & (d[None, :] < head_dim)  # [BLOCK_H, BLOCK_D]
-
-    k = tl.load(key_ptr + tok * stride_k_tok + h[:, None] * stride_k_head + d[None, :], mask=mask)
-    v = tl.load(value_ptr + tok * stride_v_tok + h[:, None] * stride_v_head + d[None, :], mask=mask)
-    dst = blk * stride_c_blk + off * stride_c_slot + h[:, None] * stride_c_head + d[None, :]
+    dst = (blk * stride_c_blk + off * stride_c_slot + h * stride_c_head)[:, None] + d[None, :]
     tl.store(key_cache_ptr + dst, k, mask=mask)
     tl.store(value_cache_ptr + dst, v, mask=mask)
 
@@ -82,12 +86,15 @@ def store_kv(
     if num_tokens == 0:
         return
     check_launchable(_store_kv_kernel, device)
-    _store_kv_kernel[(num_tokens,)](
+    block_h, block_d = triton.next_power_of_2(num_kv_heads), triton.next_power_of_2(head_dim)
+    block_t = max(1, TILE_ELEMS // (block_h * block_d))
+    _store_kv_kernel[(triton.cdiv(num_tokens, block_t),)](
         key,
         value,
         key_cache,
         value_cache,
         slot_mapping,
+        num_tokens,
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -98,6 +105,7 @@ def store_kv(
         num_kv_heads,
         head_dim,
         BLOCK_SIZE=block_size,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_T=block_t,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
     )

@@ -32,7 +32,7 @@ from engine.kernels._checks import (
 )
 
 TILE_N = 64  # context tokens per inner-loop step; independent of the cache block size
-MIN_PARTITION = 256  # shorter partitions cost more in the reduce than they win in parallelism
+MIN_PARTITION = 256  # tokens; below this the reduce's cost outweighs the parallelism (untuned on GPU)
 MAX_SPLITS = 64
 
 
@@ -100,8 +100,8 @@ def _paged_decode_kernel(
         other=0.0,
     )  # [BLOCK_G, BLOCK_D]
 
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_G], tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for tile_start in range(start, end, TILE_N):
@@ -116,14 +116,14 @@ def _paged_decode_kernel(
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_G, TILE_N]
         s = tl.where(pos_mask[None, :], s, float("-inf"))
         # NOTE: every tile holds >= 1 valid position, so m_new is finite and nothing is NaN.
-        m_new = tl.maximum(m, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m = m_new
+        m_i = m_new
 
-    acc = acc / l[:, None]
+    acc = acc / l_i[:, None]
     out_mask = g_mask[:, None] & d_mask[None, :]
     if not SPLIT:
         o_off = seq * stride_o_tok + q_heads[:, None] * stride_o_head + d[None, :]
@@ -131,7 +131,7 @@ def _paged_decode_kernel(
     else:
         row_id = (seq * tl.num_programs(1) * num_queries_per_kv + q_heads) * num_splits + split
         tl.store(part_out_ptr + row_id[:, None] * head_dim + d[None, :], acc, mask=out_mask)
-        tl.store(part_lse_ptr + row_id, m + tl.log2(l), mask=g_mask)
+        tl.store(part_lse_ptr + row_id, m_i + tl.log2(l_i), mask=g_mask)
 
 
 @triton.jit

@@ -87,8 +87,8 @@ def _prefill_attention_kernel(
         other=0.0,
     )  # [BLOCK_M, BLOCK_D]
 
-    m = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
+    m_i = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     # The last query of this block sees positions < kv_end; nothing beyond is loaded.
@@ -105,16 +105,16 @@ def _prefill_attention_kernel(
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
         visible = (pos[None, :] <= q_pos[:, None]) & pos_mask[None, :]
         s = tl.where(visible, s, float("-inf"))
-        # NOTE: position 0 is visible to every row and sits in the first tile, so m is finite
+        # NOTE: position 0 is visible to every row and sits in the first tile, so m_i is finite
         # from then on and fully masked rows of later tiles give p = 0, never NaN.
-        m_new = tl.maximum(m, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m = m_new
+        m_i = m_new
 
-    acc = acc / l[:, None]
+    acc = acc / l_i[:, None]
     o_off = tok[:, None] * stride_o_tok + q_heads[:, None] * stride_o_head + d[None, :]
     tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 

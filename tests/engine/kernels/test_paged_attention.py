@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_cases import make_batch, reference_attention
+from paged_cases import PagedBatch, make_batch, reference_attention
 
 from engine.kernels import choose_num_splits, paged_decode_attention, store_kv
 from engine.kernels.paged_attention import MAX_SPLITS, MIN_PARTITION
@@ -12,14 +12,14 @@ from engine.kernels.paged_attention import MAX_SPLITS, MIN_PARTITION
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
 
 
-def _decode(b, num_splits: int | None = None) -> torch.Tensor:
+def _decode(b: PagedBatch, num_splits: int | None = None) -> torch.Tensor:
     kc, vc = b.kv_cache[0], b.kv_cache[1]
     store_kv(b.k, b.v, kc, vc, b.meta.slot_mapping)
     m = b.meta
     return paged_decode_attention(b.q, kc, vc, m.block_tables, m.seq_lens, m.max_seq_len, b.scale, num_splits)
 
 
-def _check(b, out: torch.Tensor) -> None:
+def _check(b: PagedBatch, out: torch.Tensor) -> None:
     tol = TOL[b.q.dtype]
     assert out.dtype == b.q.dtype and out.shape == b.q.shape
     torch.testing.assert_close(out.double().cpu(), reference_attention(b), atol=tol, rtol=tol)

@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_cases import make_batch, reference_attention
+from paged_cases import PagedBatch, make_batch, reference_attention
 
 from engine.kernels import prefill_attention, store_kv
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
 
 
-def _prefill(b) -> torch.Tensor:
+def _prefill(b: PagedBatch) -> torch.Tensor:
     kc, vc, m = b.kv_cache[0], b.kv_cache[1], b.meta
     store_kv(b.k, b.v, kc, vc, m.slot_mapping)
     return prefill_attention(b.q, kc, vc, m.block_tables, m.query_start_loc, m.seq_lens, m.max_query_len, b.scale)
 
 
-def _check(b, out: torch.Tensor) -> None:
+def _check(b: PagedBatch, out: torch.Tensor) -> None:
     tol = TOL[b.q.dtype]
     assert out.dtype == b.q.dtype and out.shape == b.q.shape
     torch.testing.assert_close(out.double().cpu(), reference_attention(b), atol=tol, rtol=tol)

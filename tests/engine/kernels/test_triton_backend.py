@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_cases import make_batch, reference_attention, stored_cache
+from paged_cases import PagedBatch, make_batch, reference_attention, stored_cache
 
+from engine.layers.attention import AttentionBackend
 from engine.layers.triton_attention import TritonAttentionBackend
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
@@ -16,7 +17,7 @@ MIXED = [(33, 1), (80, 48), (64, 30), (21, 2)]
 PREFILL = [(45, 45), (17, 17)]
 
 
-def _torch_backend():
+def _torch_backend() -> AttentionBackend:
     try:
         from engine.layers.attention import TorchAttentionBackend
     except ImportError:
@@ -24,7 +25,7 @@ def _torch_backend():
     return TorchAttentionBackend()
 
 
-def _run(backend, b) -> torch.Tensor:
+def _run(backend: AttentionBackend, b: PagedBatch) -> torch.Tensor:
     return backend.forward(b.q, b.k, b.v, b.kv_cache, b.meta, b.scale)
 
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
+from triton.runtime.interpreter import InterpretedFunction
 
 
 def check_tensor(
@@ -63,8 +66,6 @@ def check_heads(q: torch.Tensor, num_kv_heads: int, head_dim: int) -> int:
 
 def check_launchable(kernel: object, device: torch.device) -> None:
     """Fail clearly when a CPU tensor meets a kernel compiled for the GPU."""
-    from triton.runtime.interpreter import InterpretedFunction
-
     if device.type != "cuda" and not isinstance(kernel, InterpretedFunction):
         raise RuntimeError(
             f"Triton kernels need CUDA tensors (got {device}); to run them on the CPU set "
@@ -80,3 +81,11 @@ def head_block(head_dim: int) -> int:
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs use exact fp32 dots (tf32 would cost ~1e-3 of accuracy); halves are exact already."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@functools.cache
+def get_num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 1 elsewhere (the interpreter runs one at a time)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count

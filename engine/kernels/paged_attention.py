@@ -28,6 +28,7 @@ from engine.kernels._checks import (
     check_paged_cache,
     check_tensor,
     dot_precision,
+    get_num_sms,
     head_block,
 )
 
@@ -223,10 +224,7 @@ def paged_decode_attention(
     check_launchable(_paged_decode_kernel, device)
 
     if num_splits is None:
-        num_sms = (
-            torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-        )
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms)
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, get_num_sms(device))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     partition_size = triton.cdiv(triton.cdiv(max_seq_len, num_splits), TILE_N) * TILE_N

@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import atexit
+import concurrent.futures
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -144,7 +145,7 @@ class InProcessTransport(Transport):
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[TransportOutput]:
         from engine.sampling_params import SamplingParams
-        from engine.errors import EngineError, EngineOverloaded, RequestRejected
+        from engine.errors import EngineError, EngineOverloaded
 
         try:
             params = SamplingParams(**request.sampling)
@@ -168,7 +169,7 @@ class InProcessTransport(Transport):
                 )
                 num_text, num_tokens = len(completion.text), len(completion.token_ids)
                 yield delta
-        except RequestRejected as exc:
+        except ValueError as exc:  # RequestRejected, or a request id already in use
             raise InvalidRequestError(str(exc)) from exc
         except EngineOverloaded as exc:
             raise OverloadedError(str(exc)) from exc
@@ -227,9 +228,22 @@ def shutdown_engines() -> None:
         _engines.clear()
     for engine in engines:
         try:
-            asyncio.run(engine.shutdown())
+            with asyncio.Runner() as runner:
+                # NOTE: at interpreter exit thread pools refuse work, so blocking calls run inline.
+                runner.get_loop().set_default_executor(_InlineExecutor())
+                runner.run(engine.shutdown())
         except Exception:
             logger.exception("engine shutdown failed")
+
+
+class _InlineExecutor(concurrent.futures.ThreadPoolExecutor):
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:
+            future.set_exception(exc)
+        return future
 
 
 atexit.register(shutdown_engines)

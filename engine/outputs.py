@@ -56,3 +56,12 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class PinnedPrefix:
+    """A prompt prefix whose full KV blocks stay referenced until ``unpin_prefix(pin_id)``."""
+
+    pin_id: str
+    num_tokens: int  # tokens of the pinned prompt
+    num_cached_tokens: int  # of those, found already cached when pinning (not recomputed)

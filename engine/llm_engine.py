@@ -1,0 +1,484 @@
+"""Engine: requests in, outputs out. One step = schedule -> run -> sample -> update -> detokenize.
+
+Single owner, not thread-safe: ``AsyncEngine`` drives one from a thread of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.scheduler import Scheduler
+from engine.detokenizer import IncrementalDetokenizer, make_decode_fn
+from engine.errors import EngineError, RequestRejected
+from engine.metrics import Histogram
+from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampling_params import MAX_SEED, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+@dataclass(slots=True)
+class _Parent:
+    """One user request: its ``n`` sibling sequences share the prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    children: list[Request]
+    finished_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.is_finished for c in self.children)
+
+
+def make_config(model: str | None, config: EngineConfig | None, overrides: dict[str, Any]) -> EngineConfig:
+    """``Engine(model, **config)`` / ``Engine(config=...)`` -> one EngineConfig."""
+    if config is None:
+        return EngineConfig(model=model, **overrides)
+    if model is not None:
+        overrides = {**overrides, "model": model}
+    return dataclasses.replace(config, **overrides) if overrides else config
+
+
+class Engine:
+    """The inference engine for one model: continuous batching over a paged KV cache.
+
+    Args:
+        model: A Hugging Face model directory or a ``.gguf`` file; None = the bundled SmolLM2.
+        config: All settings at once; keyword arguments (``EngineConfig`` fields) override it.
+        **overrides: ``EngineConfig`` fields.
+
+    Raises:
+        ModelLoadError: The model cannot be loaded.
+        ValueError: A setting is invalid.
+    """
+
+    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, **overrides: Any) -> None:
+        from transformers import AutoTokenizer
+
+        from engine.layers.sampler import Sampler
+        from engine.loader import resolve_model
+        from engine.worker.model_runner import ModelRunner
+
+        self.config = make_config(model, config, overrides)
+        self.model_dir = resolve_model(self.config.model)
+        self.model_name = self.model_dir.name if self.config.model is None else str(self.config.model)
+        self.runner = ModelRunner(self.config, self.model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
+        self.vocab_size: int = self.runner.vocab_size
+        self.max_model_len: int = self.runner.max_model_len
+        self.kv = KVCacheManager(self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.sampler = Sampler(self.vocab_size, self.runner.device, seed=self.config.seed)
+        self.eos_token_ids = _eos_token_ids(self.model_dir, self.runner.hf_config, self.tokenizer)
+        # NOTE: a sequence never outgrows max_model_len nor what the whole KV cache holds.
+        self.max_num_tokens = min(self.max_model_len, self.runner.num_blocks * self.config.block_size)
+        self._decode = make_decode_fn(self.tokenizer)
+        self._parents: dict[str, _Parent] = {}
+        self._failures: dict[str, EngineError] = {}
+        self._pins: set[str] = set()
+        self._arrivals = itertools.count()
+        self._ids = itertools.count()
+        self._ttft = Histogram()
+        self._itl = Histogram()
+        self._num_generation_tokens = 0
+        self._busy_seconds = 0.0
+
+    # ---------------------------------------------------------------------------- requests in
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """A prompt's token ids: a str is encoded (with the tokenizer's special tokens), ids pass through."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)):
+            raise RequestRejected(f"prompt must be a str or a list of token ids; got {type(prompt).__name__}")
+        return list(prompt)
+
+    def validate_prompt(self, prompt_token_ids: Sequence[int]) -> None:
+        """Checks a prompt can ever be served; reads only immutable settings (safe from any thread).
+
+        Raises:
+            RequestRejected: Empty, a token id outside the vocabulary, too long for
+                ``max_model_len`` or for the whole KV cache.
+        """
+        num = len(prompt_token_ids)
+        if num == 0:
+            raise RequestRejected("prompt is empty")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_token_ids):
+            raise RequestRejected("prompt token ids must be integers")
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
+            raise RequestRejected(f"prompt token ids must be in the vocabulary [0, {self.vocab_size})")
+        if num >= self.max_model_len:
+            raise RequestRejected(
+                f"prompt has {num} tokens; max_model_len is {self.max_model_len} (room for one generated token needed)"
+            )
+        if num >= self.max_num_tokens:
+            raise RequestRejected(
+                f"prompt has {num} tokens; the KV cache holds at most {self.max_num_tokens} tokens of one request"
+            )
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> str:
+        """Queues a request; it joins the running batch at the next step that has room.
+
+        Args:
+            request_id: Unique among unfinished requests; None = one is made up.
+            prompt: Text, or token ids.
+            params: How to sample; None = ``SamplingParams()``.
+            priority: Smaller runs first; FIFO within one priority.
+            cache_salt: Requests with different salts never share KV blocks.
+
+        Returns:
+            The request id.
+
+        Raises:
+            RequestRejected: The prompt can never be served (see ``validate_prompt``).
+            ValueError: The id is in use, or ``params`` is not a SamplingParams.
+        """
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams; got {type(params).__name__}")
+        request_id = f"req-{next(self._ids)}" if request_id is None else request_id
+        if request_id in self._parents or request_id in self._pins:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_token_ids = self.tokenize(prompt)
+        self.validate_prompt(prompt_token_ids)
+        self._add(request_id, prompt_token_ids, params, priority, cache_salt)
+        return request_id
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
+        """Finishes requests now (finish_reason "abort") and frees their blocks; unknown ids are skipped.
+
+        Returns:
+            The final output of each request aborted.
+        """
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        outputs = []
+        for request_id in ids:
+            parent = self._parents.get(request_id)
+            if parent is None:
+                if request_id in self._pins:
+                    self.unpin_prefix(request_id)
+                continue
+            self.scheduler.finish_requests([c.req_id for c in parent.children], RequestStatus.FINISHED_ABORTED)
+            outputs.append(self._make_output(parent))
+        return outputs
+
+    def pin_prefix(self, prompt: Prompt, cache_salt: str | None = None) -> str:
+        """Computes the prompt's KV once and keeps its blocks referenced until ``unpin_prefix``.
+
+        The pin request runs like any other (one greedy token); its blocks are held once
+        it finishes.
+
+        Returns:
+            The pin id, also the id of the request that computes it.
+        """
+        pin_id = f"pin-{next(self._ids)}"
+        prompt_token_ids = self.tokenize(prompt)
+        self.validate_prompt(prompt_token_ids)
+        parent = self._add(pin_id, prompt_token_ids, SamplingParams(max_tokens=1, temperature=0.0), 0, cache_salt)
+        parent.children[0].keep_blocks = True
+        self._pins.add(pin_id)
+        return pin_id
+
+    def unpin_prefix(self, pin_id: str) -> None:
+        """Releases a pinned prefix's blocks (they stay cached until evicted); unknown ids are a no-op."""
+        if pin_id not in self._pins:
+            return
+        self._pins.discard(pin_id)
+        parent = self._parents.get(pin_id)
+        if parent is not None:
+            self.scheduler.finish_requests([pin_id], RequestStatus.FINISHED_ABORTED)
+            self._parents.pop(pin_id, None)
+        self.kv.free(pin_id)
+
+    def _add(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
+        cache_salt: str | None,
+    ) -> _Parent:
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        children = []
+        for index in range(params.n):
+            child_params = params
+            if params.n > 1:
+                seed = None if params.seed is None else (params.seed + index) % (MAX_SEED + 1)
+                child_params = dataclasses.replace(params, n=1, seed=seed)
+            child = Request(
+                request_id if params.n == 1 else f"{index}_{request_id}",
+                prompt_token_ids,
+                child_params,
+                priority=priority,
+                arrival_seq=next(self._arrivals),
+                cache_salt=cache_salt,
+                stop_token_ids=stop_ids,
+                max_num_tokens=self.max_num_tokens,
+                parent_id=request_id,
+                index=index,
+            )
+            child.detokenizer = IncrementalDetokenizer(self._decode, prompt_token_ids, params.stop)
+            children.append(child)
+        for child in children:
+            self.scheduler.add_request(child)
+        parent = _Parent(request_id, prompt_token_ids, children)
+        self._parents[request_id] = parent
+        return parent
+
+    # ---------------------------------------------------------------------------- stepping
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one step.
+
+        Returns:
+            The cumulative output of every request that progressed or finished in it;
+            failed requests finish with reason "abort" and their errors are in ``pop_failures()``.
+        """
+        return self._step(emit_unfinished=True)
+
+    def pop_failures(self) -> dict[str, EngineError]:
+        """The errors of requests failed since the last call, by request id."""
+        failures, self._failures = self._failures, {}
+        return failures
+
+    def _step(self, emit_unfinished: bool) -> list[RequestOutput]:
+        start = time.perf_counter()
+        scheduler_output = self.scheduler.schedule()
+        touched: dict[str, None] = {}  # parent ids, in order
+        for request in self.scheduler.capped:
+            touched[request.parent_id] = None
+        self.scheduler.capped.clear()
+        if scheduler_output.scheduled:
+            try:
+                logits = self.runner.execute_model(scheduler_output)
+            except Exception as exc:
+                logger.exception("step failed; failing its %d requests", len(scheduler_output.scheduled))
+                error = EngineError(f"the engine failed a step: {exc!r}")
+                for scheduled in scheduler_output.scheduled:
+                    request = self.scheduler.requests.get(scheduled.req_id)
+                    if request is not None:  # None: a sibling failed it already
+                        self._fail(request.parent_id, error, touched)
+                # NOTE: blocks hashed this step may hold unwritten K/V: forget every unreferenced hash.
+                self.kv.reset_prefix_cache()
+            else:
+                requests = self.scheduler.requests
+                rows = [requests[s.req_id] for s in scheduler_output.scheduled if s.needs_logits]
+                self._process(logits, rows, touched)
+        self._busy_seconds += time.perf_counter() - start
+        outputs = []
+        for parent_id in touched:
+            parent = self._parents.get(parent_id)
+            if parent is None:
+                continue
+            if parent.finished:
+                del self._parents[parent_id]
+                parent.finished_time = time.perf_counter()
+                outputs.append(self._make_output(parent))
+            elif emit_unfinished:
+                outputs.append(self._make_output(parent))
+        return outputs
+
+    def _process(self, logits: Any, rows: list[Request], touched: dict[str, None]) -> None:
+        try:
+            sampled = self.sampler(logits, rows)
+            token_ids, logprobs = sampled.token_ids, sampled.logprobs
+        except Exception:
+            logger.exception("batch sampling failed; sampling row by row")
+            token_ids, logprobs, ok_rows = [], [], []
+            for i, request in enumerate(rows):
+                try:
+                    one = self.sampler(logits[i : i + 1], [request])
+                except Exception as exc:
+                    self._fail(request.parent_id, EngineError(f"sampling failed: {exc!r}"), touched)
+                    continue
+                ok_rows.append(request)
+                token_ids.append(one.token_ids[0])
+                logprobs.append(one.logprobs[0])
+            rows = ok_rows
+        self.scheduler.update_from_output(rows, token_ids)
+        now = time.perf_counter()
+        self._num_generation_tokens += len(rows)
+        for request, row_logprobs in zip(rows, logprobs):
+            touched[request.parent_id] = None
+            try:
+                self._postprocess(request, row_logprobs, now)
+            except Exception as exc:
+                logger.exception("postprocessing %s failed", request.req_id)
+                self._fail(request.parent_id, EngineError(f"postprocessing failed: {exc!r}"), touched)
+
+    def _postprocess(self, request: Request, row_logprobs: list | None, now: float) -> None:
+        if request.first_token_time is None:
+            request.first_token_time = now
+            self._ttft.observe(now - request.arrival_time)
+        else:
+            self._itl.observe(now - request.last_token_time)
+        request.last_token_time = now
+        if row_logprobs is not None and request.logprobs is not None:
+            entry: dict[int, Logprob] = {}
+            for tok, lp, rank in row_logprobs:  # the sampled token first, then the top k
+                if tok not in entry:
+                    entry[tok] = Logprob(lp, rank, self._decode([tok]))
+            request.logprobs.append(entry)
+        if request.status == RequestStatus.FINISHED_STOPPED:
+            return  # ended by a stop token id / EOS: its text is not part of the output
+        check_stop = request.num_output_tokens >= request.sampling_params.min_tokens
+        if request.detokenizer.update(request.all_token_ids, check_stop):
+            if request.is_finished:
+                request.status = RequestStatus.FINISHED_STOPPED
+            else:
+                self.scheduler.finish_requests([request.req_id], RequestStatus.FINISHED_STOPPED)
+
+    def _fail(self, parent_id: str, error: EngineError, touched: dict[str, None]) -> None:
+        parent = self._parents.get(parent_id)
+        if parent is None:
+            return
+        self.scheduler.finish_requests([c.req_id for c in parent.children], RequestStatus.FINISHED_ERROR)
+        for child in parent.children:
+            if child.keep_blocks:  # a pin that failed holds nothing
+                self.kv.free(child.req_id)
+        self._failures[parent_id] = error
+        self._pins.discard(parent_id)
+        touched[parent_id] = None
+
+    def _make_output(self, parent: _Parent) -> RequestOutput:
+        finished = parent.finished
+        completions = []
+        for child in parent.children:
+            child_finished = child.is_finished
+            completions.append(
+                CompletionOutput(
+                    index=child.index,
+                    text=child.detokenizer.visible_text(child_finished),
+                    token_ids=child.output_token_ids,
+                    finish_reason=child.status.finish_reason,
+                    logprobs=list(child.logprobs) if child.logprobs is not None else None,
+                )
+            )
+        first = parent.children[0]
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=first.num_cached_tokens,
+            metrics=RequestMetrics(
+                arrival_time=first.arrival_time,
+                first_token_time=min((c.first_token_time for c in parent.children if c.first_token_time), default=None),
+                last_token_time=max((c.last_token_time for c in parent.children if c.last_token_time), default=None),
+                finished_time=time.perf_counter() if finished else None,
+            ),
+        )
+
+    # ---------------------------------------------------------------------------- batch API
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Runs a batch of prompts to completion, all at once under continuous batching.
+
+        Args:
+            prompts: One prompt or a list (str, or token-id lists).
+            params: One SamplingParams for all, or one per prompt; None = defaults.
+            use_tqdm: Show a progress bar (batches of more than one prompt).
+
+        Returns:
+            The final output of each prompt, in the prompts' order.
+
+        Raises:
+            RequestRejected: A prompt can never be served (nothing is run).
+            EngineError: The engine failed one of the requests (the others are aborted).
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        token_lists = [self.tokenize(p) for p in prompts]
+        for ids in token_lists:
+            self.validate_prompt(ids)
+        ids = [self.add_request(None, t, p) for t, p in zip(token_lists, params)]
+        results: dict[str, RequestOutput] = {}
+        pending = set(ids)
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm or len(ids) < 2)
+        try:
+            while pending:
+                for output in self._step(emit_unfinished=False):
+                    if output.request_id in pending:
+                        pending.discard(output.request_id)
+                        results[output.request_id] = output
+                        bar.update(1)
+                failures = self.pop_failures()
+                if failed := [i for i in ids if i in failures]:
+                    raise failures[failed[0]]
+        finally:
+            bar.close()
+            if pending:
+                self.abort_request(pending)
+        return [results[i] for i in ids]
+
+    # ---------------------------------------------------------------------------- figures
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's figures (names shared with ``/metrics`` and ``paged bench``)."""
+        kv = self.kv.stats()
+        return {
+            "num_requests_running": self.scheduler.num_running,
+            "num_requests_waiting": self.scheduler.num_waiting,
+            "kv_blocks_total": kv.num_blocks,
+            "kv_blocks_used": kv.num_used_blocks,
+            "kv_blocks_cached": kv.num_cached_blocks,
+            "prefix_cache_queries": kv.prefix_cache_queries,
+            "prefix_cache_hits": kv.prefix_cache_hits,
+            "prompt_tokens_computed": self.scheduler.num_prompt_tokens_computed,
+            "generation_tokens": self._num_generation_tokens,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "ttft_seconds": self._ttft.snapshot(),
+            "itl_seconds": self._itl.snapshot(),
+            # output tokens per second of time spent stepping
+            "generation_tokens_per_second": (
+                self._num_generation_tokens / self._busy_seconds if self._busy_seconds else 0.0
+            ),
+        }
+
+
+def _eos_token_ids(model_dir: Any, hf_config: Any, tokenizer: Any) -> frozenset[int]:
+    """EOS ids from generation_config.json, the model config and the tokenizer."""
+    ids: set[int] = set()
+    candidates: list[Any] = [getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)]
+    try:
+        from transformers import GenerationConfig
+
+        candidates.append(GenerationConfig.from_pretrained(model_dir, local_files_only=True).eos_token_id)
+    except OSError:
+        pass  # no generation_config.json
+    for value in candidates:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return frozenset(ids)

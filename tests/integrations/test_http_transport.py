@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import pytest
 
@@ -80,3 +81,23 @@ async def test_leaving_a_remote_stream_aborts_on_the_server(make_server):
                 break
             await asyncio.sleep(0.01)
         assert not engine.running
+
+
+def test_sync_client_over_http(make_server):
+    """The sync sdk.Client (its own loop thread) works over HttpTransport: chat, stream and an early break."""
+    from sdk.sync import Client
+
+    server, engine = make_server(delay=0.01)
+    client = Client(transport=HttpTransport(server.base_url, api_key=KEY))
+    assert client.chat("hi", max_tokens=2).text == " ok ok"
+    pieces = []
+    for delta in client.stream("hi", max_tokens=300):
+        pieces.append(delta.text)
+        if len(pieces) == 2:
+            break
+    assert pieces == [" ok", " ok"]
+    for _ in range(100):
+        if not engine.running:
+            break
+        time.sleep(0.01)
+    assert not engine.running

@@ -1,0 +1,92 @@
+"""`paged serve`: flags map to the engine config, and the process drains and exits cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from integrations.openai_server.app import key_id
+from integrations.openai_server.command import add_arguments, api_keys, engine_config, is_loopback, parse_size
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_flags_map_to_engine_config_and_keys(monkeypatch):
+    """Engine and admission flags become EngineConfig fields; keys become {tenant: key} with hashed ids for bare keys."""
+    args = _parse("--kv-cache-memory", "512MiB", "--max-num-seqs", "8", "--no-prefix-caching", "--max-queued-requests", "3",
+                  "--api-key", "alice=sk-a", "--api-key", "c2stYg==")  # fmt: skip
+    config = engine_config(args)
+    assert config["kv_cache_memory"] == 512 << 20 and config["max_num_seqs"] == 8
+    assert config["enable_prefix_caching"] is False and config["max_queued_requests"] == 3
+    assert "num_blocks" not in config and "max_model_len" not in config
+    assert api_keys(args) == {"alice": "sk-a", key_id("c2stYg=="): "c2stYg=="}
+    monkeypatch.setenv("PAGED_API_KEY", "sk-env")
+    assert api_keys(_parse()) == {key_id("sk-env"): "sk-env"}
+    assert parse_size("2G") == 2 << 30 and parse_size("1000") == 1000
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and not is_loopback("0.0.0.0")
+    with pytest.raises(SystemExit):
+        _parse("--kv-cache-memory", "1G", "--num-blocks", "4")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def test_serve_process_drains_on_sigterm(tiny_model_factory):
+    """A stream in flight at SIGTERM gets a terminal error event and [DONE] after the drain timeout; the process exits 0."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "integrations.cli", "serve", "--model", str(tiny_model_factory("llama")),
+           "--port", str(port), "--num-blocks", "64", "--drain-timeout", "0.5", "--log-level", "WARNING"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PAGED_API_KEY": ""}, stderr=subprocess.PIPE, text=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if _get(base + "/health") == 200:
+                    break
+            except OSError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() is not None else ""
+            time.sleep(0.2)
+        models = json.load(urllib.request.urlopen(base + "/v1/models", timeout=5))
+        body = {"model": models["data"][0]["id"], "prompt": "hi", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        request = urllib.request.Request(base + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            assert resp.readline().startswith(b"data: ")
+            proc.send_signal(signal.SIGTERM)
+            lines = [line.strip() for line in resp if line.strip()]
+        assert lines[-1] == b"data: [DONE]"
+        assert json.loads(lines[-2][6:])["error"]["code"] == "shutdown"
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -238,7 +238,7 @@ class _Run:
         with contextlib.suppress(ConnectionError):
             await self.events.send(error.body())
             await self.events.done()
-        return self.events._response  # type: ignore[return-value]
+        return self.events.response
 
     # ------------------------------------------------------------------ non-streaming
 

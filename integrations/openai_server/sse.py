@@ -23,14 +23,19 @@ class EventStream:
     def started(self) -> bool:
         return self._response is not None
 
+    @property
+    def response(self) -> web.StreamResponse:
+        if self._response is None:
+            raise RuntimeError("the event stream has not started")
+        return self._response
+
     async def send(self, event: BaseModel) -> None:
         await self._write(encode(event))
 
     async def done(self) -> web.StreamResponse:
         await self._write(DONE)
-        assert self._response is not None
-        await self._response.write_eof()
-        return self._response
+        await self.response.write_eof()
+        return self.response
 
     async def _write(self, data: bytes) -> None:
         if self._response is None:

@@ -166,3 +166,24 @@ def test_starting_server_is_503(live_server, tokenizer):
         loaded.set()
     server.wait_phase("serving")
     assert _raw(server, "/health")[0] == 200
+
+
+def test_dead_engine_turns_health_and_api_to_503(make_server):
+    """When the engine stops running, /health answers 503 "dead" and requests get 503 instead of hanging."""
+    server, engine = make_server()
+    engine.is_running = False
+    status, _, body = _raw(server, "/health")
+    assert (status, body["status"]) == (503, "dead")
+    with pytest.raises(openai.InternalServerError) as err:
+        _client(server).chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}])
+    assert err.value.status_code == 503 and err.value.body["code"] == "server_dead"
+
+
+def test_max_completion_tokens_wins_over_max_tokens(make_server):
+    """max_completion_tokens (the newer name) bounds the reply; max_tokens is the fallback."""
+    server, _ = make_server()
+    client = _client(server)
+    messages = [{"role": "user", "content": "hi"}]
+    out = client.chat.completions.create(model="fake-model", messages=messages, max_tokens=5, max_completion_tokens=2)
+    assert out.usage.completion_tokens == 2
+    assert client.chat.completions.create(model="fake-model", messages=messages, max_tokens=4).usage.completion_tokens == 4

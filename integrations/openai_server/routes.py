@@ -14,7 +14,8 @@ from pydantic import BaseModel, ValidationError
 from integrations.openai_server import protocol as p
 from integrations.openai_server.errors import ApiError, bad_request, from_validation
 from integrations.openai_server.metrics import CONTENT_TYPE
-from integrations.openai_server.serving import Chunk, Serving, TokenInfo
+from integrations.openai_server.responses import chat_logprobs, completion_logprobs, token_ids, usage
+from integrations.openai_server.serving import Chunk, Serving
 from integrations.openai_server.sse import EventStream
 from sdk.errors import ContentBlocked, OverloadedError, PagedError
 from sdk.types import SAMPLING_FIELDS, ChatMessage
@@ -195,6 +196,7 @@ class _Run:
         self.logprobs = logprobs
         self.created = p.now()
         self.events = EventStream(request)
+        self.text_offsets: dict[int, int] = {}  # choice index -> chars streamed (completion logprobs)
 
     async def execute(self, **inputs: Any) -> web.StreamResponse:
         task = asyncio.current_task()
@@ -246,7 +248,7 @@ class _Run:
         choices: dict[int, list[Chunk]] = {}
         async for chunk in stream:
             choices.setdefault(chunk.index, []).append(chunk)
-        usage = _usage(self.body.n, [c[-1] for c in choices.values()])
+        totals = usage(self.body.n, [c[-1] for c in choices.values()])
         ordered = [choices[i] for i in sorted(choices)]
         want_ids = self.body.return_token_ids
         if self.is_chat:
@@ -258,13 +260,13 @@ class _Run:
                     p.ChatChoice(
                         index=c[0].index,
                         message=p.ChatMessage(content="".join(x.text for x in c)),
-                        logprobs=self._chat_logprobs(c),
+                        logprobs=chat_logprobs(c) if self.logprobs is not None else None,
                         finish_reason=c[-1].finish_reason,
-                        token_ids=_ids(c) if want_ids else None,
+                        token_ids=token_ids(c) if want_ids else None,
                     )
                     for c in ordered
                 ],
-                usage=usage,
+                usage=totals,
                 prompt_token_ids=list(ordered[0][-1].prompt_token_ids or ()) if want_ids else None,
             )
             return _json(chat)
@@ -276,14 +278,14 @@ class _Run:
                 p.CompletionChoice(
                     index=c[0].index,
                     text="".join(x.text for x in c),
-                    logprobs=self._completion_logprobs(c),
+                    logprobs=completion_logprobs(c) if self.logprobs is not None else None,
                     finish_reason=c[-1].finish_reason,
-                    token_ids=_ids(c) if want_ids else None,
+                    token_ids=token_ids(c) if want_ids else None,
                     prompt_token_ids=list(c[-1].prompt_token_ids or ()) if want_ids else None,
                 )
                 for c in ordered
             ],
-            usage=usage,
+            usage=totals,
         )
         return _json(completion)
 
@@ -307,16 +309,16 @@ class _Run:
             if chunk.finish_reason is not None:
                 finals.append(chunk)
         if self.body.include_usage():
-            usage = _usage(self.body.n, finals)
+            totals = usage(self.body.n, finals)
             if self.is_chat:
                 event: BaseModel = p.ChatCompletionChunk(
                     id=self.request_id, created=self.created, model=self.serving.model_name,
-                    choices=[], usage=usage,
+                    choices=[], usage=totals,
                 )  # fmt: skip
             else:
                 event = p.CompletionResponse(
                     id=self.request_id, created=self.created, model=self.serving.model_name,
-                    choices=[], usage=usage,
+                    choices=[], usage=totals,
                 )  # fmt: skip
             await self.events.send(event)
         return await self.events.done()
@@ -327,12 +329,17 @@ class _Run:
             event = self._chat_chunk(
                 chunk.index,
                 p.DeltaMessage(content=chunk.text) if chunk.text else p.DeltaMessage(),
-                logprobs=self._chat_logprobs([chunk]),
+                logprobs=chat_logprobs([chunk]) if self.logprobs is not None else None,
                 finish_reason=chunk.finish_reason,
                 token_ids=ids,
             )
             event.prompt_token_ids = prompt_ids
             return event
+        logprobs = None
+        if self.logprobs is not None:
+            # NOTE: text_offset counts from the start of the choice's text, across chunks.
+            logprobs = completion_logprobs([chunk], self.text_offsets.get(chunk.index, 0))
+            self.text_offsets[chunk.index] = self.text_offsets.get(chunk.index, 0) + sum(map(len, logprobs.tokens))
         return p.CompletionResponse(
             id=self.request_id,
             created=self.created,
@@ -341,7 +348,7 @@ class _Run:
                 p.CompletionChoice(
                     index=chunk.index,
                     text=chunk.text,
-                    logprobs=self._completion_logprobs([chunk]),
+                    logprobs=logprobs,
                     finish_reason=chunk.finish_reason,
                     token_ids=ids,
                     prompt_token_ids=prompt_ids,
@@ -356,64 +363,3 @@ class _Run:
             model=self.serving.model_name,
             choices=[p.ChatChunkChoice(index=index, delta=delta, **choice)],
         )
-
-    # ------------------------------------------------------------------ logprobs
-
-    def _chat_logprobs(self, chunks: list[Chunk]) -> p.ChatLogprobs | None:
-        infos = _infos(chunks) if self.logprobs is not None else None
-        if infos is None:
-            return None
-        return p.ChatLogprobs(
-            content=[
-                p.TokenLogprob(
-                    token=t.token,
-                    logprob=t.logprob,
-                    bytes=list(t.token.encode()),
-                    top_logprobs=[
-                        p.TopLogprob(token=s, logprob=lp, bytes=list(s.encode())) for s, lp in t.top
-                    ],
-                )
-                for t in infos
-            ]
-        )
-
-    def _completion_logprobs(self, chunks: list[Chunk]) -> p.CompletionLogprobs | None:
-        infos = _infos(chunks) if self.logprobs is not None else None
-        if infos is None:
-            return None
-        offsets, offset = [], 0
-        for t in infos:
-            offsets.append(offset)
-            offset += len(t.token)
-        return p.CompletionLogprobs(
-            tokens=[t.token for t in infos],
-            token_logprobs=[t.logprob for t in infos],
-            top_logprobs=[dict(t.top) for t in infos],
-            text_offset=offsets,
-        )
-
-
-def _infos(chunks: list[Chunk]) -> list[TokenInfo]:
-    return [info for c in chunks for info in (c.logprobs or ())]
-
-
-def _ids(chunks: list[Chunk]) -> list[int]:
-    return [t for c in chunks for t in c.token_ids]
-
-
-def _usage(n: int, finals: list[Chunk]) -> p.Usage:
-    """Usage over every choice: each prompt counted once, completions summed."""
-    prompt = cached = completion = 0
-    for chunk in finals:
-        if chunk.usage is None:
-            continue
-        completion += chunk.usage.completion_tokens
-        if chunk.index % n == 0:
-            prompt += chunk.usage.prompt_tokens
-            cached += chunk.usage.cached_tokens
-    return p.Usage(
-        prompt_tokens=prompt,
-        completion_tokens=completion,
-        total_tokens=prompt + completion,
-        prompt_tokens_details={"cached_tokens": cached},
-    )

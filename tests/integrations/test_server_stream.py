@@ -176,3 +176,11 @@ def test_shutdown_drains_then_aborts_with_terminal_answers(make_server):
     events = results["stream"]
     assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "shutdown"
     assert not engine.running and engine.is_running is False
+
+
+def test_streamed_completion_logprobs_offsets_continue(make_server):
+    """Streamed completion logprobs carry text offsets that continue across chunks."""
+    server, _ = make_server()
+    stream = _client(server).completions.create(model="fake-model", prompt="hi", max_tokens=3, logprobs=0, stream=True)
+    offsets = [o for chunk in stream for c in chunk.choices if c.logprobs for o in c.logprobs.text_offset]
+    assert offsets == [0, 3, 6]

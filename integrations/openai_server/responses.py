@@ -1,0 +1,62 @@
+"""Wire pieces built from the serving chunks: logprobs in both OpenAI formats, token ids, usage."""
+
+from __future__ import annotations
+
+from integrations.openai_server import protocol as p
+from integrations.openai_server.serving import Chunk, TokenInfo
+
+
+def chat_logprobs(chunks: list[Chunk]) -> p.ChatLogprobs:
+    """Chat format: per token its string, logprob, UTF-8 bytes and top candidates."""
+    return p.ChatLogprobs(
+        content=[
+            p.TokenLogprob(
+                token=t.token,
+                logprob=t.logprob,
+                bytes=list(t.token.encode()),
+                top_logprobs=[p.TopLogprob(token=s, logprob=lp, bytes=list(s.encode())) for s, lp in t.top],
+            )
+            for t in _infos(chunks)
+        ]
+    )
+
+
+def completion_logprobs(chunks: list[Chunk], offset: int = 0) -> p.CompletionLogprobs:
+    """Legacy completions format: parallel lists, top candidates as {token: logprob}."""
+    infos = _infos(chunks)
+    offsets = []
+    for t in infos:
+        offsets.append(offset)
+        offset += len(t.token)
+    return p.CompletionLogprobs(
+        tokens=[t.token for t in infos],
+        token_logprobs=[t.logprob for t in infos],
+        top_logprobs=[dict(t.top) for t in infos],
+        text_offset=offsets,
+    )
+
+
+def token_ids(chunks: list[Chunk]) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]
+
+
+def usage(n: int, finals: list[Chunk]) -> p.Usage:
+    """Usage over every choice: each prompt counted once (choice ``p * n``), completions summed."""
+    prompt = cached = completion = 0
+    for chunk in finals:
+        if chunk.usage is None:
+            continue
+        completion += chunk.usage.completion_tokens
+        if chunk.index % n == 0:
+            prompt += chunk.usage.prompt_tokens
+            cached += chunk.usage.cached_tokens
+    return p.Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details={"cached_tokens": cached},
+    )
+
+
+def _infos(chunks: list[Chunk]) -> list[TokenInfo]:
+    return [info for c in chunks for info in (c.logprobs or ())]

@@ -1,0 +1,36 @@
+"""Every example runs to completion (as a user would run it), with short replies to keep it quick."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = {
+    "quickstart.py": "prefix-cache hit rate",
+    "async_app.py": "hash chain intact",
+    "langchain_agent.py": "prompt tokens from the cache",
+    "llamaindex_rag.py": "source (",
+}
+
+
+def test_examples_run_to_completion(tmp_path):
+    """Each example exits 0 and prints its closing figures; they run side by side to overlap model loads."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    procs = {}
+    for name in EXAMPLES:
+        log = (tmp_path / f"{name}.log").open("w")
+        procs[name] = subprocess.Popen(
+            [sys.executable, str(ROOT / "examples" / name), "--max-tokens", "4"],
+            cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    deadline = time.monotonic() + 600
+    for name, proc in procs.items():
+        proc.wait(timeout=max(deadline - time.monotonic(), 1))
+    for name, marker in EXAMPLES.items():
+        output = (tmp_path / f"{name}.log").read_text()
+        assert procs[name].returncode == 0, f"{name} failed:\n{output[-3000:]}"
+        assert marker in output, f"{name} did not print {marker!r}:\n{output[-3000:]}"

@@ -109,19 +109,30 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         running = self.running
+        allocate_slots = self.kv.allocate_slots
         preempted = False
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            num_new = request.num_tokens - request.num_computed_tokens
-            if num_new > 1:
+            token_ids = request.all_token_ids
+            start = request.num_computed_tokens
+            num_new = len(token_ids) - start
+            if num_new == 1:  # the decode fast path: no prompt accounting, no slicing
+                block_ids = allocate_slots(request.req_id, token_ids, start, 1, cache_salt=request.cache_salt)
+                if block_ids is not None:
+                    request.num_computed_tokens = start + 1
+                    scheduled.append(ScheduledRequest(request.req_id, [token_ids[-1]], start, block_ids, True))
+                    budget -= 1
+                    i += 1
+                    continue
+            else:
                 # NOTE: a prefill chunk leaves one token of budget to every request behind it,
                 # so a long prompt never stalls the others' next token.
                 num_new = min(num_new, budget - (len(running) - i - 1))
                 if num_new <= 0:
                     i += 1
                     continue
-            block_ids = self._allocate(request, num_new)
+                block_ids = self._allocate(request, num_new)
             while block_ids is None:
                 victim = running[-1]
                 if victim is request and i == 0:

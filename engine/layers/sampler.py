@@ -1,10 +1,17 @@
 """Sampler: logits of a whole batch -> next tokens (+ logprobs), vectorised over rows.
 
 Per step: penalties -> min_tokens suppression -> temperature -> top-k / top-p / min-p ->
-an exponential race (``argmax(probs / q)``, ``q ~ Exp(1)``), which samples exactly from
-``probs``. The noise of a seeded request is drawn from its own ``torch.Generator``, so its
+an inverse-CDF draw: one uniform number per row, located in the row's cumulative
+probabilities. A seeded request draws its number from its own ``torch.Generator``, so its
 tokens do not depend on what else is in the batch; greedy rows take the argmax.
-Python loops here touch rows (drawing seeded noise, gathering penalty state), never the
+
+NOTE: one random number per row, not one per vocabulary entry (as an exponential race or
+Gumbel noise needs): on CPU, drawing ``rows x vocab`` random numbers costs an order of
+magnitude more than the softmax itself. Likewise top-p looks for its nucleus among the
+top ``TOP_P_CANDIDATES`` tokens and sorts the whole vocabulary only for rows whose
+nucleus is wider.
+
+Python loops here touch rows (drawing seeded numbers, gathering penalty state), never the
 vocabulary.
 """
 
@@ -16,6 +23,8 @@ from typing import Sequence
 import torch
 
 from engine.request import Request
+
+TOP_P_CANDIDATES = 256
 
 
 @dataclass(slots=True)
@@ -82,40 +91,46 @@ class Sampler:
             rows, cols = zip(*suppress)
             logits = logits.index_put((self._tensor(rows), self._tensor(cols)), self._scalar(-float("inf")))
 
-        greedy = [p.is_greedy for p in params]
-        greedy_ids = logits.argmax(dim=-1)
-        if all(greedy):
-            sampled = greedy_ids
+        sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        if not sampled_rows:
+            sampled = logits.argmax(dim=-1)
+        elif len(sampled_rows) == num_rows:
+            sampled = self._sample(logits, requests)
         else:
-            sampled = torch.where(
-                torch.tensor(greedy, device=self.device), greedy_ids, self._sample(logits, requests, params)
-            )
+            index = self._tensor(sampled_rows)
+            drawn = self._sample(logits[index], [requests[i] for i in sampled_rows])
+            sampled = logits.argmax(dim=-1).index_copy(0, index, drawn)
         token_ids = sampled.tolist()
         logprobs: list[list[tuple[int, float, int]] | None] = [None] * num_rows
         if raw_logprobs is not None:
             logprobs = _gather_logprobs(raw_logprobs, sampled, params)
         return SamplerOutput(token_ids, logprobs)
 
-    def _sample(self, logits: torch.Tensor, requests: Sequence[Request], params: list) -> torch.Tensor:
-        temperature = self._tensor([p.temperature if not p.is_greedy else 1.0 for p in params], torch.float32)
+    def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        params = [r.sampling_params for r in requests]
+        temperature = self._tensor([p.temperature for p in params], torch.float32)
         logits = logits / temperature.unsqueeze(1)
         top_k = [p.top_k if 0 < p.top_k < self.vocab_size else 0 for p in params]
         top_p = [p.top_p for p in params]
         if any(top_k) or any(p < 1.0 for p in top_p):
-            logits = _apply_top_k_top_p(logits, self._tensor(top_k), self._tensor(top_p, torch.float32))
+            logits = _apply_top_k_top_p(logits, top_k, top_p)
         probs = torch.softmax(logits, dim=-1)
         min_p = [p.min_p for p in params]
         if any(min_p):
             threshold = probs.amax(dim=-1, keepdim=True) * self._tensor(min_p, torch.float32).unsqueeze(1)
             probs = probs.masked_fill(probs < threshold, 0.0)
-        # NOTE: argmax(probs / q) with q ~ Exp(1) i.i.d. is a draw from probs (normalisation not needed).
-        q = torch.empty_like(probs).exponential_(generator=self._generator)
+        u = torch.rand(len(requests), 1, generator=self._generator, device=self.device)
         for i, r in enumerate(requests):
             generator = self._state(r).generator
             if generator is not None:
-                q[i].exponential_(generator=generator)
-        # NOTE: q can be exactly 0; 0 / 0 would be NaN, which argmax prefers over every number.
-        return (probs / q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
+                u[i] = torch.rand(1, generator=generator, device=self.device)
+        cdf = probs.cumsum(dim=-1)  # [B, V]
+        # NOTE: right=True skips zero-probability tokens (flat stretches of the cdf), u = 0 included.
+        token_ids = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1).clamp_max_(cdf.shape[1] - 1)
+        chosen = probs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        if bool((chosen == 0).any()):  # u * total rounded up to the total: take the most likely token
+            token_ids = torch.where(chosen > 0, token_ids, probs.argmax(dim=-1))
+        return token_ids
 
     def _apply_penalties(self, logits: torch.Tensor, requests: Sequence[Request], rows: list[int]) -> torch.Tensor:
         prompt_masks, counts = [], []
@@ -174,18 +189,41 @@ class Sampler:
         return torch.tensor(value, dtype=torch.float32, device=self.device)
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """Masks to -inf what top-k (0 = off) and top-p (1 = off) exclude, per row."""
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # [B, V]
-    vocab = logits.shape[-1]
-    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)  # [1, V]
-    k = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)
-    drop = ranks >= k
-    sorted_logits = sorted_logits.masked_fill(drop, -float("inf"))
+    num_rows, vocab = logits.shape
+    device = logits.device
+    need_p = any(p < 1.0 for p in top_p)
+    num_candidates = min(vocab, max(max(top_k), TOP_P_CANDIDATES if need_p else 1))
+    values, _ = logits.topk(num_candidates, dim=-1)  # [B, K] sorted descending
+    k = torch.tensor([k or vocab for k in top_k], device=device).unsqueeze(1)
+    keep = torch.arange(num_candidates, device=device).unsqueeze(0) < k  # [B, K]
+    filtered = torch.tensor([bool(k) or p < 1.0 for k, p in zip(top_k, top_p)], device=device)
+    if need_p:
+        top_p_t = torch.tensor(top_p, dtype=torch.float32, device=device).unsqueeze(1)
+        has_k = torch.tensor([k > 0 for k in top_k], device=device)
+        # normaliser: the top-k set when top-k is on (it lies among the candidates), else the whole vocab
+        lse = torch.where(has_k, values.masked_fill(~keep, -float("inf")).logsumexp(-1), logits.logsumexp(-1))
+        probs = torch.exp(values - lse.unsqueeze(1)).masked_fill(~keep, 0.0)  # [B, K]
+        mass = probs.cumsum(dim=-1)
+        keep &= (mass - probs) < top_p_t  # the smallest prefix whose mass reaches top_p
+        wide = (mass[:, -1:] < top_p_t).squeeze(1) & ~has_k  # nucleus beyond the candidates
+        if bool(wide.any()):
+            rows = wide.nonzero().squeeze(1)
+            logits = logits.clone()
+            logits[rows] = _top_p_by_sort(logits[rows], top_p_t[rows])
+            filtered &= ~wide
+    keep[:, 0] = True
+    threshold = values.masked_fill(~keep, float("inf")).amin(dim=-1)  # smallest kept logit
+    threshold = torch.where(filtered, threshold, -float("inf")).unsqueeze(1)
+    return logits.masked_fill(logits < threshold, -float("inf"))
+
+
+def _top_p_by_sort(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Exact top-p over the whole vocabulary (rows whose nucleus is wider than the candidates)."""
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
     probs = torch.softmax(sorted_logits, dim=-1)
-    # keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it already does
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop |= mass_before >= top_p.unsqueeze(1)
+    drop = (probs.cumsum(dim=-1) - probs) >= top_p
     drop[:, 0] = False
     mask = torch.zeros_like(drop).scatter_(1, sorted_idx, drop)
     return logits.masked_fill(mask, -float("inf"))

@@ -267,3 +267,32 @@ def test_request_status_is_ordered() -> None:
     assert RequestStatus.WAITING < RequestStatus.RUNNING < RequestStatus.PREEMPTED
     assert all(s.is_finished for s in RequestStatus if s > RequestStatus.PREEMPTED)
     assert not any(s.is_finished for s in RequestStatus if s <= RequestStatus.PREEMPTED)
+
+
+def test_streamed_text_keeps_chinese_and_emoji_whole(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forced byte-level tokens of Chinese and emoji stream out as whole characters, never U+FFFD."""
+    from engine.layers.sampler import SamplerOutput
+
+    text = "你好，世界🎉🚀"
+    script = engine.tokenizer.encode(text)
+    monkeypatch.setattr(
+        engine, "sampler", lambda logits, reqs: SamplerOutput([script[r.num_output_tokens] for r in reqs], [None] * len(reqs))
+    )
+    engine.add_request("utf8", [5, 6, 7], SamplingParams(max_tokens=len(script), ignore_eos=True))
+    texts = []
+    while engine.has_unfinished_requests():
+        texts += [o.outputs[0].text for o in engine.step()]
+    assert texts[-1] == text
+    assert all("\ufffd" not in t for t in texts) and len(set(texts)) < len(texts)  # some steps held bytes back
+
+
+def test_bundled_model_answers(bundled_model_dir) -> None:
+    """The bundled SmolLM2 completes a factual prompt greedily, batched with a chat-templated one."""
+    e = Engine(num_blocks=64, max_num_seqs=4)
+    chat = e.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Say hi."}], add_generation_prompt=True, tokenize=False
+    )
+    outs = e.generate(["The capital of France is", chat], SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)
+    assert "Paris" in outs[0].outputs[0].text
+    assert outs[1].outputs[0].token_ids and "\ufffd" not in outs[1].outputs[0].text
+    assert_pool_whole(e)

@@ -57,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[1, 2, 4, 8, 16, 32, 64, 128],
         help="sweep: comma-separated concurrency levels",
     )
+    parser.add_argument(
+        "--threads", type=_positive_int, default=None, help="torch CPU threads for every contender (default: torch's)"
+    )
     parser.add_argument("--no-ceiling", action="store_true", help="skip the matmul ceiling measurement")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -86,11 +89,13 @@ def run(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from engine.loader import resolve_model
-    from integrations.bench import baselines, engine_runs
+    from integrations.bench import baselines, engine_runs, profiling
     from integrations.bench.ceiling import measure_ceiling
     from integrations.bench.report import build_report, format_poisson, format_profile, format_sweep, format_table
     from integrations.bench.workloads import build_workload
 
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     model_dir = resolve_model(args.model)
     dtype = getattr(torch, args.dtype)
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
@@ -137,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
                 )
     if args.profile:
         bar.set_postfix_str("profile")
-        profile = engine_runs.profile_steps(
+        profile = profiling.profile_steps(
             args.model, engine_kwargs, workload.prompts[: min(len(workload.prompts), 64)], args.max_tokens,
             args.profile_dir,
         )

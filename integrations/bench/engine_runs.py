@@ -211,8 +211,7 @@ def poisson_search(
     from engine import AsyncEngine
 
     async def search() -> dict[str, Any]:
-        engine = AsyncEngine(model, **engine_kwargs)
-        try:
+        async with AsyncEngine(model, **engine_kwargs) as engine:
             async for _ in engine.generate([1, 2, 3, 4], greedy_params(2)):  # warm-up
                 pass
             runs: list[dict[str, Any]] = []
@@ -227,118 +226,7 @@ def poisson_search(
                 else:
                     bad = rate if bad is None else min(bad, rate)
                 rate = rate * 2 if bad is None else rate / 2 if good is None else (good + bad) / 2
-            return {"itl_bound_s": itl_bound, "max_rate_within_bound": good, "runs": runs}
-        finally:
-            await _close(engine)
+        return {"itl_bound_s": itl_bound, "max_rate_within_bound": good, "runs": runs}
 
     return asyncio.run(search())
 
-
-async def _close(engine: Any) -> None:
-    for name in ("aclose", "close", "shutdown"):
-        method = getattr(engine, name, None)
-        if method is not None:
-            result = method()
-            if asyncio.iscoroutine(result):
-                await result
-            return
-
-
-# ------------------------------------------------------------------------------------ step profile
-
-
-class _PhaseTimer:
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self.calls: dict[str, int] = {}
-
-    def wrap(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
-                self.calls[phase] = self.calls.get(phase, 0) + 1
-
-        return timed
-
-
-def profile_steps(
-    model: str | None,
-    engine_kwargs: dict[str, Any],
-    prompts: list[list[int]],
-    max_tokens: int,
-    out_dir: Any,
-    trace_steps: int = 6,
-) -> dict[str, Any]:
-    """Where a step's time goes, and a torch profiler trace of the first steps.
-
-    Times the phases of ``Engine.step`` by wrapping what it calls (scheduler, input
-    preparation, model forward, sampler, scheduler update, detokenizer, output building)
-    over one full run of ``prompts``; then traces ``trace_steps`` steps of a second run
-    with ``torch.profiler`` into ``out_dir``.
-    """
-    from contextlib import ExitStack
-    from pathlib import Path
-    from unittest import mock
-
-    import torch
-
-    import engine.detokenizer as detokenizer_module
-    import engine.worker.model_runner as runner_module
-
-    engine = make_engine(model, engine_kwargs)
-    timer = _PhaseTimer()
-    with ExitStack() as stack:
-        targets = [
-            (engine.scheduler, "schedule", "schedule"),
-            (runner_module, "prepare_inputs", "prepare inputs"),
-            (engine.runner, "execute_model", "execute_model"),
-            (engine, "sampler", "sample"),
-            (engine.scheduler, "update_from_output", "update"),
-            (detokenizer_module.IncrementalDetokenizer, "update", "detokenize"),
-            (engine, "_make_output", "emit outputs"),
-            (engine, "step", "step"),
-        ]
-        for target, attr, phase in targets:
-            if hasattr(target, attr):
-                stack.enter_context(mock.patch.object(target, attr, timer.wrap(phase, getattr(target, attr))))
-        result = run_batch(engine, prompts, max_tokens, lambda n: None)
-    seconds = timer.seconds
-    step_total = seconds.pop("step", 0.0)
-    prepare = seconds.get("prepare inputs", 0.0)
-    phases = {
-        "schedule": seconds.get("schedule", 0.0),
-        "prepare inputs": prepare,
-        "forward": seconds.pop("execute_model", 0.0) - prepare,
-        "sample": seconds.get("sample", 0.0),
-        "update": seconds.get("update", 0.0),
-        "detokenize": seconds.get("detokenize", 0.0),
-        "emit outputs": seconds.get("emit outputs", 0.0),
-        "hooks": 0.0,
-    }
-    phases["other"] = max(0.0, step_total - sum(phases.values()))
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    trace = out_dir / f"trace-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    params = greedy_params(max_tokens)
-    ids = [engine.add_request(f"trace-{i}", p, params) for i, p in enumerate(prompts)]
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
-        for _ in range(trace_steps):
-            if not engine.has_unfinished_requests():
-                break
-            with torch.profiler.record_function("Engine.step"):
-                engine.step()
-    engine.abort_request(ids)
-    prof.export_chrome_trace(str(trace))
-    return {
-        "num_steps": timer.calls.get("step", 0),
-        "step_s": step_total,
-        "wall_s": result.wall_s,
-        "tokens_per_s": result.tokens_per_s,
-        "phases_s": phases,
-        "trace": str(trace),
-        "note": "hooks run in the SDK client, not inside Engine.step; the engine alone spends nothing on them",
-    }

@@ -108,7 +108,6 @@ def test_sweep_reports_each_concurrency(tiny_dir: Path, tmp_path: Path) -> None:
 
 def test_poisson_search_reports_rates(tiny_dir: Path, tmp_path: Path) -> None:
     """Poisson arrivals through AsyncEngine: one run per trial, the best rate is one that met the bound."""
-    pytest.importorskip("engine.async_engine")
     out = tmp_path / "bench.json"
     rc = main([
         "bench", "--model", str(tiny_dir), "--num-blocks", "256", "--workload", "poisson", "--num-requests", "3", "--max-tokens", "3",

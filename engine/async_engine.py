@@ -20,7 +20,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.errors import EngineError, EngineOverloaded
-from engine.llm_engine import Engine, Prompt
+from engine.llm_engine import Engine, Prompt, check_request_args
 from engine.outputs import PinnedPrefix, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -161,13 +161,14 @@ class AsyncEngine:
             RequestRejected: From the first ``__anext__``: empty prompt, a token id outside
                 the vocabulary, longer than max_model_len or than the KV cache holds.
             EngineOverloaded: From the first ``__anext__``: admission limits are full.
-            ValueError: Bad ``params`` or a request id already in use.
+            ValueError: Bad ``params``, ``request_id``, ``priority`` or ``cache_salt``, or a request id already in use.
             EngineError: The engine failed this request, or is dead / shut down.
         """
         self._check_alive()
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams; got {type(params).__name__}")
+        check_request_args(request_id, priority, cache_salt)
         prompt_token_ids = self._engine.tokenize(prompt)
         self._engine.validate_prompt(prompt_token_ids)  # reads immutable settings only
         if request_id is None:

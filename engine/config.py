@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -52,6 +53,11 @@ class EngineConfig:
             _check_int("kv_cache_memory", self.kv_cache_memory, 1, 1 << 50)
         if self.num_blocks is not None:
             _check_int("num_blocks", self.num_blocks, 1, 1 << 32)
+        _check_int("seed", self.seed, 0, (1 << 63) - 1)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool; got {type(self.enable_prefix_caching).__name__}")
+        if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
+            raise ValueError(f"model must be a path or None; got {type(self.model).__name__}")
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
@@ -61,6 +67,7 @@ def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
 
 def _check_int(name: str, value: object, low: int, high: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer; got {value!r}")
+        raise ValueError(f"{name} must be an integer; got {type(value).__name__}")
     if not low <= value <= high:
-        raise ValueError(f"{name} must be in [{low}, {high}]; got {value}")
+        shown = value if abs(value) < 10**30 else "a number out of range"
+        raise ValueError(f"{name} must be in [{low}, {high}]; got {shown}")

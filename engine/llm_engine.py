@@ -27,6 +27,27 @@ logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
 
+MAX_PRIORITY = 1 << 31  # |priority| bound
+MAX_ID_CHARS = 256  # request ids and cache salts
+
+
+def check_request_args(request_id: object, priority: object, cache_salt: object) -> None:
+    """Checks the per-request arguments besides prompt and params; reads nothing mutable.
+
+    Raises:
+        ValueError: naming the field: ``request_id`` not None nor a non-empty str of at most
+            ``MAX_ID_CHARS``, ``priority`` not an int within ``MAX_PRIORITY``, ``cache_salt``
+            not None nor a str of at most ``MAX_ID_CHARS``.
+    """
+    if request_id is not None and (not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_ID_CHARS):
+        raise ValueError(f"request_id must be a non-empty str of at most {MAX_ID_CHARS} characters")
+    # NOTE: priorities are compared inside the waiting heap; one that is not an int would
+    # break the comparison there, on the driver thread, long after this call returned.
+    if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > MAX_PRIORITY:
+        raise ValueError(f"priority must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}]")
+    if cache_salt is not None and (not isinstance(cache_salt, str) or len(cache_salt) > MAX_ID_CHARS):
+        raise ValueError(f"cache_salt must be a str of at most {MAX_ID_CHARS} characters")
+
 
 @dataclass(slots=True)
 class _Parent:
@@ -115,10 +136,7 @@ class Engine:
         num = len(prompt_token_ids)
         if num == 0:
             raise RequestRejected("prompt is empty")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_token_ids):
-            raise RequestRejected("prompt token ids must be integers")
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
-            raise RequestRejected(f"prompt token ids must be in the vocabulary [0, {self.vocab_size})")
+        # NOTE: sizes first, so an absurdly long prompt is turned away without reading it.
         if num >= self.max_model_len:
             raise RequestRejected(
                 f"prompt has {num} tokens; max_model_len is {self.max_model_len} (room for one generated token needed)"
@@ -127,6 +145,10 @@ class Engine:
             raise RequestRejected(
                 f"prompt has {num} tokens; the KV cache holds at most {self.max_num_tokens} tokens of one request"
             )
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_token_ids):
+            raise RequestRejected("prompt token ids must be integers")
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
+            raise RequestRejected(f"prompt token ids must be in the vocabulary [0, {self.vocab_size})")
 
     def add_request(
         self,
@@ -155,6 +177,7 @@ class Engine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams; got {type(params).__name__}")
+        check_request_args(request_id, priority, cache_salt)
         request_id = f"req-{next(self._ids)}" if request_id is None else request_id
         if request_id in self._parents or request_id in self._pins:
             raise ValueError(f"request id {request_id!r} is already in use")

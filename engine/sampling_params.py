@@ -90,16 +90,22 @@ def _check_int(name: str, value: object, low: int, high: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer; got {type(value).__name__}")
     if not low <= value <= high:
-        raise ValueError(f"{name} must be in [{low}, {high}]; got {value}")
+        raise ValueError(f"{name} must be in [{low}, {high}]; got {_short(value)}")
 
 
 def _check_float(name: str, value: object, low: float, high: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number; got {type(value).__name__}")
-    if not math.isfinite(value):
+    # NOTE: an int compares exactly, however large; math.isfinite would overflow converting it.
+    if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"{name} must be finite; got {value}")
     if not low <= value <= high:
-        raise ValueError(f"{name} must be in [{low}, {high}]; got {value}")
+        raise ValueError(f"{name} must be in [{low}, {high}]; got {_short(value)}")
+
+
+def _short(value: int | float) -> str:
+    """A value for an error message: huge ints are not spelled out (nor echoed back to a client)."""
+    return str(value) if not isinstance(value, int) or abs(value) < 10**30 else "a number out of range"
 
 
 def _check_stop(stop: object) -> tuple[str, ...]:

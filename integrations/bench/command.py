@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import platform
+import re
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", action="store_true", help="also run the Hugging Face baselines")
     parser.add_argument(
         "--baselines",
-        default="one-by-one,static-16,continuous",
+        type=_baseline_list,
+        default=["one-by-one", "static-16", "continuous"],
         help="comma-separated baselines for --compare: one-by-one, static-N (e.g. static-64), continuous",
     )
     parser.add_argument(
@@ -81,6 +83,18 @@ def _int_list(text: str) -> list[int]:
     return sorted(set(values))
 
 
+def _baseline_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    for name in names:
+        if name not in ("one-by-one", "continuous") and not re.fullmatch(r"static-[1-9][0-9]*", name):
+            raise argparse.ArgumentTypeError(
+                f"unknown baseline {name!r}; expected one-by-one, static-N (e.g. static-16) or continuous"
+            )
+    if not names:
+        raise argparse.ArgumentTypeError("expected at least one baseline")
+    return names
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by ``args``; prints the tables, writes JSON and plots."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -102,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     num_requests = max(args.num_requests, max(args.concurrency)) if args.workload == "sweep" else args.num_requests
     workload = build_workload(args.workload, tokenizer, num_requests)
-    baseline_names = [b.strip() for b in args.baselines.split(",") if b.strip()] if args.compare else []
+    baseline_names = args.baselines if args.compare else []
 
     bar = tqdm(
         total=_expected_tokens(args, workload, baseline_names),

@@ -169,8 +169,8 @@ def test_saturation_point() -> None:
 
 
 def test_bad_arguments_are_rejected(tiny_dir: Path) -> None:
-    """Non-positive sizes and unknown workloads stop at argument parsing."""
-    for argv in (["--num-requests", "0"], ["--workload", "nope"], ["--concurrency", "1,x"]):
+    """Non-positive sizes, unknown workloads and unknown baselines stop at argument parsing."""
+    for argv in (["--num-requests", "0"], ["--workload", "nope"], ["--concurrency", "1,x"], ["--baselines", "vllm"]):
         with pytest.raises(SystemExit):
             main(["bench", "--model", str(tiny_dir), "--num-blocks", "256", *argv])
 

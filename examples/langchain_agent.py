@@ -56,7 +56,7 @@ def main(max_tokens: int) -> None:
 
         more = ["How do refunds work?", "How much luggage can I bring?", "Do you sell sandwiches?"]
         answers = chain.batch([{"history": [], "facts": lookup(q), "question": q} for q in more])
-        for question, answer in zip(more, answers):
+        for question, answer in zip(more, answers, strict=True):
             print(f"user:  {question}\nagent: {answer.strip()}\n")
 
     print(f"system prompt: {system.num_tokens} tokens, pinned once; {system.num_requests} requests "

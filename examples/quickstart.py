@@ -46,7 +46,7 @@ async def main(max_tokens: int, model: str | None) -> None:
         results = await client.batch(conversations, max_tokens=max_tokens, temperature=0)
         elapsed = time.perf_counter() - started
 
-    for question, result in zip(QUESTIONS, results):
+    for question, result in zip(QUESTIONS, results, strict=True):
         print(f"\nQ: {question}\nA: {result.text.strip()}")
 
     stats = client.stats()

@@ -36,7 +36,7 @@ def _digest(record: dict[str, Any]) -> str:
 
 
 def _iso(seconds: float) -> str:
-    return dt.datetime.fromtimestamp(seconds, dt.timezone.utc).isoformat(timespec="milliseconds")
+    return dt.datetime.fromtimestamp(seconds, dt.UTC).isoformat(timespec="milliseconds")
 
 
 class AuditLog(Hook):

@@ -7,7 +7,8 @@ import logging
 import time
 import uuid
 import weakref
-from typing import Any, AsyncIterator, Iterable, Sequence, Union
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any, Union
 
 from sdk.errors import OverloadedError, RequestTimeout
 from sdk.hooks import Hook, HookChain, RequestContext

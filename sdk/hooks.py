@@ -21,11 +21,16 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from sdk.errors import ContentBlocked, HookFailed
 from sdk.types import ChatMessage, Delta, FinishReason, Usage
+
+if TYPE_CHECKING:
+    from sdk.audit import AuditLog
+    from sdk.filters import RegexFilter
 
 __all__ = [
     "AuditLog",

@@ -6,7 +6,8 @@ import asyncio
 import concurrent.futures
 import queue
 import threading
-from typing import Any, Coroutine, Iterable, Iterator, TypeVar
+from collections.abc import Coroutine, Iterable, Iterator
+from typing import Any, TypeVar
 
 from sdk.client import AsyncClient, MessagesLike, PrefixHandle, PromptLike
 from sdk.hooks import Hook

@@ -14,8 +14,9 @@ import atexit
 import concurrent.futures
 import logging
 import threading
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from sdk.chat_template import render_chat
 from sdk.errors import EngineFailure, InvalidRequestError, OverloadedError
@@ -144,8 +145,8 @@ class InProcessTransport(Transport):
         return render_chat(self.engine.tokenizer, messages, add_generation_prompt)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[TransportOutput]:
-        from engine.sampling_params import SamplingParams
         from engine.errors import EngineError, EngineOverloaded
+        from engine.sampling_params import SamplingParams
 
         try:
             params = SamplingParams(**request.sampling)

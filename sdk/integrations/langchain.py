@@ -8,15 +8,16 @@ multimodal inputs are not supported.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, ClassVar, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any, ClassVar
 
 try:
     from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
     from langchain_core.language_models import BaseChatModel, LangSmithParams
     from langchain_core.language_models.chat_models import agenerate_from_stream, generate_from_stream
     from langchain_core.language_models.llms import LLM
-    from langchain_core.messages import AIMessageChunk, BaseMessage, ChatMessage as LCChatMessage
-    from langchain_core.messages import HumanMessage, SystemMessage, AIMessage, ToolMessage
+    from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage, SystemMessage, ToolMessage
+    from langchain_core.messages import ChatMessage as LCChatMessage
     from langchain_core.messages.ai import UsageMetadata
     from langchain_core.outputs import ChatGenerationChunk, ChatResult, GenerationChunk, LLMResult
 except ImportError as exc:  # pragma: no cover - depends on the environment

@@ -11,7 +11,8 @@ which are sent as given. Every call goes through an SDK client, so hooks and aud
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 try:
     from llama_index.core.base.llms.generic_utils import (
@@ -22,6 +23,8 @@ try:
     )
     from llama_index.core.base.llms.types import (
         ChatMessage as LIChatMessage,
+    )
+    from llama_index.core.base.llms.types import (
         ChatResponse,
         ChatResponseAsyncGen,
         ChatResponseGen,

@@ -6,10 +6,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fake_engine import FakeAsyncEngine  # tests/sdk is on sys.path (rootdir-relative imports)
 
 from sdk import AsyncClient
 from sdk.transport import InProcessTransport
-from fake_engine import FakeAsyncEngine  # tests/sdk is on sys.path (rootdir-relative imports)
 
 
 @pytest.fixture(scope="session")

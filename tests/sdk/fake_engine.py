@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 from engine.errors import EngineOverloaded, RequestRejected
 from engine.outputs import CompletionOutput, RequestOutput

@@ -28,7 +28,7 @@ def test_examples_run_to_completion(tmp_path):
             cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
     deadline = time.monotonic() + 600
-    for name, proc in procs.items():
+    for proc in procs.values():
         proc.wait(timeout=max(deadline - time.monotonic(), 1))
     for name, marker in EXAMPLES.items():
         output = (tmp_path / f"{name}.log").read_text()

@@ -17,7 +17,7 @@ from integrations.openai_server.metrics import CONTENT_TYPE
 from integrations.openai_server.responses import chat_logprobs, completion_logprobs, token_ids, usage
 from integrations.openai_server.serving import Chunk, Serving
 from integrations.openai_server.sse import EventStream
-from sdk.errors import ContentBlocked, OverloadedError, PagedError
+from sdk.errors import ContentBlocked, HookFailed, OverloadedError, PagedError
 from sdk.types import SAMPLING_FIELDS, ChatMessage
 
 if TYPE_CHECKING:
@@ -150,6 +150,8 @@ def _api_error(exc: PagedError) -> ApiError:
         return ApiError(400, message, param=param)
     if exc.status_code == 408:
         return ApiError(408, message, code="timeout")
+    if isinstance(exc, HookFailed):  # a filter failed closed; its message names the hook, not the text
+        return ApiError(500, message, code="hook_failed")
     return ApiError(500, "the engine failed to serve the request", code="engine_error")
 
 

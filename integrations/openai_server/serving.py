@@ -171,21 +171,16 @@ class Serving:
         client = self.client(tenant)
         inputs: list[Any] = [messages] if messages is not None else list(prompts)
         streams: list[AsyncIterator[Chunk]] = []
-        try:
-            for p, payload in enumerate(inputs):
-                for i in range(n):
-                    index = p * n + i
-                    rid = request_id if len(inputs) * n == 1 else f"{request_id}/{index}"
-                    opts = dict(options, request_id=rid)
-                    if i and opts.get("seed") is not None:
-                        opts["seed"] += i
-                    stream = self._choice(client, index, messages is not None, payload, logprobs, opts)
-                    streams.append(stream)
-                    streams[-1] = _prepend(await anext(stream), stream)
-        except BaseException:
-            for stream in streams:
-                await stream.aclose()
-            raise
+        for p, payload in enumerate(inputs):
+            for i in range(n):
+                index = p * n + i
+                rid = request_id if len(inputs) * n == 1 else f"{request_id}/{index}"
+                opts = dict(options, request_id=rid)
+                if i and opts.get("seed") is not None:
+                    opts["seed"] += i
+                streams.append(self._choice(client, index, messages is not None, payload, logprobs, opts))
+        firsts = await _first_outputs(streams)
+        streams = [_prepend(first, stream) for first, stream in zip(firsts, streams)]
         return streams[0] if len(streams) == 1 else _merge(streams)
 
     async def _choice(
@@ -235,6 +230,34 @@ def _token_info(entry: dict[int, Any], token_id: int, k: int) -> TokenInfo:
         logprob=sampled.logprob if sampled is not None else float("-inf"),
         top=[(lp.decoded_token, lp.logprob) for _, lp in top[:k]],
     )
+
+
+async def _first_outputs(streams: list[AsyncIterator[Chunk]]) -> list[Chunk]:
+    """Every stream's first chunk, awaited together (choices start in the same engine step).
+
+    On any error or cancellation every stream is closed (aborting its request) and the
+    first error is raised.
+    """
+    if len(streams) == 1:
+        try:
+            return [await anext(streams[0])]
+        except BaseException:
+            await streams[0].aclose()
+            raise
+    tasks = [asyncio.ensure_future(anext(s)) for s in streams]
+    try:
+        await asyncio.wait(tasks)
+        for task in tasks:
+            task.result()  # raises the first error, in choice order
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        # NOTE: a generator cannot be closed while its anext() still runs in a task.
+        await asyncio.wait(tasks)
+        for stream in streams:
+            await stream.aclose()
+        raise
+    return [task.result() for task in tasks]
 
 
 async def _prepend(first: Chunk, rest: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:

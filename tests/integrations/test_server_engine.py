@@ -199,3 +199,15 @@ def test_metrics_reflect_served_requests(server):
     assert samples["paged_generation_tokens_total"] == stats["generation_tokens"] > 0
     assert samples["paged_ttft_seconds_count"] >= 1
     assert samples["paged_kv_blocks_used"] == 0
+
+
+def test_n_choices_share_the_prompt(server):
+    """n=3 gives three indexed choices (greedy: each equal to the single answer), the prompt counted once in usage."""
+    client = _client(server)
+    kwargs = dict(model=_model(server), prompt="Numbers:", max_tokens=8, temperature=0)
+    one = client.completions.create(**kwargs)
+    many = client.completions.create(**kwargs, n=3)
+    assert sorted(c.index for c in many.choices) == [0, 1, 2]
+    assert {c.text for c in many.choices} == {one.choices[0].text}
+    assert many.usage.prompt_tokens == one.usage.prompt_tokens and many.usage.completion_tokens == 24
+    assert _idle(server)

@@ -184,3 +184,11 @@ def test_streamed_completion_logprobs_offsets_continue(make_server):
     stream = _client(server).completions.create(model="fake-model", prompt="hi", max_tokens=3, logprobs=0, stream=True)
     offsets = [o for chunk in stream for c in chunk.choices if c.logprobs for o in c.logprobs.text_offset]
     assert offsets == [0, 3, 6]
+
+
+def test_failed_admission_of_one_choice_closes_all(make_server):
+    """When choices cannot all start (overload), the request is 429 and no sibling is left running."""
+    server, engine = make_server(overloaded=True)
+    with pytest.raises(openai.RateLimitError):
+        _client(server).completions.create(model="fake-model", prompt=["a", "b"], n=2, max_tokens=3)
+    assert not engine.running

@@ -16,12 +16,25 @@ from typing import TextIO
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="HF directory or .gguf file (default: the bundled model)")
-    parser.add_argument("--base-url", default=None, help="chat with a remote OpenAI-compatible server instead")
-    parser.add_argument("--api-key", default=os.environ.get("PAGED_API_KEY"), help="key for --base-url (default: $PAGED_API_KEY)")
-    parser.add_argument("--system", default="You are a helpful assistant.", help="system prompt (empty for none)")
-    parser.add_argument("--max-tokens", type=int, default=256, help="longest reply in tokens (default: %(default)s)")
-    parser.add_argument("--temperature", type=float, default=0.7, help="(default: %(default)s; 0 = greedy)")
+    parser.add_argument(
+        "--model", default=None, help="HF directory or .gguf file (default: the bundled model)"
+    )
+    parser.add_argument(
+        "--base-url", default=None, help="chat with a remote OpenAI-compatible server instead"
+    )
+    parser.add_argument(
+        "--api-key", default=os.environ.get("PAGED_API_KEY"),
+        help="key for --base-url (default: $PAGED_API_KEY)",
+    )
+    parser.add_argument(
+        "--system", default="You are a helpful assistant.", help="system prompt (empty for none)"
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=256, help="longest reply in tokens (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--temperature", type=float, default=0.7, help="(default: %(default)s; 0 = greedy)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -18,7 +18,7 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 
 def parse_size(text: str) -> int:
-    """``"2GiB"``, ``"512M"``, ``"1e9"``-free plain bytes -> bytes (binary multiples)."""
+    """``"2GiB"``, ``"512M"`` or plain bytes -> bytes (K/M/G/T are binary multiples)."""
     match = _SIZE.match(text)
     if match is None:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1073741824, 512MiB, 2G)")
@@ -28,37 +28,86 @@ def parse_size(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     server = parser.add_argument_group("server")
-    server.add_argument("--model", default=None, help="HF directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
-    server.add_argument("--served-model-name", default=None, help="model id clients send and /v1/models lists (default: the model's name)")
-    server.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s; anything else should have --api-key)")
+    server.add_argument(
+        "--model", default=None,
+        help="HF directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)",
+    )
+    server.add_argument(
+        "--served-model-name", default=None,
+        help="model id clients send and /v1/models lists (default: the model's name)",
+    )
+    server.add_argument(
+        "--host", default="127.0.0.1",
+        help="address to bind (default: %(default)s; anything else should have --api-key)",
+    )
     server.add_argument("--port", type=int, default=8000, help="port to bind (default: %(default)s)")
     server.add_argument(
         "--api-key", action="append", default=None, metavar="[NAME=]KEY",
-        help="require 'Authorization: Bearer KEY' on every route but /health; repeat for several keys; "
-        "NAME is the tenant the hooks and audit log see (default: a short hash of KEY). "
+        help="require 'Authorization: Bearer KEY' on every route but /health; repeat for several "
+        "keys; NAME is the tenant the hooks and audit log see (default: a short hash of KEY). "
         "Also read from PAGED_API_KEY.",
-    )  # fmt: skip
-    server.add_argument("--max-body-size", type=parse_size, default=DEFAULT_CLIENT_MAX_SIZE, help="largest request body; larger gets 413 (default: 4MiB)")
-    server.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT, help="seconds in-flight requests get to finish on SIGTERM before they are aborted (default: %(default)s)")
-    server.add_argument("--audit-log", default=None, metavar="PATH", help="append one JSON line per request to PATH (sdk.hooks.AuditLog)")
+    )
+    server.add_argument(
+        "--max-body-size", type=parse_size, default=DEFAULT_CLIENT_MAX_SIZE,
+        help="largest request body; larger gets 413 (default: 4MiB)",
+    )
+    server.add_argument(
+        "--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT,
+        help="seconds in-flight requests get to finish on SIGTERM before they are aborted "
+        "(default: %(default)s)",
+    )
+    server.add_argument(
+        "--audit-log", default=None, metavar="PATH",
+        help="append one JSON line per request to PATH (sdk.hooks.AuditLog)",
+    )
     server.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
 
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"), help="weights and KV cache dtype (default: %(default)s)")
-    engine.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="(default: %(default)s = cuda when available)")
-    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default: %(default)s)")
+    engine.add_argument(
+        "--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+        help="weights and KV cache dtype (default: %(default)s)",
+    )
+    engine.add_argument(
+        "--device", default="auto", choices=("auto", "cpu", "cuda"),
+        help="(default: %(default)s = cuda when available)",
+    )
+    engine.add_argument(
+        "--block-size", type=int, default=16, help="tokens per KV cache block (default: %(default)s)"
+    )
     kv = engine.add_mutually_exclusive_group()
-    kv.add_argument("--kv-cache-memory", type=parse_size, default=None, help="KV cache size, e.g. 2GiB (default: 1GiB on CPU, most free memory on GPU)")
-    kv.add_argument("--num-blocks", type=int, default=None, help="KV cache size in blocks (instead of --kv-cache-memory)")
-    engine.add_argument("--max-num-seqs", type=int, default=128, help="most requests in one batch (default: %(default)s)")
-    engine.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (default: %(default)s)")
-    engine.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion (default: the model's)")
+    kv.add_argument(
+        "--kv-cache-memory", type=parse_size, default=None,
+        help="KV cache size, e.g. 2GiB (default: 1GiB on CPU, most free memory on GPU)",
+    )
+    kv.add_argument(
+        "--num-blocks", type=int, default=None,
+        help="KV cache size in blocks (instead of --kv-cache-memory)",
+    )
+    engine.add_argument(
+        "--max-num-seqs", type=int, default=128, help="most requests in one batch (default: %(default)s)"
+    )
+    engine.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048,
+        help="token budget of one step (default: %(default)s)",
+    )
+    engine.add_argument(
+        "--max-model-len", type=int, default=None,
+        help="longest prompt + completion (default: the model's)",
+    )
     engine.add_argument("--no-prefix-caching", action="store_true", help="turn prefix-block sharing off")
-    engine.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"), help="(default: %(default)s)")
+    engine.add_argument(
+        "--attention-backend", default="auto", choices=("auto", "torch", "triton"),
+        help="(default: %(default)s = triton on CUDA, torch on CPU)",
+    )
 
     admission = parser.add_argument_group("admission limits (beyond them requests get 429)")
-    admission.add_argument("--max-queued-requests", type=int, default=4096, help="waiting requests (default: %(default)s)")
-    admission.add_argument("--max-queued-tokens", type=int, default=4_000_000, help="prompt tokens of waiting requests (default: %(default)s)")
+    admission.add_argument(
+        "--max-queued-requests", type=int, default=4096, help="waiting requests (default: %(default)s)"
+    )
+    admission.add_argument(
+        "--max-queued-tokens", type=int, default=4_000_000,
+        help="prompt tokens of waiting requests (default: %(default)s)",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> dict:
@@ -106,10 +155,15 @@ def is_loopback(host: str) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     keys = api_keys(args)
     if keys is None and not is_loopback(args.host):
-        logger.warning("binding %s without --api-key: anyone who can reach this port can use the model", args.host)
+        logger.warning(
+            "binding %s without --api-key: anyone who can reach this port can use the model",
+            args.host,
+        )
     hooks = []
     if args.audit_log:
         from sdk.hooks import AuditLog

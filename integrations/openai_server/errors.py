@@ -24,7 +24,7 @@ _TYPES = {
 
 
 class ApiError(Exception):
-    """A failure with an HTTP status and an OpenAI error body; raised by handlers, rendered by the middleware."""
+    """A failure with an HTTP status and an OpenAI error body; raised by handlers, rendered by middleware."""
 
     def __init__(
         self,

@@ -305,7 +305,8 @@ class _Run:
             first = False
             if self.is_chat and chunk.index not in started:
                 started.add(chunk.index)
-                await self.events.send(self._chat_chunk(chunk.index, p.DeltaMessage(role="assistant", content="")))
+                opening = p.DeltaMessage(role="assistant", content="")
+                await self.events.send(self._chat_chunk(chunk.index, opening))
             if chunk.text or chunk.token_ids or chunk.finish_reason is not None:
                 await self.events.send(self._event(chunk, prompt_ids))
             if chunk.finish_reason is not None:
@@ -340,8 +341,9 @@ class _Run:
         logprobs = None
         if self.logprobs is not None:
             # NOTE: text_offset counts from the start of the choice's text, across chunks.
-            logprobs = completion_logprobs([chunk], self.text_offsets.get(chunk.index, 0))
-            self.text_offsets[chunk.index] = self.text_offsets.get(chunk.index, 0) + sum(map(len, logprobs.tokens))
+            offset = self.text_offsets.get(chunk.index, 0)
+            logprobs = completion_logprobs([chunk], offset)
+            self.text_offsets[chunk.index] = offset + sum(map(len, logprobs.tokens))
         return p.CompletionResponse(
             id=self.request_id,
             created=self.created,

@@ -61,6 +61,7 @@ class PrefixHandle:
         """Prompt tokens of those requests served from the cache, up to the prefix's length."""
         self.closed = False
         self._finalizer = weakref.finalize(self, _unpin_later, client._transport, pin.pin_id)
+        self._finalizer.atexit = False  # the engines shut down at exit anyway
 
     @property
     def num_tokens(self) -> int:

@@ -12,7 +12,7 @@ token ids on a hit: a collision among 2**32 cached blocks has probability ~2**-6
 
 from __future__ import annotations
 
-from array import array
+import struct
 from collections.abc import Sequence
 from hashlib import blake2b
 
@@ -20,9 +20,8 @@ BlockHash = bytes  # 16-byte digest
 ExtraKey = str | int | bytes
 
 HASH_SIZE = 16
-_PERSON = b"paged.kv.block"  # domain separation from any other BLAKE2b use
-_ROOT_PARENT = b"\x00" * HASH_SIZE  # stands for "no parent" (the first block)
-_TOKEN_BYTES = array("q").itemsize  # token ids are packed as int64
+_ROOT_PARENT = blake2b(b"paged.kv.block.root", digest_size=HASH_SIZE).digest()  # the first block's parent
+_TOKEN_BYTES = 8  # token ids are packed as little-endian int64: the same hash on every platform
 
 
 def encode_extra_keys(extra_keys: Sequence[ExtraKey] | None) -> bytes:
@@ -58,7 +57,7 @@ def hash_block_tokens(
     Returns:
         The block's 16-byte hash.
     """
-    return _hash_packed(parent_hash, array("q", token_ids).tobytes(), encode_extra_keys(extra_keys))
+    return _hash_packed(parent_hash, _pack(token_ids), encode_extra_keys(extra_keys))
 
 
 def extend_block_hashes(
@@ -79,7 +78,7 @@ def extend_block_hashes(
     stop = min(num_tokens, len(token_ids)) // block_size
     if stop <= start:
         return
-    packed = memoryview(array("q", token_ids[start * block_size : stop * block_size]).tobytes())
+    packed = memoryview(_pack(token_ids[start * block_size : stop * block_size]))
     stride = block_size * _TOKEN_BYTES
     parent = block_hashes[-1] if block_hashes else None
     for i in range(stop - start):
@@ -89,9 +88,10 @@ def extend_block_hashes(
 
 
 def _hash_packed(parent_hash: BlockHash | None, packed_ids: bytes | memoryview, extra: bytes) -> BlockHash:
-    h = blake2b(digest_size=HASH_SIZE, person=_PERSON)
-    h.update(parent_hash if parent_hash is not None else _ROOT_PARENT)
-    h.update(len(extra).to_bytes(4, "little"))
-    h.update(extra)
-    h.update(packed_ids)
-    return h.digest()
+    parent = parent_hash if parent_hash is not None else _ROOT_PARENT
+    message = b"".join((parent, len(extra).to_bytes(4, "little"), extra, packed_ids))  # one C call to hash
+    return blake2b(message, digest_size=HASH_SIZE).digest()
+
+
+def _pack(token_ids: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(token_ids)}q", *token_ids)  # ~2x faster than array("q", list)

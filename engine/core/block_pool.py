@@ -87,19 +87,20 @@ class BlockPool:
         """
         if num_blocks > self.num_free_blocks:
             raise ValueError(f"cannot take {num_blocks} blocks; {self.num_free_blocks} free")
-        blocks = []
-        for _ in range(num_blocks):
-            if self.free_block_ids:
-                block = self.blocks[self.free_block_ids.popleft()]
-            else:
-                block_id, _ = self.evictable.popitem(last=False)
-                block = self.blocks[block_id]
+        num_from_free = min(num_blocks, len(self.free_block_ids))
+        taken = [self.blocks[self.free_block_ids.popleft()] for _ in range(num_from_free)]
+        if num_from_free < num_blocks:
+            evicted = [self.blocks[self.evictable.popitem(last=False)[0]] for _ in range(num_blocks - num_from_free)]
+            for block in evicted:
                 self._drop_hash(block)
-                self.num_evictions += 1
-                logger.debug("evict block %d (least recently used cached block)", block_id)
+            self.num_evictions += len(evicted)
+            if logger.isEnabledFor(logging.DEBUG):
+                ids = [block.block_id for block in evicted]
+                logger.debug("evict %d cached blocks, least recently used first: %s", len(ids), ids)
+            taken += evicted
+        for block in taken:
             block.ref_cnt = 1
-            blocks.append(block)
-        return blocks
+        return taken
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Takes one more reference on each block, reviving evictable ones."""
@@ -179,8 +180,7 @@ class BlockPool:
         )
 
     def _drop_hash(self, block: KVCacheBlock) -> None:
-        assert block.block_hash is not None
-        del self.cached_block_hash_to_id[block.block_hash]
+        del self.cached_block_hash_to_id[block.block_hash]  # type: ignore[arg-type]
         block.block_hash = None
 
 

@@ -183,45 +183,36 @@ class KVCacheManager:
         """
         if num_computed_tokens < 0 or num_new_tokens < 0:
             raise ValueError(f"token counts must be >= 0; got {num_computed_tokens}, {num_new_tokens}")
-        bs = self.block_size
-        pool = self.block_pool
+        num_slots = num_computed_tokens + num_new_tokens
         computed_ids = list(computed.block_ids if isinstance(computed, ComputedBlocks) else computed or ())
         state = self._requests.get(req_id)
-        if state is None:
-            if len(computed_ids) * bs != num_computed_tokens:
-                raise ValueError(
-                    f"new request {req_id}: num_computed_tokens {num_computed_tokens} != "
-                    f"{len(computed_ids)} computed blocks x {bs}"
-                )
-            block_hashes = self._take_lookup(req_id, token_ids, cache_salt)
-            self._check_computed(req_id, computed_ids, block_hashes, token_ids, cache_salt)
-            num_held = len(computed_ids)
-        elif computed_ids:
-            raise ValueError(f"request {req_id} already holds blocks; computed is for admission only")
-        else:
-            num_held = len(state.block_ids)
-        num_slots = num_computed_tokens + num_new_tokens
-        num_needed = max(-(-num_slots // bs) - num_held, 0)
+        if state is not None:
+            if computed_ids:
+                raise ValueError(f"request {req_id} already holds blocks; computed is for admission only")
+            return self._grow(req_id, state, token_ids, num_slots)
+        if len(computed_ids) * self.block_size != num_computed_tokens:
+            raise ValueError(
+                f"new request {req_id}: num_computed_tokens {num_computed_tokens} != "
+                f"{len(computed_ids)} computed blocks x {self.block_size}"
+            )
+        block_hashes = self._lookup_hashes(req_id, token_ids, cache_salt)
+        self._check_computed(req_id, computed_ids, block_hashes, token_ids, cache_salt)
+        pool = self.block_pool
+        num_needed = max(-(-num_slots // self.block_size) - len(computed_ids), 0)
         num_revived = sum(pool.blocks[i].ref_cnt == 0 for i in computed_ids)
         if num_needed + num_revived > pool.num_free_blocks:
             logger.debug("allocate %s: short of blocks (need %d, %d free)", req_id, num_needed + num_revived,
                          pool.num_free_blocks)
             return None
-        if state is None:
-            pool.touch(computed_ids)
-            state = _RequestState(computed_ids, block_hashes, len(computed_ids), 0, 0, cache_salt)
-            self._requests[req_id] = state
-            if computed is not None:
-                self._prefix_cache_queries += len(token_ids)
-                self._prefix_cache_hits += num_computed_tokens
-        if num_needed:
-            state.block_ids.extend(block.block_id for block in pool.get_new_blocks(num_needed))
-            logger.debug("allocate %s: %d new blocks, table %s", req_id, num_needed, state.block_ids)
-        state.num_slots = max(state.num_slots, num_slots)
-        state.num_tokens = len(token_ids)
-        if self.enable_prefix_caching:
-            self._cache_full_blocks(state, token_ids)
-        return list(state.block_ids)
+        pool.touch(computed_ids)
+        state = self._requests[req_id] = _RequestState(
+            computed_ids, block_hashes, len(computed_ids), 0, 0, cache_salt
+        )
+        self._last_lookup = None
+        if computed is not None:
+            self._prefix_cache_queries += len(token_ids)
+            self._prefix_cache_hits += num_computed_tokens
+        return self._grow(req_id, state, token_ids, num_slots)  # NOTE: cannot fail: blocks counted above
 
     def free(self, req_id: str) -> None:
         """Drops the request's references, tail block first; unknown ids are a no-op.
@@ -322,8 +313,8 @@ class KVCacheManager:
                 f"block {block.block_id} has ref_cnt {block.ref_cnt} but {holders[block.block_id]} tables hold it",
             )
 
-    def _take_lookup(self, req_id: str, token_ids: Sequence[int], cache_salt: str | None) -> list[BlockHash]:
-        lookup, self._last_lookup = self._last_lookup, None
+    def _lookup_hashes(self, req_id: str, token_ids: Sequence[int], cache_salt: str | None) -> list[BlockHash]:
+        lookup = self._last_lookup
         if lookup is not None and (lookup.req_id, lookup.cache_salt) == (req_id, cache_salt):
             if lookup.token_ids is token_ids:
                 return lookup.block_hashes
@@ -348,6 +339,22 @@ class KVCacheManager:
                     f"request {req_id}: computed block {block_id} no longer holds its prefix "
                     "(evicted since get_computed_blocks?)"
                 )
+
+    def _grow(self, req_id: str, state: _RequestState, token_ids: Sequence[int], num_slots: int) -> list[int] | None:
+        num_needed = -(-num_slots // self.block_size) - len(state.block_ids)
+        if num_needed > 0:
+            if num_needed > self.block_pool.num_free_blocks:
+                logger.debug("allocate %s: short of blocks (need %d, %d free)", req_id, num_needed,
+                             self.block_pool.num_free_blocks)
+                return None
+            state.block_ids.extend(block.block_id for block in self.block_pool.get_new_blocks(num_needed))
+            logger.debug("allocate %s: %d new blocks, table %s", req_id, num_needed, state.block_ids)
+        if num_slots > state.num_slots:
+            state.num_slots = num_slots
+        state.num_tokens = len(token_ids)
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(state, token_ids)
+        return list(state.block_ids)
 
     def _cache_full_blocks(self, state: _RequestState, token_ids: Sequence[int]) -> None:
         num_full = min(state.num_slots, len(token_ids)) // self.block_size

@@ -361,6 +361,6 @@ def test_debug_logging_reports_hits_allocations_and_evictions(caplog: pytest.Log
         admit(kv, "b", list(range(100, 132)))
         admit(kv, "c", [1])
     text = caplog.text
-    for needle in ("lookup a: 0 of 1", "allocate a: 2 new blocks", "free a", "evict block 0", "allocate c: short"):
+    for needle in ("lookup a: 0 of 1", "allocate a: 2 new blocks", "free a", "evict 1 cached blocks, least recently used first: [0]", "allocate c: short"):
         assert needle in text
     assert all(r.name == "engine.core.kv_cache_manager" for r in caplog.records)

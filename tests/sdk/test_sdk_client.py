@@ -145,3 +145,18 @@ async def test_sync_client_inside_event_loop(fake_engine):
     client = Client(transport=InProcessTransport(fake_engine))
     assert asyncio.get_running_loop().is_running()
     assert client.chat("hi", max_tokens=2).usage.completion_tokens == 2
+
+
+async def test_dropped_prefix_handle_unpins(make_client, fake_engine):
+    """A prefix handle garbage-collected without close() still unpins its blocks."""
+    import gc
+
+    handle = await make_client().prefix("Be brief.")
+    assert len(fake_engine.pins) == 1
+    del handle
+    gc.collect()
+    for _ in range(200):
+        if not fake_engine.pins:
+            break
+        await asyncio.sleep(0.01)
+    assert fake_engine.pins == {}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -41,10 +42,12 @@ class ChatPrompt(str):
     """
 
     messages: tuple[ChatMessage, ...]
+    add_generation_prompt: bool
 
-    def __new__(cls, messages: Sequence[ChatMessage]) -> ChatPrompt:
+    def __new__(cls, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> ChatPrompt:
         prompt = super().__new__(cls, "\n".join(f"{m.role}: {m.content}" for m in messages))
         prompt.messages = tuple(messages)
+        prompt.add_generation_prompt = add_generation_prompt
         return prompt
 
 
@@ -121,11 +124,15 @@ class HttpTransport(Transport):
             await session.close()
 
     def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
-        if not add_generation_prompt:
-            raise InvalidRequestError("a remote endpoint renders chats only with a generation prompt")
-        return ChatPrompt(messages)
+        return ChatPrompt(messages, add_generation_prompt)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[TransportOutput]:
+        if isinstance(request.prompt, ChatPrompt) and not request.prompt.add_generation_prompt:
+            raise InvalidRequestError("a chat prefix (no generation prompt) cannot be generated from")
+        async for out in self._generate(request):
+            yield out
+
+    async def _generate(self, request: EngineRequest) -> AsyncIterator[TransportOutput]:
         body = _sampling_body(request.sampling)
         body.update(model=self.model_name, stream=True, return_token_ids=True)
         body["stream_options"] = {"include_usage": True}
@@ -160,15 +167,16 @@ class HttpTransport(Transport):
         """Warm the remote prefix cache with ``prompt`` (one generated token).
 
         A remote server cannot hold blocks for a client, so the pin is advisory: the
-        server's prefix cache keeps the blocks while they are reused.
+        server's prefix cache keeps the blocks while they are reused. A chat prefix is sent
+        with the server's generation prompt, so the pin's ``token_ids`` end with it.
         """
-        request = EngineRequest("pin", prompt, {"max_tokens": 1}, cache_salt=cache_salt)
+        request = EngineRequest(f"pin-{uuid.uuid4().hex}", prompt, {"max_tokens": 1}, cache_salt=cache_salt)
         prompt_ids: list[int] = []
         num_cached = 0
-        async for out in self.generate(request):
+        async for out in self._generate(request):
             prompt_ids = list(out.prompt_token_ids) or prompt_ids
             num_cached = out.num_cached_tokens
-        return PrefixPin(pin_id=f"remote-{id(request)}", token_ids=prompt_ids, num_cached_tokens=num_cached)
+        return PrefixPin(pin_id=request.request_id, token_ids=prompt_ids, num_cached_tokens=num_cached)
 
     async def unpin_prefix(self, pin_id: str) -> None:
         return None

@@ -7,6 +7,7 @@ import ipaddress
 import logging
 import os
 import re
+from pathlib import Path
 
 from aiohttp import web
 
@@ -158,6 +159,17 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    from engine.config import EngineConfig
+
+    config = engine_config(args)
+    try:
+        EngineConfig(model=args.model, **config)  # fail fast on bad flags, before binding
+    except ValueError as exc:
+        logger.error("invalid engine settings: %s", exc)
+        return 2
+    if args.model is not None and not Path(args.model).exists():
+        logger.error("model path %s does not exist", args.model)
+        return 2
     keys = api_keys(args)
     if keys is None and not is_loopback(args.host):
         logger.warning(
@@ -176,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
         hooks=hooks,
         client_max_size=args.max_body_size,
         drain_timeout=args.drain_timeout,
-        **engine_config(args),
+        **config,
     )
     # NOTE: SIGTERM/SIGINT start the graceful shutdown (app.on_shutdown drains); the runner's
     # own timeout only has to cover the drain plus the final answers.

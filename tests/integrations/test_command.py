@@ -90,3 +90,11 @@ def test_serve_process_drains_on_sigterm(tiny_model_factory):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_serve_rejects_bad_settings_before_binding(tmp_path):
+    """Invalid engine flags or a missing model path exit with status 2 instead of serving a dead engine."""
+    from integrations.openai_server.command import run
+
+    assert run(_parse("--max-num-seqs", "0")) == 2
+    assert run(_parse("--model", str(tmp_path / "missing"))) == 2

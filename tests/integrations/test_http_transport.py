@@ -101,3 +101,13 @@ def test_sync_client_over_http(make_server):
             break
         time.sleep(0.01)
     assert not engine.running
+
+
+async def test_prefix_over_http_warms_the_server(make_server):
+    """client.prefix() over HTTP sends the prefix once (advisory pin); requests using it still work."""
+    server, engine = make_server()
+    async with _remote(server) as client:
+        async with await client.prefix("You are terse.") as system:
+            assert system.num_tokens > 0 and engine.num_finished == 1
+            reply = await client.chat([*system.messages, ("user", "hi")], max_tokens=1)
+            assert reply.text == " ok"

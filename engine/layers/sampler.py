@@ -112,13 +112,22 @@ class Sampler:
         logits = logits / temperature.unsqueeze(1)
         top_k = [p.top_k if 0 < p.top_k < self.vocab_size else 0 for p in params]
         top_p = [p.top_p for p in params]
+        wide: list[int] = []
         if any(top_k) or any(p < 1.0 for p in top_p):
-            logits = _apply_top_k_top_p(logits, top_k, top_p)
+            logits, wide = _apply_top_k_top_p(logits, top_k, top_p)
         probs = torch.softmax(logits, dim=-1)
+        allowed = probs
         min_p = [p.min_p for p in params]
         if any(min_p):
             threshold = probs.amax(dim=-1, keepdim=True) * self._tensor(min_p, torch.float32).unsqueeze(1)
-            probs = probs.masked_fill(probs < threshold, 0.0)
+            allowed = probs.masked_fill(probs < threshold, 0.0)
+        token_ids = self._draw(allowed, requests)
+        if wide:
+            token_ids = self._redraw_into_nucleus(probs, allowed, token_ids, wide, requests)
+        return token_ids
+
+    def _draw(self, probs: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """One token per row from unnormalised ``probs``: a uniform number located in the row's cdf."""
         u = torch.rand(len(requests), 1, generator=self._generator, device=self.device)
         for i, r in enumerate(requests):
             generator = self._state(r).generator
@@ -131,6 +140,35 @@ class Sampler:
         if bool((chosen == 0).any()):  # u * total rounded up to the total: take the most likely token
             token_ids = torch.where(chosen > 0, token_ids, probs.argmax(dim=-1))
         return token_ids
+
+    def _redraw_into_nucleus(
+        self, probs: torch.Tensor, allowed: torch.Tensor, token_ids: torch.Tensor, rows: list[int],
+        requests: Sequence[Request],
+    ) -> torch.Tensor:
+        """Top-p for rows whose nucleus is wider than the candidates, by rejection instead of a sort.
+
+        A token is in the nucleus iff the tokens strictly more likely than it weigh less than
+        top_p. A draw outside it is rejected and every token no more likely than it is
+        removed (none of them is in the nucleus either), then the row draws again. An
+        accepted draw is distributed as ``allowed`` restricted to the nucleus; a rejection
+        removes about half of the remaining mass in expectation, so few rounds are needed.
+        """
+        index = self._tensor(rows)
+        p, a, tok = probs[index], allowed[index], token_ids[index]  # [R, V], [R, V], [R]
+        top_p = self._tensor([requests[i].sampling_params.top_p for i in rows], torch.float32)
+        result = tok.clone()
+        live = torch.arange(len(rows), device=self.device)  # positions in ``result`` still drawing
+        while True:
+            p_tok = p.gather(1, tok.unsqueeze(1))  # [L, 1]
+            rejected = torch.where(p > p_tok, p, 0.0).sum(dim=-1) >= top_p
+            if not bool(rejected.any()):
+                break
+            sel = rejected.nonzero().squeeze(1)
+            p, a, p_tok, top_p, live = p[sel], a[sel], p_tok[sel], top_p[sel], live[sel]
+            a = a.masked_fill(p <= p_tok, 0.0)
+            tok = self._draw(a, [requests[rows[j]] for j in live.tolist()])
+            result[live] = tok
+        return token_ids.index_copy(0, index, result)
 
     def _apply_penalties(self, logits: torch.Tensor, requests: Sequence[Request], rows: list[int]) -> torch.Tensor:
         prompt_masks, counts = [], []
@@ -189,8 +227,15 @@ class Sampler:
         return torch.tensor(value, dtype=torch.float32, device=self.device)
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Masks to -inf what top-k (0 = off) and top-p (1 = off) exclude, per row."""
+def _apply_top_k_top_p(
+    logits: torch.Tensor, top_k: list[int], top_p: list[float]
+) -> tuple[torch.Tensor, list[int]]:
+    """Masks to -inf what top-k (0 = off) and top-p (1 = off) exclude, per row.
+
+    Returns:
+        The masked logits, and the rows whose top-p nucleus is wider than the candidates:
+        their top-p is left to ``Sampler._redraw_into_nucleus``.
+    """
     num_rows, vocab = logits.shape
     device = logits.device
     need_p = any(p < 1.0 for p in top_p)
@@ -199,6 +244,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float
     k = torch.tensor([k or vocab for k in top_k], device=device).unsqueeze(1)
     keep = torch.arange(num_candidates, device=device).unsqueeze(0) < k  # [B, K]
     filtered = torch.tensor([bool(k) or p < 1.0 for k, p in zip(top_k, top_p)], device=device)
+    wide: list[int] = []
     if need_p:
         top_p_t = torch.tensor(top_p, dtype=torch.float32, device=device).unsqueeze(1)
         has_k = torch.tensor([k > 0 for k in top_k], device=device)
@@ -207,26 +253,15 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float
         probs = torch.exp(values - lse.unsqueeze(1)).masked_fill(~keep, 0.0)  # [B, K]
         mass = probs.cumsum(dim=-1)
         keep &= (mass - probs) < top_p_t  # the smallest prefix whose mass reaches top_p
-        wide = (mass[:, -1:] < top_p_t).squeeze(1) & ~has_k  # nucleus beyond the candidates
-        if bool(wide.any()):
-            rows = wide.nonzero().squeeze(1)
-            logits = logits.clone()
-            logits[rows] = _top_p_by_sort(logits[rows], top_p_t[rows])
-            filtered &= ~wide
+        # nucleus beyond the candidates (only without top-k: a top-k set lies among them)
+        is_wide = ((mass[:, -1:] < top_p_t) & (top_p_t < 1.0)).squeeze(1) & ~has_k
+        if bool(is_wide.any()):
+            wide = is_wide.nonzero().squeeze(1).tolist()
+            filtered &= ~is_wide
     keep[:, 0] = True
     threshold = values.masked_fill(~keep, float("inf")).amin(dim=-1)  # smallest kept logit
     threshold = torch.where(filtered, threshold, -float("inf")).unsqueeze(1)
-    return logits.masked_fill(logits < threshold, -float("inf"))
-
-
-def _top_p_by_sort(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Exact top-p over the whole vocabulary (rows whose nucleus is wider than the candidates)."""
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-    probs = torch.softmax(sorted_logits, dim=-1)
-    drop = (probs.cumsum(dim=-1) - probs) >= top_p
-    drop[:, 0] = False
-    mask = torch.zeros_like(drop).scatter_(1, sorted_idx, drop)
-    return logits.masked_fill(mask, -float("inf"))
+    return logits.masked_fill(logits < threshold, -float("inf")), wide
 
 
 def _gather_logprobs(

@@ -154,27 +154,48 @@ def _reference_mask(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Ten
         n = top_k or len(row)
         probs = torch.softmax(values[:n], -1)
         before = probs.cumsum(-1) - probs
-        keep = int((before < top_p).sum().clamp_min(1))
+        keep = n if top_p >= 1.0 else int((before < top_p).sum().clamp_min(1))
         out[i, idx[:keep]] = True
     return out
 
 
 def test_top_k_top_p_match_a_full_sort_on_a_large_vocab() -> None:
-    """Candidate-based top-k/top-p equals a full sort, for nuclei narrower and wider than the candidates."""
+    """Candidate-based top-k/top-p equals a full sort; rows with a wider nucleus are handed on, unmasked."""
     from engine.layers.sampler import TOP_P_CANDIDATES, _apply_top_k_top_p
 
     torch.manual_seed(0)
     vocab = 4 * TOP_P_CANDIDATES
-    peaked = torch.randn(3, vocab) * 4
-    flat = torch.randn(3, vocab) * 0.1  # the 0.9 nucleus holds most of the vocabulary
+    peaked = torch.randn(4, vocab) * 4
+    flat = torch.randn(2, vocab) * 0.1  # the 0.9 nucleus holds most of the vocabulary
     logits = torch.cat([peaked, flat])
-    cases = [(0, 0.9), (50, 0.8), (0, 1.0), (300, 1.0), (0, 0.5), (600, 0.95)]
-    top_k = [k for k, _ in cases]
-    top_p = [p for _, p in cases]
-    got = _apply_top_k_top_p(logits, top_k, top_p) > -float("inf")
-    for i, (k, p) in enumerate(cases):
-        assert torch.equal(got[i], _reference_mask(logits[i : i + 1], k, p)[0]), cases[i]
-    assert got[4].sum() > TOP_P_CANDIDATES  # the wide nucleus really went past the candidates
+    cases = [(0, 0.9), (50, 0.8), (0, 1.0), (300, 1.0), (600, 0.95), (0, 0.9)]
+    masked, wide = _apply_top_k_top_p(logits, [k for k, _ in cases], [p for _, p in cases])
+    assert wide == [5]  # flat row 4 has top_k=600, which bounds its nucleus within the candidates
+    for i, (k, p) in enumerate(cases[:5]):
+        assert torch.equal(masked[i] > -float("inf"), _reference_mask(logits[i : i + 1], k, p)[0]), cases[i]
+    assert torch.equal(masked[5], logits[5])
+
+
+def test_wide_nucleus_is_sampled_exactly_by_rejection() -> None:
+    """A nucleus wider than the candidates: draws stay inside it and follow the renormalised probabilities."""
+    from engine.layers.sampler import TOP_P_CANDIDATES
+
+    vocab = 4 * TOP_P_CANDIDATES
+    torch.manual_seed(1)
+    logits = torch.randn(1, vocab) * 0.5
+    nucleus = _reference_mask(logits, 0, 0.6)[0]
+    assert nucleus.sum() > TOP_P_CANDIDATES
+    rows = 3000
+    sampler = Sampler(vocab, seed=2)
+    reqs = [make_request(top_p=0.6) for _ in range(rows)]
+    tokens = torch.tensor(sampler(logits.expand(rows, vocab).clone(), reqs).token_ids)
+    assert nucleus[tokens].all()
+    probs = torch.softmax(logits[0], -1) * nucleus
+    probs /= probs.sum()
+    top_half = probs >= probs[nucleus].median()
+    assert abs(top_half[tokens].float().mean() - probs[top_half].sum()) < 0.04
+    seeded = [make_request(top_p=0.6, seed=5) for _ in range(2)]
+    assert len(set(sampler(logits.expand(2, vocab).clone(), seeded).token_ids)) == 1
 
 
 def test_sampling_never_picks_a_zero_probability_token() -> None:

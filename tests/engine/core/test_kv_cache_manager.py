@@ -364,3 +364,32 @@ def test_debug_logging_reports_hits_allocations_and_evictions(caplog: pytest.Log
     for needle in ("lookup a: 0 of 1", "allocate a: 2 new blocks", "free a", "evict 1 cached blocks, least recently used first: [0]", "allocate c: short"):
         assert needle in text
     assert all(r.name == "engine.core.kv_cache_manager" for r in caplog.records)
+
+
+def test_refused_admission_succeeds_on_retry_with_the_same_hits() -> None:
+    """A request refused for want of blocks is admitted once blocks are freed, hitting the same prefix."""
+    kv = make_manager(num_blocks=4)
+    admit(kv, "sys", SYSTEM[:32] + [1])  # blocks 0, 1 hashed, 2 partial
+    admit(kv, "big", list(range(500, 516)))  # block 3, full: cached once freed
+    prompt = SYSTEM[:32] + list(range(600, 620))  # hits 0, 1; needs 2 more
+    assert admit(kv, "b", prompt) is None
+    kv.free("big")
+    assert admit(kv, "b", prompt) is None  # 1 evictable block, 2 needed
+    kv.free("sys")  # free list [2], LRU [3, 1, 0]
+    assert admit(kv, "b", prompt) == [0, 1, 2, 3]
+    assert (kv.stats().prefix_cache_hits, kv.stats().num_evictions) == (32, 1)
+    kv.check_integrity()
+
+
+def test_preempted_request_readmits_over_its_own_cached_blocks() -> None:
+    """After preemption (free), a request's prompt and output blocks are still cached for its readmission."""
+    kv = make_manager()
+    tokens = list(range(20))
+    admit(kv, "a", tokens)
+    for t in range(20):  # decode to 40 tokens: blocks 0, 1 full
+        tokens.append(900 + t)
+        kv.allocate_slots("a", tokens, len(tokens) - 1, 1)
+    kv.free("a")
+    assert kv.get_computed_blocks("a", tokens) == ComputedBlocks([0, 1], 32)
+    assert admit(kv, "a", tokens) == [0, 1, 3]
+    kv.check_integrity()

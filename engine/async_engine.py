@@ -269,21 +269,30 @@ class AsyncEngine:
                 self._queued_requests -= 1
                 self._queued_tokens -= channel.num_tokens
 
+    # NOTE: both waits poll with asyncio.wait, not wait_for: on Python 3.11 wait_for returns
+    # the result and drops the caller's cancellation when both land in one loop iteration, so
+    # a cancelled consumer would go on reading (and its request would never be aborted).
+
     async def _next(self, channel: _Channel) -> RequestOutput | BaseException:
         while True:
+            if not channel.queue.empty():
+                return channel.queue.get_nowait()
+            getter = asyncio.ensure_future(channel.queue.get())
             try:
-                return await asyncio.wait_for(channel.queue.get(), _LIVENESS_POLL_S)
-            except asyncio.TimeoutError:
-                if self._dead is not None and channel.queue.empty():
-                    return self._dead
+                await asyncio.wait((getter,), timeout=_LIVENESS_POLL_S)
+            finally:
+                getter.cancel()
+            if getter.done() and not getter.cancelled():
+                return getter.result()
+            if self._dead is not None and channel.queue.empty():
+                return self._dead
 
     async def _wait(self, future: asyncio.Future) -> Any:
-        while True:
-            try:
-                return await asyncio.wait_for(asyncio.shield(future), _LIVENESS_POLL_S)
-            except asyncio.TimeoutError:
-                if self._dead is not None and not future.done():
-                    raise self._dead from None
+        while not future.done():
+            await asyncio.wait((future,), timeout=_LIVENESS_POLL_S)
+            if self._dead is not None and not future.done():
+                raise self._dead
+        return future.result()
 
     # ---------------------------------------------------------------------------- driver thread
 

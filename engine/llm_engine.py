@@ -201,6 +201,9 @@ class Engine:
                     self.unpin_prefix(request_id)
                 continue
             self.scheduler.finish_requests([c.req_id for c in parent.children], RequestStatus.FINISHED_ABORTED)
+            # NOTE: its final output is this one: no later step emits it, so the engine forgets it now.
+            del self._parents[request_id]
+            parent.finished_time = time.perf_counter()
             outputs.append(self._make_output(parent))
         return outputs
 

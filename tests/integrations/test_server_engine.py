@@ -211,3 +211,21 @@ def test_n_choices_share_the_prompt(server):
     assert {c.text for c in many.choices} == {one.choices[0].text}
     assert many.usage.prompt_tokens == one.usage.prompt_tokens and many.usage.completion_tokens == 24
     assert _idle(server)
+
+
+async def test_admission_limits_answer_429_on_the_real_engine(live_server, tiny_model_factory):
+    """With one running and one queued slot, a burst gets 429s with Retry-After; the admitted ones finish."""
+    app = create_app(str(tiny_model_factory("llama")), num_blocks=64, max_num_seqs=1, max_queued_requests=1)
+    small = await asyncio.to_thread(live_server, app)
+    body = {"model": _model(small), "prompt": "hi", "max_tokens": 30, "ignore_eos": True}
+
+    async def one(session: aiohttp.ClientSession) -> tuple[int, str | None]:
+        async with session.post(small.base_url + "/completions", json=body) as resp:
+            await resp.read()
+            return resp.status, resp.headers.get("Retry-After")
+
+    async with aiohttp.ClientSession() as session:
+        results = await asyncio.gather(*(one(session) for _ in range(6)))
+    assert (429, "1") in results and any(status == 200 for status, _ in results)
+    assert {status for status, _ in results} <= {200, 429}
+    assert await asyncio.to_thread(_idle, small, 1.0)

@@ -98,3 +98,24 @@ def test_serve_rejects_bad_settings_before_binding(tmp_path):
 
     assert run(_parse("--max-num-seqs", "0")) == 2
     assert run(_parse("--model", str(tmp_path / "missing"))) == 2
+
+
+def test_serve_warns_when_exposed_without_key(monkeypatch, caplog):
+    """Binding beyond loopback without a key logs a warning; the runner gets handler cancellation and the drain budget."""
+    from aiohttp import web
+
+    from integrations.openai_server import command
+
+    calls = []
+    monkeypatch.setattr(command.web, "run_app", lambda app, **kwargs: calls.append((app, kwargs)))
+    monkeypatch.delenv("PAGED_API_KEY", raising=False)
+    with caplog.at_level("WARNING", logger=command.__name__):
+        assert command.run(_parse("--host", "0.0.0.0", "--drain-timeout", "3")) == 0
+    assert any("without --api-key" in r.message for r in caplog.records)
+    app, kwargs = calls[0]
+    assert isinstance(app, web.Application) and kwargs["host"] == "0.0.0.0"
+    assert kwargs["handler_cancellation"] is True and kwargs["shutdown_timeout"] > 3
+    caplog.clear()
+    assert command.run(_parse("--api-key", "k")) == 0
+    assert not any("without --api-key" in r.message for r in caplog.records)
+    assert calls[1][1]["host"] == "127.0.0.1"

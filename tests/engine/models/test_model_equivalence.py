@@ -83,3 +83,25 @@ def test_same_step_shared_prefix_matches_transformers(models) -> None:
     out = driver.step({"d": None, "a": None})  # d before a: a's K/V must still be stored first
     torch.testing.assert_close(out["d"], _hf_logits(hf, driver.tokens["d"])[-1], atol=ATOL, rtol=0)
     torch.testing.assert_close(out["a"], _hf_logits(hf, driver.tokens["a"])[-1], atol=ATOL, rtol=0)
+
+
+def test_bfloat16_runner_tracks_float32_reference(tiny_model_factory) -> None:
+    """In bfloat16 the runner's logits stay within bf16 rounding of HF's float32 logits, decode included."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model_factory("qwen2")
+    runner = ModelRunner(EngineConfig(dtype="bfloat16", device="cpu", block_size=4, num_blocks=32), path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    rng = random.Random(7)
+    driver = PagedDriver(runner, seed=8)
+    driver.add("a", _prompt(rng, 13))
+    driver.add("b", _prompt(rng, 6))
+    got = driver.step({"a": None, "b": None})
+    for _ in range(3):
+        for req_id in "ab":
+            driver.append(req_id, rng.randrange(3, 49152))
+        got = driver.step({"a": 1, "b": 1})
+    for req_id in "ab":
+        expected = _hf_logits(hf, driver.tokens[req_id])[-1]
+        assert got[req_id].dtype == torch.float32
+        torch.testing.assert_close(got[req_id], expected, atol=1e-2, rtol=0)

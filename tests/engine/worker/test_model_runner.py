@@ -1,0 +1,55 @@
+"""ModelRunner set-up: dtype/device resolution, KV cache sizing from the budget, limits, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from engine.core.scheduler_output import SchedulerOutput
+from engine.errors import ModelLoadError
+from engine.worker.model_runner import ModelRunner
+
+# tiny models: 2 layers x (K, V) x 2 KV heads x head_dim 16 x 4 bytes = 512 bytes per token in float32
+BYTES_PER_TOKEN_F32 = 2 * 2 * 2 * 16 * 4
+
+
+def test_auto_settings_and_exposed_attributes(tiny_model_factory) -> None:
+    """auto resolves to CPU float32; the default budget is 1 GiB; the runner exposes the model's limits."""
+    runner = ModelRunner(EngineConfig(), tiny_model_factory("llama"))
+    assert runner.device == torch.device("cpu") and runner.dtype == torch.float32
+    assert runner.block_size == 16
+    assert runner.num_blocks == DEFAULT_CPU_KV_CACHE_MEMORY // (16 * BYTES_PER_TOKEN_F32)
+    assert runner.kv_cache.shape == (2, 2, runner.num_blocks, 16, 2, 16)
+    assert runner.max_model_len == 2048 and runner.vocab_size == runner.hf_config.vocab_size
+
+
+def test_kv_cache_budget_and_dtype(tiny_model_factory) -> None:
+    """kv_cache_memory sizes the cache by whole blocks of the chosen dtype; num_blocks is taken as given."""
+    path = tiny_model_factory("qwen3")
+    runner = ModelRunner(EngineConfig(dtype="bfloat16", block_size=8, kv_cache_memory=100_000), path)
+    assert runner.dtype == torch.bfloat16 and runner.kv_cache.dtype == torch.bfloat16
+    assert runner.num_blocks == 100_000 // (8 * BYTES_PER_TOKEN_F32 // 2)
+    assert ModelRunner(EngineConfig(num_blocks=7, max_model_len=100), path).num_blocks == 7
+
+
+def test_limits_and_errors(tiny_model_factory, tmp_path) -> None:
+    """A too-small budget, a max_model_len past the model's positions and an unknown architecture are refused."""
+    path = tiny_model_factory("mistral")
+    with pytest.raises(ValueError, match="no block"):
+        ModelRunner(EngineConfig(kv_cache_memory=100), path)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        ModelRunner(EngineConfig(max_model_len=4096), path)
+    windowed = tiny_model_factory("mistral", sliding_window=256)
+    assert ModelRunner(EngineConfig(num_blocks=4), windowed).max_model_len == 256
+    config = (path / "config.json").read_text().replace('"mistral"', '"gpt2"')
+    (tmp_path / "config.json").write_text(config)
+    with pytest.raises(ModelLoadError, match="gpt2"):
+        ModelRunner(EngineConfig(num_blocks=4), tmp_path)
+
+
+def test_empty_step_returns_no_logits(tiny_model_factory) -> None:
+    """A step with nothing scheduled returns an empty float32 [0, vocab] tensor."""
+    runner = ModelRunner(EngineConfig(num_blocks=4), tiny_model_factory("llama"))
+    logits = runner.execute_model(SchedulerOutput())
+    assert logits.shape == (0, runner.vocab_size) and logits.dtype == torch.float32

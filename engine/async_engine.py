@@ -9,6 +9,7 @@ queue on the caller's loop through ``loop.call_soon_threadsafe``.
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import logging
 import queue
@@ -20,7 +21,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.errors import EngineError, EngineOverloaded
-from engine.llm_engine import Engine, Prompt, check_request_args
+from engine.llm_engine import Engine, Prompt, check_request_args, tokenize
 from engine.outputs import PinnedPrefix, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -108,6 +109,9 @@ class AsyncEngine:
     def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, **overrides: Any) -> None:
         self._engine = Engine(model, config=config, **overrides)
         self.config = self._engine.config
+        # NOTE: callers' threads get a tokenizer of their own: the driver decodes with the
+        # engine's while callers encode, and a Rust tokenizer must not be borrowed by both.
+        self._tokenizer = copy.deepcopy(self._engine.tokenizer)
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()  # admission counters and the set of live request ids
         self._queued_requests = 0
@@ -125,7 +129,8 @@ class AsyncEngine:
 
     @property
     def tokenizer(self) -> Any:
-        return self._engine.tokenizer
+        """The model's Hugging Face tokenizer, for the caller's thread(s)."""
+        return self._tokenizer
 
     @property
     def model_name(self) -> str:
@@ -169,7 +174,7 @@ class AsyncEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams; got {type(params).__name__}")
         check_request_args(request_id, priority, cache_salt)
-        prompt_token_ids = self._engine.tokenize(prompt)
+        prompt_token_ids = tokenize(self._tokenizer, prompt)
         self._engine.validate_prompt(prompt_token_ids)  # reads immutable settings only
         if request_id is None:
             request_id = f"{self._id_prefix}-{next(self._ids)}"
@@ -208,7 +213,7 @@ class AsyncEngine:
             EngineError: The engine failed the pin, or is dead.
         """
         self._check_alive()
-        prompt_token_ids = self._engine.tokenize(prompt)
+        prompt_token_ids = tokenize(self._tokenizer, prompt)
         self._engine.validate_prompt(prompt_token_ids)
         loop = asyncio.get_running_loop()
         future = loop.create_future()

@@ -120,11 +120,7 @@ class Engine:
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         """A prompt's token ids: a str is encoded (with the tokenizer's special tokens), ids pass through."""
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        if not isinstance(prompt, (list, tuple)):
-            raise RequestRejected(f"prompt must be a str or a list of token ids; got {type(prompt).__name__}")
-        return list(prompt)
+        return tokenize(self.tokenizer, prompt)
 
     def validate_prompt(self, prompt_token_ids: Sequence[int]) -> None:
         """Checks a prompt can ever be served; reads only immutable settings (safe from any thread).
@@ -490,6 +486,19 @@ class Engine:
                 self._num_generation_tokens / self._busy_seconds if self._busy_seconds else 0.0
             ),
         }
+
+
+def tokenize(tokenizer: Any, prompt: Prompt) -> list[int]:
+    """A prompt's token ids: a str is encoded (with the tokenizer's special tokens), ids pass through.
+
+    Raises:
+        RequestRejected: ``prompt`` is neither a str nor a list of ids.
+    """
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    if not isinstance(prompt, (list, tuple)):
+        raise RequestRejected(f"prompt must be a str or a list of token ids; got {type(prompt).__name__}")
+    return list(prompt)
 
 
 def _eos_token_ids(model_dir: Any, hf_config: Any, tokenizer: Any) -> frozenset[int]:

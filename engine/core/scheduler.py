@@ -151,9 +151,19 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        # NOTE: no admissions in a step that preempted: the cache is already too small.
-        while not preempted and self._num_waiting and budget > 0 and len(running) < self.max_num_seqs:
+        # NOTE: no admissions in a step that preempted (the cache is already too small), unless
+        # the request outranks a running one; out of seats or blocks, a request that outranks
+        # the last running one preempts it.
+        while self._num_waiting and budget > 0:
             request = self._peek_waiting()
+            if preempted and running and running[-1].priority <= request.priority:
+                break
+            if len(running) >= self.max_num_seqs:
+                freed = self._preempt_outranked(request, scheduled)
+                if freed is None:
+                    break
+                budget += freed
+                continue
             computed = self.kv.get_computed_blocks(request.req_id, request.all_token_ids, request.cache_salt)
             num_new = min(request.num_tokens - computed.num_computed_tokens, budget)
             block_ids = self.kv.allocate_slots(
@@ -169,7 +179,11 @@ class Scheduler:
                     self._finish(request, RequestStatus.FINISHED_LENGTH_CAPPED)
                     self.capped.append(request)
                     continue
-                break
+                freed = self._preempt_outranked(request, scheduled)
+                if freed is None:
+                    break
+                budget += freed
+                continue
             heapq.heappop(self._waiting)
             self._num_waiting -= 1
             if request.status == RequestStatus.WAITING:
@@ -236,6 +250,31 @@ class Scheduler:
             block_ids=block_ids,
             needs_logits=end == request.num_tokens,
         )
+
+    def _preempt_outranked(self, request: Request, scheduled: list[ScheduledRequest]) -> int | None:
+        """Preempts the last running request if ``request`` has a strictly better priority.
+
+        Its share of this step, if it had one, is taken back out of ``scheduled``.
+
+        Returns:
+            The budget tokens given back, or None when nothing running is outranked.
+        """
+        running = self.running
+        if not running or running[-1].priority <= request.priority:
+            return None
+        victim = running.pop()
+        freed = 0
+        for i in range(len(scheduled) - 1, -1, -1):
+            share = scheduled[i]
+            if share.req_id == victim.req_id:
+                del scheduled[i]
+                freed = share.num_tokens
+                end = share.num_computed_tokens + freed
+                if share.num_computed_tokens < victim.num_prompt_tokens:
+                    self.num_prompt_tokens_computed -= min(end, victim.num_prompt_tokens) - share.num_computed_tokens
+                break
+        self._preempt(victim)
+        return freed
 
     def _preempt(self, request: Request) -> None:
         logger.debug("preempt %s", request.req_id)

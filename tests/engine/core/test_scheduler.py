@@ -207,3 +207,65 @@ def test_duplicate_id_is_rejected() -> None:
     s.add_request(make_request("a"))
     with pytest.raises(ValueError, match="already in use"):
         s.add_request(make_request("a"))
+
+
+def test_higher_priority_request_takes_a_seat_from_a_lower_one() -> None:
+    """With every seat taken, a more urgent request preempts the lowest-priority latest one and runs now."""
+    s = make_scheduler(max_num_seqs=2)
+    low1 = make_request("low1", priority=5, max_tokens=20)
+    low2 = make_request("low2", priority=5, max_tokens=20, first=30)
+    s.add_request(low1)
+    s.add_request(low2)
+    step(s)
+    vip = make_request("vip", priority=0, max_tokens=2, first=60)
+    s.add_request(vip)
+    out = step(s)
+    assert list(shares(out)) == ["low1", "vip"]  # low2's decode was taken back out of the step
+    assert low2.status == RequestStatus.PREEMPTED and low2.num_output_tokens == 1
+    same = make_request("same", priority=5, max_tokens=1, first=90)
+    s.add_request(same)  # equal priority: waits, preempts nobody
+    step(s)
+    assert s.num_preemptions == 1
+    while s.has_unfinished_requests():
+        step(s)
+    assert [r.num_output_tokens for r in (low1, low2, vip, same)] == [20, 20, 2, 1]
+    assert_all_blocks_free(s)
+
+
+def test_higher_priority_request_takes_blocks_from_a_lower_one() -> None:
+    """With the cache full of low-priority work, an urgent request preempts it instead of waiting."""
+    s = make_scheduler(num_blocks=4, block_size=4)
+    low = make_request("low", prompt_len=12, priority=3, max_tokens=4)
+    s.add_request(low)
+    step(s)  # 3 blocks for the prompt, then a 4th for position 12
+    step(s)
+    vip = make_request("vip", prompt_len=6, priority=1, max_tokens=2, first=70)
+    s.add_request(vip)
+    out = step(s)
+    assert list(shares(out)) == ["vip"] and low.status == RequestStatus.PREEMPTED
+    while s.has_unfinished_requests():
+        step(s)
+    assert low.num_output_tokens == 4 and vip.num_output_tokens == 2
+    assert_all_blocks_free(s)
+
+
+def test_urgent_request_is_admitted_in_a_step_that_preempted() -> None:
+    """A step that preempted admits no peer, but a more urgent request still gets the room left."""
+    s = make_scheduler(num_blocks=4, block_size=4, budget=64)
+    low0 = make_request("low0", prompt_len=4, priority=5, max_tokens=12)
+    low1 = make_request("low1", prompt_len=4, priority=5, max_tokens=12, first=20)
+    s.add_request(low0)
+    s.add_request(low1)
+    for _ in range(5):  # prompts, then positions 4..7: two blocks each, the pool is full
+        step(s)
+    s.add_request(make_request("peer", prompt_len=3, priority=5, max_tokens=1, first=50))
+    vip = make_request("vip", prompt_len=3, priority=0, max_tokens=2, first=90)
+    s.add_request(vip)
+    out = step(s)  # low0 needs a 3rd block for position 8: low1 is preempted, then vip gets in
+    assert shares(out) == {"low0": 1, "vip": 3}
+    assert low1.status == RequestStatus.PREEMPTED and low0.status == RequestStatus.RUNNING
+    assert s.num_preemptions == 1
+    while s.has_unfinished_requests():
+        step(s)
+    assert [r.num_output_tokens for r in (low0, low1, vip)] == [12, 12, 2]
+    assert_all_blocks_free(s)

@@ -121,6 +121,7 @@ class AsyncEngine:
         self._id_prefix = uuid.uuid4().hex[:8]
         self._stats: dict[str, Any] = self._engine.stats()
         self._dead: EngineError | None = None
+        self._pin_waiters: dict[str, _Pin] = {}  # pins still computing; driver thread only
         self._stopping = False
         self._thread = threading.Thread(target=self._drive, name="paged-engine-driver", daemon=True)
         self._thread.start()
@@ -223,7 +224,13 @@ class AsyncEngine:
     async def unpin_prefix(self, pin_id: str) -> None:
         """Releases a pinned prefix; its blocks stay cached until evicted. Unknown ids are a no-op."""
         if self._dead is None:
-            await self._call(lambda engine: engine.unpin_prefix(pin_id))
+            await self._call(lambda engine: self._unpin(engine, pin_id))
+
+    def _unpin(self, engine: Engine, pin_id: str) -> None:
+        engine.unpin_prefix(pin_id)
+        waiter = self._pin_waiters.pop(pin_id, None)
+        if waiter is not None:  # unpinned before it finished computing
+            _resolve(waiter.loop, waiter.future, error=EngineError(f"prefix {pin_id} was unpinned while pinning"))
 
     async def shutdown(self) -> None:
         """Aborts every request and stops the driver thread; idempotent."""
@@ -303,7 +310,7 @@ class AsyncEngine:
 
     def _drive(self) -> None:
         channels: dict[str, _Channel] = {}
-        pins: dict[str, _Pin] = {}
+        pins = self._pin_waiters
         engine = self._engine
         try:
             while True:
@@ -364,6 +371,9 @@ class AsyncEngine:
                 return
             channels[command.request_id] = command.channel
         elif isinstance(command, _Abort):
+            if command.request_id in pins:
+                self._unpin(engine, command.request_id)
+                return
             for output in engine.abort_request(command.request_id):
                 self._dispatch(channels, output, None)
         elif isinstance(command, _Pin):

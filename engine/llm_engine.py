@@ -191,10 +191,11 @@ class Engine:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         outputs = []
         for request_id in ids:
+            if request_id in self._pins:  # a pin, computing or held: its blocks go too
+                self.unpin_prefix(request_id)
+                continue
             parent = self._parents.get(request_id)
             if parent is None:
-                if request_id in self._pins:
-                    self.unpin_prefix(request_id)
                 continue
             self.scheduler.finish_requests([c.req_id for c in parent.children], RequestStatus.FINISHED_ABORTED)
             # NOTE: its final output is this one: no later step emits it, so the engine forgets it now.

@@ -296,3 +296,16 @@ def test_bundled_model_answers(bundled_model_dir) -> None:
     assert "Paris" in outs[0].outputs[0].text
     assert outs[1].outputs[0].token_ids and "\ufffd" not in outs[1].outputs[0].text
     assert_pool_whole(e)
+
+
+def test_pins_hold_blocks_until_unpinned_or_aborted(engine: Engine) -> None:
+    """A pin keeps its blocks after its request finishes; unpin or abort (even mid-compute) releases them."""
+    held = engine.pin_prefix(list(range(3000, 3010)))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats()["kv_blocks_used"] == 3
+    computing = engine.pin_prefix(list(range(3100, 3110)))
+    engine.abort_request(computing)  # never stepped: still waiting
+    engine.abort_request(held)
+    engine.unpin_prefix(held)  # a second release is a no-op
+    assert_pool_whole(engine)

@@ -74,7 +74,15 @@ class TorchAttentionBackend(AttentionBackend):
         self._plan: _TorchPlan | None = None
         self._workspace: torch.Tensor | None = None
 
-    def forward(self, q, k, v, kv_cache, meta, scale):
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         # NOTE: every new token's K/V is stored before any attention reads the cache, so a

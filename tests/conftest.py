@@ -8,42 +8,9 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+from tiny_models import TINY, TINY_ARCHS
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-# Small enough to run in milliseconds, big enough to exercise GQA, several layers and blocks.
-_TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=2048,
-    rms_norm_eps=1e-5,
-)
-
-TINY_ARCHS: dict[str, tuple[str, dict]] = {
-    "llama": ("LlamaConfig", dict(tie_word_embeddings=False)),
-    "llama3": (
-        "LlamaConfig",
-        dict(
-            tie_word_embeddings=False,
-            rope_parameters={
-                "rope_type": "llama3",
-                "rope_theta": 500000.0,
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            },
-        ),
-    ),
-    "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=None)),
-    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=False)),
-    "qwen3": ("Qwen3Config", dict(tie_word_embeddings=False, head_dim=16)),
-    "smollm2": ("LlamaConfig", dict(tie_word_embeddings=True)),
-}
-
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--run-slow", action="store_true", help="run tests marked slow")
@@ -99,7 +66,7 @@ def tiny_model_factory(
             vocab_size=len(tokenizer),
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
-            **{**_TINY, **arch_kwargs, **overrides},
+            **{**TINY, **arch_kwargs, **overrides},
         )
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -1,7 +1,7 @@
 """The tiny-model fixture builds every architecture the engine claims to support."""
 
 import pytest
-from conftest import TINY_ARCHS
+from tiny_models import TINY_ARCHS
 
 
 @pytest.mark.parametrize("arch", sorted(TINY_ARCHS))

@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from conftest import TINY_ARCHS
+from tiny_models import TINY_ARCHS
 from runner_driver import PagedDriver
 
 from engine.config import EngineConfig

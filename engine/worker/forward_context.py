@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
@@ -15,21 +16,23 @@ class ForwardContext:
     attn_metadata: AttentionMetadata
 
 
-_context: ForwardContext | None = None
+# NOTE: a ContextVar, not a module global: engines in different threads of one process
+# each see only their own step.
+_context: ContextVar[ForwardContext | None] = ContextVar("forward_context", default=None)
 
 
 @contextmanager
 def set_forward_context(context: ForwardContext) -> Iterator[None]:
     """Make ``context`` visible to the layers for the duration of one forward pass."""
-    global _context
-    previous, _context = _context, context
+    token = _context.set(context)
     try:
         yield
     finally:
-        _context = previous
+        _context.reset(token)
 
 
 def get_forward_context() -> ForwardContext:
-    if _context is None:
+    context = _context.get()
+    if context is None:
         raise RuntimeError("no forward context: call the model inside set_forward_context()")
-    return _context
+    return context

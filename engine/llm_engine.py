@@ -56,7 +56,6 @@ class _Parent:
     request_id: str
     prompt_token_ids: list[int]
     children: list[Request]
-    finished_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -94,7 +93,7 @@ class Engine:
 
         self.config = make_config(model, config, overrides)
         self.model_dir = resolve_model(self.config.model)
-        self.model_name = self.model_dir.name if self.config.model is None else str(self.config.model)
+        self.model_name = _model_name(self.config.model)
         self.runner = ModelRunner(self.config, self.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
         self.vocab_size: int = self.runner.vocab_size
@@ -200,7 +199,6 @@ class Engine:
             self.scheduler.finish_requests([c.req_id for c in parent.children], RequestStatus.FINISHED_ABORTED)
             # NOTE: its final output is this one: no later step emits it, so the engine forgets it now.
             del self._parents[request_id]
-            parent.finished_time = time.perf_counter()
             outputs.append(self._make_output(parent))
         return outputs
 
@@ -313,7 +311,6 @@ class Engine:
                 continue
             if parent.finished:
                 del self._parents[parent_id]
-                parent.finished_time = time.perf_counter()
                 outputs.append(self._make_output(parent))
             elif emit_unfinished:
                 outputs.append(self._make_output(parent))
@@ -500,6 +497,17 @@ def tokenize(tokenizer: Any, prompt: Prompt) -> list[int]:
     if not isinstance(prompt, (list, tuple)):
         raise RequestRejected(f"prompt must be a str or a list of token ids; got {type(prompt).__name__}")
     return list(prompt)
+
+
+def _model_name(model: Any) -> str:
+    """A short name for outputs and /v1/models: the file or directory name, without a quantisation suffix."""
+    from pathlib import Path
+
+    from engine.loader import bundled_gguf_path
+
+    path = bundled_gguf_path() if model is None else Path(model)
+    name = path.name.rstrip("/") or str(model)
+    return name.split(".")[0] if path.suffix == ".gguf" else name
 
 
 def _eos_token_ids(model_dir: Any, hf_config: Any, tokenizer: Any) -> frozenset[int]:

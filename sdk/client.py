@@ -111,28 +111,39 @@ def _unpin_later(transport: Transport, pin_id: str) -> None:
 
 
 class AsyncClient:
-    """The async SDK client; the in-process engine by default.
+    """The async SDK client; the in-process engine by default, or a remote one with ``base_url``.
 
     Example:
         client = AsyncClient(hooks=[AuditLog("audit.jsonl")])
+        remote = AsyncClient(base_url="http://gpu-box:8000/v1", api_key=KEY)  # same API
         async with await client.prefix(SYSTEM) as system:
             result = await client.chat([*system.messages, ChatMessage(role="user", content="Hi")])
 
     Args:
         model: HF directory or ``.gguf`` path; None = the bundled SmolLM2-135M-Instruct.
+            With ``base_url``: the remote model id; None = the first one the endpoint lists.
+        base_url: an OpenAI-compatible endpoint (``paged serve``, vLLM ...) to run requests
+            on, through ``sdk.http_transport.HttpTransport``; None = in-process.
+        api_key: sent to ``base_url`` as a bearer token.
         hooks: run in order on every request (see ``sdk.hooks``).
         tenant: written to each request's context and audit record.
-        transport: where requests run; default: the process-wide in-process engine for
-            (model, engine_config).
+        transport: where requests run; default: ``base_url``'s endpoint, or the process-wide
+            in-process engine for (model, engine_config).
         route: names the surface in hook contexts and audit records (adapters set theirs).
         max_retries: times to retry a request the engine refused as overloaded (with backoff).
         **engine_config: ``engine.EngineConfig`` fields for the in-process engine.
+
+    Raises:
+        ValueError: ``transport`` with any of model/base_url/api_key/engine_config,
+            ``base_url`` with engine_config, or ``api_key`` without ``base_url``.
     """
 
     def __init__(
         self,
         model: str | None = None,
         *,
+        base_url: str | None = None,
+        api_key: str | None = None,
         hooks: Sequence[Hook] = (),
         tenant: str | None = None,
         transport: Transport | None = None,
@@ -140,9 +151,8 @@ class AsyncClient:
         max_retries: int = 0,
         **engine_config: Any,
     ) -> None:
-        if transport is not None and (model is not None or engine_config):
-            raise ValueError("give a transport or model/engine_config, not both")
-        self._transport = transport or InProcessTransport(model=model, **engine_config)
+        self._owns_transport = transport is None
+        self._transport = _make_transport(transport, model, base_url, api_key, engine_config)
         self.hooks = HookChain(hooks)
         self.tenant = tenant
         self.route = route
@@ -252,9 +262,14 @@ class AsyncClient:
         return handle
 
     async def aclose(self) -> None:
-        """Unpin this client's open prefixes. The shared engine stays up for other clients."""
+        """Unpin this client's open prefixes and close its connections (``base_url``).
+
+        The shared engine stays up for other clients; the client stays usable.
+        """
         for handle in list(self._prefixes):
             await handle.aclose()
+        if self._owns_transport:
+            await self._transport.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -372,6 +387,36 @@ class AsyncClient:
             if not handle.closed and handle.matches(prompt_token_ids):
                 handle.num_requests += 1
                 handle.num_hit_tokens += min(num_cached_tokens, handle.num_tokens)
+
+
+def _make_transport(
+    transport: Transport | None,
+    model: str | None,
+    base_url: str | None,
+    api_key: str | None,
+    engine_config: dict[str, Any],
+) -> Transport:
+    """``transport`` as given, else one for ``base_url``, else the in-process one for (model, engine_config).
+
+    Raises:
+        ValueError: settings that contradict each other; the message names them.
+    """
+    if transport is not None:
+        named = {"model": model, "base_url": base_url, "api_key": api_key}
+        given = [name for name, value in named.items() if value is not None] + sorted(engine_config)
+        if given:
+            raise ValueError(f"transport and {', '.join(given)} both given: the transport fixes where requests run")
+        return transport
+    if base_url is None:
+        if api_key is not None:
+            raise ValueError("api_key given without base_url: the in-process engine takes no key")
+        return InProcessTransport(model=model, **engine_config)
+    if engine_config:
+        fields = ", ".join(sorted(engine_config))
+        raise ValueError(f"base_url and engine fields ({fields}) both given: a remote engine is set up by its server")
+    from sdk.http_transport import HttpTransport  # NOTE: aiohttp loads only for remote clients
+
+    return HttpTransport(base_url, api_key=api_key, model=model)
 
 
 async def _next(stream: AsyncIterator[TransportOutput], deadline: float | None) -> TransportOutput | None:

@@ -17,6 +17,13 @@ class InvalidRequestError(PagedError, ValueError):
     error_type = "invalid_request_error"
 
 
+class AuthenticationError(PagedError):
+    """A remote endpoint refused the API key (HTTP 401)."""
+
+    status_code = 401
+    error_type = "authentication_error"
+
+
 class ContentBlocked(PagedError):
     """An input filter blocked the request before it reached the engine.
 

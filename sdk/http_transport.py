@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 
 from sdk.errors import (
+    AuthenticationError,
     ContentBlocked,
     EngineFailure,
     InvalidRequestError,
@@ -118,10 +119,15 @@ class HttpTransport(Transport):
                 self._max_model_len = int(card["max_model_len"])
 
     async def close(self) -> None:
-        """Close the sessions this transport opened."""
-        sessions, self._sessions = list(self._sessions.values()), {}
-        for session in sessions:
-            await session.close()
+        """Close the sessions this transport opened, each on its own loop; a later request opens a new one."""
+        sessions, self._sessions = self._sessions, {}
+        current = asyncio.get_running_loop()
+        for loop, session in sessions.items():
+            if loop is current:
+                await session.close()
+            elif loop.is_running():
+                # NOTE: not awaited: that loop may be blocked on this one (a sync call from async code).
+                asyncio.run_coroutine_threadsafe(session.close(), loop)
 
     def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
         return ChatPrompt(messages, add_generation_prompt)
@@ -264,6 +270,8 @@ def _error(status: int, error: dict[str, Any]) -> PagedError:
     message = str(error.get("message") or f"HTTP {status}")
     if error.get("code") == "content_filter" or error.get("type") == "content_filter":
         return ContentBlocked(message)
+    if status == 401:
+        return AuthenticationError(message)
     if status == 429:
         return OverloadedError(message)
     if status == 408:

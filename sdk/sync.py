@@ -64,7 +64,7 @@ class Client:
     as the async client through a thread-safe queue. Arguments as ``AsyncClient``.
 
     Example:
-        client = Client()
+        client = Client()  # or Client(base_url="http://gpu-box:8000/v1", api_key=KEY)
         with client.prefix(SYSTEM) as system:
             print(client.chat([*system.messages, ("user", "Hi")]).text)
     """
@@ -73,6 +73,8 @@ class Client:
         self,
         model: str | None = None,
         *,
+        base_url: str | None = None,
+        api_key: str | None = None,
         hooks: Iterable[Hook] = (),
         tenant: str | None = None,
         transport: Transport | None = None,
@@ -81,8 +83,8 @@ class Client:
         **engine_config: Any,
     ) -> None:
         self.aclient = AsyncClient(
-            model, hooks=list(hooks), tenant=tenant, transport=transport, route=route,
-            max_retries=max_retries, **engine_config,
+            model, base_url=base_url, api_key=api_key, hooks=list(hooks), tenant=tenant, transport=transport,
+            route=route, max_retries=max_retries, **engine_config,
         )  # fmt: skip
 
     @property
@@ -148,7 +150,7 @@ class Client:
                 done.wait()
 
     def close(self) -> None:
-        """Unpin this client's open prefixes (the shared engine stays up)."""
+        """``AsyncClient.aclose``: unpin open prefixes, close connections (the shared engine stays up)."""
         run_sync(self.aclient.aclose())
 
     def __enter__(self) -> Client:

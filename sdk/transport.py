@@ -106,6 +106,9 @@ class Transport(abc.ABC):
     def stats(self) -> dict[str, Any]:
         """The engine's figures (keys as ``engine.AsyncEngine.stats()``)."""
 
+    async def close(self) -> None:
+        """Release what the transport holds open (connections); it stays usable. Idempotent."""
+
 
 class InProcessTransport(Transport):
     """Runs requests on an ``engine.AsyncEngine`` of this process.

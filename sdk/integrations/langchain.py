@@ -1,8 +1,8 @@
 """LangChain adapters: ``PagedChat`` (a chat model) and ``PagedLLM`` (a text-completion LLM).
 
-Both run on the process's shared in-process engine through an SDK client, so hooks,
-audit and prefix caching apply to every call. Tool calling, structured output and
-multimodal inputs are not supported.
+Both run through an SDK client, on the process's shared in-process engine or, with
+``base_url``, on a remote OpenAI-compatible one, so hooks and audit apply to every call.
+Tool calling, structured output and multimodal inputs are not supported.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ try:
     from langchain_core.outputs import ChatGenerationChunk, ChatResult, GenerationChunk, LLMResult
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("sdk.integrations.langchain needs langchain-core: pip install langchain-core") from exc
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 
 from sdk.client import AsyncClient
 from sdk.hooks import Hook
@@ -42,7 +42,12 @@ class _PagedParams(BaseModel):
     model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
 
     model: str | None = Field(default=None, alias="model_name")
-    """HF model directory or ``.gguf`` path; None = the bundled SmolLM2-135M-Instruct."""
+    """HF model directory or ``.gguf`` path; None = the bundled SmolLM2-135M-Instruct.
+    With ``base_url``: the remote model id; None = the first one the endpoint lists."""
+    base_url: str | None = None
+    """An OpenAI-compatible endpoint (``paged serve``, vLLM) to run on; None = in-process."""
+    api_key: SecretStr | None = None
+    """Bearer token for ``base_url``; unused in-process (LangChain passes keys to every model)."""
     temperature: float | None = None
     """Sampling temperature; 0 = greedy. None = the engine's default (1.0)."""
     max_tokens: int | None = None
@@ -70,16 +75,18 @@ class _PagedParams(BaseModel):
     cache_salt: str | None = None
     """Cache namespace: requests with different salts never share KV blocks."""
     engine_config: dict[str, Any] = Field(default_factory=dict)
-    """``engine.EngineConfig`` fields for the shared in-process engine (e.g. ``num_blocks``)."""
+    """``engine.EngineConfig`` fields for the shared in-process engine (e.g. ``num_blocks``); not with ``base_url``."""
 
     _client: Client = PrivateAttr()
 
     @model_validator(mode="after")
     def _build_client(self) -> Any:
         # NOTE: cheap: the engine is created (or shared) on the first request, not here.
+        # NOTE: the key goes only to a remote engine; in-process, a key (as LangChain's suites pass) is unused.
+        api_key = self.api_key.get_secret_value() if self.api_key is not None and self.base_url is not None else None
         self._client = Client(
-            self.model, hooks=self.hooks, tenant=self.tenant, route=self._route, max_retries=self.max_retries,
-            **self.engine_config,
+            self.model, base_url=self.base_url, api_key=api_key, hooks=self.hooks, tenant=self.tenant,
+            route=self._route, max_retries=self.max_retries, **self.engine_config,
         )  # fmt: skip
         return self
 
@@ -87,7 +94,7 @@ class _PagedParams(BaseModel):
 
     @property
     def client(self) -> Client:
-        """The SDK client behind the adapter (shares the engine with every client of the process)."""
+        """The SDK client behind the adapter (in-process: shares the engine with every client of the process)."""
         return self._client
 
     @property
@@ -96,7 +103,12 @@ class _PagedParams(BaseModel):
 
     @property
     def _model_display_name(self) -> str:
-        return self.model or BUNDLED_MODEL_NAME
+        if self.model or self.base_url is None:
+            return self.model or BUNDLED_MODEL_NAME
+        try:
+            return self.aclient.model_name  # the endpoint's first model, once connected
+        except RuntimeError:
+            return "unknown"
 
     def _options(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
         if kwargs.get("model") not in (None, self.model):
@@ -118,7 +130,8 @@ class _PagedParams(BaseModel):
     @property
     def _identifying_params(self) -> dict[str, Any]:
         return {
-            "model": self._model_display_name, "temperature": self.temperature, "max_tokens": self.max_tokens,
+            "model": self._model_display_name, "base_url": self.base_url, "temperature": self.temperature,
+            "max_tokens": self.max_tokens,
             "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed, "stop": self.stop,
         }  # fmt: skip
 
@@ -150,7 +163,7 @@ def to_sdk_messages(messages: Sequence[BaseMessage]) -> list[ChatMessage]:
 
 
 class PagedChat(_PagedParams, BaseChatModel):
-    """Chat model on paged's in-process engine (continuous batching, shared prefix cache).
+    """Chat model on paged's engine (continuous batching, shared prefix cache), in-process or remote.
 
     Setup:
         ``pip install paged``; the bundled SmolLM2-135M-Instruct needs no download.
@@ -160,6 +173,7 @@ class PagedChat(_PagedParams, BaseChatModel):
 
             from sdk.integrations.langchain import PagedChat
             chat = PagedChat(temperature=0, max_tokens=128, hooks=[AuditLog("audit.jsonl")])
+            remote = PagedChat(base_url="http://gpu-box:8000/v1", api_key=KEY, temperature=0)
 
     Invoke:
         .. code-block:: python
@@ -274,7 +288,7 @@ class PagedChat(_PagedParams, BaseChatModel):
 
 
 class PagedLLM(_PagedParams, LLM):
-    """Text-completion LLM on paged's in-process engine: the prompt is used as given (no chat template).
+    """Text-completion LLM on paged's engine (in-process or ``base_url``): the prompt is used as given.
 
     Instantiate / invoke / stream:
         .. code-block:: python

@@ -1,4 +1,4 @@
-"""LlamaIndex adapter: ``PagedLLM``, a chat LLM on the process's shared in-process engine.
+"""LlamaIndex adapter: ``PagedLLM``, a chat LLM on the process's shared engine or a remote one (``base_url``).
 
 Chat is the native path (the model's chat template); completion derives from it through
 LlamaIndex's ``chat_to_completion_decorator`` family, except ``formatted=True`` prompts,
@@ -68,18 +68,25 @@ def to_sdk_messages(messages: Sequence[LIChatMessage]) -> list[ChatMessage]:
 
 
 class PagedLLM(LLM):
-    """paged's in-process engine as a LlamaIndex chat LLM (sync, async and streaming).
+    """paged's engine, in-process or at ``base_url``, as a LlamaIndex chat LLM (sync, async and streaming).
 
     Example:
         .. code-block:: python
 
-            llm = PagedLLM(max_tokens=64, temperature=0)
+            llm = PagedLLM(max_tokens=64, temperature=0)  # or PagedLLM(base_url=..., api_key=...)
             print(llm.complete("Name a colour.").text)
             for r in llm.stream_chat([ChatMessage(role="user", content="Hi")]):
                 print(r.delta, end="")
     """
 
-    model: str | None = Field(default=None, description="HF model directory or .gguf path; None = the bundled model.")
+    model: str | None = Field(
+        default=None,
+        description="HF model directory or .gguf path; None = the bundled model. With base_url: the remote model id.",
+    )
+    base_url: str | None = Field(
+        default=None, description="OpenAI-compatible endpoint (paged serve, vLLM) to run on; None = in-process."
+    )
+    api_key: str | None = Field(default=None, description="Bearer token for base_url.", exclude=True, repr=False)
     temperature: float | None = Field(default=None, description="Sampling temperature; 0 = greedy.")
     max_tokens: int | None = Field(default=None, description="Most tokens to generate (None = 256).")
     top_p: float | None = Field(default=None, description="Nucleus sampling mass.")
@@ -91,7 +98,9 @@ class PagedLLM(LLM):
     hooks: list[Hook] = Field(default_factory=list, description="SDK hooks run on every call.", exclude=True)
     tenant: str | None = Field(default=None, description="Tenant id for hook contexts and audit records.")
     cache_salt: str | None = Field(default=None, description="Cache namespace (no KV sharing across salts).")
-    engine_config: dict[str, Any] = Field(default_factory=dict, description="engine.EngineConfig fields.")
+    engine_config: dict[str, Any] = Field(
+        default_factory=dict, description="engine.EngineConfig fields for the in-process engine (not with base_url)."
+    )
 
     _client: Client | None = PrivateAttr(default=None)
 
@@ -101,11 +110,11 @@ class PagedLLM(LLM):
 
     @property
     def client(self) -> Client:
-        """The SDK client (built on first use; the engine is shared by the process)."""
+        """The SDK client (built on first use; an in-process engine is shared by the process)."""
         if self._client is None:
             self._client = Client(
-                self.model, hooks=self.hooks, tenant=self.tenant, route="llamaindex", max_retries=self.max_retries,
-                **self.engine_config,
+                self.model, base_url=self.base_url, api_key=self.api_key, hooks=self.hooks, tenant=self.tenant,
+                route="llamaindex", max_retries=self.max_retries, **self.engine_config,
             )  # fmt: skip
         return self._client
 

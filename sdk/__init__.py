@@ -6,6 +6,7 @@
 
 from sdk.client import AsyncClient, PrefixHandle
 from sdk.errors import (
+    AuthenticationError,
     ContentBlocked,
     EngineFailure,
     HookFailed,
@@ -29,6 +30,7 @@ from sdk.types import (
 
 __all__ = [
     "AsyncClient",
+    "AuthenticationError",
     "ChatMessage",
     "ChatRequest",
     "ChatResult",

@@ -13,7 +13,16 @@ from typing import Any, Union
 from sdk.errors import OverloadedError, RequestTimeout
 from sdk.hooks import Hook, HookChain, RequestContext
 from sdk.transport import EngineRequest, InProcessTransport, PrefixPin, Transport, TransportOutput
-from sdk.types import ChatMessage, ChatRequest, ChatResult, CompletionRequest, CompletionResult, Delta, Usage
+from sdk.types import (
+    ChatMessage,
+    ChatRequest,
+    ChatResult,
+    CompletionRequest,
+    CompletionResult,
+    Delta,
+    TokenLogprob,
+    Usage,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -292,10 +301,13 @@ class AsyncClient:
     async def _collect(self, request: ChatRequest | CompletionRequest) -> CompletionResult:
         text: list[str] = []
         token_ids: list[int] = []
+        logprobs: list[TokenLogprob] | None = [] if request.logprobs is not None else None
         last: Delta | None = None
         async for last in self._run(request):
             text.append(last.text)
             token_ids.extend(last.token_ids)
+            if logprobs is not None and last.logprobs:
+                logprobs.extend(last.logprobs)
         assert last is not None and last.finish_reason is not None and last.usage is not None
         return CompletionResult(
             request_id=last.request_id,
@@ -304,6 +316,7 @@ class AsyncClient:
             token_ids=token_ids,
             finish_reason=last.finish_reason,
             usage=last.usage,
+            logprobs=logprobs,
         )
 
     async def _run(self, request: ChatRequest | CompletionRequest) -> AsyncIterator[Delta]:
@@ -319,7 +332,7 @@ class AsyncClient:
             messages=list(request.messages) if is_chat else None,  # type: ignore[union-attr]
             prompt=None if is_chat else request.prompt,  # type: ignore[union-attr]
         )
-        prompt_token_ids: Sequence[int] = ()
+        prompt_token_ids: Sequence[int] | None = None  # None until the first delta carried them
         in_engine = False  # the engine holds the request: abort it unless it finished
         try:
             await self.hooks.on_request(ctx)
@@ -331,16 +344,29 @@ class AsyncClient:
             in_engine = True
             try:
                 while (out := await _next(stream, deadline)) is not None:
+                    # NOTE: the first delta yielded (whichever it is) carries the prompt ids, once.
+                    first_prompt_ids = list(out.prompt_token_ids) if prompt_token_ids is None else None
                     prompt_token_ids = out.prompt_token_ids
                     ctx.usage = Usage(
                         prompt_tokens=len(out.prompt_token_ids),
                         completion_tokens=ctx.usage.completion_tokens + len(out.token_ids),
                         cached_tokens=out.num_cached_tokens,
                     )
-                    delta = Delta(request_id=ctx.request_id, text=out.text, token_ids=out.token_ids)
+                    delta = Delta(
+                        request_id=ctx.request_id,
+                        text=out.text,
+                        token_ids=out.token_ids,
+                        logprobs=out.logprobs,
+                        prompt_token_ids=first_prompt_ids,
+                    )
                     if (delta.text or delta.token_ids) and await self.hooks.on_chunk(ctx, delta) is not None:
                         ctx.finish_reason = "content_filter"
-                        yield Delta(request_id=ctx.request_id, finish_reason="content_filter", usage=ctx.usage)
+                        yield Delta(
+                            request_id=ctx.request_id,
+                            prompt_token_ids=first_prompt_ids,
+                            finish_reason="content_filter",
+                            usage=ctx.usage,
+                        )
                         return
                     if ctx.first_token_monotonic is None:
                         ctx.first_token_monotonic = time.monotonic()
@@ -364,7 +390,7 @@ class AsyncClient:
             if ctx.finish_reason is None and ctx.error is not None and in_engine:
                 ctx.finish_reason = "abort"
             ctx.end_monotonic = time.monotonic()
-            self._count_prefix_hits(prompt_token_ids, ctx.usage.cached_tokens)
+            self._count_prefix_hits(prompt_token_ids or (), ctx.usage.cached_tokens)
             await self.hooks.on_finish(ctx)
 
     async def _open(self, request: EngineRequest, deadline: float | None) -> AsyncIterator[TransportOutput]:

@@ -2,9 +2,10 @@
 
 Chat requests go to ``/v1/chat/completions`` with the messages (the server applies its own
 chat template); raw prompts go to ``/v1/completions``. Both stream (SSE) and ask for
-``return_token_ids`` (a vLLM extension ``paged serve`` also speaks), so token ids and usage
-match what the in-process transport reports. Closing the output iterator closes the HTTP
-response, which the server turns into an abort of the engine request.
+``return_token_ids`` (a vLLM extension ``paged serve`` also speaks), so token ids, usage
+and logprobs (either OpenAI format) match what the in-process transport reports. Closing
+the output iterator closes the HTTP response, which the server turns into an abort of the
+engine request.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from sdk.errors import (
     RequestTimeout,
 )
 from sdk.transport import EngineRequest, PrefixPin, Transport, TransportOutput
-from sdk.types import ChatMessage
+from sdk.types import ChatMessage, TokenLogprob, TopLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +140,9 @@ class HttpTransport(Transport):
             yield out
 
     async def _generate(self, request: EngineRequest) -> AsyncIterator[TransportOutput]:
-        body = _sampling_body(request.sampling)
+        sampling = dict(request.sampling)
+        top_k = sampling.pop("logprobs", None)
+        body = _sampling_body(sampling)
         body.update(model=self.model_name, stream=True, return_token_ids=True)
         body["stream_options"] = {"include_usage": True}
         if request.priority:
@@ -149,9 +152,13 @@ class HttpTransport(Transport):
         if isinstance(request.prompt, ChatPrompt):
             url = self._base + "/chat/completions"
             body["messages"] = [m.model_dump(exclude_none=True) for m in request.prompt.messages]
+            if top_k is not None:
+                body.update(logprobs=True, top_logprobs=top_k)
         else:
             url = self._base + "/completions"
             body["prompt"] = request.prompt if isinstance(request.prompt, list) else str(request.prompt)
+            if top_k is not None:
+                body["logprobs"] = top_k
         headers = {**self._headers, "X-Request-Id": request.request_id}
         async with self._client().post(url, json=body, headers=headers) as resp:
             if resp.status != 200:
@@ -247,11 +254,37 @@ async def _read_stream(resp: aiohttp.ClientResponse) -> AsyncIterator[TransportO
             token_ids = list(choice.get("token_ids") or ())
             prompt_ids = choice.get("prompt_token_ids") or prompt_ids  # completions: per choice
             finish_reason = choice.get("finish_reason") or finish_reason
-            if text or token_ids:
-                yield TransportOutput(text, token_ids, None, prompt_ids, num_cached)
+            logprobs = _logprobs(choice.get("logprobs"))
+            if text or token_ids or logprobs:
+                yield TransportOutput(text, token_ids, None, prompt_ids, num_cached, logprobs)
     if finish_reason is None:
         raise EngineFailure("the server closed the stream before the request finished")
     yield TransportOutput("", [], finish_reason, prompt_ids, num_cached)
+
+
+def _logprobs(raw: dict[str, Any] | None) -> list[TokenLogprob] | None:
+    """A choice's logprobs in either OpenAI format: chat (``content``) or legacy completions (parallel lists)."""
+    if not raw:
+        return None
+    if "content" in raw:
+        return [
+            TokenLogprob(
+                token=t["token"],
+                logprob=t["logprob"],
+                top_logprobs=[TopLogprob(token=c["token"], logprob=c["logprob"]) for c in t.get("top_logprobs") or ()],
+            )
+            for t in raw["content"] or ()
+        ]
+    tokens, values = raw.get("tokens") or [], raw.get("token_logprobs") or []
+    tops = list(raw.get("top_logprobs") or ()) + [None] * len(tokens)
+    return [
+        TokenLogprob(
+            token=token,
+            logprob=float("-inf") if logprob is None else logprob,
+            top_logprobs=[TopLogprob(token=s, logprob=lp) for s, lp in (top or {}).items()],
+        )
+        for token, logprob, top in zip(tokens, values, tops)
+    ]
 
 
 async def _json_or_raise(resp: aiohttp.ClientResponse) -> dict[str, Any]:

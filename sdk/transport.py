@@ -20,10 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 from sdk.chat_template import render_chat
 from sdk.errors import EngineFailure, InvalidRequestError, OverloadedError
-from sdk.types import ChatMessage
+from sdk.types import ChatMessage, TokenLogprob, TopLogprob
 
 if TYPE_CHECKING:
     from engine import AsyncEngine
+    from engine.outputs import Logprob
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class TransportOutput:
     finish_reason: str | None
     prompt_token_ids: Sequence[int] = field(default_factory=list)
     num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when asked for
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +157,7 @@ class InProcessTransport(Transport):
             params = SamplingParams(**request.sampling)
         except (TypeError, ValueError) as exc:
             raise InvalidRequestError(str(exc)) from exc
+        top_k = request.sampling.get("logprobs")
         num_text = num_tokens = 0
         stream = None
         try:
@@ -164,12 +167,19 @@ class InProcessTransport(Transport):
             )  # fmt: skip
             async for out in stream:
                 completion = out.outputs[0]
+                token_ids = completion.token_ids[num_tokens:]
+                logprobs = None
+                if top_k is not None and completion.logprobs is not None:
+                    # NOTE: entries align with token_ids by position; a trailing stop token may have one too.
+                    entries = completion.logprobs[num_tokens:]
+                    logprobs = [_token_logprob(e, t, top_k) for t, e in zip(token_ids, entries)]
                 delta = TransportOutput(
                     text=completion.text[num_text:],
-                    token_ids=completion.token_ids[num_tokens:],
+                    token_ids=token_ids,
                     finish_reason=completion.finish_reason if out.finished else None,
                     prompt_token_ids=out.prompt_token_ids,
                     num_cached_tokens=out.num_cached_tokens,
+                    logprobs=logprobs,
                 )
                 num_text, num_tokens = len(completion.text), len(completion.token_ids)
                 yield delta
@@ -201,6 +211,17 @@ class InProcessTransport(Transport):
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
+
+
+def _token_logprob(entry: dict[int, Logprob], token_id: int, top_k: int) -> TokenLogprob:
+    """The sampled token's logprob and the ``top_k`` most likely candidates of one engine entry."""
+    sampled = entry.get(token_id)
+    top = sorted(entry.values(), key=lambda lp: lp.rank)[:top_k]
+    return TokenLogprob(
+        token=sampled.decoded_token if sampled is not None else "",
+        logprob=sampled.logprob if sampled is not None else float("-inf"),
+        top_logprobs=[TopLogprob(token=lp.decoded_token, logprob=lp.logprob) for lp in top],
+    )
 
 
 # --- the process-wide engines -------------------------------------------------------------

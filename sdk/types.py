@@ -24,6 +24,7 @@ SAMPLING_FIELDS = (
     "stop",
     "stop_token_ids",
     "ignore_eos",
+    "logprobs",
 )
 
 
@@ -55,6 +56,8 @@ class SamplingOptions(BaseModel):
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
+    logprobs: int | None = None
+    """Return each generated token's logprob plus its ``logprobs`` most likely candidates (0 = none)."""
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The fields set on this request, as ``engine.SamplingParams`` keyword arguments."""
@@ -98,12 +101,36 @@ class Usage(BaseModel):
         return self.prompt_tokens + self.completion_tokens
 
 
+class TopLogprob(BaseModel):
+    """One candidate token and its log probability."""
+
+    model_config = ConfigDict(frozen=True)
+
+    token: str
+    logprob: float
+
+
+class TokenLogprob(BaseModel):
+    """A generated token's log probability and the most likely candidates at its position."""
+
+    model_config = ConfigDict(frozen=True)
+
+    token: str
+    logprob: float
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+    """Most likely first; as many as the request's ``logprobs`` asked for."""
+
+
 class Delta(BaseModel):
     """New output of a streaming request; the last one has ``finish_reason`` and ``usage`` set."""
 
     request_id: str
     text: str = ""
     token_ids: list[int] = Field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    """One per token of ``token_ids``, when the request set ``logprobs``."""
+    prompt_token_ids: list[int] | None = None
+    """The prompt as the engine tokenized it; set on a request's first delta only."""
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
 
@@ -117,6 +144,8 @@ class CompletionResult(BaseModel):
     token_ids: list[int]
     finish_reason: FinishReason
     usage: Usage
+    logprobs: list[TokenLogprob] | None = None
+    """One per generated token, when the request set ``logprobs``."""
 
 
 class ChatResult(CompletionResult):

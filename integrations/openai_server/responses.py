@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from integrations.openai_server import protocol as p
-from integrations.openai_server.serving import Chunk, TokenInfo
+from integrations.openai_server.serving import Chunk
+from sdk.types import TokenLogprob
 
 
 def chat_logprobs(chunks: list[Chunk]) -> p.ChatLogprobs:
@@ -14,7 +15,9 @@ def chat_logprobs(chunks: list[Chunk]) -> p.ChatLogprobs:
                 token=t.token,
                 logprob=t.logprob,
                 bytes=list(t.token.encode()),
-                top_logprobs=[p.TopLogprob(token=s, logprob=lp, bytes=list(s.encode())) for s, lp in t.top],
+                top_logprobs=[
+                    p.TopLogprob(token=c.token, logprob=c.logprob, bytes=list(c.token.encode())) for c in t.top_logprobs
+                ],
             )
             for t in _infos(chunks)
         ]
@@ -31,7 +34,7 @@ def completion_logprobs(chunks: list[Chunk], offset: int = 0) -> p.CompletionLog
     return p.CompletionLogprobs(
         tokens=[t.token for t in infos],
         token_logprobs=[t.logprob for t in infos],
-        top_logprobs=[dict(t.top) for t in infos],
+        top_logprobs=[{c.token: c.logprob for c in t.top_logprobs} for t in infos],
         text_offset=offsets,
     )
 
@@ -58,5 +61,5 @@ def usage(n: int, finals: list[Chunk]) -> p.Usage:
     )
 
 
-def _infos(chunks: list[Chunk]) -> list[TokenInfo]:
+def _infos(chunks: list[Chunk]) -> list[TokenLogprob]:
     return [info for c in chunks for info in (c.logprobs or ())]

@@ -130,7 +130,8 @@ def _check_common(body: Any, serving: Serving) -> None:
 
 
 def _options(body: p._SamplingFields, max_tokens: int | None) -> dict[str, Any]:
-    options = {name: getattr(body, name, None) for name in SAMPLING_FIELDS}
+    # NOTE: logprobs is not copied: its wire forms differ (chat: a flag + top_logprobs); the run passes it.
+    options = {name: getattr(body, name, None) for name in SAMPLING_FIELDS if name != "logprobs"}
     options.update(max_tokens=max_tokens, stop=body.stop_list() or None)
     options = {k: v for k, v in options.items() if v is not None}
     options.update(priority=body.priority, cache_salt=body.cache_salt)

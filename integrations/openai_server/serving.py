@@ -1,35 +1,23 @@
 """The glue between the HTTP routes and the SDK: every request runs through an ``sdk.AsyncClient``.
 
 One engine per server; one SDK client per tenant over a shared in-process transport, so the
-SDK hooks (filters, audit) see every HTTP request with its tenant id. Two things the SDK
-does not carry are handled here: ``n`` > 1 runs n SDK requests (seeds ``seed + i``; they
-share the prompt's cached blocks), and logprobs / prompt token ids are read off the engine's
-outputs by a thin proxy (``_EngineTap``) keyed by request id.
+SDK hooks (filters, audit) see every HTTP request with its tenant id. Logprobs and prompt
+token ids come on the SDK's deltas; ``n`` > 1 runs n SDK requests (seeds ``seed + i``; they
+share the prompt's cached blocks).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-from collections import deque
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from sdk.client import AsyncClient
 from sdk.hooks import Hook
 from sdk.transport import InProcessTransport
-from sdk.types import ChatMessage, Usage
-
-
-@dataclass(slots=True)
-class TokenInfo:
-    """A generated token's logprob and its top candidates (decoded strings)."""
-
-    token: str
-    logprob: float
-    top: list[tuple[str, float]]
+from sdk.types import ChatMessage, TokenLogprob, Usage
 
 
 @dataclass(slots=True)
@@ -39,46 +27,10 @@ class Chunk:
     index: int
     text: str
     token_ids: list[int]
-    logprobs: list[TokenInfo] | None = None
+    logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     usage: Usage | None = None
     prompt_token_ids: Sequence[int] | None = None
-
-
-@dataclass(slots=True)
-class _Tap:
-    logprobs: int | None
-    prompt_token_ids: Sequence[int] = ()
-    pending: deque = field(default_factory=deque)  # per-token logprob dicts not yet consumed
-
-
-class _EngineTap:
-    """Proxy over ``AsyncEngine``: asks for logprobs where a request wants them and records outputs."""
-
-    def __init__(self, engine: Any) -> None:
-        self._engine = engine
-        self.taps: dict[str, _Tap] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
-
-    async def generate(self, prompt: Any, params: Any, request_id: str | None = None, **kwargs: Any):
-        tap = self.taps.get(request_id) if request_id is not None else None
-        if tap is not None and tap.logprobs is not None:
-            params = dataclasses.replace(params, logprobs=tap.logprobs)
-        stream = self._engine.generate(prompt, params, request_id=request_id, **kwargs)
-        seen = 0
-        try:
-            async for out in stream:
-                if tap is not None:
-                    tap.prompt_token_ids = out.prompt_token_ids
-                    logprobs = out.outputs[0].logprobs
-                    if logprobs:
-                        tap.pending.extend(logprobs[seen:])
-                        seen = len(logprobs)
-                yield out
-        finally:
-            await stream.aclose()
 
 
 class Serving:
@@ -99,8 +51,7 @@ class Serving:
         owns_engine: bool = True,
     ) -> None:
         self.engine = engine
-        self._tap = _EngineTap(engine)
-        self._transport = InProcessTransport(engine=self._tap)
+        self._transport = InProcessTransport(engine=engine)
         self._hooks = tuple(hooks)
         self._served_name = served_model_name
         self._owns_engine = owns_engine
@@ -175,61 +126,35 @@ class Serving:
             for i in range(n):
                 index = p * n + i
                 rid = request_id if len(inputs) * n == 1 else f"{request_id}/{index}"
-                opts = dict(options, request_id=rid)
+                opts = dict(options, request_id=rid, logprobs=logprobs)
                 if i and opts.get("seed") is not None:
                     opts["seed"] += i
-                streams.append(self._choice(client, index, messages is not None, payload, logprobs, opts))
+                streams.append(self._choice(client, index, messages is not None, payload, opts))
         firsts = await _first_outputs(streams)
         streams = [_prepend(first, stream) for first, stream in zip(firsts, streams)]
         return streams[0] if len(streams) == 1 else _merge(streams)
 
     async def _choice(
-        self,
-        client: AsyncClient,
-        index: int,
-        is_chat: bool,
-        payload: Any,
-        logprobs: int | None,
-        options: dict[str, Any],
+        self, client: AsyncClient, index: int, is_chat: bool, payload: Any, options: dict[str, Any]
     ) -> AsyncIterator[Chunk]:
-        request_id = options["request_id"]
-        tap = self._tap.taps[request_id] = _Tap(logprobs)
-        try:
-            if is_chat:
-                deltas = client.stream(payload, **options)
-            else:
-                deltas = client.stream(prompt=payload, **options)
-            async with contextlib.aclosing(deltas):
-                async for delta in deltas:
-                    infos = None
-                    if logprobs is not None:
-                        infos = [
-                            _token_info(tap.pending.popleft(), t, logprobs)
-                            for t in delta.token_ids
-                            if tap.pending
-                        ]
-                    yield Chunk(
-                        index=index,
-                        text=delta.text,
-                        token_ids=delta.token_ids,
-                        logprobs=infos,
-                        finish_reason=delta.finish_reason,
-                        usage=delta.usage,
-                        prompt_token_ids=tap.prompt_token_ids,
-                    )
-        finally:
-            del self._tap.taps[request_id]
-
-
-def _token_info(entry: dict[int, Any], token_id: int, k: int) -> TokenInfo:
-    """The sampled token's logprob and the ``k`` top candidates (by rank) of one logprobs entry."""
-    sampled = entry.get(token_id)
-    top = sorted(entry.items(), key=lambda kv: kv[1].rank)
-    return TokenInfo(
-        token=sampled.decoded_token if sampled is not None else "",
-        logprob=sampled.logprob if sampled is not None else float("-inf"),
-        top=[(lp.decoded_token, lp.logprob) for _, lp in top[:k]],
-    )
+        if is_chat:
+            deltas = client.stream(payload, **options)
+        else:
+            deltas = client.stream(prompt=payload, **options)
+        prompt_token_ids: Sequence[int] | None = None
+        async with contextlib.aclosing(deltas):
+            async for delta in deltas:
+                # NOTE: the SDK sends the prompt ids on the first delta; every chunk carries them.
+                prompt_token_ids = delta.prompt_token_ids if delta.prompt_token_ids is not None else prompt_token_ids
+                yield Chunk(
+                    index=index,
+                    text=delta.text,
+                    token_ids=delta.token_ids,
+                    logprobs=delta.logprobs,
+                    finish_reason=delta.finish_reason,
+                    usage=delta.usage,
+                    prompt_token_ids=prompt_token_ids,
+                )
 
 
 async def _first_outputs(streams: list[AsyncIterator[Chunk]]) -> list[Chunk]:

@@ -14,6 +14,8 @@ from sdk.client import AsyncClient
 from sdk.errors import ContentBlocked, InvalidRequestError, OverloadedError
 from sdk.hooks import RegexFilter
 from sdk.http_transport import HttpTransport
+from sdk.transport import InProcessTransport
+from sdk.types import TokenLogprob, TopLogprob
 from tests.integrations.fake_engine import FakeEngine
 
 KEY = "sk-transport"
@@ -52,6 +54,26 @@ async def test_chat_complete_and_stream_over_http(make_server, tokenizer):
         assert completion.usage.prompt_tokens == len(ids) and completion.text == " ok ok"
         deltas = [d async for d in client.stream("hi", max_tokens=2)]
         assert "".join(d.text for d in deltas) == " ok ok" and deltas[-1].finish_reason == "length"
+
+
+async def test_logprobs_and_prompt_ids_over_http_match_in_process(make_server, tokenizer):
+    """Remote chat and completion deltas carry the same per-token logprobs and prompt ids as in-process ones."""
+    server, _ = make_server()
+    local = AsyncClient(transport=InProcessTransport(engine=FakeEngine(tokenizer)))
+    top = [TopLogprob(token=" ok", logprob=-0.5), TopLogprob(token="<x>", logprob=-1.5)]
+    expected = [TokenLogprob(token=" ok", logprob=-0.5, top_logprobs=top)] * 2
+    async with _remote(server) as remote:
+        for inputs in ({"messages": "hi"}, {"prompt": "hello there"}):
+            seen = []
+            for client in (local, remote):
+                deltas = [d async for d in client.stream(**inputs, max_tokens=2, logprobs=2)]
+                assert [t for d in deltas for t in d.logprobs or ()] == expected
+                assert deltas[0].prompt_token_ids and all(d.prompt_token_ids is None for d in deltas[1:])
+                seen.append(deltas[0].prompt_token_ids)
+            assert seen[0] == seen[1]
+            result = await remote.complete("hello there", max_tokens=2, logprobs=0)
+            assert [(t.token, t.logprob, t.top_logprobs) for t in result.logprobs] == [(" ok", -0.5, [])] * 2
+        assert (await remote.chat("hi", max_tokens=2)).logprobs is None
 
 
 async def test_remote_errors_map_to_sdk_errors(make_server):

@@ -12,7 +12,7 @@ import pytest
 
 from integrations.openai_server.app import create_app, key_id
 from integrations.openai_server.serving import Serving
-from sdk.hooks import AuditLog, RegexFilter
+from sdk.hooks import AuditLog, Hook, RegexFilter
 from tests.integrations.fake_engine import FakeEngine
 
 KEY = "sk-stream-key"
@@ -95,6 +95,32 @@ def test_n_choices_and_logprobs(make_server):
     assert cmpl.choices[0].logprobs.tokens == [" ok", " ok"]
     assert cmpl.choices[0].logprobs.text_offset == [0, 3]
     assert cmpl.choices[0].logprobs.top_logprobs == [{" ok": -0.5}, {" ok": -0.5}]
+
+
+def test_logprob_choices_reach_hooks_exactly_once(make_server):
+    """n=2 with logprobs runs two SDK requests: each passes on_request and on_finish once, asking for top-2 logprobs."""
+
+    class Count(Hook):
+        def __init__(self) -> None:
+            self.started: list[tuple[str, int | None]] = []
+            self.finished: list[str] = []
+
+        async def on_request(self, ctx) -> None:
+            self.started.append((ctx.request_id, ctx.params.get("logprobs")))
+
+        async def on_finish(self, ctx) -> None:
+            self.finished.append(ctx.request_id)
+
+    hook = Count()
+    server, engine = make_server(hooks=[hook])
+    messages = [{"role": "user", "content": "hi"}]
+    out = _client(server).chat.completions.create(
+        model="fake-model", messages=messages, max_tokens=2, n=2, logprobs=True, top_logprobs=2
+    )
+    assert [len(c.logprobs.content) for c in out.choices] == [2, 2]
+    assert sorted(k for _, k in hook.started) == [2, 2] and len({r for r, _ in hook.started}) == 2
+    assert sorted(hook.finished) == sorted(r for r, _ in hook.started)
+    assert engine.num_finished == 2
 
 
 def test_hooks_see_every_request_with_tenant_id(make_server, tmp_path):

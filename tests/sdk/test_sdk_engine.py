@@ -55,6 +55,32 @@ async def test_prefix_handle_serves_system_prompt_from_cache(tiny_model):
     assert (await _settled(client))["kv_blocks_used"] == 0
 
 
+async def test_logprobs_and_prompt_ids_match_the_engine(tiny_model):
+    """Deltas carry the engine's logprob of each sampled token and its top-k by rank, and the prompt ids once."""
+    from engine.sampling_params import SamplingParams
+
+    client = AsyncClient(tiny_model, num_blocks=256)
+    ids = list(range(5, 25))
+    deltas = [d async for d in client.stream(prompt=ids, max_tokens=4, temperature=0, logprobs=3)]
+    assert deltas[0].prompt_token_ids == ids and all(d.prompt_token_ids is None for d in deltas[1:])
+    got = [t for d in deltas for t in d.logprobs or ()]
+    final = None
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=3)
+    async for final in client._transport.engine.generate(ids, params, cache_salt="reference"):
+        pass
+    ref = final.outputs[0]
+    assert [t for d in deltas for t in d.token_ids] == ref.token_ids and len(got) == len(ref.token_ids)
+    for token_id, entry, lp in zip(ref.token_ids, ref.logprobs, got):
+        top = sorted(entry.values(), key=lambda x: x.rank)[:3]
+        assert lp.token == entry[token_id].decoded_token
+        assert lp.logprob == pytest.approx(entry[token_id].logprob, abs=1e-4)
+        assert [c.token for c in lp.top_logprobs] == [x.decoded_token for x in top]
+        assert lp.logprob == pytest.approx(lp.top_logprobs[0].logprob, abs=1e-6)  # greedy picks the most likely
+    result = await client.complete(ids, max_tokens=4, temperature=0, logprobs=3, cache_salt="collect")
+    assert [t.token for t in result.logprobs] == [t.token for t in got]
+    assert [t.logprob for t in result.logprobs] == pytest.approx([t.logprob for t in got], abs=1e-4)
+
+
 async def test_blocked_input_and_stopped_output_on_engine(tiny_model, tmp_path):
     """Blocked input never reaches the engine; an output stop aborts the request and frees its blocks."""
 

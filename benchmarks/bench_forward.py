@@ -2,9 +2,13 @@
 
 Decode steps run at a fixed context length over a KV cache whose content is irrelevant to
 the timing (contexts are addressed, not prefilled), so large batches are cheap to set up.
+With ``--shared N`` every decode sequence's table starts with the same N // block_size
+blocks, as a common system prompt cached once gives; ``--compare`` then also times the
+PyTorch backend without cascade attention, interleaved with it, and prints the ratio.
 
     python benchmarks/bench_forward.py                       # bundled SmolLM2, float32 and bfloat16
     python benchmarks/bench_forward.py --batches 64 --context 1024 --dtypes float32
+    python benchmarks/bench_forward.py --batches 64 --context 354 --shared 288 --compare --prefill 0 --dtypes float32
 """
 
 from __future__ import annotations
@@ -18,17 +22,19 @@ import torch
 from engine.config import EngineConfig
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.loader import resolve_model
+from engine.worker.input_batch import prepare_inputs
 from engine.worker.model_runner import ModelRunner
 
 
-def _decode_step(batch: int, context: int, block_size: int) -> SchedulerOutput:
-    blocks_per_seq = -(-context // block_size)
+def _decode_step(batch: int, context: int, block_size: int, shared: int) -> SchedulerOutput:
+    num_shared = shared // block_size
+    own = -(-context // block_size) - num_shared
     scheduled = [
         ScheduledRequest(
             req_id=str(i),
             token_ids=[100 + i],
             num_computed_tokens=context - 1,
-            block_ids=list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
+            block_ids=list(range(num_shared)) + list(range(num_shared + i * own, num_shared + (i + 1) * own)),
             needs_logits=True,
         )
         for i in range(batch)
@@ -52,25 +58,55 @@ def _time(runner: ModelRunner, step: SchedulerOutput, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _attention_share(runner: ModelRunner, step: SchedulerOutput, repeats: int) -> float:
+def _time_pair(runner: ModelRunner, step: SchedulerOutput, repeats: int) -> tuple[float, float]:
+    """Median step time with and without cascade attention, the two interleaved under the same load."""
     backend = runner.attn_backend
-    spent = [0.0]
-    forward = backend.forward
-
-    def timed(*args, **kwargs):
-        start = time.perf_counter()
-        out = forward(*args, **kwargs)
-        spent[0] += time.perf_counter() - start
-        return out
-
-    backend.forward = timed
+    times: dict[bool, list[float]] = {True: [], False: []}
     try:
-        total = _time(runner, step, repeats)
-        spent[0] = 0.0
-        runner.execute_model(step)
+        for repeat in range(repeats + 1):  # the first round warms up
+            for cascade in (True, False):
+                backend.cascade = cascade
+                start = time.perf_counter()
+                runner.execute_model(step)
+                if repeat:
+                    times[cascade].append(time.perf_counter() - start)
     finally:
-        del backend.forward
-    return spent[0] / total
+        backend.cascade = True
+    return statistics.median(times[True]), statistics.median(times[False])
+
+
+def _shares(runner: ModelRunner, step: SchedulerOutput) -> tuple[float, float]:
+    """Fractions of one step spent in attention and outside the model's forward (input prep, logits rows)."""
+    spent = {"attention": 0.0, "forward": 0.0}
+
+    def timed(obj, name: str, key: str) -> None:
+        inner = getattr(obj, name)
+
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            out = inner(*args, **kwargs)
+            spent[key] += time.perf_counter() - start
+            return out
+
+        setattr(obj, name, wrapper)
+
+    timed(runner.attn_backend, "forward", "attention")
+    timed(runner.model, "forward", "forward")
+    timed(runner.model, "compute_logits", "forward")
+    try:
+        start = time.perf_counter()
+        runner.execute_model(step)
+        total = time.perf_counter() - start
+    finally:
+        del runner.attn_backend.forward, runner.model.forward, runner.model.compute_logits
+    return spent["attention"] / total, 1 - spent["forward"] / total
+
+
+def _prep_ms(runner: ModelRunner, step: SchedulerOutput, repeats: int = 50) -> float:
+    start = time.perf_counter()
+    for _ in range(repeats):
+        prepare_inputs(step.scheduled, runner.block_size, runner.device)
+    return (time.perf_counter() - start) / repeats * 1e3
 
 
 def main() -> None:
@@ -79,6 +115,8 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--context", type=int, default=350, help="context length of every decode sequence")
+    parser.add_argument("--shared", type=int, default=0, help="leading context tokens every decode sequence shares")
+    parser.add_argument("--compare", action="store_true", help="also time decode steps without cascade attention")
     parser.add_argument("--prefill", type=int, default=512, help="tokens of the prefill step (0: skip)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="auto")
@@ -89,19 +127,29 @@ def main() -> None:
 
     model_dir = resolve_model(args.model)
     batches = [int(b) for b in args.batches.split(",")]
-    print(f"threads={torch.get_num_threads()} context={args.context} prefill={args.prefill} repeats={args.repeats}")
-    print("| dtype | step | forward ms | tokens/s | attention share |")
-    print("| --- | --- | ---: | ---: | ---: |")
+    print(
+        f"threads={torch.get_num_threads()} context={args.context} shared={args.shared} "
+        f"prefill={args.prefill} repeats={args.repeats}"
+    )
+    print("| dtype | step | forward ms | tokens/s | attention share | outside forward | input prep ms | no-cascade ms |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for dtype in args.dtypes.split(","):
         block_size = 16
         needed = max(batches) * -(-args.context // block_size) + -(-args.prefill // block_size)
         config = EngineConfig(dtype=dtype, device=args.device, block_size=block_size, num_blocks=needed)
         runner = ModelRunner(config, model_dir)
         for batch in batches:
-            step = _decode_step(batch, args.context, block_size)
-            seconds = _time(runner, step, args.repeats)
-            share = _attention_share(runner, step, max(1, args.repeats // 2))
-            print(f"| {dtype} | decode x{batch} | {seconds * 1e3:.1f} | {batch / seconds:.0f} | {share:.0%} |")
+            step = _decode_step(batch, args.context, block_size, args.shared)
+            if args.compare:
+                seconds, plain = _time_pair(runner, step, args.repeats)
+                versus = f"{plain * 1e3:.1f} ({plain / seconds:.2f}x)"
+            else:
+                seconds, versus = _time(runner, step, args.repeats), ""
+            attention, outside = _shares(runner, step)
+            print(
+                f"| {dtype} | decode x{batch} | {seconds * 1e3:.1f} | {batch / seconds:.0f} | {attention:.0%} "
+                f"| {outside:.1%} | {_prep_ms(runner, step):.2f} | {versus} |"
+            )
         if args.prefill:
             seconds = _time(runner, _prefill_step(args.prefill, block_size), max(1, args.repeats // 2))
             print(f"| {dtype} | prefill {args.prefill} | {seconds * 1e3:.1f} | {args.prefill / seconds:.0f} | |")

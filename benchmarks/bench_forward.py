@@ -18,9 +18,11 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 
 from engine.config import EngineConfig
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.layers.linear import Linear
 from engine.loader import resolve_model
 from engine.worker.input_batch import prepare_inputs
 from engine.worker.model_runner import ModelRunner
@@ -102,6 +104,20 @@ def _shares(runner: ModelRunner, step: SchedulerOutput) -> tuple[float, float]:
     return spent["attention"] / total, 1 - spent["forward"] / total
 
 
+def _matmul_floor(runner: ModelRunner, batch: int, repeats: int) -> float:
+    """Seconds of a decode step's weight matmuls alone (every projection and the LM head at ``batch`` rows)."""
+    weights = [m.weight for m in runner.model.modules() if isinstance(m, Linear)]
+    inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype, device=w.device) for w in weights}
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            for w in weights:
+                F.linear(inputs[w.shape[1]], w)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
 def _prep_ms(runner: ModelRunner, step: SchedulerOutput, repeats: int = 50) -> float:
     start = time.perf_counter()
     for _ in range(repeats):
@@ -131,8 +147,11 @@ def main() -> None:
         f"threads={torch.get_num_threads()} context={args.context} shared={args.shared} "
         f"prefill={args.prefill} repeats={args.repeats}"
     )
-    print("| dtype | step | forward ms | tokens/s | attention share | outside forward | input prep ms | no-cascade ms |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(
+        "| dtype | step | forward ms | tokens/s | matmul floor ms | of ceiling | attention share "
+        "| outside forward | input prep ms | no-cascade ms |"
+    )
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for dtype in args.dtypes.split(","):
         block_size = 16
         needed = max(batches) * -(-args.context // block_size) + -(-args.prefill // block_size)
@@ -145,10 +164,11 @@ def main() -> None:
                 versus = f"{plain * 1e3:.1f} ({plain / seconds:.2f}x)"
             else:
                 seconds, versus = _time(runner, step, args.repeats), ""
+            floor = _matmul_floor(runner, batch, args.repeats)
             attention, outside = _shares(runner, step)
             print(
-                f"| {dtype} | decode x{batch} | {seconds * 1e3:.1f} | {batch / seconds:.0f} | {attention:.0%} "
-                f"| {outside:.1%} | {_prep_ms(runner, step):.2f} | {versus} |"
+                f"| {dtype} | decode x{batch} | {seconds * 1e3:.1f} | {batch / seconds:.0f} | {floor * 1e3:.1f} "
+                f"| {floor / seconds:.0%} | {attention:.0%} | {outside:.1%} | {_prep_ms(runner, step):.2f} | {versus} |"
             )
         if args.prefill:
             seconds = _time(runner, _prefill_step(args.prefill, block_size), max(1, args.repeats // 2))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import NamedTuple
 
 import numpy as np
@@ -19,48 +20,42 @@ class ModelInputs(NamedTuple):
 
 
 def prepare_inputs(scheduled: list[ScheduledRequest], block_size: int, device: torch.device) -> ModelInputs:
-    """Build every per-step tensor from plain Python lists: one host tensor per field, one copy each."""
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slot_mapping: list[int] = []
-    query_start_loc = [0]
-    seq_lens: list[int] = []
-    logits_indices: list[int] = []
-    max_blocks = max((len(r.block_ids) for r in scheduled), default=0)
-    block_tables = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
-    for i, req in enumerate(scheduled):
-        start, end = req.num_computed_tokens, req.context_len
-        block_ids = req.block_ids
-        input_ids.extend(req.token_ids)
-        positions.extend(range(start, end))
-        #   positions  start ........................ end
-        #   blocks     |  b = start // bs  | ... | b = (end - 1) // bs |
-        #   slot(p) = block_ids[b] * bs + (p - b * bs), one contiguous run per block
-        for b in range(start // block_size, (end - 1) // block_size + 1):
-            lo, hi = max(start, b * block_size), min(end, (b + 1) * block_size)
-            shift = (block_ids[b] - b) * block_size
-            slot_mapping.extend(range(lo + shift, hi + shift))
-        query_start_loc.append(len(input_ids))
-        seq_lens.append(end)
-        if req.needs_logits:
-            logits_indices.append(len(input_ids) - 1)
-        block_tables[i, : len(block_ids)] = block_ids
+    """Build every per-step tensor with vectorised numpy: one pass over the requests, one copy per field."""
+    n = len(scheduled)
+    num_computed = np.fromiter((r.num_computed_tokens for r in scheduled), np.int64, n)
+    num_tokens = np.fromiter((len(r.token_ids) for r in scheduled), np.int64, n)
+    num_blocks = np.fromiter((len(r.block_ids) for r in scheduled), np.int64, n)
+    needs_logits = np.fromiter((r.needs_logits for r in scheduled), bool, n)
+    total = int(num_tokens.sum())
+    input_ids = np.fromiter(chain.from_iterable(r.token_ids for r in scheduled), np.int64, total)
+    block_tables = np.zeros((n, int(num_blocks.max(initial=0))), dtype=np.int32)
+    block_tables[np.arange(block_tables.shape[1]) < num_blocks[:, None]] = np.fromiter(
+        chain.from_iterable(r.block_ids for r in scheduled), np.int32, int(num_blocks.sum())
+    )
+    query_start_loc = np.zeros(n + 1, dtype=np.int32)
+    np.cumsum(num_tokens, out=query_start_loc[1:])
+    seq_lens = (num_computed + num_tokens).astype(np.int32)
+    #   token t of request i sits at position p = num_computed[i] + (t - query_start_loc[i]),
+    #   in slot block_tables[i, p // bs] * bs + p % bs
+    rows = np.repeat(np.arange(n), num_tokens)
+    positions = np.arange(total) + np.repeat(num_computed - query_start_loc[:-1], num_tokens)
+    slot_mapping = block_tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    logits_indices = query_start_loc[1:][needs_logits].astype(np.int64) - 1
 
-    def to_device(data: list[int] | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        host = torch.from_numpy(data) if isinstance(data, np.ndarray) else torch.tensor(data, dtype=dtype)
-        return host.to(device, non_blocking=True)
+    def to_device(data: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(data).to(device, non_blocking=True)
 
     meta = AttentionMetadata(
-        slot_mapping=to_device(slot_mapping, torch.int64),
-        query_start_loc=to_device(query_start_loc, torch.int32),
-        seq_lens=to_device(seq_lens, torch.int32),
-        block_tables=to_device(block_tables, torch.int32),
-        max_query_len=max((r.num_tokens for r in scheduled), default=0),
-        max_seq_len=max(seq_lens, default=0),
+        slot_mapping=to_device(slot_mapping),
+        query_start_loc=to_device(query_start_loc),
+        seq_lens=to_device(seq_lens),
+        block_tables=to_device(block_tables),
+        max_query_len=int(num_tokens.max(initial=0)),
+        max_seq_len=int(seq_lens.max(initial=0)),
     )
     return ModelInputs(
-        input_ids=to_device(input_ids, torch.int64),
-        positions=to_device(positions, torch.int64),
+        input_ids=to_device(input_ids),
+        positions=to_device(positions),
         attn_metadata=meta,
-        logits_indices=to_device(logits_indices, torch.int64),
+        logits_indices=to_device(logits_indices),
     )

@@ -285,7 +285,7 @@ def _plan_decode(
     #   bias 0 where shared[i] <= position < seq_lens[i], -inf elsewhere
     first = shared // block_size
     num_own = -(-seq_lens // block_size) - first
-    width = int(num_own.max())
+    width = max(int(num_own.max()), 1)  # at least one (masked) block, so shapes stay well defined
     cols = first[:, None] + np.arange(width)  # [Bd, W] logical block of each gathered block
     own_blocks = np.take_along_axis(tables, np.minimum(cols, tables.shape[1] - 1), axis=1)
     pos = (cols[:, :, None] * block_size + np.arange(block_size)).reshape(len(rows), -1)

@@ -44,6 +44,8 @@ CASES = {
         ([1, 2, 30], 12, 1),
         ([31, 32], 6, 1),
     ],
+    # every context ends at the prefix: no row has a key of its own
+    "every_suffix_empty": [([8, 9], 8, 1), ([8, 9], 8, 1)],
     "one_sequence": [([1, 2, 33], 11, 1)],
     "nothing_shared": [([34, 35], 8, 1), ([36], 3, 1), ([37, 38, 39], 12, 1)],
 }
@@ -54,6 +56,7 @@ EXPECTED_GROUPS = {
     "two_groups_and_a_loner": [([1, 4], 4), ([0, 3, 5], 8)],
     "prefix_inside_a_block": [([0, 1], 9)],
     "mixed_with_prefill": [([0, 2], 8)],
+    "every_suffix_empty": [([0, 1], 8)],
     "one_sequence": [],
     "nothing_shared": [],
 }

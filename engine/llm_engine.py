@@ -1,4 +1,7 @@
-"""Engine: requests in, outputs out. One step = schedule -> run -> sample -> update -> detokenize.
+"""Engine: requests in, outputs out. One step = schedule -> run -> sample -> update -> process.
+
+The engine owns request intake, the step loop and the request lifecycle (abort, failure,
+pins); ``OutputProcessor`` turns the sampled tokens into request state and outputs.
 
 Single owner, not thread-safe: ``AsyncEngine`` drives one from a thread of its own.
 """
@@ -10,16 +13,15 @@ import itertools
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
-from engine.detokenizer import IncrementalDetokenizer, make_decode_fn
 from engine.errors import EngineError, RequestRejected
-from engine.metrics import Histogram
-from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from engine.model_info import eos_token_ids, model_name
+from engine.output_processor import OutputProcessor, ParentRequest
+from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import MAX_SEED, SamplingParams
 
@@ -47,19 +49,6 @@ def check_request_args(request_id: object, priority: object, cache_salt: object)
         raise ValueError(f"priority must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}]")
     if cache_salt is not None and (not isinstance(cache_salt, str) or len(cache_salt) > MAX_ID_CHARS):
         raise ValueError(f"cache_salt must be a str of at most {MAX_ID_CHARS} characters")
-
-
-@dataclass(slots=True)
-class _Parent:
-    """One user request: its ``n`` sibling sequences share the prompt."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    children: list[Request]
-
-    @property
-    def finished(self) -> bool:
-        return all(c.is_finished for c in self.children)
 
 
 def make_config(model: str | None, config: EngineConfig | None, overrides: dict[str, Any]) -> EngineConfig:
@@ -93,7 +82,7 @@ class Engine:
 
         self.config = make_config(model, config, overrides)
         self.model_dir = resolve_model(self.config.model)
-        self.model_name = _model_name(self.config.model)
+        self.model_name = model_name(self.config.model)
         self.runner = ModelRunner(self.config, self.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
         self.vocab_size: int = self.runner.vocab_size
@@ -101,18 +90,15 @@ class Engine:
         self.kv = KVCacheManager(self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.sampler = Sampler(self.vocab_size, self.runner.device, seed=self.config.seed)
-        self.eos_token_ids = _eos_token_ids(self.model_dir, self.runner.hf_config, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(self.model_dir, self.runner.hf_config, self.tokenizer)
         # NOTE: a sequence never outgrows max_model_len nor what the whole KV cache holds.
         self.max_num_tokens = min(self.max_model_len, self.runner.num_blocks * self.config.block_size)
-        self._decode = make_decode_fn(self.tokenizer)
-        self._parents: dict[str, _Parent] = {}
+        self.output_processor = OutputProcessor(self.scheduler, self.tokenizer)
+        self._parents: dict[str, ParentRequest] = {}
         self._failures: dict[str, EngineError] = {}
         self._pins: set[str] = set()
         self._arrivals = itertools.count()
         self._ids = itertools.count()
-        self._ttft = Histogram()
-        self._itl = Histogram()
-        self._num_generation_tokens = 0
         self._busy_seconds = 0.0
 
     # ---------------------------------------------------------------------------- requests in
@@ -199,7 +185,7 @@ class Engine:
             self.scheduler.finish_requests([c.req_id for c in parent.children], RequestStatus.FINISHED_ABORTED)
             # NOTE: its final output is this one: no later step emits it, so the engine forgets it now.
             del self._parents[request_id]
-            outputs.append(self._make_output(parent))
+            outputs.append(self.output_processor.make_output(parent))
         return outputs
 
     def pin_prefix(self, prompt: Prompt, cache_salt: str | None = None) -> str:
@@ -233,7 +219,7 @@ class Engine:
     def _add(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
         cache_salt: str | None,
-    ) -> _Parent:
+    ) -> ParentRequest:
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         children = []
         for index in range(params.n):
@@ -253,11 +239,11 @@ class Engine:
                 parent_id=request_id,
                 index=index,
             )
-            child.detokenizer = IncrementalDetokenizer(self._decode, prompt_token_ids, params.stop)
+            self.output_processor.add_request(child)
             children.append(child)
         for child in children:
             self.scheduler.add_request(child)
-        parent = _Parent(request_id, prompt_token_ids, children)
+        parent = ParentRequest(request_id, prompt_token_ids, children)
         self._parents[request_id] = parent
         return parent
 
@@ -302,7 +288,7 @@ class Engine:
             else:
                 requests = self.scheduler.requests
                 rows = [requests[s.req_id] for s in scheduler_output.scheduled if s.needs_logits]
-                self._process(logits, rows, touched)
+                self._sample_and_process(logits, rows, touched)
         self._busy_seconds += time.perf_counter() - start
         outputs = []
         for parent_id in touched:
@@ -311,12 +297,12 @@ class Engine:
                 continue
             if parent.finished:
                 del self._parents[parent_id]
-                outputs.append(self._make_output(parent))
+                outputs.append(self.output_processor.make_output(parent))
             elif emit_unfinished:
-                outputs.append(self._make_output(parent))
+                outputs.append(self.output_processor.make_output(parent))
         return outputs
 
-    def _process(self, logits: Any, rows: list[Request], touched: dict[str, None]) -> None:
+    def _sample_and_process(self, logits: Any, rows: list[Request], touched: dict[str, None]) -> None:
         try:
             sampled = self.sampler(logits, rows)
             token_ids, logprobs = sampled.token_ids, sampled.logprobs
@@ -334,37 +320,9 @@ class Engine:
                 logprobs.append(one.logprobs[0])
             rows = ok_rows
         self.scheduler.update_from_output(rows, token_ids)
-        now = time.perf_counter()
-        self._num_generation_tokens += len(rows)
-        for request, row_logprobs in zip(rows, logprobs):
-            touched[request.parent_id] = None
-            try:
-                self._postprocess(request, row_logprobs, now)
-            except Exception as exc:
-                logger.exception("postprocessing %s failed", request.req_id)
-                self._fail(request.parent_id, EngineError(f"postprocessing failed: {exc!r}"), touched)
-
-    def _postprocess(self, request: Request, row_logprobs: list | None, now: float) -> None:
-        if request.first_token_time is None:
-            request.first_token_time = now
-            self._ttft.observe(now - request.arrival_time)
-        else:
-            self._itl.observe(now - request.last_token_time)
-        request.last_token_time = now
-        if row_logprobs is not None and request.logprobs is not None:
-            entry: dict[int, Logprob] = {}
-            for tok, lp, rank in row_logprobs:  # the sampled token first, then the top k
-                if tok not in entry:
-                    entry[tok] = Logprob(lp, rank, self._decode([tok]))
-            request.logprobs.append(entry)
-        if request.status == RequestStatus.FINISHED_STOPPED:
-            return  # ended by a stop token id / EOS: its text is not part of the output
-        check_stop = request.num_output_tokens >= request.sampling_params.min_tokens
-        if request.detokenizer.update(request.all_token_ids, check_stop):
-            if request.is_finished:
-                request.status = RequestStatus.FINISHED_STOPPED
-            else:
-                self.scheduler.finish_requests([request.req_id], RequestStatus.FINISHED_STOPPED)
+        self.output_processor.process(
+            rows, logprobs, touched, lambda parent_id, error: self._fail(parent_id, error, touched)
+        )
 
     def _fail(self, parent_id: str, error: EngineError, touched: dict[str, None]) -> None:
         parent = self._parents.get(parent_id)
@@ -377,35 +335,6 @@ class Engine:
         self._failures[parent_id] = error
         self._pins.discard(parent_id)
         touched[parent_id] = None
-
-    def _make_output(self, parent: _Parent) -> RequestOutput:
-        finished = parent.finished
-        completions = []
-        for child in parent.children:
-            child_finished = child.is_finished
-            completions.append(
-                CompletionOutput(
-                    index=child.index,
-                    text=child.detokenizer.visible_text(child_finished),
-                    token_ids=child.output_token_ids,
-                    finish_reason=child.status.finish_reason,
-                    logprobs=list(child.logprobs) if child.logprobs is not None else None,
-                )
-            )
-        first = parent.children[0]
-        return RequestOutput(
-            request_id=parent.request_id,
-            prompt_token_ids=parent.prompt_token_ids,
-            outputs=completions,
-            finished=finished,
-            num_cached_tokens=first.num_cached_tokens,
-            metrics=RequestMetrics(
-                arrival_time=first.arrival_time,
-                first_token_time=min((c.first_token_time for c in parent.children if c.first_token_time), default=None),
-                last_token_time=max((c.last_token_time for c in parent.children if c.last_token_time), default=None),
-                finished_time=time.perf_counter() if finished else None,
-            ),
-        )
 
     # ---------------------------------------------------------------------------- batch API
 
@@ -465,7 +394,7 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         """The engine's figures (names shared with ``/metrics`` and ``paged bench``)."""
-        kv = self.kv.stats()
+        kv, processor = self.kv.stats(), self.output_processor
         return {
             "num_requests_running": self.scheduler.num_running,
             "num_requests_waiting": self.scheduler.num_waiting,
@@ -475,13 +404,13 @@ class Engine:
             "prefix_cache_queries": kv.prefix_cache_queries,
             "prefix_cache_hits": kv.prefix_cache_hits,
             "prompt_tokens_computed": self.scheduler.num_prompt_tokens_computed,
-            "generation_tokens": self._num_generation_tokens,
+            "generation_tokens": processor.num_generation_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
-            "ttft_seconds": self._ttft.snapshot(),
-            "itl_seconds": self._itl.snapshot(),
+            "ttft_seconds": processor.ttft.snapshot(),
+            "itl_seconds": processor.itl.snapshot(),
             # output tokens per second of time spent stepping
             "generation_tokens_per_second": (
-                self._num_generation_tokens / self._busy_seconds if self._busy_seconds else 0.0
+                processor.num_generation_tokens / self._busy_seconds if self._busy_seconds else 0.0
             ),
         }
 
@@ -497,32 +426,3 @@ def tokenize(tokenizer: Any, prompt: Prompt) -> list[int]:
     if not isinstance(prompt, (list, tuple)):
         raise RequestRejected(f"prompt must be a str or a list of token ids; got {type(prompt).__name__}")
     return list(prompt)
-
-
-def _model_name(model: Any) -> str:
-    """A short name for outputs and /v1/models: the file or directory name, without a quantisation suffix."""
-    from pathlib import Path
-
-    from engine.loader import bundled_gguf_path
-
-    path = bundled_gguf_path() if model is None else Path(model)
-    name = path.name.rstrip("/") or str(model)
-    return name.split(".")[0] if path.suffix == ".gguf" else name
-
-
-def _eos_token_ids(model_dir: Any, hf_config: Any, tokenizer: Any) -> frozenset[int]:
-    """EOS ids from generation_config.json, the model config and the tokenizer."""
-    ids: set[int] = set()
-    candidates: list[Any] = [getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)]
-    try:
-        from transformers import GenerationConfig
-
-        candidates.append(GenerationConfig.from_pretrained(model_dir, local_files_only=True).eos_token_id)
-    except OSError:
-        pass  # no generation_config.json
-    for value in candidates:
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(v for v in value if isinstance(v, int))
-    return frozenset(ids)

@@ -84,17 +84,21 @@ class TorchAttentionBackend(AttentionBackend):
     for all of them, the query heads of a KV group folded into the query axis. When several
     of them start with the same blocks (a shared system prompt, cached once), that prefix is
     gathered once per layer and attended by all their queries in one matmul per KV head
-    (cascade attention); each row then gathers only its own suffix, and the two partial
-    softmaxes are merged exactly through their log-sum-exp. Longer chunks (prefills) run one
-    SDPA each: straight over the new K/V when nothing is cached before them, else over their
+    (cascade attention); each row then gathers only its own suffix, and one softmax over
+    the scores of both parts keeps the result exact. Longer chunks (prefills) run one SDPA
+    each: straight over the new K/V when nothing is cached before them, else over their
     context gathered from the cache with a causal mask.
 
     Args:
         cascade: share the gather and the scores of common prefixes between decode rows.
+        min_shared_keys: a group of rows takes the cascade path only when it saves at least
+            this many key gathers, (rows - 1) x prefix tokens; below that (measured on CPU)
+            its dozen extra small ops per layer cost more than the copies they save.
     """
 
-    def __init__(self, cascade: bool = True) -> None:
+    def __init__(self, cascade: bool = True, min_shared_keys: int = 256) -> None:
         self.cascade = cascade
+        self.min_shared_keys = min_shared_keys
         self._plan_meta: AttentionMetadata | None = None
         self._plan: _TorchPlan | None = None
         self._workspace: torch.Tensor | None = None
@@ -170,9 +174,12 @@ class TorchAttentionBackend(AttentionBackend):
         torch.index_select(kv_blocks[1], 0, block_ids, out=v_ctx)
         return k_ctx, v_ctx
 
+    def _min_keys(self) -> int | None:
+        return self.min_shared_keys if self.cascade else None
+
     def _get_plan(self, meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> _TorchPlan:
         if meta is not self._plan_meta:
-            self._plan, self._plan_meta = _make_plan(meta, block_size, dtype, self.cascade), meta
+            self._plan, self._plan_meta = _make_plan(meta, block_size, dtype, self._min_keys()), meta
         return self._plan
 
 
@@ -227,7 +234,10 @@ def _host(t: torch.Tensor) -> np.ndarray:
     return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
 
 
-def _make_plan(meta: AttentionMetadata, block_size: int, dtype: torch.dtype, cascade: bool) -> _TorchPlan:
+def _make_plan(
+    meta: AttentionMetadata, block_size: int, dtype: torch.dtype, min_shared_keys: int | None
+) -> _TorchPlan:
+    """``min_shared_keys``: see ``TorchAttentionBackend``; None = no cascade."""
     device = meta.block_tables.device
     starts = _host(meta.query_start_loc).astype(np.int64)
     seq_lens = _host(meta.seq_lens).astype(np.int64)
@@ -236,7 +246,7 @@ def _make_plan(meta: AttentionMetadata, block_size: int, dtype: torch.dtype, cas
     decode_rows = np.flatnonzero(query_lens == 1)
     decode = None
     if len(decode_rows):
-        decode = _plan_decode(decode_rows, starts, seq_lens, block_tables, block_size, cascade, dtype, device)
+        decode = _plan_decode(decode_rows, starts, seq_lens, block_tables, block_size, min_shared_keys, dtype, device)
     prefills = []
     for i in np.flatnonzero(query_lens > 1).tolist():
         start, end, ctx_len = int(starts[i]), int(starts[i + 1]), int(seq_lens[i])
@@ -257,14 +267,14 @@ def _plan_decode(
     seq_lens: np.ndarray,
     block_tables: np.ndarray,
     block_size: int,
-    cascade: bool,
+    min_shared_keys: int | None,
     dtype: torch.dtype,
     device: torch.device,
 ) -> _DecodePlan:
     seq_lens, tables = seq_lens[rows], block_tables[rows]
     shared = np.zeros(len(rows), dtype=np.int64)  # tokens of each row served by its group's prefix
     groups: list[tuple[int, int, int]] = []
-    if cascade and len(rows) > 1:
+    if min_shared_keys is not None and len(rows) > 1:
         order = np.argsort(tables[:, 0], kind="stable")  # rows with the same first block side by side
         sorted_tables, sorted_lens = tables[order], seq_lens[order]
         firsts = np.flatnonzero(np.r_[True, sorted_tables[1:, 0] != sorted_tables[:-1, 0]])
@@ -274,7 +284,7 @@ def _plan_decode(
         run = np.logical_and.accumulate(np.logical_and.reduceat(same, firsts, axis=0), axis=1).sum(1)
         # NOTE: capped at the group's shortest context: past it, equal ids may be table padding.
         prefix = np.minimum(run * block_size, np.minimum.reduceat(sorted_lens, firsts))
-        keep = (ends - firsts > 1) & (prefix >= block_size)
+        keep = (ends - firsts > 1) & (prefix >= block_size) & ((ends - firsts - 1) * prefix >= min_shared_keys)
         if keep.any():
             rows, seq_lens, tables = rows[order], sorted_lens, sorted_tables
             for a, b, n in zip(firsts[keep].tolist(), ends[keep].tolist(), prefix[keep].tolist()):

@@ -97,7 +97,7 @@ def _reference(q, kv_cache, meta, scale) -> torch.Tensor:
 def test_plan_finds_shared_prefixes(case: str) -> None:
     """Decode rows are grouped by their common leading blocks, capped at the group's shortest context."""
     _, _, _, _, meta = _batch(case, 4, 2, torch.float32)
-    plan = _make_plan(meta, BLOCK_SIZE, torch.float32, cascade=True).decode
+    plan = _make_plan(meta, BLOCK_SIZE, torch.float32, min_shared_keys=1).decode
     starts = meta.query_start_loc.tolist()
     tokens_in_plan_order = plan.tokens.tolist() if plan.tokens is not None else starts[:-1]
     groups = []
@@ -116,7 +116,7 @@ def test_cascade_matches_plain_path_and_reference(case: str, heads: tuple[int, i
     q, k, v, kv_cache, meta = _batch(case, *heads, torch.float32)
     scale = HEAD_DIM**-0.5
     plain_cache = kv_cache.clone()
-    out = TorchAttentionBackend(cascade=True).forward(q, k, v, kv_cache, meta, scale)
+    out = TorchAttentionBackend(min_shared_keys=1).forward(q, k, v, kv_cache, meta, scale)
     plain = TorchAttentionBackend(cascade=False).forward(q, k, v, plain_cache, meta, scale)
     assert torch.equal(kv_cache, plain_cache)
     torch.testing.assert_close(out, plain, atol=1e-5, rtol=1e-5)
@@ -127,6 +127,20 @@ def test_cascade_matches_plain_path_and_reference(case: str, heads: tuple[int, i
 def test_cascade_bfloat16_within_rounding(case: str) -> None:
     """In bfloat16 the cascade (computed in float32) stays within bf16 rounding of the reference."""
     q, k, v, kv_cache, meta = _batch(case, 6, 2, torch.bfloat16)
-    out = TorchAttentionBackend().forward(q, k, v, kv_cache, meta, 0.3)
+    out = TorchAttentionBackend(min_shared_keys=1).forward(q, k, v, kv_cache, meta, 0.3)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), _reference(q, kv_cache, meta, 0.3), atol=2e-2, rtol=0)
+
+
+def test_small_savings_stay_on_the_plain_path() -> None:
+    """A group is formed only when it saves at least min_shared_keys key gathers: (rows - 1) x prefix."""
+    _, _, _, _, meta = _batch("two_groups_and_a_loner", 4, 2, torch.float32)  # saves 1 x 4 and 2 x 8 keys
+
+    def groups(min_keys: int | None) -> list[int]:
+        return [g.num_tokens for g in _make_plan(meta, BLOCK_SIZE, torch.float32, min_keys).decode.groups]
+
+    assert sorted(groups(4)) == [4, 8]
+    assert groups(5) == [8]
+    assert groups(16) == [8]
+    assert groups(17) == []
+    assert groups(None) == []

@@ -174,12 +174,10 @@ class TorchAttentionBackend(AttentionBackend):
         torch.index_select(kv_blocks[1], 0, block_ids, out=v_ctx)
         return k_ctx, v_ctx
 
-    def _min_keys(self) -> int | None:
-        return self.min_shared_keys if self.cascade else None
-
     def _get_plan(self, meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> _TorchPlan:
         if meta is not self._plan_meta:
-            self._plan, self._plan_meta = _make_plan(meta, block_size, dtype, self._min_keys()), meta
+            min_keys = self.min_shared_keys if self.cascade else None
+            self._plan, self._plan_meta = _make_plan(meta, block_size, dtype, min_keys), meta
         return self._plan
 
 

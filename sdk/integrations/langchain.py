@@ -8,8 +8,9 @@ Tool calling, structured output and multimodal inputs are not supported.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any, ClassVar
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import aclosing
+from typing import Any, ClassVar, TypeVar
 
 try:
     from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
@@ -33,6 +34,7 @@ BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
 PROVIDER = "paged"
 _PER_CALL = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop"}
 _PER_CALL |= {"presence_penalty", "frequency_penalty", "min_tokens", "request_id", "priority", "cache_salt", "timeout"}
+_Chunk = TypeVar("_Chunk", ChatGenerationChunk, GenerationChunk)
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool", "user": "user", "assistant": "assistant"}
 
 
@@ -162,6 +164,34 @@ def to_sdk_messages(messages: Sequence[BaseMessage]) -> list[ChatMessage]:
     return out
 
 
+def _relay(
+    stream: Any, to_chunk: Callable[[Delta], _Chunk], run_manager: CallbackManagerForLLMRun | None
+) -> Iterator[_Chunk]:
+    """SDK deltas -> LangChain chunks, reporting each token; closing the chunks closes (aborts) the stream."""
+    try:
+        for delta in stream:
+            chunk = to_chunk(delta)
+            if run_manager:
+                run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            yield chunk
+    finally:
+        stream.close()
+
+
+async def _arelay(
+    stream: Any, to_chunk: Callable[[Delta], _Chunk], run_manager: AsyncCallbackManagerForLLMRun | None
+) -> AsyncIterator[_Chunk]:
+    """The async ``_relay``."""
+    try:
+        async for delta in stream:
+            chunk = to_chunk(delta)
+            if run_manager:
+                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            yield chunk
+    finally:
+        await stream.aclose()
+
+
 class PagedChat(_PagedParams, BaseChatModel):
     """Chat model on paged's engine (continuous batching, shared prefix cache), in-process or remote.
 
@@ -242,14 +272,7 @@ class PagedChat(_PagedParams, BaseChatModel):
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
         stream = self.client.stream(to_sdk_messages(messages), **self._options(stop, kwargs))
-        try:
-            for delta in stream:
-                chunk = self._to_chunk(delta)
-                if run_manager:
-                    run_manager.on_llm_new_token(chunk.text, chunk=chunk)
-                yield chunk
-        finally:
-            stream.close()  # type: ignore[attr-defined]
+        yield from _relay(stream, self._to_chunk, run_manager)
 
     async def _astream(
         self,
@@ -259,14 +282,9 @@ class PagedChat(_PagedParams, BaseChatModel):
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
         stream = self.aclient.stream(to_sdk_messages(messages), **self._options(stop, kwargs))
-        try:
-            async for delta in stream:
-                chunk = self._to_chunk(delta)
-                if run_manager:
-                    await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+        async with aclosing(_arelay(stream, self._to_chunk, run_manager)) as chunks:
+            async for chunk in chunks:
                 yield chunk
-        finally:
-            await stream.aclose()  # type: ignore[attr-defined]
 
     def _generate(
         self,
@@ -328,14 +346,7 @@ class PagedLLM(_PagedParams, LLM):
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
         stream = self.client.stream(prompt=prompt, **self._options(stop, kwargs))
-        try:
-            for delta in stream:
-                chunk = self._to_chunk(delta)
-                if run_manager:
-                    run_manager.on_llm_new_token(chunk.text, chunk=chunk)
-                yield chunk
-        finally:
-            stream.close()  # type: ignore[attr-defined]
+        yield from _relay(stream, self._to_chunk, run_manager)
 
     async def _astream(
         self,
@@ -345,14 +356,9 @@ class PagedLLM(_PagedParams, LLM):
         **kwargs: Any,
     ) -> AsyncIterator[GenerationChunk]:
         stream = self.aclient.stream(prompt=prompt, **self._options(stop, kwargs))
-        try:
-            async for delta in stream:
-                chunk = self._to_chunk(delta)
-                if run_manager:
-                    await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+        async with aclosing(_arelay(stream, self._to_chunk, run_manager)) as chunks:
+            async for chunk in chunks:
                 yield chunk
-        finally:
-            await stream.aclose()  # type: ignore[attr-defined]
 
     def _generate(
         self,

@@ -5,16 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from langchain_tests.integration_tests import ChatModelIntegrationTests
+from paged_chat_capabilities import PagedChatCapabilities
 
-from sdk.integrations.langchain import PagedChat
 
-
-class TestPagedChatIntegration(ChatModelIntegrationTests):
+class TestPagedChatIntegration(PagedChatCapabilities, ChatModelIntegrationTests):
     """The standard suite; tools, structured output, JSON mode and non-text inputs are switched off."""
-
-    @property
-    def chat_model_class(self) -> type[PagedChat]:
-        return PagedChat
 
     @property
     def chat_model_params(self) -> dict[str, Any]:
@@ -22,25 +17,9 @@ class TestPagedChatIntegration(ChatModelIntegrationTests):
         return {"max_tokens": 8, "temperature": 0}
 
     @property
-    def has_tool_calling(self) -> bool:
-        return False
-
-    @property
-    def has_structured_output(self) -> bool:
-        return False
-
-    @property
     def supports_json_mode(self) -> bool:
-        return False
-
-    @property
-    def supports_image_inputs(self) -> bool:
         return False
 
     @property
     def supports_model_override(self) -> bool:
         return False
-
-    @property
-    def returns_usage_metadata(self) -> bool:
-        return True

@@ -8,34 +8,15 @@ import pytest
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langchain_tests.unit_tests import ChatModelUnitTests
+from paged_chat_capabilities import PagedChatCapabilities
 
 from sdk import ContentBlocked
 from sdk.hooks import AuditLog, RegexFilter
 from sdk.integrations.langchain import PagedChat, PagedLLM
 
 
-class TestPagedChatUnit(ChatModelUnitTests):
+class TestPagedChatUnit(PagedChatCapabilities, ChatModelUnitTests):
     """LangChain's standard unit suite (construction, standard params, capability flags)."""
-
-    @property
-    def chat_model_class(self) -> type[PagedChat]:
-        return PagedChat
-
-    @property
-    def has_tool_calling(self) -> bool:
-        return False
-
-    @property
-    def has_structured_output(self) -> bool:
-        return False
-
-    @property
-    def supports_image_inputs(self) -> bool:
-        return False
-
-    @property
-    def returns_usage_metadata(self) -> bool:
-        return True
 
 
 class Tokens(BaseCallbackHandler):

@@ -122,3 +122,13 @@ def reference_attention(batch: PagedBatch) -> torch.Tensor:
         probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
         out[start:end] = torch.einsum("hls,shd->lhd", probs, values)
     return out
+
+
+TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
+
+
+def check_against_reference(batch: PagedBatch, out: torch.Tensor) -> None:
+    """``out`` has the queries' dtype and shape and equals the float64 reference within the dtype's tolerance."""
+    tol = TOL[batch.q.dtype]
+    assert out.dtype == batch.q.dtype and out.shape == batch.q.shape
+    torch.testing.assert_close(out.double().cpu(), reference_attention(batch), atol=tol, rtol=tol)

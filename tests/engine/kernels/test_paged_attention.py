@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_cases import PagedBatch, make_batch, reference_attention
+from paged_cases import PagedBatch, check_against_reference, make_batch
 
 from engine.kernels import choose_num_splits, paged_decode_attention, store_kv
 from engine.kernels.paged_attention import MAX_SPLITS, MIN_PARTITION
-
-TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
 
 
 def _decode(b: PagedBatch, num_splits: int | None = None) -> torch.Tensor:
@@ -17,12 +15,6 @@ def _decode(b: PagedBatch, num_splits: int | None = None) -> torch.Tensor:
     store_kv(b.k, b.v, kc, vc, b.meta.slot_mapping)
     m = b.meta
     return paged_decode_attention(b.q, kc, vc, m.block_tables, m.seq_lens, m.max_seq_len, b.scale, num_splits)
-
-
-def _check(b: PagedBatch, out: torch.Tensor) -> None:
-    tol = TOL[b.q.dtype]
-    assert out.dtype == b.q.dtype and out.shape == b.q.shape
-    torch.testing.assert_close(out.double().cpu(), reference_attention(b), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize(
@@ -38,21 +30,21 @@ def test_decode_matches_reference(num_q_heads: int, num_kv_heads: int, head_dim:
         head_dim=head_dim,
         block_size=block_size,
     )
-    _check(b, _decode(b))
+    check_against_reference(b, _decode(b))
 
 
 def test_decode_over_shared_prefix_blocks() -> None:
     """Sequences whose tables point at the same prefix blocks each see their own tail."""
     b = make_batch([(50, 1), (35, 1), (64, 1)], num_shared_blocks=2)
     assert b.block_ids[0][:2] == b.block_ids[1][:2] == b.block_ids[2][:2]
-    _check(b, _decode(b))
+    check_against_reference(b, _decode(b))
 
 
 @pytest.mark.parametrize("num_splits", [2, 3, 8])  # 8 asks for more splits than 64-token partitions fill
 def test_split_context_matches_reference(num_splits: int) -> None:
     """Splitting the context (some sequences shorter than a partition) and reducing gives one softmax."""
     b = make_batch([(190, 1), (20, 1), (129, 1)], head_dim=16, num_q_heads=4, num_kv_heads=2)
-    _check(b, _decode(b, num_splits))
+    check_against_reference(b, _decode(b, num_splits))
 
 
 def test_split_agrees_with_single_pass() -> None:
@@ -69,9 +61,9 @@ def test_decode_half_precision() -> None:
     """fp16 inputs accumulate in fp32 and stay within fp16 tolerance (split and unsplit)."""
     b = make_batch([(140, 1), (33, 1)], dtype=torch.float16, head_dim=32)
     cache = b.kv_cache.clone()
-    _check(b, _decode(b, 1))
+    check_against_reference(b, _decode(b, 1))
     b.kv_cache.copy_(cache)
-    _check(b, _decode(b, 3))
+    check_against_reference(b, _decode(b, 3))
 
 
 def test_choose_num_splits() -> None:

@@ -4,23 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_cases import PagedBatch, make_batch, reference_attention
+from paged_cases import PagedBatch, check_against_reference, make_batch
 
 from engine.kernels import prefill_attention, store_kv
-
-TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
 
 
 def _prefill(b: PagedBatch) -> torch.Tensor:
     kc, vc, m = b.kv_cache[0], b.kv_cache[1], b.meta
     store_kv(b.k, b.v, kc, vc, m.slot_mapping)
     return prefill_attention(b.q, kc, vc, m.block_tables, m.query_start_loc, m.seq_lens, m.max_query_len, b.scale)
-
-
-def _check(b: PagedBatch, out: torch.Tensor) -> None:
-    tol = TOL[b.q.dtype]
-    assert out.dtype == b.q.dtype and out.shape == b.q.shape
-    torch.testing.assert_close(out.double().cpu(), reference_attention(b), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize(
@@ -36,38 +28,38 @@ def test_prefill_from_empty_cache(num_q_heads: int, num_kv_heads: int, head_dim:
         head_dim=head_dim,
         block_size=block_size,
     )
-    _check(b, _prefill(b))
+    check_against_reference(b, _prefill(b))
 
 
 def test_prefill_over_cached_prefix() -> None:
     """A chunk after a cached prefix sees all of the prefix and its own tokens causally."""
     b = make_batch([(90, 25), (40, 9), (70, 70)])
-    _check(b, _prefill(b))
+    check_against_reference(b, _prefill(b))
 
 
 def test_prefill_over_shared_prefix_blocks() -> None:
     """Two sequences reading the same physical prefix blocks get their own tails' attention."""
     b = make_batch([(60, 20), (52, 12)], num_shared_blocks=2)
     assert b.block_ids[0][:2] == b.block_ids[1][:2]
-    _check(b, _prefill(b))
+    check_against_reference(b, _prefill(b))
 
 
 def test_mixed_prefill_and_decode_batch() -> None:
     """Decode tokens (query_len 1) and prefill chunks share one launch; each row is exact."""
     b = make_batch([(33, 1), (80, 48), (100, 1), (16, 16), (21, 2)], num_q_heads=8, num_kv_heads=2)
-    _check(b, _prefill(b))
+    check_against_reference(b, _prefill(b))
 
 
 def test_query_block_boundaries() -> None:
     """Queries spanning several query blocks of a program (MHA: 64 tokens per block) stay causal."""
     b = make_batch([(100, 100)], num_q_heads=2, num_kv_heads=2, head_dim=16)
-    _check(b, _prefill(b))
+    check_against_reference(b, _prefill(b))
 
 
 def test_prefill_half_precision() -> None:
     """fp16 inputs accumulate in fp32 and stay within fp16 tolerance."""
     b = make_batch([(70, 30), (25, 1), (40, 40)], dtype=torch.float16)
-    _check(b, _prefill(b))
+    check_against_reference(b, _prefill(b))
 
 
 def test_prefill_rejects_bad_inputs() -> None:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_cases import PagedBatch, make_batch, reference_attention, stored_cache
+from paged_cases import TOL, PagedBatch, make_batch, reference_attention, stored_cache
 
 from engine.layers.attention import AttentionBackend
 from engine.layers.triton_attention import TritonAttentionBackend
 
-TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
 
 # (seq_len, query_len) per sequence; shared-prefix cases need >= 16 cached tokens everywhere
 DECODE = [(37, 1), (100, 1), (17, 1)]

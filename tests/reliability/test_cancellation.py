@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -20,6 +21,20 @@ from tests.reliability.conftest import ENGINE_CONFIG
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
 SHARED = list(range(900, 916))  # four full blocks of 4
+
+
+async def cancel_while_streaming(stream: AsyncIterator[object], after: float = 0.1) -> None:
+    """Consume ``stream`` in a task and cancel that task after ``after`` seconds, as a caller giving up would."""
+
+    async def consume() -> None:
+        async for _ in stream:
+            pass
+
+    task = asyncio.ensure_future(consume())
+    await asyncio.sleep(after)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 @pytest.fixture
@@ -109,15 +124,7 @@ async def test_task_cancellation_and_timeouts_through_the_sdk_abort(engine, tmp_
     with pytest.raises(RequestTimeout):
         await client.chat("Tell me a story", request_id="own-timeout", timeout=0.1, **options)
 
-    async def stream_then_cancel() -> None:
-        async for _ in client.stream("Hello", request_id="stream", **options):
-            pass
-
-    task = asyncio.ensure_future(stream_then_cancel())
-    await asyncio.sleep(0.1)
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    await cancel_while_streaming(client.stream("Hello", request_id="stream", **options))
     await quiescent(engine)
     records = {r["request_id"]: r for r in map(json.loads, audit.read_text().splitlines())}
     assert set(records) == {"cancelled", "wait_for", "own-timeout", "stream"}
@@ -139,15 +146,7 @@ async def test_langchain_cancellation_and_timeouts_abort(model_dir, adapter_engi
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(chat.ainvoke("Tell me a story"), 0.1)
 
-    async def consume() -> None:
-        async for _ in chat.astream("Tell me a story"):
-            pass
-
-    task = asyncio.ensure_future(consume())
-    await asyncio.sleep(0.1)
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    await cancel_while_streaming(chat.astream("Tell me a story"))
     await quiescent(adapter_engine)
     assert (await chat.ainvoke("Hi", max_tokens=2)).content is not None  # still serving
     await quiescent(adapter_engine)
@@ -166,13 +165,5 @@ async def test_llamaindex_cancellation_and_timeouts_abort(model_dir, adapter_eng
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(llm.acomplete("Once upon a time"), 0.1)
 
-    async def consume() -> None:
-        async for _ in await llm.astream_chat(messages):
-            pass
-
-    task = asyncio.ensure_future(consume())
-    await asyncio.sleep(0.1)
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    await cancel_while_streaming(await llm.astream_chat(messages))
     await quiescent(adapter_engine)

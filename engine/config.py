@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
-_BACKENDS = ("auto", "torch", "triton")
+_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # bytes
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.85  # fraction of free device memory for the KV cache
@@ -31,7 +31,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # "torch" | "triton"; auto = triton on CUDA, torch on CPU
+    attention_backend: str = "auto"  # "torch" | "cpu" | "triton"; auto = triton on CUDA, cpu (else torch) on CPU
     max_queued_requests: int = 4096  # admission limit: waiting requests
     max_queued_tokens: int = 4_000_000  # admission limit: prompt tokens of waiting requests
     seed: int = 0

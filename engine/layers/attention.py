@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import cpu_kernels
 from engine.worker.forward_context import get_forward_context
 
 
@@ -72,7 +73,7 @@ class _DecodePlan(NamedTuple):
 class _TorchPlan(NamedTuple):
     """Host-side split of one step's batch, computed once and shared by every layer."""
 
-    decode: _DecodePlan | None
+    decode: Any  # the backend's decode plan (_DecodePlan here), None when no row decodes
     prefills: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]]  # start, end, ctx slots, mask
 
 
@@ -122,11 +123,10 @@ class TorchAttentionBackend(AttentionBackend):
         plan = self._get_plan(meta, block_size, q.dtype)
         dec = plan.decode
         if dec is not None and dec.tokens is None:  # a pure decode step: no copy in or out
-            return self._decode(q, kv_cache.view(2, num_blocks, -1), dec, scale, num_kv_heads)
+            return self._decode(q, kv_cache, dec, scale)
         out = torch.empty_like(q)
         if dec is not None:
-            o = self._decode(q.index_select(0, dec.tokens), kv_cache.view(2, num_blocks, -1), dec, scale, num_kv_heads)
-            out.index_copy_(0, dec.tokens, o)
+            out.index_copy_(0, dec.tokens, self._decode(q.index_select(0, dec.tokens), kv_cache, dec, scale))
         group = q.shape[1] // num_kv_heads
         for start, end, ctx_slots, mask in plan.prefills:
             q_seq = q[start:end].transpose(0, 1)  # [Hq, S, D]
@@ -147,10 +147,11 @@ class TorchAttentionBackend(AttentionBackend):
             out[start:end] = o.transpose(0, 1)
         return out
 
-    def _decode(
-        self, q: torch.Tensor, kv_blocks: torch.Tensor, plan: _DecodePlan, scale: float, num_kv_heads: int
-    ) -> torch.Tensor:  # q [Bd, Hq, D], kv_blocks [2, num_blocks, block_size * Hkv * D] -> [Bd, Hq, D]
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan, scale: float) -> torch.Tensor:
+        """Attention of the decode rows ``q`` [Bd, Hq, D] (plan order) over their contexts."""
         num_dec, num_heads, head_dim = q.shape
+        num_kv_heads = kv_cache.shape[3]
+        kv_blocks = kv_cache.view(2, kv_cache.shape[1], -1)  # [2, num_blocks, block_size * Hkv * D]
         ctx = plan.bias.shape[-1]
         k_ctx, v_ctx = self._gather(kv_blocks, plan.blocks)
         if not plan.groups:
@@ -176,9 +177,14 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _get_plan(self, meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> _TorchPlan:
         if meta is not self._plan_meta:
-            min_keys = self.min_shared_keys if self.cascade else None
-            self._plan, self._plan_meta = _make_plan(meta, block_size, dtype, min_keys), meta
+            self._plan, self._plan_meta = _make_plan(meta, block_size, dtype, self._plan_decode), meta
         return self._plan
+
+    def _plan_decode(self, rows: np.ndarray, starts: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
+                     block_size: int, dtype: torch.dtype, device: torch.device) -> _DecodePlan:
+        """How the decode rows ``rows`` (batch indices) attend; built once per step."""
+        min_keys = self.min_shared_keys if self.cascade else None
+        return _plan_decode(rows, starts, seq_lens, block_tables, block_size, min_keys, dtype, device)
 
 
 def _cascade(
@@ -232,10 +238,9 @@ def _host(t: torch.Tensor) -> np.ndarray:
     return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
 
 
-def _make_plan(
-    meta: AttentionMetadata, block_size: int, dtype: torch.dtype, min_shared_keys: int | None
-) -> _TorchPlan:
-    """``min_shared_keys``: see ``TorchAttentionBackend``; None = no cascade."""
+def _make_plan(meta: AttentionMetadata, block_size: int, dtype: torch.dtype, plan_decode) -> _TorchPlan:
+    """Split one step's batch: ``plan_decode(rows, starts, seq_lens, block_tables, block_size, dtype, device)``
+    plans its single-token rows, the rest become prefill chunks."""
     device = meta.block_tables.device
     starts = _host(meta.query_start_loc).astype(np.int64)
     seq_lens = _host(meta.seq_lens).astype(np.int64)
@@ -244,7 +249,7 @@ def _make_plan(
     decode_rows = np.flatnonzero(query_lens == 1)
     decode = None
     if len(decode_rows):
-        decode = _plan_decode(decode_rows, starts, seq_lens, block_tables, block_size, min_shared_keys, dtype, device)
+        decode = plan_decode(decode_rows, starts, seq_lens, block_tables, block_size, dtype, device)
     prefills = []
     for i in np.flatnonzero(query_lens > 1).tolist():
         start, end, ctx_len = int(starts[i]), int(starts[i + 1]), int(seq_lens[i])
@@ -335,16 +340,43 @@ class Attention(nn.Module):
         return o.reshape(o.shape[0], self.num_heads * self.head_dim)
 
 
-def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """The backend called ``name`` ("torch", "triton", or "auto": Triton on CUDA, PyTorch elsewhere)."""
+def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype, layer: Attention,
+                          block_size: int) -> AttentionBackend:
+    """The backend called ``name`` for ``layer``'s head shapes.
+
+    ``"auto"`` picks Triton on CUDA; on CPU the C decode kernel (``"cpu"``) when it builds
+    here and handles the dtype and shapes, else plain PyTorch (``"torch"``).
+
+    Raises:
+        ValueError: an unknown name, or a backend that cannot serve this device, dtype or shape.
+    """
+    kernel_ok = device.type == "cpu" and cpu_kernels.supports(
+        layer.num_heads, layer.num_kv_heads, layer.head_dim, block_size, dtype
+    )
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            name = "triton"
+        else:
+            name = "cpu" if kernel_ok and cpu_kernels.decode_attention_library() is not None else "torch"
     if name == "torch":
         return TorchAttentionBackend()
+    if name == "cpu":
+        if not kernel_ok:
+            raise ValueError(
+                f"the cpu attention backend needs float32 on a CPU device, head_dim a multiple of 8 and at most "
+                f"{cpu_kernels.MAX_HEAD_DIM}, at most {cpu_kernels.MAX_GROUP} query heads per KV head and "
+                f"block_size <= {cpu_kernels.MAX_BLOCK_SIZE}; got {dtype} on {device}, {layer.num_heads} query / "
+                f"{layer.num_kv_heads} KV heads of {layer.head_dim}, block_size {block_size}"
+            )
+        if cpu_kernels.decode_attention_library() is None:
+            raise ValueError("the cpu attention backend could not compile its kernel here (see the log)")
+        from engine.layers.cpu_attention import CpuAttentionBackend
+
+        return CpuAttentionBackend()
     if name == "triton":
         if device.type != "cuda":
             raise ValueError(f"the triton attention backend needs a CUDA device, got {device}")
         from engine.layers.triton_attention import TritonAttentionBackend  # lazy: imports triton
 
         return TritonAttentionBackend()
-    raise ValueError(f"attention backend must be auto, torch or triton; got {name!r}")
+    raise ValueError(f"attention backend must be auto, torch, cpu or triton; got {name!r}")

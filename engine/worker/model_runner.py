@@ -63,7 +63,9 @@ class ModelRunner:
         self.model = self._load_model(Path(model_dir))
         self.num_blocks = self._num_blocks()
         self.kv_cache = self._allocate_kv_cache()
-        self.attn_backend = get_attention_backend(config.attention_backend, self.device)
+        self.attn_backend = get_attention_backend(
+            config.attention_backend, self.device, self.dtype, self._attention_layers()[0], self.block_size
+        )
         for attn, kv_cache in zip(self._attention_layers(), self.kv_cache):
             attn.kv_cache, attn.backend = kv_cache, self.attn_backend
         logger.info(

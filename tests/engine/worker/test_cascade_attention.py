@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from engine.core.scheduler_output import ScheduledRequest
+from engine import cpu_kernels
 from engine.layers.attention import TorchAttentionBackend, _make_plan
+from engine.layers.cpu_attention import CpuAttentionBackend
 from engine.worker.input_batch import prepare_inputs
 
 BLOCK_SIZE, NUM_BLOCKS, HEAD_DIM = 4, 48, 8
@@ -97,7 +99,7 @@ def _reference(q, kv_cache, meta, scale) -> torch.Tensor:
 def test_plan_finds_shared_prefixes(case: str) -> None:
     """Decode rows are grouped by their common leading blocks, capped at the group's shortest context."""
     _, _, _, _, meta = _batch(case, 4, 2, torch.float32)
-    plan = _make_plan(meta, BLOCK_SIZE, torch.float32, min_shared_keys=1).decode
+    plan = _make_plan(meta, BLOCK_SIZE, torch.float32, TorchAttentionBackend(min_shared_keys=1)._plan_decode).decode
     starts = meta.query_start_loc.tolist()
     tokens_in_plan_order = plan.tokens.tolist() if plan.tokens is not None else starts[:-1]
     groups = []
@@ -123,6 +125,17 @@ def test_cascade_matches_plain_path_and_reference(case: str, heads: tuple[int, i
     torch.testing.assert_close(out.double(), _reference(q, kv_cache, meta, scale), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("heads", [(4, 2), (9, 3)])
+def test_cpu_kernel_over_shared_blocks(case: str, heads: tuple[int, int]) -> None:
+    """The C decode kernel, reading shared prefix blocks in place, equals the dense reference."""
+    if cpu_kernels.decode_attention_library() is None:
+        pytest.skip("no C compiler for the CPU kernel")
+    q, k, v, kv_cache, meta = _batch(case, *heads, torch.float32)
+    out = CpuAttentionBackend().forward(q, k, v, kv_cache, meta, 0.3)
+    torch.testing.assert_close(out.double(), _reference(q, kv_cache, meta, 0.3), atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("case", ["one_group", "two_groups_and_a_loner"])
 def test_cascade_bfloat16_within_rounding(case: str) -> None:
     """In bfloat16 the cascade (computed in float32) stays within bf16 rounding of the reference."""
@@ -136,8 +149,9 @@ def test_small_savings_stay_on_the_plain_path() -> None:
     """A group is formed only when it saves at least min_shared_keys key gathers: (rows - 1) x prefix."""
     _, _, _, _, meta = _batch("two_groups_and_a_loner", 4, 2, torch.float32)  # saves 1 x 4 and 2 x 8 keys
 
-    def groups(min_keys: int | None) -> list[int]:
-        return [g.num_tokens for g in _make_plan(meta, BLOCK_SIZE, torch.float32, min_keys).decode.groups]
+    def groups(min_keys: int) -> list[int]:
+        plan_decode = TorchAttentionBackend(min_shared_keys=min_keys)._plan_decode
+        return [g.num_tokens for g in _make_plan(meta, BLOCK_SIZE, torch.float32, plan_decode).decode.groups]
 
     assert sorted(groups(4)) == [4, 8]
     assert groups(5) == [8]

@@ -1,4 +1,4 @@
-"""The PyTorch paged attention backend against a float64 dense reference, over ragged batches."""
+"""The PyTorch and CPU-kernel paged attention backends against a float64 dense reference, over ragged batches."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from engine.core.scheduler_output import ScheduledRequest
-from engine.layers.attention import TorchAttentionBackend, get_attention_backend
+from engine import cpu_kernels
+from engine.layers.attention import Attention, TorchAttentionBackend, get_attention_backend
+from engine.layers.cpu_attention import CpuAttentionBackend
 from engine.worker.input_batch import prepare_inputs
 
 BLOCK_SIZE, NUM_BLOCKS, HEAD_DIM = 4, 64, 8
@@ -62,15 +64,28 @@ CASES = {
 }
 
 
+needs_cpu_kernel = pytest.mark.skipif(
+    cpu_kernels.decode_attention_library() is None, reason="no C compiler for the CPU kernel"
+)
+BACKENDS = {"torch": TorchAttentionBackend, "cpu": CpuAttentionBackend}
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 1)])
-@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_matches_dense_reference(case: str, heads: tuple[int, int], dtype, atol: float) -> None:
+@pytest.mark.parametrize(
+    "backend, dtype, atol",
+    [
+        ("torch", torch.float32, 1e-5),
+        ("torch", torch.bfloat16, 2e-2),
+        pytest.param("cpu", torch.float32, 1e-5, marks=needs_cpu_kernel),
+    ],
+)
+def test_matches_dense_reference(case: str, heads: tuple[int, int], backend: str, dtype, atol: float) -> None:
     """Outputs equal causal GQA attention over each sequence's full context; new K/V land at their slots."""
     query_lens, ctx_lens = CASES[case]
     q, k, v, kv_cache, meta, full_k, full_v = _case(query_lens, ctx_lens, *heads, dtype, seed=len(case))
     scale = HEAD_DIM**-0.5
-    out = TorchAttentionBackend().forward(q, k, v, kv_cache, meta, scale)
+    out = BACKENDS[backend]().forward(q, k, v, kv_cache, meta, scale)
     expected = _reference(q, full_k, full_v, query_lens, ctx_lens, scale)
     torch.testing.assert_close(out.double(), expected, atol=atol, rtol=0)
     flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
@@ -78,9 +93,10 @@ def test_matches_dense_reference(case: str, heads: tuple[int, int], dtype, atol:
     torch.testing.assert_close(flat[1, meta.slot_mapping], v, atol=0, rtol=0)
 
 
-def test_backend_reused_across_steps_and_layers() -> None:
+@pytest.mark.parametrize("backend", ["torch", pytest.param("cpu", marks=needs_cpu_kernel)])
+def test_backend_reused_across_steps_and_layers(backend: str) -> None:
     """One backend instance serves layers of different steps: the per-step plan never goes stale."""
-    backend = TorchAttentionBackend()
+    backend = BACKENDS[backend]()
     for seed, (query_lens, ctx_lens) in enumerate([CASES["mixed"], CASES["decode_only"], CASES["mixed"]]):
         q, k, v, kv_cache, meta, full_k, full_v = _case(query_lens, ctx_lens, 4, 2, torch.float32, seed)
         expected = _reference(q, full_k, full_v, query_lens, ctx_lens, 0.5)
@@ -89,10 +105,22 @@ def test_backend_reused_across_steps_and_layers() -> None:
 
 
 def test_get_attention_backend_choices() -> None:
-    """auto picks PyTorch on CPU; triton refuses a CPU device; unknown names are rejected."""
-    assert isinstance(get_attention_backend("auto", torch.device("cpu")), TorchAttentionBackend)
-    assert isinstance(get_attention_backend("torch", torch.device("cpu")), TorchAttentionBackend)
+    """auto picks the C kernel on CPU in float32 (plain PyTorch otherwise); misfits are named errors."""
+    cpu, layer = torch.device("cpu"), Attention(9, 3, 64, 0.125)
+
+    def get(name: str, dtype=torch.float32, layer=layer, block_size: int = 16):
+        return get_attention_backend(name, cpu, dtype, layer, block_size)
+
+    expected_auto = TorchAttentionBackend if cpu_kernels.decode_attention_library() is None else CpuAttentionBackend
+    assert type(get("auto")) is expected_auto
+    assert type(get("auto", torch.bfloat16)) is TorchAttentionBackend
+    assert type(get("auto", layer=Attention(4, 4, 20, 1.0))) is TorchAttentionBackend  # head_dim not a multiple of 8
+    assert type(get("torch")) is TorchAttentionBackend
+    with pytest.raises(ValueError, match="float32.*got torch.bfloat16"):
+        get("cpu", torch.bfloat16)
+    with pytest.raises(ValueError, match="block_size 512"):
+        get("cpu", block_size=512)
     with pytest.raises(ValueError, match="CUDA"):
-        get_attention_backend("triton", torch.device("cpu"))
+        get("triton")
     with pytest.raises(ValueError, match="backend"):
-        get_attention_backend("flash", torch.device("cpu"))
+        get("flash")

@@ -1,0 +1,124 @@
+"""The C decode-attention kernel: float64 reference on paged layouts, the build cache, the fallback."""
+
+from __future__ import annotations
+
+import logging
+import random
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import cpu_kernels
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.decode_attention_library() is None, reason="no C compiler for the CPU kernel"
+)
+
+
+def _paged_case(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, seed: int,
+                q_scale: float = 1.0):
+    """Random contexts in shuffled blocks; the first rows share leading blocks, as behind a system prompt."""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    num_blocks = 4 + num_seqs * (300 // block_size + 2)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    shared = [free.pop() for _ in range(48 // block_size)]
+    seq_lens = [rng.randint(1, 300) for _ in range(num_seqs)]
+    tables = []
+    for i, n in enumerate(seq_lens):
+        num = -(-n // block_size)
+        own = shared[:num] if i < num_seqs // 2 else []
+        tables.append(own + [free.pop() for _ in range(num - len(own))])
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    q = torch.randn(num_seqs, num_heads, head_dim, generator=gen) * q_scale
+    return q, k_cache, v_cache, block_tables, torch.tensor(seq_lens), tables
+
+
+def _reference(q, k_cache, v_cache, tables, seq_lens, scale) -> torch.Tensor:
+    block_size, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
+    outs = []
+    for i, (table, n) in enumerate(zip(tables, seq_lens.tolist())):
+        pos = torch.arange(n)
+        blocks = torch.tensor(table)[pos // block_size]
+        k = k_cache[blocks, pos % block_size].double().repeat_interleave(group, 1)  # [n, Hq, D]
+        v = v_cache[blocks, pos % block_size].double().repeat_interleave(group, 1)
+        scores = torch.einsum("hd,nhd->hn", q[i].double() * scale, k)
+        outs.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), v))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 16])  # the two specialised sizes and the generic path
+@pytest.mark.parametrize("heads", [(9, 3), (8, 8), (16, 2)])
+@pytest.mark.parametrize("block_size", [16, 1, 32])
+def test_matches_float64_reference(head_dim: int, heads: tuple[int, int], block_size: int) -> None:
+    """Every row's output equals softmax attention over its paged context, shared blocks included."""
+    q, k_cache, v_cache, block_tables, seq_lens, tables = _paged_case(12, *heads, head_dim, block_size, seed=head_dim)
+    scale = head_dim**-0.5
+    out = cpu_kernels.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    torch.testing.assert_close(out.double(), _reference(q, k_cache, v_cache, tables, seq_lens, scale), atol=1e-5, rtol=0)
+
+
+def test_peaked_scores_stay_exact() -> None:
+    """Scores spread over hundreds of units (most weights far below float32's epsilon) still match."""
+    q, k_cache, v_cache, block_tables, seq_lens, tables = _paged_case(8, 4, 2, 64, 16, seed=3, q_scale=20.0)
+    out = cpu_kernels.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.125)
+    torch.testing.assert_close(out.double(), _reference(q, k_cache, v_cache, tables, seq_lens, 0.125), atol=1e-5, rtol=0)
+
+
+def test_rejects_what_it_cannot_serve() -> None:
+    """Unsupported dtypes and shapes are named errors, not wrong answers."""
+    q, k_cache, v_cache, block_tables, seq_lens, _ = _paged_case(2, 4, 2, 64, 16, seed=0)
+    with pytest.raises(ValueError, match="torch.bfloat16"):
+        cpu_kernels.decode_attention(q.bfloat16(), k_cache, v_cache, block_tables, seq_lens, 1.0)
+    with pytest.raises(ValueError, match="v_cache must be a contiguous float32"):
+        cpu_kernels.decode_attention(q, k_cache, v_cache.transpose(1, 2), block_tables, seq_lens, 1.0)
+
+
+@pytest.fixture
+def fresh_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """An empty kernel cache and a compiler wrapper that logs its invocations; the real library afterwards."""
+    log = tmp_path / "cc.log"
+    wrapper = tmp_path / "cc"
+    wrapper.write_text(f'#!/bin/sh\necho "$@" >> {log}\nexec cc "$@"\n')
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PAGED_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(wrapper))
+    cpu_kernels.decode_attention_library.cache_clear()
+    yield tmp_path, log
+    cpu_kernels.decode_attention_library.cache_clear()
+
+
+def test_compiled_once_then_loaded(fresh_build) -> None:
+    """The first use compiles into $PAGED_CACHE/cpu_kernels; a later process only asks the compiler's version."""
+    tmp_path, log = fresh_build
+    assert cpu_kernels.decode_attention_library() is not None
+    built = list((tmp_path / "cache" / "cpu_kernels").glob("*.so"))
+    assert len(built) == 1
+    assert sum("-shared" in line for line in log.read_text().splitlines()) == 1
+    cpu_kernels.decode_attention_library.cache_clear()  # as a new process would
+    assert cpu_kernels.decode_attention_library() is not None
+    assert sum("-shared" in line for line in log.read_text().splitlines()) == 1
+    assert list((tmp_path / "cache" / "cpu_kernels").glob("*.so")) == built
+
+
+def test_without_a_compiler_the_kernel_is_off(fresh_build, monkeypatch, caplog) -> None:
+    """A failing compiler gives None and one warning; the opt-out switch gives None without compiling."""
+    tmp_path, log = fresh_build
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    with caplog.at_level(logging.WARNING, logger="engine.cpu_kernels"):
+        assert cpu_kernels.decode_attention_library() is None
+    assert "using the PyTorch path" in caplog.text
+    with pytest.raises(RuntimeError, match="not available"):
+        q, k_cache, v_cache, block_tables, seq_lens, _ = _paged_case(2, 4, 2, 64, 16, seed=0)
+        cpu_kernels.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 1.0)
+
+    cpu_kernels.decode_attention_library.cache_clear()
+    monkeypatch.setenv("CC", "cc")
+    monkeypatch.setenv("PAGED_CPU_KERNELS", "0")
+    assert cpu_kernels.decode_attention_library() is None
+    assert not (tmp_path / "cache" / "cpu_kernels").exists()

@@ -45,6 +45,8 @@ class TritonAttentionBackend(AttentionBackend):
                 f"got {tuple(kv_cache.shape)}"
             )
         key_cache, value_cache = kv_cache[0], kv_cache[1]
+        # q/k/v may be strided views of one fused projection (see Linear); the kernels need unit-stride heads.
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         store_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         if meta.max_query_len == 1:
             return paged_decode_attention(

@@ -1,0 +1,42 @@
+"""Linear layers: the transposed CPU matmul for small batches, fused shards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.layers.linear import TRANSPOSED_MATMUL_MAX_ROWS, Linear, MergedLinear
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, TRANSPOSED_MATMUL_MAX_ROWS, TRANSPOSED_MATMUL_MAX_ROWS + 1, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_f_linear_at_every_batch_size(rows: int, bias: bool) -> None:
+    """Both sides of the row threshold give x W^T + b, also for a strided (transposed-view) input."""
+    gen = torch.Generator().manual_seed(rows)
+    layer = Linear(48, 80, bias=bias)
+    torch.nn.init.normal_(layer.weight, generator=gen)
+    if bias:
+        torch.nn.init.normal_(layer.bias, generator=gen)
+    x = torch.randn(rows, 48, generator=gen)
+    strided = torch.randn(48, rows, generator=gen).t()
+    for inp in (x, strided):
+        y = layer(inp)
+        assert y.shape == (rows, 80)
+        torch.testing.assert_close(y, F.linear(inp, layer.weight, layer.bias), atol=1e-4, rtol=1e-5)
+    if 1 < rows <= TRANSPOSED_MATMUL_MAX_ROWS:
+        assert layer(x).stride() == (1, rows)  # the transposed product itself, no copy
+
+
+def test_merged_shards_split_and_load() -> None:
+    """Each checkpoint shard lands in its rows; split returns the shards' outputs."""
+    layer = MergedLinear(4, {"q": 3, "k": 2})
+    wq, wk = torch.randn(3, 4), torch.randn(2, 4)
+    layer.weight_loader(layer.weight, wq, "q")
+    layer.weight_loader(layer.weight, wk, "k")
+    x = torch.randn(5, 4)
+    q, k = layer.split(layer(x))
+    torch.testing.assert_close(q, x @ wq.T)
+    torch.testing.assert_close(k, x @ wk.T)
+    with pytest.raises(ValueError, match="shape"):
+        layer.weight_loader(layer.weight, torch.randn(3, 5), "q")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,19 +43,28 @@ def linear_shapes(config: dict[str, Any]) -> Counter[tuple[int, int]]:
 
 
 def _time_linear(batch: int, in_features: int, out_features: int, dtype: torch.dtype, min_time_s: float) -> float:
-    """Seconds per ``linear([batch, in], [out, in])``, the best of a few timed rounds."""
+    """Seconds per ``[batch, in] x [in, out]`` product: the best of a few timed rounds, and the faster
+    of its two orientations, ``x W^T`` and ``(W x^T)^T`` (BLAS libraries differ between them by up to
+    2x at decode sizes; the engine's ``Linear`` takes the transposed one for small batches)."""
     x = torch.randn(batch, in_features, dtype=dtype)
     weight = torch.randn(out_features, in_features, dtype=dtype)
+    return min(
+        _best_seconds(lambda: F.linear(x, weight), min_time_s / 2),
+        _best_seconds(lambda: torch.mm(weight, x.t()), min_time_s / 2),
+    )
+
+
+def _best_seconds(fn: Callable[[], Any], min_time_s: float) -> float:
     with torch.inference_mode():
         for _ in range(3):
-            F.linear(x, weight)
+            fn()
         best = float("inf")
         deadline = time.perf_counter() + min_time_s
         while True:
             reps = 0
             start = time.perf_counter()
             while reps < 8 or time.perf_counter() - start < min_time_s / 4:
-                F.linear(x, weight)
+                fn()
                 reps += 1
             best = min(best, (time.perf_counter() - start) / reps)
             if time.perf_counter() >= deadline:

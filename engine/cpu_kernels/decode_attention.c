@@ -35,6 +35,18 @@ static inline float hsum(vf x) {
     return s;
 }
 
+/* Pairwise sums inside each half, as x86's haddps: [a0+a1, a2+a3, b0+b1, b2+b3 | same for 4..7]. */
+static inline vf hadd(vf a, vf b) {
+    return __builtin_shuffle(a, b, (vi){0, 2, 8, 10, 4, 6, 12, 14}) +
+           __builtin_shuffle(a, b, (vi){1, 3, 9, 11, 5, 7, 13, 15});
+}
+
+/* The four horizontal sums of a0..a3, stored to out[0..3]. */
+static inline void hsum4(vf a0, vf a1, vf a2, vf a3, float *out) {
+    const vf t = hadd(hadd(a0, a1), hadd(a2, a3)); /* [sum0..3 of the low halves | of the high halves] */
+    for (int i = 0; i < 4; ++i) out[i] = t[i] + t[i + 4];
+}
+
 /* exp(x) for x <= 0: 2^n * p(r), r = x - n ln2, |r| <= ln2 / 2, degree-6 Taylor
  * polynomial (relative error under 2e-7); exactly 0 below -87 (and for -inf). */
 static inline vf vexp(vf x) {
@@ -76,10 +88,7 @@ static inline __attribute__((always_inline)) void block_scores(const float *rest
                 a2 += qv * load(k2 + c);
                 a3 += qv * load(k3 + c);
             }
-            sg[t] = hsum(a0);
-            sg[t + 1] = hsum(a1);
-            sg[t + 2] = hsum(a2);
-            sg[t + 3] = hsum(a3);
+            hsum4(a0, a1, a2, a3, sg + t);
         }
         for (; t < n; ++t) {
             const float *kt = k + t * token_stride;

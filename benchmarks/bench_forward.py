@@ -3,12 +3,14 @@
 Decode steps run at a fixed context length over a KV cache whose content is irrelevant to
 the timing (contexts are addressed, not prefilled), so large batches are cheap to set up.
 With ``--shared N`` every decode sequence's table starts with the same N // block_size
-blocks, as a common system prompt cached once gives; ``--compare`` then also times the
-PyTorch backend without cascade attention, interleaved with it, and prints the ratio.
+blocks, as a common system prompt cached once gives; ``--compare`` (with
+``--attention-backend torch``) then also times the PyTorch backend without cascade
+attention, interleaved with it, and prints the ratio.
 
     python benchmarks/bench_forward.py                       # bundled SmolLM2, float32 and bfloat16
     python benchmarks/bench_forward.py --batches 64 --context 1024 --dtypes float32
-    python benchmarks/bench_forward.py --batches 64 --context 354 --shared 288 --compare --prefill 0 --dtypes float32
+    python benchmarks/bench_forward.py --batches 64 --context 354 --shared 288 --prefill 0 --dtypes float32 \
+        --attention-backend torch --compare
 """
 
 from __future__ import annotations
@@ -132,19 +134,24 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--context", type=int, default=350, help="context length of every decode sequence")
     parser.add_argument("--shared", type=int, default=0, help="leading context tokens every decode sequence shares")
-    parser.add_argument("--compare", action="store_true", help="also time decode steps without cascade attention")
+    parser.add_argument("--attention-backend", default="auto", help="auto, torch or cpu (EngineConfig.attention_backend)")
+    parser.add_argument(
+        "--compare", action="store_true", help="also time decode steps without cascade attention (torch backend)"
+    )
     parser.add_argument("--prefill", type=int, default=512, help="tokens of the prefill step (0: skip)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     args = parser.parse_args()
+    if args.compare and args.attention_backend != "torch":
+        parser.error("--compare toggles the PyTorch backend's cascade attention: add --attention-backend torch")
     if args.threads:
         torch.set_num_threads(args.threads)
 
     model_dir = resolve_model(args.model)
     batches = [int(b) for b in args.batches.split(",")]
     print(
-        f"threads={torch.get_num_threads()} context={args.context} shared={args.shared} "
+        f"threads={torch.get_num_threads()} backend={args.attention_backend} context={args.context} shared={args.shared} "
         f"prefill={args.prefill} repeats={args.repeats}"
     )
     print(
@@ -155,7 +162,10 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         block_size = 16
         needed = max(batches) * -(-args.context // block_size) + -(-args.prefill // block_size)
-        config = EngineConfig(dtype=dtype, device=args.device, block_size=block_size, num_blocks=needed)
+        config = EngineConfig(
+            dtype=dtype, device=args.device, block_size=block_size, num_blocks=needed,
+            attention_backend=args.attention_backend,
+        )
         runner = ModelRunner(config, model_dir)
         for batch in batches:
             step = _decode_step(batch, args.context, block_size, args.shared)

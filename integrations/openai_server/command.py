@@ -97,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     engine.add_argument("--no-prefix-caching", action="store_true", help="turn prefix-block sharing off")
     engine.add_argument(
-        "--attention-backend", default="auto", choices=("auto", "torch", "triton"),
+        "--attention-backend", default="auto", choices=("auto", "torch", "cpu", "triton"),
         help="(default: %(default)s = triton on CUDA, torch on CPU)",
     )
 

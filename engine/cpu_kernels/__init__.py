@@ -47,7 +47,7 @@ def _cpu_flags() -> str:
 
 
 def _build(source: bytes, compiler: str) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True, timeout=30).stdout
     key = hashlib.blake2b(
         b"\0".join([source, " ".join(_FLAGS).encode(), version.encode(), _cpu_flags().encode()]), digest_size=12
     ).hexdigest()
@@ -58,7 +58,9 @@ def _build(source: bytes, compiler: str) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         src, out = Path(tmp) / _SOURCE, Path(tmp) / target.name
         src.write_bytes(source)
-        subprocess.run([compiler, *_FLAGS, str(src), "-o", str(out)], capture_output=True, text=True, check=True)
+        subprocess.run(
+            [compiler, *_FLAGS, str(src), "-o", str(out)], capture_output=True, text=True, check=True, timeout=300
+        )
         os.replace(out, target)  # atomic: a concurrent builder's identical file may be replaced, never torn
     logger.info("compiled %s", target)
     return target
@@ -73,7 +75,7 @@ def decode_attention_library() -> ctypes.CDLL | None:
     compiler = os.environ.get("CC", "cc")
     try:
         lib = ctypes.CDLL(str(_build(source, compiler)))
-    except (OSError, subprocess.CalledProcessError) as exc:
+    except (OSError, subprocess.SubprocessError) as exc:  # no compiler, a failed or hung build, a bad library
         detail = getattr(exc, "stderr", None) or exc
         logger.warning("CPU attention kernel unavailable (%s); using the PyTorch path", str(detail).strip()[:500])
         return None

@@ -106,13 +106,20 @@ def test_compiled_once_then_loaded(fresh_build) -> None:
     assert list((tmp_path / "cache" / "cpu_kernels").glob("*.so")) == built
 
 
-def test_without_a_compiler_the_kernel_is_off(fresh_build, monkeypatch, caplog) -> None:
-    """A failing compiler gives None and one warning; the opt-out switch gives None without compiling."""
+@pytest.mark.parametrize("compiler", ["missing", "failing"])
+def test_without_a_compiler_the_kernel_is_off(compiler: str, fresh_build, monkeypatch, caplog) -> None:
+    """A missing or failing compiler gives None and a warning; the opt-out switch gives None without compiling."""
     tmp_path, log = fresh_build
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    cc = tmp_path / "broken-cc"
+    if compiler == "failing":
+        cc.write_text("#!/bin/sh\necho 'cc: internal error' >&2\nexit 1\n")
+        cc.chmod(cc.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CC", str(cc))
     with caplog.at_level(logging.WARNING, logger="engine.cpu_kernels"):
         assert cpu_kernels.decode_attention_library() is None
     assert "using the PyTorch path" in caplog.text
+    if compiler == "failing":
+        assert "cc: internal error" in caplog.text
     with pytest.raises(RuntimeError, match="not available"):
         q, k_cache, v_cache, block_tables, seq_lens, _ = _paged_case(2, 4, 2, 64, 16, seed=0)
         cpu_kernels.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 1.0)

@@ -134,7 +134,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--context", type=int, default=350, help="context length of every decode sequence")
     parser.add_argument("--shared", type=int, default=0, help="leading context tokens every decode sequence shares")
-    parser.add_argument("--attention-backend", default="auto", help="auto, torch or cpu (EngineConfig.attention_backend)")
+    parser.add_argument("--attention-backend", default="auto", help="auto, torch or cpu (EngineConfig's field)")
     parser.add_argument(
         "--compare", action="store_true", help="also time decode steps without cascade attention (torch backend)"
     )
@@ -151,8 +151,8 @@ def main() -> None:
     model_dir = resolve_model(args.model)
     batches = [int(b) for b in args.batches.split(",")]
     print(
-        f"threads={torch.get_num_threads()} backend={args.attention_backend} context={args.context} shared={args.shared} "
-        f"prefill={args.prefill} repeats={args.repeats}"
+        f"threads={torch.get_num_threads()} backend={args.attention_backend} context={args.context} "
+        f"shared={args.shared} prefill={args.prefill} repeats={args.repeats}"
     )
     print(
         "| dtype | step | forward ms | tokens/s | matmul floor ms | of ceiling | attention share "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -113,7 +114,7 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
+        block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         # NOTE: every new token's K/V is stored before any attention reads the cache, so a
         # sequence may read prefix blocks that another sequence of this batch writes now.
@@ -238,7 +239,9 @@ def _host(t: torch.Tensor) -> np.ndarray:
     return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
 
 
-def _make_plan(meta: AttentionMetadata, block_size: int, dtype: torch.dtype, plan_decode) -> _TorchPlan:
+def _make_plan(
+    meta: AttentionMetadata, block_size: int, dtype: torch.dtype, plan_decode: Callable[..., Any]
+) -> _TorchPlan:
     """Split one step's batch: ``plan_decode(rows, starts, seq_lens, block_tables, block_size, dtype, device)``
     plans its single-token rows, the rest become prefill chunks."""
     device = meta.block_tables.device

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.core.scheduler_output import ScheduledRequest
 from engine import cpu_kernels
+from engine.core.scheduler_output import ScheduledRequest
 from engine.layers.attention import TorchAttentionBackend, _make_plan
 from engine.layers.cpu_attention import CpuAttentionBackend
 from engine.worker.input_batch import prepare_inputs

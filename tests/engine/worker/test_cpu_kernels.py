@@ -60,14 +60,16 @@ def test_matches_float64_reference(head_dim: int, heads: tuple[int, int], block_
     q, k_cache, v_cache, block_tables, seq_lens, tables = _paged_case(12, *heads, head_dim, block_size, seed=head_dim)
     scale = head_dim**-0.5
     out = cpu_kernels.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
-    torch.testing.assert_close(out.double(), _reference(q, k_cache, v_cache, tables, seq_lens, scale), atol=1e-5, rtol=0)
+    expected = _reference(q, k_cache, v_cache, tables, seq_lens, scale)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
 
 
 def test_peaked_scores_stay_exact() -> None:
     """Scores spread over hundreds of units (most weights far below float32's epsilon) still match."""
     q, k_cache, v_cache, block_tables, seq_lens, tables = _paged_case(8, 4, 2, 64, 16, seed=3, q_scale=20.0)
     out = cpu_kernels.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.125)
-    torch.testing.assert_close(out.double(), _reference(q, k_cache, v_cache, tables, seq_lens, 0.125), atol=1e-5, rtol=0)
+    expected = _reference(q, k_cache, v_cache, tables, seq_lens, 0.125)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
 
 
 def test_rejects_what_it_cannot_serve() -> None:

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from engine.core.scheduler_output import ScheduledRequest
 from engine import cpu_kernels
+from engine.core.scheduler_output import ScheduledRequest
 from engine.layers.attention import Attention, TorchAttentionBackend, get_attention_backend
 from engine.layers.cpu_attention import CpuAttentionBackend
 from engine.worker.input_batch import prepare_inputs
@@ -93,10 +93,10 @@ def test_matches_dense_reference(case: str, heads: tuple[int, int], backend: str
     torch.testing.assert_close(flat[1, meta.slot_mapping], v, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("cpu", marks=needs_cpu_kernel)])
-def test_backend_reused_across_steps_and_layers(backend: str) -> None:
+@pytest.mark.parametrize("name", ["torch", pytest.param("cpu", marks=needs_cpu_kernel)])
+def test_backend_reused_across_steps_and_layers(name: str) -> None:
     """One backend instance serves layers of different steps: the per-step plan never goes stale."""
-    backend = BACKENDS[backend]()
+    backend = BACKENDS[name]()
     for seed, (query_lens, ctx_lens) in enumerate([CASES["mixed"], CASES["decode_only"], CASES["mixed"]]):
         q, k, v, kv_cache, meta, full_k, full_v = _case(query_lens, ctx_lens, 4, 2, torch.float32, seed)
         expected = _reference(q, full_k, full_v, query_lens, ctx_lens, 0.5)
@@ -114,7 +114,8 @@ def test_get_attention_backend_choices() -> None:
     expected_auto = TorchAttentionBackend if cpu_kernels.decode_attention_library() is None else CpuAttentionBackend
     assert type(get("auto")) is expected_auto
     assert type(get("auto", torch.bfloat16)) is TorchAttentionBackend
-    assert type(get("auto", layer=Attention(4, 4, 20, 1.0))) is TorchAttentionBackend  # head_dim not a multiple of 8
+    odd_head_dim = Attention(4, 4, 20, 1.0)  # not a multiple of 8
+    assert type(get("auto", layer=odd_head_dim)) is TorchAttentionBackend
     assert type(get("torch")) is TorchAttentionBackend
     with pytest.raises(ValueError, match="float32.*got torch.bfloat16"):
         get("cpu", torch.bfloat16)

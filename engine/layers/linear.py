@@ -13,8 +13,8 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
-# Up to this many rows, a CPU matmul runs as (W x^T)^T: MKL computes the [out, rows] product
-# 1.2-1.5x faster than x W^T at decode batch sizes (measured on AVX2 at SmolLM2's shapes),
+# Up to this many rows, a float32 CPU matmul runs as (W x^T)^T: MKL computes the [out, rows]
+# product 1.2-1.5x faster than x W^T at decode batch sizes (measured on AVX2 at SmolLM2's shapes),
 # and the transposed view it returns costs nothing. Larger (prefill) batches gain nothing
 # and their downstream ops prefer contiguous rows.
 TRANSPOSED_MATMUL_MAX_ROWS = 128
@@ -23,7 +23,7 @@ TRANSPOSED_MATMUL_MAX_ROWS = 128
 class Linear(nn.Module):
     """``y = x W^T + b``; ``weight`` is [out, in], as in checkpoints.
 
-    On CPU a batch of at most ``TRANSPOSED_MATMUL_MAX_ROWS`` rows is computed as
+    On CPU, in float32, a batch of at most ``TRANSPOSED_MATMUL_MAX_ROWS`` rows is computed as
     ``(W x^T)^T`` and returned as that transposed (non-contiguous) view.
     """
 
@@ -33,7 +33,12 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= TRANSPOSED_MATMUL_MAX_ROWS:
+        if (
+            x.device.type == "cpu"
+            and x.dtype == torch.float32
+            and x.dim() == 2
+            and x.shape[0] <= TRANSPOSED_MATMUL_MAX_ROWS
+        ):
             if self.bias is None:
                 return torch.mm(self.weight, x.t()).t()
             return torch.addmm(self.bias.unsqueeze(1), self.weight, x.t()).t()

@@ -28,6 +28,16 @@ def test_matches_f_linear_at_every_batch_size(rows: int, bias: bool) -> None:
         assert layer(x).stride() == (1, rows)  # the transposed product itself, no copy
 
 
+def test_other_dtypes_keep_f_linear() -> None:
+    """The transposed form is measured for float32 only; bfloat16 keeps x W^T (contiguous rows)."""
+    layer = Linear(16, 8).bfloat16()
+    torch.nn.init.normal_(layer.weight)
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    y = layer(x)
+    assert y.is_contiguous()
+    assert torch.equal(y, F.linear(x, layer.weight))
+
+
 def test_merged_shards_split_and_load() -> None:
     """Each checkpoint shard lands in its rows; split returns the shards' outputs."""
     layer = MergedLinear(4, {"q": 3, "k": 2})

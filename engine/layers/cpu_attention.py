@@ -28,6 +28,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
     chunks keep the PyTorch path (SDPA).
     """
 
+    def __init__(self) -> None:
+        super().__init__(cascade=False)  # the kernel needs no cascade plan; prefills are planned as in the parent
+
     def _plan_decode(self, rows: np.ndarray, starts: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
                      block_size: int, dtype: torch.dtype, device: torch.device) -> _KernelDecodePlan:
         tokens = None if len(rows) == len(starts) - 1 else torch.from_numpy(starts[rows])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.layers.sampler import Sampler
+from engine.layers.sampler import Sampler, argmax_rows
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -205,3 +205,15 @@ def test_sampling_never_picks_a_zero_probability_token() -> None:
     logits[0, 5] = 0.0
     tokens = draw({}, rows=2000, logits=logits)
     assert set(tokens.tolist()) == {3, 5}
+
+
+def test_argmax_rows_of_column_major_logits_equals_argmax() -> None:
+    """The LM head's transposed layout takes a blocked search; it must agree with argmax, ties included."""
+    gen = torch.Generator().manual_seed(0)
+    for vocab in (49152, 1000, 997, 7):  # many blocks, an uneven divisor, a prime (blocks of 1), tiny
+        stored = torch.randint(0, 5, (vocab, 6), generator=gen).float()  # few values: ties within and across blocks
+        logits = stored.t()  # [6, vocab] with contiguous columns, as (W h^T)^T
+        assert not logits.is_contiguous()
+        assert torch.equal(argmax_rows(logits), logits.contiguous().argmax(dim=-1))
+    logits = torch.randn(3, 50, generator=gen)
+    assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))  # row-major: plain argmax

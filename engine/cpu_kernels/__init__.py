@@ -1,14 +1,18 @@
 """C kernels for the CPU, compiled on first use and loaded with ctypes.
 
-The source ships with the package; the first process that needs a kernel compiles it
-with the system C compiler (``$CC``, else ``cc``) for this machine (``-march=native``)
-into ``$PAGED_CACHE/cpu_kernels/``, keyed by a digest of the source, the flags, the
-compiler's version and the CPU's feature flags, so a later process only loads it. The
-library is linked against OpenMP and shares torch's thread pool (torch ships the same
-``libgomp.so.1``), so ``torch.set_num_threads`` governs it too.
+- ``decode_attention``: paged attention of single-token rows (``decode_attention.c``);
+- ``rms_norm``, ``rotary``, ``silu_and_mul``: a decoder layer's element-wise parts
+  (``elementwise.c``), which the layers call for float32 CPU tensors.
 
-Without a working compiler, or with ``PAGED_CPU_KERNELS=0``, ``decode_attention_library``
-returns None and the attention backend keeps its pure-PyTorch path.
+The sources ship with the package; the first process that needs a kernel compiles them
+into one library with the system C compiler (``$CC``, else ``cc``) for this machine
+(``-march=native``) into ``$PAGED_CACHE/cpu_kernels/``, keyed by a digest of the sources,
+the flags, the compiler's version and the CPU's feature flags, so a later process only
+loads it. The library is linked against OpenMP and shares torch's thread pool (torch
+ships the same ``libgomp.so.1``), so ``torch.set_num_threads`` governs it too.
+
+Without a working compiler, or with ``PAGED_CPU_KERNELS=0``, ``library()`` returns None
+and every caller keeps its pure-PyTorch path.
 """
 
 from __future__ import annotations
@@ -30,9 +34,9 @@ from engine.loader import cache_root
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = "decode_attention.c"
+_SOURCES = ("vec.h", "decode_attention.c", "elementwise.c")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
-# Fixed-size scratch of the kernel (see MAX_* in the source).
+# Fixed-size scratch of the kernels (see MAX_* in the sources).
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 16, 256, 256
 
 
@@ -46,44 +50,70 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build(source: bytes, compiler: str) -> Path:
+def _build(sources: dict[str, bytes], compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True, timeout=30).stdout
     key = hashlib.blake2b(
-        b"\0".join([source, " ".join(_FLAGS).encode(), version.encode(), _cpu_flags().encode()]), digest_size=12
+        b"\0".join([*sources.values(), " ".join(_FLAGS).encode(), version.encode(), _cpu_flags().encode()]),
+        digest_size=12,
     ).hexdigest()
-    target = cache_root() / "cpu_kernels" / f"decode_attention-{key}.so"
+    target = cache_root() / "cpu_kernels" / f"paged_cpu-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src, out = Path(tmp) / _SOURCE, Path(tmp) / target.name
-        src.write_bytes(source)
+        for name, text in sources.items():
+            (Path(tmp) / name).write_bytes(text)
+        out = Path(tmp) / target.name
+        units = [str(Path(tmp) / name) for name in sources if name.endswith(".c")]
         subprocess.run(
-            [compiler, *_FLAGS, str(src), "-o", str(out)], capture_output=True, text=True, check=True, timeout=300
+            [compiler, *_FLAGS, *units, "-o", str(out)], capture_output=True, text=True, check=True, timeout=300
         )
         os.replace(out, target)  # atomic: a concurrent builder's identical file may be replaced, never torn
     logger.info("compiled %s", target)
     return target
 
 
+_PTR, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {
+    # q and its three strides, k_cache, v_cache, block_tables, table_stride, seq_lens, out, five sizes, scale
+    "paged_decode_attention_f32": [_PTR, *[_I64] * 3, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, *[_I64] * 5, _F32],
+    # x, ld, residual, ld, weight, rows, width, eps, column-major, out, residual_out, their ld
+    "rms_norm_f32": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _F32, _INT, _PTR, _PTR, _I64],
+    # x, ld, rows, intermediate size, column-major, out, ld
+    "silu_and_mul_f32": [_PTR, _I64, _I64, _I64, _INT, _PTR, _I64],
+    # q, ld, k, ld, positions, cos_sin, rows, heads, KV heads, head_dim, rotary dim, column-major, q_out, ld, k_out, ld
+    "rotary_f32": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, *[_I64] * 5, _INT, _PTR, _I64, _PTR, _I64],
+}
+
+
 @functools.cache
-def decode_attention_library() -> ctypes.CDLL | None:
-    """The compiled decode-attention library, or None when it cannot be built here."""
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None when they cannot be built here (or ``PAGED_CPU_KERNELS=0``)."""
     if os.environ.get("PAGED_CPU_KERNELS", "1") == "0":
         return None
-    source = resources.files(__package__).joinpath(_SOURCE).read_bytes()
+    sources = {name: resources.files(__package__).joinpath(name).read_bytes() for name in _SOURCES}
     compiler = os.environ.get("CC", "cc")
     try:
-        lib = ctypes.CDLL(str(_build(source, compiler)))
+        lib = ctypes.CDLL(str(_build(sources, compiler)))
     except (OSError, subprocess.SubprocessError) as exc:  # no compiler, a failed or hung build, a bad library
         detail = getattr(exc, "stderr", None) or exc
-        logger.warning("CPU attention kernel unavailable (%s); using the PyTorch path", str(detail).strip()[:500])
+        logger.warning("CPU kernels unavailable (%s); using the PyTorch path", str(detail).strip()[:500])
         return None
-    fn = lib.paged_decode_attention_f32
-    fn.restype = ctypes.c_int
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    # q, k_cache, v_cache, block_tables, table_stride, seq_lens, out, the five sizes, scale
-    fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float]
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = (ctypes.c_int if name.startswith("paged") else None), argtypes
+    return lib
+
+
+def serves(x: torch.Tensor) -> bool:
+    """Whether the element-wise kernels take ``x``: a float32 CPU tensor, with the library built."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and library() is not None
+
+
+def _lib() -> ctypes.CDLL:
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the CPU kernels are not available on this machine")
     return lib
 
 
@@ -100,7 +130,7 @@ def supports(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, 
 
 
 def decode_attention(
-    q: torch.Tensor,  # [B, Hq, D] float32
+    q: torch.Tensor,  # [B, Hq, D] float32, any strides
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [B, max_blocks] int32
@@ -108,9 +138,7 @@ def decode_attention(
     scale: float,
 ) -> torch.Tensor:  # [B, Hq, D]
     """Attention of one query token per row over its whole context, read in place from the paged cache."""
-    lib = decode_attention_library()
-    if lib is None:
-        raise RuntimeError("the CPU decode attention kernel is not available on this machine")
+    lib = _lib()
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if not supports(num_heads, num_kv_heads, head_dim, block_size, q.dtype):
@@ -121,12 +149,111 @@ def decode_attention(
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
             raise ValueError(f"{name} must be a contiguous float32 CPU tensor")
-    q = q.contiguous()
     block_tables = block_tables.to(torch.int32).contiguous()
     seq_lens = seq_lens.to(torch.int64).contiguous()
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape)
     lib.paged_decode_attention_f32(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+        q.data_ptr(), *q.stride(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
         seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
     )
+    return out
+
+
+
+def _check_float32_cpu(name: str, t: torch.Tensor) -> None:
+    if t.dtype != torch.float32 or t.device.type != "cpu":
+        raise ValueError(f"{name} must be a float32 CPU tensor; got {t.dtype} on {t.device}")
+
+
+def _layout(t: torch.Tensor, col_major: bool | None = None) -> tuple[torch.Tensor, bool, int]:
+    """``t`` [R, F] as (tensor, column-major?, leading dimension): kept when its rows (or
+    columns) are contiguous runs, else copied; ``col_major`` forces a layout."""
+    rows, cols = t.shape
+    if col_major is not True and t.stride(1) == 1 and (rows == 1 or t.stride(0) >= cols):
+        return t, False, max(t.stride(0), cols)
+    if col_major is not False and t.stride(0) == 1 and t.stride(1) >= rows > 1:
+        return t, True, t.stride(1)
+    if col_major:
+        t = t.t().contiguous().t()
+        return t, True, rows
+    return t.contiguous(), False, cols
+
+
+def _empty(rows: int, cols: int, col_major: bool) -> torch.Tensor:
+    return torch.empty(cols, rows).t() if col_major else torch.empty(rows, cols)
+
+
+def _heads_as_columns(t: torch.Tensor) -> torch.Tensor:
+    """[T, H, D] as [T, H * D] without a copy when the heads sit side by side, else a copy."""
+    if t.stride(1) != t.shape[2] * t.stride(2):
+        t = t.contiguous()
+    return t.as_strided((t.shape[0], t.shape[1] * t.shape[2]), (t.stride(0), t.stride(2)))
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(rms_norm(x + residual) * weight, x + residual)`` of ``[T, N]`` rows; without a residual,
+    ``(rms_norm(x) * weight, None)``. Outputs have the layout of ``x`` (see ``elementwise.c``)."""
+    lib = _lib()
+    for name, t in (("x", x), ("weight", weight), ("residual", residual if residual is not None else x)):
+        _check_float32_cpu(name, t)
+    rows, n = x.shape
+    x, col_major, ld_x = _layout(x)
+    out = _empty(rows, n, col_major)
+    ld_out = out.stride(1) if col_major else out.stride(0)
+    if residual is None:
+        residual_out = None
+        residual_ptr = residual_out_ptr = ld_r = 0
+    else:
+        residual, _, ld_r = _layout(residual, col_major)
+        residual_out = _empty(rows, n, col_major)
+        residual_ptr, residual_out_ptr = residual.data_ptr(), residual_out.data_ptr()
+    lib.rms_norm_f32(
+        x.data_ptr(), ld_x, residual_ptr, ld_r, weight.contiguous().data_ptr(), rows, n, eps, col_major,
+        out.data_ptr(), residual_out_ptr, ld_out,
+    )
+    return out, residual_out
+
+
+def rotary(
+    positions: torch.Tensor,  # [T] int64
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    cos_sin: torch.Tensor,  # [max_position, rot]: cos of the rot / 2 frequencies, then their sin
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding ("rotate half" form) of the first ``rot`` columns of each head.
+
+    Outputs have the layout of ``q`` (see ``elementwise.c``); positions must index ``cos_sin``.
+    """
+    lib = _lib()
+    rows, num_heads, head_dim = q.shape
+    num_kv_heads, rot = k.shape[1], cos_sin.shape[1]
+    if rot > head_dim or rot % 2:
+        raise ValueError(f"rotary needs an even rotary dim <= head_dim; got {rot} and {head_dim}")
+    for name, t in (("q", q), ("k", k), ("cos_sin", cos_sin)):
+        _check_float32_cpu(name, t)
+    q2, col_major, ld_q = _layout(_heads_as_columns(q))
+    k2, _, ld_k = _layout(_heads_as_columns(k), col_major)
+    q_out, k_out = _empty(rows, num_heads * head_dim, col_major), _empty(rows, num_kv_heads * head_dim, col_major)
+    ld_q_out, ld_k_out = (q_out.stride(1), k_out.stride(1)) if col_major else (q_out.stride(0), k_out.stride(0))
+    lib.rotary_f32(
+        q2.data_ptr(), ld_q, k2.data_ptr(), ld_k, positions.to(torch.int64).contiguous().data_ptr(),
+        cos_sin.contiguous().data_ptr(), rows, num_heads, num_kv_heads, head_dim, rot, col_major,
+        q_out.data_ptr(), ld_q_out, k_out.data_ptr(), ld_k_out,
+    )
+    return q_out.view(rows, num_heads, head_dim), k_out.view(rows, num_kv_heads, head_dim)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``x = [gate | up]`` rows ``[T, 2I]``; the output has the layout of ``x``."""
+    lib = _lib()
+    _check_float32_cpu("x", x)
+    rows, width = x.shape
+    if width % 2:
+        raise ValueError(f"silu_and_mul needs an even width; got {width}")
+    x, col_major, ld_x = _layout(x)
+    out = _empty(rows, width // 2, col_major)
+    lib.silu_and_mul_f32(x.data_ptr(), ld_x, rows, width // 2, col_major, out.data_ptr(),
+                         out.stride(1) if col_major else out.stride(0))
     return out

@@ -7,68 +7,15 @@
  * together. Softmax is online per block of the table: running max, running sum,
  * rescaled accumulator.
  *
- * Built at run time with -O3 -march=native -fopenmp. Vectors are GCC's generic vector
- * type of 8 floats (one AVX register; two SSE or NEON registers elsewhere), so the same
- * source builds on any target; head_dim must be a multiple of 8.
+ * Built at run time with -O3 -march=native -fopenmp; vectors as in vec.h, so head_dim
+ * must be a multiple of 8.
  */
 
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
+#include "vec.h"
 
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK_SIZE 256
-#define VL 8 /* floats per vector; GCC lowers the vector type to what the target has */
-
-typedef float vf __attribute__((vector_size(VL * sizeof(float))));
-typedef int32_t vi __attribute__((vector_size(VL * sizeof(int32_t))));
-typedef float vf_unaligned __attribute__((vector_size(VL * sizeof(float)), aligned(4)));
-
-static inline vf load(const float *p) { return *(const vf_unaligned *)p; }
-static inline void store(float *p, vf x) { *(vf_unaligned *)p = x; }
-static inline vf splat(float x) { return (vf){0} + x; }
-
-static inline float hsum(vf x) {
-    float s = 0.0f;
-    for (int i = 0; i < VL; ++i) s += x[i];
-    return s;
-}
-
-/* Pairwise sums inside each half, as x86's haddps: [a0+a1, a2+a3, b0+b1, b2+b3 | same for 4..7]. */
-static inline vf hadd(vf a, vf b) {
-    return __builtin_shuffle(a, b, (vi){0, 2, 8, 10, 4, 6, 12, 14}) +
-           __builtin_shuffle(a, b, (vi){1, 3, 9, 11, 5, 7, 13, 15});
-}
-
-/* The four horizontal sums of a0..a3, stored to out[0..3]. */
-static inline void hsum4(vf a0, vf a1, vf a2, vf a3, float *out) {
-    const vf t = hadd(hadd(a0, a1), hadd(a2, a3)); /* [sum0..3 of the low halves | of the high halves] */
-    for (int i = 0; i < 4; ++i) out[i] = t[i] + t[i + 4];
-}
-
-/* exp(x) for x <= 0: 2^n * p(r), r = x - n ln2, |r| <= ln2 / 2, degree-6 Taylor
- * polynomial (relative error under 2e-7). Exactly 0 below -30 (and for -inf): a weight
- * under exp(-30) of the row's maximum is far below float32's resolution of the sum, and
- * cutting there keeps denormals (slow on x86) out of the accumulators. */
-static inline vf vexp(vf x) {
-    const vf magic = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
-    const vi cut = x < -30.0f;
-    x = (vf)(((vi)x & ~cut) | ((vi)splat(-30.0f) & cut));
-    const vf shifted = x * 1.44269504088896341f + magic;
-    const vf n = shifted - magic;
-    const vf r = x - n * 0.693359375f + n * 2.12194440e-4f; /* ln2 split in two for precision */
-    vf p = splat(1.0f / 720.0f);
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const vi bits = ((vi)shifted - (vi)magic) << 23; /* n in the exponent field */
-    const vf result = (vf)((vi)p + bits);
-    return (vf)((vi)result & ~cut);
-}
 
 /* Scores of the G queries at q against n key rows (stride token_stride) into
  * scores[g * MAX_BLOCK_SIZE + t]: four rows at a time, four independent FMA chains. */
@@ -167,11 +114,12 @@ static void attend_d64(ATTEND_ARGS) { ATTEND_CALL(64); }
 static void attend_d128(ATTEND_ARGS) { ATTEND_CALL(128); }
 static void attend_any(ATTEND_ARGS, int D) { ATTEND_CALL(D); }
 
-/* q [B, Hq, D], caches [num_blocks, block_size, Hkv, D], block_tables [B, table_stride],
- * seq_lens [B]: context length of each row, its new token included. out [B, Hq, D].
+/* q [B, Hq, D] at strides (q_row, q_head, q_col), caches [num_blocks, block_size, Hkv, D],
+ * block_tables [B, table_stride], seq_lens [B]: context length of each row, its new
+ * token included. out: contiguous [B, Hq, D].
  * Returns 0, or -1 when a dimension exceeds the kernel's fixed limits (the caller
  * checks them first). */
-int paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache,
+int paged_decode_attention_f32(const float *q, int64_t q_row, int64_t q_head, int64_t q_col, const float *k_cache, const float *v_cache,
                                const int32_t *block_tables, int64_t table_stride, const int64_t *seq_lens, float *out,
                                int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                int64_t block_size, float scale) {
@@ -184,7 +132,9 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
     for (int64_t item = 0; item < items; ++item) {
         const int64_t i = item / num_kv_heads, h = item % num_kv_heads;
         const int64_t row = i * num_heads + h * G; /* first query head of this KV group */
-        const float *qi = q + row * D;
+        float qi[MAX_GROUP * MAX_HEAD_DIM];
+        for (int g = 0; g < G; ++g)
+            for (int d = 0; d < D; ++d) qi[g * D + d] = q[i * q_row + (h * G + g) * q_head + d * q_col];
         const int32_t *table = block_tables + i * table_stride;
         if (D == 64)
             attend_d64(qi, k_cache, v_cache, table, seq_lens[i], block_size, token_stride, h * head_dim, G, scale,

@@ -360,7 +360,7 @@ def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype, l
         if device.type == "cuda":
             name = "triton"
         else:
-            name = "cpu" if kernel_ok and cpu_kernels.decode_attention_library() is not None else "torch"
+            name = "cpu" if kernel_ok and cpu_kernels.library() is not None else "torch"
     if name == "torch":
         return TorchAttentionBackend()
     if name == "cpu":
@@ -371,7 +371,7 @@ def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype, l
                 f"block_size <= {cpu_kernels.MAX_BLOCK_SIZE}; got {dtype} on {device}, {layer.num_heads} query / "
                 f"{layer.num_kv_heads} KV heads of {layer.head_dim}, block_size {block_size}"
             )
-        if cpu_kernels.decode_attention_library() is None:
+        if cpu_kernels.library() is None:
             raise ValueError("the cpu attention backend could not compile its kernel here (see the log)")
         from engine.layers.cpu_attention import CpuAttentionBackend
 

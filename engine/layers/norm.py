@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine import cpu_kernels
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -21,6 +23,10 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``norm(x)``, or ``(norm(x + residual), x + residual)``; float32 CPU rows take the C kernel."""
+        if x.dim() == 2 and cpu_kernels.serves(x):
+            out, residual_out = cpu_kernels.rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, residual_out)
         if residual is None:
             return self._norm(x)
         residual = x + residual

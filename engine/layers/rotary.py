@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from engine import cpu_kernels
+
 
 def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
@@ -69,6 +71,8 @@ class RotaryEmbedding(nn.Module):
         q: torch.Tensor,  # [T, Hq, D]
         k: torch.Tensor,  # [T, Hkv, D]
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if cpu_kernels.serves(q):  # float32 on CPU: one C call for both
+            return cpu_kernels.rotary(positions, q, k, self.cos_sin_cache)
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rotary_dim // 2] each
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 

@@ -129,7 +129,7 @@ def test_cascade_matches_plain_path_and_reference(case: str, heads: tuple[int, i
 @pytest.mark.parametrize("heads", [(4, 2), (9, 3)])
 def test_cpu_kernel_over_shared_blocks(case: str, heads: tuple[int, int]) -> None:
     """The C decode kernel, reading shared prefix blocks in place, equals the dense reference."""
-    if cpu_kernels.decode_attention_library() is None:
+    if cpu_kernels.library() is None:
         pytest.skip("no C compiler for the CPU kernel")
     q, k, v, kv_cache, meta = _batch(case, *heads, torch.float32)
     out = CpuAttentionBackend().forward(q, k, v, kv_cache, meta, 0.3)

@@ -13,7 +13,7 @@ import torch
 from engine import cpu_kernels
 
 pytestmark = pytest.mark.skipif(
-    cpu_kernels.decode_attention_library() is None, reason="no C compiler for the CPU kernel"
+    cpu_kernels.library() is None, reason="no C compiler for the CPU kernel"
 )
 
 
@@ -90,20 +90,20 @@ def fresh_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PAGED_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("CC", str(wrapper))
-    cpu_kernels.decode_attention_library.cache_clear()
+    cpu_kernels.library.cache_clear()
     yield tmp_path, log
-    cpu_kernels.decode_attention_library.cache_clear()
+    cpu_kernels.library.cache_clear()
 
 
 def test_compiled_once_then_loaded(fresh_build) -> None:
     """The first use compiles into $PAGED_CACHE/cpu_kernels; a later process only asks the compiler's version."""
     tmp_path, log = fresh_build
-    assert cpu_kernels.decode_attention_library() is not None
+    assert cpu_kernels.library() is not None
     built = list((tmp_path / "cache" / "cpu_kernels").glob("*.so"))
     assert len(built) == 1
     assert sum("-shared" in line for line in log.read_text().splitlines()) == 1
-    cpu_kernels.decode_attention_library.cache_clear()  # as a new process would
-    assert cpu_kernels.decode_attention_library() is not None
+    cpu_kernels.library.cache_clear()  # as a new process would
+    assert cpu_kernels.library() is not None
     assert sum("-shared" in line for line in log.read_text().splitlines()) == 1
     assert list((tmp_path / "cache" / "cpu_kernels").glob("*.so")) == built
 
@@ -118,7 +118,7 @@ def test_without_a_compiler_the_kernel_is_off(compiler: str, fresh_build, monkey
         cc.chmod(cc.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("CC", str(cc))
     with caplog.at_level(logging.WARNING, logger="engine.cpu_kernels"):
-        assert cpu_kernels.decode_attention_library() is None
+        assert cpu_kernels.library() is None
     assert "using the PyTorch path" in caplog.text
     if compiler == "failing":
         assert "cc: internal error" in caplog.text
@@ -126,8 +126,8 @@ def test_without_a_compiler_the_kernel_is_off(compiler: str, fresh_build, monkey
         q, k_cache, v_cache, block_tables, seq_lens, _ = _paged_case(2, 4, 2, 64, 16, seed=0)
         cpu_kernels.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 1.0)
 
-    cpu_kernels.decode_attention_library.cache_clear()
+    cpu_kernels.library.cache_clear()
     monkeypatch.setenv("CC", "cc")
     monkeypatch.setenv("PAGED_CPU_KERNELS", "0")
-    assert cpu_kernels.decode_attention_library() is None
+    assert cpu_kernels.library() is None
     assert not (tmp_path / "cache" / "cpu_kernels").exists()

@@ -65,7 +65,7 @@ CASES = {
 
 
 needs_cpu_kernel = pytest.mark.skipif(
-    cpu_kernels.decode_attention_library() is None, reason="no C compiler for the CPU kernel"
+    cpu_kernels.library() is None, reason="no C compiler for the CPU kernel"
 )
 BACKENDS = {"torch": TorchAttentionBackend, "cpu": CpuAttentionBackend}
 
@@ -111,7 +111,7 @@ def test_get_attention_backend_choices() -> None:
     def get(name: str, dtype=torch.float32, layer=layer, block_size: int = 16):
         return get_attention_backend(name, cpu, dtype, layer, block_size)
 
-    expected_auto = TorchAttentionBackend if cpu_kernels.decode_attention_library() is None else CpuAttentionBackend
+    expected_auto = TorchAttentionBackend if cpu_kernels.library() is None else CpuAttentionBackend
     assert type(get("auto")) is expected_auto
     assert type(get("auto", torch.bfloat16)) is TorchAttentionBackend
     odd_head_dim = Attention(4, 4, 20, 1.0)  # not a multiple of 8

@@ -1,0 +1,65 @@
+/* Vector helpers shared by the CPU kernels, float32.
+ *
+ * Vectors are GCC's generic vector type of 8 floats (one AVX register; two SSE or NEON
+ * registers elsewhere), so the same source builds on any target.
+ */
+
+#ifndef PAGED_VEC_H
+#define PAGED_VEC_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define VL 8 /* floats per vector; GCC lowers the vector type to what the target has */
+
+typedef float vf __attribute__((vector_size(VL * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(VL * sizeof(int32_t))));
+typedef float vf_unaligned __attribute__((vector_size(VL * sizeof(float)), aligned(4)));
+
+static inline vf load(const float *p) { return *(const vf_unaligned *)p; }
+static inline void store(float *p, vf x) { *(vf_unaligned *)p = x; }
+static inline vf splat(float x) { return (vf){0} + x; }
+
+static inline float hsum(vf x) {
+    float s = 0.0f;
+    for (int i = 0; i < VL; ++i) s += x[i];
+    return s;
+}
+
+/* Pairwise sums inside each half, as x86's haddps: [a0+a1, a2+a3, b0+b1, b2+b3 | same for 4..7]. */
+static inline vf hadd(vf a, vf b) {
+    return __builtin_shuffle(a, b, (vi){0, 2, 8, 10, 4, 6, 12, 14}) +
+           __builtin_shuffle(a, b, (vi){1, 3, 9, 11, 5, 7, 13, 15});
+}
+
+/* The four horizontal sums of a0..a3, stored to out[0..3]. */
+static inline void hsum4(vf a0, vf a1, vf a2, vf a3, float *out) {
+    const vf t = hadd(hadd(a0, a1), hadd(a2, a3)); /* [sum0..3 of the low halves | of the high halves] */
+    for (int i = 0; i < 4; ++i) out[i] = t[i] + t[i + 4];
+}
+
+/* exp(x) for x <= 0: 2^n * p(r), r = x - n ln2, |r| <= ln2 / 2, degree-6 Taylor
+ * polynomial (relative error under 2e-7). Exactly 0 below -30 (and for -inf): a weight
+ * under exp(-30) of the row's maximum is far below float32's resolution of the sum, and
+ * cutting there keeps denormals (slow on x86) out of the accumulators. */
+static inline vf vexp(vf x) {
+    const vf magic = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+    const vi cut = x < -30.0f;
+    x = (vf)(((vi)x & ~cut) | ((vi)splat(-30.0f) & cut));
+    const vf shifted = x * 1.44269504088896341f + magic;
+    const vf n = shifted - magic;
+    const vf r = x - n * 0.693359375f + n * 2.12194440e-4f; /* ln2 split in two for precision */
+    vf p = splat(1.0f / 720.0f);
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const vi bits = ((vi)shifted - (vi)magic) << 23; /* n in the exponent field */
+    const vf result = (vf)((vi)p + bits);
+    return (vf)((vi)result & ~cut);
+}
+
+#endif

@@ -73,12 +73,22 @@ static inline __attribute__((always_inline)) void attend(const float *restrict q
         const int64_t base = ((int64_t)table[pos / block_size] * block_size + offset) * token_stride + head_offset;
         const float *restrict k = k_cache + base;
         const float *restrict v = v_cache + base;
+        if (pos + n < end) { /* the next block sits anywhere in the cache: fetch it while this one computes */
+            const int64_t next = (int64_t)table[(pos + n) / block_size] * block_size * token_stride + head_offset;
+            const int64_t rows = end - pos - n < block_size ? end - pos - n : block_size;
+            for (int64_t t = 0; t < rows; ++t)
+                for (int c = 0; c < D; c += 16) {
+                    __builtin_prefetch(k_cache + next + t * token_stride + c);
+                    __builtin_prefetch(v_cache + next + t * token_stride + c);
+                }
+        }
         block_scores(q, k, n, token_stride, G, D, scores);
         for (int g = 0; g < G; ++g) {
             float *restrict sg = scores + g * MAX_BLOCK_SIZE;
             for (int64_t t = n; t < padded; ++t) sg[t] = -INFINITY; /* exp -> 0 */
-            float block_max = sg[0];
-            for (int64_t t = 1; t < n; ++t) block_max = sg[t] > block_max ? sg[t] : block_max;
+            vf vmax = load(sg);
+            for (int64_t t = VL; t < padded; t += VL) vmax = vmaxf(vmax, load(sg + t));
+            const float block_max = hmax(vmax);
             const float new_max = block_max > m[g] ? block_max : m[g];
             const float correction = m[g] == -INFINITY ? 0.0f : expf(m[g] - new_max);
             vf sum = {0};

@@ -27,6 +27,17 @@ static inline float hsum(vf x) {
     return s;
 }
 
+static inline vf vmaxf(vf a, vf b) {
+    const vi a_larger = a > b;
+    return (vf)(((vi)a & a_larger) | ((vi)b & ~a_larger));
+}
+
+static inline float hmax(vf x) {
+    float m = x[0];
+    for (int i = 1; i < VL; ++i) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
 /* Pairwise sums inside each half, as x86's haddps: [a0+a1, a2+a3, b0+b1, b2+b3 | same for 4..7]. */
 static inline vf hadd(vf a, vf b) {
     return __builtin_shuffle(a, b, (vi){0, 2, 8, 10, 4, 6, 12, 14}) +

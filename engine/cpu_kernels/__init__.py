@@ -77,6 +77,8 @@ _PTR, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c
 _SIGNATURES = {
     # q and its three strides, k_cache, v_cache, block_tables, table_stride, seq_lens, out, five sizes, scale
     "paged_decode_attention_f32": [_PTR, *[_I64] * 3, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, *[_I64] * 5, _F32],
+    # k and its two strides, v and its two strides, slots, rows, width, k_cache, v_cache, number of slots
+    "store_kv_f32": [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64],
     # x, ld, residual, ld, weight, rows, width, eps, column-major, out, residual_out, their ld
     "rms_norm_f32": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _F32, _INT, _PTR, _PTR, _I64],
     # x, ld, rows, intermediate size, column-major, out, ld
@@ -84,6 +86,7 @@ _SIGNATURES = {
     # q, ld, k, ld, positions, cos_sin, rows, heads, KV heads, head_dim, rotary dim, column-major, q_out, ld, k_out, ld
     "rotary_f32": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, *[_I64] * 5, _INT, _PTR, _I64, _PTR, _I64],
 }
+_RETURN_STATUS = {"paged_decode_attention_f32", "store_kv_f32"}  # these return 0, or -1 on bad arguments
 
 
 @functools.cache
@@ -101,7 +104,7 @@ def library() -> ctypes.CDLL | None:
         return None
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.restype, fn.argtypes = (ctypes.c_int if name.startswith("paged") else None), argtypes
+        fn.restype, fn.argtypes = (ctypes.c_int if name in _RETURN_STATUS else None), argtypes
     return lib
 
 
@@ -159,6 +162,24 @@ def decode_attention(
     return out
 
 
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Writes ``k``/``v`` [T, Hkv, D] (any strides) at cache slots ``slot_mapping`` [T] of the
+    contiguous float32 caches [num_blocks, block_size, Hkv, D]."""
+    lib = _lib()
+    for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_float32_cpu(name, t)
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    k2, v2 = _heads_as_columns(k), _heads_as_columns(v)
+    slots = slot_mapping.to(torch.int64).contiguous()
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    status = lib.store_kv_f32(k2.data_ptr(), *k2.stride(), v2.data_ptr(), *v2.stride(), slots.data_ptr(),
+                              k2.shape[0], k2.shape[1], k_cache.data_ptr(), v_cache.data_ptr(), num_slots)
+    if status:
+        raise IndexError(f"a slot of slot_mapping is outside the cache's {num_slots} slots")
 
 def _check_float32_cpu(name: str, t: torch.Tensor) -> None:
     if t.dtype != torch.float32 or t.device.type != "cpu":

@@ -158,3 +158,31 @@ int paged_decode_attention_f32(const float *q, int64_t q_row, int64_t q_head, in
     }
     return 0;
 }
+
+/* Writes the new tokens' keys and values into the paged caches: row t of k and v
+ * ([T, width] at strides (row, col), width = Hkv * D) goes to slot slots[t] (block *
+ * block_size + offset) of k_cache and v_cache ([num_slots, width]). Returns -1, writing
+ * nothing, when a slot is out of range. */
+int store_kv_f32(const float *k, int64_t k_row, int64_t k_col, const float *v, int64_t v_row, int64_t v_col,
+                 const int64_t *slots, int64_t num_rows, int64_t width, float *k_cache, float *v_cache,
+                 int64_t num_slots) {
+    for (int64_t t = 0; t < num_rows; ++t)
+        if (slots[t] < 0 || slots[t] >= num_slots) return -1;
+    if (k_row == 1 && v_row == 1) { /* column-major rows: read along the contiguous axis */
+        for (int64_t f = 0; f < width; ++f)
+            for (int64_t t = 0; t < num_rows; ++t) {
+                k_cache[slots[t] * width + f] = k[f * k_col + t];
+                v_cache[slots[t] * width + f] = v[f * v_col + t];
+            }
+        return 0;
+    }
+    for (int64_t t = 0; t < num_rows; ++t) {
+        float *restrict kd = k_cache + slots[t] * width, *restrict vd = v_cache + slots[t] * width;
+        const float *restrict ks = k + t * k_row, *restrict vs = v + t * v_row;
+        for (int64_t f = 0; f < width; ++f) {
+            kd[f] = ks[f * k_col];
+            vd[f] = vs[f * v_col];
+        }
+    }
+    return 0;
+}

@@ -118,8 +118,7 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         # NOTE: every new token's K/V is stored before any attention reads the cache, so a
         # sequence may read prefix blocks that another sequence of this batch writes now.
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        self._store(k, v, k_cache, v_cache, meta.slot_mapping)
 
         plan = self._get_plan(meta, block_size, q.dtype)
         dec = plan.decode
@@ -148,6 +147,12 @@ class TorchAttentionBackend(AttentionBackend):
             )
             out[start:end] = o[0].transpose(0, 1)
         return out
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               slot_mapping: torch.Tensor) -> None:
+        """Writes the new tokens' K/V [T, Hkv, D] into their cache slots."""
+        k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+        v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan, scale: float) -> torch.Tensor:
         """Attention of the decode rows ``q`` [Bd, Hq, D] (plan order) over their contexts."""

@@ -20,7 +20,7 @@ class _KernelDecodePlan(NamedTuple):
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    """The PyTorch backend with decode rows served by a C kernel (``engine.cpu_kernels``), float32 on CPU.
+    """The PyTorch backend with the cache writes and the decode rows in C (``engine.cpu_kernels``), float32 on CPU.
 
     The kernel reads each row's context in place from the paged cache, one pass with an
     online softmax, so there is no gather, no padding mask, and no separate cascade path:
@@ -36,6 +36,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         tokens = None if len(rows) == len(starts) - 1 else torch.from_numpy(starts[rows])
         tables = np.ascontiguousarray(block_tables[rows], dtype=np.int32)
         return _KernelDecodePlan(tokens, torch.from_numpy(tables), torch.from_numpy(seq_lens[rows]))
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               slot_mapping: torch.Tensor) -> None:
+        cpu_kernels.store_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _KernelDecodePlan, scale: float) -> torch.Tensor:
         return cpu_kernels.decode_attention(q, kv_cache[0], kv_cache[1], plan.block_tables, plan.seq_lens, scale)

@@ -131,3 +131,21 @@ def test_without_a_compiler_the_kernel_is_off(compiler: str, fresh_build, monkey
     monkeypatch.setenv("PAGED_CPU_KERNELS", "0")
     assert cpu_kernels.library() is None
     assert not (tmp_path / "cache" / "cpu_kernels").exists()
+
+
+@pytest.mark.parametrize("col_major", [False, True])
+def test_store_kv_writes_the_slots_index_copy_writes(col_major: bool) -> None:
+    """Strided K/V land in their slots exactly; a slot outside the cache is an error that writes nothing."""
+    gen = torch.Generator().manual_seed(8)
+    kv = torch.randn(6 * 64, 5, generator=gen).t() if col_major else torch.randn(5, 6 * 64, generator=gen)
+    k, v = kv[:, : 3 * 64].view(5, 3, 64), kv[:, 3 * 64 :].view(5, 3, 64)
+    slots = torch.tensor([17, 3, 40, 41, 0])
+    k_cache, v_cache = torch.zeros(2, 4, 16, 3, 64)
+    cpu_kernels.store_kv(k, v, k_cache, v_cache, slots)
+    expected_k, expected_v = torch.zeros(2, 64, 3, 64)
+    expected_k.index_copy_(0, slots, k)
+    expected_v.index_copy_(0, slots, v)
+    assert torch.equal(k_cache.view(64, 3, 64), expected_k) and torch.equal(v_cache.view(64, 3, 64), expected_v)
+    with pytest.raises(IndexError, match="outside the cache's 64 slots"):
+        cpu_kernels.store_kv(k + 1, v + 1, k_cache, v_cache, torch.tensor([1, 2, 3, 4, 64]))
+    assert torch.equal(k_cache.view(64, 3, 64), expected_k), "nothing written"

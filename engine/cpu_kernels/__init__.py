@@ -27,6 +27,7 @@ import subprocess
 import tempfile
 from importlib import resources
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -38,6 +39,7 @@ _SOURCES = ("vec.h", "decode_attention.c", "elementwise.c")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 # Fixed-size scratch of the kernels (see MAX_* in the sources).
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 16, 256, 256
+MAX_LANES = 24  # queries (rows x query heads of a KV group) of a multi-row tile
 
 
 def _cpu_flags() -> str:
@@ -75,8 +77,11 @@ def _build(sources: dict[str, bytes], compiler: str) -> Path:
 
 _PTR, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
-    # q and its three strides, k_cache, v_cache, block_tables, table_stride, seq_lens, out, five sizes, scale
-    "paged_decode_attention_f32": [_PTR, *[_I64] * 3, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, *[_I64] * 5, _F32],
+    # q and its three strides, k_cache, v_cache, block_tables, table_stride, seq_lens, tile rows, tile starts,
+    # tile shared keys, number of tiles, out, four sizes, scale
+    "paged_decode_attention_f32": [
+        _PTR, *[_I64] * 3, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, *[_I64] * 4, _F32
+    ],
     # k and its two strides, v and its two strides, slots, rows, width, k_cache, v_cache, number of slots
     "store_kv_f32": [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64],
     # x, ld, residual, ld, weight, rows, width, eps, column-major, out, residual_out, their ld
@@ -132,6 +137,16 @@ def supports(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, 
     )
 
 
+class DecodeTiles(NamedTuple):
+    """Rows of a decode batch grouped for the kernel: tile ``t`` is ``rows[starts[t]:starts[t + 1]]``,
+    at most ``MAX_LANES // group`` rows whose block tables agree over their first ``shared[t]``
+    keys (every row of the tile sees them). A tile of one row has nothing to share."""
+
+    rows: torch.Tensor  # [B] int64, every row once
+    starts: torch.Tensor  # [num_tiles + 1] int64
+    shared: torch.Tensor  # [num_tiles] int64
+
+
 def decode_attention(
     q: torch.Tensor,  # [B, Hq, D] float32, any strides
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -139,8 +154,10 @@ def decode_attention(
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     seq_lens: torch.Tensor,  # [B] int64: context length of each row, its new token included
     scale: float,
+    tiles: DecodeTiles | None = None,  # None: each row alone
 ) -> torch.Tensor:  # [B, Hq, D]
-    """Attention of one query token per row over its whole context, read in place from the paged cache."""
+    """Attention of one query token per row over its whole context, read in place from the paged cache;
+    the rows of a multi-row tile attend over their shared keys together."""
     lib = _lib()
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -152,13 +169,20 @@ def decode_attention(
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
             raise ValueError(f"{name} must be a contiguous float32 CPU tensor")
+    if tiles is None:
+        rows = torch.arange(num_seqs)
+        tiles = DecodeTiles(rows, torch.arange(num_seqs + 1), torch.zeros(num_seqs, dtype=torch.int64))
     block_tables = block_tables.to(torch.int32).contiguous()
     seq_lens = seq_lens.to(torch.int64).contiguous()
     out = torch.empty(q.shape)
-    lib.paged_decode_attention_f32(
-        q.data_ptr(), *q.stride(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-        seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
+    status = lib.paged_decode_attention_f32(
+        q.data_ptr(), *q.stride(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        block_tables.stride(0), seq_lens.data_ptr(), tiles.rows.data_ptr(), tiles.starts.data_ptr(),
+        tiles.shared.data_ptr(), len(tiles.shared), out.data_ptr(), num_heads, num_kv_heads, head_dim, block_size,
+        scale,
     )
+    if status:
+        raise ValueError(f"a tile holds more than {MAX_LANES // (num_heads // num_kv_heads)} rows")
     return out
 
 

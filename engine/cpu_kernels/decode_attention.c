@@ -1,11 +1,17 @@
 /* Paged decode attention for the CPU, float32.
  *
- * One query token per sequence attends over its whole context, read in place from the
- * paged cache (no gather into a contiguous copy). Work items are (sequence, KV head)
- * pairs, split across OpenMP threads in order, so rows that share prefix blocks read
- * them while they are still in cache; an item serves the G query heads of its KV group
- * together. Softmax is online per block of the table: running max, running sum,
- * rescaled accumulator.
+ * One query token per row attends over its whole context, read in place from the paged
+ * cache (no gather into a contiguous copy). Rows come in tiles: a tile is one row, or up
+ * to 24 / G rows whose tables begin with the same blocks (a shared system prompt). Work
+ * items are (tile, KV head) pairs, split across OpenMP threads in order, so tiles that
+ * share prefix blocks read them while they are still in cache.
+ *
+ * A multi-row tile first attends over its shared keys with the tile's R * G queries as
+ * the lanes of its vectors (shared_phase): each key and value element is loaded once for
+ * all of them and no horizontal sums are needed. Each row then continues alone over its
+ * own keys (attend_range), its G query heads scored together against each key row.
+ * Softmax is online per block of the table: running max, running sum, rescaled
+ * accumulator, carried from one phase to the next.
  *
  * Built at run time with -O3 -march=native -fopenmp; vectors as in vec.h, so head_dim
  * must be a multiple of 8.
@@ -16,6 +22,8 @@
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK_SIZE 256
+#define MAX_LANES 24 /* queries of a multi-row tile: three vectors */
+#define MAX_LANE_VECTORS (MAX_LANES / VL)
 
 /* Scores of the G queries at q against n key rows (stride token_stride) into
  * scores[g * MAX_BLOCK_SIZE + t]: four rows at a time, four independent FMA chains. */
@@ -48,25 +56,19 @@ static inline __attribute__((always_inline)) void block_scores(const float *rest
     }
 }
 
-/* Attention of the G queries at q_raw over context positions [0, end) of one sequence,
- * for the KV head at head_offset; writes out[G * D]. D is a compile-time constant in
- * the callers, so a query head's accumulator lives in registers. */
-static inline __attribute__((always_inline)) void attend(const float *restrict q_raw, const float *restrict k_cache,
-                                                         const float *restrict v_cache,
-                                                         const int32_t *restrict table, int64_t end,
-                                                         int64_t block_size, int64_t token_stride,
-                                                         int64_t head_offset, int G, const int D, float scale,
-                                                         float *restrict out) {
-    float q[MAX_GROUP * MAX_HEAD_DIM], acc[MAX_GROUP * MAX_HEAD_DIM];
+/* Continues the online softmax of the G scaled queries q over context positions
+ * [start, end) of one sequence, for the KV head at head_offset: running maxima m[G], sums
+ * l[G] and accumulators acc[G * D]. D is a compile-time constant in the callers, so a
+ * query head's accumulator lives in registers. */
+static inline __attribute__((always_inline)) void attend_range(const float *restrict q, const float *restrict k_cache,
+                                                               const float *restrict v_cache,
+                                                               const int32_t *restrict table, int64_t start,
+                                                               int64_t end, int64_t block_size, int64_t token_stride,
+                                                               int64_t head_offset, int G, const int D,
+                                                               float *restrict m, float *restrict l,
+                                                               float *restrict acc) {
     float scores[MAX_GROUP * MAX_BLOCK_SIZE];
-    float m[MAX_GROUP], l[MAX_GROUP];
-    for (int i = 0; i < G * D; ++i) q[i] = q_raw[i] * scale;
-    memset(acc, 0, sizeof(float) * (size_t)(G * D));
-    for (int g = 0; g < G; ++g) {
-        m[g] = -INFINITY;
-        l[g] = 0.0f;
-    }
-    for (int64_t pos = 0; pos < end;) {
+    for (int64_t pos = start; pos < end;) {
         const int64_t offset = pos % block_size;
         const int64_t n = (block_size - offset < end - pos) ? block_size - offset : end - pos;
         const int64_t padded = (n + VL - 1) / VL * VL;
@@ -110,51 +112,188 @@ static inline __attribute__((always_inline)) void attend(const float *restrict q
         }
         pos += n;
     }
-    for (int g = 0; g < G; ++g) {
-        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-        for (int d = 0; d < D; ++d) out[g * D + d] = acc[g * D + d] * inv;
+}
+
+/* Attention over the shared keys [0, shared) of one table for Q <= MAX_LANES queries held
+ * as vector lanes: qt[d * QV + j] holds element d of the queries of lanes j * VL .. j * VL + 7
+ * (scaled; padding lanes 0). Carries per-lane state: maxima m[QV], sums l[QV] and
+ * accumulators ot[d * QV + j]. QV and D are compile-time constants in the callers. */
+static inline __attribute__((always_inline)) void shared_phase(const vf *restrict qt, const int QV,
+                                                               const float *restrict k_cache,
+                                                               const float *restrict v_cache,
+                                                               const int32_t *restrict table, int64_t shared,
+                                                               int64_t block_size, int64_t token_stride,
+                                                               int64_t head_offset, const int D, vf *restrict m,
+                                                               vf *restrict l, vf *restrict ot) {
+    vf s[MAX_BLOCK_SIZE * MAX_LANE_VECTORS];
+    for (int64_t pos = 0; pos < shared;) {
+        const int64_t offset = pos % block_size;
+        const int64_t n = (block_size - offset < shared - pos) ? block_size - offset : shared - pos;
+        const int64_t base = ((int64_t)table[pos / block_size] * block_size + offset) * token_stride + head_offset;
+        const float *restrict k = k_cache + base;
+        const float *restrict v = v_cache + base;
+        /* scores: four keys at a time against every lane, each key element broadcast once */
+        int64_t t = 0;
+        for (; t + 4 <= n; t += 4) {
+            vf a[4][MAX_LANE_VECTORS] = {{{0}}};
+            const float *restrict k0 = k + t * token_stride;
+            for (int d = 0; d < D; ++d)
+                for (int u = 0; u < 4; ++u) {
+                    const vf kb = splat(k0[u * token_stride + d]);
+                    for (int j = 0; j < QV; ++j) a[u][j] += kb * qt[d * QV + j];
+                }
+            for (int u = 0; u < 4; ++u)
+                for (int j = 0; j < QV; ++j) s[(t + u) * QV + j] = a[u][j];
+        }
+        for (; t < n; ++t) {
+            vf a[MAX_LANE_VECTORS] = {{0}};
+            const float *restrict kt = k + t * token_stride;
+            for (int d = 0; d < D; ++d) {
+                const vf kb = splat(kt[d]);
+                for (int j = 0; j < QV; ++j) a[j] += kb * qt[d * QV + j];
+            }
+            for (int j = 0; j < QV; ++j) s[t * QV + j] = a[j];
+        }
+        /* online softmax, every lane at once */
+        vf correction[MAX_LANE_VECTORS];
+        for (int j = 0; j < QV; ++j) {
+            vf block_max = s[j];
+            for (int64_t u = 1; u < n; ++u) block_max = vmaxf(block_max, s[u * QV + j]);
+            const vf new_max = vmaxf(block_max, m[j]);
+            correction[j] = vexp(m[j] - new_max); /* 0 while m is -inf */
+            vf sum = {0};
+            for (int64_t u = 0; u < n; ++u) {
+                const vf p = vexp(s[u * QV + j] - new_max);
+                s[u * QV + j] = p;
+                sum += p;
+            }
+            l[j] = l[j] * correction[j] + sum;
+            m[j] = new_max;
+        }
+        /* values: four head-dim elements at a time, each value element broadcast once */
+        for (int d0 = 0; d0 < D; d0 += 4) {
+            vf a[4][MAX_LANE_VECTORS];
+            for (int e = 0; e < 4; ++e)
+                for (int j = 0; j < QV; ++j) a[e][j] = ot[(d0 + e) * QV + j] * correction[j];
+            for (int64_t u = 0; u < n; ++u) {
+                const float *restrict vt = v + u * token_stride + d0;
+                for (int e = 0; e < 4; ++e) {
+                    const vf vb = splat(vt[e]);
+                    for (int j = 0; j < QV; ++j) a[e][j] += vb * s[u * QV + j];
+                }
+            }
+            for (int e = 0; e < 4; ++e)
+                for (int j = 0; j < QV; ++j) ot[(d0 + e) * QV + j] = a[e][j];
+        }
+        pos += n;
     }
 }
 
-#define ATTEND_ARGS                                                                                              \
-    const float *q, const float *k_cache, const float *v_cache, const int32_t *table, int64_t end, int64_t block_size, \
-        int64_t token_stride, int64_t head_offset, int G, float scale, float *out
-#define ATTEND_CALL(D) attend(q, k_cache, v_cache, table, end, block_size, token_stride, head_offset, G, D, scale, out)
-static void attend_d64(ATTEND_ARGS) { ATTEND_CALL(64); }
-static void attend_d128(ATTEND_ARGS) { ATTEND_CALL(128); }
-static void attend_any(ATTEND_ARGS, int D) { ATTEND_CALL(D); }
+/* One work item: the rows[0..R) of a tile (their shared keys: [0, shared)) for KV head h. */
+static inline __attribute__((always_inline)) void attend_tile(
+    const float *restrict q, int64_t q_row, int64_t q_head, int64_t q_col, const float *restrict k_cache,
+    const float *restrict v_cache, const int32_t *restrict block_tables, int64_t table_stride,
+    const int64_t *restrict seq_lens, const int64_t *restrict rows, int64_t R, int64_t shared, int64_t h,
+    int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int G, const int D, float scale,
+    float *restrict out) {
+    const int64_t token_stride = num_kv_heads * D, head_offset = h * D;
+    float qs[MAX_GROUP * MAX_HEAD_DIM], acc[MAX_GROUP * MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP];
+    const int Q = (int)R * G, QV = (Q + VL - 1) / VL;
+    vf qt[MAX_HEAD_DIM * MAX_LANE_VECTORS], ot[MAX_HEAD_DIM * MAX_LANE_VECTORS];
+    vf mt[MAX_LANE_VECTORS], lt[MAX_LANE_VECTORS];
+    if (R > 1 && shared > 0) {
+        float *restrict qtf = (float *)qt;
+        memset(qt, 0, sizeof(vf) * (size_t)(D * QV));
+        memset(ot, 0, sizeof(vf) * (size_t)(D * QV));
+        for (int j = 0; j < QV; ++j) {
+            mt[j] = splat(-INFINITY);
+            lt[j] = splat(0.0f);
+        }
+        for (int lane = 0; lane < Q; ++lane) {
+            const float *qi = q + rows[lane / G] * q_row + (h * G + lane % G) * q_head;
+            for (int d = 0; d < D; ++d) qtf[(d * QV) * VL + lane] = qi[d * q_col] * scale;
+        }
+        const int32_t *table = block_tables + rows[0] * table_stride;
+        if (QV == 1)
+            shared_phase(qt, 1, k_cache, v_cache, table, shared, block_size, token_stride, head_offset, D, mt, lt, ot);
+        else if (QV == 2)
+            shared_phase(qt, 2, k_cache, v_cache, table, shared, block_size, token_stride, head_offset, D, mt, lt, ot);
+        else
+            shared_phase(qt, 3, k_cache, v_cache, table, shared, block_size, token_stride, head_offset, D, mt, lt, ot);
+    } else {
+        shared = 0;
+    }
+    const float *restrict otf = (const float *)ot, *restrict mtf = (const float *)mt, *restrict ltf = (const float *)lt;
+    for (int64_t r = 0; r < R; ++r) {
+        const int64_t i = rows[r];
+        for (int g = 0; g < G; ++g) {
+            const int lane = (int)r * G + g;
+            const float *qi = q + i * q_row + (h * G + g) * q_head;
+            for (int d = 0; d < D; ++d) qs[g * D + d] = qi[d * q_col] * scale;
+            if (shared > 0) {
+                m[g] = mtf[lane];
+                l[g] = ltf[lane];
+                for (int d = 0; d < D; ++d) acc[g * D + d] = otf[(d * QV) * VL + lane];
+            } else {
+                m[g] = -INFINITY;
+                l[g] = 0.0f;
+                memset(acc + g * D, 0, sizeof(float) * (size_t)D);
+            }
+        }
+        attend_range(qs, k_cache, v_cache, block_tables + i * table_stride, shared, seq_lens[i], block_size,
+                     token_stride, head_offset, G, D, m, l, acc);
+        float *restrict o = out + (i * num_heads + h * G) * D;
+        for (int g = 0; g < G; ++g) {
+            const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+            for (int d = 0; d < D; ++d) o[g * D + d] = acc[g * D + d] * inv;
+        }
+    }
+}
+
+#define TILE_ARGS                                                                                                 \
+    const float *q, int64_t q_row, int64_t q_head, int64_t q_col, const float *k_cache, const float *v_cache,     \
+        const int32_t *block_tables, int64_t table_stride, const int64_t *seq_lens, const int64_t *rows, int64_t R, \
+        int64_t shared, int64_t h, int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int G, float scale, \
+        float *out
+#define TILE_CALL(D)                                                                                              \
+    attend_tile(q, q_row, q_head, q_col, k_cache, v_cache, block_tables, table_stride, seq_lens, rows, R, shared, \
+                h, num_heads, num_kv_heads, block_size, G, D, scale, out)
+static void attend_tile_d64(TILE_ARGS) { TILE_CALL(64); }
+static void attend_tile_d128(TILE_ARGS) { TILE_CALL(128); }
+static void attend_tile_any(TILE_ARGS, int D) { TILE_CALL(D); }
 
 /* q [B, Hq, D] at strides (q_row, q_head, q_col), caches [num_blocks, block_size, Hkv, D],
  * block_tables [B, table_stride], seq_lens [B]: context length of each row, its new
- * token included. out: contiguous [B, Hq, D].
+ * token included. Tile t holds rows tile_rows[tile_starts[t] .. tile_starts[t + 1]),
+ * whose tables agree over their first tile_shared[t] keys (every row sees them); at most
+ * MAX_LANES / G rows a tile. out: contiguous [B, Hq, D].
  * Returns 0, or -1 when a dimension exceeds the kernel's fixed limits (the caller
  * checks them first). */
-int paged_decode_attention_f32(const float *q, int64_t q_row, int64_t q_head, int64_t q_col, const float *k_cache, const float *v_cache,
-                               const int32_t *block_tables, int64_t table_stride, const int64_t *seq_lens, float *out,
-                               int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                               int64_t block_size, float scale) {
+int paged_decode_attention_f32(const float *q, int64_t q_row, int64_t q_head, int64_t q_col, const float *k_cache,
+                               const float *v_cache, const int32_t *block_tables, int64_t table_stride,
+                               const int64_t *seq_lens, const int64_t *tile_rows, const int64_t *tile_starts,
+                               const int64_t *tile_shared, int64_t num_tiles, float *out, int64_t num_heads,
+                               int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale) {
     const int G = (int)(num_heads / num_kv_heads);
     const int D = (int)head_dim;
     if (G > MAX_GROUP || D > MAX_HEAD_DIM || D % VL != 0 || block_size > MAX_BLOCK_SIZE) return -1;
-    const int64_t token_stride = num_kv_heads * head_dim;
-    const int64_t items = num_seqs * num_kv_heads;
-#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < num_tiles; ++t)
+        if ((tile_starts[t + 1] - tile_starts[t]) * G > MAX_LANES && tile_starts[t + 1] - tile_starts[t] > 1) return -1;
+    const int64_t items = num_tiles * num_kv_heads;
+#pragma omp parallel for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
-        const int64_t i = item / num_kv_heads, h = item % num_kv_heads;
-        const int64_t row = i * num_heads + h * G; /* first query head of this KV group */
-        float qi[MAX_GROUP * MAX_HEAD_DIM];
-        for (int g = 0; g < G; ++g)
-            for (int d = 0; d < D; ++d) qi[g * D + d] = q[i * q_row + (h * G + g) * q_head + d * q_col];
-        const int32_t *table = block_tables + i * table_stride;
+        const int64_t t = item / num_kv_heads, h = item % num_kv_heads;
+        const int64_t *rows = tile_rows + tile_starts[t];
+        const int64_t R = tile_starts[t + 1] - tile_starts[t];
         if (D == 64)
-            attend_d64(qi, k_cache, v_cache, table, seq_lens[i], block_size, token_stride, h * head_dim, G, scale,
-                       out + row * D);
+            attend_tile_d64(q, q_row, q_head, q_col, k_cache, v_cache, block_tables, table_stride, seq_lens, rows, R,
+                            tile_shared[t], h, num_heads, num_kv_heads, block_size, G, scale, out);
         else if (D == 128)
-            attend_d128(qi, k_cache, v_cache, table, seq_lens[i], block_size, token_stride, h * head_dim, G, scale,
-                        out + row * D);
+            attend_tile_d128(q, q_row, q_head, q_col, k_cache, v_cache, block_tables, table_stride, seq_lens, rows, R,
+                             tile_shared[t], h, num_heads, num_kv_heads, block_size, G, scale, out);
         else
-            attend_any(qi, k_cache, v_cache, table, seq_lens[i], block_size, token_stride, h * head_dim, G, scale,
-                       out + row * D, D);
+            attend_tile_any(q, q_row, q_head, q_col, k_cache, v_cache, block_tables, table_stride, seq_lens, rows, R,
+                            tile_shared[t], h, num_heads, num_kv_heads, block_size, G, scale, out, D);
     }
     return 0;
 }

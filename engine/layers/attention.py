@@ -273,6 +273,27 @@ def _make_plan(
     return _TorchPlan(decode, prefills)
 
 
+def prefix_groups(
+    seq_lens: np.ndarray, tables: np.ndarray, block_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Single-token rows grouped by the blocks their tables begin with.
+
+    Returns ``(order, firsts, ends, prefix)``: rows ``order[firsts[g]:ends[g]]`` start with the
+    same block, and their contexts agree over their first ``prefix[g]`` keys (whole blocks the
+    group's first row shares with every other row, capped at the group's shortest context).
+    """
+    order = np.argsort(tables[:, 0], kind="stable")  # rows with the same first block side by side
+    sorted_tables, sorted_lens = tables[order], seq_lens[order]
+    firsts = np.flatnonzero(np.r_[True, sorted_tables[1:, 0] != sorted_tables[:-1, 0]])
+    ends = np.r_[firsts[1:], len(order)]
+    # leading run of block ids every row of a group has in common with the group's first row
+    same = sorted_tables == np.repeat(sorted_tables[firsts], ends - firsts, axis=0)
+    run = np.logical_and.accumulate(np.logical_and.reduceat(same, firsts, axis=0), axis=1).sum(1)
+    # NOTE: capped at the group's shortest context: past it, equal ids may be table padding.
+    prefix = np.minimum(run * block_size, np.minimum.reduceat(sorted_lens, firsts))
+    return order, firsts, ends, prefix
+
+
 def _plan_decode(
     rows: np.ndarray,
     starts: np.ndarray,
@@ -287,18 +308,10 @@ def _plan_decode(
     shared = np.zeros(len(rows), dtype=np.int64)  # tokens of each row served by its group's prefix
     groups: list[tuple[int, int, int]] = []
     if min_shared_keys is not None and len(rows) > 1:
-        order = np.argsort(tables[:, 0], kind="stable")  # rows with the same first block side by side
-        sorted_tables, sorted_lens = tables[order], seq_lens[order]
-        firsts = np.flatnonzero(np.r_[True, sorted_tables[1:, 0] != sorted_tables[:-1, 0]])
-        ends = np.r_[firsts[1:], len(rows)]
-        # leading run of block ids every row of a group has in common with the group's first row
-        same = sorted_tables == np.repeat(sorted_tables[firsts], ends - firsts, axis=0)
-        run = np.logical_and.accumulate(np.logical_and.reduceat(same, firsts, axis=0), axis=1).sum(1)
-        # NOTE: capped at the group's shortest context: past it, equal ids may be table padding.
-        prefix = np.minimum(run * block_size, np.minimum.reduceat(sorted_lens, firsts))
+        order, firsts, ends, prefix = prefix_groups(seq_lens, tables, block_size)
         keep = (ends - firsts > 1) & (prefix >= block_size) & ((ends - firsts - 1) * prefix >= min_shared_keys)
         if keep.any():
-            rows, seq_lens, tables = rows[order], sorted_lens, sorted_tables
+            rows, seq_lens, tables = rows[order], seq_lens[order], tables[order]
             for a, b, n in zip(firsts[keep].tolist(), ends[keep].tolist(), prefix[keep].tolist()):
                 shared[a:b] = n
                 groups.append((a, b, n))
@@ -381,7 +394,7 @@ def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype, l
             raise ValueError("the cpu attention backend could not compile its kernel here (see the log)")
         from engine.layers.cpu_attention import CpuAttentionBackend
 
-        return CpuAttentionBackend()
+        return CpuAttentionBackend(layer.num_heads // layer.num_kv_heads)
     if name == "triton":
         if device.type != "cuda":
             raise ValueError(f"the triton attention backend needs a CUDA device, got {device}")

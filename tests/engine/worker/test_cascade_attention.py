@@ -132,7 +132,7 @@ def test_cpu_kernel_over_shared_blocks(case: str, heads: tuple[int, int]) -> Non
     if cpu_kernels.library() is None:
         pytest.skip("no C compiler for the CPU kernel")
     q, k, v, kv_cache, meta = _batch(case, *heads, torch.float32)
-    out = CpuAttentionBackend().forward(q, k, v, kv_cache, meta, 0.3)
+    out = CpuAttentionBackend(heads[0] // heads[1]).forward(q, k, v, kv_cache, meta, 0.3)
     torch.testing.assert_close(out.double(), _reference(q, kv_cache, meta, 0.3), atol=1e-5, rtol=0)
 
 

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def _paged_case(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, seed: int,
-                q_scale: float = 1.0):
+                q_scale: float = 1.0, min_len: int = 1):
     """Random contexts in shuffled blocks; the first rows share leading blocks, as behind a system prompt."""
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     num_blocks = 4 + num_seqs * (300 // block_size + 2)
@@ -27,7 +27,7 @@ def _paged_case(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
     free = list(range(num_blocks))
     rng.shuffle(free)
     shared = [free.pop() for _ in range(48 // block_size)]
-    seq_lens = [rng.randint(1, 300) for _ in range(num_seqs)]
+    seq_lens = [rng.randint(min_len, 300) for _ in range(num_seqs)]
     tables = []
     for i, n in enumerate(seq_lens):
         num = -(-n // block_size)
@@ -149,3 +149,24 @@ def test_store_kv_writes_the_slots_index_copy_writes(col_major: bool) -> None:
     with pytest.raises(IndexError, match="outside the cache's 64 slots"):
         cpu_kernels.store_kv(k + 1, v + 1, k_cache, v_cache, torch.tensor([1, 2, 3, 4, 64]))
     assert torch.equal(k_cache.view(64, 3, 64), expected_k), "nothing written"
+
+
+@pytest.mark.parametrize("heads", [(9, 3), (8, 8), (16, 2), (16, 1)])  # 8, 24, 3 and 1 rows a tile
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_tiles_over_shared_blocks_match_float64_reference(heads: tuple[int, int], block_size: int) -> None:
+    """Rows tiled over their shared leading blocks (queries as vector lanes, then each row's own keys)
+    give the same attention as the reference; the tiles really hold several rows."""
+    from engine.layers.cpu_attention import plan_tiles
+
+    num_heads, num_kv_heads = heads
+    q, k_cache, v_cache, block_tables, seq_lens, tables = _paged_case(
+        40, num_heads, num_kv_heads, 64, block_size, seed=block_size + num_heads, min_len=48
+    )
+    tiles = plan_tiles(seq_lens.numpy(), block_tables.numpy(), block_size, num_heads // num_kv_heads)
+    sizes = (tiles.starts[1:] - tiles.starts[:-1]).tolist()
+    if cpu_kernels.MAX_LANES // (num_heads // num_kv_heads) > 1:  # else every tile is one row
+        assert max(sizes) > 1 and tiles.shared.max() >= block_size
+    assert sorted(tiles.rows.tolist()) == list(range(40)) and max(sizes) * (num_heads // num_kv_heads) <= 24
+    out = cpu_kernels.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.125, tiles)
+    expected = _reference(q, k_cache, v_cache, tables, seq_lens, 0.125)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)

@@ -67,7 +67,10 @@ CASES = {
 needs_cpu_kernel = pytest.mark.skipif(
     cpu_kernels.library() is None, reason="no C compiler for the CPU kernel"
 )
-BACKENDS = {"torch": TorchAttentionBackend, "cpu": CpuAttentionBackend}
+BACKENDS = {  # backend name -> factory of (query heads, KV heads)
+    "torch": lambda num_heads, num_kv_heads: TorchAttentionBackend(),
+    "cpu": lambda num_heads, num_kv_heads: CpuAttentionBackend(num_heads // num_kv_heads),
+}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -85,7 +88,7 @@ def test_matches_dense_reference(case: str, heads: tuple[int, int], backend: str
     query_lens, ctx_lens = CASES[case]
     q, k, v, kv_cache, meta, full_k, full_v = _case(query_lens, ctx_lens, *heads, dtype, seed=len(case))
     scale = HEAD_DIM**-0.5
-    out = BACKENDS[backend]().forward(q, k, v, kv_cache, meta, scale)
+    out = BACKENDS[backend](*heads).forward(q, k, v, kv_cache, meta, scale)
     expected = _reference(q, full_k, full_v, query_lens, ctx_lens, scale)
     torch.testing.assert_close(out.double(), expected, atol=atol, rtol=0)
     flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
@@ -96,7 +99,7 @@ def test_matches_dense_reference(case: str, heads: tuple[int, int], backend: str
 @pytest.mark.parametrize("name", ["torch", pytest.param("cpu", marks=needs_cpu_kernel)])
 def test_backend_reused_across_steps_and_layers(name: str) -> None:
     """One backend instance serves layers of different steps: the per-step plan never goes stale."""
-    backend = BACKENDS[name]()
+    backend = BACKENDS[name](4, 2)
     for seed, (query_lens, ctx_lens) in enumerate([CASES["mixed"], CASES["decode_only"], CASES["mixed"]]):
         q, k, v, kv_cache, meta, full_k, full_v = _case(query_lens, ctx_lens, 4, 2, torch.float32, seed)
         expected = _reference(q, full_k, full_v, query_lens, ctx_lens, 0.5)

@@ -308,6 +308,7 @@ int store_kv_f32(const float *k, int64_t k_row, int64_t k_col, const float *v, i
     for (int64_t t = 0; t < num_rows; ++t)
         if (slots[t] < 0 || slots[t] >= num_slots) return -1;
     if (k_row == 1 && v_row == 1) { /* column-major rows: read along the contiguous axis */
+#pragma omp parallel for schedule(static) if (num_rows * width >= PARALLEL_MIN)
         for (int64_t f = 0; f < width; ++f)
             for (int64_t t = 0; t < num_rows; ++t) {
                 k_cache[slots[t] * width + f] = k[f * k_col + t];
@@ -315,6 +316,7 @@ int store_kv_f32(const float *k, int64_t k_row, int64_t k_col, const float *v, i
             }
         return 0;
     }
+#pragma omp parallel for schedule(static) if (num_rows * width >= PARALLEL_MIN)
     for (int64_t t = 0; t < num_rows; ++t) {
         float *restrict kd = k_cache + slots[t] * width, *restrict vd = v_cache + slots[t] * width;
         const float *restrict ks = k + t * k_row, *restrict vs = v + t * v_row;

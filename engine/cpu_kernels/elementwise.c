@@ -11,8 +11,7 @@
 
 #include "vec.h"
 
-#define TILE 64 /* rows per tile of the column-major loops */
-#define PARALLEL_MIN (1 << 16) /* elements below which one thread is faster than waking the others */
+#define TILE 16 /* rows per tile of the column-major loops: two vectors, and work for two threads at 32 rows */
 
 /* residual_out = x + residual (when residual is not NULL); out = rms_norm(that) * weight.
  * x, residual, out, residual_out: [T, n] in one layout, leading dimensions ld_x, ld_r, ld_out. */
@@ -118,6 +117,7 @@ static void rotary_one(const float *x, int64_t ld_x, float *out, int64_t ld_out,
         }
         return;
     }
+#pragma omp parallel for schedule(static) if (num_rows * num_heads * head_dim >= PARALLEL_MIN)
     for (int64_t t0 = 0; t0 < num_rows; t0 += TILE) {
         const int64_t m = num_rows - t0 < TILE ? num_rows - t0 : TILE;
         float cos[TILE], sin[TILE];

@@ -12,6 +12,7 @@
 #include <string.h>
 
 #define VL 8 /* floats per vector; GCC lowers the vector type to what the target has */
+#define PARALLEL_MIN (1 << 13) /* elements below which one thread is faster than waking the others */
 
 typedef float vf __attribute__((vector_size(VL * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(VL * sizeof(int32_t))));

@@ -1,6 +1,7 @@
 """C kernels for the CPU, compiled on first use and loaded with ctypes.
 
-- ``decode_attention``: paged attention of single-token rows (``decode_attention.c``);
+- ``decode_attention``: paged attention of single-token rows, and ``store_kv``, the new
+  tokens' cache writes (``decode_attention.c``), for the CPU attention backend;
 - ``rms_norm``, ``rotary``, ``silu_and_mul``: a decoder layer's element-wise parts
   (``elementwise.c``), which the layers call for float32 CPU tensors.
 
@@ -78,9 +79,9 @@ def _build(sources: dict[str, bytes], compiler: str) -> Path:
 _PTR, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     # q and its three strides, k_cache, v_cache, block_tables, table_stride, seq_lens, tile rows, tile starts,
-    # tile shared keys, number of tiles, out, four sizes, scale
+    # tile shared keys, number of tiles, out, five sizes, scale
     "paged_decode_attention_f32": [
-        _PTR, *[_I64] * 3, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, *[_I64] * 4, _F32
+        _PTR, *[_I64] * 3, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, *[_I64] * 5, _F32
     ],
     # k and its two strides, v and its two strides, slots, rows, width, k_cache, v_cache, number of slots
     "store_kv_f32": [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64],
@@ -88,10 +89,11 @@ _SIGNATURES = {
     "rms_norm_f32": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _F32, _INT, _PTR, _PTR, _I64],
     # x, ld, rows, intermediate size, column-major, out, ld
     "silu_and_mul_f32": [_PTR, _I64, _I64, _I64, _INT, _PTR, _I64],
-    # q, ld, k, ld, positions, cos_sin, rows, heads, KV heads, head_dim, rotary dim, column-major, q_out, ld, k_out, ld
-    "rotary_f32": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, *[_I64] * 5, _INT, _PTR, _I64, _PTR, _I64],
+    # q, ld, k, ld, positions, cos_sin, its rows, rows, heads, KV heads, head_dim, rotary dim, column-major,
+    # q_out, ld, k_out, ld
+    "rotary_f32": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, *[_I64] * 6, _INT, _PTR, _I64, _PTR, _I64],
 }
-_RETURN_STATUS = {"paged_decode_attention_f32", "store_kv_f32"}  # these return 0, or -1 on bad arguments
+_RETURN_STATUS = {"paged_decode_attention_f32", "store_kv_f32", "rotary_f32"}  # 0, or -1 on bad arguments
 
 
 @functools.cache
@@ -179,13 +181,16 @@ def decode_attention(
         q.data_ptr(), *q.stride(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.stride(0), seq_lens.data_ptr(), tiles.rows.data_ptr(), tiles.starts.data_ptr(),
         tiles.shared.data_ptr(), len(tiles.shared), out.data_ptr(), num_heads, num_kv_heads, head_dim, block_size,
-        scale,
+        k_cache.shape[0], scale,
     )
-    if status:
+    if status == -1:
         raise ValueError(f"a tile holds more than {MAX_LANES // (num_heads // num_kv_heads)} rows")
+    if status == -2:
+        raise IndexError(
+            f"a row's context needs a block id outside [0, {k_cache.shape[0]}) or past its table's "
+            f"{block_tables.shape[1]} entries"
+        )
     return out
-
-
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -204,6 +209,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                               k2.shape[0], k2.shape[1], k_cache.data_ptr(), v_cache.data_ptr(), num_slots)
     if status:
         raise IndexError(f"a slot of slot_mapping is outside the cache's {num_slots} slots")
+
 
 def _check_float32_cpu(name: str, t: torch.Tensor) -> None:
     if t.dtype != torch.float32 or t.device.type != "cpu":
@@ -269,7 +275,10 @@ def rotary(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding ("rotate half" form) of the first ``rot`` columns of each head.
 
-    Outputs have the layout of ``q`` (see ``elementwise.c``); positions must index ``cos_sin``.
+    Outputs have the layout of ``q`` (see ``elementwise.c``).
+
+    Raises:
+        IndexError: a position outside ``cos_sin``'s rows (nothing is written).
     """
     lib = _lib()
     rows, num_heads, head_dim = q.shape
@@ -282,11 +291,13 @@ def rotary(
     k2, _, ld_k = _layout(_heads_as_columns(k), col_major)
     q_out, k_out = _empty(rows, num_heads * head_dim, col_major), _empty(rows, num_kv_heads * head_dim, col_major)
     ld_q_out, ld_k_out = (q_out.stride(1), k_out.stride(1)) if col_major else (q_out.stride(0), k_out.stride(0))
-    lib.rotary_f32(
+    status = lib.rotary_f32(
         q2.data_ptr(), ld_q, k2.data_ptr(), ld_k, positions.to(torch.int64).contiguous().data_ptr(),
-        cos_sin.contiguous().data_ptr(), rows, num_heads, num_kv_heads, head_dim, rot, col_major,
+        cos_sin.contiguous().data_ptr(), cos_sin.shape[0], rows, num_heads, num_kv_heads, head_dim, rot, col_major,
         q_out.data_ptr(), ld_q_out, k_out.data_ptr(), ld_k_out,
     )
+    if status:
+        raise IndexError(f"a position is outside the rotary table's {cos_sin.shape[0]} positions")
     return q_out.view(rows, num_heads, head_dim), k_out.view(rows, num_kv_heads, head_dim)
 
 

@@ -267,18 +267,28 @@ static void attend_tile_any(TILE_ARGS, int D) { TILE_CALL(D); }
  * token included. Tile t holds rows tile_rows[tile_starts[t] .. tile_starts[t + 1]),
  * whose tables agree over their first tile_shared[t] keys (every row sees them); at most
  * MAX_LANES / G rows a tile. out: contiguous [B, Hq, D].
- * Returns 0, or -1 when a dimension exceeds the kernel's fixed limits (the caller
- * checks them first). */
+ * Returns 0; -1 when a dimension exceeds the kernel's fixed limits or a tile holds too
+ * many rows; -2 when a row needs a block outside [0, num_blocks) or more blocks than its
+ * table holds. Nothing is computed then. */
 int paged_decode_attention_f32(const float *q, int64_t q_row, int64_t q_head, int64_t q_col, const float *k_cache,
                                const float *v_cache, const int32_t *block_tables, int64_t table_stride,
                                const int64_t *seq_lens, const int64_t *tile_rows, const int64_t *tile_starts,
                                const int64_t *tile_shared, int64_t num_tiles, float *out, int64_t num_heads,
-                               int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale) {
+                               int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
+                               float scale) {
     const int G = (int)(num_heads / num_kv_heads);
     const int D = (int)head_dim;
     if (G > MAX_GROUP || D > MAX_HEAD_DIM || D % VL != 0 || block_size > MAX_BLOCK_SIZE) return -1;
     for (int64_t t = 0; t < num_tiles; ++t)
         if ((tile_starts[t + 1] - tile_starts[t]) * G > MAX_LANES && tile_starts[t + 1] - tile_starts[t] > 1) return -1;
+    for (int64_t t = 0; t < num_tiles; ++t)
+        for (int64_t r = tile_starts[t]; r < tile_starts[t + 1]; ++r) {
+            const int64_t i = tile_rows[r], used = (seq_lens[i] + block_size - 1) / block_size;
+            if (used > table_stride) return -2;
+            for (int64_t b = 0; b < used; ++b)
+                if (block_tables[i * table_stride + b] < 0 || block_tables[i * table_stride + b] >= num_blocks)
+                    return -2;
+        }
     const int64_t items = num_tiles * num_kv_heads;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {

@@ -145,10 +145,15 @@ static void rotary_one(const float *x, int64_t ld_x, float *out, int64_t ld_out,
 }
 
 /* Rotary embedding of q [T, Hq * D] and k [T, Hkv * D] at positions [T] into q_out and
- * k_out; all four in one layout. */
-void rotary_f32(const float *q, int64_t ld_q, const float *k, int64_t ld_k, const int64_t *positions,
-                const float *cos_sin, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                int64_t rot, int col_major, float *q_out, int64_t ld_q_out, float *k_out, int64_t ld_k_out) {
+ * k_out; all four in one layout. Returns -1, writing nothing, when a position is outside
+ * [0, num_positions), the rows of cos_sin. */
+int rotary_f32(const float *q, int64_t ld_q, const float *k, int64_t ld_k, const int64_t *positions,
+               const float *cos_sin, int64_t num_positions, int64_t num_rows, int64_t num_heads,
+               int64_t num_kv_heads, int64_t head_dim, int64_t rot, int col_major, float *q_out, int64_t ld_q_out,
+               float *k_out, int64_t ld_k_out) {
+    for (int64_t t = 0; t < num_rows; ++t)
+        if (positions[t] < 0 || positions[t] >= num_positions) return -1;
     rotary_one(q, ld_q, q_out, ld_q_out, positions, cos_sin, num_rows, num_heads, head_dim, rot, col_major);
     rotary_one(k, ld_k, k_out, ld_k_out, positions, cos_sin, num_rows, num_kv_heads, head_dim, rot, col_major);
+    return 0;
 }

@@ -82,6 +82,8 @@ def test_rotary(num_rows: int, col_major: bool, partial: float, native) -> None:
     ref_q, ref_k = native(rotary, positions, q, k)
     torch.testing.assert_close(out_q, ref_q, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(out_k, ref_k, atol=1e-6, rtol=1e-6)
+    with pytest.raises(IndexError, match="outside the rotary table's 4096 positions"):
+        rotary(torch.full((num_rows,), 4096), q, k)
 
 
 def test_decode_attention_reads_strided_queries() -> None:

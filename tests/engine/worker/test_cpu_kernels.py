@@ -79,6 +79,12 @@ def test_rejects_what_it_cannot_serve() -> None:
         cpu_kernels.decode_attention(q.bfloat16(), k_cache, v_cache, block_tables, seq_lens, 1.0)
     with pytest.raises(ValueError, match="v_cache must be a contiguous float32"):
         cpu_kernels.decode_attention(q, k_cache, v_cache.transpose(1, 2), block_tables, seq_lens, 1.0)
+    bad_tables = block_tables.clone()
+    bad_tables[1, 0] = k_cache.shape[0]
+    with pytest.raises(IndexError, match=r"block id outside \[0, "):
+        cpu_kernels.decode_attention(q, k_cache, v_cache, bad_tables, seq_lens, 1.0)
+    with pytest.raises(IndexError, match="past its table's"):  # a context longer than its table
+        cpu_kernels.decode_attention(q, k_cache, v_cache, block_tables, seq_lens + block_tables.shape[1] * 16, 1.0)
 
 
 @pytest.fixture

@@ -184,7 +184,10 @@ def decode_attention(
         k_cache.shape[0], scale,
     )
     if status == -1:
-        raise ValueError(f"a tile holds more than {MAX_LANES // (num_heads // num_kv_heads)} rows")
+        raise ValueError(
+            f"invalid tiles: a tile of more than {MAX_LANES // (num_heads // num_kv_heads)} rows, or shared keys "
+            "beyond a row's context or where the rows' tables differ"
+        )
     if status == -2:
         raise IndexError(
             f"a row's context needs a block id outside [0, {k_cache.shape[0]}) or past its table's "

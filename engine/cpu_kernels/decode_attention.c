@@ -267,9 +267,9 @@ static void attend_tile_any(TILE_ARGS, int D) { TILE_CALL(D); }
  * token included. Tile t holds rows tile_rows[tile_starts[t] .. tile_starts[t + 1]),
  * whose tables agree over their first tile_shared[t] keys (every row sees them); at most
  * MAX_LANES / G rows a tile. out: contiguous [B, Hq, D].
- * Returns 0; -1 when a dimension exceeds the kernel's fixed limits or a tile holds too
- * many rows; -2 when a row needs a block outside [0, num_blocks) or more blocks than its
- * table holds. Nothing is computed then. */
+ * Returns 0; -1 when a dimension exceeds the kernel's fixed limits, or a tile holds too
+ * many rows or claims shared keys its rows do not all have; -2 when a row needs a block
+ * outside [0, num_blocks) or more blocks than its table holds. Nothing is computed then. */
 int paged_decode_attention_f32(const float *q, int64_t q_row, int64_t q_head, int64_t q_col, const float *k_cache,
                                const float *v_cache, const int32_t *block_tables, int64_t table_stride,
                                const int64_t *seq_lens, const int64_t *tile_rows, const int64_t *tile_starts,
@@ -279,16 +279,20 @@ int paged_decode_attention_f32(const float *q, int64_t q_row, int64_t q_head, in
     const int G = (int)(num_heads / num_kv_heads);
     const int D = (int)head_dim;
     if (G > MAX_GROUP || D > MAX_HEAD_DIM || D % VL != 0 || block_size > MAX_BLOCK_SIZE) return -1;
-    for (int64_t t = 0; t < num_tiles; ++t)
-        if ((tile_starts[t + 1] - tile_starts[t]) * G > MAX_LANES && tile_starts[t + 1] - tile_starts[t] > 1) return -1;
-    for (int64_t t = 0; t < num_tiles; ++t)
+    for (int64_t t = 0; t < num_tiles; ++t) {
+        const int64_t R = tile_starts[t + 1] - tile_starts[t], first = tile_rows[tile_starts[t]];
+        if (R > 1 && R * G > MAX_LANES) return -1;
         for (int64_t r = tile_starts[t]; r < tile_starts[t + 1]; ++r) {
             const int64_t i = tile_rows[r], used = (seq_lens[i] + block_size - 1) / block_size;
             if (used > table_stride) return -2;
             for (int64_t b = 0; b < used; ++b)
                 if (block_tables[i * table_stride + b] < 0 || block_tables[i * table_stride + b] >= num_blocks)
                     return -2;
+            if (R > 1 && tile_shared[t] > seq_lens[i]) return -1;
+            for (int64_t b = 0; R > 1 && b < (tile_shared[t] + block_size - 1) / block_size; ++b)
+                if (block_tables[i * table_stride + b] != block_tables[first * table_stride + b]) return -1;
         }
+    }
     const int64_t items = num_tiles * num_kv_heads;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {

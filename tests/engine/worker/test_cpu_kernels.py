@@ -176,3 +176,12 @@ def test_tiles_over_shared_blocks_match_float64_reference(heads: tuple[int, int]
     out = cpu_kernels.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.125, tiles)
     expected = _reference(q, k_cache, v_cache, tables, seq_lens, 0.125)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
+
+
+def test_tiles_that_claim_too_much_are_rejected() -> None:
+    """A tile whose rows do not all have its shared keys is a ValueError, not a wrong answer."""
+    q, k_cache, v_cache, block_tables, seq_lens, _ = _paged_case(4, 9, 3, 64, 16, seed=9, min_len=48)
+    # rows 0 and 3 in one tile: only rows 0 and 1 begin with the shared blocks
+    tiles = cpu_kernels.DecodeTiles(torch.tensor([0, 3, 1, 2]), torch.tensor([0, 2, 3, 4]), torch.tensor([32, 0, 0]))
+    with pytest.raises(ValueError, match="invalid tiles"):
+        cpu_kernels.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.125, tiles)

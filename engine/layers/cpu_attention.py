@@ -21,19 +21,16 @@ class _KernelDecodePlan(NamedTuple):
 
 
 def plan_tiles(seq_lens: np.ndarray, tables: np.ndarray, block_size: int, group: int) -> cpu_kernels.DecodeTiles:
-    """The kernel's tiles for decode rows: rows that begin with the same blocks (``prefix_groups``)
-    in tiles of up to ``MAX_LANES // group``, every other row alone."""
+    """The kernel's tiles for (at least one) decode rows: rows that begin with the same blocks
+    (``prefix_groups``) in tiles of up to ``MAX_LANES // group``, every other row alone."""
     max_rows = max(1, cpu_kernels.MAX_LANES // group)
     starts, shared = [], []
-    if len(seq_lens) > 1:
-        order, firsts, ends, prefix = prefix_groups(seq_lens, tables, block_size)
-        for first, end, keys in zip(firsts.tolist(), ends.tolist(), prefix.tolist()):
-            keys = keys if end - first > 1 and keys >= block_size else 0
-            for start in range(first, end, max_rows if keys else 1):
-                starts.append(start)
-                shared.append(keys)
-    else:
-        order, starts, shared = np.arange(len(seq_lens)), list(range(len(seq_lens))), [0] * len(seq_lens)
+    order, firsts, ends, prefix = prefix_groups(seq_lens, tables, block_size)
+    for first, end, keys in zip(firsts.tolist(), ends.tolist(), prefix.tolist()):
+        keys = keys if end - first > 1 and keys >= block_size else 0
+        for start in range(first, end, max_rows if keys else 1):
+            starts.append(start)
+            shared.append(keys)
     return cpu_kernels.DecodeTiles(
         torch.from_numpy(order.astype(np.int64)),
         torch.tensor([*starts, len(seq_lens)], dtype=torch.int64),

@@ -1,7 +1,8 @@
 """C kernels for the CPU, compiled on first use and loaded with ctypes.
 
-- ``decode_attention``: paged attention of single-token rows, and ``store_kv``, the new
-  tokens' cache writes (``decode_attention.c``), for the CPU attention backend;
+- ``attention``: paged attention of query-token rows (decode tokens and prefill tokens
+  alike), and ``store_kv``, the new tokens' cache writes (``attention.c``), for the CPU
+  attention backend;
 - ``rms_norm``, ``rotary``, ``silu_and_mul``: a decoder layer's element-wise parts
   (``elementwise.c``), which the layers call for float32 CPU tensors.
 
@@ -36,7 +37,7 @@ from engine.loader import cache_root
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("vec.h", "decode_attention.c", "elementwise.c")
+_SOURCES = ("vec.h", "attention.c", "elementwise.c")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 # Fixed-size scratch of the kernels (see MAX_* in the sources).
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 16, 256, 256
@@ -78,10 +79,10 @@ def _build(sources: dict[str, bytes], compiler: str) -> Path:
 
 _PTR, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
-    # q and its three strides, k_cache, v_cache, block_tables, table_stride, seq_lens, tile rows, tile starts,
-    # tile shared keys, number of tiles, out, five sizes, scale
-    "paged_decode_attention_f32": [
-        _PTR, *[_I64] * 3, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, *[_I64] * 5, _F32
+    # q and its three strides, k_cache, v_cache, block_tables, table_stride, seq_lens, rows, tile rows,
+    # tile starts, tile shared keys, number of tiles, out, five sizes, scale
+    "paged_attention_f32": [
+        _PTR, *[_I64] * 3, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, *[_I64] * 5, _F32
     ],
     # k and its two strides, v and its two strides, slots, rows, width, k_cache, v_cache, number of slots
     "store_kv_f32": [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64],
@@ -93,7 +94,7 @@ _SIGNATURES = {
     # q_out, ld, k_out, ld
     "rotary_f32": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, *[_I64] * 6, _INT, _PTR, _I64, _PTR, _I64],
 }
-_RETURN_STATUS = {"paged_decode_attention_f32", "store_kv_f32", "rotary_f32"}  # 0, or -1 on bad arguments
+_RETURN_STATUS = {"paged_attention_f32", "store_kv_f32", "rotary_f32"}  # 0, or < 0 on bad arguments
 
 
 @functools.cache
@@ -139,8 +140,8 @@ def supports(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, 
     )
 
 
-class DecodeTiles(NamedTuple):
-    """Rows of a decode batch grouped for the kernel: tile ``t`` is ``rows[starts[t]:starts[t + 1]]``,
+class AttentionTiles(NamedTuple):
+    """Rows of an attention call grouped for the kernel: tile ``t`` is ``rows[starts[t]:starts[t + 1]]``,
     at most ``MAX_LANES // group`` rows whose block tables agree over their first ``shared[t]``
     keys (every row of the tile sees them). A tile of one row has nothing to share."""
 
@@ -149,19 +150,19 @@ class DecodeTiles(NamedTuple):
     shared: torch.Tensor  # [num_tiles] int64
 
 
-def decode_attention(
-    q: torch.Tensor,  # [B, Hq, D] float32, any strides
+def attention(
+    q: torch.Tensor,  # [B, Hq, D] float32, any strides: one query token per row
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [B, max_blocks] int32
-    seq_lens: torch.Tensor,  # [B] int64: context length of each row, its new token included
+    block_tables: torch.Tensor,  # [B, max_blocks] int32: each row's table
+    seq_lens: torch.Tensor,  # [B] int64: keys each row attends over (a token at position p: p + 1)
     scale: float,
-    tiles: DecodeTiles | None = None,  # None: each row alone
+    tiles: AttentionTiles | None = None,  # None: each row alone
 ) -> torch.Tensor:  # [B, Hq, D]
-    """Attention of one query token per row over its whole context, read in place from the paged cache;
-    the rows of a multi-row tile attend over their shared keys together."""
+    """Attention of one query token per row over the first ``seq_lens`` keys of its table, read in place
+    from the paged cache; the rows of a multi-row tile attend over their shared keys together."""
     lib = _lib()
-    num_seqs, num_heads, head_dim = q.shape
+    num_rows, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if not supports(num_heads, num_kv_heads, head_dim, block_size, q.dtype):
         raise ValueError(
@@ -172,27 +173,31 @@ def decode_attention(
         if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
             raise ValueError(f"{name} must be a contiguous float32 CPU tensor")
     if tiles is None:
-        rows = torch.arange(num_seqs)
-        tiles = DecodeTiles(rows, torch.arange(num_seqs + 1), torch.zeros(num_seqs, dtype=torch.int64))
+        tiles = AttentionTiles(
+            torch.arange(num_rows), torch.arange(num_rows + 1), torch.zeros(num_rows, dtype=torch.int64)
+        )
     block_tables = block_tables.to(torch.int32).contiguous()
     seq_lens = seq_lens.to(torch.int64).contiguous()
     out = torch.empty(q.shape)
-    status = lib.paged_decode_attention_f32(
+    status = lib.paged_attention_f32(
         q.data_ptr(), *q.stride(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-        block_tables.stride(0), seq_lens.data_ptr(), tiles.rows.data_ptr(), tiles.starts.data_ptr(),
+        block_tables.stride(0), seq_lens.data_ptr(), num_rows, tiles.rows.data_ptr(), tiles.starts.data_ptr(),
         tiles.shared.data_ptr(), len(tiles.shared), out.data_ptr(), num_heads, num_kv_heads, head_dim, block_size,
         k_cache.shape[0], scale,
     )
     if status == -1:
         raise ValueError(
-            f"invalid tiles: a tile of more than {MAX_LANES // (num_heads // num_kv_heads)} rows, or shared keys "
-            "beyond a row's context or where the rows' tables differ"
+            f"invalid tiles: not every one of the {num_rows} rows in exactly one tile, a tile of more than "
+            f"{MAX_LANES // (num_heads // num_kv_heads)} rows, or shared keys beyond a row's context or where "
+            "the rows' tables differ"
         )
     if status == -2:
         raise IndexError(
             f"a row's context needs a block id outside [0, {k_cache.shape[0]}) or past its table's "
             f"{block_tables.shape[1]} entries"
         )
+    if status == -3:
+        raise MemoryError("the CPU attention kernel could not allocate its scratch")
     return out
 
 

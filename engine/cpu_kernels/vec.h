@@ -20,7 +20,7 @@ typedef float vf_unaligned __attribute__((vector_size(VL * sizeof(float)), align
 
 static inline vf load(const float *p) { return *(const vf_unaligned *)p; }
 static inline void store(float *p, vf x) { *(vf_unaligned *)p = x; }
-static inline vf splat(float x) { return (vf){0} + x; }
+static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x}; }
 
 static inline float hsum(vf x) {
     float s = 0.0f;

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -74,7 +73,7 @@ class _DecodePlan(NamedTuple):
 class _TorchPlan(NamedTuple):
     """Host-side split of one step's batch, computed once and shared by every layer."""
 
-    decode: Any  # the backend's decode plan (_DecodePlan here), None when no row decodes
+    decode: _DecodePlan | None  # None when no row decodes
     prefills: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]]  # start, end, ctx slots, mask
 
 
@@ -118,7 +117,8 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         # NOTE: every new token's K/V is stored before any attention reads the cache, so a
         # sequence may read prefix blocks that another sequence of this batch writes now.
-        self._store(k, v, k_cache, v_cache, meta.slot_mapping)
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
 
         plan = self._get_plan(meta, block_size, q.dtype)
         dec = plan.decode
@@ -147,12 +147,6 @@ class TorchAttentionBackend(AttentionBackend):
             )
             out[start:end] = o[0].transpose(0, 1)
         return out
-
-    def _store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               slot_mapping: torch.Tensor) -> None:
-        """Writes the new tokens' K/V [T, Hkv, D] into their cache slots."""
-        k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
-        v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan, scale: float) -> torch.Tensor:
         """Attention of the decode rows ``q`` [Bd, Hq, D] (plan order) over their contexts."""
@@ -184,14 +178,9 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _get_plan(self, meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> _TorchPlan:
         if meta is not self._plan_meta:
-            self._plan, self._plan_meta = _make_plan(meta, block_size, dtype, self._plan_decode), meta
+            min_keys = self.min_shared_keys if self.cascade else None
+            self._plan, self._plan_meta = _make_plan(meta, block_size, dtype, min_keys), meta
         return self._plan
-
-    def _plan_decode(self, rows: np.ndarray, starts: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
-                     block_size: int, dtype: torch.dtype, device: torch.device) -> _DecodePlan:
-        """How the decode rows ``rows`` (batch indices) attend; built once per step."""
-        min_keys = self.min_shared_keys if self.cascade else None
-        return _plan_decode(rows, starts, seq_lens, block_tables, block_size, min_keys, dtype, device)
 
 
 def _cascade(
@@ -246,10 +235,9 @@ def _host(t: torch.Tensor) -> np.ndarray:
 
 
 def _make_plan(
-    meta: AttentionMetadata, block_size: int, dtype: torch.dtype, plan_decode: Callable[..., Any]
+    meta: AttentionMetadata, block_size: int, dtype: torch.dtype, min_shared_keys: int | None
 ) -> _TorchPlan:
-    """Split one step's batch: ``plan_decode(rows, starts, seq_lens, block_tables, block_size, dtype, device)``
-    plans its single-token rows, the rest become prefill chunks."""
+    """Split one step's batch into its single-token rows (planned together) and its prefill chunks."""
     device = meta.block_tables.device
     starts = _host(meta.query_start_loc).astype(np.int64)
     seq_lens = _host(meta.seq_lens).astype(np.int64)
@@ -258,7 +246,7 @@ def _make_plan(
     decode_rows = np.flatnonzero(query_lens == 1)
     decode = None
     if len(decode_rows):
-        decode = plan_decode(decode_rows, starts, seq_lens, block_tables, block_size, dtype, device)
+        decode = _plan_decode(decode_rows, starts, seq_lens, block_tables, block_size, min_shared_keys, dtype, device)
     prefills = []
     for i in np.flatnonzero(query_lens > 1).tolist():
         start, end, ctx_len = int(starts[i]), int(starts[i + 1]), int(seq_lens[i])
@@ -273,7 +261,7 @@ def _make_plan(
     return _TorchPlan(decode, prefills)
 
 
-def prefix_groups(
+def _prefix_groups(
     seq_lens: np.ndarray, tables: np.ndarray, block_size: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Single-token rows grouped by the blocks their tables begin with.
@@ -308,7 +296,7 @@ def _plan_decode(
     shared = np.zeros(len(rows), dtype=np.int64)  # tokens of each row served by its group's prefix
     groups: list[tuple[int, int, int]] = []
     if min_shared_keys is not None and len(rows) > 1:
-        order, firsts, ends, prefix = prefix_groups(seq_lens, tables, block_size)
+        order, firsts, ends, prefix = _prefix_groups(seq_lens, tables, block_size)
         keep = (ends - firsts > 1) & (prefix >= block_size) & ((ends - firsts - 1) * prefix >= min_shared_keys)
         if keep.any():
             rows, seq_lens, tables = rows[order], seq_lens[order], tables[order]

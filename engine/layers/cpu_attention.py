@@ -1,4 +1,4 @@
-"""The CPU attention backend: the PyTorch backend with decode rows served by a C kernel."""
+"""The CPU attention backend: every query token through one C kernel over the paged cache."""
 
 from __future__ import annotations
 
@@ -8,67 +8,100 @@ import numpy as np
 import torch
 
 from engine import cpu_kernels
-from engine.layers.attention import TorchAttentionBackend, prefix_groups
+from engine.layers.attention import AttentionBackend, AttentionMetadata
 
 
-class _KernelDecodePlan(NamedTuple):
-    """The decode rows of one step as the CPU kernel takes them."""
+class _RowPlan(NamedTuple):
+    """One step's query tokens as the kernel's rows; built once per step, shared by every layer."""
 
-    tokens: torch.Tensor | None  # [Bd] int64 rows of q; None = every row of q, in order
-    block_tables: torch.Tensor  # [Bd, max_blocks] int32
-    seq_lens: torch.Tensor  # [Bd] int64
-    tiles: cpu_kernels.DecodeTiles
+    block_tables: torch.Tensor  # [T, max_blocks] int32: each row's sequence's table
+    seq_lens: torch.Tensor  # [T] int64: keys each row attends over (its position + 1)
+    tiles: cpu_kernels.AttentionTiles
 
 
-def plan_tiles(seq_lens: np.ndarray, tables: np.ndarray, block_size: int, group: int) -> cpu_kernels.DecodeTiles:
-    """The kernel's tiles for (at least one) decode rows: rows that begin with the same blocks
-    (``prefix_groups``) in tiles of up to ``MAX_LANES // group``, every other row alone."""
+def token_rows(meta: AttentionMetadata) -> tuple[np.ndarray, np.ndarray]:
+    """``(seq_lens, tables)`` of each query token of the batch: its causal context length and its sequence's table."""
+    starts = meta.query_start_loc.numpy().astype(np.int64)
+    seq_lens = meta.seq_lens.numpy().astype(np.int64)
+    tables = meta.block_tables.numpy()
+    query_lens = np.diff(starts)
+    if (query_lens == 1).all():  # a pure decode step: one row per sequence
+        return seq_lens, tables
+    # token t of sequence i sits at position seq_lens[i] - (starts[i + 1] - t), so it sees that many keys plus one
+    lens = np.arange(starts[-1]) + np.repeat(seq_lens - starts[1:] + 1, query_lens)
+    return lens, np.repeat(tables, query_lens, axis=0)
+
+
+def plan_tiles(seq_lens: np.ndarray, tables: np.ndarray, block_size: int, group: int) -> cpu_kernels.AttentionTiles:
+    """The kernel's tiles: rows whose tables begin alike, side by side, up to ``MAX_LANES // group`` a tile.
+
+    Rows are ordered by their tables (so a sequence's prefill tokens, and sequences that share
+    leading blocks, sit together), then by context length. A tile shares the keys every one
+    of its rows has at the same place: the leading blocks all their tables agree on, capped
+    at the tile's shortest context.
+    """
     max_rows = max(1, cpu_kernels.MAX_LANES // group)
-    starts, shared = [], []
-    order, firsts, ends, prefix = prefix_groups(seq_lens, tables, block_size)
-    for first, end, keys in zip(firsts.tolist(), ends.tolist(), prefix.tolist()):
-        keys = keys if end - first > 1 and keys >= block_size else 0
-        for start in range(first, end, max_rows if keys else 1):
-            starts.append(start)
-            shared.append(keys)
-    return cpu_kernels.DecodeTiles(
+    num_rows = len(seq_lens)
+    order = np.lexsort((seq_lens, *tables.T[::-1]))  # last key first: block 0, block 1, ..., then length
+    tables, seq_lens = tables[order], seq_lens[order]
+    index = np.arange(num_rows)
+    new_group = np.r_[True, tables[1:, 0] != tables[:-1, 0]]  # tiles never span two first blocks
+    group_start = np.maximum.accumulate(np.where(new_group, index, 0))
+    starts = np.flatnonzero((index - group_start) % max_rows == 0)
+    sizes = np.diff(np.r_[starts, num_rows])
+    same = tables == np.repeat(tables[starts], sizes, axis=0)
+    run = np.logical_and.accumulate(np.logical_and.reduceat(same, starts, axis=0), axis=1).sum(1)
+    # NOTE: capped at the shortest context: past it, equal ids may be table padding.
+    shared = np.minimum(run * block_size, np.minimum.reduceat(seq_lens, starts))
+    shared[sizes == 1] = 0
+    return cpu_kernels.AttentionTiles(
         torch.from_numpy(order.astype(np.int64)),
-        torch.tensor([*starts, len(seq_lens)], dtype=torch.int64),
-        torch.tensor(shared, dtype=torch.int64),
+        torch.from_numpy(np.r_[starts, num_rows].astype(np.int64)),
+        torch.from_numpy(shared.astype(np.int64)),
     )
 
 
-class CpuAttentionBackend(TorchAttentionBackend):
-    """The PyTorch backend with the cache writes and the decode rows in C (``engine.cpu_kernels``), float32 on CPU.
+class CpuAttentionBackend(AttentionBackend):
+    """Paged attention in C (``engine.cpu_kernels``), float32 on CPU, for decode and prefill alike.
 
-    The kernel reads each row's context in place from the paged cache, one pass with an
-    online softmax, so there is no gather and no padding mask. Rows whose tables begin with
-    the same blocks (a shared system prompt) are tiled, and a tile's queries attend over
-    those keys together, each key read once for all of them; each row then attends over its
-    own keys alone. Prefill chunks keep the PyTorch path (SDPA).
+    Every query token is a row of one kernel call: a decode token, or a token of a prefill
+    chunk with its causal context (its position + 1 keys). The kernel reads each row's
+    context in place from the paged cache with an online softmax, so there is no gather,
+    no mask and no per-sequence loop. Rows whose tables begin with the same blocks (a
+    shared system prompt, or the tokens of one prefill chunk) are tiled, and a tile's
+    queries attend over those keys together, each key read once for all of them; each row
+    then attends over its own keys alone.
 
     Args:
         group: query heads per KV head of the layers it serves (sizes the tiles).
     """
 
     def __init__(self, group: int) -> None:
-        super().__init__(cascade=False)  # tiles replace the cascade plan; prefills are planned as in the parent
         self.group = group
+        self._plan_meta: AttentionMetadata | None = None
+        self._plan: _RowPlan | None = None
 
-    def _plan_decode(self, rows: np.ndarray, starts: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
-                     block_size: int, dtype: torch.dtype, device: torch.device) -> _KernelDecodePlan:
-        tokens = None if len(rows) == len(starts) - 1 else torch.from_numpy(starts[rows])
-        tables = np.ascontiguousarray(block_tables[rows], dtype=np.int32)
-        lens = seq_lens[rows]
-        return _KernelDecodePlan(
-            tokens, torch.from_numpy(tables), torch.from_numpy(lens), plan_tiles(lens, tables, block_size, self.group)
-        )
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        # NOTE: every new token's K/V is stored before any row reads the cache, so a row may read
+        # keys that another token of this batch writes now (its own chunk, or a prefix being cached).
+        cpu_kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        plan = self._get_plan(meta, k_cache.shape[1])
+        return cpu_kernels.attention(q, k_cache, v_cache, plan.block_tables, plan.seq_lens, scale, plan.tiles)
 
-    def _store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               slot_mapping: torch.Tensor) -> None:
-        cpu_kernels.store_kv(k, v, k_cache, v_cache, slot_mapping)
-
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _KernelDecodePlan, scale: float) -> torch.Tensor:
-        return cpu_kernels.decode_attention(
-            q, kv_cache[0], kv_cache[1], plan.block_tables, plan.seq_lens, scale, plan.tiles
-        )
+    def _get_plan(self, meta: AttentionMetadata, block_size: int) -> _RowPlan:
+        if meta is not self._plan_meta:
+            seq_lens, tables = token_rows(meta)
+            tables = np.ascontiguousarray(tables, dtype=np.int32)
+            tiles = plan_tiles(seq_lens, tables, block_size, self.group)
+            self._plan = _RowPlan(torch.from_numpy(tables), torch.from_numpy(seq_lens), tiles)
+            self._plan_meta = meta
+        return self._plan

@@ -99,7 +99,7 @@ def _reference(q, kv_cache, meta, scale) -> torch.Tensor:
 def test_plan_finds_shared_prefixes(case: str) -> None:
     """Decode rows are grouped by their common leading blocks, capped at the group's shortest context."""
     _, _, _, _, meta = _batch(case, 4, 2, torch.float32)
-    plan = _make_plan(meta, BLOCK_SIZE, torch.float32, TorchAttentionBackend(min_shared_keys=1)._plan_decode).decode
+    plan = _make_plan(meta, BLOCK_SIZE, torch.float32, min_shared_keys=1).decode
     starts = meta.query_start_loc.tolist()
     tokens_in_plan_order = plan.tokens.tolist() if plan.tokens is not None else starts[:-1]
     groups = []
@@ -150,8 +150,7 @@ def test_small_savings_stay_on_the_plain_path() -> None:
     _, _, _, _, meta = _batch("two_groups_and_a_loner", 4, 2, torch.float32)  # saves 1 x 4 and 2 x 8 keys
 
     def groups(min_keys: int) -> list[int]:
-        plan_decode = TorchAttentionBackend(min_shared_keys=min_keys)._plan_decode
-        return [g.num_tokens for g in _make_plan(meta, BLOCK_SIZE, torch.float32, plan_decode).decode.groups]
+        return [g.num_tokens for g in _make_plan(meta, BLOCK_SIZE, torch.float32, min_keys).decode.groups]
 
     assert sorted(groups(4)) == [4, 8]
     assert groups(5) == [8]

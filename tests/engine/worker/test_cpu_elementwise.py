@@ -86,7 +86,7 @@ def test_rotary(num_rows: int, col_major: bool, partial: float, native) -> None:
         rotary(torch.full((num_rows,), 4096), q, k)
 
 
-def test_decode_attention_reads_strided_queries() -> None:
+def test_attention_reads_strided_queries() -> None:
     """Queries in the column-major layout of the rotary output give the same attention as contiguous ones."""
     gen = torch.Generator().manual_seed(7)
     k_cache, v_cache = torch.randn(2, 8, 16, 3, 64, generator=gen)
@@ -94,6 +94,6 @@ def test_decode_attention_reads_strided_queries() -> None:
     seq_lens = torch.tensor([32, 17, 5, 30])
     q = torch.randn(9 * 64, 4, generator=gen).t().view(4, 9, 64)
     assert not q.is_contiguous()
-    out = cpu_kernels.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.125)
-    expected = cpu_kernels.decode_attention(q.contiguous(), k_cache, v_cache, block_tables, seq_lens, 0.125)
+    out = cpu_kernels.attention(q, k_cache, v_cache, block_tables, seq_lens, 0.125)
+    expected = cpu_kernels.attention(q.contiguous(), k_cache, v_cache, block_tables, seq_lens, 0.125)
     torch.testing.assert_close(out, expected, atol=0, rtol=0)

@@ -59,7 +59,7 @@ def test_matches_float64_reference(head_dim: int, heads: tuple[int, int], block_
     """Every row's output equals softmax attention over its paged context, shared blocks included."""
     q, k_cache, v_cache, block_tables, seq_lens, tables = _paged_case(12, *heads, head_dim, block_size, seed=head_dim)
     scale = head_dim**-0.5
-    out = cpu_kernels.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    out = cpu_kernels.attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
     expected = _reference(q, k_cache, v_cache, tables, seq_lens, scale)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
 
@@ -67,7 +67,7 @@ def test_matches_float64_reference(head_dim: int, heads: tuple[int, int], block_
 def test_peaked_scores_stay_exact() -> None:
     """Scores spread over hundreds of units (most weights far below float32's epsilon) still match."""
     q, k_cache, v_cache, block_tables, seq_lens, tables = _paged_case(8, 4, 2, 64, 16, seed=3, q_scale=20.0)
-    out = cpu_kernels.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.125)
+    out = cpu_kernels.attention(q, k_cache, v_cache, block_tables, seq_lens, 0.125)
     expected = _reference(q, k_cache, v_cache, tables, seq_lens, 0.125)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
 
@@ -76,15 +76,15 @@ def test_rejects_what_it_cannot_serve() -> None:
     """Unsupported dtypes and shapes are named errors, not wrong answers."""
     q, k_cache, v_cache, block_tables, seq_lens, _ = _paged_case(2, 4, 2, 64, 16, seed=0)
     with pytest.raises(ValueError, match="torch.bfloat16"):
-        cpu_kernels.decode_attention(q.bfloat16(), k_cache, v_cache, block_tables, seq_lens, 1.0)
+        cpu_kernels.attention(q.bfloat16(), k_cache, v_cache, block_tables, seq_lens, 1.0)
     with pytest.raises(ValueError, match="v_cache must be a contiguous float32"):
-        cpu_kernels.decode_attention(q, k_cache, v_cache.transpose(1, 2), block_tables, seq_lens, 1.0)
+        cpu_kernels.attention(q, k_cache, v_cache.transpose(1, 2), block_tables, seq_lens, 1.0)
     bad_tables = block_tables.clone()
     bad_tables[1, 0] = k_cache.shape[0]
     with pytest.raises(IndexError, match=r"block id outside \[0, "):
-        cpu_kernels.decode_attention(q, k_cache, v_cache, bad_tables, seq_lens, 1.0)
+        cpu_kernels.attention(q, k_cache, v_cache, bad_tables, seq_lens, 1.0)
     with pytest.raises(IndexError, match="past its table's"):  # a context longer than its table
-        cpu_kernels.decode_attention(q, k_cache, v_cache, block_tables, seq_lens + block_tables.shape[1] * 16, 1.0)
+        cpu_kernels.attention(q, k_cache, v_cache, block_tables, seq_lens + block_tables.shape[1] * 16, 1.0)
 
 
 @pytest.fixture
@@ -130,7 +130,7 @@ def test_without_a_compiler_the_kernel_is_off(compiler: str, fresh_build, monkey
         assert "cc: internal error" in caplog.text
     with pytest.raises(RuntimeError, match="not available"):
         q, k_cache, v_cache, block_tables, seq_lens, _ = _paged_case(2, 4, 2, 64, 16, seed=0)
-        cpu_kernels.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 1.0)
+        cpu_kernels.attention(q, k_cache, v_cache, block_tables, seq_lens, 1.0)
 
     cpu_kernels.library.cache_clear()
     monkeypatch.setenv("CC", "cc")
@@ -173,7 +173,7 @@ def test_tiles_over_shared_blocks_match_float64_reference(heads: tuple[int, int]
     if cpu_kernels.MAX_LANES // (num_heads // num_kv_heads) > 1:  # else every tile is one row
         assert max(sizes) > 1 and tiles.shared.max() >= block_size
     assert sorted(tiles.rows.tolist()) == list(range(40)) and max(sizes) * (num_heads // num_kv_heads) <= 24
-    out = cpu_kernels.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.125, tiles)
+    out = cpu_kernels.attention(q, k_cache, v_cache, block_tables, seq_lens, 0.125, tiles)
     expected = _reference(q, k_cache, v_cache, tables, seq_lens, 0.125)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
 
@@ -182,6 +182,6 @@ def test_tiles_that_claim_too_much_are_rejected() -> None:
     """A tile whose rows do not all have its shared keys is a ValueError, not a wrong answer."""
     q, k_cache, v_cache, block_tables, seq_lens, _ = _paged_case(4, 9, 3, 64, 16, seed=9, min_len=48)
     # rows 0 and 3 in one tile: only rows 0 and 1 begin with the shared blocks
-    tiles = cpu_kernels.DecodeTiles(torch.tensor([0, 3, 1, 2]), torch.tensor([0, 2, 3, 4]), torch.tensor([32, 0, 0]))
+    tiles = cpu_kernels.AttentionTiles(torch.tensor([0, 3, 1, 2]), torch.tensor([0, 2, 3, 4]), torch.tensor([32, 0, 0]))
     with pytest.raises(ValueError, match="invalid tiles"):
-        cpu_kernels.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, 0.125, tiles)
+        cpu_kernels.attention(q, k_cache, v_cache, block_tables, seq_lens, 0.125, tiles)

@@ -1,10 +1,12 @@
-/* Paged decode attention for the CPU, float32.
+/* Paged attention for the CPU, float32.
  *
- * One query token per row attends over its whole context, read in place from the paged
- * cache (no gather into a contiguous copy). Rows come in tiles: a tile is one row, or up
- * to 24 / G rows whose tables begin with the same blocks (a shared system prompt). Work
- * items are (tile, KV head) pairs, split across OpenMP threads in order, so tiles that
- * share prefix blocks read them while they are still in cache.
+ * Each row is one query token attending over its context, read in place from the paged
+ * cache (no gather into a contiguous copy): a decode token, or a token of a prefill chunk
+ * with its causal context (its position + 1 keys). Rows come in tiles: a tile is one row,
+ * or up to 24 / G rows whose tables begin with the same blocks (a shared system prompt,
+ * the tokens of one chunk). Work items are (tile, KV head) pairs, split across OpenMP
+ * threads in order, so tiles that share prefix blocks read them while they are still in
+ * cache.
  *
  * A multi-row tile first attends over its shared keys with the tile's R * G queries as
  * the lanes of its vectors (shared_phase): each key and value element is loaded once for
@@ -16,6 +18,8 @@
  * Built at run time with -O3 -march=native -fopenmp; vectors as in vec.h, so head_dim
  * must be a multiple of 8.
  */
+
+#include <stdlib.h>
 
 #include "vec.h"
 
@@ -263,36 +267,54 @@ static void attend_tile_d128(TILE_ARGS) { TILE_CALL(128); }
 static void attend_tile_any(TILE_ARGS, int D) { TILE_CALL(D); }
 
 /* q [B, Hq, D] at strides (q_row, q_head, q_col), caches [num_blocks, block_size, Hkv, D],
- * block_tables [B, table_stride], seq_lens [B]: context length of each row, its new
- * token included. Tile t holds rows tile_rows[tile_starts[t] .. tile_starts[t + 1]),
+ * block_tables [B, table_stride], seq_lens [B]: the number of keys each row attends over
+ * (for a decode row its context, the new token included). Tile t holds rows
+ * tile_rows[tile_starts[t] .. tile_starts[t + 1]) (each row of [0, B) in exactly one tile),
  * whose tables agree over their first tile_shared[t] keys (every row sees them); at most
  * MAX_LANES / G rows a tile. out: contiguous [B, Hq, D].
- * Returns 0; -1 when a dimension exceeds the kernel's fixed limits, or a tile holds too
- * many rows or claims shared keys its rows do not all have; -2 when a row needs a block
- * outside [0, num_blocks) or more blocks than its table holds. Nothing is computed then. */
-int paged_decode_attention_f32(const float *q, int64_t q_row, int64_t q_head, int64_t q_col, const float *k_cache,
-                               const float *v_cache, const int32_t *block_tables, int64_t table_stride,
-                               const int64_t *seq_lens, const int64_t *tile_rows, const int64_t *tile_starts,
-                               const int64_t *tile_shared, int64_t num_tiles, float *out, int64_t num_heads,
-                               int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
-                               float scale) {
+ * Returns 0; -1 when a dimension exceeds the kernel's fixed limits, the tiles do not hold
+ * each row once, or a tile holds too many rows or claims shared keys its rows do not all
+ * have; -2 when a row needs a block outside [0, num_blocks) or more blocks than its table
+ * holds; -3 when out of memory. Nothing is computed then. */
+int paged_attention_f32(const float *q, int64_t q_row, int64_t q_head, int64_t q_col, const float *k_cache,
+                        const float *v_cache, const int32_t *block_tables, int64_t table_stride,
+                        const int64_t *seq_lens, int64_t num_rows, const int64_t *tile_rows,
+                        const int64_t *tile_starts, const int64_t *tile_shared, int64_t num_tiles, float *out,
+                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                        int64_t num_blocks, float scale) {
     const int G = (int)(num_heads / num_kv_heads);
     const int D = (int)head_dim;
     if (G > MAX_GROUP || D > MAX_HEAD_DIM || D % VL != 0 || block_size > MAX_BLOCK_SIZE) return -1;
-    for (int64_t t = 0; t < num_tiles; ++t) {
-        const int64_t R = tile_starts[t + 1] - tile_starts[t], first = tile_rows[tile_starts[t]];
-        if (R > 1 && R * G > MAX_LANES) return -1;
-        for (int64_t r = tile_starts[t]; r < tile_starts[t + 1]; ++r) {
-            const int64_t i = tile_rows[r], used = (seq_lens[i] + block_size - 1) / block_size;
-            if (used > table_stride) return -2;
-            for (int64_t b = 0; b < used; ++b)
+    if (num_tiles < 1 || tile_starts[0] != 0 || tile_starts[num_tiles] != num_rows) return -1;
+    unsigned char *seen = calloc((size_t)num_rows, 1);
+    if (seen == NULL) return -3;
+    int status = 0;
+    for (int64_t t = 0; t < num_tiles && status == 0; ++t) {
+        const int64_t R = tile_starts[t + 1] - tile_starts[t];
+        if (R < 1 || tile_starts[t + 1] > num_rows || (R > 1 && R * G > MAX_LANES)) {
+            status = -1;
+            break;
+        }
+        const int64_t first = tile_rows[tile_starts[t]]; /* checked as the loop's first row */
+        for (int64_t r = tile_starts[t]; r < tile_starts[t + 1] && status == 0; ++r) {
+            const int64_t i = tile_rows[r];
+            if (i < 0 || i >= num_rows || seen[i]) {
+                status = -1;
+                break;
+            }
+            seen[i] = 1;
+            const int64_t used = (seq_lens[i] + block_size - 1) / block_size;
+            if (used > table_stride) status = -2;
+            for (int64_t b = 0; b < used && status == 0; ++b)
                 if (block_tables[i * table_stride + b] < 0 || block_tables[i * table_stride + b] >= num_blocks)
-                    return -2;
-            if (R > 1 && tile_shared[t] > seq_lens[i]) return -1;
-            for (int64_t b = 0; R > 1 && b < (tile_shared[t] + block_size - 1) / block_size; ++b)
-                if (block_tables[i * table_stride + b] != block_tables[first * table_stride + b]) return -1;
+                    status = -2;
+            if (status == 0 && R > 1 && tile_shared[t] > seq_lens[i]) status = -1;
+            for (int64_t b = 0; status == 0 && R > 1 && b < (tile_shared[t] + block_size - 1) / block_size; ++b)
+                if (block_tables[i * table_stride + b] != block_tables[first * table_stride + b]) status = -1;
         }
     }
+    free(seen);
+    if (status != 0) return status;
     const int64_t items = num_tiles * num_kv_heads;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {

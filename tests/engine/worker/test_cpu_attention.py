@@ -1,0 +1,99 @@
+"""The CPU attention backend's rows: every query token (decode or prefill) as a kernel row, tiled by shared keys."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from engine import cpu_kernels
+from engine.core.scheduler_output import ScheduledRequest
+from engine.layers.cpu_attention import CpuAttentionBackend, plan_tiles, token_rows
+from engine.worker.input_batch import prepare_inputs
+
+pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler for the CPU kernel")
+
+BLOCK_SIZE, HEAD_DIM = 16, 64
+
+
+def _step(requests: list[tuple[list[int], int, int]], num_blocks: int, heads: tuple[int, int], seed: int):
+    """(table, cached tokens, new tokens) per request: random cache, q/k/v of the new tokens, the step's metadata."""
+    gen = torch.Generator().manual_seed(seed)
+    num_heads, num_kv_heads = heads
+    kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM, generator=gen)
+    scheduled = [
+        ScheduledRequest(str(i), [0] * new, cached, table, True) for i, (table, cached, new) in enumerate(requests)
+    ]
+    meta = prepare_inputs(scheduled, BLOCK_SIZE, torch.device("cpu")).attn_metadata
+    num_tokens = meta.slot_mapping.shape[0]
+    q = torch.randn(num_tokens, num_heads, HEAD_DIM, generator=gen)
+    k = torch.randn(num_tokens, num_kv_heads, HEAD_DIM, generator=gen)
+    v = torch.randn(num_tokens, num_kv_heads, HEAD_DIM, generator=gen)
+    return q, k, v, kv_cache, meta
+
+
+def _reference(q, kv_cache, meta, scale) -> torch.Tensor:
+    """Causal attention of each token over its sequence's context, read from the (already written) cache."""
+    flat = kv_cache.view(2, -1, *kv_cache.shape[-2:]).double()
+    group = q.shape[1] // kv_cache.shape[-2]
+    starts, seq_lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
+    outs = []
+    for i, ctx in enumerate(seq_lens):
+        pos = torch.arange(ctx)
+        slots = meta.block_tables[i, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE
+        k, v = (flat[j, slots].repeat_interleave(group, 1) for j in (0, 1))  # [ctx, Hq, D]
+        for t in range(starts[i], starts[i + 1]):
+            n = ctx - (starts[i + 1] - t) + 1  # keys the token at this row sees
+            scores = torch.einsum("hd,nhd->hn", q[t].double() * scale, k[:n])
+            outs.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), v[:n]))
+    return torch.stack(outs)
+
+
+def test_token_rows_give_each_prefill_token_its_causal_context() -> None:
+    _, _, _, _, meta = _step([([3, 4], 20, 5), ([7], 4, 1), ([1, 2], 0, 18)], 16, (4, 2), seed=0)
+    lens, tables = token_rows(meta)
+    assert lens.tolist() == [21, 22, 23, 24, 25, 5, *range(1, 19)]
+    assert tables[:5].tolist() == [[3, 4]] * 5 and tables[5, 0] == 7 and tables[6:].tolist() == [[1, 2]] * 18
+
+
+def test_prefill_tokens_tile_over_their_chunk() -> None:
+    """A chunk's tokens tile in order, each tile sharing every key up to its first token (not a block boundary)."""
+    _, _, _, _, meta = _step([([5, 6, 7, 8], 20, 30)], 16, (9, 3), seed=1)
+    tiles = plan_tiles(*token_rows(meta), BLOCK_SIZE, group=3)  # 24 lanes / 3 heads: 8 rows a tile
+    assert tiles.rows.tolist() == list(range(30))
+    assert tiles.starts.tolist() == [0, 8, 16, 24, 30]
+    assert tiles.shared.tolist() == [21, 29, 37, 45]
+
+
+def test_sequences_behind_one_prefix_share_its_blocks_only() -> None:
+    """Decode rows and prefill tokens of sequences that share two leading blocks tile together over
+    those 32 keys; a sequence with other blocks never joins their tiles."""
+    requests = [([1, 2, 10], 40, 1), ([9, 11], 20, 1), ([1, 2, 12, 13], 36, 4), ([1, 2, 14], 33, 1)]
+    _, _, _, _, meta = _step(requests, 16, (4, 2), seed=2)
+    tiles = plan_tiles(*token_rows(meta), BLOCK_SIZE, group=2)
+    starts = tiles.starts.tolist()
+    tile_of = {row: t for t in range(len(starts) - 1) for row in tiles.rows[starts[t] : starts[t + 1]].tolist()}
+    together = {tile_of[row] for row in (0, 2, 3, 4, 5, 6)}  # rows of the three sequences behind blocks 1, 2
+    assert len(together) == 1 and tiles.shared[together.pop()] == 32
+    assert tiles.shared[tile_of[1]] == 0 and (np.diff(tiles.starts.numpy()) <= 12).all()
+
+
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (16, 1)])
+def test_backend_matches_reference_over_prefill_and_decode(heads: tuple[int, int]) -> None:
+    """A step mixing a fresh prompt, chunks over a cached shared prefix and decode rows equals causal
+    attention over each sequence's context; every new K/V lands at its slot."""
+    rng = random.Random(sum(heads))
+    free = list(range(6, 64))
+    rng.shuffle(free)
+    prefix = [0, 1, 2]  # 48 keys cached once, as a system prompt is
+    requests = [([3, 4, 5], 0, 37)]  # a fresh prompt: its first chunk
+    for cached, new in [(48, 9), (52, 30), (70, 1), (48, 1), (49, 17)]:
+        own = [free.pop() for _ in range(-(-(cached + new) // BLOCK_SIZE) - len(prefix))]
+        requests.append((prefix + own, cached, new))
+    q, k, v, kv_cache, meta = _step(requests, 64, heads, seed=3)
+    out = CpuAttentionBackend(heads[0] // heads[1]).forward(q, k, v, kv_cache, meta, 0.125)
+    flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
+    assert torch.equal(flat[0, meta.slot_mapping], k) and torch.equal(flat[1, meta.slot_mapping], v)
+    torch.testing.assert_close(out.double(), _reference(q, kv_cache, meta, 0.125), atol=1e-5, rtol=0)

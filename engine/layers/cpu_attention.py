@@ -10,6 +10,8 @@ import torch
 from engine import cpu_kernels
 from engine.layers.attention import AttentionBackend, AttentionMetadata
 
+_SORT_BLOCKS = 64  # leading blocks of the tables that order the rows for tiling
+
 
 class _RowPlan(NamedTuple):
     """One step's query tokens as the kernel's rows; built once per step, shared by every layer."""
@@ -42,7 +44,9 @@ def plan_tiles(seq_lens: np.ndarray, tables: np.ndarray, block_size: int, group:
     """
     max_rows = max(1, cpu_kernels.MAX_LANES // group)
     num_rows = len(seq_lens)
-    order = np.lexsort((seq_lens, *tables.T[::-1]))  # last key first: block 0, block 1, ..., then length
+    # last key first: block 0, block 1, ..., then length. NOTE: by the first _SORT_BLOCKS blocks only (the sort
+    # costs a pass per key); rows that agree on those and differ later may interleave, sharing what they agree on.
+    order = np.lexsort((seq_lens, *tables[:, :_SORT_BLOCKS].T[::-1]))
     tables, seq_lens = tables[order], seq_lens[order]
     index = np.arange(num_rows)
     new_group = np.r_[True, tables[1:, 0] != tables[:-1, 0]]  # tiles never span two first blocks

@@ -20,7 +20,6 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
 from engine.config import EngineConfig
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -107,15 +106,19 @@ def _shares(runner: ModelRunner, step: SchedulerOutput) -> tuple[float, float]:
 
 
 def _matmul_floor(runner: ModelRunner, batch: int, repeats: int) -> float:
-    """Seconds of a decode step's weight matmuls alone (every projection and the LM head at ``batch`` rows)."""
-    weights = [m.weight for m in runner.model.modules() if isinstance(m, Linear)]
-    inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype, device=w.device) for w in weights}
+    """Seconds of a decode step's weight matmuls alone: every projection and the LM head at ``batch`` rows,
+    through the engine's ``Linear`` (so in the orientation the engine takes at that batch size)."""
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    inputs = {
+        m.weight.shape[1]: torch.randn(batch, m.weight.shape[1], dtype=m.weight.dtype, device=m.weight.device)
+        for m in linears
+    }
     times = []
     with torch.inference_mode():
         for _ in range(repeats + 1):
             start = time.perf_counter()
-            for w in weights:
-                F.linear(inputs[w.shape[1]], w)
+            for m in linears:
+                m(inputs[m.weight.shape[1]])
             times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
 

@@ -1,4 +1,4 @@
-"""The C decode-attention kernel: float64 reference on paged layouts, the build cache, the fallback."""
+"""The C attention kernel: float64 reference on paged layouts, the build cache, the fallback."""
 
 from __future__ import annotations
 

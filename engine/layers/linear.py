@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import cpu_kernels
+
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
@@ -24,7 +26,9 @@ class Linear(nn.Module):
     """``y = x W^T + b``; ``weight`` is [out, in], as in checkpoints.
 
     On CPU, in float32, a batch of at most ``TRANSPOSED_MATMUL_MAX_ROWS`` rows is computed as
-    ``(W x^T)^T`` and returned as that transposed (non-contiguous) view.
+    ``(W x^T)^T`` and returned as that transposed (non-contiguous) view; up to
+    ``cpu_kernels.SKINNY_MAX_ROWS`` rows, by a C kernel that streams the weight
+    (``cpu_kernels.skinny_linear``), in the same layout.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -39,6 +43,8 @@ class Linear(nn.Module):
             and x.dim() == 2
             and x.shape[0] <= TRANSPOSED_MATMUL_MAX_ROWS
         ):
+            if x.shape[0] <= cpu_kernels.SKINNY_MAX_ROWS and cpu_kernels.library() is not None:
+                return cpu_kernels.skinny_linear(x, self.weight, self.bias)
             if self.bias is None:
                 return torch.mm(self.weight, x.t()).t()
             return torch.addmm(self.bias.unsqueeze(1), self.weight, x.t()).t()

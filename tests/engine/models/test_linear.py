@@ -1,4 +1,4 @@
-"""Linear layers: the transposed CPU matmul for small batches, fused shards."""
+"""Linear layers: the C kernel for a few rows and the transposed CPU matmul for small batches, fused shards."""
 
 from __future__ import annotations
 
@@ -6,13 +6,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.cpu_kernels import SKINNY_MAX_ROWS
 from engine.layers.linear import TRANSPOSED_MATMUL_MAX_ROWS, Linear, MergedLinear
 
+ROWS = [1, 2, 7, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, TRANSPOSED_MATMUL_MAX_ROWS, TRANSPOSED_MATMUL_MAX_ROWS + 1, 300]
 
-@pytest.mark.parametrize("rows", [1, 2, 7, TRANSPOSED_MATMUL_MAX_ROWS, TRANSPOSED_MATMUL_MAX_ROWS + 1, 300])
+
+@pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_f_linear_at_every_batch_size(rows: int, bias: bool) -> None:
-    """Both sides of the row threshold give x W^T + b, also for a strided (transposed-view) input."""
+    """Every side of the row thresholds (C kernel, transposed matmul, x W^T) gives x W^T + b, also for a
+    strided (transposed-view) input."""
     gen = torch.Generator().manual_seed(rows)
     layer = Linear(48, 80, bias=bias)
     torch.nn.init.normal_(layer.weight, generator=gen)

@@ -345,13 +345,13 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             f"x [{rows}, {in_features}] does not fit weight {list(weight.shape)}"
             + ("" if bias is None else f" and bias {list(bias.shape)}")
         )
-    if x.stride(1) != 1:  # rows along their contiguous axis (a one-row column-major view already is)
+    if x.stride(1) != 1 or (rows > 1 and x.stride(0) < in_features):  # rows as separate contiguous runs
         x = x.contiguous()
     weight = weight.contiguous()
     bias = bias.contiguous() if bias is not None else None
     y = torch.empty(out_features, rows)
     lib.skinny_linear_f32(
-        x.data_ptr(), max(x.stride(0), in_features), rows, weight.data_ptr(), out_features, in_features,
+        x.data_ptr(), x.stride(0) if rows > 1 else in_features, rows, weight.data_ptr(), out_features, in_features,
         bias.data_ptr() if bias is not None else None, y.data_ptr(),
     )
     return y.t()

@@ -30,6 +30,12 @@ def test_matches_torch(rows: int, col_major: bool, with_bias: bool, shape: tuple
     assert out.shape == (rows, out_features) and out.stride() == (1, rows)
 
 
+def test_broadcast_rows_are_read_as_rows() -> None:
+    """An expanded input (every row the same storage) gives the rows' products, not a read past them."""
+    x, weight = torch.randn(1, 24).expand(3, 24), torch.randn(10, 24)
+    torch.testing.assert_close(cpu_kernels.skinny_linear(x, weight), F.linear(x, weight), atol=1e-5, rtol=1e-5)
+
+
 def test_rejects_what_it_cannot_serve() -> None:
     weight = torch.randn(8, 16)
     with pytest.raises(ValueError, match=f"1 to {cpu_kernels.SKINNY_MAX_ROWS} rows"):

@@ -137,12 +137,13 @@ def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    """The results table as GitHub-flavoured Markdown (printed by the command, pasted in docs)."""
+    """The results table as GitHub-flavoured Markdown (printed by the command, pasted in docs); without
+    contender results (a Poisson search) only the ceiling's line."""
     header = (
         "| contender | tok/s | x engine | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) "
         "| prefix hit | prompt tok computed / total | same tokens |"
     )
-    lines = [header, "|" + " --- |" * 8]
+    lines = [header, "|" + " --- |" * 8] if report["results"] else []
     for r in report["results"]:
         computed = r["prompt_tokens_computed"]
         lines.append(
@@ -162,7 +163,7 @@ def format_table(report: dict[str, Any]) -> str:
             f"{ceiling['gflops']:.0f} GFLOP/s = {ceiling['tokens_per_s']:.0f} tok/s"
             + ("" if frac is None else f"; the engine reaches {frac:.0%} of it")
         )
-    return "\n".join(lines + ([""] + notes if notes else []))
+    return "\n".join(lines + ([""] + notes if notes and lines else notes))
 
 
 def format_poisson(poisson: dict[str, Any]) -> str:

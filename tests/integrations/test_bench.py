@@ -121,6 +121,16 @@ def test_poisson_search_reports_rates(tiny_dir: Path, tmp_path: Path) -> None:
     assert poisson["max_rate_within_bound"] == 100
 
 
+def test_poisson_table_alone_without_contender_results() -> None:
+    """A Poisson run has no contender rows: the printed report has no empty contender table, only the ceiling."""
+    from integrations.bench.report import format_table
+
+    ceiling = {"dtype": "float32", "batch": 64, "gflops": 120.0, "tokens_per_s": 450.0}
+    assert format_table({"results": [], "ceiling": ceiling}) == (
+        "- machine ceiling (float32, matmuls at batch 64): 120 GFLOP/s = 450 tok/s"
+    )
+
+
 def test_linear_shapes_count_every_matmul_weight(tiny_model_factory) -> None:
     """The ceiling's FLOPs per token come from exactly the model's nn.Linear weights."""
     import transformers

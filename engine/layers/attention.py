@@ -261,25 +261,30 @@ def _make_plan(
     return _TorchPlan(decode, prefills)
 
 
+def common_prefix(seq_lens: np.ndarray, tables: np.ndarray, starts: np.ndarray, block_size: int) -> np.ndarray:
+    """Keys every row of each group ``starts[g]:starts[g + 1]`` (consecutive rows; the last group runs to
+    the end) has at the same place: the whole leading blocks all the group's tables agree on, capped at
+    its shortest context."""
+    sizes = np.diff(np.r_[starts, len(seq_lens)])
+    same = tables == np.repeat(tables[starts], sizes, axis=0)
+    run = np.logical_and.accumulate(np.logical_and.reduceat(same, starts, axis=0), axis=1).sum(1)
+    # NOTE: capped at the shortest context: past it, equal ids may be table padding.
+    return np.minimum(run * block_size, np.minimum.reduceat(seq_lens, starts))
+
+
 def _prefix_groups(
     seq_lens: np.ndarray, tables: np.ndarray, block_size: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Single-token rows grouped by the blocks their tables begin with.
 
     Returns ``(order, firsts, ends, prefix)``: rows ``order[firsts[g]:ends[g]]`` start with the
-    same block, and their contexts agree over their first ``prefix[g]`` keys (whole blocks the
-    group's first row shares with every other row, capped at the group's shortest context).
+    same block, and their contexts agree over their first ``prefix[g]`` keys (``common_prefix``).
     """
     order = np.argsort(tables[:, 0], kind="stable")  # rows with the same first block side by side
     sorted_tables, sorted_lens = tables[order], seq_lens[order]
     firsts = np.flatnonzero(np.r_[True, sorted_tables[1:, 0] != sorted_tables[:-1, 0]])
     ends = np.r_[firsts[1:], len(order)]
-    # leading run of block ids every row of a group has in common with the group's first row
-    same = sorted_tables == np.repeat(sorted_tables[firsts], ends - firsts, axis=0)
-    run = np.logical_and.accumulate(np.logical_and.reduceat(same, firsts, axis=0), axis=1).sum(1)
-    # NOTE: capped at the group's shortest context: past it, equal ids may be table padding.
-    prefix = np.minimum(run * block_size, np.minimum.reduceat(sorted_lens, firsts))
-    return order, firsts, ends, prefix
+    return order, firsts, ends, common_prefix(sorted_lens, sorted_tables, firsts, block_size)
 
 
 def _plan_decode(

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from engine import cpu_kernels
-from engine.layers.attention import AttentionBackend, AttentionMetadata
+from engine.layers.attention import AttentionBackend, AttentionMetadata, common_prefix
 
 _SORT_BLOCKS = 64  # leading blocks of the tables that order the rows for tiling
 
@@ -52,12 +52,8 @@ def plan_tiles(seq_lens: np.ndarray, tables: np.ndarray, block_size: int, group:
     new_group = np.r_[True, tables[1:, 0] != tables[:-1, 0]]  # tiles never span two first blocks
     group_start = np.maximum.accumulate(np.where(new_group, index, 0))
     starts = np.flatnonzero((index - group_start) % max_rows == 0)
-    sizes = np.diff(np.r_[starts, num_rows])
-    same = tables == np.repeat(tables[starts], sizes, axis=0)
-    run = np.logical_and.accumulate(np.logical_and.reduceat(same, starts, axis=0), axis=1).sum(1)
-    # NOTE: capped at the shortest context: past it, equal ids may be table padding.
-    shared = np.minimum(run * block_size, np.minimum.reduceat(seq_lens, starts))
-    shared[sizes == 1] = 0
+    shared = common_prefix(seq_lens, tables, starts, block_size)
+    shared[np.diff(np.r_[starts, num_rows]) == 1] = 0  # a row alone has nothing to share
     return cpu_kernels.AttentionTiles(
         torch.from_numpy(order.astype(np.int64)),
         torch.from_numpy(np.r_[starts, num_rows].astype(np.int64)),

@@ -1,4 +1,4 @@
-/* Vector helpers shared by the CPU kernels, float32.
+/* Vector helpers shared by the CPU kernels: float32 vectors, and bfloat16 loads that widen to them.
  *
  * Vectors are GCC's generic vector type of 8 floats (one AVX register; two SSE or NEON
  * registers elsewhere), so the same source builds on any target.
@@ -10,6 +10,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 #define VL 8 /* floats per vector; GCC lowers the vector type to what the target has */
 #define PARALLEL_MIN (1 << 13) /* elements below which one thread is faster than waking the others */
@@ -17,9 +20,24 @@
 typedef float vf __attribute__((vector_size(VL * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(VL * sizeof(int32_t))));
 typedef float vf_unaligned __attribute__((vector_size(VL * sizeof(float)), aligned(4)));
+typedef uint16_t vh_unaligned __attribute__((vector_size(VL * sizeof(uint16_t)), aligned(2)));
 
 static inline vf load(const float *p) { return *(const vf_unaligned *)p; }
 static inline void store(float *p, vf x) { *(vf_unaligned *)p = x; }
+/* bfloat16 is the upper half of a float32: widening is a 16-bit shift, exact. */
+static inline vf load_bf16(const uint16_t *p) {
+#ifdef __AVX2__ /* GCC lowers the generic widening to two half-width conversions */
+    return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+#else
+    return (vf)(__builtin_convertvector(*(const vh_unaligned *)p, vi) << 16);
+#endif
+}
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
 static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x}; }
 
 static inline float hsum(vf x) {

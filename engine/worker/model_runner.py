@@ -12,6 +12,7 @@ from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, DEFAULT_GPU_MEMORY_UTILIZ
 from engine.core.scheduler_output import SchedulerOutput
 from engine.errors import ModelLoadError
 from engine.layers.attention import Attention, get_attention_backend
+from engine.layers.linear import Linear
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.registry import get_model_class
 from engine.worker.forward_context import ForwardContext, set_forward_context
@@ -20,8 +21,6 @@ from engine.worker.input_batch import prepare_inputs
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# NOTE: measured in docs/performance.md: on an AVX2-only CPU bfloat16 matmuls are emulated
-# and slower than float32, so "auto" means float32 there.
 _AUTO_DTYPE = {"cpu": torch.float32, "cuda": torch.bfloat16}
 
 
@@ -33,8 +32,22 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    return _AUTO_DTYPE[device.type] if name == "auto" else _DTYPES[name]
+def resolve_dtypes(name: str, device: torch.device) -> tuple[torch.dtype, torch.dtype]:
+    """The (compute, weight) dtypes of a ``dtype`` setting on ``device``; "auto" is float32 on CPU.
+
+    A CPU without bfloat16 arithmetic (no AVX512-BF16 or AMX) emulates bfloat16 matmuls, 2.5-5x
+    slower than float32 (docs/performance.md). There "bfloat16" keeps the linear and embedding
+    weights in bfloat16 and computes in float32 (activations, KV cache): the weights' memory and
+    reads are halved, and every product is the exact float32 one of the bfloat16 weights.
+    """
+    dtype = _AUTO_DTYPE[device.type] if name == "auto" else _DTYPES[name]
+    if device.type == "cpu" and dtype == torch.bfloat16 and not _cpu_has_bf16_arithmetic():
+        return torch.float32, torch.bfloat16
+    return dtype, dtype
+
+
+def _cpu_has_bf16_arithmetic() -> bool:
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 class ModelRunner:
@@ -56,7 +69,7 @@ class ModelRunner:
         self.config = config
         self.hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dtype, self.weight_dtype = resolve_dtypes(config.dtype, self.device)  # compute (and KV cache), weights
         self.block_size = config.block_size
         self.vocab_size: int = self.hf_config.vocab_size
         self.max_model_len = self._max_model_len()
@@ -69,8 +82,8 @@ class ModelRunner:
         for attn, kv_cache in zip(self._attention_layers(), self.kv_cache):
             attn.kv_cache, attn.backend = kv_cache, self.attn_backend
         logger.info(
-            "model %s on %s (%s): %d KV blocks of %d tokens",
-            self.hf_config.model_type, self.device, self.dtype, self.num_blocks, self.block_size,
+            "model %s on %s (%s, weights in %s): %d KV blocks of %d tokens",
+            self.hf_config.model_type, self.device, self.dtype, self.weight_dtype, self.num_blocks, self.block_size,
         )
 
     @torch.inference_mode()
@@ -105,6 +118,9 @@ class ModelRunner:
         with torch.device("meta"):
             model = model_class(self.hf_config)
         model = model.to(dtype=self.dtype).to_empty(device=self.device)
+        for module in model.modules():  # checkpoint tensors round into these as they are copied in
+            if isinstance(module, (Linear, torch.nn.Embedding)):
+                module.weight.data = torch.empty_like(module.weight, dtype=self.weight_dtype)
         files = sorted(model_dir.glob("*.safetensors"))
         if not files:
             raise ModelLoadError(f"{str(model_dir)!r} has no *.safetensors weights")

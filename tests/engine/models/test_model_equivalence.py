@@ -10,7 +10,7 @@ from tiny_models import TINY_ARCHS
 from runner_driver import PagedDriver
 
 from engine.config import EngineConfig
-from engine.worker.model_runner import ModelRunner
+from engine.worker.model_runner import ModelRunner, resolve_dtypes
 
 ATOL = 1e-4
 
@@ -105,3 +105,45 @@ def test_bfloat16_runner_tracks_float32_reference(tiny_model_factory) -> None:
         expected = _hf_logits(hf, driver.tokens[req_id])[-1]
         assert got[req_id].dtype == torch.float32
         torch.testing.assert_close(got[req_id], expected, atol=1e-2, rtol=0)
+
+
+@pytest.mark.skipif(
+    resolve_dtypes("bfloat16", torch.device("cpu")) != (torch.float32, torch.bfloat16),
+    reason="this CPU has bfloat16 arithmetic, so bfloat16 computes in bfloat16",
+)
+@pytest.mark.parametrize("arch", ["smollm2", "qwen2"])  # tied embeddings; biases
+def test_bfloat16_weights_compute_float32_logits(tiny_model_factory, arch: str) -> None:
+    """Without bfloat16 arithmetic, bfloat16 weights are widened exactly: the logits are HF's float32 ones
+    of the same checkpoint with its matrices rounded to bfloat16, for prefill, a chunk over a prefix and decode."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model_factory(arch)
+    runner = ModelRunner(EngineConfig(dtype="bfloat16", device="cpu", block_size=4, num_blocks=48), path)
+    assert runner.dtype == runner.kv_cache.dtype == torch.float32
+    matrices = [p for p in runner.model.parameters() if p.dim() == 2]
+    assert matrices and all(p.dtype == torch.bfloat16 for p in matrices)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for param in hf.parameters():
+            if param.dim() == 2:
+                param.copy_(param.bfloat16())
+    rng = random.Random(11)
+    driver = PagedDriver(runner, seed=12)
+    expected: list[tuple[str, int, torch.Tensor]] = []
+
+    def record(out: dict[str, torch.Tensor]) -> None:
+        for req_id, logits in out.items():
+            expected.append((req_id, len(driver.tokens[req_id]) - 1, logits))
+
+    driver.add("a", _prompt(rng, 21))
+    driver.add("b", _prompt(rng, 3))
+    record(driver.step({"a": None, "b": None}))
+    driver.fork("c", "a", 4, _prompt(rng, 7))  # its tail is computed over a's cached blocks
+    for step in range(4):
+        for req_id in "ab":
+            driver.append(req_id, rng.randrange(3, 49152))
+        record(driver.step({"a": 1, "b": 1} | ({"c": None} if step == 0 else {})))
+    assert len(expected) == 2 + 4 * 2 + 1
+    reference = {req_id: _hf_logits(hf, tokens) for req_id, tokens in driver.tokens.items()}
+    for req_id, position, logits in expected:
+        torch.testing.assert_close(logits, reference[req_id][position], atol=ATOL, rtol=0)

@@ -8,7 +8,7 @@ import torch
 from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from engine.core.scheduler_output import SchedulerOutput
 from engine.errors import ModelLoadError
-from engine.worker.model_runner import ModelRunner
+from engine.worker.model_runner import ModelRunner, resolve_dtypes
 
 # tiny models: 2 layers x (K, V) x 2 KV heads x head_dim 16 x 4 bytes = 512 bytes per token in float32
 BYTES_PER_TOKEN_F32 = 2 * 2 * 2 * 16 * 4
@@ -17,7 +17,7 @@ BYTES_PER_TOKEN_F32 = 2 * 2 * 2 * 16 * 4
 def test_auto_settings_and_exposed_attributes(tiny_model_factory) -> None:
     """auto resolves to CPU float32; the default budget is 1 GiB; the runner exposes the model's limits."""
     runner = ModelRunner(EngineConfig(), tiny_model_factory("llama"))
-    assert runner.device == torch.device("cpu") and runner.dtype == torch.float32
+    assert runner.device == torch.device("cpu") and runner.dtype == runner.weight_dtype == torch.float32
     assert runner.block_size == 16
     assert runner.num_blocks == DEFAULT_CPU_KV_CACHE_MEMORY // (16 * BYTES_PER_TOKEN_F32)
     assert runner.kv_cache.shape == (2, 2, runner.num_blocks, 16, 2, 16)
@@ -25,11 +25,12 @@ def test_auto_settings_and_exposed_attributes(tiny_model_factory) -> None:
 
 
 def test_kv_cache_budget_and_dtype(tiny_model_factory) -> None:
-    """kv_cache_memory sizes the cache by whole blocks of the chosen dtype; num_blocks is taken as given."""
+    """kv_cache_memory sizes the cache by whole blocks of the compute dtype; num_blocks is taken as given."""
     path = tiny_model_factory("qwen3")
+    compute, weights = resolve_dtypes("bfloat16", torch.device("cpu"))
     runner = ModelRunner(EngineConfig(dtype="bfloat16", block_size=8, kv_cache_memory=100_000), path)
-    assert runner.dtype == torch.bfloat16 and runner.kv_cache.dtype == torch.bfloat16
-    assert runner.num_blocks == 100_000 // (8 * BYTES_PER_TOKEN_F32 // 2)
+    assert (runner.dtype, runner.weight_dtype) == (compute, weights) and runner.kv_cache.dtype == compute
+    assert runner.num_blocks == 100_000 // (8 * BYTES_PER_TOKEN_F32 * compute.itemsize // 4)
     assert ModelRunner(EngineConfig(num_blocks=7, max_model_len=100), path).num_blocks == 7
 
 

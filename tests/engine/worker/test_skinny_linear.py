@@ -12,17 +12,21 @@ from engine import cpu_kernels
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler for the CPU kernels")
 
 
-@pytest.mark.parametrize("rows", [1, 3, cpu_kernels.SKINNY_MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, cpu_kernels.SKINNY_MAX_ROWS])  # passes of 3 rows, and what remains
 @pytest.mark.parametrize("col_major", [False, True])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("shape", [(576, 960), (20, 13)])  # (in, out): a model's, and neither a multiple of 8 nor 4
-def test_matches_torch(rows: int, col_major: bool, with_bias: bool, shape: tuple[int, int]) -> None:
-    """Equal to F.linear in float64 terms, for either input layout; the output is the column-major view."""
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_matches_torch(
+    rows: int, col_major: bool, with_bias: bool, shape: tuple[int, int], weight_dtype: torch.dtype
+) -> None:
+    """Equal to F.linear in float64 terms (of the exactly widened weight, in bfloat16), for either input layout;
+    the output is the column-major view."""
     in_features, out_features = shape
     gen = torch.Generator().manual_seed(rows + in_features)
     x = torch.randn(in_features, rows, generator=gen)
     x = x.t() if col_major else x.t().contiguous()
-    weight = torch.randn(out_features, in_features, generator=gen)
+    weight = torch.randn(out_features, in_features, generator=gen).to(weight_dtype)
     bias = torch.randn(out_features, generator=gen) if with_bias else None
     out = cpu_kernels.skinny_linear(x, weight, bias)
     expected = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
@@ -44,3 +48,5 @@ def test_rejects_what_it_cannot_serve() -> None:
         cpu_kernels.skinny_linear(torch.randn(2, 15), weight)
     with pytest.raises(ValueError, match="float32"):
         cpu_kernels.skinny_linear(torch.randn(2, 16, dtype=torch.float64), weight)
+    with pytest.raises(ValueError, match="weight must be a float32 or bfloat16"):
+        cpu_kernels.skinny_linear(torch.randn(2, 16), weight.half())

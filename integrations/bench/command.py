@@ -103,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from engine.loader import resolve_model
+    from engine.worker.model_runner import resolve_device, resolve_dtypes
     from integrations.bench import baselines, engine_runs, profiling
     from integrations.bench.ceiling import measure_ceiling
     from integrations.bench.report import build_report, format_poisson, format_profile, format_sweep, format_table
@@ -163,7 +164,9 @@ def run(args: argparse.Namespace) -> int:
     ceiling = None
     if not args.no_ceiling:
         bar.set_postfix_str("matmul ceiling")
-        ceiling = measure_ceiling(model_dir, dtype)
+        # NOTE: the engine's compute dtype: bfloat16 weights widen to float32 on a CPU without bfloat16 arithmetic.
+        compute_dtype, weight_dtype = resolve_dtypes(args.dtype, resolve_device("auto"))
+        ceiling = measure_ceiling(model_dir, compute_dtype) | {"weight_dtype": str(weight_dtype).removeprefix("torch.")}
     bar.close()
 
     report = build_report(

@@ -158,8 +158,10 @@ def format_table(report: dict[str, Any]) -> str:
     ceiling = report.get("ceiling")
     if ceiling:
         frac = ceiling.get("engine_fraction")
+        weights = ceiling.get("weight_dtype", ceiling["dtype"])
+        dtype = ceiling["dtype"] if weights == ceiling["dtype"] else f"{weights} weights computed in {ceiling['dtype']}"
         notes.append(
-            f"- machine ceiling ({ceiling['dtype']}, matmuls at batch {ceiling['batch']}): "
+            f"- machine ceiling ({dtype}, matmuls at batch {ceiling['batch']}): "
             f"{ceiling['gflops']:.0f} GFLOP/s = {ceiling['tokens_per_s']:.0f} tok/s"
             + ("" if frac is None else f"; the engine reaches {frac:.0%} of it")
         )

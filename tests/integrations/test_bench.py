@@ -71,6 +71,7 @@ def test_compare_run_writes_documented_json(tiny_dir: Path, tmp_path: Path) -> N
     assert by_name["HF generate, one by one"]["matches_engine"] == 1.0
     ceiling = report["ceiling"]
     assert ceiling["tokens_per_s"] > 0 and ceiling["engine_fraction"] > 0
+    assert ceiling["dtype"] == ceiling["weight_dtype"] == "float32"
     plots = sorted(p.name for p in (tmp_path / "plots").iterdir())
     assert plots == ["shared-prefix-float32-latency.png", "shared-prefix-float32-throughput.png"]
 
@@ -128,6 +129,10 @@ def test_poisson_table_alone_without_contender_results() -> None:
     ceiling = {"dtype": "float32", "batch": 64, "gflops": 120.0, "tokens_per_s": 450.0}
     assert format_table({"results": [], "ceiling": ceiling}) == (
         "- machine ceiling (float32, matmuls at batch 64): 120 GFLOP/s = 450 tok/s"
+    )
+    widened = ceiling | {"weight_dtype": "bfloat16"}  # bfloat16 on a CPU without bfloat16 arithmetic
+    assert format_table({"results": [], "ceiling": widened}) == (
+        "- machine ceiling (bfloat16 weights computed in float32, matmuls at batch 64): 120 GFLOP/s = 450 tok/s"
     )
 
 

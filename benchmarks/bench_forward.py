@@ -109,16 +109,13 @@ def _matmul_floor(runner: ModelRunner, batch: int, repeats: int) -> float:
     """Seconds of a decode step's weight matmuls alone: every projection and the LM head at ``batch`` rows,
     through the engine's ``Linear`` (so in the orientation the engine takes at that batch size)."""
     linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
-    inputs = {
-        m.weight.shape[1]: torch.randn(batch, m.weight.shape[1], dtype=m.weight.dtype, device=m.weight.device)
-        for m in linears
-    }
+    inputs = {m.in_features: torch.randn(batch, m.in_features, dtype=runner.dtype, device=runner.device) for m in linears}
     times = []
     with torch.inference_mode():
         for _ in range(repeats + 1):
             start = time.perf_counter()
             for m in linears:
-                m(inputs[m.weight.shape[1]])
+                Linear.forward(m, inputs[m.in_features])  # the matmul, also of a tied embedding
             times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
 

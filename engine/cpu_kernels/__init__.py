@@ -5,8 +5,8 @@
   attention backend;
 - ``rms_norm``, ``rotary``, ``silu_and_mul``: a decoder layer's element-wise parts
   (``elementwise.c``), which the layers call for float32 CPU tensors;
-- ``skinny_linear``: linear layers of up to ``SKINNY_MAX_ROWS`` rows (``linear.c``),
-  which are bound by reading the weight (float32 or bfloat16), for the CPU ``Linear``.
+- ``linear``: linear layers over a weight (float32 or bfloat16) packed once into panels of
+  ``LINEAR_PANEL`` output columns by ``pack_linear_weight`` (``linear.c``), for the CPU ``Linear``.
 
 The sources ship with the package; the first process that needs a kernel compiles them
 into one library with the system C compiler (``$CC``, else ``cc``) for this machine
@@ -44,10 +44,7 @@ _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 # Fixed-size scratch of the kernels (see MAX_* in the sources).
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 16, 256, 256
 MAX_LANES = 24  # queries (rows x query heads of a KV group) of a multi-row tile
-# Rows up to which skinny_linear beats MKL's matmul. SmolLM2's whole decode step, the two interleaved in
-# one process: 1.7x faster at 1 row, 2.3x at 2, 1.9x at 4, 1.7x at 8; with three rows of x a pass,
-# 1.06-1.12x at 16-24 rows (bfloat16 weights, against widening them for MKL: 1.2x); even at 28-32.
-SKINNY_MAX_ROWS = 24
+LINEAR_PANEL = 16  # output columns of a packed weight's panel (PANEL in linear.c)
 
 
 def _cpu_flags() -> str:
@@ -96,9 +93,9 @@ _SIGNATURES = {
     "rms_norm_f32": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _F32, _INT, _PTR, _PTR, _I64],
     # x, ld, rows, intermediate size, column-major, out, ld
     "silu_and_mul_f32": [_PTR, _I64, _I64, _I64, _INT, _PTR, _I64],
-    # x, ld, rows, weight, out features, in features, bias (or NULL), y
-    "skinny_linear_f32": [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR],
-    "skinny_linear_bf16": [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR],
+    # x, ld, rows, packed weight, out features, in features, bias (or NULL), y, ld
+    "linear_f32": [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64],
+    "linear_bf16": [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64],
     # q, ld, k, ld, positions, cos_sin, its rows, rows, heads, KV heads, head_dim, rotary dim, column-major,
     # q_out, ld, k_out, ld
     "rotary_f32": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, *[_I64] * 6, _INT, _PTR, _I64, _PTR, _I64],
@@ -332,32 +329,46 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x W^T + b`` of at most ``SKINNY_MAX_ROWS`` rows ``x [M, K]`` (float32 CPU), streaming the weight
-    ``[N, K]`` (float32 or bfloat16, widened exactly); the result ``[M, N]`` is the column-major view the CPU
-    ``Linear`` returns for small batches."""
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A ``[N, K]`` weight (float32 or bfloat16) in the layout ``linear`` reads: ``[ceil(N / LINEAR_PANEL), K,
+    LINEAR_PANEL]``, ``packed[p, k, j] = weight[p * LINEAR_PANEL + j, k]``, zero past row ``N``."""
+    if weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu" or weight.dim() != 2:
+        raise ValueError(f"weight must be a 2-D float32 or bfloat16 CPU tensor; got {weight.dtype} {list(weight.shape)}")
+    out_features, in_features = weight.shape
+    panels = -(-out_features // LINEAR_PANEL)
+    padded = torch.zeros(panels * LINEAR_PANEL, in_features, dtype=weight.dtype)
+    padded[:out_features] = weight
+    return padded.view(panels, LINEAR_PANEL, in_features).transpose(1, 2).contiguous()
+
+
+def packed_rows(packed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``weight[index]`` ``[len(index), K]`` of a packed weight (an embedding lookup in a tied LM head)."""
+    return packed[index // LINEAR_PANEL, :, index % LINEAR_PANEL]
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x W^T + b`` for ``x [M, K]`` (float32 CPU, any strides) and ``W [out_features, K]`` as
+    ``pack_linear_weight`` packed it; returns ``[M, out_features]``, contiguous."""
     lib = _lib()
     for name, t in (("x", x), ("bias", bias if bias is not None else x)):
         _check_float32_cpu(name, t)
-    if weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu":
-        raise ValueError(f"weight must be a float32 or bfloat16 CPU tensor; got {weight.dtype} on {weight.device}")
     rows, in_features = x.shape
-    out_features = weight.shape[0]
-    if not 1 <= rows <= SKINNY_MAX_ROWS:
-        raise ValueError(f"skinny_linear takes 1 to {SKINNY_MAX_ROWS} rows; got {rows}")
-    if weight.shape[1] != in_features or (bias is not None and bias.shape != (out_features,)):
+    panels = -(-out_features // LINEAR_PANEL)
+    if packed.shape != (panels, in_features, LINEAR_PANEL) or packed.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(
-            f"x [{rows}, {in_features}] does not fit weight {list(weight.shape)}"
-            + ("" if bias is None else f" and bias {list(bias.shape)}")
+            f"x [{rows}, {in_features}] needs a packed float32 or bfloat16 weight of shape "
+            f"[{panels}, {in_features}, {LINEAR_PANEL}] for {out_features} outputs; got {packed.dtype} {list(packed.shape)}"
         )
+    if bias is not None and bias.shape != (out_features,):
+        raise ValueError(f"bias must have shape [{out_features}]; got {list(bias.shape)}")
     if x.stride(1) != 1 or (rows > 1 and x.stride(0) < in_features):  # rows as separate contiguous runs
         x = x.contiguous()
-    weight = weight.contiguous()
+    packed = packed.contiguous()
     bias = bias.contiguous() if bias is not None else None
-    y = torch.empty(out_features, rows)
-    kernel = lib.skinny_linear_bf16 if weight.dtype == torch.bfloat16 else lib.skinny_linear_f32
+    y = torch.empty(rows, out_features)
+    kernel = lib.linear_bf16 if packed.dtype == torch.bfloat16 else lib.linear_f32
     kernel(
-        x.data_ptr(), x.stride(0) if rows > 1 else in_features, rows, weight.data_ptr(), out_features, in_features,
-        bias.data_ptr() if bias is not None else None, y.data_ptr(),
+        x.data_ptr(), x.stride(0) if rows > 1 else in_features, rows, packed.data_ptr(), out_features, in_features,
+        bias.data_ptr() if bias is not None else None, y.data_ptr(), out_features,
     )
-    return y.t()
+    return y

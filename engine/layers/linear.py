@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,70 +15,49 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
-# Up to this many rows, a float32 CPU matmul runs as (W x^T)^T: MKL computes the [out, rows]
-# product 1.2-1.5x faster than x W^T at decode batch sizes (measured on AVX2 at SmolLM2's shapes),
-# and the transposed view it returns costs nothing. Larger (prefill) batches gain nothing
-# and their downstream ops prefer contiguous rows.
-TRANSPOSED_MATMUL_MAX_ROWS = 128
-# A weight stored narrower than its input (bfloat16 for float32 activations) widens this many
-# elements at a time into a per-thread scratch of 4 MB, which stays in cache for the chunk's matmul.
-WIDEN_CHUNK_ELEMENTS = 1 << 20
-_widen_scratch = threading.local()
-
-
 class Linear(nn.Module):
     """``y = x W^T + b``; ``weight`` is [out, in], as in checkpoints.
 
-    On CPU, for float32 input, a batch of at most ``TRANSPOSED_MATMUL_MAX_ROWS`` rows is computed
-    as ``(W x^T)^T`` and returned as that transposed (non-contiguous) view; up to
-    ``cpu_kernels.SKINNY_MAX_ROWS`` rows, by a C kernel that streams the weight
-    (``cpu_kernels.skinny_linear``), in the same layout. The weight may be stored in bfloat16
-    (see ``ModelRunner``): it then widens exactly to float32, in the kernel or chunk by chunk.
+    After loading, ``pack()`` moves the weight into the panel layout of the C kernel
+    (``cpu_kernels.linear``), which computes every batch size on CPU for float32 input, the
+    weight in float32 or bfloat16 (widened exactly); ``weight`` is then None and ``packed``
+    holds it. Unpacked (on GPU, or without the CPU kernels), it is ``F.linear``.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.in_features, self.out_features = in_features, out_features
+        self.weight: nn.Parameter | None = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.register_buffer("packed", None)
+
+    def pack(self) -> None:
+        """Replace ``weight`` by its packed panels (``cpu_kernels.pack_linear_weight``)."""
+        self.packed = cpu_kernels.pack_linear_weight(self.weight.data)
+        self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2:
-            if x.shape[0] <= cpu_kernels.SKINNY_MAX_ROWS and cpu_kernels.serves(x):
-                return cpu_kernels.skinny_linear(x, self.weight, self.bias)
-            if self.weight.dtype != torch.float32:
-                return widened_linear(x, self.weight, self.bias)
-            if x.shape[0] <= TRANSPOSED_MATMUL_MAX_ROWS:
-                if self.bias is None:
-                    return torch.mm(self.weight, x.t()).t()
-                return torch.addmm(self.bias.unsqueeze(1), self.weight, x.t()).t()
+        if self.packed is not None:
+            return cpu_kernels.linear(x, self.packed, self.out_features, self.bias)
         return F.linear(x, self.weight, self.bias)
 
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows ``W[index]`` ``[len(index), in]``, in the weight's dtype, from either layout."""
+        if self.packed is not None:
+            return cpu_kernels.packed_rows(self.packed, index)
+        return F.embedding(index, self.weight)
 
-def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x W^T + b`` for a weight ``[N, K]`` stored narrower than ``x [M, K]``: the weight widens to ``x``'s
-    dtype ``WIDEN_CHUNK_ELEMENTS`` at a time into a reused scratch, and each chunk's product fills its output
-    columns. Up to ``TRANSPOSED_MATMUL_MAX_ROWS`` rows the result is the transposed view, as ``Linear``'s.
-    Inference only: no gradient flows through the widened copies."""
-    weight = weight.detach()
-    rows = x.shape[0]
-    out_features, in_features = weight.shape
-    transposed = rows <= TRANSPOSED_MATMUL_MAX_ROWS
-    out = torch.empty((out_features, rows) if transposed else (rows, out_features), dtype=x.dtype)
-    chunk = max(1, WIDEN_CHUNK_ELEMENTS // in_features)
-    scratch = getattr(_widen_scratch, "buffer", None)
-    if scratch is None or scratch.numel() < chunk * in_features or scratch.dtype != x.dtype:
-        with torch.inference_mode(False):  # a normal tensor, writable in and out of inference mode
-            scratch = _widen_scratch.buffer = torch.empty(chunk * in_features, dtype=x.dtype)
-    for start in range(0, out_features, chunk):
-        narrow = weight[start : start + chunk]
-        wide = scratch[: narrow.numel()].view(narrow.shape).copy_(narrow)
-        if transposed:
-            torch.mm(wide, x.t(), out=out[start : start + chunk])
-        else:
-            torch.mm(x, wide.t(), out=out[:, start : start + chunk])
-    if bias is not None:
-        out += bias.unsqueeze(1) if transposed else bias
-    return out.t() if transposed else out
+
+class VocabEmbedding(Linear):
+    """Token embeddings: ``forward(ids)`` gives rows of a ``[vocab, hidden]`` weight. It is a ``Linear``
+    so that a tied LM head is this very module, its weight packed once; the head's logits are
+    ``Linear.forward(module, hidden)``."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__(hidden_size, vocab_size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.rows(input_ids)
 
 
 class MergedLinear(Linear):

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention import Attention
-from engine.layers.linear import Linear, MergedLinear, default_weight_loader
+from engine.layers.linear import (
+    Linear,
+    MergedLinear,
+    VocabEmbedding,
+    default_weight_loader,
+)
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, rope_inv_freq
 
@@ -86,7 +91,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary = RotaryEmbedding(head_dim, rope_inv_freq(config, head_dim), config.max_position_embeddings)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, self.rotary, qkv_bias, o_bias, qk_norm) for _ in range(config.num_hidden_layers)
         )
@@ -115,15 +120,16 @@ class LlamaForCausalLM(nn.Module):
         o_bias = attention_bias if self.o_bias is None else self.o_bias
         self.model = LlamaModel(config, qkv_bias, o_bias, self.qk_norm)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
         if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
-        return self.lm_head(hidden)
+        return Linear.forward(self.lm_head, hidden)  # the matmul, also when the head is the tied embedding
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors into the (materialized) parameters, fusing q/k/v and gate/up.
@@ -131,8 +137,6 @@ class LlamaForCausalLM(nn.Module):
         Raises:
             ValueError: a checkpoint tensor has no parameter, or a parameter got no tensor.
         """
-        if self.tie_word_embeddings:  # re-tie: materializing a meta model may have split the pair
-            self.lm_head.weight = self.model.embed_tokens.weight
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:

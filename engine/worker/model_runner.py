@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine import cpu_kernels
 from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig
 from engine.core.scheduler_output import SchedulerOutput
 from engine.errors import ModelLoadError
@@ -36,12 +37,18 @@ def resolve_dtypes(name: str, device: torch.device) -> tuple[torch.dtype, torch.
     """The (compute, weight) dtypes of a ``dtype`` setting on ``device``; "auto" is float32 on CPU.
 
     A CPU without bfloat16 arithmetic (no AVX512-BF16 or AMX) emulates bfloat16 matmuls, 2.5-5x
-    slower than float32 (docs/performance.md). There "bfloat16" keeps the linear and embedding
-    weights in bfloat16 and computes in float32 (activations, KV cache): the weights' memory and
-    reads are halved, and every product is the exact float32 one of the bfloat16 weights.
+    slower than float32 (docs/performance.md). There, with the CPU kernels built, "bfloat16" keeps
+    the linear and embedding weights in bfloat16 and computes in float32 (activations, KV cache):
+    the weights' memory and reads are halved, and every product is the exact float32 one of the
+    bfloat16 weights, which the C linear kernel widens as it loads them.
     """
     dtype = _AUTO_DTYPE[device.type] if name == "auto" else _DTYPES[name]
-    if device.type == "cpu" and dtype == torch.bfloat16 and not _cpu_has_bf16_arithmetic():
+    if (
+        device.type == "cpu"
+        and dtype == torch.bfloat16
+        and not _cpu_has_bf16_arithmetic()
+        and cpu_kernels.library() is not None
+    ):
         return torch.float32, torch.bfloat16
     return dtype, dtype
 
@@ -118,9 +125,9 @@ class ModelRunner:
         with torch.device("meta"):
             model = model_class(self.hf_config)
         model = model.to(dtype=self.dtype).to_empty(device=self.device)
-        for module in model.modules():  # checkpoint tensors round into these as they are copied in
-            if isinstance(module, (Linear, torch.nn.Embedding)):
-                module.weight.data = torch.empty_like(module.weight, dtype=self.weight_dtype)
+        linears = [m for m in model.modules() if isinstance(m, Linear)]  # the embedding too
+        for module in linears:  # checkpoint tensors round into these as they are copied in
+            module.weight.data = torch.empty_like(module.weight, dtype=self.weight_dtype)
         files = sorted(model_dir.glob("*.safetensors"))
         if not files:
             raise ModelLoadError(f"{str(model_dir)!r} has no *.safetensors weights")
@@ -131,6 +138,9 @@ class ModelRunner:
         for module in model.modules():
             if isinstance(module, RotaryEmbedding):
                 module.materialize(self.device, self.dtype)
+        if self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.library() is not None:
+            for module in linears:
+                module.pack()
         return model.eval()
 
     def _attention_layers(self) -> list[Attention]:

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from engine import cpu_kernels
+
 
 def linear_shapes(config: dict[str, Any]) -> Counter[tuple[int, int]]:
     """``(in_features, out_features) -> count`` of every matmul one token goes through.
@@ -42,16 +44,19 @@ def linear_shapes(config: dict[str, Any]) -> Counter[tuple[int, int]]:
     return shapes
 
 
-def _time_linear(batch: int, in_features: int, out_features: int, dtype: torch.dtype, min_time_s: float) -> float:
-    """Seconds per ``[batch, in] x [in, out]`` product: the best of a few timed rounds, and the faster
-    of its two orientations, ``x W^T`` and ``(W x^T)^T`` (BLAS libraries differ between them by up to
-    2x at decode sizes; the engine's ``Linear`` takes the transposed one for small batches)."""
+def _time_linear(
+    batch: int, in_features: int, out_features: int, dtype: torch.dtype, weight_dtype: torch.dtype, min_time_s: float
+) -> float:
+    """Seconds per ``[batch, in] x [in, out]`` product: the best of a few timed rounds, and the fastest
+    way this machine has: BLAS's two orientations, ``x W^T`` and ``(W x^T)^T`` (they differ by up to
+    2x at decode sizes), and the engine's C kernel over a packed weight where it serves these dtypes."""
     x = torch.randn(batch, in_features, dtype=dtype)
     weight = torch.randn(out_features, in_features, dtype=dtype)
-    return min(
-        _best_seconds(lambda: F.linear(x, weight), min_time_s / 2),
-        _best_seconds(lambda: torch.mm(weight, x.t()), min_time_s / 2),
-    )
+    candidates = [lambda: F.linear(x, weight), lambda: torch.mm(weight, x.t())] if weight_dtype == dtype else []
+    if dtype == torch.float32 and cpu_kernels.library() is not None:
+        packed = cpu_kernels.pack_linear_weight(weight.to(weight_dtype))
+        candidates.append(lambda: cpu_kernels.linear(x, packed, out_features))
+    return min(_best_seconds(fn, min_time_s / len(candidates)) for fn in candidates)
 
 
 def _best_seconds(fn: Callable[[], Any], min_time_s: float) -> float:
@@ -71,24 +76,29 @@ def _best_seconds(fn: Callable[[], Any], min_time_s: float) -> float:
                 return best
 
 
-def measure_ceiling(model_dir: Path, dtype: torch.dtype, batch: int = 64, min_time_s: float = 0.3) -> dict[str, Any]:
+def measure_ceiling(
+    model_dir: Path, dtype: torch.dtype, weight_dtype: torch.dtype | None = None, batch: int = 64,
+    min_time_s: float = 0.3,
+) -> dict[str, Any]:
     """Matmul GFLOP/s at the model's shapes and the tokens/s ceiling it implies.
 
     Args:
         model_dir: Hugging Face model directory (its ``config.json`` gives the shapes).
-        dtype: the dtype the contenders run in.
+        dtype: the dtype the products are computed in.
+        weight_dtype: the dtype the weights are stored in (default ``dtype``): bfloat16 weights
+            computed in float32 are timed only through the kernel that widens them.
         batch: rows of the activation (the number of sequences decoded together).
         min_time_s: timing budget per distinct shape.
 
     Returns:
-        ``{"dtype", "batch", "params_in_matmuls", "flops_per_token", "step_s", "gflops",
+        ``{"dtype", "weight_dtype", "batch", "params_in_matmuls", "flops_per_token", "step_s", "gflops",
         "tokens_per_s", "threads", "shapes": [{"in", "out", "count", "gflops"}]}``.
     """
     config = json.loads((Path(model_dir) / "config.json").read_text())
     shapes = linear_shapes(config)
     step_s, per_shape = 0.0, []
     for (in_features, out_features), count in sorted(shapes.items()):
-        seconds = _time_linear(batch, in_features, out_features, dtype, min_time_s)
+        seconds = _time_linear(batch, in_features, out_features, dtype, weight_dtype or dtype, min_time_s)
         step_s += count * seconds
         per_shape.append(
             {
@@ -102,6 +112,7 @@ def measure_ceiling(model_dir: Path, dtype: torch.dtype, batch: int = 64, min_ti
     flops_per_token = 2 * params
     return {
         "dtype": str(dtype).removeprefix("torch."),
+        "weight_dtype": str(weight_dtype or dtype).removeprefix("torch."),
         "batch": batch,
         "params_in_matmuls": params,
         "flops_per_token": flops_per_token,

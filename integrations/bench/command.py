@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
         bar.set_postfix_str("matmul ceiling")
         # NOTE: the engine's compute dtype: bfloat16 weights widen to float32 on a CPU without bfloat16 arithmetic.
         compute_dtype, weight_dtype = resolve_dtypes(args.dtype, resolve_device("auto"))
-        ceiling = measure_ceiling(model_dir, compute_dtype) | {"weight_dtype": str(weight_dtype).removeprefix("torch.")}
+        ceiling = measure_ceiling(model_dir, compute_dtype, weight_dtype)
     bar.close()
 
     report = build_report(

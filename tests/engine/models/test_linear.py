@@ -1,5 +1,5 @@
-"""Linear layers: the C kernel for a few rows, the transposed CPU matmul for small batches, bfloat16 weights
-widened for float32 input, fused shards."""
+"""Linear layers: packed for the C kernel or plain F.linear, bfloat16 weights widened for float32 input,
+the embedding that a tied LM head shares, fused shards."""
 
 from __future__ import annotations
 
@@ -7,54 +7,60 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_kernels import SKINNY_MAX_ROWS
-from engine.layers import linear
-from engine.layers.linear import TRANSPOSED_MATMUL_MAX_ROWS, Linear, MergedLinear
+from engine import cpu_kernels
+from engine.layers.linear import Linear, MergedLinear, VocabEmbedding
 
-ROWS = [1, 2, 7, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, TRANSPOSED_MATMUL_MAX_ROWS, TRANSPOSED_MATMUL_MAX_ROWS + 1, 300]
+needs_kernels = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler for the CPU kernels")
 
 
-@pytest.mark.parametrize("rows", ROWS)
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
-def test_matches_f_linear_at_every_batch_size(rows: int, bias: bool, weight_dtype: torch.dtype) -> None:
-    """Every side of the row thresholds (C kernel, transposed matmul, x W^T) gives x W^T + b, also for a
-    strided (transposed-view) input; a bfloat16 weight gives the product of its exact float32 widening."""
-    gen = torch.Generator().manual_seed(rows)
+def _layer(bias: bool, weight_dtype: torch.dtype, seed: int) -> Linear:
+    gen = torch.Generator().manual_seed(seed)
     layer = Linear(48, 80, bias=bias)
     torch.nn.init.normal_(layer.weight, generator=gen)
     if bias:
         torch.nn.init.normal_(layer.bias, generator=gen)
     layer.weight.data = layer.weight.data.to(weight_dtype)
-    x = torch.randn(rows, 48, generator=gen)
-    strided = torch.randn(48, rows, generator=gen).t()
-    for inp in (x, strided):
-        y = layer(inp)
+    return layer
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_packed_matches_f_linear(rows: int, bias: bool, weight_dtype: torch.dtype) -> None:
+    """Packed, the layer gives F.linear of its (widened) weight for a contiguous and a strided input, and
+    holds the weight only in its panels."""
+    layer = _layer(bias, weight_dtype, rows)
+    weight = layer.weight.detach().float()
+    layer.pack()
+    assert layer.weight is None and layer.packed.dtype == weight_dtype
+    assert "weight" not in dict(layer.named_parameters()) and "packed" in dict(layer.named_buffers())
+    for x in (torch.randn(rows, 48), torch.randn(48, rows).t()):
+        y = layer(x)
         assert y.shape == (rows, 80) and y.dtype == torch.float32
-        torch.testing.assert_close(y, F.linear(inp, layer.weight.float(), layer.bias), atol=1e-4, rtol=1e-5)
-    if 1 < rows <= TRANSPOSED_MATMUL_MAX_ROWS:
-        assert layer(x).stride() == (1, rows)  # the transposed product itself, no copy
+        torch.testing.assert_close(y, F.linear(x, weight, layer.bias), atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [SKINNY_MAX_ROWS + 1, TRANSPOSED_MATMUL_MAX_ROWS + 1])
-def test_bfloat16_weight_widens_chunk_by_chunk(rows: int, monkeypatch) -> None:
-    """A weight widened a few rows at a time (the last chunk short) fills every output column once."""
-    monkeypatch.setattr(linear, "WIDEN_CHUNK_ELEMENTS", 3 * 48)  # chunks of 3 rows of 48
-    weight, bias = torch.randn(20, 48).bfloat16(), torch.randn(20)
-    x = torch.randn(rows, 48)
-    expected = F.linear(x, weight.float(), bias)
-    torch.testing.assert_close(linear.widened_linear(x, weight, bias), expected, atol=1e-4, rtol=1e-5)
-    torch.testing.assert_close(linear.widened_linear(x, weight), expected - bias, atol=1e-4, rtol=1e-5)
+def test_unpacked_is_f_linear() -> None:
+    """Unpacked (GPU, no CPU kernels, bfloat16 compute), the layer is exactly F.linear."""
+    layer = _layer(True, torch.bfloat16, 0)
+    layer.bias.data = layer.bias.data.bfloat16()
+    x = torch.randn(4, 48, dtype=torch.bfloat16)
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
 
 
-def test_other_dtypes_keep_f_linear() -> None:
-    """The transposed form is measured for float32 only; bfloat16 keeps x W^T (contiguous rows)."""
-    layer = Linear(16, 8).bfloat16()
-    torch.nn.init.normal_(layer.weight)
-    x = torch.randn(4, 16, dtype=torch.bfloat16)
-    y = layer(x)
-    assert y.is_contiguous()
-    assert torch.equal(y, F.linear(x, layer.weight))
+@pytest.mark.parametrize("pack", [False, pytest.param(True, marks=needs_kernels)])
+def test_embedding_rows_and_tied_head(pack: bool) -> None:
+    """The embedding looks up its rows in either layout, and as a tied head computes hidden x table^T."""
+    embedding = VocabEmbedding(50, 8)
+    torch.nn.init.normal_(embedding.weight)
+    table = embedding.weight.detach().clone()
+    if pack:
+        embedding.pack()
+    ids = torch.tensor([0, 49, 17, 17])
+    assert torch.equal(embedding(ids), table[ids])
+    hidden = torch.randn(3, 8)
+    torch.testing.assert_close(Linear.forward(embedding, hidden), hidden @ table.T, atol=1e-5, rtol=1e-5)
 
 
 def test_merged_shards_split_and_load() -> None:

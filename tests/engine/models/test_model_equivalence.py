@@ -10,6 +10,7 @@ from tiny_models import TINY_ARCHS
 from runner_driver import PagedDriver
 
 from engine.config import EngineConfig
+from engine.layers.linear import Linear
 from engine.worker.model_runner import ModelRunner, resolve_dtypes
 
 ATOL = 1e-4
@@ -120,8 +121,8 @@ def test_bfloat16_weights_compute_float32_logits(tiny_model_factory, arch: str) 
     path = tiny_model_factory(arch)
     runner = ModelRunner(EngineConfig(dtype="bfloat16", device="cpu", block_size=4, num_blocks=48), path)
     assert runner.dtype == runner.kv_cache.dtype == torch.float32
-    matrices = [p for p in runner.model.parameters() if p.dim() == 2]
-    assert matrices and all(p.dtype == torch.bfloat16 for p in matrices)
+    packed = [m.packed for m in runner.model.modules() if isinstance(m, Linear)]
+    assert packed and all(p is not None and p.dtype == torch.bfloat16 for p in packed)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         for param in hf.parameters():

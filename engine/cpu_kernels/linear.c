@@ -81,26 +81,28 @@ static inline int64_t block_rows(int64_t K) {
 
 /* x [M, K] row-major (leading dimension ld_x); packed [ceil(N / PANEL)][K][PANEL]; bias [N] or
  * NULL; y [M, N] row-major (leading dimension ld_y). */
-void linear_f32(const float *x, int64_t ld_x, int64_t M, const float *packed, int64_t N, int64_t K,
-                const float *bias, float *y, int64_t ld_y) {
+static void linear(const float *x, int64_t ld_x, int64_t M, const void *packed, int bf16, int64_t N, int64_t K,
+                   const float *bias, float *y, int64_t ld_y) {
     const int64_t mc = block_rows(K);
 #pragma omp parallel
     for (int64_t m0 = 0; m0 < M; m0 += mc) {
         const int64_t rows = M - m0 < mc ? M - m0 : mc;
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < (N + PANEL - 1) / PANEL; ++p)
-            panel_rows(x + m0 * ld_x, ld_x, rows, packed, 0, N, K, bias, y + m0 * ld_y, ld_y, p);
+        for (int64_t p = 0; p < (N + PANEL - 1) / PANEL; ++p) {
+            if (bf16) /* each call inlined with its constant */
+                panel_rows(x + m0 * ld_x, ld_x, rows, packed, 1, N, K, bias, y + m0 * ld_y, ld_y, p);
+            else
+                panel_rows(x + m0 * ld_x, ld_x, rows, packed, 0, N, K, bias, y + m0 * ld_y, ld_y, p);
+        }
     }
+}
+
+void linear_f32(const float *x, int64_t ld_x, int64_t M, const float *packed, int64_t N, int64_t K,
+                const float *bias, float *y, int64_t ld_y) {
+    linear(x, ld_x, M, packed, 0, N, K, bias, y, ld_y);
 }
 
 void linear_bf16(const float *x, int64_t ld_x, int64_t M, const uint16_t *packed, int64_t N, int64_t K,
                  const float *bias, float *y, int64_t ld_y) {
-    const int64_t mc = block_rows(K);
-#pragma omp parallel
-    for (int64_t m0 = 0; m0 < M; m0 += mc) {
-        const int64_t rows = M - m0 < mc ? M - m0 : mc;
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < (N + PANEL - 1) / PANEL; ++p)
-            panel_rows(x + m0 * ld_x, ld_x, rows, packed, 1, N, K, bias, y + m0 * ld_y, ld_y, p);
-    }
+    linear(x, ld_x, M, packed, 1, N, K, bias, y, ld_y);
 }

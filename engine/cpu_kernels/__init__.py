@@ -80,7 +80,7 @@ def _build(sources: dict[str, bytes], compiler: str) -> Path:
     return target
 
 
-_PTR, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_PTR, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     # q and its three strides, k_cache, v_cache, block_tables, table_stride, seq_lens, rows, tile rows,
     # tile starts, tile shared keys, number of tiles, out, five sizes, scale
@@ -89,16 +89,15 @@ _SIGNATURES = {
     ],
     # k and its two strides, v and its two strides, slots, rows, width, k_cache, v_cache, number of slots
     "store_kv_f32": [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64],
-    # x, ld, residual, ld, weight, rows, width, eps, column-major, out, residual_out, their ld
-    "rms_norm_f32": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _F32, _INT, _PTR, _PTR, _I64],
-    # x, ld, rows, intermediate size, column-major, out, ld
-    "silu_and_mul_f32": [_PTR, _I64, _I64, _I64, _INT, _PTR, _I64],
+    # x, ld, residual, ld, weight, rows, width, eps, out, residual_out, their ld
+    "rms_norm_f32": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _F32, _PTR, _PTR, _I64],
+    # x, ld, rows, intermediate size, out, ld
+    "silu_and_mul_f32": [_PTR, _I64, _I64, _I64, _PTR, _I64],
     # x, ld, rows, packed weight, out features, in features, bias (or NULL), y, ld
     "linear_f32": [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64],
     "linear_bf16": [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64],
-    # q, ld, k, ld, positions, cos_sin, its rows, rows, heads, KV heads, head_dim, rotary dim, column-major,
-    # q_out, ld, k_out, ld
-    "rotary_f32": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, *[_I64] * 6, _INT, _PTR, _I64, _PTR, _I64],
+    # q, ld, k, ld, positions, cos_sin, its rows, rows, heads, KV heads, head_dim, rotary dim, q_out, ld, k_out, ld
+    "rotary_f32": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, *[_I64] * 6, _PTR, _I64, _PTR, _I64],
 }
 _RETURN_STATUS = {"paged_attention_f32", "store_kv_f32", "rotary_f32"}  # 0, or < 0 on bad arguments
 
@@ -230,22 +229,12 @@ def _check_float32_cpu(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be a float32 CPU tensor; got {t.dtype} on {t.device}")
 
 
-def _layout(t: torch.Tensor, col_major: bool | None = None) -> tuple[torch.Tensor, bool, int]:
-    """``t`` [R, F] as (tensor, column-major?, leading dimension): kept when its rows (or
-    columns) are contiguous runs, else copied; ``col_major`` forces a layout."""
+def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``t`` [R, F] as (tensor, leading dimension): kept when its rows are contiguous runs, else copied."""
     rows, cols = t.shape
-    if col_major is not True and t.stride(1) == 1 and (rows == 1 or t.stride(0) >= cols):
-        return t, False, max(t.stride(0), cols)
-    if col_major is not False and t.stride(0) == 1 and t.stride(1) >= rows > 1:
-        return t, True, t.stride(1)
-    if col_major:
-        t = t.t().contiguous().t()
-        return t, True, rows
-    return t.contiguous(), False, cols
-
-
-def _empty(rows: int, cols: int, col_major: bool) -> torch.Tensor:
-    return torch.empty(cols, rows).t() if col_major else torch.empty(rows, cols)
+    if t.stride(1) == 1 and (rows == 1 or t.stride(0) >= cols):
+        return t, max(t.stride(0), cols)
+    return t.contiguous(), cols
 
 
 def _heads_as_columns(t: torch.Tensor) -> torch.Tensor:
@@ -259,24 +248,23 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(rms_norm(x + residual) * weight, x + residual)`` of ``[T, N]`` rows; without a residual,
-    ``(rms_norm(x) * weight, None)``. Outputs have the layout of ``x`` (see ``elementwise.c``)."""
+    ``(rms_norm(x) * weight, None)``. Outputs are contiguous."""
     lib = _lib()
     for name, t in (("x", x), ("weight", weight), ("residual", residual if residual is not None else x)):
         _check_float32_cpu(name, t)
     rows, n = x.shape
-    x, col_major, ld_x = _layout(x)
-    out = _empty(rows, n, col_major)
-    ld_out = out.stride(1) if col_major else out.stride(0)
+    x, ld_x = _rows(x)
+    out = torch.empty(rows, n)
     if residual is None:
         residual_out = None
         residual_ptr = residual_out_ptr = ld_r = 0
     else:
-        residual, _, ld_r = _layout(residual, col_major)
-        residual_out = _empty(rows, n, col_major)
+        residual, ld_r = _rows(residual)
+        residual_out = torch.empty(rows, n)
         residual_ptr, residual_out_ptr = residual.data_ptr(), residual_out.data_ptr()
     lib.rms_norm_f32(
-        x.data_ptr(), ld_x, residual_ptr, ld_r, weight.contiguous().data_ptr(), rows, n, eps, col_major,
-        out.data_ptr(), residual_out_ptr, ld_out,
+        x.data_ptr(), ld_x, residual_ptr, ld_r, weight.contiguous().data_ptr(), rows, n, eps, out.data_ptr(),
+        residual_out_ptr, n,
     )
     return out, residual_out
 
@@ -287,9 +275,7 @@ def rotary(
     k: torch.Tensor,  # [T, Hkv, D]
     cos_sin: torch.Tensor,  # [max_position, rot]: cos of the rot / 2 frequencies, then their sin
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary embedding ("rotate half" form) of the first ``rot`` columns of each head.
-
-    Outputs have the layout of ``q`` (see ``elementwise.c``).
+    """Rotary embedding ("rotate half" form) of the first ``rot`` columns of each head; contiguous outputs.
 
     Raises:
         IndexError: a position outside ``cos_sin``'s rows (nothing is written).
@@ -301,14 +287,13 @@ def rotary(
         raise ValueError(f"rotary needs an even rotary dim <= head_dim; got {rot} and {head_dim}")
     for name, t in (("q", q), ("k", k), ("cos_sin", cos_sin)):
         _check_float32_cpu(name, t)
-    q2, col_major, ld_q = _layout(_heads_as_columns(q))
-    k2, _, ld_k = _layout(_heads_as_columns(k), col_major)
-    q_out, k_out = _empty(rows, num_heads * head_dim, col_major), _empty(rows, num_kv_heads * head_dim, col_major)
-    ld_q_out, ld_k_out = (q_out.stride(1), k_out.stride(1)) if col_major else (q_out.stride(0), k_out.stride(0))
+    q2, ld_q = _rows(_heads_as_columns(q))
+    k2, ld_k = _rows(_heads_as_columns(k))
+    q_out, k_out = torch.empty(rows, num_heads * head_dim), torch.empty(rows, num_kv_heads * head_dim)
     status = lib.rotary_f32(
         q2.data_ptr(), ld_q, k2.data_ptr(), ld_k, positions.to(torch.int64).contiguous().data_ptr(),
-        cos_sin.contiguous().data_ptr(), cos_sin.shape[0], rows, num_heads, num_kv_heads, head_dim, rot, col_major,
-        q_out.data_ptr(), ld_q_out, k_out.data_ptr(), ld_k_out,
+        cos_sin.contiguous().data_ptr(), cos_sin.shape[0], rows, num_heads, num_kv_heads, head_dim, rot,
+        q_out.data_ptr(), num_heads * head_dim, k_out.data_ptr(), num_kv_heads * head_dim,
     )
     if status:
         raise IndexError(f"a position is outside the rotary table's {cos_sin.shape[0]} positions")
@@ -316,16 +301,15 @@ def rotary(
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` of ``x = [gate | up]`` rows ``[T, 2I]``; the output has the layout of ``x``."""
+    """``silu(gate) * up`` of ``x = [gate | up]`` rows ``[T, 2I]``; the output is contiguous."""
     lib = _lib()
     _check_float32_cpu("x", x)
     rows, width = x.shape
     if width % 2:
         raise ValueError(f"silu_and_mul needs an even width; got {width}")
-    x, col_major, ld_x = _layout(x)
-    out = _empty(rows, width // 2, col_major)
-    lib.silu_and_mul_f32(x.data_ptr(), ld_x, rows, width // 2, col_major, out.data_ptr(),
-                         out.stride(1) if col_major else out.stride(0))
+    x, ld_x = _rows(x)
+    out = torch.empty(rows, width // 2)
+    lib.silu_and_mul_f32(x.data_ptr(), ld_x, rows, width // 2, out.data_ptr(), width // 2)
     return out
 
 

@@ -22,7 +22,9 @@ class EngineConfig:
     """
 
     model: str | None = None  # HF directory or .gguf path; None = the bundled SmolLM2
-    dtype: str = "auto"  # "auto" picks the fastest dtype that keeps outputs correct on the device
+    # "auto" picks the fastest dtype that keeps outputs correct on the device (float32 on CPU). On a
+    # CPU without bfloat16 arithmetic, "bfloat16" keeps bfloat16 weights and computes in float32.
+    dtype: str = "auto"
     device: str = "auto"  # "auto" = cuda when available, else cpu
     block_size: int = 16
     kv_cache_memory: int | None = None

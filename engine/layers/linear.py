@@ -41,23 +41,19 @@ class Linear(nn.Module):
             return cpu_kernels.linear(x, self.packed, self.out_features, self.bias)
         return F.linear(x, self.weight, self.bias)
 
-    def rows(self, index: torch.Tensor) -> torch.Tensor:
-        """Rows ``W[index]`` ``[len(index), in]``, in the weight's dtype, from either layout."""
-        if self.packed is not None:
-            return cpu_kernels.packed_rows(self.packed, index)
-        return F.embedding(index, self.weight)
-
 
 class VocabEmbedding(Linear):
-    """Token embeddings: ``forward(ids)`` gives rows of a ``[vocab, hidden]`` weight. It is a ``Linear``
-    so that a tied LM head is this very module, its weight packed once; the head's logits are
-    ``Linear.forward(module, hidden)``."""
+    """Token embeddings: ``forward(ids)`` gives rows ``[len(ids), hidden]`` of a ``[vocab, hidden]`` weight,
+    in the weight's dtype, from either layout. It is a ``Linear`` so that a tied LM head is this very
+    module, its weight packed once; the head's logits are ``Linear.forward(module, hidden)``."""
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__(hidden_size, vocab_size)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.rows(input_ids)
+        if self.packed is not None:
+            return cpu_kernels.packed_rows(self.packed, input_ids)
+        return F.embedding(input_ids, self.weight)
 
 
 class MergedLinear(Linear):

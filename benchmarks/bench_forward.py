@@ -107,7 +107,7 @@ def _shares(runner: ModelRunner, step: SchedulerOutput) -> tuple[float, float]:
 
 def _matmul_floor(runner: ModelRunner, batch: int, repeats: int) -> float:
     """Seconds of a decode step's weight matmuls alone: every projection and the LM head at ``batch`` rows,
-    through the engine's ``Linear`` (so in the orientation the engine takes at that batch size)."""
+    through the engine's ``Linear`` (on CPU its packed C kernel), the tied LM head included."""
     linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
     inputs = {m.in_features: torch.randn(batch, m.in_features, dtype=runner.dtype, device=runner.device) for m in linears}
     times = []

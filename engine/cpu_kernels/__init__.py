@@ -1,8 +1,8 @@
 """C kernels for the CPU, compiled on first use and loaded with ctypes.
 
 - ``attention``: paged attention of query-token rows (decode tokens and prefill tokens
-  alike), and ``store_kv``, the new tokens' cache writes (``attention.c``), for the CPU
-  attention backend;
+  alike), and ``store_kv``, the new tokens' cache writes, over a float32 or bfloat16 cache
+  (``attention.c``, ``attention_bf16.c``), for the CPU attention backend;
 - ``rms_norm``, ``rotary``, ``silu_and_mul``: a decoder layer's element-wise parts
   (``elementwise.c``), which the layers call for float32 CPU tensors;
 - ``linear``: linear layers over a weight (float32 or bfloat16) packed once into panels of
@@ -39,7 +39,7 @@ from engine.loader import cache_root
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("vec.h", "attention.c", "elementwise.c", "linear.c")
+_SOURCES = ("vec.h", "attention.c", "attention_bf16.c", "elementwise.c", "linear.c")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 # Fixed-size scratch of the kernels (see MAX_* in the sources).
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 16, 256, 256
@@ -87,8 +87,12 @@ _SIGNATURES = {
     "paged_attention_f32": [
         _PTR, *[_I64] * 3, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, *[_I64] * 5, _F32
     ],
+    "paged_attention_bf16": [
+        _PTR, *[_I64] * 3, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, *[_I64] * 5, _F32
+    ],
     # k and its two strides, v and its two strides, slots, rows, width, k_cache, v_cache, number of slots
     "store_kv_f32": [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64],
+    "store_kv_bf16": [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64],
     # x, ld, residual, ld, weight, rows, width, eps, out, residual_out, their ld
     "rms_norm_f32": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _F32, _PTR, _PTR, _I64],
     # x, ld, rows, intermediate size, out, ld
@@ -99,7 +103,8 @@ _SIGNATURES = {
     # q, ld, k, ld, positions, cos_sin, its rows, rows, heads, KV heads, head_dim, rotary dim, q_out, ld, k_out, ld
     "rotary_f32": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, *[_I64] * 6, _PTR, _I64, _PTR, _I64],
 }
-_RETURN_STATUS = {"paged_attention_f32", "store_kv_f32", "rotary_f32"}  # 0, or < 0 on bad arguments
+# 0, or < 0 on bad arguments
+_RETURN_STATUS = {"paged_attention_f32", "paged_attention_bf16", "store_kv_f32", "store_kv_bf16", "rotary_f32"}
 
 
 @functools.cache
@@ -157,7 +162,7 @@ class AttentionTiles(NamedTuple):
 
 def attention(
     q: torch.Tensor,  # [B, Hq, D] float32, any strides: one query token per row
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] float32 or bfloat16
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [B, max_blocks] int32: each row's table
     seq_lens: torch.Tensor,  # [B] int64: keys each row attends over (a token at position p: p + 1)
@@ -174,9 +179,7 @@ def attention(
             f"unsupported by the CPU kernel: {num_heads} query / {num_kv_heads} KV heads, head_dim {head_dim}, "
             f"block_size {block_size}, {q.dtype}"
         )
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError(f"{name} must be a contiguous float32 CPU tensor")
+    _check_caches(k_cache, v_cache)
     if tiles is None:
         tiles = AttentionTiles(
             torch.arange(num_rows), torch.arange(num_rows + 1), torch.zeros(num_rows, dtype=torch.int64)
@@ -184,7 +187,8 @@ def attention(
     block_tables = block_tables.to(torch.int32).contiguous()
     seq_lens = seq_lens.to(torch.int64).contiguous()
     out = torch.empty(q.shape)
-    status = lib.paged_attention_f32(
+    kernel = lib.paged_attention_bf16 if k_cache.dtype == torch.bfloat16 else lib.paged_attention_f32
+    status = kernel(
         q.data_ptr(), *q.stride(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.stride(0), seq_lens.data_ptr(), num_rows, tiles.rows.data_ptr(), tiles.starts.data_ptr(),
         tiles.shared.data_ptr(), len(tiles.shared), out.data_ptr(), num_heads, num_kv_heads, head_dim, block_size,
@@ -208,20 +212,28 @@ def attention(
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Writes ``k``/``v`` [T, Hkv, D] (any strides) at cache slots ``slot_mapping`` [T] of the
-    contiguous float32 caches [num_blocks, block_size, Hkv, D]."""
+    """Writes ``k``/``v`` [T, Hkv, D] (float32, any strides) at cache slots ``slot_mapping`` [T] of the
+    contiguous caches [num_blocks, block_size, Hkv, D], float32 or bfloat16 (rounded to nearest even)."""
     lib = _lib()
-    for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+    for name, t in (("k", k), ("v", v)):
         _check_float32_cpu(name, t)
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous")
+    _check_caches(k_cache, v_cache)
     k2, v2 = _heads_as_columns(k), _heads_as_columns(v)
     slots = slot_mapping.to(torch.int64).contiguous()
     num_slots = k_cache.shape[0] * k_cache.shape[1]
-    status = lib.store_kv_f32(k2.data_ptr(), *k2.stride(), v2.data_ptr(), *v2.stride(), slots.data_ptr(),
-                              k2.shape[0], k2.shape[1], k_cache.data_ptr(), v_cache.data_ptr(), num_slots)
+    kernel = lib.store_kv_bf16 if k_cache.dtype == torch.bfloat16 else lib.store_kv_f32
+    status = kernel(k2.data_ptr(), *k2.stride(), v2.data_ptr(), *v2.stride(), slots.data_ptr(), k2.shape[0],
+                    k2.shape[1], k_cache.data_ptr(), v_cache.data_ptr(), num_slots)
     if status:
         raise IndexError(f"a slot of slot_mapping is outside the cache's {num_slots} slots")
+
+
+def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype not in (torch.float32, torch.bfloat16) or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a contiguous float32 or bfloat16 CPU tensor; got {t.dtype}")
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"k_cache and v_cache must share a dtype; got {k_cache.dtype} and {v_cache.dtype}")
 
 
 def _check_float32_cpu(name: str, t: torch.Tensor) -> None:

@@ -1,4 +1,4 @@
-/* Paged attention for the CPU, float32.
+/* Paged attention for the CPU: float32 queries over a float32 or bfloat16 KV cache.
  *
  * Each row is one query token attending over its context, read in place from the paged
  * cache (no gather into a contiguous copy): a decode token, or a token of a prefill chunk
@@ -16,12 +16,32 @@
  * accumulator, carried from one phase to the next.
  *
  * Built at run time with -O3 -march=native -fopenmp; vectors as in vec.h, so head_dim
- * must be a multiple of 8.
+ * must be a multiple of 8. This file builds the float32-cache functions; attention_bf16.c
+ * includes it with KV_BF16 set for those of a bfloat16 cache, whose elements widen exactly
+ * as they load and round to nearest even as they are stored.
  */
 
 #include <stdlib.h>
 
 #include "vec.h"
+
+#ifndef KV_BF16
+#define KV_BF16 0
+#endif
+#if KV_BF16
+typedef uint16_t kv_t;
+#define KV_LOAD(p) load_bf16(p)
+#define KV_AT(p) bf16_to_f32(*(p))
+#define KV_FROM_F32(x) f32_to_bf16(x)
+#define KV_NAME(name) name##_bf16
+#else
+typedef float kv_t;
+#define KV_LOAD(p) load(p)
+#define KV_AT(p) (*(p))
+#define KV_FROM_F32(x) (x)
+#define KV_NAME(name) name##_f32
+#endif
+#define KV_LINE (64 / (int)sizeof(kv_t)) /* cache elements a 64-byte line holds */
 
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
@@ -31,7 +51,7 @@
 
 /* Scores of the G queries at q against n key rows (stride token_stride) into
  * scores[g * MAX_BLOCK_SIZE + t]: four rows at a time, four independent FMA chains. */
-static inline __attribute__((always_inline)) void block_scores(const float *restrict q, const float *restrict k,
+static inline __attribute__((always_inline)) void block_scores(const float *restrict q, const kv_t *restrict k,
                                                                int64_t n, int64_t token_stride, int G,
                                                                const int D, float *restrict scores) {
     for (int g = 0; g < G; ++g) {
@@ -39,22 +59,22 @@ static inline __attribute__((always_inline)) void block_scores(const float *rest
         float *restrict sg = scores + g * MAX_BLOCK_SIZE;
         int64_t t = 0;
         for (; t + 4 <= n; t += 4) {
-            const float *k0 = k + t * token_stride, *k1 = k0 + token_stride;
-            const float *k2 = k1 + token_stride, *k3 = k2 + token_stride;
+            const kv_t *k0 = k + t * token_stride, *k1 = k0 + token_stride;
+            const kv_t *k2 = k1 + token_stride, *k3 = k2 + token_stride;
             vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
             for (int c = 0; c < D; c += VL) {
                 const vf qv = load(qg + c);
-                a0 += qv * load(k0 + c);
-                a1 += qv * load(k1 + c);
-                a2 += qv * load(k2 + c);
-                a3 += qv * load(k3 + c);
+                a0 += qv * KV_LOAD(k0 + c);
+                a1 += qv * KV_LOAD(k1 + c);
+                a2 += qv * KV_LOAD(k2 + c);
+                a3 += qv * KV_LOAD(k3 + c);
             }
             hsum4(a0, a1, a2, a3, sg + t);
         }
         for (; t < n; ++t) {
-            const float *kt = k + t * token_stride;
+            const kv_t *kt = k + t * token_stride;
             vf a = {0};
-            for (int c = 0; c < D; c += VL) a += load(qg + c) * load(kt + c);
+            for (int c = 0; c < D; c += VL) a += load(qg + c) * KV_LOAD(kt + c);
             sg[t] = hsum(a);
         }
     }
@@ -64,8 +84,8 @@ static inline __attribute__((always_inline)) void block_scores(const float *rest
  * [start, end) of one sequence, for the KV head at head_offset: running maxima m[G], sums
  * l[G] and accumulators acc[G * D]. D is a compile-time constant in the callers, so a
  * query head's accumulator lives in registers. */
-static inline __attribute__((always_inline)) void attend_range(const float *restrict q, const float *restrict k_cache,
-                                                               const float *restrict v_cache,
+static inline __attribute__((always_inline)) void attend_range(const float *restrict q, const kv_t *restrict k_cache,
+                                                               const kv_t *restrict v_cache,
                                                                const int32_t *restrict table, int64_t start,
                                                                int64_t end, int64_t block_size, int64_t token_stride,
                                                                int64_t head_offset, int G, const int D,
@@ -77,13 +97,13 @@ static inline __attribute__((always_inline)) void attend_range(const float *rest
         const int64_t n = (block_size - offset < end - pos) ? block_size - offset : end - pos;
         const int64_t padded = (n + VL - 1) / VL * VL;
         const int64_t base = ((int64_t)table[pos / block_size] * block_size + offset) * token_stride + head_offset;
-        const float *restrict k = k_cache + base;
-        const float *restrict v = v_cache + base;
+        const kv_t *restrict k = k_cache + base;
+        const kv_t *restrict v = v_cache + base;
         if (pos + n < end) { /* the next block sits anywhere in the cache: fetch it while this one computes */
             const int64_t next = (int64_t)table[(pos + n) / block_size] * block_size * token_stride + head_offset;
             const int64_t rows = end - pos - n < block_size ? end - pos - n : block_size;
             for (int64_t t = 0; t < rows; ++t)
-                for (int c = 0; c < D; c += 16) {
+                for (int c = 0; c < D; c += KV_LINE) {
                     __builtin_prefetch(k_cache + next + t * token_stride + c);
                     __builtin_prefetch(v_cache + next + t * token_stride + c);
                 }
@@ -109,8 +129,8 @@ static inline __attribute__((always_inline)) void attend_range(const float *rest
             for (int c = 0; c < D / VL; ++c) a[c] = load(acc + g * D + c * VL) * correction;
             for (int64_t t = 0; t < n; ++t) {
                 const vf p = splat(sg[t]);
-                const float *restrict vt = v + t * token_stride;
-                for (int c = 0; c < D / VL; ++c) a[c] += p * load(vt + c * VL);
+                const kv_t *restrict vt = v + t * token_stride;
+                for (int c = 0; c < D / VL; ++c) a[c] += p * KV_LOAD(vt + c * VL);
             }
             for (int c = 0; c < D / VL; ++c) store(acc + g * D + c * VL, a[c]);
         }
@@ -123,8 +143,8 @@ static inline __attribute__((always_inline)) void attend_range(const float *rest
  * (scaled; padding lanes 0). Carries per-lane state: maxima m[QV], sums l[QV] and
  * accumulators ot[d * QV + j]. QV and D are compile-time constants in the callers. */
 static inline __attribute__((always_inline)) void shared_phase(const vf *restrict qt, const int QV,
-                                                               const float *restrict k_cache,
-                                                               const float *restrict v_cache,
+                                                               const kv_t *restrict k_cache,
+                                                               const kv_t *restrict v_cache,
                                                                const int32_t *restrict table, int64_t shared,
                                                                int64_t block_size, int64_t token_stride,
                                                                int64_t head_offset, const int D, vf *restrict m,
@@ -134,16 +154,16 @@ static inline __attribute__((always_inline)) void shared_phase(const vf *restric
         const int64_t offset = pos % block_size;
         const int64_t n = (block_size - offset < shared - pos) ? block_size - offset : shared - pos;
         const int64_t base = ((int64_t)table[pos / block_size] * block_size + offset) * token_stride + head_offset;
-        const float *restrict k = k_cache + base;
-        const float *restrict v = v_cache + base;
+        const kv_t *restrict k = k_cache + base;
+        const kv_t *restrict v = v_cache + base;
         /* scores: four keys at a time against every lane, each key element broadcast once */
         int64_t t = 0;
         for (; t + 4 <= n; t += 4) {
             vf a[4][MAX_LANE_VECTORS] = {{{0}}};
-            const float *restrict k0 = k + t * token_stride;
+            const kv_t *restrict k0 = k + t * token_stride;
             for (int d = 0; d < D; ++d)
                 for (int u = 0; u < 4; ++u) {
-                    const vf kb = splat(k0[u * token_stride + d]);
+                    const vf kb = splat(KV_AT(k0 + u * token_stride + d));
                     for (int j = 0; j < QV; ++j) a[u][j] += kb * qt[d * QV + j];
                 }
             for (int u = 0; u < 4; ++u)
@@ -151,9 +171,9 @@ static inline __attribute__((always_inline)) void shared_phase(const vf *restric
         }
         for (; t < n; ++t) {
             vf a[MAX_LANE_VECTORS] = {{0}};
-            const float *restrict kt = k + t * token_stride;
+            const kv_t *restrict kt = k + t * token_stride;
             for (int d = 0; d < D; ++d) {
-                const vf kb = splat(kt[d]);
+                const vf kb = splat(KV_AT(kt + d));
                 for (int j = 0; j < QV; ++j) a[j] += kb * qt[d * QV + j];
             }
             for (int j = 0; j < QV; ++j) s[t * QV + j] = a[j];
@@ -180,9 +200,9 @@ static inline __attribute__((always_inline)) void shared_phase(const vf *restric
             for (int e = 0; e < 4; ++e)
                 for (int j = 0; j < QV; ++j) a[e][j] = ot[(d0 + e) * QV + j] * correction[j];
             for (int64_t u = 0; u < n; ++u) {
-                const float *restrict vt = v + u * token_stride + d0;
+                const kv_t *restrict vt = v + u * token_stride + d0;
                 for (int e = 0; e < 4; ++e) {
-                    const vf vb = splat(vt[e]);
+                    const vf vb = splat(KV_AT(vt + e));
                     for (int j = 0; j < QV; ++j) a[e][j] += vb * s[u * QV + j];
                 }
             }
@@ -195,8 +215,8 @@ static inline __attribute__((always_inline)) void shared_phase(const vf *restric
 
 /* One work item: the rows[0..R) of a tile (their shared keys: [0, shared)) for KV head h. */
 static inline __attribute__((always_inline)) void attend_tile(
-    const float *restrict q, int64_t q_row, int64_t q_head, int64_t q_col, const float *restrict k_cache,
-    const float *restrict v_cache, const int32_t *restrict block_tables, int64_t table_stride,
+    const float *restrict q, int64_t q_row, int64_t q_head, int64_t q_col, const kv_t *restrict k_cache,
+    const kv_t *restrict v_cache, const int32_t *restrict block_tables, int64_t table_stride,
     const int64_t *restrict seq_lens, const int64_t *restrict rows, int64_t R, int64_t shared, int64_t h,
     int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int G, const int D, float scale,
     float *restrict out) {
@@ -255,7 +275,7 @@ static inline __attribute__((always_inline)) void attend_tile(
 }
 
 #define TILE_ARGS                                                                                                 \
-    const float *q, int64_t q_row, int64_t q_head, int64_t q_col, const float *k_cache, const float *v_cache,     \
+    const float *q, int64_t q_row, int64_t q_head, int64_t q_col, const kv_t *k_cache, const kv_t *v_cache,       \
         const int32_t *block_tables, int64_t table_stride, const int64_t *seq_lens, const int64_t *rows, int64_t R, \
         int64_t shared, int64_t h, int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int G, float scale, \
         float *out
@@ -276,8 +296,8 @@ static void attend_tile_any(TILE_ARGS, int D) { TILE_CALL(D); }
  * each row once, or a tile holds too many rows or claims shared keys its rows do not all
  * have; -2 when a row needs a block outside [0, num_blocks) or more blocks than its table
  * holds; -3 when out of memory. Nothing is computed then. */
-int paged_attention_f32(const float *q, int64_t q_row, int64_t q_head, int64_t q_col, const float *k_cache,
-                        const float *v_cache, const int32_t *block_tables, int64_t table_stride,
+int KV_NAME(paged_attention)(const float *q, int64_t q_row, int64_t q_head, int64_t q_col, const kv_t *k_cache,
+                             const kv_t *v_cache, const int32_t *block_tables, int64_t table_stride,
                         const int64_t *seq_lens, int64_t num_rows, const int64_t *tile_rows,
                         const int64_t *tile_starts, const int64_t *tile_shared, int64_t num_tiles, float *out,
                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
@@ -338,27 +358,18 @@ int paged_attention_f32(const float *q, int64_t q_row, int64_t q_head, int64_t q
  * ([T, width] at strides (row, col), width = Hkv * D) goes to slot slots[t] (block *
  * block_size + offset) of k_cache and v_cache ([num_slots, width]). Returns -1, writing
  * nothing, when a slot is out of range. */
-int store_kv_f32(const float *k, int64_t k_row, int64_t k_col, const float *v, int64_t v_row, int64_t v_col,
-                 const int64_t *slots, int64_t num_rows, int64_t width, float *k_cache, float *v_cache,
-                 int64_t num_slots) {
+int KV_NAME(store_kv)(const float *k, int64_t k_row, int64_t k_col, const float *v, int64_t v_row, int64_t v_col,
+                      const int64_t *slots, int64_t num_rows, int64_t width, kv_t *k_cache, kv_t *v_cache,
+                      int64_t num_slots) {
     for (int64_t t = 0; t < num_rows; ++t)
         if (slots[t] < 0 || slots[t] >= num_slots) return -1;
-    if (k_row == 1 && v_row == 1) { /* column-major rows: read along the contiguous axis */
-#pragma omp parallel for schedule(static) if (num_rows * width >= PARALLEL_MIN)
-        for (int64_t f = 0; f < width; ++f)
-            for (int64_t t = 0; t < num_rows; ++t) {
-                k_cache[slots[t] * width + f] = k[f * k_col + t];
-                v_cache[slots[t] * width + f] = v[f * v_col + t];
-            }
-        return 0;
-    }
 #pragma omp parallel for schedule(static) if (num_rows * width >= PARALLEL_MIN)
     for (int64_t t = 0; t < num_rows; ++t) {
-        float *restrict kd = k_cache + slots[t] * width, *restrict vd = v_cache + slots[t] * width;
+        kv_t *restrict kd = k_cache + slots[t] * width, *restrict vd = v_cache + slots[t] * width;
         const float *restrict ks = k + t * k_row, *restrict vs = v + t * v_row;
         for (int64_t f = 0; f < width; ++f) {
-            kd[f] = ks[f * k_col];
-            vd[f] = vs[f * v_col];
+            kd[f] = KV_FROM_F32(ks[f * k_col]);
+            vd[f] = KV_FROM_F32(vs[f * v_col]);
         }
     }
     return 0;

@@ -38,6 +38,13 @@ static inline float bf16_to_f32(uint16_t h) {
     memcpy(&f, &bits, sizeof f);
     return f;
 }
+/* float32 to bfloat16, rounded to nearest even as torch rounds; a NaN stays a quiet NaN. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
 static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x}; }
 
 static inline float hsum(vf x) {

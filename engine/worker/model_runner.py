@@ -13,6 +13,7 @@ from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, DEFAULT_GPU_MEMORY_UTILIZ
 from engine.core.scheduler_output import SchedulerOutput
 from engine.errors import ModelLoadError
 from engine.layers.attention import Attention, get_attention_backend
+from engine.layers.cpu_attention import CpuAttentionBackend
 from engine.layers.linear import Linear
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.registry import get_model_class
@@ -38,9 +39,9 @@ def resolve_dtypes(name: str, device: torch.device) -> tuple[torch.dtype, torch.
 
     A CPU without bfloat16 arithmetic (no AVX512-BF16 or AMX) emulates bfloat16 matmuls, 2.5-5x
     slower than float32 (docs/performance.md). There, with the CPU kernels built, "bfloat16" keeps
-    the linear and embedding weights in bfloat16 and computes in float32 (activations, KV cache):
-    the weights' memory and reads are halved, and every product is the exact float32 one of the
-    bfloat16 weights, which the C linear kernel widens as it loads them.
+    the linear and embedding weights (and, with the CPU attention backend, the KV cache) in
+    bfloat16 and computes in float32: the memory and the bytes read are halved, and every product
+    is the float32 one of the stored bfloat16 values, which the C kernels widen as they load them.
     """
     dtype = _AUTO_DTYPE[device.type] if name == "auto" else _DTYPES[name]
     if (
@@ -76,21 +77,25 @@ class ModelRunner:
         self.config = config
         self.hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         self.device = resolve_device(config.device)
-        self.dtype, self.weight_dtype = resolve_dtypes(config.dtype, self.device)  # compute (and KV cache), weights
+        self.dtype, self.weight_dtype = resolve_dtypes(config.dtype, self.device)  # compute, weights
         self.block_size = config.block_size
         self.vocab_size: int = self.hf_config.vocab_size
         self.max_model_len = self._max_model_len()
         self.model = self._load_model(Path(model_dir))
-        self.num_blocks = self._num_blocks()
-        self.kv_cache = self._allocate_kv_cache()
         self.attn_backend = get_attention_backend(
             config.attention_backend, self.device, self.dtype, self._attention_layers()[0], self.block_size
         )
+        # bfloat16 weights computed in float32 keep a bfloat16 KV cache too where the C kernel reads it
+        cpu_backend = isinstance(self.attn_backend, CpuAttentionBackend)
+        self.kv_cache_dtype = self.weight_dtype if cpu_backend else self.dtype
+        self.num_blocks = self._num_blocks()
+        self.kv_cache = self._allocate_kv_cache()
         for attn, kv_cache in zip(self._attention_layers(), self.kv_cache):
             attn.kv_cache, attn.backend = kv_cache, self.attn_backend
         logger.info(
-            "model %s on %s (%s, weights in %s): %d KV blocks of %d tokens",
-            self.hf_config.model_type, self.device, self.dtype, self.weight_dtype, self.num_blocks, self.block_size,
+            "model %s on %s (%s, weights and KV cache in %s and %s): %d KV blocks of %d tokens",
+            self.hf_config.model_type, self.device, self.dtype, self.weight_dtype, self.kv_cache_dtype,
+            self.num_blocks, self.block_size,
         )
 
     @torch.inference_mode()
@@ -150,7 +155,7 @@ class ModelRunner:
         layers = self._attention_layers()
         attn = layers[0]
         bytes_per_block = (
-            len(layers) * 2 * self.block_size * attn.num_kv_heads * attn.head_dim * self.dtype.itemsize
+            len(layers) * 2 * self.block_size * attn.num_kv_heads * attn.head_dim * self.kv_cache_dtype.itemsize
         )
         if self.config.num_blocks is not None:
             return self.config.num_blocks
@@ -171,7 +176,7 @@ class ModelRunner:
         shape = (
             len(self._attention_layers()), 2, self.num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim
         )
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)  # [L, 2, NB, BS, Hkv, D]
+        return torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)  # [L, 2, NB, BS, Hkv, D]
 
 
 def _iter_safetensors(files: list[Path]):

@@ -113,14 +113,15 @@ def test_bfloat16_runner_tracks_float32_reference(tiny_model_factory) -> None:
     reason="this CPU has bfloat16 arithmetic, so bfloat16 computes in bfloat16",
 )
 @pytest.mark.parametrize("arch", ["smollm2", "qwen2"])  # tied embeddings; biases
-def test_bfloat16_weights_compute_float32_logits(tiny_model_factory, arch: str) -> None:
-    """Without bfloat16 arithmetic, bfloat16 weights are widened exactly: the logits are HF's float32 ones
-    of the same checkpoint with its matrices rounded to bfloat16, for prefill, a chunk over a prefix and decode."""
+def test_bfloat16_weights_and_cache_compute_in_float32(tiny_model_factory, arch: str) -> None:
+    """Without bfloat16 arithmetic, bfloat16 weights and KV cache are widened exactly: the logits are HF's float32
+    ones of the same checkpoint with its matrices rounded to bfloat16, up to the K/V rounding (about 1e-3 here),
+    for prefill, a chunk over a prefix and decode."""
     from transformers import AutoModelForCausalLM
 
     path = tiny_model_factory(arch)
     runner = ModelRunner(EngineConfig(dtype="bfloat16", device="cpu", block_size=4, num_blocks=48), path)
-    assert runner.dtype == runner.kv_cache.dtype == torch.float32
+    assert runner.dtype == torch.float32 and runner.kv_cache.dtype == torch.bfloat16
     packed = [m.packed for m in runner.model.modules() if isinstance(m, Linear)]
     assert packed and all(p is not None and p.dtype == torch.bfloat16 for p in packed)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -147,4 +148,4 @@ def test_bfloat16_weights_compute_float32_logits(tiny_model_factory, arch: str) 
     assert len(expected) == 2 + 4 * 2 + 1
     reference = {req_id: _hf_logits(hf, tokens) for req_id, tokens in driver.tokens.items()}
     for req_id, position, logits in expected:
-        torch.testing.assert_close(logits, reference[req_id][position], atol=ATOL, rtol=0)
+        torch.testing.assert_close(logits, reference[req_id][position], atol=5e-3, rtol=0)

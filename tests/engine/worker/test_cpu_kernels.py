@@ -140,17 +140,19 @@ def test_without_a_compiler_the_kernel_is_off(compiler: str, fresh_build, monkey
 
 
 @pytest.mark.parametrize("col_major", [False, True])
-def test_store_kv_writes_the_slots_index_copy_writes(col_major: bool) -> None:
-    """Strided K/V land in their slots exactly; a slot outside the cache is an error that writes nothing."""
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_the_slots_index_copy_writes(col_major: bool, cache_dtype: torch.dtype) -> None:
+    """Strided K/V land in their slots exactly (rounded to nearest even in a bfloat16 cache, as torch rounds);
+    a slot outside the cache is an error that writes nothing."""
     gen = torch.Generator().manual_seed(8)
     kv = torch.randn(6 * 64, 5, generator=gen).t() if col_major else torch.randn(5, 6 * 64, generator=gen)
     k, v = kv[:, : 3 * 64].view(5, 3, 64), kv[:, 3 * 64 :].view(5, 3, 64)
     slots = torch.tensor([17, 3, 40, 41, 0])
-    k_cache, v_cache = torch.zeros(2, 4, 16, 3, 64)
+    k_cache, v_cache = torch.zeros(2, 4, 16, 3, 64, dtype=cache_dtype)
     cpu_kernels.store_kv(k, v, k_cache, v_cache, slots)
-    expected_k, expected_v = torch.zeros(2, 64, 3, 64)
-    expected_k.index_copy_(0, slots, k)
-    expected_v.index_copy_(0, slots, v)
+    expected_k, expected_v = torch.zeros(2, 64, 3, 64, dtype=cache_dtype)
+    expected_k.index_copy_(0, slots, k.to(cache_dtype))
+    expected_v.index_copy_(0, slots, v.to(cache_dtype))
     assert torch.equal(k_cache.view(64, 3, 64), expected_k) and torch.equal(v_cache.view(64, 3, 64), expected_v)
     with pytest.raises(IndexError, match="outside the cache's 64 slots"):
         cpu_kernels.store_kv(k + 1, v + 1, k_cache, v_cache, torch.tensor([1, 2, 3, 4, 64]))
@@ -176,6 +178,26 @@ def test_tiles_over_shared_blocks_match_float64_reference(heads: tuple[int, int]
     out = cpu_kernels.attention(q, k_cache, v_cache, block_tables, seq_lens, 0.125, tiles)
     expected = _reference(q, k_cache, v_cache, tables, seq_lens, 0.125)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("head_dim", [64, 16])  # a specialised size and the generic path
+@pytest.mark.parametrize("heads", [(9, 3), (16, 1)])  # tiles of 8 rows, and single rows
+def test_bfloat16_cache_reads_as_its_float32_widening(head_dim: int, heads: tuple[int, int]) -> None:
+    """Over a bfloat16 cache the kernel computes what it computes over the widened float32 cache (to float32
+    rounding: the compiler may contract the generic path's loops differently)."""
+    from engine.layers.cpu_attention import plan_tiles
+
+    num_heads, num_kv_heads = heads
+    q, k_cache, v_cache, block_tables, seq_lens, _ = _paged_case(
+        24, num_heads, num_kv_heads, head_dim, 16, seed=head_dim + num_heads, min_len=48
+    )
+    tiles = plan_tiles(seq_lens.numpy(), block_tables.numpy(), 16, num_heads // num_kv_heads)
+    k16, v16 = k_cache.bfloat16(), v_cache.bfloat16()
+    out = cpu_kernels.attention(q, k16, v16, block_tables, seq_lens, 0.125, tiles)
+    widened = cpu_kernels.attention(q, k16.float(), v16.float(), block_tables, seq_lens, 0.125, tiles)
+    torch.testing.assert_close(out, widened, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="must share a dtype"):
+        cpu_kernels.attention(q, k16, v_cache, block_tables, seq_lens, 0.125)
 
 
 def test_tiles_that_claim_too_much_are_rejected() -> None:

@@ -25,12 +25,16 @@ def test_auto_settings_and_exposed_attributes(tiny_model_factory) -> None:
 
 
 def test_kv_cache_budget_and_dtype(tiny_model_factory) -> None:
-    """kv_cache_memory sizes the cache by whole blocks of the compute dtype; num_blocks is taken as given."""
+    """kv_cache_memory sizes the cache by whole blocks of its dtype, bfloat16 whether the CPU computes in it or
+    widens it (the C backend's cache); num_blocks is taken as given."""
     path = tiny_model_factory("qwen3")
-    compute, weights = resolve_dtypes("bfloat16", torch.device("cpu"))
     runner = ModelRunner(EngineConfig(dtype="bfloat16", block_size=8, kv_cache_memory=100_000), path)
-    assert (runner.dtype, runner.weight_dtype) == (compute, weights) and runner.kv_cache.dtype == compute
-    assert runner.num_blocks == 100_000 // (8 * BYTES_PER_TOKEN_F32 * compute.itemsize // 4)
+    assert (runner.dtype, runner.weight_dtype) == resolve_dtypes("bfloat16", torch.device("cpu"))
+    assert runner.kv_cache.dtype == runner.kv_cache_dtype == torch.bfloat16
+    assert runner.num_blocks == 100_000 // (8 * BYTES_PER_TOKEN_F32 // 2)
+    # the PyTorch backend reads its cache in the compute dtype
+    torch_backend = ModelRunner(EngineConfig(dtype="bfloat16", attention_backend="torch", num_blocks=8), path)
+    assert torch_backend.kv_cache.dtype == torch_backend.dtype
     assert ModelRunner(EngineConfig(num_blocks=7, max_model_len=100), path).num_blocks == 7
 
 

@@ -87,24 +87,22 @@ _SIGNATURES = {
     "paged_attention_f32": [
         _PTR, *[_I64] * 3, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, *[_I64] * 5, _F32
     ],
-    "paged_attention_bf16": [
-        _PTR, *[_I64] * 3, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, *[_I64] * 5, _F32
-    ],
     # k and its two strides, v and its two strides, slots, rows, width, k_cache, v_cache, number of slots
     "store_kv_f32": [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64],
-    "store_kv_bf16": [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64],
     # x, ld, residual, ld, weight, rows, width, eps, out, residual_out, their ld
     "rms_norm_f32": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _F32, _PTR, _PTR, _I64],
     # x, ld, rows, intermediate size, out, ld
     "silu_and_mul_f32": [_PTR, _I64, _I64, _I64, _PTR, _I64],
     # x, ld, rows, packed weight, out features, in features, bias (or NULL), y, ld
     "linear_f32": [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64],
-    "linear_bf16": [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64],
     # q, ld, k, ld, positions, cos_sin, its rows, rows, heads, KV heads, head_dim, rotary dim, q_out, ld, k_out, ld
     "rotary_f32": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, *[_I64] * 6, _PTR, _I64, _PTR, _I64],
 }
+# The kernels built for a bfloat16 cache or weight take the float32 ones' arguments.
+_SIGNATURES |= {f"{name}_bf16": _SIGNATURES[f"{name}_f32"] for name in ("paged_attention", "store_kv", "linear")}
 # 0, or < 0 on bad arguments
 _RETURN_STATUS = {"paged_attention_f32", "paged_attention_bf16", "store_kv_f32", "store_kv_bf16", "rotary_f32"}
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 @functools.cache
@@ -187,7 +185,7 @@ def attention(
     block_tables = block_tables.to(torch.int32).contiguous()
     seq_lens = seq_lens.to(torch.int64).contiguous()
     out = torch.empty(q.shape)
-    kernel = lib.paged_attention_bf16 if k_cache.dtype == torch.bfloat16 else lib.paged_attention_f32
+    kernel = getattr(lib, f"paged_attention_{_SUFFIX[k_cache.dtype]}")
     status = kernel(
         q.data_ptr(), *q.stride(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.stride(0), seq_lens.data_ptr(), num_rows, tiles.rows.data_ptr(), tiles.starts.data_ptr(),
@@ -221,7 +219,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     k2, v2 = _heads_as_columns(k), _heads_as_columns(v)
     slots = slot_mapping.to(torch.int64).contiguous()
     num_slots = k_cache.shape[0] * k_cache.shape[1]
-    kernel = lib.store_kv_bf16 if k_cache.dtype == torch.bfloat16 else lib.store_kv_f32
+    kernel = getattr(lib, f"store_kv_{_SUFFIX[k_cache.dtype]}")
     status = kernel(k2.data_ptr(), *k2.stride(), v2.data_ptr(), *v2.stride(), slots.data_ptr(), k2.shape[0],
                     k2.shape[1], k_cache.data_ptr(), v_cache.data_ptr(), num_slots)
     if status:
@@ -362,7 +360,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     packed = packed.contiguous()
     bias = bias.contiguous() if bias is not None else None
     y = torch.empty(rows, out_features)
-    kernel = lib.linear_bf16 if packed.dtype == torch.bfloat16 else lib.linear_f32
+    kernel = getattr(lib, f"linear_{_SUFFIX[packed.dtype]}")
     kernel(
         x.data_ptr(), x.stride(0) if rows > 1 else in_features, rows, packed.data_ptr(), out_features, in_features,
         bias.data_ptr() if bias is not None else None, y.data_ptr(), out_features,

@@ -129,7 +129,8 @@ def test_sync_client_chat_and_stream(fake_engine):
     client = Client(transport=InProcessTransport(fake_engine))
     result = client.chat("hi", max_tokens=4)
     assert "".join(d.text for d in client.stream("hi", max_tokens=4)) == result.text
-    stream = client.stream("hi", max_tokens=50)
+    fake_engine.step_delay = 0.01  # the request runs for seconds on the SDK thread, so it is live when closed
+    stream = client.stream("hi", max_tokens=400)
     first = next(stream)
     stream.close()
     assert first.request_id in fake_engine.aborted

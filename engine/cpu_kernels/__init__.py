@@ -355,14 +355,13 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
         )
     if bias is not None and bias.shape != (out_features,):
         raise ValueError(f"bias must have shape [{out_features}]; got {list(bias.shape)}")
-    if x.stride(1) != 1 or (rows > 1 and x.stride(0) < in_features):  # rows as separate contiguous runs
-        x = x.contiguous()
+    x, ld_x = _rows(x)
     packed = packed.contiguous()
     bias = bias.contiguous() if bias is not None else None
     y = torch.empty(rows, out_features)
     kernel = getattr(lib, f"linear_{_SUFFIX[packed.dtype]}")
     kernel(
-        x.data_ptr(), x.stride(0) if rows > 1 else in_features, rows, packed.data_ptr(), out_features, in_features,
+        x.data_ptr(), ld_x, rows, packed.data_ptr(), out_features, in_features,
         bias.data_ptr() if bias is not None else None, y.data_ptr(), out_features,
     )
     return y

@@ -298,10 +298,10 @@ static void attend_tile_any(TILE_ARGS, int D) { TILE_CALL(D); }
  * holds; -3 when out of memory. Nothing is computed then. */
 int KV_NAME(paged_attention)(const float *q, int64_t q_row, int64_t q_head, int64_t q_col, const kv_t *k_cache,
                              const kv_t *v_cache, const int32_t *block_tables, int64_t table_stride,
-                        const int64_t *seq_lens, int64_t num_rows, const int64_t *tile_rows,
-                        const int64_t *tile_starts, const int64_t *tile_shared, int64_t num_tiles, float *out,
-                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                        int64_t num_blocks, float scale) {
+                             const int64_t *seq_lens, int64_t num_rows, const int64_t *tile_rows,
+                             const int64_t *tile_starts, const int64_t *tile_shared, int64_t num_tiles, float *out,
+                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                             int64_t num_blocks, float scale) {
     const int G = (int)(num_heads / num_kv_heads);
     const int D = (int)head_dim;
     if (G > MAX_GROUP || D > MAX_HEAD_DIM || D % VL != 0 || block_size > MAX_BLOCK_SIZE) return -1;

@@ -131,8 +131,9 @@ class ModelRunner:
             model = model_class(self.hf_config)
         model = model.to(dtype=self.dtype).to_empty(device=self.device)
         linears = [m for m in model.modules() if isinstance(m, Linear)]  # the embedding too
-        for module in linears:  # checkpoint tensors round into these as they are copied in
-            module.weight.data = torch.empty_like(module.weight, dtype=self.weight_dtype)
+        if self.weight_dtype != self.dtype:
+            for module in linears:  # checkpoint tensors round into these as they are copied in
+                module.weight.data = torch.empty_like(module.weight, dtype=self.weight_dtype)
         files = sorted(model_dir.glob("*.safetensors"))
         if not files:
             raise ModelLoadError(f"{str(model_dir)!r} has no *.safetensors weights")

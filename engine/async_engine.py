@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.errors import EngineError, EngineOverloaded
-from engine.llm_engine import Engine, Prompt, check_request_args, tokenize
+from engine.errors import EngineError, EngineOverloaded, ParameterError
+from engine.llm_engine import Engine, Prompt, check_params, tokenize
 from engine.outputs import PinnedPrefix, RequestOutput
+from engine.request_options import RequestOptions
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -129,6 +130,16 @@ class AsyncEngine:
     # ---------------------------------------------------------------------------- properties
 
     @property
+    def engine(self) -> Engine:
+        """The ``Engine`` the driver thread steps.
+
+        Only the driver thread calls its methods: read or change it through ``call()``. Its
+        ``runner``, ``sampler`` and ``scheduler`` attributes are looked up afresh on every
+        step, so a test may swap them from another thread to inject a fault.
+        """
+        return self._engine
+
+    @property
     def tokenizer(self) -> Any:
         """The model's Hugging Face tokenizer, for the caller's thread(s)."""
         return self._tokenizer
@@ -167,14 +178,13 @@ class AsyncEngine:
             RequestRejected: From the first ``__anext__``: empty prompt, a token id outside
                 the vocabulary, longer than max_model_len or than the KV cache holds.
             EngineOverloaded: From the first ``__anext__``: admission limits are full.
-            ValueError: Bad ``params``, ``request_id``, ``priority`` or ``cache_salt``, or a request id already in use.
+            ParameterError: Bad ``params``, ``request_id``, ``priority`` or ``cache_salt``, or a
+                request id already in use.
             EngineError: The engine failed this request, or is dead / shut down.
         """
         self._check_alive()
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams; got {type(params).__name__}")
-        check_request_args(request_id, priority, cache_salt)
+        params = check_params(params)
+        RequestOptions(request_id, priority, cache_salt)
         prompt_token_ids = tokenize(self._tokenizer, prompt)
         self._engine.validate_prompt(prompt_token_ids)  # reads immutable settings only
         if request_id is None:
@@ -224,7 +234,7 @@ class AsyncEngine:
     async def unpin_prefix(self, pin_id: str) -> None:
         """Releases a pinned prefix; its blocks stay cached until evicted. Unknown ids are a no-op."""
         if self._dead is None:
-            await self._call(lambda engine: self._unpin(engine, pin_id))
+            await self.call(lambda engine: self._unpin(engine, pin_id))
 
     def _unpin(self, engine: Engine, pin_id: str) -> None:
         engine.unpin_prefix(pin_id)
@@ -245,8 +255,15 @@ class AsyncEngine:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.shutdown()
 
-    async def _call(self, fn: Callable[[Engine], Any]) -> Any:
-        """Runs ``fn(engine)`` on the driver thread between steps (tests, maintenance)."""
+    async def call(self, fn: Callable[[Engine], Any]) -> Any:
+        """Runs ``fn(engine)`` on the driver thread between two steps and returns its result.
+
+        The one way to read or change the ``Engine`` behind this object (inspection in tests,
+        maintenance): nothing else touches it while ``fn`` runs.
+
+        Raises:
+            EngineError: The engine is dead or shut down; whatever ``fn`` raised.
+        """
         self._check_alive()
         loop = asyncio.get_running_loop()
         future = loop.create_future()
@@ -265,7 +282,7 @@ class AsyncEngine:
         limits = self.config
         with self._lock:
             if request_id in self._live_ids:
-                raise ValueError(f"request id {request_id!r} is already in use")
+                raise ParameterError("request_id", f"request id {request_id!r} is already in use")
             if self._queued_requests + 1 > limits.max_queued_requests:
                 raise EngineOverloaded(f"{self._queued_requests} requests are queued (max_queued_requests)")
             if self._queued_tokens + channel.num_tokens > limits.max_queued_tokens:

@@ -9,7 +9,8 @@ tail of the text that could still become a stop string is withheld from streamed
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 _REPLACEMENT_CHAR = "\ufffd"
 _PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded with the output so leading spaces come out right
@@ -32,38 +33,38 @@ class IncrementalDetokenizer:
         stop: stop strings; the text ends right before the first one found.
     """
 
-    __slots__ = ("_decode", "_prefix_offset", "_read_offset", "_stop", "_max_stop_len", "text")
+    __slots__ = ("_decode", "_window", "_num_read", "_stop", "_max_stop_len", "text")
 
     def __init__(
         self,
         decode: Callable[[list[int]], str],
-        prompt_token_ids: list[int],
+        prompt_token_ids: Sequence[int],
         stop: tuple[str, ...] = (),
     ) -> None:
         self._decode = decode
-        # NOTE: ids[_prefix_offset:_read_offset] decode to text already emitted; they give the
-        # next token context (a leading space, the rest of a multi-byte character).
-        self._read_offset = len(prompt_token_ids)
-        self._prefix_offset = max(0, self._read_offset - _PROMPT_CONTEXT_TOKENS)
+        # NOTE: _window[:_num_read] decodes to text already emitted (or to the prompt's last
+        # tokens); it gives the next tokens context (a leading space, the rest of a character).
+        self._window = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        self._num_read = len(self._window)
         self._stop = stop
         self._max_stop_len = max((len(s) for s in stop), default=0)
         self.text = ""
 
-    def update(self, token_ids: list[int], check_stop: bool = True) -> bool:
-        """Decode the tokens added since the last call (``token_ids`` is prompt + output).
+    def update(self, new_token_ids: Sequence[int], check_stop: bool = True) -> bool:
+        """Decode the tokens generated since the last call.
 
         Returns:
             True when a stop string was found; ``text`` then ends right before it.
         """
-        window = token_ids[self._prefix_offset :]
-        num_prefix = self._read_offset - self._prefix_offset
-        prefix_text = self._decode(window[:num_prefix]) if num_prefix else ""
+        window = self._window
+        window.extend(new_token_ids)
+        prefix_text = self._decode(window[: self._num_read]) if self._num_read else ""
         new_text = self._decode(window)
         if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
             return False  # an incomplete character: wait for the token that completes it
         delta = new_text[len(prefix_text) :]
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(token_ids)
+        self._window = window[self._num_read :]
+        self._num_read = len(self._window)
         old_len = len(self.text)
         self.text += delta
         if not (check_stop and self._stop):

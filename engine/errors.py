@@ -1,5 +1,7 @@
 """Errors that leave the engine. Running out of blocks inside core/ is a ``None`` return, not an error."""
 
+from __future__ import annotations
+
 
 class EngineError(RuntimeError):
     """The engine failed to serve a request (a fault in a step, or the engine is dead)."""
@@ -9,8 +11,23 @@ class ModelLoadError(ValueError):
     """A model path, file or architecture the loader cannot use; the message names the path and what was expected."""
 
 
-class RequestRejected(ValueError):
-    """A request that can never be served as asked (too long, cannot fit the KV cache); raised before it queues."""
+class ParameterError(ValueError):
+    """A setting or request field of the wrong type or outside its bounds; raised before anything is queued.
+
+    Attributes:
+        param: the offending field, as the engine names it (``temperature``, ``prompt``, ...).
+    """
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class RequestRejected(ParameterError):
+    """A prompt that can never be served as asked (empty, too long, cannot fit the KV cache); raised before it queues."""
+
+    def __init__(self, message: str, param: str = "prompt") -> None:
+        super().__init__(param, message)
 
 
 class EngineOverloaded(RuntimeError):

@@ -1,7 +1,11 @@
-"""Engine: requests in, outputs out. One step = schedule -> run -> sample -> update -> process.
+"""Engine: requests in, outputs out. One step = schedule -> run -> sample -> process -> update.
 
 The engine owns request intake, the step loop and the request lifecycle (abort, failure,
-pins); ``OutputProcessor`` turns the sampled tokens into request state and outputs.
+pins); ``OutputProcessor`` turns the sampled tokens into text and outputs, and the
+scheduler appends them and decides which requests finish.
+
+Its ``runner``, ``scheduler``, ``sampler`` and ``kv`` attributes are public: benchmarks
+read them, and tests swap ``runner``/``sampler``/``scheduler`` methods to inject faults.
 
 Single owner, not thread-safe: ``AsyncEngine`` drives one from a thread of its own.
 """
@@ -18,37 +22,30 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
-from engine.errors import EngineError, RequestRejected
+from engine.errors import EngineError, ParameterError, RequestRejected
 from engine.model_info import eos_token_ids, model_name
 from engine.output_processor import OutputProcessor, ParentRequest
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
-from engine.sampling_params import MAX_SEED, SamplingParams
+from engine.request_options import RequestOptions
+from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
 
-MAX_PRIORITY = 1 << 31  # |priority| bound
-MAX_ID_CHARS = 256  # request ids and cache salts
 
-
-def check_request_args(request_id: object, priority: object, cache_salt: object) -> None:
-    """Checks the per-request arguments besides prompt and params; reads nothing mutable.
+def check_params(params: SamplingParams | None) -> SamplingParams:
+    """``params``, or the defaults for None.
 
     Raises:
-        ValueError: naming the field: ``request_id`` not None nor a non-empty str of at most
-            ``MAX_ID_CHARS``, ``priority`` not an int within ``MAX_PRIORITY``, ``cache_salt``
-            not None nor a str of at most ``MAX_ID_CHARS``.
+        ParameterError: ``params`` is not a SamplingParams.
     """
-    if request_id is not None and (not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_ID_CHARS):
-        raise ValueError(f"request_id must be a non-empty str of at most {MAX_ID_CHARS} characters")
-    # NOTE: priorities are compared inside the waiting heap; one that is not an int would
-    # break the comparison there, on the driver thread, long after this call returned.
-    if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > MAX_PRIORITY:
-        raise ValueError(f"priority must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}]")
-    if cache_salt is not None and (not isinstance(cache_salt, str) or len(cache_salt) > MAX_ID_CHARS):
-        raise ValueError(f"cache_salt must be a str of at most {MAX_ID_CHARS} characters")
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise ParameterError("params", f"params must be a SamplingParams; got {type(params).__name__}")
+    return params
 
 
 def make_config(model: str | None, config: EngineConfig | None, overrides: dict[str, Any]) -> EngineConfig:
@@ -93,10 +90,10 @@ class Engine:
         self.eos_token_ids = eos_token_ids(self.model_dir, self.runner.hf_config, self.tokenizer)
         # NOTE: a sequence never outgrows max_model_len nor what the whole KV cache holds.
         self.max_num_tokens = min(self.max_model_len, self.runner.num_blocks * self.config.block_size)
-        self.output_processor = OutputProcessor(self.scheduler, self.tokenizer)
-        self._parents: dict[str, ParentRequest] = {}
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._parents: dict[str, ParentRequest] = {}  # unfinished user requests (pins computing included)
         self._failures: dict[str, EngineError] = {}
-        self._pins: set[str] = set()
+        self._pins: set[str] = set()  # pinned prefixes, computing or held
         self._arrivals = itertools.count()
         self._ids = itertools.count()
         self._busy_seconds = 0.0
@@ -153,15 +150,14 @@ class Engine:
 
         Raises:
             RequestRejected: The prompt can never be served (see ``validate_prompt``).
-            ValueError: The id is in use, or ``params`` is not a SamplingParams.
+            ParameterError: The id is in use, ``params`` is not a SamplingParams, or
+                ``request_id``, ``priority`` or ``cache_salt`` is out of bounds.
         """
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams; got {type(params).__name__}")
-        check_request_args(request_id, priority, cache_salt)
+        params = check_params(params)
+        RequestOptions(request_id, priority, cache_salt)
         request_id = f"req-{next(self._ids)}" if request_id is None else request_id
         if request_id in self._parents or request_id in self._pins:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise ParameterError("request_id", f"request id {request_id!r} is already in use")
         prompt_token_ids = self.tokenize(prompt)
         self.validate_prompt(prompt_token_ids)
         self._add(request_id, prompt_token_ids, params, priority, cache_salt)
@@ -183,9 +179,8 @@ class Engine:
             if parent is None:
                 continue
             self.scheduler.finish_requests([c.req_id for c in parent.children], RequestStatus.FINISHED_ABORTED)
-            # NOTE: its final output is this one: no later step emits it, so the engine forgets it now.
-            del self._parents[request_id]
-            outputs.append(self.output_processor.make_output(parent))
+            # NOTE: its final output is this one: no later step emits it.
+            outputs.append(self._final_output(parent))
         return outputs
 
     def pin_prefix(self, prompt: Prompt, cache_salt: str | None = None) -> str:
@@ -200,57 +195,63 @@ class Engine:
         pin_id = f"pin-{next(self._ids)}"
         prompt_token_ids = self.tokenize(prompt)
         self.validate_prompt(prompt_token_ids)
-        parent = self._add(pin_id, prompt_token_ids, SamplingParams(max_tokens=1, temperature=0.0), 0, cache_salt)
-        parent.children[0].keep_blocks = True
+        RequestOptions(pin_id, 0, cache_salt)
+        self._add(pin_id, prompt_token_ids, SamplingParams(max_tokens=1, temperature=0.0), 0, cache_salt, keep_blocks=True)
         self._pins.add(pin_id)
         return pin_id
 
     def unpin_prefix(self, pin_id: str) -> None:
-        """Releases a pinned prefix's blocks (they stay cached until evicted); unknown ids are a no-op."""
+        """Releases a pinned prefix's blocks (they stay cached until evicted); unknown ids are a no-op.
+
+        A pin still computing is aborted (its request emits no output).
+        """
         if pin_id not in self._pins:
             return
         self._pins.discard(pin_id)
-        parent = self._parents.get(pin_id)
+        parent = self._parents.pop(pin_id, None)
         if parent is not None:
             self.scheduler.finish_requests([pin_id], RequestStatus.FINISHED_ABORTED)
-            self._parents.pop(pin_id, None)
+            self.output_processor.free(parent)
         self.kv.free(pin_id)
 
     def _add(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
-        cache_salt: str | None,
-    ) -> ParentRequest:
+        cache_salt: str | None, keep_blocks: bool = False,
+    ) -> None:
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        children = []
-        for index in range(params.n):
-            child_params = params
-            if params.n > 1:
-                seed = None if params.seed is None else (params.seed + index) % (MAX_SEED + 1)
-                child_params = dataclasses.replace(params, n=1, seed=seed)
-            child = Request(
+        children = [
+            Request(
                 request_id if params.n == 1 else f"{index}_{request_id}",
                 prompt_token_ids,
-                child_params,
+                params if params.n == 1 else params.for_completion(index),
                 priority=priority,
                 arrival_seq=next(self._arrivals),
                 cache_salt=cache_salt,
                 stop_token_ids=stop_ids,
                 max_num_tokens=self.max_num_tokens,
+                keep_blocks=keep_blocks,
                 parent_id=request_id,
                 index=index,
             )
-            self.output_processor.add_request(child)
-            children.append(child)
+            for index in range(params.n)
+        ]
         for child in children:
+            self.output_processor.add_request(child)
             self.scheduler.add_request(child)
-        parent = ParentRequest(request_id, prompt_token_ids, children)
-        self._parents[request_id] = parent
-        return parent
+        self._parents[request_id] = ParentRequest(request_id, prompt_token_ids, children)
 
     # ---------------------------------------------------------------------------- stepping
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def unfinished_request_ids(self) -> list[str]:
+        """The user requests whose final output is still to come (computing pins included)."""
+        return list(self._parents)
+
+    def pinned_prefix_ids(self) -> list[str]:
+        """The pinned prefixes, computing or held."""
+        return list(self._pins)
 
     def step(self) -> list[RequestOutput]:
         """Runs one step.
@@ -269,6 +270,7 @@ class Engine:
     def _step(self, emit_unfinished: bool) -> list[RequestOutput]:
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        self.sampler.free(scheduler_output.finished_req_ids)
         touched: dict[str, None] = {}  # parent ids, in order
         for request in self.scheduler.capped:
             touched[request.parent_id] = None
@@ -296,8 +298,7 @@ class Engine:
             if parent is None:
                 continue
             if parent.finished:
-                del self._parents[parent_id]
-                outputs.append(self.output_processor.make_output(parent))
+                outputs.append(self._final_output(parent))
             elif emit_unfinished:
                 outputs.append(self.output_processor.make_output(parent))
         return outputs
@@ -319,22 +320,27 @@ class Engine:
                 token_ids.append(one.token_ids[0])
                 logprobs.append(one.logprobs[0])
             rows = ok_rows
-        self.scheduler.update_from_output(rows, token_ids)
-        self.output_processor.process(
-            rows, logprobs, touched, lambda parent_id, error: self._fail(parent_id, error, touched)
+        stopped = self.output_processor.process(
+            rows, token_ids, logprobs, touched, lambda parent_id, error: self._fail(parent_id, error, touched)
         )
+        self.scheduler.update_from_output(rows, token_ids, stopped)
 
     def _fail(self, parent_id: str, error: EngineError, touched: dict[str, None]) -> None:
         parent = self._parents.get(parent_id)
         if parent is None:
             return
+        # NOTE: a failed pin holds nothing: the scheduler frees the blocks of failed requests.
         self.scheduler.finish_requests([c.req_id for c in parent.children], RequestStatus.FINISHED_ERROR)
-        for child in parent.children:
-            if child.keep_blocks:  # a pin that failed holds nothing
-                self.kv.free(child.req_id)
         self._failures[parent_id] = error
         self._pins.discard(parent_id)
         touched[parent_id] = None
+
+    def _final_output(self, parent: ParentRequest) -> RequestOutput:
+        """A finished request's last output; the engine forgets it (its id is free again)."""
+        del self._parents[parent.request_id]
+        output = self.output_processor.make_output(parent)
+        self.output_processor.free(parent)
+        return output
 
     # ---------------------------------------------------------------------------- batch API
 
@@ -356,6 +362,7 @@ class Engine:
 
         Raises:
             RequestRejected: A prompt can never be served (nothing is run).
+            ParameterError: ``params`` is not a SamplingParams (or a list of one per prompt).
             EngineError: The engine failed one of the requests (the others are aborted).
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
@@ -364,7 +371,7 @@ class Engine:
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+            raise ParameterError("params", f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         token_lists = [self.tokenize(p) for p in prompts]
         for ids in token_lists:
             self.validate_prompt(ids)

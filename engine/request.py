@@ -1,10 +1,10 @@
-"""Request: one sequence's token bookkeeping and status; the scheduler is its only writer."""
+"""Request: one sequence's inputs, token bookkeeping and status; the scheduler is its only writer."""
 
 from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from engine.sampling_params import SamplingParams
@@ -43,6 +43,12 @@ class Request:
 
     ``all_token_ids`` is prompt + output and only grows; ``num_computed_tokens`` counts the
     tokens whose K/V are cached (reset to 0 on preemption, which recomputes).
+
+    NOTE: one writer per field. The constructor sets the inputs, which never change; the
+    scheduler alone writes ``status``, ``all_token_ids``, ``num_computed_tokens``,
+    ``num_cached_tokens`` and ``num_preemptions``. What other parts keep per request (the
+    output processor's text and timings, the sampler's generator and penalty counts) they
+    keep in their own tables, keyed by ``req_id``.
     """
 
     __slots__ = (
@@ -56,18 +62,13 @@ class Request:
         "cache_salt",
         "stop_token_ids",
         "max_num_tokens",
+        "keep_blocks",
+        "parent_id",
+        "index",
         "status",
         "num_computed_tokens",
         "num_cached_tokens",
         "num_preemptions",
-        "keep_blocks",
-        "first_token_time",
-        "last_token_time",
-        "detokenizer",
-        "sampling_state",
-        "logprobs",
-        "parent_id",
-        "index",
     )
 
     def __init__(
@@ -81,6 +82,7 @@ class Request:
         cache_salt: str | None = None,
         stop_token_ids: frozenset[int] = frozenset(),
         max_num_tokens: int | None = None,
+        keep_blocks: bool = False,
         parent_id: str | None = None,
         index: int = 0,
     ) -> None:
@@ -96,20 +98,14 @@ class Request:
         self.stop_token_ids = stop_token_ids
         # NOTE: the hard cap on prompt + output tokens (max_model_len, and what the KV cache holds).
         self.max_num_tokens = max_num_tokens
+        # A pinned prefix: its blocks outlive the request when it finishes normally.
+        self.keep_blocks = keep_blocks
+        self.parent_id = parent_id if parent_id is not None else req_id
+        self.index = index  # which of its parent's n completions
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.num_preemptions = 0
-        self.keep_blocks = False  # a pinned prefix: its blocks outlive the request
-        self.first_token_time: float | None = None
-        self.last_token_time: float | None = None
-        self.detokenizer: Any = None  # set by the engine
-        self.sampling_state: Any = None  # per-request sampler state (generator, penalty counts)
-        self.logprobs: list[dict[int, Any]] | None = (
-            [] if sampling_params.logprobs is not None else None
-        )
-        self.parent_id = parent_id if parent_id is not None else req_id
-        self.index = index
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -133,6 +129,13 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+
+    def is_stop_token(self, token_id: int, num_output_tokens: int) -> bool:
+        """Whether ``token_id``, as output token number ``num_output_tokens``, ends the request.
+
+        The one rule for stop tokens (EOS and ``stop_token_ids``): they count from ``min_tokens`` on.
+        """
+        return num_output_tokens >= self.sampling_params.min_tokens and token_id in self.stop_token_ids
 
     def __repr__(self) -> str:
         return (

@@ -176,6 +176,11 @@ class AsyncClient:
             self._started = True
 
     @property
+    def transport(self) -> Transport:
+        """Where this client's requests run."""
+        return self._transport
+
+    @property
     def model_name(self) -> str:
         """The served model's name (after ``start()``)."""
         return self._transport.model_name

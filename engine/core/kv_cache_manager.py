@@ -261,6 +261,11 @@ class KVCacheManager:
         num_dropped = self.block_pool.reset_prefix_cache()
         logger.debug("reset prefix cache: %d cached blocks dropped", num_dropped)
 
+    @property
+    def req_ids(self) -> list[str]:
+        """The requests that hold a block table (running, or pinned prefixes)."""
+        return list(self._requests)
+
     def get_block_ids(self, req_id: str) -> list[int]:
         """Returns a copy of the request's block table.
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import logging
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -27,6 +27,7 @@ from engine.request import Request, RequestStatus
 logger = logging.getLogger(__name__)
 
 _QUEUED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+_KEEPS_BLOCKS = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
 
 def _order(request: Request) -> tuple[int, int]:
@@ -197,12 +198,19 @@ class Scheduler:
         finished, self._finished_req_ids = self._finished_req_ids, set()
         return SchedulerOutput(scheduled=scheduled, finished_req_ids=finished)
 
-    def update_from_output(self, requests: list[Request], token_ids: list[int]) -> list[Request]:
-        """Appends each request's sampled token and finishes those that hit a stop condition.
+    def update_from_output(
+        self, requests: list[Request], token_ids: list[int], stopped: Collection[str] = ()
+    ) -> list[Request]:
+        """Appends each request's sampled token and finishes those that reached a stop condition.
+
+        This is where a request's finish reason is decided: a stop token (EOS or
+        ``stop_token_ids``), a stop string (``stopped``, found by the output processor in the
+        text this token completes), then ``max_tokens`` and the length cap.
 
         Args:
             requests: The requests whose logits the step produced, in batch order.
             token_ids: One sampled token per request.
+            stopped: Ids of the requests whose text reached a stop string with this token.
 
         Returns:
             The requests this finished (their blocks already freed).
@@ -212,7 +220,7 @@ class Scheduler:
             if request.is_finished:
                 continue
             request.append_token(token_id)
-            status = self._check_stop(request, token_id)
+            status = self._check_stop(request, token_id, request.req_id in stopped)
             if status is not None:
                 self._finish(request, status)
                 finished.append(request)
@@ -220,12 +228,12 @@ class Scheduler:
             self.running = [r for r in self.running if not r.is_finished]
         return finished
 
-    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
-        params = request.sampling_params
+    def _check_stop(self, request: Request, token_id: int, hit_stop_string: bool) -> RequestStatus | None:
         num_output = request.num_output_tokens
-        if num_output >= params.min_tokens and token_id in request.stop_token_ids:
+        if hit_stop_string or request.is_stop_token(token_id, num_output):
             return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and num_output >= params.max_tokens:
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None and num_output >= max_tokens:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         if request.max_num_tokens is not None and request.num_tokens >= request.max_num_tokens:
             return RequestStatus.FINISHED_LENGTH_CAPPED
@@ -289,7 +297,9 @@ class Scheduler:
         if request.status in _QUEUED:
             self._num_waiting -= 1  # its heap entry is dropped when it reaches the top
         request.status = status
-        if not request.keep_blocks:
+        # NOTE: a pinned prefix that computed its prompt keeps its blocks (the engine unpins it);
+        # aborted or failed, it holds nothing.
+        if not (request.keep_blocks and status in _KEEPS_BLOCKS):
             self.kv.free(request.req_id)
         self.requests.pop(request.req_id, None)
         self._finished_req_ids.add(request.req_id)

@@ -18,8 +18,8 @@ vocabulary.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -84,6 +84,12 @@ class Sampler:
         self.device = torch.device(device)
         self._generator = torch.Generator(self.device)
         self._generator.manual_seed(seed)
+        self._states: dict[str, _SamplingState] = {}  # req_id -> its generator and penalty counts
+
+    def free(self, req_ids: Iterable[str]) -> None:
+        """Drops the state of finished requests (unknown ids are skipped)."""
+        for req_id in req_ids:
+            self._states.pop(req_id, None)
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
         """Samples the next token of each request.
@@ -234,14 +240,14 @@ class Sampler:
         return penalty
 
     def _state(self, request: Request) -> _SamplingState:
-        state = request.sampling_state
+        state = self._states.get(request.req_id)
         if state is None:
             seed = request.sampling_params.seed
             generator = None
             if seed is not None:
                 generator = torch.Generator(self.device)
                 generator.manual_seed(seed)
-            state = request.sampling_state = _SamplingState(generator)
+            state = self._states[request.req_id] = _SamplingState(generator)
         return state
 
     def _tensor(self, values: Sequence, dtype: torch.dtype = torch.int64) -> torch.Tensor:

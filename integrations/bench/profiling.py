@@ -56,7 +56,7 @@ def profile_steps(
             (engine.scheduler, "schedule", "schedule"),
             (runner_module, "prepare_inputs", "prepare inputs"),
             (engine.runner, "execute_model", "execute_model"),
-            (engine, "sampler", "sample"),
+            (type(engine.sampler), "__call__", "sample"),
             (engine.scheduler, "update_from_output", "update"),
             (detokenizer_module.IncrementalDetokenizer, "update", "detokenize"),
             (engine.output_processor, "make_output", "emit outputs"),

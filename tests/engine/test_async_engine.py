@@ -41,7 +41,7 @@ async def assert_pool_whole(engine: AsyncEngine) -> None:
         e.kv.check_integrity()
         return e.kv.num_free_blocks, e.kv.num_blocks, e.has_unfinished_requests()
 
-    free, total, busy = await engine._call(check)
+    free, total, busy = await engine.call(check)
     assert free == total and not busy
 
 
@@ -114,7 +114,7 @@ async def test_validation_errors_raise_before_queueing(engine: AsyncEngine) -> N
 async def test_admission_limit_is_atomic(model_dir) -> None:
     """With max_queued_requests=2, a third queued request gets EngineOverloaded; slots free up after."""
     async with AsyncEngine(str(model_dir), num_blocks=64, block_size=4, max_queued_requests=2) as engine:
-        stall = asyncio.ensure_future(engine._call(lambda e: time.sleep(0.5)))  # hold the driver
+        stall = asyncio.ensure_future(engine.call(lambda e: time.sleep(0.5)))  # hold the driver
         await asyncio.sleep(0.05)
         streams = [engine.generate(p, GREEDY) for p in PROMPTS[:3]]
         firsts = [asyncio.ensure_future(s.__anext__()) for s in streams[:2]]
@@ -134,7 +134,7 @@ async def test_pin_prefix_keeps_blocks_until_unpinned(engine: AsyncEngine) -> No
     system = list(range(1000, 1018))  # 4 full blocks of 4 + 2 tokens
     pin = await engine.pin_prefix(system)
     assert pin.num_tokens == 18 and pin.num_cached_tokens == 0
-    used = await engine._call(lambda e: e.kv.stats().num_used_blocks)
+    used = await engine.call(lambda e: e.kv.stats().num_used_blocks)
     assert used == 5
     outs = await collect(engine, system + [7, 8, 9])
     assert outs[-1].num_cached_tokens == 16
@@ -158,7 +158,7 @@ async def test_failed_step_raises_engine_error_and_engine_goes_on(engine: AsyncE
 
         e.runner.execute_model = fail
 
-    await engine._call(break_once)
+    await engine.call(break_once)
     with pytest.raises(EngineError, match="device fault"):
         await collect(engine, PROMPTS[0])
     await assert_pool_whole(engine)
@@ -178,7 +178,7 @@ async def test_dead_driver_wakes_waiters(model_dir) -> None:
 
         e.scheduler.schedule = boom
 
-    await engine._call(explode)
+    await engine.call(explode)
     start = time.perf_counter()
     for s in streams:
         with pytest.raises(EngineError, match="died"):

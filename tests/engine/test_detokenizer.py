@@ -19,11 +19,9 @@ def _stream(tokenizer, prompt: str, output: str, stop: tuple[str, ...] = ()):
     prompt_ids = tokenizer.encode(prompt)
     output_ids = tokenizer.encode(output)
     detok = IncrementalDetokenizer(make_decode_fn(tokenizer), prompt_ids, stop)
-    ids = list(prompt_ids)
     seen, stopped = [], False
     for t in output_ids:
-        ids.append(t)
-        stopped = detok.update(ids)
+        stopped = detok.update([t])
         seen.append(detok.visible_text(stopped))
         if stopped:
             break
@@ -81,8 +79,6 @@ def test_stop_found_only_after_check_enabled(tokenizer) -> None:
     prompt_ids = tokenizer.encode("x")
     out = tokenizer.encode(" END then")
     detok = IncrementalDetokenizer(make_decode_fn(tokenizer), prompt_ids, ("END",))
-    ids = list(prompt_ids)
     for t in out:
-        ids.append(t)
-        assert not detok.update(ids, check_stop=False)
+        assert not detok.update([t], check_stop=False)
     assert "END" in detok.text

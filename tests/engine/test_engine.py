@@ -227,6 +227,19 @@ def test_failed_step_fails_its_requests_and_engine_goes_on(engine: Engine, monke
     assert len(engine.generate([prompts()[2]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 12
 
 
+class _StandInSampler:
+    """Samples with ``sample(logits, requests)``; the real sampler still drops finished requests' state."""
+
+    def __init__(self, real, sample) -> None:
+        self.real, self.sample = real, sample
+
+    def __call__(self, logits, requests):
+        return self.sample(logits, requests)
+
+    def free(self, req_ids) -> None:
+        self.real.free(req_ids)
+
+
 def test_sampling_fault_fails_one_request(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """An exception while sampling one request fails that request alone; the others finish normally."""
     real = engine.sampler
@@ -236,7 +249,7 @@ def test_sampling_fault_fails_one_request(engine: Engine, monkeypatch: pytest.Mo
             raise RuntimeError("bad row")
         return real(logits, requests)
 
-    monkeypatch.setattr(engine, "sampler", picky)
+    monkeypatch.setattr(engine, "sampler", _StandInSampler(real, picky))
     engine.add_request("bad", prompts()[0], GREEDY)
     engine.add_request("good", prompts()[1], GREEDY)
     finals = {}
@@ -275,9 +288,10 @@ def test_streamed_text_keeps_chinese_and_emoji_whole(engine: Engine, monkeypatch
 
     text = "你好，世界🎉🚀"
     script = engine.tokenizer.encode(text)
-    monkeypatch.setattr(
-        engine, "sampler", lambda logits, reqs: SamplerOutput([script[r.num_output_tokens] for r in reqs], [None] * len(reqs))
+    scripted = _StandInSampler(
+        engine.sampler, lambda logits, reqs: SamplerOutput([script[r.num_output_tokens] for r in reqs], [None] * len(reqs))
     )
+    monkeypatch.setattr(engine, "sampler", scripted)
     engine.add_request("utf8", [5, 6, 7], SamplingParams(max_tokens=len(script), ignore_eos=True))
     texts = []
     while engine.has_unfinished_requests():

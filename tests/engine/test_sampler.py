@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from engine.layers.sampler import Sampler, argmax_rows
@@ -13,8 +15,12 @@ PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0, 0.0, 0.0, 0.0])
 LOGITS = torch.log(PROBS.clamp_min(1e-30))
 
 
+_ids = itertools.count()
+
+
 def make_request(prompt=(7,), output=(), stop_ids=(), **params) -> Request:
-    r = Request("r", list(prompt), SamplingParams(**params), stop_token_ids=frozenset(stop_ids))
+    """A request with a fresh id (the sampler keeps its per-request state by id)."""
+    r = Request(f"r{next(_ids)}", list(prompt), SamplingParams(**params), stop_token_ids=frozenset(stop_ids))
     for t in output:
         r.append_token(t)
     return r

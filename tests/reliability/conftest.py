@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from engine.testing import assert_quiescent, running_tasks
+from tests.support.quiescence import assert_quiescent, running_tasks
 
 # A small cache and short sequences: every request ends within a few dozen steps.
 ENGINE_CONFIG: dict[str, Any] = dict(

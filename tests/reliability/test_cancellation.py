@@ -11,7 +11,7 @@ import pytest
 
 from engine import AsyncEngine, Engine, SamplingParams
 from engine.request import RequestStatus
-from engine.testing import check_engine_quiescent
+from tests.support.quiescence import check_engine_quiescent
 from sdk import AsyncClient
 from sdk.audit import AuditLog
 from sdk.errors import RequestTimeout

@@ -10,8 +10,8 @@ import aiohttp
 import pytest
 
 from engine import AsyncEngine, Engine, EngineError, SamplingParams
-from engine.faults import InjectedFault, inject_fault
-from engine.testing import check_engine_quiescent
+from tests.support.faults import InjectedFault, inject_fault
+from tests.support.quiescence import check_engine_quiescent
 from integrations.openai_server.app import STATE, create_app
 from integrations.openai_server.serving import Serving
 from sdk import AsyncClient

@@ -38,7 +38,7 @@ async def test_a_thousand_simultaneous_submits_never_over_admit(model_dir, quies
     """1,000 submits from one loop and four threads while the driver is busy: exactly the limit is admitted."""
     config = dict(ENGINE_CONFIG, max_queued_requests=50) if limit == "requests" else dict(ENGINE_CONFIG, max_queued_tokens=200)
     async with AsyncEngine(str(model_dir), **config) as engine:
-        stall = asyncio.ensure_future(engine._call(lambda e: time.sleep(1.5)))  # nothing leaves the queue meanwhile
+        stall = asyncio.ensure_future(engine.call(lambda e: time.sleep(1.5)))  # nothing leaves the queue meanwhile
         await asyncio.sleep(0.05)
         thread_results: list[bool] = []
         threads = [

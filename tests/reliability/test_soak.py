@@ -21,7 +21,7 @@ import aiohttp
 import pytest
 
 from engine import AsyncEngine
-from engine.testing import assert_quiescent, running_tasks
+from tests.support.quiescence import assert_quiescent, running_tasks
 from integrations.openai_server.app import create_app
 from integrations.openai_server.serving import Serving
 from sdk import AsyncClient

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from engine import AsyncEngine, Engine, EngineConfig, RequestRejected, SamplingParams
-from engine.llm_engine import check_request_args
-from engine.testing import assert_quiescent, check_engine_quiescent
+from engine.request_options import RequestOptions
+from tests.support.quiescence import assert_quiescent, check_engine_quiescent
 from integrations.openai_server.app import create_app
 from integrations.openai_server.serving import Serving
 from sdk import AsyncClient
@@ -103,9 +103,9 @@ def test_absurd_sizes_are_rejected_in_milliseconds_without_allocating(model_dir)
         ("stop_token_ids", lambda: SamplingParams(stop_token_ids=huge_ids)),
         ("temperature", lambda: SamplingParams(temperature=10**5000)),
         ("max_model_len", lambda: engine.validate_prompt(huge_ids)),
-        ("request_id", lambda: check_request_args(huge_str, 0, None)),
-        ("priority", lambda: check_request_args("r", 10**5000, None)),
-        ("cache_salt", lambda: check_request_args("r", 0, huge_str)),
+        ("request_id", lambda: RequestOptions(huge_str, 0, None)),
+        ("priority", lambda: RequestOptions("r", 10**5000, None)),
+        ("cache_salt", lambda: RequestOptions("r", 0, huge_str)),
         ("max_num_seqs", lambda: EngineConfig(max_num_seqs=10**12)),
     ]
     for field, make in cases:

@@ -8,9 +8,9 @@ Quiescent means:
 - no stray asyncio task: every task that did not exist when the test started has ended.
 
 ``check_engine_quiescent`` checks an ``Engine`` at once; ``assert_quiescent`` waits (up to a
-timeout) for any object that leads to one (an ``AsyncEngine``, an SDK client or transport,
-the server's ``Serving``) to become quiescent, reading it on the engine's driver thread.
-Test support only; no engine code imports it.
+timeout) for any object that leads to one (an ``AsyncEngine``, an SDK client, runtime or
+transport, the server's ``Serving``) to become quiescent, reading it on the engine's driver
+thread through ``AsyncEngine.call``. Only public reads are used.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from typing import Any
 
 __all__ = ["NotQuiescent", "assert_quiescent", "check_engine_quiescent", "find_engines", "running_tasks"]
 
-_UNWRAP = ("_transport", "serving", "_engine", "engine")  # client -> transport -> tap -> AsyncEngine -> Engine
 
 
 class NotQuiescent(AssertionError):
@@ -40,12 +39,12 @@ def check_engine_quiescent(engine: Any) -> None:
         problems.append(f"{scheduler.num_running} running / {scheduler.num_waiting} waiting requests")
     if scheduler.requests:
         problems.append(f"scheduler still tracks {sorted(scheduler.requests)[:5]}")
-    if engine._parents:
-        problems.append(f"engine still holds requests {sorted(engine._parents)[:5]}")
-    if engine._pins:
-        problems.append(f"prefixes still pinned: {sorted(engine._pins)[:5]}")
-    if kv._requests:
-        problems.append(f"block tables left for {sorted(kv._requests)[:5]}")
+    if unfinished := engine.unfinished_request_ids():
+        problems.append(f"engine still holds requests {sorted(unfinished)[:5]}")
+    if pins := engine.pinned_prefix_ids():
+        problems.append(f"prefixes still pinned: {sorted(pins)[:5]}")
+    if kv.req_ids:
+        problems.append(f"block tables left for {sorted(kv.req_ids)[:5]}")
     referenced = [b.block_id for b in kv.block_pool.blocks if b.ref_cnt != 0]
     if referenced:
         problems.append(f"{len(referenced)} blocks referenced, e.g. {referenced[:5]}")
@@ -60,25 +59,25 @@ def check_engine_quiescent(engine: Any) -> None:
         raise NotQuiescent("engine not quiescent: " + "; ".join(problems))
 
 
-def find_engines(target: Any) -> tuple[Any | None, Any]:
-    """``(AsyncEngine or None, Engine)`` behind an engine, client, transport or server ``Serving``."""
-    async_engine = None
-    seen = 0
+def find_engines(target: Any) -> tuple[Any | None, Any | None]:
+    """``(AsyncEngine, None)`` or ``(None, Engine)`` behind an engine, client, runtime, transport or ``Serving``.
+
+    Follows the public attributes that lead to an engine: ``AsyncClient.transport``,
+    ``transport.engine``, ``Runtime.engine``, ``Serving.engine``.
+    """
+    from engine import AsyncEngine, Engine
+
     obj = target
-    while not (hasattr(obj, "scheduler") and hasattr(obj, "kv")):
-        if hasattr(obj, "_thread") and hasattr(obj, "_call"):
-            async_engine = obj
-        for name in _UNWRAP:
-            inner = getattr(obj, name, None)
-            if inner is not None and inner is not obj:
-                obj = inner
-                break
-        else:
-            raise TypeError(f"no engine found behind {type(target).__name__}")
-        seen += 1
-        if seen > 8:
-            raise TypeError(f"no engine found behind {type(target).__name__}")
-    return async_engine, obj
+    for _ in range(8):
+        if isinstance(obj, AsyncEngine):
+            return obj, None
+        if isinstance(obj, Engine):
+            return None, obj
+        inner = getattr(obj, "transport", None) or getattr(obj, "engine", None)
+        if inner is None or inner is obj:
+            break
+        obj = inner
+    raise TypeError(f"no engine found behind {type(target).__name__}")
 
 
 def running_tasks() -> set[asyncio.Task]:
@@ -117,11 +116,13 @@ async def assert_quiescent(
 
 
 async def _check_once(async_engine: Any, engine: Any, tasks_before: set[asyncio.Task] | None) -> None:
-    if async_engine is None or not async_engine._thread.is_alive():
+    if async_engine is None:
         check_engine_quiescent(engine)  # nobody else touches it
+    elif not async_engine.is_running:
+        check_engine_quiescent(async_engine.engine)  # its driver is gone
     else:
         # NOTE: the driver thread owns the engine: read it there, between two steps.
-        await async_engine._call(check_engine_quiescent)
+        await async_engine.call(check_engine_quiescent)
     if tasks_before is not None:
         stray = running_tasks() - tasks_before
         if stray:

@@ -1,8 +1,9 @@
 """Fault injection for tests: make one step's forward, the sampler or the scheduler raise on purpose.
 
-Test-only: nothing in the engine imports this module, and an engine without an injected
-fault runs exactly the code it always runs (the switch wraps instance attributes and
-restores them on exit). Works on an ``Engine`` or an ``AsyncEngine``.
+An engine without an injected fault runs exactly the code it always runs: the switch wraps
+the public attributes the engine documents for this (``runner.execute_model``, ``sampler``,
+``scheduler.schedule``) and restores them on exit. Works on an ``Engine`` or an
+``AsyncEngine`` (through its documented ``engine`` property).
 
 Example:
     with inject_fault(engine, "sampler", request_id="req-3") as fault:
@@ -100,8 +101,10 @@ def inject_fault(
     Yields:
         The ``Fault``, to read ``num_fired`` / ``num_calls`` afterwards.
     """
+    from engine import AsyncEngine
+
     fault = Fault(site, request_id, after, times, error)
-    owner, name = _owner(getattr(engine, "_engine", engine), site)
+    owner, name = _owner(engine.engine if isinstance(engine, AsyncEngine) else engine, site)
     had_own = name in vars(owner)
     real = getattr(owner, name)
     # NOTE: one attribute store each way; the driver thread looks the attribute up on every
@@ -124,6 +127,21 @@ def _owner(engine: Any, site: Site) -> tuple[Any, str]:
     return engine.scheduler, "schedule"
 
 
+class _FaultySampler:
+    """The engine's sampler, raising first when the fault is due; everything else passes through."""
+
+    def __init__(self, real: Any, fault: Fault) -> None:
+        self._real = real
+        self._fault = fault
+
+    def __call__(self, logits: Any, requests: Any) -> Any:
+        self._fault.maybe_fire([r.req_id for r in requests])
+        return self._real(logits, requests)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
 def _wrap(real: Callable[..., Any], fault: Fault, site: Site) -> Callable[..., Any]:
     if site == "execute_model":
 
@@ -133,12 +151,7 @@ def _wrap(real: Callable[..., Any], fault: Fault, site: Site) -> Callable[..., A
 
         return execute_model
     if site == "sampler":
-
-        def sampler(logits: Any, requests: Any) -> Any:
-            fault.maybe_fire([r.req_id for r in requests])
-            return real(logits, requests)
-
-        return sampler
+        return _FaultySampler(real, fault)
     scheduler = real.__self__
 
     def schedule() -> Any:

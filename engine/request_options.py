@@ -1,0 +1,32 @@
+"""RequestOptions: the per-request arguments besides prompt and sampling params, declared once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.knobs import check_knobs, knob
+
+MAX_PRIORITY = 1 << 31  # |priority| bound
+MAX_ID_CHARS = 256  # request ids and cache salts
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOptions:
+    """Who a request is and how it queues; checked before it is queued.
+
+    Raises:
+        ParameterError: naming the field of the wrong type or outside its bounds.
+    """
+
+    request_id: str | None = knob(
+        None, "Unique among unfinished requests; None = one is made up.", max_chars=MAX_ID_CHARS
+    )
+    # NOTE: priorities are compared inside the waiting heap; one that is not an int would
+    # break the comparison there, on the driver thread, long after the request was accepted.
+    priority: int = knob(0, "Smaller runs first; FIFO within a priority.", ge=-MAX_PRIORITY, le=MAX_PRIORITY)
+    cache_salt: str | None = knob(
+        None, "Requests with different salts never share KV blocks (tenant isolation).", max_chars=MAX_ID_CHARS
+    )
+
+    def __post_init__(self) -> None:
+        check_knobs(self)

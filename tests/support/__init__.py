@@ -1,0 +1,1 @@
+"""Test support: the quiescence check and the fault switch, over the engine's public and documented hooks."""

@@ -24,6 +24,7 @@ def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype, l
 
     Raises:
         ValueError: an unknown name, or a backend that cannot serve this device, dtype or shape.
+        ModuleNotFoundError: the Triton backend without Triton installed (the ``gpu`` extra).
     """
     kernel_ok = device.type == "cpu" and cpu_kernels.supports(
         layer.num_heads, layer.num_kv_heads, layer.head_dim, block_size, dtype
@@ -49,7 +50,12 @@ def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype, l
     if name == "triton":
         if device.type != "cuda":
             raise ValueError(f"the triton attention backend needs a CUDA device, got {device}")
-        from engine.attention.triton_backend import TritonAttentionBackend  # lazy: imports triton
-
+        try:
+            from engine.attention.triton_backend import TritonAttentionBackend  # lazy: imports triton
+        except ModuleNotFoundError as exc:
+            if exc.name != "triton":
+                raise
+            raise ModuleNotFoundError("the triton attention backend needs Triton: pip install 'paged[gpu]'",
+                                      name="triton") from exc
         return TritonAttentionBackend()
     raise ValueError(f"attention backend must be auto, torch, cpu or triton; got {name!r}")

@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from engine.layers.attention import AttentionMetadata, TorchAttentionBackend
+from engine.attention import AttentionMetadata, TorchAttentionBackend
 
 
 def make_case(
@@ -92,7 +92,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py times CUDA kernels; no CUDA device is available")
-    from engine.layers.triton_attention import TritonAttentionBackend  # binds the kernels to the GPU
+    from engine.attention.triton_backend import TritonAttentionBackend  # binds the kernels to the GPU
 
     dtype = getattr(torch, args.dtype)
     triton_backend, torch_backend = TritonAttentionBackend(), TorchAttentionBackend()

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
 if TYPE_CHECKING:
-    from engine.layers.attention import AttentionMetadata
+    from engine.attention import AttentionMetadata
 
 
 @dataclass(slots=True)

@@ -8,8 +8,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from engine.attention import AttentionMetadata
 from engine.core.scheduler_output import ScheduledRequest
-from engine.layers.attention import AttentionMetadata
 
 
 class ModelInputs(NamedTuple):

@@ -9,11 +9,11 @@ import torch
 from safetensors import safe_open
 
 from engine import cpu_kernels
+from engine.attention import CpuAttentionBackend, get_attention_backend
 from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig
 from engine.core.scheduler_output import SchedulerOutput
 from engine.errors import ModelLoadError
-from engine.layers.attention import Attention, get_attention_backend
-from engine.layers.cpu_attention import CpuAttentionBackend
+from engine.layers.attention import Attention
 from engine.layers.linear import Linear
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.registry import get_model_class

@@ -22,7 +22,7 @@ try:
     from langchain_core.messages.ai import UsageMetadata
     from langchain_core.outputs import ChatGenerationChunk, ChatResult, GenerationChunk, LLMResult
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError("sdk.integrations.langchain needs langchain-core: pip install langchain-core") from exc
+    raise ImportError("sdk.integrations.langchain needs langchain-core: pip install 'paged[langchain]'") from exc
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 
 from sdk.client import AsyncClient

@@ -37,7 +37,7 @@ try:
     from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
     from llama_index.core.llms.llm import LLM
 except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError("sdk.integrations.llamaindex needs llama-index-core: pip install llama-index-core") from exc
+    raise ImportError("sdk.integrations.llamaindex needs llama-index-core: pip install 'paged[llamaindex]'") from exc
 from pydantic import Field, PrivateAttr
 
 from sdk.client import AsyncClient

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.layers.attention import AttentionMetadata
+from engine.attention import AttentionMetadata
 
 
 @dataclass

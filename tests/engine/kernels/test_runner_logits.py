@@ -7,7 +7,7 @@ from typing import Callable
 import pytest
 import torch
 
-from engine.layers.triton_attention import TritonAttentionBackend
+from engine.attention.triton_backend import TritonAttentionBackend
 
 
 def test_runner_steps_match_torch_backend(tiny_model_factory: Callable) -> None:

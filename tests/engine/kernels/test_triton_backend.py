@@ -6,8 +6,8 @@ import pytest
 import torch
 from paged_cases import TOL, PagedBatch, make_batch, reference_attention, stored_cache
 
-from engine.layers.attention import AttentionBackend
-from engine.layers.triton_attention import TritonAttentionBackend
+from engine.attention import AttentionBackend
+from engine.attention.triton_backend import TritonAttentionBackend
 
 
 # (seq_len, query_len) per sequence; shared-prefix cases need >= 16 cached tokens everywhere
@@ -18,7 +18,7 @@ PREFILL = [(45, 45), (17, 17)]
 
 def _torch_backend() -> AttentionBackend:
     try:
-        from engine.layers.attention import TorchAttentionBackend
+        from engine.attention import TorchAttentionBackend
     except ImportError:
         pytest.skip("TorchAttentionBackend is not available")
     return TorchAttentionBackend()

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from engine import cpu_kernels
+from engine.attention import CpuAttentionBackend
+from engine.attention.torch_backend import TorchAttentionBackend, _make_plan
 from engine.core.scheduler_output import ScheduledRequest
-from engine.layers.attention import TorchAttentionBackend, _make_plan
-from engine.layers.cpu_attention import CpuAttentionBackend
 from engine.worker.input_batch import prepare_inputs
 
 BLOCK_SIZE, NUM_BLOCKS, HEAD_DIM = 4, 48, 8

@@ -164,7 +164,7 @@ def test_store_kv_writes_the_slots_index_copy_writes(col_major: bool, cache_dtyp
 def test_tiles_over_shared_blocks_match_float64_reference(heads: tuple[int, int], block_size: int) -> None:
     """Rows tiled over their shared leading blocks (queries as vector lanes, then each row's own keys)
     give the same attention as the reference; the tiles really hold several rows."""
-    from engine.layers.cpu_attention import plan_tiles
+    from engine.attention.cpu_backend import plan_tiles
 
     num_heads, num_kv_heads = heads
     q, k_cache, v_cache, block_tables, seq_lens, tables = _paged_case(
@@ -185,7 +185,7 @@ def test_tiles_over_shared_blocks_match_float64_reference(heads: tuple[int, int]
 def test_bfloat16_cache_reads_as_its_float32_widening(head_dim: int, heads: tuple[int, int]) -> None:
     """Over a bfloat16 cache the kernel computes what it computes over the widened float32 cache (to float32
     rounding: the compiler may contract the generic path's loops differently)."""
-    from engine.layers.cpu_attention import plan_tiles
+    from engine.attention.cpu_backend import plan_tiles
 
     num_heads, num_kv_heads = heads
     q, k_cache, v_cache, block_tables, seq_lens, _ = _paged_case(

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from engine import cpu_kernels
+from engine.attention import CpuAttentionBackend, TorchAttentionBackend, get_attention_backend
 from engine.core.scheduler_output import ScheduledRequest
-from engine.layers.attention import Attention, TorchAttentionBackend, get_attention_backend
-from engine.layers.cpu_attention import CpuAttentionBackend
+from engine.layers.attention import Attention
 from engine.worker.input_batch import prepare_inputs
 
 BLOCK_SIZE, NUM_BLOCKS, HEAD_DIM = 4, 64, 8

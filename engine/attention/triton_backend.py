@@ -1,6 +1,6 @@
 """The GPU attention backend: Triton kernels over the paged KV cache.
 
-Imported lazily (by the runner when it picks this backend): importing it imports
+Imported lazily (by ``get_attention_backend`` when it picks this backend): importing it imports
 ``engine.kernels``, whose kernels are bound to the GPU or to Triton's CPU interpreter at
 that moment.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from engine.kernels import paged_decode_attention, prefill_attention, store_kv
-from engine.layers.attention import AttentionBackend, AttentionMetadata
+from engine.attention.backend import AttentionBackend, AttentionMetadata
 
 
 class TritonAttentionBackend(AttentionBackend):

@@ -8,7 +8,8 @@ import numpy as np
 import torch
 
 from engine import cpu_kernels
-from engine.layers.attention import AttentionBackend, AttentionMetadata, common_prefix
+from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.attention.prefix import common_prefix
 
 _SORT_BLOCKS = 64  # leading blocks of the tables that order the rows for tiling
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine import cpu_kernels
+from engine.attention.cpu_backend import CpuAttentionBackend, plan_tiles, token_rows
 from engine.core.scheduler_output import ScheduledRequest
-from engine.layers.cpu_attention import CpuAttentionBackend, plan_tiles, token_rows
 from engine.worker.input_batch import prepare_inputs
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler for the CPU kernel")

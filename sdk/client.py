@@ -8,19 +8,22 @@ import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Iterable, Sequence
-from typing import Any, Union
+from typing import Any, TypeVar, Union
+
+from pydantic import ValidationError
 
 from sdk.errors import OverloadedError, RequestTimeout
+from sdk.fields import invalid_request
 from sdk.hooks import Hook, HookChain, RequestContext
 from sdk.transport import EngineRequest, InProcessTransport, PrefixPin, Transport, TransportOutput
 from sdk.types import (
     ChatMessage,
     ChatRequest,
     ChatResult,
+    Choice,
     CompletionRequest,
     CompletionResult,
     Delta,
-    TokenLogprob,
     Usage,
 )
 
@@ -28,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 MessagesLike = Union[str, ChatRequest, Sequence[Union[ChatMessage, dict[str, Any], tuple[str, str]]]]
 PromptLike = Union[str, list[int], CompletionRequest]
+RequestT = TypeVar("RequestT", ChatRequest, CompletionRequest)
 
 _RETRY_BACKOFF = 0.05  # seconds, doubled per retry of an overloaded request
 
@@ -294,39 +298,54 @@ class AsyncClient:
     # --- the request path ----------------------------------------------------------------
 
     def _chat_request(self, messages: MessagesLike, options: dict[str, Any]) -> ChatRequest:
-        if isinstance(messages, ChatRequest):
-            return messages.model_copy(update=options) if options else messages
-        return ChatRequest(messages=to_messages(messages), **options)
+        try:
+            if isinstance(messages, ChatRequest):
+                return _with_options(messages, options)
+            return ChatRequest(messages=to_messages(messages), **options)
+        except ValidationError as exc:
+            raise invalid_request(exc) from None
 
     def _completion_request(self, prompt: PromptLike, options: dict[str, Any]) -> CompletionRequest:
-        if isinstance(prompt, CompletionRequest):
-            return prompt.model_copy(update=options) if options else prompt
-        return CompletionRequest(prompt=prompt, **options)
+        try:
+            if isinstance(prompt, CompletionRequest):
+                return _with_options(prompt, options)
+            return CompletionRequest(prompt=prompt, **options)
+        except ValidationError as exc:
+            raise invalid_request(exc) from None
 
     async def _collect(self, request: ChatRequest | CompletionRequest) -> CompletionResult:
-        text: list[str] = []
-        token_ids: list[int] = []
-        logprobs: list[TokenLogprob] | None = [] if request.logprobs is not None else None
+        want_logprobs = request.logprobs is not None
+        choices: dict[int, dict[str, Any]] = {}
         last: Delta | None = None
         async for last in self._run(request):
-            text.append(last.text)
-            token_ids.extend(last.token_ids)
-            if logprobs is not None and last.logprobs:
-                logprobs.extend(last.logprobs)
-        assert last is not None and last.finish_reason is not None and last.usage is not None
+            choice = choices.setdefault(last.index, {"text": [], "token_ids": [], "logprobs": []})
+            choice["text"].append(last.text)
+            choice["token_ids"].extend(last.token_ids)
+            choice["logprobs"].extend(last.logprobs or ())
+            if last.finish_reason is not None:
+                choice["finish_reason"] = last.finish_reason
+        assert last is not None and last.usage is not None
         return CompletionResult(
             request_id=last.request_id,
             model=self.model_name,
-            text="".join(text),
-            token_ids=token_ids,
-            finish_reason=last.finish_reason,
+            choices=[
+                Choice(
+                    index=index,
+                    text="".join(c["text"]),
+                    token_ids=c["token_ids"],
+                    # NOTE: a content filter that stops the stream ends every completion
+                    finish_reason=c.get("finish_reason", last.finish_reason),
+                    logprobs=c["logprobs"] if want_logprobs else None,
+                )
+                for index, c in sorted(choices.items())
+            ],
             usage=last.usage,
-            logprobs=logprobs,
         )
 
     async def _run(self, request: ChatRequest | CompletionRequest) -> AsyncIterator[Delta]:
         await self.start()
         is_chat = isinstance(request, ChatRequest)
+        num_choices = request.n or 1
         ctx = RequestContext(
             request_id=request.request_id or f"{'chat' if is_chat else 'cmpl'}-{uuid.uuid4().hex}",
             model=self.model_name,
@@ -336,8 +355,11 @@ class AsyncClient:
             tenant=self.tenant,
             messages=list(request.messages) if is_chat else None,  # type: ignore[union-attr]
             prompt=None if is_chat else request.prompt,  # type: ignore[union-attr]
+            output_texts=[""] * num_choices,
         )
         prompt_token_ids: Sequence[int] | None = None  # None until the first delta carried them
+        num_completion_tokens = 0
+        num_finished = 0
         in_engine = False  # the engine holds the request: abort it unless it finished
         try:
             await self.hooks.on_request(ctx)
@@ -352,13 +374,15 @@ class AsyncClient:
                     # NOTE: the first delta yielded (whichever it is) carries the prompt ids, once.
                     first_prompt_ids = list(out.prompt_token_ids) if prompt_token_ids is None else None
                     prompt_token_ids = out.prompt_token_ids
+                    num_completion_tokens += len(out.token_ids)
                     ctx.usage = Usage(
                         prompt_tokens=len(out.prompt_token_ids),
-                        completion_tokens=ctx.usage.completion_tokens + len(out.token_ids),
+                        completion_tokens=num_completion_tokens,
                         cached_tokens=out.num_cached_tokens,
                     )
                     delta = Delta(
                         request_id=ctx.request_id,
+                        index=out.index,
                         text=out.text,
                         token_ids=out.token_ids,
                         logprobs=out.logprobs,
@@ -368,6 +392,7 @@ class AsyncClient:
                         ctx.finish_reason = "content_filter"
                         yield Delta(
                             request_id=ctx.request_id,
+                            index=out.index,
                             prompt_token_ids=first_prompt_ids,
                             finish_reason="content_filter",
                             usage=ctx.usage,
@@ -375,11 +400,13 @@ class AsyncClient:
                         return
                     if ctx.first_token_monotonic is None:
                         ctx.first_token_monotonic = time.monotonic()
-                    ctx.output_text += delta.text
+                    ctx.output_texts[out.index] += delta.text
                     if out.finish_reason is not None:
-                        in_engine = False
+                        num_finished += 1
                         ctx.finish_reason = delta.finish_reason = out.finish_reason  # type: ignore[assignment]
-                        delta.usage = ctx.usage
+                        if num_finished == num_choices:
+                            in_engine = False
+                            delta.usage = ctx.usage
                     yield delta
             finally:
                 await stream.aclose()
@@ -418,6 +445,13 @@ class AsyncClient:
             if not handle.closed and handle.matches(prompt_token_ids):
                 handle.num_requests += 1
                 handle.num_hit_tokens += min(num_cached_tokens, handle.num_tokens)
+
+
+def _with_options(request: RequestT, options: dict[str, Any]) -> RequestT:
+    """``request`` with ``options`` set, validated as a new request would be."""
+    if not options:
+        return request
+    return type(request).model_validate({**request.model_dump(exclude_unset=True), **options})
 
 
 def _make_transport(

@@ -1,27 +1,69 @@
-"""Typed errors raised by the SDK; each carries the HTTP status and OpenAI error type a server maps it to."""
+"""Typed errors raised by the SDK, and the one table that maps them to HTTP statuses and OpenAI error bodies.
+
+Every error carries its HTTP status, the OpenAI error ``code`` a server sends for it and,
+for bad input, the offending ``param``: the server renders them from these attributes, and
+``from_wire`` turns a server's error body back into the same class on the client side.
+"""
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
+# NOTE: the one status -> OpenAI error type table, for the SDK's errors and the server's own.
+ERROR_TYPES: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+def error_type(status: int) -> str:
+    """The OpenAI error ``type`` of an HTTP status."""
+    return ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+
 
 class PagedError(Exception):
-    """Base of every error the SDK raises on the request path."""
+    """Base of every error the SDK raises on the request path.
 
-    status_code: int = 500
-    error_type: str = "server_error"
+    Attributes:
+        param: the request field at fault, when one is (``temperature``, ``messages``, ...).
+    """
+
+    status_code: ClassVar[int] = 500
+    code: ClassVar[str | None] = None  # the OpenAI error code a server sends for it
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+    @property
+    def error_type(self) -> str:
+        return error_type(self.status_code)
+
+    @property
+    def public_message(self) -> str:
+        """What a server tells the client (never a traceback or the engine's internals)."""
+        return str(self)
 
 
 class InvalidRequestError(PagedError, ValueError):
     """The request can never be served as asked: bad parameters, prompt too long, unknown option."""
 
     status_code = 400
-    error_type = "invalid_request_error"
 
 
 class AuthenticationError(PagedError):
     """A remote endpoint refused the API key (HTTP 401)."""
 
     status_code = 401
-    error_type = "authentication_error"
+    code = "invalid_api_key"
 
 
 class ContentBlocked(PagedError):
@@ -33,16 +75,22 @@ class ContentBlocked(PagedError):
     """
 
     status_code = 400
-    error_type = "content_filter"
+    code = "content_filter"
 
     def __init__(self, reason: str, *, hook: str | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
         self.hook = hook
 
+    @property
+    def public_message(self) -> str:
+        return f"blocked by a content filter: {self.reason}"
+
 
 class HookFailed(PagedError):
     """A filter hook raised; the request fails closed. The original exception is ``__cause__``."""
+
+    code = "hook_failed"
 
     def __init__(self, hook: str, stage: str) -> None:
         super().__init__(f"hook {hook!r} failed in {stage}; request rejected")
@@ -54,15 +102,39 @@ class OverloadedError(PagedError):
     """The engine's admission queue is full; retry later."""
 
     status_code = 429
-    error_type = "rate_limit_error"
+    code = "overloaded"
 
 
 class RequestTimeout(PagedError, TimeoutError):
     """The request did not finish within its timeout; it was aborted and its blocks freed."""
 
     status_code = 408
-    error_type = "timeout"
+    code = "timeout"
 
 
 class EngineFailure(PagedError):
     """The engine failed while serving the request (a fault in a step, or the engine is gone)."""
+
+    code = "engine_error"
+
+    @property
+    def public_message(self) -> str:
+        return "the engine failed to serve the request"
+
+
+_BY_STATUS: dict[int, type[PagedError]] = {
+    cls.status_code: cls for cls in (AuthenticationError, RequestTimeout, OverloadedError)
+}
+
+
+def from_wire(status: int, error: dict[str, Any]) -> PagedError:
+    """The SDK error for a server's OpenAI error body (``{"message", "type", "param", "code"}``)."""
+    message = str(error.get("message") or f"HTTP {status}")
+    param = error.get("param") if isinstance(error.get("param"), str) else None
+    if error.get("code") == ContentBlocked.code:
+        return ContentBlocked(message)
+    if status in _BY_STATUS:
+        return _BY_STATUS[status](message)
+    if 400 <= status < 500:
+        return InvalidRequestError(message, param=param)
+    return EngineFailure(f"HTTP {status}: {message}")

@@ -19,17 +19,10 @@ from typing import Any
 
 import aiohttp
 
-from sdk.errors import (
-    AuthenticationError,
-    ContentBlocked,
-    EngineFailure,
-    InvalidRequestError,
-    OverloadedError,
-    PagedError,
-    RequestTimeout,
-)
+from sdk.errors import EngineFailure, InvalidRequestError, from_wire
 from sdk.transport import EngineRequest, PrefixPin, Transport, TransportOutput
 from sdk.types import ChatMessage, TokenLogprob, TopLogprob
+from sdk.wire import Route, to_wire
 
 logger = logging.getLogger(__name__)
 
@@ -140,9 +133,8 @@ class HttpTransport(Transport):
             yield out
 
     async def _generate(self, request: EngineRequest) -> AsyncIterator[TransportOutput]:
-        sampling = dict(request.sampling)
-        top_k = sampling.pop("logprobs", None)
-        body = _sampling_body(sampling)
+        route: Route = "chat" if isinstance(request.prompt, ChatPrompt) else "completion"
+        body = to_wire(route, request.sampling)
         body.update(model=self.model_name, stream=True, return_token_ids=True)
         body["stream_options"] = {"include_usage": True}
         if request.priority:
@@ -152,20 +144,16 @@ class HttpTransport(Transport):
         if isinstance(request.prompt, ChatPrompt):
             url = self._base + "/chat/completions"
             body["messages"] = [m.model_dump(exclude_none=True) for m in request.prompt.messages]
-            if top_k is not None:
-                body.update(logprobs=True, top_logprobs=top_k)
         else:
             url = self._base + "/completions"
             body["prompt"] = request.prompt if isinstance(request.prompt, list) else str(request.prompt)
-            if top_k is not None:
-                body["logprobs"] = top_k
         headers = {**self._headers, "X-Request-Id": request.request_id}
         async with self._client().post(url, json=body, headers=headers) as resp:
             if resp.status != 200:
                 await _json_or_raise(resp)
             self._open[request.request_id] = resp
             try:
-                async for out in _read_stream(resp):
+                async for out in _read_stream(resp, request.sampling.get("n") or 1):
                     yield out
             finally:
                 self._open.pop(request.request_id, None)
@@ -199,40 +187,15 @@ class HttpTransport(Transport):
         return {}
 
 
-_BODY_NAMES = {
-    "max_tokens": "max_tokens",
-    "min_tokens": "min_tokens",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
-    "seed": "seed",
-    "stop": "stop",
-    "stop_token_ids": "stop_token_ids",
-    "ignore_eos": "ignore_eos",
-}
+async def _read_stream(resp: aiohttp.ClientResponse, num_choices: int) -> AsyncIterator[TransportOutput]:
+    """SSE events -> deltas of each choice; a choice's ``finish_reason`` closes it.
 
-
-def _sampling_body(sampling: dict[str, Any]) -> dict[str, Any]:
-    unknown = set(sampling) - set(_BODY_NAMES)
-    if unknown:
-        raise InvalidRequestError(f"{sorted(unknown)[0]} is not supported over HTTP")
-    body = {_BODY_NAMES[k]: v for k, v in sampling.items() if v is not None}
-    if "stop" in body:
-        body["stop"] = list(body["stop"])
-    if "stop_token_ids" in body:
-        body["stop_token_ids"] = list(body["stop_token_ids"])
-    return body
-
-
-async def _read_stream(resp: aiohttp.ClientResponse) -> AsyncIterator[TransportOutput]:
-    """SSE events -> deltas; the usage event (or the last choice) closes the request."""
+    The request's last delta waits for the usage event (it carries the cached-token count).
+    """
     prompt_ids: list[int] = []
-    finish_reason: str | None = None
     num_cached = 0
+    finished: set[int] = set()
+    last: TransportOutput | None = None
     async for raw in resp.content:
         line = raw.strip()
         if not line.startswith(b"data:"):
@@ -242,7 +205,7 @@ async def _read_stream(resp: aiohttp.ClientResponse) -> AsyncIterator[TransportO
             break
         event = json.loads(data)
         if "error" in event:
-            raise _error(resp.status, event["error"])
+            raise from_wire(resp.status, event["error"])
         prompt_ids = event.get("prompt_token_ids") or prompt_ids
         usage = event.get("usage")
         if usage:
@@ -253,13 +216,22 @@ async def _read_stream(resp: aiohttp.ClientResponse) -> AsyncIterator[TransportO
                 text = (choice.get("delta") or {}).get("content") or ""
             token_ids = list(choice.get("token_ids") or ())
             prompt_ids = choice.get("prompt_token_ids") or prompt_ids  # completions: per choice
-            finish_reason = choice.get("finish_reason") or finish_reason
+            index = int(choice.get("index") or 0)
+            finish_reason = choice.get("finish_reason")
             logprobs = _logprobs(choice.get("logprobs"))
-            if text or token_ids or logprobs:
-                yield TransportOutput(text, token_ids, None, prompt_ids, num_cached, logprobs)
-    if finish_reason is None:
+            if finish_reason is not None:
+                finished.add(index)
+            if not (text or token_ids or logprobs or finish_reason):
+                continue
+            out = TransportOutput(text, token_ids, finish_reason, prompt_ids, num_cached, logprobs, index)
+            if len(finished) == num_choices and finish_reason is not None:
+                last = out
+            else:
+                yield out
+    if last is None:
         raise EngineFailure("the server closed the stream before the request finished")
-    yield TransportOutput("", [], finish_reason, prompt_ids, num_cached)
+    last.prompt_token_ids, last.num_cached_tokens = prompt_ids, num_cached
+    yield last
 
 
 def _logprobs(raw: dict[str, Any] | None) -> list[TokenLogprob] | None:
@@ -295,20 +267,4 @@ async def _json_or_raise(resp: aiohttp.ClientResponse) -> dict[str, Any]:
     if resp.status == 200 and isinstance(body, dict):
         return body
     error = body.get("error") if isinstance(body, dict) else None
-    raise _error(resp.status, error if isinstance(error, dict) else {"message": resp.reason or ""})
-
-
-def _error(status: int, error: dict[str, Any]) -> PagedError:
-    """The SDK error for an OpenAI error body; the message is the server's."""
-    message = str(error.get("message") or f"HTTP {status}")
-    if error.get("code") == "content_filter" or error.get("type") == "content_filter":
-        return ContentBlocked(message)
-    if status == 401:
-        return AuthenticationError(message)
-    if status == 429:
-        return OverloadedError(message)
-    if status == 408:
-        return RequestTimeout(message)
-    if status in (400, 404, 413, 422):
-        return InvalidRequestError(message)
-    return EngineFailure(f"HTTP {status}: {message}")
+    raise from_wire(resp.status, error if isinstance(error, dict) else {"message": resp.reason or ""})

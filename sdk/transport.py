@@ -42,7 +42,7 @@ class EngineRequest:
 
 @dataclass(slots=True)
 class TransportOutput:
-    """New output since the previous one; ``finish_reason`` is set on the last."""
+    """New output of completion ``index`` since its previous one; ``finish_reason`` is set on its last."""
 
     text: str
     token_ids: list[int]
@@ -50,6 +50,7 @@ class TransportOutput:
     prompt_token_ids: Sequence[int] = field(default_factory=list)
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when asked for
+    index: int = 0  # which of the request's n completions
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,41 +151,45 @@ class InProcessTransport(Transport):
         return render_chat(self.engine.tokenizer, messages, add_generation_prompt)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[TransportOutput]:
-        from engine.errors import EngineError, EngineOverloaded
+        from engine.errors import EngineError, EngineOverloaded, ParameterError
         from engine.sampling_params import SamplingParams
 
-        try:
-            params = SamplingParams(**request.sampling)
-        except (TypeError, ValueError) as exc:
-            raise InvalidRequestError(str(exc)) from exc
-        top_k = request.sampling.get("logprobs")
-        num_text = num_tokens = 0
         stream = None
         try:
+            params = SamplingParams(**request.sampling)
             stream = self.engine.generate(
                 request.prompt, params, request_id=request.request_id, priority=request.priority,
                 cache_salt=request.cache_salt,
             )  # fmt: skip
+            # per completion: characters and tokens sent so far, and whether it finished
+            sent = [[0, 0, False] for _ in range(params.n)]
             async for out in stream:
-                completion = out.outputs[0]
-                token_ids = completion.token_ids[num_tokens:]
-                logprobs = None
-                if top_k is not None and completion.logprobs is not None:
-                    # NOTE: entries align with token_ids by position; a trailing stop token may have one too.
-                    entries = completion.logprobs[num_tokens:]
-                    logprobs = [_token_logprob(e, t, top_k) for t, e in zip(token_ids, entries)]
-                delta = TransportOutput(
-                    text=completion.text[num_text:],
-                    token_ids=token_ids,
-                    finish_reason=completion.finish_reason if out.finished else None,
-                    prompt_token_ids=out.prompt_token_ids,
-                    num_cached_tokens=out.num_cached_tokens,
-                    logprobs=logprobs,
-                )
-                num_text, num_tokens = len(completion.text), len(completion.token_ids)
-                yield delta
-        except ValueError as exc:  # RequestRejected, or a request id already in use
-            raise InvalidRequestError(str(exc)) from exc
+                for completion in out.outputs:
+                    progress = sent[completion.index]
+                    num_text, num_tokens, done = progress
+                    if done:
+                        continue
+                    token_ids = completion.token_ids[num_tokens:]
+                    finish_reason = completion.finish_reason
+                    if not (token_ids or finish_reason):
+                        continue
+                    logprobs = None
+                    if params.logprobs is not None and completion.logprobs is not None:
+                        # NOTE: entries align with token_ids by position; a trailing stop token may have one too.
+                        entries = completion.logprobs[num_tokens:]
+                        logprobs = [_token_logprob(e, t, params.logprobs) for t, e in zip(token_ids, entries)]
+                    progress[:] = [len(completion.text), len(completion.token_ids), finish_reason is not None]
+                    yield TransportOutput(
+                        text=completion.text[num_text:],
+                        token_ids=token_ids,
+                        finish_reason=finish_reason,
+                        prompt_token_ids=out.prompt_token_ids,
+                        num_cached_tokens=out.num_cached_tokens,
+                        logprobs=logprobs,
+                        index=completion.index,
+                    )
+        except ParameterError as exc:  # bad knobs, a prompt that can never be served, an id in use
+            raise InvalidRequestError(str(exc), param=exc.param) from exc
         except EngineOverloaded as exc:
             raise OverloadedError(str(exc)) from exc
         except EngineError as exc:
@@ -197,13 +202,13 @@ class InProcessTransport(Transport):
         await self.engine.abort(request_id)
 
     async def pin_prefix(self, prompt: str | list[int], cache_salt: str | None = None) -> PrefixPin:
-        from engine.errors import RequestRejected
+        from engine.errors import ParameterError
 
         token_ids = prompt if isinstance(prompt, list) else self.engine.tokenizer.encode(prompt, add_special_tokens=False)
         try:
             pinned = await self.engine.pin_prefix(token_ids, cache_salt=cache_salt)
-        except RequestRejected as exc:
-            raise InvalidRequestError(str(exc)) from exc
+        except ParameterError as exc:
+            raise InvalidRequestError(str(exc), param=exc.param) from exc
         return PrefixPin(str(pinned.pin_id), list(token_ids), pinned.num_cached_tokens)
 
     async def unpin_prefix(self, pin_id: str) -> None:

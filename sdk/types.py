@@ -4,28 +4,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field
+from pydantic import BaseModel, ConfigDict, Field, computed_field, create_model
+
+from sdk.fields import REQUEST_KNOBS, SAMPLING_FIELDS, field, sampling_fields
 
 Role = Literal["system", "user", "assistant", "tool"]
 FinishReason = Literal["stop", "length", "abort", "content_filter"]
-
-# NOTE: the names and meanings are engine.SamplingParams'; None means "the engine's default".
-SAMPLING_FIELDS = (
-    "max_tokens",
-    "min_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "logprobs",
-)
 
 
 class ChatMessage(BaseModel):
@@ -38,39 +22,31 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
-class SamplingOptions(BaseModel):
-    """Per-request generation knobs; values are checked by the engine, which names the field it rejects."""
-
+class _SamplingBase(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    max_tokens: int | None = None
-    min_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
-    stop: list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
-    logprobs: int | None = None
-    """Return each generated token's logprob plus its ``logprobs`` most likely candidates (0 = none)."""
-
     def sampling_kwargs(self) -> dict[str, Any]:
-        """The fields set on this request, as ``engine.SamplingParams`` keyword arguments."""
+        """The sampling fields set on this request, as ``engine.SamplingParams`` keyword arguments."""
         return self.model_dump(include=set(SAMPLING_FIELDS), exclude_none=True)
 
 
-class _RequestBase(SamplingOptions):
-    request_id: str | None = None
-    """Caller-chosen id; one is generated when absent. Must be unique among running requests."""
-    priority: int = 0
-    """Smaller runs first; FIFO within a priority."""
-    cache_salt: str | None = None
-    """Requests with different salts never share KV blocks (tenant isolation)."""
+# NOTE: the fields, bounds and help are engine.SamplingParams' (sdk.fields); None = the engine's default.
+SamplingOptions = create_model(
+    "SamplingOptions",
+    __base__=_SamplingBase,
+    __doc__="Per-request generation knobs: ``engine.SamplingParams``' fields and bounds; None = the engine's default.",
+    __module__=__name__,
+    **sampling_fields(),
+)
+_RequestOptions = create_model(
+    "_RequestOptions",
+    __base__=SamplingOptions,
+    __module__=__name__,
+    **{name: field(k, default=k.default) for name, k in REQUEST_KNOBS.items()},
+)
+
+
+class _RequestBase(_RequestOptions):  # type: ignore[misc, valid-type]
     timeout: float | None = Field(default=None, gt=0)
     """Seconds before the request is aborted with ``RequestTimeout``."""
 
@@ -122,9 +98,15 @@ class TokenLogprob(BaseModel):
 
 
 class Delta(BaseModel):
-    """New output of a streaming request; the last one has ``finish_reason`` and ``usage`` set."""
+    """New output of one completion of a streaming request.
+
+    Each completion's last delta has its ``finish_reason``; the request's very last delta
+    also has ``usage`` (totals over its ``n`` completions).
+    """
 
     request_id: str
+    index: int = 0
+    """Which of the request's ``n`` completions this continues."""
     text: str = ""
     token_ids: list[int] = Field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
@@ -135,17 +117,44 @@ class Delta(BaseModel):
     usage: Usage | None = None
 
 
-class CompletionResult(BaseModel):
-    """The whole output of a finished request."""
+class Choice(BaseModel):
+    """One completion of a finished request."""
 
-    request_id: str
-    model: str
+    index: int
     text: str
     token_ids: list[int]
     finish_reason: FinishReason
-    usage: Usage
     logprobs: list[TokenLogprob] | None = None
     """One per generated token, when the request set ``logprobs``."""
+
+
+class CompletionResult(BaseModel):
+    """The whole output of a finished request: its ``n`` completions (one unless ``n`` was set)."""
+
+    request_id: str
+    model: str
+    choices: list[Choice] = Field(min_length=1)
+    usage: Usage
+
+    @property
+    def text(self) -> str:
+        """The first completion's text."""
+        return self.choices[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The first completion's token ids."""
+        return self.choices[0].token_ids
+
+    @property
+    def finish_reason(self) -> FinishReason:
+        """Why the first completion ended."""
+        return self.choices[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        """The first completion's logprobs, when the request set ``logprobs``."""
+        return self.choices[0].logprobs
 
 
 class ChatResult(CompletionResult):
@@ -153,5 +162,5 @@ class ChatResult(CompletionResult):
 
     @property
     def message(self) -> ChatMessage:
-        """The reply as an assistant message, ready to append to the conversation."""
+        """The first reply as an assistant message, ready to append to the conversation."""
         return ChatMessage(role="assistant", content=self.text)

@@ -132,7 +132,7 @@ def engine_config(args: argparse.Namespace) -> dict:
 
 def api_keys(args: argparse.Namespace) -> dict[str, str] | None:
     """``{tenant: key}`` from ``--api-key`` / ``PAGED_API_KEY``; unnamed keys get a hash tenant."""
-    from integrations.openai_server.app import key_id
+    from integrations.openai_server.state import key_id
 
     values = list(args.api_key or ())
     if not values and os.environ.get("PAGED_API_KEY"):

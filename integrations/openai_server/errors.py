@@ -8,19 +8,10 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from integrations.openai_server.protocol import ErrorInfo, ErrorResponse
+from sdk.errors import error_type
+from sdk.fields import invalid_request
 
 logger = logging.getLogger(__name__)
-
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    503: "service_unavailable",
-}
 
 
 class ApiError(Exception):
@@ -46,7 +37,7 @@ class ApiError(Exception):
         return ErrorResponse(
             error=ErrorInfo(
                 message=self.message,
-                type=_TYPES.get(self.status, "invalid_request_error"),
+                type=error_type(self.status),
                 param=self.param,
                 code=self.code,
             )
@@ -64,9 +55,8 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 def from_validation(exc: ValidationError) -> ApiError:
     """The first pydantic error as a 400 naming the offending field (no input values echoed)."""
-    first = exc.errors(include_url=False, include_input=False)[0]
-    param = ".".join(str(p) for p in first["loc"]) or None
-    return bad_request(f"{param}: {first['msg']}" if param else first["msg"], param=param)
+    error = invalid_request(exc)
+    return bad_request(str(error), param=error.param)
 
 
 @web.middleware

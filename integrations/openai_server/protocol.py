@@ -1,9 +1,10 @@
 """OpenAI wire schemas: the request and response bodies of the routes, in pydantic.
 
 Only what crosses the wire lives here; the routes turn a request into SDK calls and SDK
-results back into these bodies. Unknown request fields are ignored (clients send vendor
-extras), but fields that would change the answer and that we cannot honour are rejected
-with a 400 naming them, never silently dropped.
+results back into these bodies. The sampling fields and their bounds are the engine's
+(``sdk.fields``), under their OpenAI names (``sdk.wire``). Unknown request fields are ignored
+(clients send vendor extras), but fields that would change the answer and that we cannot
+honour are rejected with a 400 naming them, never silently dropped.
 """
 
 from __future__ import annotations
@@ -12,11 +13,10 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
-MAX_N = 16
-MAX_TOP_LOGPROBS = 20
-MAX_STOP = 16
+from sdk.fields import REQUEST_KNOBS, SAMPLING_KNOBS, field, sampling_fields
+from sdk.wire import WIRE_NAMES, Route
 
 
 def random_id(prefix: str) -> str:
@@ -78,55 +78,32 @@ class ChatMessageParam(BaseModel):
         return "".join(parts)
 
 
-class _SamplingFields(BaseModel):
-    """Fields the chat and completion requests share; vLLM's extras included."""
+class _RequestFields(BaseModel):
+    """Fields the chat and completion requests share besides the sampling knobs."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # vLLM extensions
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
-    ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
-    priority: int = 0
-    cache_salt: str | None = Field(None, min_length=1, max_length=256)
-    return_token_ids: bool = False
-
-    @field_validator("stop")
-    @classmethod
-    def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(value, list) and len(value) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop sequences are allowed")
-        return value
-
-    def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+    return_token_ids: bool = False  # vLLM's extension: token ids on every choice
 
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
-class ChatCompletionRequest(_SamplingFields):
+def _with_knobs(name: str, route: Route, base: type[BaseModel], **overrides: Any) -> type[BaseModel]:
+    """``base`` plus every engine sampling knob (wire-named) and ``priority`` / ``cache_salt``, bounds included."""
+    fields: dict[str, Any] = sampling_fields(renames=WIRE_NAMES[route])
+    fields.update(priority=field(REQUEST_KNOBS["priority"], default=0), cache_salt=field(REQUEST_KNOBS["cache_salt"]))
+    fields.update(overrides)
+    return create_model(name, __base__=base, __module__=__name__, **fields)
+
+
+class _ChatFields(_RequestFields):
     messages: list[ChatMessageParam] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: bool = False  # the flag; how many candidates is top_logprobs (the engine's logprobs)
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
@@ -142,10 +119,8 @@ class ChatCompletionRequest(_SamplingFields):
         return None
 
 
-class CompletionRequest(_SamplingFields):
+class _CompletionFields(_RequestFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -164,11 +139,22 @@ class CompletionRequest(_SamplingFields):
     def unsupported(self) -> str | None:
         if self.suffix:
             return "suffix"
-        if self.best_of is not None and self.best_of != self.n:
+        if self.best_of is not None and self.best_of != self.n:  # type: ignore[attr-defined]
             return "best_of"
         if self.echo:
             return "echo"
         return None
+
+
+ChatCompletionRequest = _with_knobs(
+    "ChatCompletionRequest", "chat", _ChatFields,
+    # OpenAI's newer name for max_tokens; it wins when both are given
+    max_completion_tokens=field(SAMPLING_KNOBS["max_tokens"]),
+)  # fmt: skip
+CompletionRequest = _with_knobs(
+    "CompletionRequest", "completion", _CompletionFields,
+    max_tokens=field(SAMPLING_KNOBS["max_tokens"], default=16),  # the OpenAI default of this route
+)  # fmt: skip
 
 
 # --------------------------------------------------------------------------- responses

@@ -43,16 +43,15 @@ def token_ids(chunks: list[Chunk]) -> list[int]:
     return [t for c in chunks for t in c.token_ids]
 
 
-def usage(n: int, finals: list[Chunk]) -> p.Usage:
-    """Usage over every choice: each prompt counted once (choice ``p * n``), completions summed."""
+def usage(finals: list[Chunk]) -> p.Usage:
+    """Usage over the request's prompts: each SDK request's totals (on its last chunk) summed."""
     prompt = cached = completion = 0
     for chunk in finals:
         if chunk.usage is None:
             continue
+        prompt += chunk.usage.prompt_tokens
+        cached += chunk.usage.cached_tokens
         completion += chunk.usage.completion_tokens
-        if chunk.index % n == 0:
-            prompt += chunk.usage.prompt_tokens
-            cached += chunk.usage.cached_tokens
     return p.Usage(
         prompt_tokens=prompt,
         completion_tokens=completion,

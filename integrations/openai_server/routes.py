@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
@@ -17,11 +17,11 @@ from integrations.openai_server.metrics import CONTENT_TYPE
 from integrations.openai_server.responses import chat_logprobs, completion_logprobs, token_ids, usage
 from integrations.openai_server.serving import Chunk, Serving
 from integrations.openai_server.sse import EventStream
-from sdk.errors import ContentBlocked, HookFailed, OverloadedError, PagedError
-from sdk.types import SAMPLING_FIELDS, ChatMessage
-
-if TYPE_CHECKING:
-    from integrations.openai_server.app import ServerState
+from integrations.openai_server.state import STATE, TENANT, ServerState
+from sdk.errors import PagedError
+from sdk.types import ChatMessage
+from sdk.wire import WIRE_NAMES, Route
+from sdk.wire import from_wire as sampling_from_wire
 
 DISCONNECT_POLL = 0.2  # seconds between checks that the client is still connected
 RETRY_AFTER = "1"  # seconds, on 429 and 503
@@ -36,14 +36,10 @@ def add_routes(app: web.Application) -> None:
 
 
 def _state(request: web.Request) -> ServerState:
-    from integrations.openai_server.app import STATE
-
     return request.app[STATE]
 
 
 def _tenant(request: web.Request) -> str:
-    from integrations.openai_server.app import TENANT
-
     return request[TENANT]
 
 
@@ -88,10 +84,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             messages.append(ChatMessage(role=role, content=m.text(), name=m.name))
         except (ValueError, ValidationError) as exc:
             raise bad_request(str(exc), param=f"messages.{i}.content") from exc
-    max_tokens = body.max_completion_tokens or body.max_tokens
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    run = _Run(request, state, serving, body, "chatcmpl", logprobs)
-    return await run.execute(messages=messages, options=_options(body, max_tokens))
+    run = _Run(request, state, serving, body, "chat")
+    return await run.execute(messages=messages, options=_options(body, "chat"))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -102,11 +96,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompts = body.prompts()
     if not prompts or any(len(x) == 0 for x in prompts):
         raise bad_request("prompt must not be empty", param="prompt")
-    run = _Run(request, state, serving, body, "cmpl", body.logprobs)
-    return await run.execute(prompts=prompts, options=_options(body, body.max_tokens))
+    run = _Run(request, state, serving, body, "completion")
+    return await run.execute(prompts=prompts, options=_options(body, "completion"))
 
 
-async def _parse(request: web.Request, model: type[p._SamplingFields]) -> Any:
+async def _parse(request: web.Request, model: type[BaseModel]) -> Any:
     raw = await request.read()  # NOTE: raises 413 past client_max_size
     try:
         data = json.loads(raw)
@@ -129,31 +123,24 @@ def _check_common(body: Any, serving: Serving) -> None:
         )
 
 
-def _options(body: p._SamplingFields, max_tokens: int | None) -> dict[str, Any]:
-    # NOTE: logprobs is not copied: its wire forms differ (chat: a flag + top_logprobs); the run passes it.
-    options = {name: getattr(body, name, None) for name in SAMPLING_FIELDS if name != "logprobs"}
-    options.update(max_tokens=max_tokens, stop=body.stop_list() or None)
-    options = {k: v for k, v in options.items() if v is not None}
+def _options(body: Any, route: Route) -> dict[str, Any]:
+    """The SDK request options a body sets: its sampling knobs under the engine's names, priority, cache_salt."""
+    options = sampling_from_wire(route, body.model_dump())
+    if route == "chat" and body.max_completion_tokens is not None:
+        options["max_tokens"] = body.max_completion_tokens
     options.update(priority=body.priority, cache_salt=body.cache_salt)
     return options
 
 
-def _api_error(exc: PagedError) -> ApiError:
-    """The HTTP answer to an SDK error; messages are the SDK's, never a traceback."""
-    message = str(exc)
-    if isinstance(exc, OverloadedError):
-        return ApiError(429, message, code="overloaded", headers={"Retry-After": RETRY_AFTER})
-    if isinstance(exc, ContentBlocked):
-        return ApiError(400, f"blocked by a content filter: {exc.reason}", code="content_filter")
-    if exc.status_code == 400:
-        first = message.split(" ", 1)[0]
-        param = first if first in SAMPLING_FIELDS or first in ("n", "logprobs", "prompt") else None
-        return ApiError(400, message, param=param)
-    if exc.status_code == 408:
-        return ApiError(408, message, code="timeout")
-    if isinstance(exc, HookFailed):  # a filter failed closed; its message names the hook, not the text
-        return ApiError(500, message, code="hook_failed")
-    return ApiError(500, "the engine failed to serve the request", code="engine_error")
+def _api_error(exc: PagedError, route: Route) -> ApiError:
+    """The HTTP answer to an SDK error, from its type's status, code and param; never a traceback."""
+    headers = {"Retry-After": RETRY_AFTER} if exc.status_code in (429, 503) else None
+    param = exc.param
+    if route == "chat" and param == "prompt":
+        param = "messages"  # a chat's prompt is its rendered messages
+    elif param is not None:
+        param = WIRE_NAMES[route].get(param, param)
+    return ApiError(exc.status_code, exc.public_message, param=param, code=exc.code, headers=headers)
 
 
 def _json(model: BaseModel, status: int = 200) -> web.Response:
@@ -187,16 +174,16 @@ class _Run:
         state: ServerState,
         serving: Serving,
         body: Any,
-        id_prefix: str,
-        logprobs: int | None,
+        route: Route,
     ) -> None:
         self.request = request
         self.state = state
         self.serving = serving
         self.body = body
-        self.is_chat = id_prefix == "chatcmpl"
-        self.request_id = p.random_id(id_prefix)
-        self.logprobs = logprobs
+        self.route = route
+        self.is_chat = route == "chat"
+        self.request_id = p.random_id("chatcmpl" if self.is_chat else "cmpl")
+        self.want_logprobs = bool(body.logprobs) if self.is_chat else body.logprobs is not None
         self.created = p.now()
         self.events = EventStream(request)
         self.text_offsets: dict[int, int] = {}  # choice index -> chars streamed (completion logprobs)
@@ -215,22 +202,16 @@ class _Run:
 
     async def _execute(self, inputs: dict[str, Any]) -> web.StreamResponse:
         try:
-            stream = await self.serving.open(
-                _tenant(self.request),
-                self.request_id,
-                n=self.body.n,
-                logprobs=self.logprobs,
-                **inputs,
-            )
+            stream = await self.serving.open(_tenant(self.request), self.request_id, **inputs)
         except PagedError as exc:
-            raise _api_error(exc) from None
+            raise _api_error(exc, self.route) from None
         async with contextlib.aclosing(stream):
             try:
                 if self.body.stream:
                     return await self._stream(stream)
                 return await self._collect(stream)
             except PagedError as exc:
-                error = _api_error(exc)
+                error = _api_error(exc, self.route)
                 if not self.events.started:
                     raise error from None
                 await self.events.send(error.body())
@@ -251,7 +232,7 @@ class _Run:
         choices: dict[int, list[Chunk]] = {}
         async for chunk in stream:
             choices.setdefault(chunk.index, []).append(chunk)
-        totals = usage(self.body.n, [c[-1] for c in choices.values()])
+        totals = usage([c[-1] for c in choices.values()])
         ordered = [choices[i] for i in sorted(choices)]
         want_ids = self.body.return_token_ids
         if self.is_chat:
@@ -263,7 +244,7 @@ class _Run:
                     p.ChatChoice(
                         index=c[0].index,
                         message=p.ChatMessage(content="".join(x.text for x in c)),
-                        logprobs=chat_logprobs(c) if self.logprobs is not None else None,
+                        logprobs=chat_logprobs(c) if self.want_logprobs else None,
                         finish_reason=c[-1].finish_reason,
                         token_ids=token_ids(c) if want_ids else None,
                     )
@@ -281,7 +262,7 @@ class _Run:
                 p.CompletionChoice(
                     index=c[0].index,
                     text="".join(x.text for x in c),
-                    logprobs=completion_logprobs(c) if self.logprobs is not None else None,
+                    logprobs=completion_logprobs(c) if self.want_logprobs else None,
                     finish_reason=c[-1].finish_reason,
                     token_ids=token_ids(c) if want_ids else None,
                     prompt_token_ids=list(c[-1].prompt_token_ids or ()) if want_ids else None,
@@ -313,7 +294,7 @@ class _Run:
             if chunk.finish_reason is not None:
                 finals.append(chunk)
         if self.body.include_usage():
-            totals = usage(self.body.n, finals)
+            totals = usage(finals)
             if self.is_chat:
                 event: BaseModel = p.ChatCompletionChunk(
                     id=self.request_id, created=self.created, model=self.serving.model_name,
@@ -333,14 +314,14 @@ class _Run:
             event = self._chat_chunk(
                 chunk.index,
                 p.DeltaMessage(content=chunk.text) if chunk.text else p.DeltaMessage(),
-                logprobs=chat_logprobs([chunk]) if self.logprobs is not None else None,
+                logprobs=chat_logprobs([chunk]) if self.want_logprobs else None,
                 finish_reason=chunk.finish_reason,
                 token_ids=ids,
             )
             event.prompt_token_ids = prompt_ids
             return event
         logprobs = None
-        if self.logprobs is not None:
+        if self.want_logprobs:
             # NOTE: text_offset counts from the start of the choice's text, across chunks.
             offset = self.text_offsets.get(chunk.index, 0)
             logprobs = completion_logprobs([chunk], offset)

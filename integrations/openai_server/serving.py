@@ -1,9 +1,9 @@
 """The glue between the HTTP routes and the SDK: every request runs through an ``sdk.AsyncClient``.
 
 One engine per server; one SDK client per tenant over a shared in-process transport, so the
-SDK hooks (filters, audit) see every HTTP request with its tenant id. Logprobs and prompt
-token ids come on the SDK's deltas; ``n`` > 1 runs n SDK requests (seeds ``seed + i``; they
-share the prompt's cached blocks).
+SDK hooks (filters, audit) see every HTTP request with its tenant id. Logprobs, prompt token
+ids and the completion index (``n`` > 1 is the engine's) come on the SDK's deltas; a
+completions request with several prompts runs one SDK request per prompt.
 """
 
 from __future__ import annotations
@@ -106,14 +106,12 @@ class Serving:
         *,
         messages: list[ChatMessage] | None = None,
         prompts: Sequence[str | list[int]] = (),
-        n: int = 1,
-        logprobs: int | None = None,
         options: dict[str, Any],
     ) -> AsyncIterator[Chunk]:
-        """Start ``n`` choices of a chat (``messages``) or of each prompt, and merge their chunks.
+        """Start a chat (``messages``) or one request per prompt, and merge their chunks.
 
-        Choice ``i`` of input ``p`` has index ``p * n + i``. Every choice's first output is
-        awaited here, so validation, filter and admission errors raise from this call
+        Completion ``i`` of prompt ``p`` is choice ``p * n + i``. Every request's first output
+        is awaited here, so validation, filter and admission errors raise from this call
         (before any response is sent). Closing the returned iterator aborts what still runs.
 
         Raises:
@@ -121,21 +119,18 @@ class Serving:
         """
         client = self.client(tenant)
         inputs: list[Any] = [messages] if messages is not None else list(prompts)
+        n = options.get("n") or 1
         streams: list[AsyncIterator[Chunk]] = []
         for p, payload in enumerate(inputs):
-            for i in range(n):
-                index = p * n + i
-                rid = request_id if len(inputs) * n == 1 else f"{request_id}/{index}"
-                opts = dict(options, request_id=rid, logprobs=logprobs)
-                if i and opts.get("seed") is not None:
-                    opts["seed"] += i
-                streams.append(self._choice(client, index, messages is not None, payload, opts))
+            rid = request_id if len(inputs) == 1 else f"{request_id}/{p}"
+            opts = dict(options, request_id=rid)
+            streams.append(self._choices(client, p * n, messages is not None, payload, opts))
         firsts = await _first_outputs(streams)
         streams = [_prepend(first, stream) for first, stream in zip(firsts, streams)]
         return streams[0] if len(streams) == 1 else _merge(streams)
 
-    async def _choice(
-        self, client: AsyncClient, index: int, is_chat: bool, payload: Any, options: dict[str, Any]
+    async def _choices(
+        self, client: AsyncClient, first_index: int, is_chat: bool, payload: Any, options: dict[str, Any]
     ) -> AsyncIterator[Chunk]:
         if is_chat:
             deltas = client.stream(payload, **options)
@@ -147,7 +142,7 @@ class Serving:
                 # NOTE: the SDK sends the prompt ids on the first delta; every chunk carries them.
                 prompt_token_ids = delta.prompt_token_ids if delta.prompt_token_ids is not None else prompt_token_ids
                 yield Chunk(
-                    index=index,
+                    index=first_index + delta.index,
                     text=delta.text,
                     token_ids=delta.token_ids,
                     logprobs=delta.logprobs,

@@ -23,23 +23,38 @@ try:
     from langchain_core.outputs import ChatGenerationChunk, ChatResult, GenerationChunk, LLMResult
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("sdk.integrations.langchain needs langchain-core: pip install 'paged[langchain]'") from exc
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, create_model, model_validator
 
 from sdk.client import AsyncClient
+from sdk.fields import REQUEST_KNOBS, SAMPLING_FIELDS, SAMPLING_KNOBS, field, sampling_fields
 from sdk.hooks import Hook
 from sdk.sync import Client
 from sdk.types import ChatMessage, Delta
 
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
 PROVIDER = "paged"
-_PER_CALL = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop"}
-_PER_CALL |= {"presence_penalty", "frequency_penalty", "min_tokens", "request_id", "priority", "cache_salt", "timeout"}
+# NOTE: LangChain chat models return one generation per call (batch() for more): n is not a knob here.
+_UNSUPPORTED = {"n"}
+_KNOBS = [name for name in SAMPLING_FIELDS if name not in _UNSUPPORTED]
+_PER_CALL = {*_KNOBS, "request_id", "priority", "cache_salt", "timeout"}
 _Chunk = TypeVar("_Chunk", ChatGenerationChunk, GenerationChunk)
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool", "user": "user", "assistant": "assistant"}
 
 
-class _PagedParams(BaseModel):
-    """Settings shared by the LangChain adapters."""
+# The engine's sampling knobs as adapter fields, with their bounds and help (sdk.fields).
+_SamplingKnobs = create_model(
+    "_SamplingKnobs",
+    __module__=__name__,
+    **{
+        **sampling_fields(exclude=_UNSUPPORTED),
+        "stop": field(SAMPLING_KNOBS["stop"], alias="stop_sequences"),
+        "cache_salt": field(REQUEST_KNOBS["cache_salt"]),
+    },
+)
+
+
+class _PagedParams(_SamplingKnobs):  # type: ignore[misc, valid-type]
+    """Settings shared by the LangChain adapters; the sampling knobs are the engine's (None = its default)."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
 
@@ -50,22 +65,6 @@ class _PagedParams(BaseModel):
     """An OpenAI-compatible endpoint (``paged serve``, vLLM) to run on; None = in-process."""
     api_key: SecretStr | None = None
     """Bearer token for ``base_url``; unused in-process (LangChain passes keys to every model)."""
-    temperature: float | None = None
-    """Sampling temperature; 0 = greedy. None = the engine's default (1.0)."""
-    max_tokens: int | None = None
-    """Most tokens to generate. None = the engine's default (256)."""
-    top_p: float | None = None
-    """Nucleus sampling mass."""
-    top_k: int | None = None
-    """Sample among the k most likely tokens."""
-    min_p: float | None = None
-    """Drop tokens below this fraction of the top token's probability."""
-    repetition_penalty: float | None = None
-    """Penalty on tokens already in prompt or output (1 = off)."""
-    seed: int | None = None
-    """Per-request seed: same seed, same output."""
-    stop: list[str] | None = Field(default=None, alias="stop_sequences")
-    """Stop sequences; generation ends before the first one."""
     timeout: float | None = None
     """Seconds before a request is aborted (``RequestTimeout``)."""
     max_retries: int = 2
@@ -74,8 +73,6 @@ class _PagedParams(BaseModel):
     """SDK hooks (filters, audit) run on every call."""
     tenant: str | None = None
     """Tenant id written to hook contexts and audit records."""
-    cache_salt: str | None = None
-    """Cache namespace: requests with different salts never share KV blocks."""
     engine_config: dict[str, Any] = Field(default_factory=dict)
     """``engine.EngineConfig`` fields for the shared in-process engine (e.g. ``num_blocks``); not with ``base_url``."""
 
@@ -118,11 +115,8 @@ class _PagedParams(BaseModel):
         unknown = set(kwargs) - _PER_CALL - {"model"}
         if unknown:
             raise ValueError(f"unsupported argument(s): {', '.join(sorted(unknown))}")
-        options: dict[str, Any] = {
-            "max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-            "min_p": self.min_p, "repetition_penalty": self.repetition_penalty, "seed": self.seed,
-            "stop": self.stop, "timeout": self.timeout, "cache_salt": self.cache_salt,
-        }  # fmt: skip
+        options: dict[str, Any] = {name: getattr(self, name) for name in _KNOBS}
+        options.update(timeout=self.timeout, cache_salt=self.cache_salt)
         options.update((k, v) for k, v in kwargs.items() if k != "model")
         if stop is not None:
             options["stop"] = stop
@@ -247,8 +241,11 @@ class PagedChat(_PagedParams, BaseChatModel):
         return params
 
     def _to_chunk(self, delta: Delta) -> ChatGenerationChunk:
+        # NOTE: as ChatOpenAI does, logprobs ride in response_metadata; merging chunks concatenates them.
+        logprobs = {"logprobs": {"content": [t.model_dump() for t in delta.logprobs]}} if delta.logprobs else {}
         if delta.finish_reason is None:
-            return ChatGenerationChunk(message=AIMessageChunk(content=delta.text, id=delta.request_id))
+            message = AIMessageChunk(content=delta.text, id=delta.request_id, response_metadata=logprobs)
+            return ChatGenerationChunk(message=message)
         assert delta.usage is not None
         usage = UsageMetadata(
             input_tokens=delta.usage.prompt_tokens,
@@ -257,7 +254,7 @@ class PagedChat(_PagedParams, BaseChatModel):
             input_token_details={"cache_read": delta.usage.cached_tokens},
         )
         metadata = {"finish_reason": delta.finish_reason, "model_name": self.aclient.model_name,
-                    "model_provider": PROVIDER}  # fmt: skip
+                    "model_provider": PROVIDER, **logprobs}  # fmt: skip
         message = AIMessageChunk(
             content=delta.text, id=delta.request_id, usage_metadata=usage, response_metadata=metadata,
             chunk_position="last",

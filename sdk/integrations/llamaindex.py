@@ -38,9 +38,10 @@ try:
     from llama_index.core.llms.llm import LLM
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("sdk.integrations.llamaindex needs llama-index-core: pip install 'paged[llamaindex]'") from exc
-from pydantic import Field, PrivateAttr
+from pydantic import Field, PrivateAttr, create_model
 
 from sdk.client import AsyncClient
+from sdk.fields import REQUEST_KNOBS, SAMPLING_FIELDS, field, sampling_fields
 from sdk.hooks import Hook
 from sdk.sync import Client
 from sdk.types import ChatMessage, CompletionResult, Delta
@@ -67,7 +68,20 @@ def to_sdk_messages(messages: Sequence[LIChatMessage]) -> list[ChatMessage]:
     return out
 
 
-class PagedLLM(LLM):
+# NOTE: a LlamaIndex LLM returns one response per call: n is not a knob here.
+_UNSUPPORTED = {"n"}
+_KNOBS = [name for name in SAMPLING_FIELDS if name not in _UNSUPPORTED]
+
+# The engine's sampling knobs as fields, with their bounds and help (sdk.fields); None = the engine's default.
+_SamplingKnobs = create_model(
+    "_SamplingKnobs",
+    __base__=LLM,
+    __module__=__name__,
+    **{**sampling_fields(exclude=_UNSUPPORTED), "cache_salt": field(REQUEST_KNOBS["cache_salt"])},
+)
+
+
+class PagedLLM(_SamplingKnobs):  # type: ignore[misc, valid-type]
     """paged's engine, in-process or at ``base_url``, as a LlamaIndex chat LLM (sync, async and streaming).
 
     Example:
@@ -87,17 +101,11 @@ class PagedLLM(LLM):
         default=None, description="OpenAI-compatible endpoint (paged serve, vLLM) to run on; None = in-process."
     )
     api_key: str | None = Field(default=None, description="Bearer token for base_url.", exclude=True, repr=False)
-    temperature: float | None = Field(default=None, description="Sampling temperature; 0 = greedy.")
-    max_tokens: int | None = Field(default=None, description="Most tokens to generate (None = 256).")
-    top_p: float | None = Field(default=None, description="Nucleus sampling mass.")
-    seed: int | None = Field(default=None, description="Per-request seed: same seed, same output.")
-    stop: list[str] | None = Field(default=None, description="Stop sequences.")
     context_window: int | None = Field(default=None, description="Prompt budget; None = the engine's max_model_len.")
     timeout: float | None = Field(default=None, description="Seconds before a request is aborted.")
     max_retries: int = Field(default=2, description="Retries of requests refused as overloaded.")
     hooks: list[Hook] = Field(default_factory=list, description="SDK hooks run on every call.", exclude=True)
     tenant: str | None = Field(default=None, description="Tenant id for hook contexts and audit records.")
-    cache_salt: str | None = Field(default=None, description="Cache namespace (no KV sharing across salts).")
     engine_config: dict[str, Any] = Field(
         default_factory=dict, description="engine.EngineConfig fields for the in-process engine (not with base_url)."
     )
@@ -132,10 +140,9 @@ class PagedLLM(LLM):
         )
 
     def _options(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        options = {
-            "max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
-            "stop": self.stop or None, "timeout": self.timeout, "cache_salt": self.cache_salt, **kwargs,
-        }  # fmt: skip
+        options = {name: getattr(self, name) for name in _KNOBS}
+        options.update(timeout=self.timeout, cache_salt=self.cache_salt, **kwargs)
+        options["stop"] = options["stop"] or None
         return {k: v for k, v in options.items() if v is not None}
 
     @staticmethod

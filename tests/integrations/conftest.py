@@ -51,7 +51,7 @@ class LiveServer:
         return self
 
     def wait_phase(self, phase: str, timeout: float = 60.0) -> None:
-        from integrations.openai_server.app import STATE
+        from integrations.openai_server.state import STATE
 
         deadline = time.monotonic() + timeout
         while self.app[STATE].phase.value != phase:

@@ -15,7 +15,7 @@ from engine.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 class FakeEngine:
-    """Emits ``params.max_tokens`` copies of the token " ok" (one per ``delay`` seconds).
+    """Emits ``params.max_tokens`` copies of the token " ok" (one per ``delay`` seconds) in each of ``params.n`` completions.
 
     Args:
         tokenizer: a real tokenizer (chat templates and prompt lengths are real).
@@ -51,7 +51,7 @@ class FakeEngine:
                 if self.delay:
                     await asyncio.sleep(self.delay)
                 if aborted.is_set():
-                    yield self._output(request_id, ids, tokens, logprobs, "abort")
+                    yield self._output(request_id, ids, tokens, logprobs, "abort", params.n)
                     return
                 if self.fail_after is not None and i >= self.fail_after:
                     raise EngineError("the step failed")
@@ -60,15 +60,20 @@ class FakeEngine:
                     top = {self.token_id: Logprob(-0.5, 1, " ok"), 0: Logprob(-1.5, 2, "<x>")}
                     logprobs.append(dict(list(top.items())[: max(params.logprobs, 1)]))
                 finish = "length" if i == params.max_tokens - 1 else None
-                yield self._output(request_id, ids, tokens, logprobs, finish)
+                yield self._output(request_id, ids, tokens, logprobs, finish, params.n)
         finally:
             del self.running[request_id]
             self.num_finished += 1
 
-    def _output(self, request_id: str, ids: list[int], tokens: list[int], logprobs: Any, finish: str | None) -> RequestOutput:
+    def _output(
+        self, request_id: str, ids: list[int], tokens: list[int], logprobs: Any, finish: str | None, n: int
+    ) -> RequestOutput:
         text = " ok" * len(tokens)
-        completion = CompletionOutput(0, text, list(tokens), finish, list(logprobs) if logprobs is not None else None)
-        return RequestOutput(request_id, ids, [completion], finish is not None, num_cached_tokens=0)
+        completions = [
+            CompletionOutput(i, text, list(tokens), finish, list(logprobs) if logprobs is not None else None)
+            for i in range(n)
+        ]
+        return RequestOutput(request_id, ids, completions, finish is not None, num_cached_tokens=0)
 
     async def abort(self, request_id: str) -> None:
         if request_id in self.running:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from integrations.openai_server.app import key_id
+from integrations.openai_server.state import key_id
 from integrations.openai_server.command import add_arguments, api_keys, engine_config, is_loopback, parse_size
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -77,11 +77,12 @@ async def test_logprobs_and_prompt_ids_over_http_match_in_process(make_server, t
 
 
 async def test_remote_errors_map_to_sdk_errors(make_server):
-    """429 -> OverloadedError, 400 -> InvalidRequestError, a server-side filter -> ContentBlocked."""
+    """429 -> OverloadedError, 400 -> InvalidRequestError with the server's param, a server-side filter -> ContentBlocked."""
     server, _ = make_server(hooks=[RegexFilter("secret")])
     async with _remote(server) as client:
-        with pytest.raises(InvalidRequestError, match="temperature"):
-            await client.chat("hi", temperature=50.0)
+        with pytest.raises(InvalidRequestError, match="max_model_len") as err:
+            await client.chat("word " * 400)  # valid here, too long for the server's engine
+        assert err.value.param == "messages"
         with pytest.raises(ContentBlocked):
             await client.chat("my secret")
     server2, _ = make_server(overloaded=True)

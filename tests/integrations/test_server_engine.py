@@ -12,7 +12,8 @@ import aiohttp
 import openai
 import pytest
 
-from integrations.openai_server.app import STATE, create_app
+from integrations.openai_server.app import create_app
+from integrations.openai_server.state import STATE
 
 KEY = "sk-engine"
 ENGINE_CONFIG = dict(num_blocks=512, block_size=16, max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=512)

@@ -67,7 +67,7 @@ def test_missing_or_wrong_key_is_401_except_health(make_server):
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("temperature", 5.0), ("n", 0), ("top_p", 0.0), ("messages", []), ("max_tokens", 0), ("top_logprobs", 99)],
+    [("temperature", 500.0), ("n", 0), ("top_p", 0.0), ("messages", []), ("max_tokens", 0), ("top_logprobs", 99)],
 )
 def test_invalid_parameters_are_400_naming_the_field(make_server, field, value):
     """Out-of-range knobs and empty messages are BadRequestError with ``param`` naming the field."""

@@ -13,7 +13,7 @@ from engine import AsyncEngine, Engine, SamplingParams
 from engine.request import RequestStatus
 from tests.support.quiescence import check_engine_quiescent
 from sdk import AsyncClient
-from sdk.audit import AuditLog
+from sdk.hooks import AuditLog
 from sdk.errors import RequestTimeout
 from sdk.transport import InProcessTransport, shared_engine
 from tests.reliability.conftest import ENGINE_CONFIG

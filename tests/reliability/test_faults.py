@@ -12,10 +12,11 @@ import pytest
 from engine import AsyncEngine, Engine, EngineError, SamplingParams
 from tests.support.faults import InjectedFault, inject_fault
 from tests.support.quiescence import check_engine_quiescent
-from integrations.openai_server.app import STATE, create_app
+from integrations.openai_server.app import create_app
+from integrations.openai_server.state import STATE
 from integrations.openai_server.serving import Serving
 from sdk import AsyncClient
-from sdk.audit import AuditLog
+from sdk.hooks import AuditLog
 from sdk.errors import EngineFailure
 from sdk.transport import InProcessTransport
 from tests.integrations.conftest import LiveServer

@@ -25,7 +25,7 @@ from tests.support.quiescence import assert_quiescent, running_tasks
 from integrations.openai_server.app import create_app
 from integrations.openai_server.serving import Serving
 from sdk import AsyncClient
-from sdk.audit import AuditLog
+from sdk.hooks import AuditLog
 from sdk.errors import InvalidRequestError, OverloadedError, PagedError, RequestTimeout
 from sdk.hooks import Hook, RequestContext
 from sdk.transport import InProcessTransport

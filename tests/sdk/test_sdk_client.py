@@ -112,16 +112,19 @@ async def test_overloaded_is_retried(make_client, fake_engine):
 
 
 async def test_invalid_requests_are_typed(make_client, fake_engine):
-    """Bad knobs and over-long prompts raise InvalidRequestError naming the problem; bad roles fail validation."""
+    """Bad knobs, unknown options and over-long prompts raise InvalidRequestError naming the field; bad roles fail validation."""
     client = make_client()
-    with pytest.raises(InvalidRequestError, match="temperature"):
+    with pytest.raises(InvalidRequestError, match="temperature") as err:
         await client.chat("hi", temperature=-1.0)
-    with pytest.raises(InvalidRequestError, match="max_model_len"):
+    assert err.value.param == "temperature"
+    with pytest.raises(InvalidRequestError, match="max_model_len") as err:
         await client.complete("word " * 600)
+    assert err.value.param == "prompt"
     with pytest.raises(ValidationError):
         ChatMessage(role="wizard", content="x")
-    with pytest.raises(ValidationError):
+    with pytest.raises(InvalidRequestError) as err:
         await client.chat("hi", not_an_option=1)
+    assert err.value.param == "not_an_option"
 
 
 def test_sync_client_chat_and_stream(fake_engine):

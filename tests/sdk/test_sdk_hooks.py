@@ -9,7 +9,7 @@ import json
 import pytest
 
 from sdk import ChatMessage, ContentBlocked, HookFailed, InvalidRequestError
-from sdk.audit import AuditChainBroken
+from sdk.hooks import AuditChainBroken
 from sdk.hooks import AuditLog, Hook, RegexFilter, RequestContext, Stop
 
 SECRET = "sk-ABCDEF123456"
@@ -94,7 +94,10 @@ async def test_output_filter_catches_match_across_deltas(make_client):
 
 
 async def test_one_audit_record_per_request_for_every_outcome(make_client, fake_engine, tmp_path):
-    """Finished, blocked, invalid, aborted and cancelled requests each write exactly one chained record."""
+    """Finished, blocked, rejected, aborted and cancelled requests each write exactly one chained record.
+
+    (Options that fail the request types' validation never become a request: no record.)
+    """
     audit = AuditLog(tmp_path / "audit.jsonl")
     client = make_client(hooks=[RegexFilter("forbidden"), audit], tenant="acme")
     await client.chat("hello", max_tokens=3)
@@ -102,6 +105,8 @@ async def test_one_audit_record_per_request_for_every_outcome(make_client, fake_
         await client.chat("forbidden words")
     with pytest.raises(InvalidRequestError):
         await client.chat("hello", top_p=5.0)
+    with pytest.raises(InvalidRequestError):
+        await client.complete("word " * 600)  # longer than the engine's max_model_len
     async with contextlib.aclosing(client.stream("hello", max_tokens=50)) as stream:
         async for _ in stream:
             break

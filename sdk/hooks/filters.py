@@ -6,7 +6,7 @@ import re
 from typing import Literal
 
 from sdk.errors import ContentBlocked
-from sdk.hooks import Hook, RequestContext, Stop
+from sdk.hooks.base import Hook, RequestContext, Stop
 from sdk.types import Delta
 
 
@@ -86,6 +86,6 @@ class RegexFilter(Hook):
     async def on_chunk(self, ctx: RequestContext, delta: Delta) -> Stop | None:
         if self.on != "output" or not delta.text:
             return None
-        if self.pattern.search(ctx.output_text + delta.text):
+        if self.pattern.search(ctx.output_texts[delta.index] + delta.text):
             return Stop(f"output matched the {self.name} filter")
         return None

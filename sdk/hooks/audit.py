@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from sdk.hooks import Hook, RequestContext
+from sdk.hooks.base import Hook, RequestContext
 
 logger = logging.getLogger(__name__)
 
@@ -98,12 +98,13 @@ class AuditLog(Hook):
             "decisions": [
                 {"hook": d.hook, "stage": d.stage, "action": d.action, "detail": d.detail} for d in ctx.decisions
             ],
-            "completion_chars": len(ctx.output_text),
+            "completion_chars": sum(map(len, ctx.output_texts)),
         }
         if self.include_text:
             record["messages"] = None if ctx.messages is None else [m.model_dump() for m in ctx.messages]
             record["prompt"] = ctx.prompt
-            record["completion"] = ctx.output_text
+            # one completion (the usual case) as a str, n > 1 of them as a list
+            record["completion"] = ctx.output_text if len(ctx.output_texts) == 1 else list(ctx.output_texts)
         return record
 
     async def on_finish(self, ctx: RequestContext) -> None:

@@ -1,4 +1,4 @@
-"""Hooks on the request path: input filters, output filters and audit, run by the client for every route.
+"""The hook interface: ``Hook``, what hooks see of a request (``RequestContext``) and how a chain runs them.
 
 A hook subclasses ``Hook`` and overrides what it needs; the client runs the hooks of a
 request in the order given:
@@ -23,41 +23,12 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from sdk.errors import ContentBlocked, HookFailed
 from sdk.types import ChatMessage, Delta, FinishReason, Usage
 
-if TYPE_CHECKING:
-    from sdk.audit import AuditLog
-    from sdk.filters import RegexFilter
-
-__all__ = [
-    "AuditLog",
-    "ContentBlocked",
-    "FilterDecision",
-    "Hook",
-    "HookChain",
-    "HookFailed",
-    "RegexFilter",
-    "RequestContext",
-    "Stop",
-]
-
 logger = logging.getLogger(__name__)
-
-
-def __getattr__(name: str) -> Any:
-    # NOTE: the ready-made hooks import this module, so they are re-exported lazily.
-    if name == "AuditLog":
-        from sdk.audit import AuditLog
-
-        return AuditLog
-    if name == "RegexFilter":
-        from sdk.filters import RegexFilter
-
-        return RegexFilter
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,11 +64,17 @@ class RequestContext:
     start_monotonic: float = field(default_factory=time.monotonic)
     first_token_monotonic: float | None = None
     end_monotonic: float | None = None
-    output_text: str = ""  # emitted so far; during on_chunk, the text before the current delta
+    # per completion (n of them), the text emitted so far; during on_chunk, before the current delta
+    output_texts: list[str] = field(default_factory=lambda: [""])
     finish_reason: FinishReason | None = None
     usage: Usage = field(default_factory=Usage)
     error: BaseException | None = None
     decisions: list[FilterDecision] = field(default_factory=list)
+
+    @property
+    def output_text(self) -> str:
+        """The first completion's text emitted so far (the only one unless ``n`` was set)."""
+        return self.output_texts[0]
 
     @property
     def latency(self) -> float | None:

@@ -11,7 +11,12 @@ import pytest
 
 from integrations.openai_server.app import create_app
 from integrations.openai_server.serving import Serving
+from engine.knobs import knobs_of
+from engine.request_options import RequestOptions
+from engine.sampling_params import SamplingParams
+from sdk.wire import WIRE_NAMES
 from tests.integrations.fake_engine import FakeEngine
+from tests.support.knob_cases import knob_cases
 
 KEY = "sk-test-key"
 
@@ -80,6 +85,32 @@ def test_invalid_parameters_are_400_naming_the_field(make_server, field, value):
     assert err.value.body["param"] == field
     assert err.value.body["type"] == "invalid_request_error"
     assert engine.num_finished == 0  # nothing reached the engine
+
+
+def _first_refused(knob) -> object:
+    return next(value for value, ok in knob_cases(knob) if not ok)
+
+
+WIRE_CASES = [
+    (route, WIRE_NAMES[route].get(k.name, k.name), _first_refused(k))
+    for route in ("chat", "completion")
+    for k in [*knobs_of(SamplingParams), *knobs_of(RequestOptions)]
+    if k.name != "request_id"  # the server makes the ids
+] + [("chat", "max_completion_tokens", 0), ("chat", "messages", [{"role": "user", "content": 3}]), ("completion", "prompt", 3)]
+
+
+@pytest.mark.parametrize(("route", "field", "value"), WIRE_CASES, ids=lambda v: str(v)[:16])
+def test_every_validated_field_is_named_in_param(make_server, route, field, value):
+    """Each field the server validates, refused over HTTP, is a 400 whose ``param`` names it; nothing reaches the engine."""
+    server, engine = make_server()
+    body = {"messages": [{"role": "user", "content": "hi"}]} if route == "chat" else {"prompt": "hi"}
+    body[field] = value
+    path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    status, _, answer = _raw(server, path, json.dumps(body).encode(), headers)
+    assert status == 400 and answer["error"]["type"] == "invalid_request_error"
+    assert answer["error"]["param"].split(".")[0] == field
+    assert engine.num_finished == 0
 
 
 def test_engine_side_validation_is_400(make_server):

@@ -14,7 +14,7 @@ Requests run in waves of ``--batch`` concurrent requests over a pool sized for o
 so from the second wave on the freed tails of earlier waves are evicted. Every request
 shares the first ``--prefix-len`` tokens (a system prompt) and has a unique tail.
 
-Usage: ``python benchmarks/bench_kv_cache.py [--num-requests 10000] [--no-prefix-caching]``
+Usage: ``python benchmarks/bench_kv_cache.py [--num-requests 10000] [--no-enable-prefix-caching]``
 """
 
 from __future__ import annotations
@@ -88,16 +88,16 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--batch", type=int, default=256, help="concurrent requests per wave")
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
     result = run(
         args.num_requests, args.prompt_len, args.prefix_len, args.decode_tokens, args.batch, args.block_size,
-        not args.no_prefix_caching,
+        args.enable_prefix_caching,
     )
     print(
         f"{args.num_requests} requests x {args.prompt_len} tokens ({args.prefix_len} shared), "
         f"{args.decode_tokens} decode steps, batch {args.batch}, block_size {args.block_size}, "
-        f"prefix caching {'off' if args.no_prefix_caching else 'on'}"
+        f"prefix caching {'on' if args.enable_prefix_caching else 'off'}"
     )
     print(
         f"per request: admit {result['admit_us']:.1f} us, decode step {result['decode_step_us']:.2f} us, "

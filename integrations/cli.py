@@ -7,7 +7,8 @@ import importlib
 import sys
 
 # Each subcommand lives in its own module exposing add_arguments(parser) and run(args) -> int;
-# modules import lazily so `paged --help` stays fast.
+# modules import lazily so `paged --help` stays fast. A FlagError from run() (an engine flag
+# value EngineConfig refuses) is reported like any other bad flag: usage, message, status 2.
 _COMMANDS = {
     "serve": ("integrations.openai_server.command", "run the OpenAI-compatible HTTP server"),
     "bench": ("integrations.bench.command", "benchmark the engine against the alternatives"),
@@ -19,14 +20,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="paged", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     argv = sys.argv[1:] if argv is None else argv
+    chosen = parser
     for name, (module_name, help_text) in _COMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text)
         if argv[:1] == [name]:
             module = importlib.import_module(module_name)
             module.add_arguments(sub_parser)
             sub_parser.set_defaults(_run=module.run)
+            chosen = sub_parser
     args = parser.parse_args(argv)
-    return int(args._run(args) or 0)
+    from integrations.engine_flags import FlagError
+
+    try:
+        return int(args._run(args) or 0)
+    except FlagError as exc:
+        chosen.error(str(exc))
 
 
 if __name__ == "__main__":

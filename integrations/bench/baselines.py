@@ -29,11 +29,10 @@ CB_MAX_BATCH_TOKENS = 512
 Progress = Callable[[int], None]  # called with the number of new tokens just finished
 
 
-def load_hf_model(model_dir: Path, dtype: torch.dtype) -> Any:
-    """The Hugging Face model in eval mode, with EOS switched off in its generation config."""
+def load_hf_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Any:
+    """The Hugging Face model on ``device`` in eval mode, with EOS switched off in its generation config."""
     import transformers
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # where the engine's "auto" device puts it
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     # NOTE: a GenerationConfig passed to generate() falls back to the model's eos_token_id when its
     # own is None, so EOS must be cleared on the model to decode past it.

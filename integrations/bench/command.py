@@ -17,22 +17,16 @@ from pathlib import Path
 from typing import Any
 
 from integrations.bench.workloads import WORKLOADS
+from integrations.engine_flags import add_engine_arguments, engine_config, engine_kwargs
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = ("float32", "bfloat16")
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``paged bench`` options."""
-    parser.add_argument("--model", default=None, help="HF directory or .gguf file (default: bundled SmolLM2)")
+    """The ``paged bench`` options, and every engine flag (the engine's runs get them all)."""
     parser.add_argument("--workload", choices=WORKLOADS, default="shared-prefix")
     parser.add_argument("--num-requests", type=_positive_int, default=64)
     parser.add_argument("--max-tokens", type=_positive_int, default=128, help="new tokens per request")
-    parser.add_argument("--dtype", choices=_DTYPES, default="float32")
-    parser.add_argument(
-        "--num-blocks", type=_positive_int, default=None, help="engine KV cache blocks (default: the engine's budget)"
-    )
     parser.add_argument("--compare", action="store_true", help="also run the Hugging Face baselines")
     parser.add_argument(
         "--baselines",
@@ -57,13 +51,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--concurrency",
         type=_int_list,
         default=[1, 2, 4, 8, 16, 32, 64, 128],
-        help="sweep: comma-separated concurrency levels",
+        help="sweep: comma-separated concurrency levels (each level runs the engine with --max-num-seqs at it)",
     )
     parser.add_argument(
         "--threads", type=_positive_int, default=None, help="torch CPU threads for every contender (default: torch's)"
     )
     parser.add_argument("--no-ceiling", action="store_true", help="skip the matmul ceiling measurement")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_engine_arguments(parser)
 
 
 def _positive_int(text: str) -> int:
@@ -96,7 +91,13 @@ def _baseline_list(text: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the benchmark described by ``args``; prints the tables, writes JSON and plots."""
+    """Run the benchmark described by ``args``; prints the tables, writes JSON and plots.
+
+    Raises:
+        FlagError: an engine flag the config refuses (``paged`` reports it as a usage error),
+            before anything loads.
+    """
+    config = engine_config(args)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     import transformers
@@ -111,8 +112,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    model_dir = resolve_model(args.model)
-    dtype = getattr(torch, args.dtype)
+    model_dir = resolve_model(config.model)
+    # NOTE: "auto" means what the engine makes of it here. The engine may compute bfloat16 weights
+    # in float32 (resolve_dtypes); transformers cannot, so its baselines run the weights' dtype.
+    device = resolve_device(config.device)
+    compute_dtype, weight_dtype = resolve_dtypes(config.dtype, device)
+    dtype_name = str(weight_dtype).removeprefix("torch.")
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     num_requests = max(args.num_requests, max(args.concurrency)) if args.workload == "sweep" else args.num_requests
@@ -125,26 +130,25 @@ def run(args: argparse.Namespace) -> int:
         desc=f"paged bench {args.workload}",
         disable=args.no_progress,
     )
-    engine_kwargs: dict[str, Any] = {"dtype": args.dtype}
-    if args.num_blocks is not None:
-        engine_kwargs["num_blocks"] = args.num_blocks
+    engine_fields = engine_kwargs(args)
+    model = engine_fields.pop("model")
     results, poisson, sweep, profile = [], None, None, None
 
     if args.workload == "poisson":
         poisson = engine_runs.poisson_search(
-            args.model, engine_kwargs, workload.prompts, args.max_tokens, args.rate, args.itl_bound,
+            model, engine_fields, workload.prompts, args.max_tokens, args.rate, args.itl_bound,
             args.rate_trials, bar.update,
         )
     elif args.workload == "sweep":
-        hf_model = baselines.load_hf_model(model_dir, dtype) if args.compare else None
+        hf_model = baselines.load_hf_model(model_dir, weight_dtype, device) if args.compare else None
         sweep = engine_runs.concurrency_sweep(
-            args.model, engine_kwargs, workload.prompts, args.max_tokens, args.concurrency, hf_model,
+            model, engine_fields, workload.prompts, args.max_tokens, args.concurrency, hf_model,
             pad_token_id, bar.update,
         )
     else:
-        results.append(engine_runs.run_offline(args.model, engine_kwargs, workload.prompts, args.max_tokens, bar.update))
+        results.append(engine_runs.run_offline(model, engine_fields, workload.prompts, args.max_tokens, bar.update))
         if baseline_names:
-            hf_model = baselines.load_hf_model(model_dir, dtype)
+            hf_model = baselines.load_hf_model(model_dir, weight_dtype, device)
             baselines.warm_up(hf_model, pad_token_id)
             # NOTE: generate_batch switches the model's attention to its paged variant, so it runs last.
             for name in sorted(baseline_names, key=lambda n: n == "continuous"):
@@ -158,14 +162,13 @@ def run(args: argparse.Namespace) -> int:
     if args.profile:
         bar.set_postfix_str("profile")
         profile = profiling.profile_steps(
-            args.model, engine_kwargs, workload.prompts[: min(len(workload.prompts), 64)], args.max_tokens,
+            model, engine_fields, workload.prompts[: min(len(workload.prompts), 64)], args.max_tokens,
             args.profile_dir,
         )
     ceiling = None
     if not args.no_ceiling:
         bar.set_postfix_str("matmul ceiling")
         # NOTE: the engine's compute dtype: bfloat16 weights widen to float32 on a CPU without bfloat16 arithmetic.
-        compute_dtype, weight_dtype = resolve_dtypes(args.dtype, resolve_device("auto"))
         ceiling = measure_ceiling(model_dir, compute_dtype, weight_dtype)
     bar.close()
 
@@ -179,8 +182,9 @@ def run(args: argparse.Namespace) -> int:
         },
         machine=machine_info(),
         protocol={
-            "model": str(args.model or "bundled SmolLM2-135M-Instruct"),
-            "dtype": args.dtype,
+            "model": str(model or "bundled SmolLM2-135M-Instruct"),
+            "dtype": dtype_name,
+            "engine": engine_fields,
             "max_tokens": args.max_tokens,
             "greedy": True,
             "ignore_eos": True,
@@ -198,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         from integrations.bench.plots import write_plots
 
-        for path in write_plots(args.plot, f"{args.workload}-{args.dtype}", results, report):
+        for path in write_plots(args.plot, f"{args.workload}-{dtype_name}", results, report):
             logger.info("wrote %s", path)
     return 0
 

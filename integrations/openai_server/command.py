@@ -6,33 +6,18 @@ import argparse
 import ipaddress
 import logging
 import os
-import re
 from pathlib import Path
 
 from aiohttp import web
 
+from integrations.engine_flags import add_engine_arguments, engine_config, engine_kwargs, parse_size
 from integrations.openai_server.app import DEFAULT_CLIENT_MAX_SIZE, DEFAULT_DRAIN_TIMEOUT, create_app
 
 logger = logging.getLogger(__name__)
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """``"2GiB"``, ``"512M"`` or plain bytes -> bytes (K/M/G/T are binary multiples)."""
-    match = _SIZE.match(text)
-    if match is None:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1073741824, 512MiB, 2G)")
-    number, unit = float(match.group(1)), match.group(2).lower()
-    return int(number * 1024 ** " kmgt".index(unit or " "))
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     server = parser.add_argument_group("server")
-    server.add_argument(
-        "--model", default=None,
-        help="HF directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)",
-    )
     server.add_argument(
         "--served-model-name", default=None,
         help="model id clients send and /v1/models lists (default: the model's name)",
@@ -63,71 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     server.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
 
-    engine = parser.add_argument_group("engine")
-    engine.add_argument(
-        "--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-        help="weights and KV cache dtype (default: %(default)s)",
-    )
-    engine.add_argument(
-        "--device", default="auto", choices=("auto", "cpu", "cuda"),
-        help="(default: %(default)s = cuda when available)",
-    )
-    engine.add_argument(
-        "--block-size", type=int, default=16, help="tokens per KV cache block (default: %(default)s)"
-    )
-    kv = engine.add_mutually_exclusive_group()
-    kv.add_argument(
-        "--kv-cache-memory", type=parse_size, default=None,
-        help="KV cache size, e.g. 2GiB (default: 1GiB on CPU, most free memory on GPU)",
-    )
-    kv.add_argument(
-        "--num-blocks", type=int, default=None,
-        help="KV cache size in blocks (instead of --kv-cache-memory)",
-    )
-    engine.add_argument(
-        "--max-num-seqs", type=int, default=128, help="most requests in one batch (default: %(default)s)"
-    )
-    engine.add_argument(
-        "--max-num-batched-tokens", type=int, default=2048,
-        help="token budget of one step (default: %(default)s)",
-    )
-    engine.add_argument(
-        "--max-model-len", type=int, default=None,
-        help="longest prompt + completion (default: the model's)",
-    )
-    engine.add_argument("--no-prefix-caching", action="store_true", help="turn prefix-block sharing off")
-    engine.add_argument(
-        "--attention-backend", default="auto", choices=("auto", "torch", "cpu", "triton"),
-        help="(default: %(default)s = triton on CUDA, torch on CPU)",
-    )
-
-    admission = parser.add_argument_group("admission limits (beyond them requests get 429)")
-    admission.add_argument(
-        "--max-queued-requests", type=int, default=4096, help="waiting requests (default: %(default)s)"
-    )
-    admission.add_argument(
-        "--max-queued-tokens", type=int, default=4_000_000,
-        help="prompt tokens of waiting requests (default: %(default)s)",
-    )
-
-
-def engine_config(args: argparse.Namespace) -> dict:
-    """The ``EngineConfig`` fields the flags set."""
-    config = dict(
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=not args.no_prefix_caching,
-        attention_backend=args.attention_backend,
-        max_queued_requests=args.max_queued_requests,
-        max_queued_tokens=args.max_queued_tokens,
-    )
-    for name in ("kv_cache_memory", "num_blocks", "max_model_len"):
-        if getattr(args, name) is not None:
-            config[name] = getattr(args, name)
-    return config
+    add_engine_arguments(parser)
 
 
 def api_keys(args: argparse.Namespace) -> dict[str, str] | None:
@@ -156,19 +77,20 @@ def is_loopback(host: str) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM/SIGINT.
+
+    Raises:
+        FlagError: an engine flag the config refuses (``paged`` reports it as a usage error),
+            before anything binds or loads.
+    """
+    engine_config(args)  # checks every engine flag now; the engine itself loads after binding
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from engine.config import EngineConfig
-
-    config = engine_config(args)
-    try:
-        EngineConfig(model=args.model, **config)  # fail fast on bad flags, before binding
-    except ValueError as exc:
-        logger.error("invalid engine settings: %s", exc)
-        return 2
-    if args.model is not None and not Path(args.model).exists():
-        logger.error("model path %s does not exist", args.model)
+    config = engine_kwargs(args)
+    model = config.pop("model")
+    if model is not None and not Path(model).exists():
+        logger.error("model path %s does not exist", model)
         return 2
     keys = api_keys(args)
     if keys is None and not is_loopback(args.host):
@@ -182,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
 
         hooks.append(AuditLog(args.audit_log))
     app = create_app(
-        args.model,
+        model,
         api_key=keys,
         served_model_name=args.served_model_name,
         hooks=hooks,

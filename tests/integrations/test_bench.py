@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine.config import EngineConfig
 from integrations.bench.ceiling import linear_shapes
 from integrations.bench.engine_runs import saturation_point
 from integrations.bench.report import ENGINE, percentile
@@ -71,9 +73,34 @@ def test_compare_run_writes_documented_json(tiny_dir: Path, tmp_path: Path) -> N
     assert by_name["HF generate, one by one"]["matches_engine"] == 1.0
     ceiling = report["ceiling"]
     assert ceiling["tokens_per_s"] > 0 and ceiling["engine_fraction"] > 0
-    assert ceiling["dtype"] == ceiling["weight_dtype"] == "float32"
+    # --dtype auto is what the engine makes of it: float32 on CPU, for the baselines and the ceiling too.
+    assert ceiling["dtype"] == ceiling["weight_dtype"] == report["protocol"]["dtype"] == "float32"
+    assert report["protocol"]["engine"]["dtype"] == "auto" and report["protocol"]["engine"]["num_blocks"] == 256
     plots = sorted(p.name for p in (tmp_path / "plots").iterdir())
     assert plots == ["shared-prefix-float32-latency.png", "shared-prefix-float32-throughput.png"]
+
+
+def test_engine_runs_get_every_engine_flag(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every engine flag reaches the engine the bench builds, not only --dtype and --num-blocks."""
+    from integrations.bench import engine_runs
+
+    class Stop(Exception):
+        pass
+
+    seen = {}
+
+    def fake_run_offline(model, engine_kwargs, prompts, max_tokens, progress):
+        seen.update(engine_kwargs, model=model)
+        raise Stop
+
+    monkeypatch.setattr(engine_runs, "run_offline", fake_run_offline)
+    flags = ["--block-size", "8", "--kv-cache-memory", "64MiB", "--no-enable-prefix-caching", "--max-num-seqs", "4",
+             "--attention-backend", "torch", "--max-queued-requests", "7", "--seed", "3"]  # fmt: skip
+    with pytest.raises(Stop):
+        main(["bench", "--model", str(tiny_dir), "--num-requests", "2", "--no-ceiling", "--no-progress", *flags])
+    expected = EngineConfig(model=str(tiny_dir), block_size=8, kv_cache_memory=64 << 20, enable_prefix_caching=False,
+                            max_num_seqs=4, attention_backend="torch", max_queued_requests=7, seed=3)  # fmt: skip
+    assert seen == {f.name: getattr(expected, f.name) for f in dataclasses.fields(EngineConfig)}
 
 
 def test_profile_splits_step_time_and_writes_trace(tiny_dir: Path, tmp_path: Path) -> None:

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from integrations.engine_flags import FlagError, engine_config
+from integrations.openai_server.command import add_arguments, api_keys, is_loopback
 from integrations.openai_server.state import key_id
-from integrations.openai_server.command import add_arguments, api_keys, engine_config, is_loopback, parse_size
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,19 +31,16 @@ def _parse(*argv: str) -> argparse.Namespace:
 
 def test_flags_map_to_engine_config_and_keys(monkeypatch):
     """Engine and admission flags become EngineConfig fields; keys become {tenant: key} with hashed ids for bare keys."""
-    args = _parse("--kv-cache-memory", "512MiB", "--max-num-seqs", "8", "--no-prefix-caching", "--max-queued-requests", "3",
-                  "--api-key", "alice=sk-a", "--api-key", "c2stYg==")  # fmt: skip
+    args = _parse("--kv-cache-memory", "512MiB", "--max-num-seqs", "8", "--no-enable-prefix-caching",
+                  "--max-queued-requests", "3", "--api-key", "alice=sk-a", "--api-key", "c2stYg==")  # fmt: skip
     config = engine_config(args)
-    assert config["kv_cache_memory"] == 512 << 20 and config["max_num_seqs"] == 8
-    assert config["enable_prefix_caching"] is False and config["max_queued_requests"] == 3
-    assert "num_blocks" not in config and "max_model_len" not in config
+    assert config.kv_cache_memory == 512 << 20 and config.max_num_seqs == 8
+    assert config.enable_prefix_caching is False and config.max_queued_requests == 3
+    assert config.num_blocks is None and config.max_model_len is None
     assert api_keys(args) == {"alice": "sk-a", key_id("c2stYg=="): "c2stYg=="}
     monkeypatch.setenv("PAGED_API_KEY", "sk-env")
     assert api_keys(_parse()) == {key_id("sk-env"): "sk-env"}
-    assert parse_size("2G") == 2 << 30 and parse_size("1000") == 1000
     assert is_loopback("127.0.0.1") and is_loopback("::1") and not is_loopback("0.0.0.0")
-    with pytest.raises(SystemExit):
-        _parse("--kv-cache-memory", "1G", "--num-blocks", "4")
 
 
 def _free_port() -> int:
@@ -93,10 +91,13 @@ def test_serve_process_drains_on_sigterm(tiny_model_factory):
 
 
 def test_serve_rejects_bad_settings_before_binding(tmp_path):
-    """Invalid engine flags or a missing model path exit with status 2 instead of serving a dead engine."""
+    """Invalid engine flags (a usage error) or a missing model path stop serve instead of serving a dead engine."""
     from integrations.openai_server.command import run
 
-    assert run(_parse("--max-num-seqs", "0")) == 2
+    with pytest.raises(FlagError, match="--max-num-seqs"):
+        run(_parse("--max-num-seqs", "0"))
+    with pytest.raises(FlagError, match="--kv-cache-memory or --num-blocks"):
+        run(_parse("--kv-cache-memory", "1G", "--num-blocks", "4"))
     assert run(_parse("--model", str(tmp_path / "missing"))) == 2
 
 

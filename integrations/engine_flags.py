@@ -1,0 +1,103 @@
+"""Command-line flags generated from ``EngineConfig``: one ``--field-name`` per field.
+
+``paged serve`` and ``paged bench`` take their engine flags from here, so a flag's type,
+choices, default and help are those of the knob (``engine/config.py``) and never drift from
+the dataclass. Every flag's help is the knob's help followed by ``(default: X)``, X being the
+dataclass default as Python prints it (``None`` where the help says what None means).
+
+Values are checked by ``EngineConfig`` itself: ``engine_config(args)`` raises ``FlagError``
+naming the flag (``--block-size must be in [1, 1024]; got 0``), which ``paged`` reports as a
+usage error (exit status 2) before anything loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.errors import ParameterError
+from engine.knobs import Kind, Knob, knobs_of
+
+# Fields shown in their own help group; every other field is in "engine".
+ADMISSION_FIELDS = ("max_queued_requests", "max_queued_tokens")
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+class FlagError(ValueError):
+    """An engine flag value ``EngineConfig`` refuses; the message names the flag as it is typed."""
+
+
+def parse_size(text: str) -> int:
+    """``"2GiB"``, ``"512M"`` or plain bytes -> bytes (K/M/G/T are binary multiples)."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1073741824, 512MiB, 2G)")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    return int(number * 1024 ** " kmgt".index(unit or " "))
+
+
+def flag_name(field: str) -> str:
+    """``block_size`` -> ``--block-size``."""
+    return "--" + field.replace("_", "-")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds one flag per ``EngineConfig`` field, in the "engine" and "admission limits" groups."""
+    engine = parser.add_argument_group("engine")
+    admission = parser.add_argument_group(
+        "admission limits", "beyond them a new request is refused (EngineOverloaded; HTTP 429 from paged serve)"
+    )
+    for k in knobs_of(EngineConfig):
+        group = admission if k.name in ADMISSION_FIELDS else engine
+        group.add_argument(flag_name(k.name), dest=k.name, default=k.default, help=_help(k), **_parse_options(k))
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Every ``EngineConfig`` field as the flags set it (defaults included), ``model`` too."""
+    return {k.name: getattr(args, k.name) for k in knobs_of(EngineConfig)}
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The ``EngineConfig`` the flags describe.
+
+    Raises:
+        FlagError: a value the config refuses, with the fields spelled as flags.
+    """
+    try:
+        return EngineConfig(**engine_kwargs(args))
+    except ParameterError as exc:
+        raise FlagError(_as_flags(str(exc))) from exc
+
+
+def _parse_options(k: Knob) -> dict[str, Any]:
+    if k.kind is Kind.BOOL:
+        return {"action": argparse.BooleanOptionalAction}
+    if k.kind is Kind.INT:
+        return {"type": parse_size, "metavar": "SIZE"} if k.unit == "bytes" else {"type": int}
+    if k.kind is Kind.FLOAT:
+        return {"type": float}
+    if k.kind is Kind.CHOICE:
+        return {"choices": k.choices}
+    if k.kind is Kind.PATH:
+        return {"metavar": "PATH"}
+    if k.kind is Kind.STR:
+        return {}
+    raise TypeError(f"no command-line flag for the {k.kind.value} knob {k.name!r}")
+
+
+def _help(k: Knob) -> str:
+    # NOTE: argparse %-formats help texts; a literal % in a knob's help ("85% of") must be doubled.
+    text = k.help.replace("%", "%%")
+    if k.unit == "bytes":
+        text += " SIZE is bytes, or takes a binary K/M/G/T suffix (512MiB, 2G)."
+    return text + " (default: %(default)s)"
+
+
+def _as_flags(message: str) -> str:
+    # NOTE: ParameterError messages name fields as EngineConfig does ("block_size must be ...",
+    # "give kv_cache_memory or num_blocks, not both"); on the command line they are flags.
+    names = sorted((k.name for k in knobs_of(EngineConfig)), key=len, reverse=True)
+    return re.sub(r"\b(" + "|".join(names) + r")\b", lambda m: flag_name(m.group(1)), message)

@@ -25,6 +25,8 @@ from engine.llm_engine import Engine, Prompt, check_params, tokenize
 from engine.outputs import PinnedPrefix, RequestOutput
 from engine.request_options import RequestOptions
 from engine.sampling_params import SamplingParams
+from engine.structured_output.compiler import MAX_COMPILE_SECONDS, too_slow
+from engine.structured_output.params import StructuredOutput
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,7 @@ class _Add:
     priority: int
     cache_salt: str | None
     channel: _Channel
+    grammar: Any = None  # params.structured_output, compiled
 
 
 @dataclass(slots=True)
@@ -178,8 +181,9 @@ class AsyncEngine:
             RequestRejected: From the first ``__anext__``: empty prompt, a token id outside
                 the vocabulary, longer than max_model_len or than the KV cache holds.
             EngineOverloaded: From the first ``__anext__``: admission limits are full.
-            ParameterError: Bad ``params``, ``request_id``, ``priority`` or ``cache_salt``, or a
-                request id already in use.
+            ParameterError: Bad ``params``, ``request_id``, ``priority`` or ``cache_salt``, a
+                request id already in use, or a structured-output constraint that does not
+                compile (compiled on the compiler's threads, never on the step loop).
             EngineError: The engine failed this request, or is dead / shut down.
         """
         self._check_alive()
@@ -187,12 +191,15 @@ class AsyncEngine:
         RequestOptions(request_id, priority, cache_salt)
         prompt_token_ids = tokenize(self._tokenizer, prompt)
         self._engine.validate_prompt(prompt_token_ids)  # reads immutable settings only
+        grammar = None
+        if params.structured_output is not None:
+            grammar = await self._compile(params.structured_output)
         if request_id is None:
             request_id = f"{self._id_prefix}-{next(self._ids)}"
         channel = _Channel(asyncio.get_running_loop(), len(prompt_token_ids))
         self._admit(request_id, channel)
         try:
-            self._inbox.put(_Add(request_id, prompt_token_ids, params, priority, cache_salt, channel))
+            self._inbox.put(_Add(request_id, prompt_token_ids, params, priority, cache_salt, channel, grammar))
             self._check_alive()  # NOTE: a driver that died before draining this Add never answers it
             while True:
                 item = await self._next(channel)
@@ -271,6 +278,14 @@ class AsyncEngine:
         return await self._wait(future)
 
     # ---------------------------------------------------------------------------- caller side
+
+    async def _compile(self, constraint: StructuredOutput) -> Any:
+        """A structured-output constraint compiled on the compiler's threads: never on the step loop."""
+        future = asyncio.wrap_future(self._engine.grammars.submit(constraint))
+        try:
+            return await asyncio.wait_for(future, MAX_COMPILE_SECONDS)
+        except TimeoutError:
+            raise too_slow(constraint) from None
 
     def _check_alive(self) -> None:
         if self._dead is not None:
@@ -382,7 +397,7 @@ class AsyncEngine:
         if isinstance(command, _Add):
             try:
                 engine.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                   command.priority, command.cache_salt)
+                                   command.priority, command.cache_salt, grammar=command.grammar)
             except Exception as exc:  # noqa: BLE001 - the caller gets it
                 command.channel.send(exc)
                 return

@@ -29,6 +29,7 @@ from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from engine.request_options import RequestOptions
 from engine.sampling_params import SamplingParams
+from engine.structured_output.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class Engine:
 
         from engine.layers.sampler import Sampler
         from engine.loader import resolve_model
+        from engine.structured_output.matchers import StructuredOutputManager
         from engine.worker.model_runner import ModelRunner
 
         self.config = make_config(model, config, overrides)
@@ -88,6 +90,9 @@ class Engine:
         self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.sampler = Sampler(self.vocab_size, self.runner.device, seed=self.config.seed)
         self.eos_token_ids = eos_token_ids(self.model_dir, self.runner.hf_config, self.tokenizer)
+        # NOTE: thread-safe; xgrammar loads on the first constrained request.
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.structured_output = StructuredOutputManager(self.vocab_size)
         # NOTE: a sequence never outgrows max_model_len nor what the whole KV cache holds.
         self.max_num_tokens = min(self.max_model_len, self.runner.num_blocks * self.config.block_size)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -135,6 +140,8 @@ class Engine:
         params: SamplingParams | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        *,
+        grammar: Any = None,
     ) -> str:
         """Queues a request; it joins the running batch at the next step that has room.
 
@@ -144,6 +151,8 @@ class Engine:
             params: How to sample; None = ``SamplingParams()``.
             priority: Smaller runs first; FIFO within one priority.
             cache_salt: Requests with different salts never share KV blocks.
+            grammar: ``params.structured_output`` compiled beforehand by ``self.grammars``
+                (``AsyncEngine`` compiles off the step loop); None compiles it here.
 
         Returns:
             The request id.
@@ -151,7 +160,8 @@ class Engine:
         Raises:
             RequestRejected: The prompt can never be served (see ``validate_prompt``).
             ParameterError: The id is in use, ``params`` is not a SamplingParams, or
-                ``request_id``, ``priority`` or ``cache_salt`` is out of bounds.
+                ``request_id``, ``priority`` or ``cache_salt`` is out of bounds, or the
+                structured-output constraint does not compile.
         """
         params = check_params(params)
         RequestOptions(request_id, priority, cache_salt)
@@ -160,7 +170,9 @@ class Engine:
             raise ParameterError("request_id", f"request id {request_id!r} is already in use")
         prompt_token_ids = self.tokenize(prompt)
         self.validate_prompt(prompt_token_ids)
-        self._add(request_id, prompt_token_ids, params, priority, cache_salt)
+        if params.structured_output is not None and grammar is None:
+            grammar = self.grammars.compile(params.structured_output)
+        self._add(request_id, prompt_token_ids, params, priority, cache_salt, grammar=grammar)
         return request_id
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
@@ -216,7 +228,7 @@ class Engine:
 
     def _add(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
-        cache_salt: str | None, keep_blocks: bool = False,
+        cache_salt: str | None, keep_blocks: bool = False, grammar: Any = None,
     ) -> None:
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         children = [
@@ -237,6 +249,8 @@ class Engine:
         ]
         for child in children:
             self.output_processor.add_request(child)
+            if grammar is not None:
+                self.structured_output.add_request(child.req_id, grammar)
             self.scheduler.add_request(child)
         self._parents[request_id] = ParentRequest(request_id, prompt_token_ids, children)
 
@@ -271,6 +285,7 @@ class Engine:
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         self.sampler.free(scheduler_output.finished_req_ids)
+        self.structured_output.free(scheduler_output.finished_req_ids)
         touched: dict[str, None] = {}  # parent ids, in order
         for request in self.scheduler.capped:
             touched[request.parent_id] = None
@@ -304,26 +319,31 @@ class Engine:
         return outputs
 
     def _sample_and_process(self, logits: Any, rows: list[Request], touched: dict[str, None]) -> None:
+        def fail(parent_id: str, error: EngineError) -> None:
+            self._fail(parent_id, error, touched)
+
         try:
-            sampled = self.sampler(logits, rows)
+            sampled = self.sampler(logits, rows, self.structured_output.token_mask(rows))
             token_ids, logprobs = sampled.token_ids, sampled.logprobs
         except Exception:
             logger.exception("batch sampling failed; sampling row by row")
             token_ids, logprobs, ok_rows = [], [], []
             for i, request in enumerate(rows):
                 try:
-                    one = self.sampler(logits[i : i + 1], [request])
+                    one = self.sampler(logits[i : i + 1], [request], self.structured_output.token_mask([request]))
                 except Exception as exc:
-                    self._fail(request.parent_id, EngineError(f"sampling failed: {exc!r}"), touched)
+                    fail(request.parent_id, EngineError(f"sampling failed: {exc!r}"))
                     continue
                 ok_rows.append(request)
                 token_ids.append(one.token_ids[0])
                 logprobs.append(one.logprobs[0])
             rows = ok_rows
-        stopped = self.output_processor.process(
-            rows, token_ids, logprobs, touched, lambda parent_id, error: self._fail(parent_id, error, touched)
-        )
-        self.scheduler.update_from_output(rows, token_ids, stopped)
+        stopped = self.output_processor.process(rows, token_ids, logprobs, touched, fail)
+        complete, refused = self.structured_output.accept(rows, token_ids)
+        for request in rows:
+            if request.req_id in refused:
+                fail(request.parent_id, EngineError(refused[request.req_id]))
+        self.scheduler.update_from_output(rows, token_ids, stopped | complete)
 
     def _fail(self, parent_id: str, error: EngineError, touched: dict[str, None]) -> None:
         parent = self._parents.get(parent_id)

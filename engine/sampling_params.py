@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from engine.errors import ParameterError
 from engine.knobs import check_knobs, knob
+from engine.structured_output.params import StructuredOutput
 
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_N = 64
@@ -69,11 +70,23 @@ class SamplingParams:
         None, "Return each generated token's logprob and its k most likely candidates; None = none.", ge=0, le=MAX_LOGPROBS
     )
     n: int = knob(1, "Completions of the prompt; they share its KV blocks.", ge=1, le=MAX_N)
+    # NOTE: not a knob (no bounds to derive): the SDK and the server map their own forms
+    # (response_format, guided_*) onto it.
+    structured_output: StructuredOutput | None = None  # a constraint the text is guaranteed to meet
 
     def __post_init__(self) -> None:
         check_knobs(self)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ParameterError("min_tokens", f"min_tokens must be in [0, {self.max_tokens}] (max_tokens); got {self.min_tokens}")
+        if self.structured_output is not None:
+            if not isinstance(self.structured_output, StructuredOutput):
+                raise ParameterError(
+                    "structured_output",
+                    f"structured_output must be a StructuredOutput; got {type(self.structured_output).__name__}",
+                )
+            if self.min_tokens:
+                # NOTE: a finished structure allows only EOS, which min_tokens would forbid.
+                raise ParameterError("min_tokens", "min_tokens cannot be combined with structured_output")
         if self.top_k == -1:
             self.top_k = 0
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.request import Request
+from engine.structured_output.matchers import TokenMask, apply_token_mask
 
 TOP_P_CANDIDATES = 256
 
@@ -91,12 +92,16 @@ class Sampler:
         for req_id in req_ids:
             self._states.pop(req_id, None)
 
-    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, requests: Sequence[Request], token_mask: TokenMask | None = None
+    ) -> SamplerOutput:
         """Samples the next token of each request.
 
         Args:
             logits: ``[len(requests), vocab]`` float32, rows in ``requests`` order.
             requests: The requests, each with its ``sampling_params`` and tokens so far.
+            token_mask: The tokens structured-output constraints allow in some rows; the
+                others get ``-inf`` before sampling (logprobs stay the model's own).
 
         Returns:
             Token ids, and per row the logprobs asked for (None where not asked).
@@ -106,6 +111,8 @@ class Sampler:
         logits = logits.to(torch.float32)
         want_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        if token_mask is not None:
+            apply_token_mask(logits, token_mask)
 
         penalized = [i for i, p in enumerate(params) if p.has_penalties]
         if penalized:

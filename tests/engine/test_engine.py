@@ -233,7 +233,7 @@ class _StandInSampler:
     def __init__(self, real, sample) -> None:
         self.real, self.sample = real, sample
 
-    def __call__(self, logits, requests):
+    def __call__(self, logits, requests, token_mask=None):
         return self.sample(logits, requests)
 
     def free(self, req_ids) -> None:

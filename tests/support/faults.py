@@ -134,9 +134,9 @@ class _FaultySampler:
         self._real = real
         self._fault = fault
 
-    def __call__(self, logits: Any, requests: Any) -> Any:
+    def __call__(self, logits: Any, requests: Any, token_mask: Any = None) -> Any:
         self._fault.maybe_fire([r.req_id for r in requests])
-        return self._real(logits, requests)
+        return self._real(logits, requests, token_mask)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)

@@ -6,7 +6,8 @@
 - ``rms_norm``, ``rotary``, ``silu_and_mul``: a decoder layer's element-wise parts
   (``elementwise.c``), which the layers call for float32 CPU tensors;
 - ``linear``: linear layers over a weight (float32 or bfloat16) packed once into panels of
-  ``LINEAR_PANEL`` output columns by ``pack_linear_weight`` (``linear.c``), for the CPU ``Linear``.
+  ``LINEAR_PANEL`` output columns by ``pack_linear_weight`` (``linear.c``), for the CPU ``Linear``;
+- ``apply_token_bitmask``: structured output's token masks on a step's logits (``token_mask.c``).
 
 The sources ship with the package; the first process that needs a kernel compiles them
 into one library with the system C compiler (``$CC``, else ``cc``) for this machine
@@ -39,7 +40,7 @@ from engine.loader import cache_root
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("vec.h", "attention.c", "attention_bf16.c", "elementwise.c", "linear.c")
+_SOURCES = ("vec.h", "attention.c", "attention_bf16.c", "elementwise.c", "linear.c", "token_mask.c")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 # Fixed-size scratch of the kernels (see MAX_* in the sources).
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 16, 256, 256
@@ -97,6 +98,8 @@ _SIGNATURES = {
     "linear_f32": [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64],
     # q, ld, k, ld, positions, cos_sin, its rows, rows, heads, KV heads, head_dim, rotary dim, q_out, ld, k_out, ld
     "rotary_f32": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, *[_I64] * 6, _PTR, _I64, _PTR, _I64],
+    # logits, ld, bitmask, words per row, rows, number of rows, vocabulary size
+    "apply_token_bitmask_f32": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64],
 }
 # The kernels built for a bfloat16 cache or weight take the float32 ones' arguments.
 _SIGNATURES |= {f"{name}_bf16": _SIGNATURES[f"{name}_f32"] for name in ("paged_attention", "store_kv", "linear")}
@@ -365,3 +368,26 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
         bias.data_ptr() if bias is not None else None, y.data_ptr(), out_features,
     )
     return y
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Sets to ``-inf``, in place, the logits of ``rows`` whose bit in ``bitmask`` is 0.
+
+    Args:
+        logits: ``[R, V]`` float32 CPU rows (row-major, any leading dimension).
+        bitmask: ``[R', ceil(V / 32)]`` int32, contiguous; row ``r`` of the logits takes row ``r``.
+        rows: The rows to mask, each below ``min(R, R')``.
+    """
+    _check_float32_cpu("logits", logits)
+    num_rows, vocab = logits.shape
+    words = (vocab + 31) // 32
+    if bitmask.dtype != torch.int32 or not bitmask.is_contiguous() or bitmask.shape[1] != words:
+        raise ValueError(f"bitmask must be a contiguous int32 tensor of {words} words a row; got {bitmask.dtype} {tuple(bitmask.shape)}")
+    if rows and not 0 <= min(rows) <= max(rows) < min(num_rows, bitmask.shape[0]):
+        raise IndexError(f"rows must be in [0, {min(num_rows, bitmask.shape[0])})")
+    if logits.stride(1) != 1:
+        raise ValueError("logits rows must be contiguous")
+    index = torch.tensor(rows, dtype=torch.int64)
+    _lib().apply_token_bitmask_f32(
+        logits.data_ptr(), logits.stride(0), bitmask.data_ptr(), words, index.data_ptr(), len(rows), vocab
+    )

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from engine import cpu_kernels
 from engine.request import Request
 
 
@@ -86,7 +87,14 @@ class StructuredOutputManager:
 
 
 def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> None:
-    """Sets to ``-inf``, in place, the logits of the tokens ``mask`` does not allow in its rows."""
+    """Sets to ``-inf``, in place, the logits of the tokens ``mask`` does not allow in its rows.
+
+    On CPU in float32 a C kernel does it (xgrammar's own CPU path takes 16 ms for 64 rows of a
+    49k vocabulary, a twelfth of a decode step); elsewhere xgrammar's kernels.
+    """
+    if cpu_kernels.serves(logits) and logits.stride(1) == 1:
+        cpu_kernels.apply_token_bitmask(logits, mask.bitmask, mask.rows)
+        return
     import xgrammar as xgr
 
     xgr.apply_token_bitmask_inplace(logits, mask.bitmask, vocab_size=logits.shape[1], indices=mask.rows)

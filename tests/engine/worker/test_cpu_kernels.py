@@ -207,3 +207,24 @@ def test_tiles_that_claim_too_much_are_rejected() -> None:
     tiles = cpu_kernels.AttentionTiles(torch.tensor([0, 3, 1, 2]), torch.tensor([0, 2, 3, 4]), torch.tensor([32, 0, 0]))
     with pytest.raises(ValueError, match="invalid tiles"):
         cpu_kernels.attention(q, k_cache, v_cache, block_tables, seq_lens, 0.125, tiles)
+
+
+@pytest.mark.parametrize("vocab", [1000, 49152, 49157])
+def test_token_bitmask_matches_its_definition(vocab: int) -> None:
+    """Masked rows get -inf exactly where their bit is 0 (whole words, mixed words, a ragged last word); other rows are untouched."""
+    g = torch.Generator().manual_seed(vocab)
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (6, words), dtype=torch.int32, generator=g)
+    bitmask[:, : words // 3] = 0
+    bitmask[:, words // 3 : words // 2] = -1
+    logits = torch.randn(6, vocab, generator=g)
+    rows = [0, 2, 5]
+    got = logits.clone()
+    cpu_kernels.apply_token_bitmask(got, bitmask, rows)
+    token = torch.arange(vocab)
+    allowed = ((bitmask[:, token // 32] >> (token % 32)) & 1).bool()  # [6, vocab]
+    expected = logits.clone()
+    expected[rows] = logits[rows].masked_fill(~allowed[rows], float("-inf"))
+    assert torch.equal(got, expected)
+    with pytest.raises(IndexError):
+        cpu_kernels.apply_token_bitmask(got, bitmask, [6])

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from sdk.errors import OverloadedError, RequestTimeout
 from sdk.fields import invalid_request
 from sdk.hooks import Hook, HookChain, RequestContext
+from sdk.response_format import parse
 from sdk.transport import EngineRequest, InProcessTransport, PrefixPin, Transport, TransportOutput
 from sdk.types import (
     ChatMessage,
@@ -32,6 +33,7 @@ logger = logging.getLogger(__name__)
 MessagesLike = Union[str, ChatRequest, Sequence[Union[ChatMessage, dict[str, Any], tuple[str, str]]]]
 PromptLike = Union[str, list[int], CompletionRequest]
 RequestT = TypeVar("RequestT", ChatRequest, CompletionRequest)
+ResultT = TypeVar("ResultT", ChatResult, CompletionResult)
 
 _RETRY_BACKOFF = 0.05  # seconds, doubled per retry of an overloaded request
 
@@ -224,12 +226,11 @@ class AsyncClient:
             RequestTimeout: ``timeout`` passed; the request was aborted.
             EngineFailure: the engine failed.
         """
-        request = self._chat_request(messages, options)
-        return ChatResult(**(await self._collect(request)).model_dump())
+        return await self._collect(self._chat_request(messages, options), ChatResult)
 
     async def complete(self, prompt: PromptLike, **options: Any) -> CompletionResult:
         """Continue a raw prompt (text or token ids; no chat template). Options and errors as ``chat``."""
-        return await self._collect(self._completion_request(prompt, options))
+        return await self._collect(self._completion_request(prompt, options), CompletionResult)
 
     def stream(
         self, messages: MessagesLike | None = None, *, prompt: PromptLike | None = None, **options: Any
@@ -313,7 +314,7 @@ class AsyncClient:
         except ValidationError as exc:
             raise invalid_request(exc) from None
 
-    async def _collect(self, request: ChatRequest | CompletionRequest) -> CompletionResult:
+    async def _collect(self, request: ChatRequest | CompletionRequest, result_type: type[ResultT]) -> ResultT:
         want_logprobs = request.logprobs is not None
         choices: dict[int, dict[str, Any]] = {}
         last: Delta | None = None
@@ -325,7 +326,7 @@ class AsyncClient:
             if last.finish_reason is not None:
                 choice["finish_reason"] = last.finish_reason
         assert last is not None and last.usage is not None
-        return CompletionResult(
+        return result_type(
             request_id=last.request_id,
             model=self.model_name,
             choices=[
@@ -336,6 +337,7 @@ class AsyncClient:
                     # NOTE: a content filter that stops the stream ends every completion
                     finish_reason=c.get("finish_reason", last.finish_reason),
                     logprobs=c["logprobs"] if want_logprobs else None,
+                    parsed=parse(request.response_format, "".join(c["text"])) if c.get("finish_reason") == "stop" else None,
                 )
                 for index, c in sorted(choices.items())
             ],
@@ -365,7 +367,9 @@ class AsyncClient:
             await self.hooks.on_request(ctx)
             prompt = self._transport.render_chat(ctx.messages) if ctx.messages is not None else ctx.prompt
             assert prompt is not None
-            engine_request = EngineRequest(ctx.request_id, prompt, ctx.params, request.priority, request.cache_salt)
+            engine_request = EngineRequest(
+                ctx.request_id, prompt, ctx.params, request.priority, request.cache_salt, request.response_format
+            )
             deadline = None if request.timeout is None else time.monotonic() + request.timeout
             stream = await self._open(engine_request, deadline)
             in_engine = True

@@ -22,7 +22,7 @@ import aiohttp
 from sdk.errors import EngineFailure, InvalidRequestError, from_wire
 from sdk.transport import EngineRequest, PrefixPin, Transport, TransportOutput
 from sdk.types import ChatMessage, TokenLogprob, TopLogprob
-from sdk.wire import Route, to_wire
+from sdk.wire import Route, format_to_wire, to_wire
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +141,7 @@ class HttpTransport(Transport):
             body["priority"] = request.priority
         if request.cache_salt is not None:
             body["cache_salt"] = request.cache_salt
+        body.update(format_to_wire(request.response_format))
         if isinstance(request.prompt, ChatPrompt):
             url = self._base + "/chat/completions"
             body["messages"] = [m.model_dump(exclude_none=True) for m in request.prompt.messages]

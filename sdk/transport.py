@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from sdk.chat_template import render_chat
 from sdk.errors import EngineFailure, InvalidRequestError, OverloadedError
+from sdk.response_format import PARAM, to_structured_output
 from sdk.types import ChatMessage, TokenLogprob, TopLogprob
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ class EngineRequest:
     sampling: dict[str, Any]  # engine.SamplingParams keyword arguments
     priority: int = 0
     cache_salt: str | None = None
+    response_format: Any = None  # a sdk.response_format.ResponseFormat; None = free text
 
 
 @dataclass(slots=True)
@@ -156,7 +158,7 @@ class InProcessTransport(Transport):
 
         stream = None
         try:
-            params = SamplingParams(**request.sampling)
+            params = SamplingParams(**request.sampling, structured_output=to_structured_output(request.response_format))
             stream = self.engine.generate(
                 request.prompt, params, request_id=request.request_id, priority=request.priority,
                 cache_salt=request.cache_salt,
@@ -189,6 +191,8 @@ class InProcessTransport(Transport):
                         index=completion.index,
                     )
         except ParameterError as exc:  # bad knobs, a prompt that can never be served, an id in use
+            if exc.param.startswith("structured_output"):  # a constraint the engine could not compile
+                raise InvalidRequestError(str(exc).replace("structured_output", PARAM), param=PARAM) from exc
             raise InvalidRequestError(str(exc), param=exc.param) from exc
         except EngineOverloaded as exc:
             raise OverloadedError(str(exc)) from exc

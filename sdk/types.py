@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field, create_model
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, computed_field, create_model
 
 from sdk.fields import REQUEST_KNOBS, SAMPLING_FIELDS, field, sampling_fields
+from sdk.response_format import ResponseFormat, to_response_format
 
 Role = Literal["system", "user", "assistant", "tool"]
 FinishReason = Literal["stop", "length", "abort", "content_filter"]
@@ -49,6 +50,8 @@ _RequestOptions = create_model(
 class _RequestBase(_RequestOptions):  # type: ignore[misc, valid-type]
     timeout: float | None = Field(default=None, gt=0)
     """Seconds before the request is aborted with ``RequestTimeout``."""
+    response_format: Annotated[ResponseFormat | None, BeforeValidator(to_response_format)] = None
+    """What the text must be: a pydantic class, a JSON schema or a format dict (``sdk.response_format``)."""
 
 
 class ChatRequest(_RequestBase):
@@ -126,6 +129,9 @@ class Choice(BaseModel):
     finish_reason: FinishReason
     logprobs: list[TokenLogprob] | None = None
     """One per generated token, when the request set ``logprobs``."""
+    parsed: Any = None
+    """The text decoded under a JSON ``response_format``: an instance of its pydantic class, else
+    the JSON value; None for other formats or a completion cut short (``finish_reason`` not "stop")."""
 
 
 class CompletionResult(BaseModel):
@@ -155,6 +161,11 @@ class CompletionResult(BaseModel):
     def logprobs(self) -> list[TokenLogprob] | None:
         """The first completion's logprobs, when the request set ``logprobs``."""
         return self.choices[0].logprobs
+
+    @property
+    def parsed(self) -> Any:
+        """The first completion's ``parsed`` value (a JSON ``response_format``)."""
+        return self.choices[0].parsed
 
 
 class ChatResult(CompletionResult):

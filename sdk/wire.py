@@ -40,3 +40,67 @@ def from_wire(route: Route, body: dict[str, Any]) -> dict[str, Any]:
     if route == "chat":
         sampling["logprobs"] = (body.get("top_logprobs") or 0) if body.get("logprobs") else None
     return {name: value for name, value in sampling.items() if value is not None}
+
+
+# vLLM's spellings of the constraints OpenAI's response_format lacks: the ``structured_outputs``
+# object and its older top-level ``guided_*`` fields; key -> the SDK format type.
+STRUCTURED_OUTPUTS_KEYS = {"json": "json_schema", "json_object": "json_object", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+GUIDED_FIELDS = {f"guided_{key}": key for key in ("json", "regex", "choice", "grammar")}
+
+
+def format_to_wire(response_format: Any) -> dict[str, Any]:
+    """A ``sdk.response_format`` format as request body fields: ``response_format`` for OpenAI's
+    JSON forms, vLLM's ``structured_outputs`` for regex, choice and grammar."""
+    if response_format is None:
+        return {}
+    body = response_format.model_dump(mode="json", by_alias=True, exclude_none=True)
+    kind = body.pop("type")
+    if kind in ("text", "json_object", "json_schema"):
+        return {"response_format": {"type": kind, **body}}
+    return {"structured_outputs": body}
+
+
+def format_from_wire(body: dict[str, Any]) -> tuple[Any, str | None]:
+    """The constraint a request body sets, in any of the spellings above, and the field that set it.
+
+    Returns:
+        ``(format, field)``: an SDK format spelling (``sdk.response_format.to_response_format``
+        takes it) and the body field it came from, or ``(None, None)``.
+
+    Raises:
+        InvalidRequestError: more than one field sets a constraint, or ``structured_outputs``
+            sets more than one; ``param`` names the field.
+    """
+    from sdk.errors import InvalidRequestError
+
+    found: list[tuple[str, Any]] = []
+    response_format = body.get("response_format")
+    if response_format is not None and not (isinstance(response_format, dict) and response_format.get("type") == "text"):
+        found.append(("response_format", response_format))
+    structured = body.get("structured_outputs")
+    if structured is not None:
+        if not isinstance(structured, dict):
+            raise InvalidRequestError("structured_outputs must be an object", param="structured_outputs")
+        given = {k: v for k, v in structured.items() if k in STRUCTURED_OUTPUTS_KEYS and v not in (None, False)}
+        if len(given) != 1:
+            raise InvalidRequestError(
+                f"structured_outputs takes exactly one of {', '.join(STRUCTURED_OUTPUTS_KEYS)}; got {len(given)}",
+                param="structured_outputs",
+            )
+        (key, value), = given.items()
+        found.append((f"structured_outputs.{key}", _format_of(STRUCTURED_OUTPUTS_KEYS[key], value)))
+    for name, key in GUIDED_FIELDS.items():
+        if body.get(name) is not None:
+            found.append((name, _format_of(STRUCTURED_OUTPUTS_KEYS[key], body[name])))
+    if len(found) > 1:
+        names = ", ".join(name for name, _ in found)
+        raise InvalidRequestError(f"one constraint per request; got {names}", param=found[1][0])
+    return (found[0][1], found[0][0]) if found else (None, None)
+
+
+def _format_of(kind: str, value: Any) -> Any:
+    if kind == "json_schema":  # a bare schema (a dict or its JSON text): to_response_format wraps it
+        return value
+    if kind == "json_object":
+        return {"type": "json_object"}
+    return {"type": kind, kind: value}

@@ -70,6 +70,8 @@ class GrammarCompiler:
             if constraint.choice is not None:
                 alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in constraint.choice)
                 return compiler.compile_grammar(f"root ::= {alternatives}")
+            if constraint.structural_tag is not None:
+                return compiler.compile_structural_tag(constraint.structural_tag)
             return compiler.compile_grammar(constraint.grammar)
         except (RuntimeError, ValueError) as exc:  # xgrammar reports every parse or conversion error so
             raise ParameterError(constraint.param, f"{constraint.param} is invalid: {_first_line(exc)}") from None

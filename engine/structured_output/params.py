@@ -11,7 +11,7 @@ from engine.errors import ParameterError
 MAX_CONSTRAINT_CHARS = 64 * 1024  # a schema's JSON, a regex or a grammar
 MAX_CHOICES = 256
 MAX_CHOICE_CHARS = 1024
-FORMS = ("json_schema", "json_object", "regex", "choice", "grammar")
+FORMS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +23,9 @@ class StructuredOutput:
     - ``regex``: a match of this regular expression.
     - ``choice``: exactly one of these strings.
     - ``grammar``: a sentence of this EBNF grammar (GBNF style, start rule ``root``).
+    - ``structural_tag``: free text and tagged regions whose content is constrained (a JSON
+      schema between a begin and an end string, e.g. tool calls), in xgrammar's structural-tag
+      format (a dict, or its JSON text: ``{"type": "structural_tag", "format": {...}}``).
 
     The engine guarantees the text by masking every token the constraint does not allow;
     a completion cut short by ``max_tokens`` or a stop string ends mid-structure (finish
@@ -39,6 +42,7 @@ class StructuredOutput:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    structural_tag: str | None = None  # its JSON text, as json_schema
 
     def __post_init__(self) -> None:
         given = [name for name in FORMS if getattr(self, name) not in (None, False)]
@@ -48,8 +52,10 @@ class StructuredOutput:
             )
         if not isinstance(self.json_object, bool):
             raise ParameterError("structured_output.json_object", "structured_output.json_object must be a bool")
-        if self.json_schema is not None:
-            object.__setattr__(self, "json_schema", _schema_text(self.json_schema))
+        for name in ("json_schema", "structural_tag"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, _object_text(f"structured_output.{name}", value))
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None:
@@ -75,8 +81,7 @@ def _check_text(param: str, value: Any) -> None:
         raise ParameterError(param, f"{param} has {len(value)} characters; the limit is {MAX_CONSTRAINT_CHARS}")
 
 
-def _schema_text(schema: Any) -> str:
-    param = "structured_output.json_schema"
+def _object_text(param: str, schema: Any) -> str:
     if isinstance(schema, str):
         _check_text(param, schema)
         try:

@@ -204,3 +204,31 @@ def test_async_engine_compiles_off_the_step_loop(model_dir) -> None:
             assert seen and all(name.startswith("paged-grammar") for name in seen)
 
     asyncio.run(main())
+
+
+def _tool_tag(name: str) -> dict:
+    return {
+        "type": "tag",
+        "begin": f'<call>{{"name": "{name}", "arguments": ',
+        "content": {"type": "json_schema", "json_schema": SCHEMA["properties"]["address"], "max_whitespace_cnt": 1},
+        "end": "}</call>",
+    }
+
+
+def test_structural_tags_constrain_only_their_regions(engine: Engine) -> None:
+    """Tagged regions (tool calls, say) follow their schema: only tags when they are required, free text around them otherwise."""
+    required = {"type": "tags_with_separator", "tags": [_tool_tag("a"), _tool_tag("b")], "separator": "\n", "at_least_one": True}
+    params = SamplingParams(
+        max_tokens=200, temperature=1.0, seed=4,
+        structured_output=StructuredOutput(structural_tag={"type": "structural_tag", "format": required}),
+    )  # fmt: skip
+    for out in engine.generate(prompts(3), params, use_tqdm=False):
+        text = out.outputs[0].text
+        assert out.outputs[0].finish_reason == "stop", text
+        calls = re.findall(r'<call>\{"name": "([ab])", "arguments": (.*?)\}</call>', text, flags=re.S)
+        assert calls and "\n".join(f'<call>{{"name": "{n}", "arguments": {a}}}</call>' for n, a in calls) == text
+        for _, arguments in calls:
+            jsonschema.validate(json.loads(arguments), SCHEMA["properties"]["address"])
+    with pytest.raises(ParameterError) as err:
+        engine.add_request(None, prompts(1)[0], SamplingParams(structured_output=StructuredOutput(structural_tag={"type": "nope"})))
+    assert err.value.param == "structured_output.structural_tag"

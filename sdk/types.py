@@ -4,23 +4,43 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, computed_field, create_model
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, computed_field, create_model, model_validator
 
 from sdk.fields import REQUEST_KNOBS, SAMPLING_FIELDS, field, sampling_fields
 from sdk.response_format import ResponseFormat, to_response_format
+from sdk.tools import ToolCall
 
 Role = Literal["system", "user", "assistant", "tool"]
 FinishReason = Literal["stop", "length", "abort", "content_filter"]
 
 
 class ChatMessage(BaseModel):
-    """One message of a conversation."""
+    """One message of a conversation: text, an assistant's tool calls, or a tool's result.
+
+    Raises:
+        ValidationError: a message without content that is not an assistant's tool calls, tool
+            calls on another role, or a tool result without its ``tool_call_id``.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     role: Role
-    content: str
+    content: str | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    """The calls an assistant message made (``ChatResult.message`` carries them)."""
+    tool_call_id: str | None = None
+    """The call a tool message answers."""
+
+    @model_validator(mode="after")
+    def _check_shape(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls: only assistant messages make calls, not {self.role}")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("tool_call_id: a tool message needs the id of the call it answers")
+        if self.content is None and not self.tool_calls:
+            raise ValueError("content: a message needs content (or, from the assistant, tool_calls)")
+        return self
 
 
 class _SamplingBase(BaseModel):

@@ -101,7 +101,7 @@ class AuditLog(Hook):
             "completion_chars": sum(map(len, ctx.output_texts)),
         }
         if self.include_text:
-            record["messages"] = None if ctx.messages is None else [m.model_dump() for m in ctx.messages]
+            record["messages"] = None if ctx.messages is None else [m.model_dump(exclude_none=True) for m in ctx.messages]
             record["prompt"] = ctx.prompt
             # one completion (the usual case) as a str, n > 1 of them as a list
             record["completion"] = ctx.output_text if len(ctx.output_texts) == 1 else list(ctx.output_texts)

@@ -159,7 +159,7 @@ async def test_audit_reopen_continues_chain_and_drops_torn_line(make_client, tmp
         f.write('{"request_id": "torn')
     await make_client(hooks=[AuditLog(path, include_text=True)]).chat("hi there", max_tokens=1)
     assert AuditLog.verify(path) == 2
-    assert _records(path)[1]["messages"] == [{"role": "user", "content": "hi there", "name": None}]
+    assert _records(path)[1]["messages"] == [{"role": "user", "content": "hi there"}]
 
 
 async def test_raising_filter_fails_closed(make_client, fake_engine):

@@ -1,0 +1,209 @@
+"""Tools in the SDK: specs from every spelling, tool choice, the streaming call parser, rendering."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from pydantic import BaseModel, Field, ValidationError
+
+from sdk import InvalidRequestError
+from sdk.chat_template import DEFAULT_TOOL_PROMPT, render_chat, renders_tools
+from sdk.tools import (
+    ToolCall,
+    ToolCallParser,
+    collect_calls,
+    format_call,
+    to_tool,
+    to_tool_choice,
+    to_tools,
+    tool_constraint,
+)
+from sdk.types import ChatMessage
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+class Add(BaseModel):
+    """Add two integers."""
+
+    a: int = Field(description="The first term.")
+    b: int
+
+
+def forecast(city: str, days: int = 3) -> str:
+    """Forecast for a city.
+
+    Args:
+        city: The city's name.
+        days (int): How many days ahead.
+
+    Returns:
+        The forecast.
+    """
+    return city
+
+
+def test_every_tool_spelling_is_one_spec():
+    assert to_tool(WEATHER).function.parameters["required"] == ["city"]
+    assert to_tool(WEATHER["function"]) == to_tool(WEATHER)  # the bare function object
+    add = to_tool(Add).function
+    assert (add.name, add.description, add.parameters["required"]) == ("Add", "Add two integers.", ["a", "b"])
+    fc = to_tool(forecast).function
+    assert fc.name == "forecast" and fc.description == "Forecast for a city."
+    assert fc.parameters["properties"]["city"] == {"description": "The city's name.", "title": "City", "type": "string"}
+    assert fc.parameters["properties"]["days"]["default"] == 3 and fc.parameters["required"] == ["city"]
+
+
+@pytest.mark.parametrize(
+    "tools",
+    [[{"type": "function", "function": {"name": "bad name!"}}], [{"type": "function"}], [3], [WEATHER, WEATHER], [WEATHER] * 129],
+)
+def test_malformed_tools_are_refused(tools):
+    with pytest.raises(InvalidRequestError) as info:
+        to_tools(tools)
+    assert info.value.param == "tools"
+
+
+def test_tool_choice_is_normalized_and_checked():
+    tools = to_tools([WEATHER, Add])
+    assert [to_tool_choice(c, tools) for c in (None, "auto", "none", "required")] == ["auto", "auto", "none", "required"]
+    assert to_tool_choice({"type": "function", "function": {"name": "Add"}}, tools) == "Add"
+    assert to_tool_choice(None, None) is None
+    for bad, tools_ in [("sometimes", tools), ({"type": "function", "function": {"name": "nope"}}, tools),
+                        ({"function": {}}, tools), ("required", None)]:  # fmt: skip
+        with pytest.raises(InvalidRequestError) as info:
+            to_tool_choice(bad, tools_)
+        assert info.value.param == "tool_choice"
+
+
+def test_tool_constraints_by_choice():
+    tools = to_tools([WEATHER, Add])
+    assert tool_constraint(tools, "none") is None
+    auto = json.loads(tool_constraint(tools, "auto").structural_tag)["format"]
+    assert auto["type"] == "triggered_tags" and auto["triggers"] == ["<tool_call>"] and len(auto["tags"]) == 2
+    required = json.loads(tool_constraint(tools, "required", parallel_tool_calls=False).structural_tag)["format"]
+    assert required["type"] == "tags_with_separator" and required["at_least_one"] and required["stop_after_first"]
+    named = json.loads(tool_constraint(tools, "Add").structural_tag)["format"]
+    assert [t["begin"] for t in named["tags"]] == ['<tool_call>\n{"name": "Add", "arguments": ']
+    # a call written by format_call is what the constraint's tag spells
+    call = format_call(ToolCall(name="Add", arguments={"a": 1, "b": 2}))
+    tag = named["tags"][0]
+    assert call == tag["begin"] + '{"a": 1, "b": 2}' + tag["end"]
+
+
+TEXT = (
+    'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa}ris", "x": {"y": [1, "}"]}}}\n'
+    '</tool_call>\n<tool_call>\n{"name": "Add", "arguments": {}}\n</tool_call> done <tool_'
+)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_stream_parser_splits_text_and_calls_at_any_chunking(seed):
+    rng = random.Random(seed)
+    parser = ToolCallParser(to_tools([WEATHER, Add]))
+    texts, deltas, i = [], [], 0
+    while i < len(TEXT):
+        n = rng.randint(1, 9)
+        text, new = parser.feed(TEXT[i : i + n])
+        texts.append(text)
+        deltas += new
+        i += n
+    texts.append(parser.finish())
+    assert "".join(texts) == "Let me check. \n done <tool_"
+    calls = collect_calls(deltas)
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", {"city": "Pa}ris", "x": {"y": [1, "}"]}}), ("Add", {})]
+    assert [d.name for d in deltas if d.name] == ["get_weather", "Add"] and len({c.id for c in calls}) == 2
+
+
+def test_a_call_cut_short_is_no_call_and_an_unknown_name_stays_text():
+    parser = ToolCallParser(to_tools([Add]))
+    _, deltas = parser.feed('<tool_call>\n{"name": "Add", "arguments": {"a": 1')
+    assert deltas[0].name == "Add" and parser.finish() == "" and collect_calls(deltas) == []
+    parser = ToolCallParser(to_tools([Add]))
+    text, deltas = parser.feed('<tool_call>\n{"name": "Sub", "arguments": {}}\n</tool_call>')
+    assert (text, deltas) == ("", []) and parser.finish().startswith("<tool_call>")
+
+
+def test_message_shapes_are_checked():
+    ChatMessage(role="assistant", tool_calls=[ToolCall(name="Add", arguments={"a": 1})])
+    for bad in [dict(role="user"), dict(role="tool", content="4"), dict(role="user", content="x", tool_calls=[ToolCall(name="a")])]:
+        with pytest.raises(ValidationError):
+            ChatMessage(**bad)
+
+
+# --- rendering ------------------------------------------------------------------------------
+
+QWEN_STYLE = (  # a Hermes-style template that renders tools itself, as Qwen2.5's does
+    "{% if tools %}<|im_start|>system\n{{ messages[0]['content'] if messages[0]['role'] == 'system' else '' }}"
+    "# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools>\n"
+    "Return calls in <tool_call></tool_call> tags.<|im_end|>\n{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'system' and tools %}{% elif m['role'] == 'tool' %}"
+    "<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}{% for c in m.get('tool_calls') or [] %}"
+    '<tool_call>\n{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}\n</tool_call>'
+    "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(bundled_model_dir):
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(bundled_model_dir)
+
+
+CONVERSATION = [
+    ChatMessage(role="system", content="You are terse."),
+    ChatMessage(role="user", content="Weather in Paris, and 2+3?"),
+    ChatMessage(role="assistant", tool_calls=[ToolCall(id="c1", name="get_weather", arguments={"city": "Paris"}),
+                                              ToolCall(id="c2", name="Add", arguments={"a": 2, "b": 3})]),
+    ChatMessage(role="tool", content="sunny", tool_call_id="c1"),
+    ChatMessage(role="tool", content="5", tool_call_id="c2"),
+]  # fmt: skip
+
+
+def test_the_default_tool_prompt_renders_tools_calls_and_results(tokenizer):
+    assert not renders_tools(tokenizer.chat_template)
+    tools = to_tools([WEATHER, Add])
+    text = tokenizer.decode(render_chat(tokenizer, CONVERSATION, tools=tools))
+    assert text.startswith("<|im_start|>system\nYou are terse.\n\n# Tools\n")
+    assert json.dumps(tools[0].function.model_dump(exclude_none=True)) in text
+    assert format_call(CONVERSATION[2].tool_calls[0]) + "\n" + format_call(CONVERSATION[2].tool_calls[1]) in text
+    assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n<|im_start|>user\n<tool_response>\n5\n" in text
+    assert DEFAULT_TOOL_PROMPT.splitlines()[0] in text and text.endswith("<|im_start|>assistant\n")
+
+
+def test_a_conversation_grows_by_appending_tokens(tokenizer):
+    """Each turn's prompt starts with the previous turn's prompt and reply: the prefix cache serves it."""
+    tools = to_tools([WEATHER, Add])
+    original = tokenizer.chat_template
+    try:
+        for template in (original, QWEN_STYLE):
+            tokenizer.chat_template = template
+            for n in range(2, len(CONVERSATION)):
+                shorter = render_chat(tokenizer, CONVERSATION[:n], add_generation_prompt=False, tools=tools)
+                longer = render_chat(tokenizer, CONVERSATION[: n + 1], tools=tools)
+                assert longer[: len(shorter)] == shorter
+    finally:
+        tokenizer.chat_template = original
+
+
+def test_a_tool_aware_template_renders_tools_itself(tokenizer):
+    original = tokenizer.chat_template
+    tokenizer.chat_template = QWEN_STYLE
+    try:
+        assert renders_tools(QWEN_STYLE)
+        text = tokenizer.decode(render_chat(tokenizer, CONVERSATION, tools=to_tools([WEATHER, Add])))
+    finally:
+        tokenizer.chat_template = original
+    assert "<tools>\n" in text and '"name": "get_weather"' in text and DEFAULT_TOOL_PROMPT.splitlines()[0] not in text
+    assert '<tool_call>\n{"name": "Add", "arguments": {"a": 2, "b": 3}}\n</tool_call>' in text

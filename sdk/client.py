@@ -15,7 +15,9 @@ from pydantic import ValidationError
 from sdk.errors import OverloadedError, RequestTimeout
 from sdk.fields import invalid_request
 from sdk.hooks import Hook, HookChain, RequestContext
+from sdk.errors import InvalidRequestError
 from sdk.response_format import parse
+from sdk.tools import collect_calls, to_tool_choice
 from sdk.transport import EngineRequest, InProcessTransport, PrefixPin, Transport, TransportOutput
 from sdk.types import (
     ChatMessage,
@@ -319,10 +321,11 @@ class AsyncClient:
         choices: dict[int, dict[str, Any]] = {}
         last: Delta | None = None
         async for last in self._run(request):
-            choice = choices.setdefault(last.index, {"text": [], "token_ids": [], "logprobs": []})
+            choice = choices.setdefault(last.index, {"text": [], "token_ids": [], "logprobs": [], "tool_calls": []})
             choice["text"].append(last.text)
             choice["token_ids"].extend(last.token_ids)
             choice["logprobs"].extend(last.logprobs or ())
+            choice["tool_calls"].extend(last.tool_calls or ())
             if last.finish_reason is not None:
                 choice["finish_reason"] = last.finish_reason
         assert last is not None and last.usage is not None
@@ -338,6 +341,7 @@ class AsyncClient:
                     finish_reason=c.get("finish_reason", last.finish_reason),
                     logprobs=c["logprobs"] if want_logprobs else None,
                     parsed=parse(request.response_format, "".join(c["text"])) if c.get("finish_reason") == "stop" else None,
+                    tool_calls=collect_calls(c["tool_calls"]) or None,
                 )
                 for index, c in sorted(choices.items())
             ],
@@ -358,6 +362,7 @@ class AsyncClient:
             messages=list(request.messages) if is_chat else None,  # type: ignore[union-attr]
             prompt=None if is_chat else request.prompt,  # type: ignore[union-attr]
             output_texts=[""] * num_choices,
+            tool_call_deltas=[[] for _ in range(num_choices)],
         )
         prompt_token_ids: Sequence[int] | None = None  # None until the first delta carried them
         num_completion_tokens = 0
@@ -365,11 +370,17 @@ class AsyncClient:
         in_engine = False  # the engine holds the request: abort it unless it finished
         try:
             await self.hooks.on_request(ctx)
-            prompt = self._transport.render_chat(ctx.messages) if ctx.messages is not None else ctx.prompt
+            tools = request.tools if is_chat else None  # type: ignore[union-attr]
+            if ctx.messages is not None:
+                prompt = self._transport.render_chat(ctx.messages, tools=tools)
+            else:
+                prompt = ctx.prompt
             assert prompt is not None
             engine_request = EngineRequest(
-                ctx.request_id, prompt, ctx.params, request.priority, request.cache_salt, request.response_format
-            )
+                ctx.request_id, prompt, ctx.params, request.priority, request.cache_salt, request.response_format,
+                tools=tools, tool_choice=_tool_choice(request),
+                parallel_tool_calls=getattr(request, "parallel_tool_calls", None) is not False,
+            )  # fmt: skip
             deadline = None if request.timeout is None else time.monotonic() + request.timeout
             stream = await self._open(engine_request, deadline)
             in_engine = True
@@ -389,10 +400,11 @@ class AsyncClient:
                         index=out.index,
                         text=out.text,
                         token_ids=out.token_ids,
+                        tool_calls=out.tool_calls,
                         logprobs=out.logprobs,
                         prompt_token_ids=first_prompt_ids,
                     )
-                    if (delta.text or delta.token_ids) and await self.hooks.on_chunk(ctx, delta) is not None:
+                    if (delta.text or delta.token_ids or delta.tool_calls) and await self.hooks.on_chunk(ctx, delta) is not None:
                         ctx.finish_reason = "content_filter"
                         yield Delta(
                             request_id=ctx.request_id,
@@ -405,6 +417,7 @@ class AsyncClient:
                     if ctx.first_token_monotonic is None:
                         ctx.first_token_monotonic = time.monotonic()
                     ctx.output_texts[out.index] += delta.text
+                    ctx.tool_call_deltas[out.index].extend(delta.tool_calls or ())
                     if out.finish_reason is not None:
                         num_finished += 1
                         ctx.finish_reason = delta.finish_reason = out.finish_reason  # type: ignore[assignment]
@@ -449,6 +462,16 @@ class AsyncClient:
             if not handle.closed and handle.matches(prompt_token_ids):
                 handle.num_requests += 1
                 handle.num_hit_tokens += min(num_cached_tokens, handle.num_tokens)
+
+
+def _tool_choice(request: ChatRequest | CompletionRequest) -> str | None:
+    """The request's normalized tool choice (``sdk.tools.to_tool_choice``); None without tools."""
+    if not isinstance(request, ChatRequest):
+        return None
+    choice = to_tool_choice(request.tool_choice, request.tools)
+    if choice not in (None, "none") and request.response_format is not None:
+        raise InvalidRequestError("response_format and tool calls cannot constrain one reply; set tool_choice to none", param="response_format")
+    return choice
 
 
 def _with_options(request: RequestT, options: dict[str, Any]) -> RequestT:

@@ -279,6 +279,8 @@ class ToolCallParser:
         self._names = {t.name for t in tools}
         self._buffer = ""  # text not yet sent: a possible call's beginning, or the call in progress
         self._num_calls = 0  # calls opened so far; the open one is the last
+        self.num_complete_calls = 0
+        """Calls whose end marker has been read."""
         self._num_sent: int | None = None  # characters of the open call's arguments sent; None = no call open
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
@@ -313,6 +315,7 @@ class ToolCallParser:
                 break
             self._buffer = self._buffer[close + len(CALL_END) :]
             self._num_sent = None
+            self.num_complete_calls += 1
         return "".join(out_text), deltas
 
     def finish(self) -> str:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from sdk.chat_template import render_chat
 from sdk.errors import EngineFailure, InvalidRequestError, OverloadedError
 from sdk.response_format import PARAM, to_structured_output
+from sdk.tools import ToolCallDelta, ToolCallParser, ToolSpec, tool_constraint
 from sdk.types import ChatMessage, TokenLogprob, TopLogprob
 
 if TYPE_CHECKING:
@@ -40,6 +41,9 @@ class EngineRequest:
     priority: int = 0
     cache_salt: str | None = None
     response_format: Any = None  # a sdk.response_format.ResponseFormat; None = free text
+    tools: list[ToolSpec] | None = None  # rendered into the prompt already; the output is parsed for calls
+    tool_choice: str | None = None  # "auto" | "none" | "required" | a tool's name (sdk.tools.to_tool_choice)
+    parallel_tool_calls: bool = True
 
 
 @dataclass(slots=True)
@@ -53,6 +57,7 @@ class TransportOutput:
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when asked for
     index: int = 0  # which of the request's n completions
+    tool_calls: list[ToolCallDelta] | None = None  # new output of the completion's tool calls
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,8 +87,10 @@ class Transport(abc.ABC):
         """Make the transport ready (load or connect); idempotent."""
 
     @abc.abstractmethod
-    def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str | list[int]:
-        """The prompt for ``messages`` under the model's chat template."""
+    def render_chat(
+        self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True, tools: Sequence[ToolSpec] | None = None
+    ) -> str | list[int]:
+        """The prompt for ``messages`` (and ``tools``) under the model's chat template."""
 
     @abc.abstractmethod
     def generate(self, request: EngineRequest) -> AsyncIterator[TransportOutput]:
@@ -149,8 +156,10 @@ class InProcessTransport(Transport):
             # NOTE: loading weights blocks for seconds; it runs off the event loop.
             self._engine = await asyncio.to_thread(shared_engine, self._model, **self._engine_config)
 
-    def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
-        return render_chat(self.engine.tokenizer, messages, add_generation_prompt)
+    def render_chat(
+        self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True, tools: Sequence[ToolSpec] | None = None
+    ) -> list[int]:
+        return render_chat(self.engine.tokenizer, messages, add_generation_prompt, tools)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[TransportOutput]:
         from engine.errors import EngineError, EngineOverloaded, ParameterError
@@ -158,13 +167,15 @@ class InProcessTransport(Transport):
 
         stream = None
         try:
-            params = SamplingParams(**request.sampling, structured_output=to_structured_output(request.response_format))
+            params = SamplingParams(**request.sampling, structured_output=_constraint(request))
             stream = self.engine.generate(
                 request.prompt, params, request_id=request.request_id, priority=request.priority,
                 cache_salt=request.cache_salt,
             )  # fmt: skip
             # per completion: characters and tokens sent so far, and whether it finished
             sent = [[0, 0, False] for _ in range(params.n)]
+            parses_calls = request.tools is not None and request.tool_choice != "none"
+            parsers = [ToolCallParser(request.tools) for _ in range(params.n)] if parses_calls else None  # type: ignore[arg-type]
             async for out in stream:
                 for completion in out.outputs:
                     progress = sent[completion.index]
@@ -181,14 +192,23 @@ class InProcessTransport(Transport):
                         entries = completion.logprobs[num_tokens:]
                         logprobs = [_token_logprob(e, t, params.logprobs) for t, e in zip(token_ids, entries)]
                     progress[:] = [len(completion.text), len(completion.token_ids), finish_reason is not None]
+                    text, calls = completion.text[num_text:], None
+                    if parsers is not None:
+                        parser = parsers[completion.index]
+                        text, calls = parser.feed(text)
+                        if finish_reason is not None:
+                            text += parser.finish()
+                        if finish_reason == "stop" and parser.num_complete_calls:
+                            finish_reason = "tool_calls"
                     yield TransportOutput(
-                        text=completion.text[num_text:],
+                        text=text,
                         token_ids=token_ids,
                         finish_reason=finish_reason,
                         prompt_token_ids=out.prompt_token_ids,
                         num_cached_tokens=out.num_cached_tokens,
                         logprobs=logprobs,
                         index=completion.index,
+                        tool_calls=calls or None,
                     )
         except ParameterError as exc:  # bad knobs, a prompt that can never be served, an id in use
             if exc.param.startswith("structured_output"):  # a constraint the engine could not compile
@@ -220,6 +240,13 @@ class InProcessTransport(Transport):
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
+
+
+def _constraint(request: EngineRequest) -> Any:
+    """The engine constraint of a request: its response format's, or its tool choice's."""
+    if request.tools is not None and request.tool_choice is not None:
+        return tool_constraint(request.tools, request.tool_choice, request.parallel_tool_calls)
+    return to_structured_output(request.response_format)
 
 
 def _token_logprob(entry: dict[int, Logprob], token_id: int, top_k: int) -> TokenLogprob:

@@ -8,10 +8,10 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, computed_fie
 
 from sdk.fields import REQUEST_KNOBS, SAMPLING_FIELDS, field, sampling_fields
 from sdk.response_format import ResponseFormat, to_response_format
-from sdk.tools import ToolCall
+from sdk.tools import ToolCall, ToolCallDelta, ToolChoice, ToolSpec, to_tools
 
 Role = Literal["system", "user", "assistant", "tool"]
-FinishReason = Literal["stop", "length", "abort", "content_filter"]
+FinishReason = Literal["stop", "length", "abort", "content_filter", "tool_calls"]
 
 
 class ChatMessage(BaseModel):
@@ -75,9 +75,15 @@ class _RequestBase(_RequestOptions):  # type: ignore[misc, valid-type]
 
 
 class ChatRequest(_RequestBase):
-    """A chat request: the messages are rendered with the model's chat template."""
+    """A chat request: the messages (and tools) are rendered with the model's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: Annotated[list[ToolSpec] | None, BeforeValidator(to_tools)] = None
+    """Tools the model may call: OpenAI function specs, pydantic classes or callables (``sdk.tools``)."""
+    tool_choice: ToolChoice | None = None
+    """``"auto"`` (the default with tools), ``"none"``, ``"required"`` or a named tool."""
+    parallel_tool_calls: bool | None = None
+    """Whether one reply may make several calls (default: yes)."""
 
 
 class CompletionRequest(_RequestBase):
@@ -132,6 +138,8 @@ class Delta(BaseModel):
     """Which of the request's ``n`` completions this continues."""
     text: str = ""
     token_ids: list[int] = Field(default_factory=list)
+    tool_calls: list[ToolCallDelta] | None = None
+    """New output of the reply's tool calls (a call's id and name first, then argument fragments)."""
     logprobs: list[TokenLogprob] | None = None
     """One per token of ``token_ids``, when the request set ``logprobs``."""
     prompt_token_ids: list[int] | None = None
@@ -145,8 +153,12 @@ class Choice(BaseModel):
 
     index: int
     text: str
+    """The reply's text, without its tool calls."""
     token_ids: list[int]
     finish_reason: FinishReason
+    """``tool_calls`` when the reply made calls."""
+    tool_calls: list[ToolCall] | None = None
+    """The reply's complete tool calls (a call cut short by ``max_tokens`` is none)."""
     logprobs: list[TokenLogprob] | None = None
     """One per generated token, when the request set ``logprobs``."""
     parsed: Any = None
@@ -192,6 +204,12 @@ class ChatResult(CompletionResult):
     """The whole output of a finished chat request."""
 
     @property
+    def tool_calls(self) -> list[ToolCall] | None:
+        """The first reply's tool calls."""
+        return self.choices[0].tool_calls
+
+    @property
     def message(self) -> ChatMessage:
-        """The first reply as an assistant message, ready to append to the conversation."""
-        return ChatMessage(role="assistant", content=self.text)
+        """The first reply as an assistant message (text and tool calls), ready to append to the conversation."""
+        calls = self.tool_calls
+        return ChatMessage(role="assistant", content=self.text if self.text or not calls else None, tool_calls=calls)

@@ -99,12 +99,16 @@ class AuditLog(Hook):
                 {"hook": d.hook, "stage": d.stage, "action": d.action, "detail": d.detail} for d in ctx.decisions
             ],
             "completion_chars": sum(map(len, ctx.output_texts)),
+            "tool_calls": [c.name for calls in ctx.tool_calls for c in calls],
         }
         if self.include_text:
             record["messages"] = None if ctx.messages is None else [m.model_dump(exclude_none=True) for m in ctx.messages]
             record["prompt"] = ctx.prompt
             # one completion (the usual case) as a str, n > 1 of them as a list
             record["completion"] = ctx.output_text if len(ctx.output_texts) == 1 else list(ctx.output_texts)
+            record["tool_call_arguments"] = [
+                {"id": c.id, "name": c.name, "arguments": c.arguments} for calls in ctx.tool_calls for c in calls
+            ]
         return record
 
     async def on_finish(self, ctx: RequestContext) -> None:

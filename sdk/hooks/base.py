@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from sdk.errors import ContentBlocked, HookFailed
+from sdk.tools import ToolCall, ToolCallDelta, collect_calls
 from sdk.types import ChatMessage, Delta, FinishReason, Usage
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,8 @@ class RequestContext:
     end_monotonic: float | None = None
     # per completion (n of them), the text emitted so far; during on_chunk, before the current delta
     output_texts: list[str] = field(default_factory=lambda: [""])
+    # per completion, the tool-call deltas emitted so far (``tool_calls`` assembles them)
+    tool_call_deltas: list[list[ToolCallDelta]] = field(default_factory=lambda: [[]])
     finish_reason: FinishReason | None = None
     usage: Usage = field(default_factory=Usage)
     error: BaseException | None = None
@@ -75,6 +78,11 @@ class RequestContext:
     def output_text(self) -> str:
         """The first completion's text emitted so far (the only one unless ``n`` was set)."""
         return self.output_texts[0]
+
+    @property
+    def tool_calls(self) -> list[list[ToolCall]]:
+        """Per completion, its complete tool calls so far."""
+        return [collect_calls(deltas) for deltas in self.tool_call_deltas]
 
     @property
     def latency(self) -> float | None:

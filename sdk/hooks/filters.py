@@ -64,7 +64,7 @@ class RegexFilter(Hook):
         if self.on != "input":
             return
         if ctx.messages is not None:
-            texts = [m.content for m in ctx.messages]
+            texts = [m.content or "" for m in ctx.messages]
         elif isinstance(ctx.prompt, str):
             texts = [ctx.prompt]
         else:
@@ -76,7 +76,7 @@ class RegexFilter(Hook):
             raise ContentBlocked(f"input matched the {self.name} filter", hook=self.name)
         if ctx.messages is not None:
             ctx.messages = [
-                m.model_copy(update={"content": self.pattern.sub(self.replacement, m.content)})
+                m if m.content is None else m.model_copy(update={"content": self.pattern.sub(self.replacement, m.content)})
                 for m in ctx.messages
             ]
         else:
@@ -84,8 +84,12 @@ class RegexFilter(Hook):
         ctx.record(self.name, "input", "redact", f"{num_matches} match(es)")
 
     async def on_chunk(self, ctx: RequestContext, delta: Delta) -> Stop | None:
-        if self.on != "output" or not delta.text:
+        if self.on != "output" or not (delta.text or delta.tool_calls):
             return None
-        if self.pattern.search(ctx.output_texts[delta.index] + delta.text):
+        if delta.text and self.pattern.search(ctx.output_texts[delta.index] + delta.text):
             return Stop(f"output matched the {self.name} filter")
+        if delta.tool_calls:  # the arguments' JSON text so far
+            sent = "".join(d.arguments for d in ctx.tool_call_deltas[delta.index])
+            if self.pattern.search(sent + "".join(d.arguments for d in delta.tool_calls)):
+                return Stop(f"a tool call's arguments matched the {self.name} filter")
         return None

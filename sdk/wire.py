@@ -46,6 +46,12 @@ def from_wire(route: Route, body: dict[str, Any]) -> dict[str, Any]:
 # object and its older top-level ``guided_*`` fields; key -> the SDK format type.
 STRUCTURED_OUTPUTS_KEYS = {"json": "json_schema", "json_object": "json_object", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 GUIDED_FIELDS = {f"guided_{key}": key for key in ("json", "regex", "choice", "grammar")}
+# structured_outputs keys vLLM clients send that change nothing here: there is one backend, no
+# fallback, and JSON is always generated without optional whitespace. Any other key is refused.
+STRUCTURED_OUTPUTS_IGNORED = ("backend", "disable_fallback", "disable_any_whitespace")
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")  # OpenAI's
+# where each form's constraint lies in the SDK's response_format (SDK errors name these paths)
+_SDK_PATHS = {"json_schema": "response_format.json_schema.schema", "json_object": "response_format"}
 
 
 def format_to_wire(response_format: Any) -> dict[str, Any]:
@@ -68,19 +74,28 @@ def format_from_wire(body: dict[str, Any]) -> tuple[Any, str | None]:
         takes it) and the body field it came from, or ``(None, None)``.
 
     Raises:
-        InvalidRequestError: more than one field sets a constraint, or ``structured_outputs``
-            sets more than one; ``param`` names the field.
+        InvalidRequestError: more than one field sets a constraint, ``structured_outputs`` sets
+            more than one or a key it does not know, or ``response_format`` is not one of
+            OpenAI's types; ``param`` names the field.
     """
     from sdk.errors import InvalidRequestError
 
     found: list[tuple[str, Any]] = []
     response_format = body.get("response_format")
-    if response_format is not None and not (isinstance(response_format, dict) and response_format.get("type") == "text"):
-        found.append(("response_format", response_format))
+    if response_format is not None:
+        if not isinstance(response_format, dict) or response_format.get("type") not in RESPONSE_FORMAT_TYPES:
+            raise InvalidRequestError(
+                f"response_format.type must be one of {', '.join(RESPONSE_FORMAT_TYPES)}", param="response_format.type"
+            )
+        if response_format["type"] != "text":
+            found.append(("response_format", response_format))
     structured = body.get("structured_outputs")
     if structured is not None:
         if not isinstance(structured, dict):
             raise InvalidRequestError("structured_outputs must be an object", param="structured_outputs")
+        for key in structured:
+            if key not in STRUCTURED_OUTPUTS_KEYS and key not in STRUCTURED_OUTPUTS_IGNORED:
+                raise InvalidRequestError(f"structured_outputs.{key} is not supported", param=f"structured_outputs.{key}")
         given = {k: v for k, v in structured.items() if k in STRUCTURED_OUTPUTS_KEYS and v not in (None, False)}
         if len(given) != 1:
             raise InvalidRequestError(
@@ -104,3 +119,20 @@ def _format_of(kind: str, value: Any) -> Any:
     if kind == "json_object":
         return {"type": "json_object"}
     return {"type": kind, kind: value}
+
+
+def format_param(field: str, param: str) -> str:
+    """The wire name of an SDK error's ``param`` about a constraint that the body's ``field`` set.
+
+    ``field`` is ``format_from_wire``'s second value; ``param`` is ``response_format`` or
+    ``response_format.<path>``, the SDK's names. A ``response_format`` field keeps them; under
+    the vLLM fields the path below the constraint follows the field (``guided_choice.2``), and
+    an error about the whole constraint (it does not compile, or is past a limit) names the field.
+    """
+    if field == "response_format":
+        return param
+    kind = STRUCTURED_OUTPUTS_KEYS[field.removeprefix("structured_outputs.").removeprefix("guided_")]
+    path = _SDK_PATHS.get(kind, f"response_format.{kind}")
+    if param.startswith(path + "."):
+        return field + param[len(path) :]
+    return field

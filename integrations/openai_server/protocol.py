@@ -88,6 +88,13 @@ class _RequestFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     return_token_ids: bool = False  # vLLM's extension: token ids on every choice
+    # structured output, read by sdk.wire.format_from_wire: OpenAI's field, then vLLM's
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
@@ -106,7 +113,6 @@ class _ChatFields(_RequestFields):
     logprobs: bool = False  # the flag; how many candidates is top_logprobs (the engine's logprobs)
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> str | None:
         """The name of a field we cannot honour, if the request sets one."""
@@ -114,8 +120,6 @@ class _ChatFields(_RequestFields):
             return "tools"
         if self.tool_choice not in (None, "none"):
             return "tool_choice"
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            return "response_format"
         return None
 
 

@@ -19,8 +19,9 @@ from integrations.openai_server.serving import Chunk, Serving
 from integrations.openai_server.sse import EventStream
 from integrations.openai_server.state import STATE, TENANT, ServerState
 from sdk.errors import PagedError
+from sdk.response_format import PARAM, to_response_format
 from sdk.types import ChatMessage
-from sdk.wire import WIRE_NAMES, Route
+from sdk.wire import WIRE_NAMES, Route, format_from_wire, format_param
 from sdk.wire import from_wire as sampling_from_wire
 
 DISCONNECT_POLL = 0.2  # seconds between checks that the client is still connected
@@ -85,7 +86,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         except (ValueError, ValidationError) as exc:
             raise bad_request(str(exc), param=f"messages.{i}.content") from exc
     run = _Run(request, state, serving, body, "chat")
-    return await run.execute(messages=messages, options=_options(body, "chat"))
+    return await run.execute(messages=messages)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -97,7 +98,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if not prompts or any(len(x) == 0 for x in prompts):
         raise bad_request("prompt must not be empty", param="prompt")
     run = _Run(request, state, serving, body, "completion")
-    return await run.execute(prompts=prompts, options=_options(body, "completion"))
+    return await run.execute(prompts=prompts)
 
 
 async def _parse(request: web.Request, model: type[BaseModel]) -> Any:
@@ -123,21 +124,41 @@ def _check_common(body: Any, serving: Serving) -> None:
         )
 
 
-def _options(body: Any, route: Route) -> dict[str, Any]:
-    """The SDK request options a body sets: its sampling knobs under the engine's names, priority, cache_salt."""
-    options = sampling_from_wire(route, body.model_dump())
+def _options(body: Any, route: Route) -> tuple[dict[str, Any], str | None]:
+    """The SDK request options a body sets, and the wire field that set its constraint (None without one).
+
+    The options are its sampling knobs under the engine's names, priority, cache_salt and
+    response_format (any wire spelling, as an SDK format).
+
+    Raises:
+        ApiError: a 400 for a constraint the SDK refuses, ``param`` naming the wire field.
+    """
+    data = body.model_dump()
+    options = sampling_from_wire(route, data)
     if route == "chat" and body.max_completion_tokens is not None:
         options["max_tokens"] = body.max_completion_tokens
     options.update(priority=body.priority, cache_salt=body.cache_salt)
-    return options
+    field = None
+    try:
+        fmt, field = format_from_wire(data)
+        options["response_format"] = to_response_format(fmt)
+    except PagedError as exc:
+        raise _api_error(exc, route, field) from None
+    return options, field
 
 
-def _api_error(exc: PagedError, route: Route) -> ApiError:
-    """The HTTP answer to an SDK error, from its type's status, code and param; never a traceback."""
+def _api_error(exc: PagedError, route: Route, format_field: str | None = None) -> ApiError:
+    """The HTTP answer to an SDK error, from its type's status, code and param; never a traceback.
+
+    ``format_field`` is the wire field that set the request's constraint: the SDK's
+    ``response_format`` params are renamed after it.
+    """
     headers = {"Retry-After": RETRY_AFTER} if exc.status_code in (429, 503) else None
     param = exc.param
     if route == "chat" and param == "prompt":
         param = "messages"  # a chat's prompt is its rendered messages
+    elif format_field is not None and param is not None and param.split(".")[0] == PARAM:
+        param = format_param(format_field, param)
     elif param is not None:
         param = WIRE_NAMES[route].get(param, param)
     return ApiError(exc.status_code, exc.public_message, param=param, code=exc.code, headers=headers)
@@ -187,6 +208,7 @@ class _Run:
         self.created = p.now()
         self.events = EventStream(request)
         self.text_offsets: dict[int, int] = {}  # choice index -> chars streamed (completion logprobs)
+        self.options, self.format_field = _options(body, route)
 
     async def execute(self, **inputs: Any) -> web.StreamResponse:
         task = asyncio.current_task()
@@ -202,16 +224,16 @@ class _Run:
 
     async def _execute(self, inputs: dict[str, Any]) -> web.StreamResponse:
         try:
-            stream = await self.serving.open(_tenant(self.request), self.request_id, **inputs)
+            stream = await self.serving.open(_tenant(self.request), self.request_id, options=self.options, **inputs)
         except PagedError as exc:
-            raise _api_error(exc, self.route) from None
+            raise _api_error(exc, self.route, self.format_field) from None
         async with contextlib.aclosing(stream):
             try:
                 if self.body.stream:
                     return await self._stream(stream)
                 return await self._collect(stream)
             except PagedError as exc:
-                error = _api_error(exc, self.route)
+                error = _api_error(exc, self.route, self.format_field)
                 if not self.events.started:
                     raise error from None
                 await self.events.send(error.body())

@@ -96,7 +96,23 @@ WIRE_CASES = [
     for route in ("chat", "completion")
     for k in [*knobs_of(SamplingParams), *knobs_of(RequestOptions)]
     if k.name != "request_id"  # the server makes the ids
-] + [("chat", "max_completion_tokens", 0), ("chat", "messages", [{"role": "user", "content": 3}]), ("completion", "prompt", 3)]
+] + [("chat", "max_completion_tokens", 0), ("chat", "messages", [{"role": "user", "content": 3}]), ("completion", "prompt", 3)] + [
+    # structured output: every spelling on both routes; the engine never sees these
+    (route, field, value)
+    for route in ("chat", "completion")
+    for field, value in [
+        ("response_format", {"type": "json_schema", "json_schema": {"schema": {}, "nme": "typo"}}),
+        ("response_format", {"type": "regex", "regex": "a"}),  # not one of OpenAI's types
+        ("response_format", "json_object"),
+        ("structured_outputs", {"regex": "a", "choice": ["b"]}),
+        ("structured_outputs", {"regex": "a", "whitespace_pattern": " "}),
+        ("structured_outputs", {"choice": []}),
+        ("guided_json", "{not json"),
+        ("guided_regex", 3),
+        ("guided_choice", []),
+        ("guided_grammar", ""),
+    ]
+]
 
 
 @pytest.mark.parametrize(("route", "field", "value"), WIRE_CASES, ids=lambda v: str(v)[:16])

@@ -18,7 +18,7 @@ from sdk import AsyncClient, InvalidRequestError
 from sdk.hooks import Hook, RequestContext
 from sdk.response_format import JsonSchemaFormat, TextFormat, to_response_format, to_structured_output
 from sdk.types import ChatRequest
-from sdk.wire import format_from_wire, format_to_wire
+from sdk.wire import format_from_wire, format_param, format_to_wire
 
 
 class Address(BaseModel):
@@ -192,3 +192,28 @@ async def test_hooks_see_the_constrained_text(tiny_model):
     result = await client.chat("Colour?", response_format={"type": "choice", "choice": ["red", "green"]})
     await client.aclose()
     assert seen == [result.text]
+
+
+def test_the_wire_refuses_what_it_cannot_honour():
+    with pytest.raises(InvalidRequestError) as info:
+        format_from_wire({"response_format": {"type": "regex", "regex": "a"}})  # the SDK's form, not OpenAI's
+    assert info.value.param == "response_format.type"
+    with pytest.raises(InvalidRequestError) as info:
+        format_from_wire({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}})
+    assert info.value.param == "structured_outputs.whitespace_pattern"
+    assert format_from_wire({"structured_outputs": {"regex": "a", "backend": "xgrammar"}})[1] == "structured_outputs.regex"
+
+
+@pytest.mark.parametrize(
+    ("field", "param", "wire"),
+    [
+        ("response_format", "response_format.json_schema.nme", "response_format.json_schema.nme"),
+        ("response_format", "response_format", "response_format"),
+        ("guided_regex", "response_format", "guided_regex"),
+        ("guided_choice", "response_format.choice.2", "guided_choice.2"),
+        ("structured_outputs.json", "response_format.json_schema.name", "structured_outputs.json"),
+        ("structured_outputs.json_object", "response_format", "structured_outputs.json_object"),
+    ],
+)
+def test_sdk_params_follow_the_wire_field(field, param, wire):
+    assert format_param(field, param) == wire

@@ -22,7 +22,8 @@ import aiohttp
 from sdk.errors import EngineFailure, InvalidRequestError, from_wire
 from sdk.transport import EngineRequest, PrefixPin, Transport, TransportOutput
 from sdk.types import ChatMessage, TokenLogprob, TopLogprob
-from sdk.wire import Route, format_to_wire, to_wire
+from sdk.tools import ToolSpec
+from sdk.wire import Route, format_to_wire, message_to_wire, to_wire, tool_call_delta_from_wire
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ class ChatPrompt(str):
     add_generation_prompt: bool
 
     def __new__(cls, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> ChatPrompt:
-        prompt = super().__new__(cls, "\n".join(f"{m.role}: {m.content}" for m in messages))
+        prompt = super().__new__(cls, "\n".join(f"{m.role}: {m.content or ''}" for m in messages))
         prompt.messages = tuple(messages)
         prompt.add_generation_prompt = add_generation_prompt
         return prompt
@@ -123,7 +124,9 @@ class HttpTransport(Transport):
                 # NOTE: not awaited: that loop may be blocked on this one (a sync call from async code).
                 asyncio.run_coroutine_threadsafe(session.close(), loop)
 
-    def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True, tools: Sequence[ToolSpec] | None = None
+    ) -> str:
         return ChatPrompt(messages, add_generation_prompt)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[TransportOutput]:
@@ -144,7 +147,11 @@ class HttpTransport(Transport):
         body.update(format_to_wire(request.response_format))
         if isinstance(request.prompt, ChatPrompt):
             url = self._base + "/chat/completions"
-            body["messages"] = [m.model_dump(exclude_none=True) for m in request.prompt.messages]
+            body["messages"] = [message_to_wire(m) for m in request.prompt.messages]
+            if request.tools is not None:
+                body["tools"] = [t.model_dump(exclude_none=True) for t in request.tools]
+                body["tool_choice"] = _tool_choice_to_wire(request.tool_choice)
+                body["parallel_tool_calls"] = request.parallel_tool_calls
         else:
             url = self._base + "/completions"
             body["prompt"] = request.prompt if isinstance(request.prompt, list) else str(request.prompt)
@@ -220,11 +227,12 @@ async def _read_stream(resp: aiohttp.ClientResponse, num_choices: int) -> AsyncI
             index = int(choice.get("index") or 0)
             finish_reason = choice.get("finish_reason")
             logprobs = _logprobs(choice.get("logprobs"))
+            calls = [tool_call_delta_from_wire(c) for c in (choice.get("delta") or {}).get("tool_calls") or ()] or None
             if finish_reason is not None:
                 finished.add(index)
-            if not (text or token_ids or logprobs or finish_reason):
+            if not (text or token_ids or logprobs or finish_reason or calls):
                 continue
-            out = TransportOutput(text, token_ids, finish_reason, prompt_ids, num_cached, logprobs, index)
+            out = TransportOutput(text, token_ids, finish_reason, prompt_ids, num_cached, logprobs, index, calls)
             if len(finished) == num_choices and finish_reason is not None:
                 last = out
             else:
@@ -233,6 +241,12 @@ async def _read_stream(resp: aiohttp.ClientResponse, num_choices: int) -> AsyncI
         raise EngineFailure("the server closed the stream before the request finished")
     last.prompt_token_ids, last.num_cached_tokens = prompt_ids, num_cached
     yield last
+
+
+def _tool_choice_to_wire(choice: str | None) -> Any:
+    if choice in (None, "auto", "none", "required"):
+        return choice or "auto"
+    return {"type": "function", "function": {"name": choice}}
 
 
 def _logprobs(raw: dict[str, Any] | None) -> list[TokenLogprob] | None:

@@ -154,6 +154,19 @@ def to_structured_output(response_format: Any) -> StructuredOutput | None:
         raise InvalidRequestError(str(exc).replace("structured_output", PARAM), param=PARAM) from None
 
 
+# engine constraint form -> the request field that set it
+_FIELDS = {
+    "json_schema": f"{PARAM}.json_schema.schema", "json_object": PARAM, "regex": f"{PARAM}.regex",
+    "choice": f"{PARAM}.choice", "grammar": f"{PARAM}.grammar", "structural_tag": "tools",
+}  # fmt: skip
+
+
+def request_param(engine_param: str) -> str:
+    """The request field behind an engine error about its constraint (``structured_output.<form>``):
+    the response format's, or ``tools`` for a tool choice's constraint."""
+    return _FIELDS.get(engine_param.removeprefix("structured_output."), PARAM)
+
+
 def parse(response_format: Any, text: str) -> Any:
     """``text`` decoded under a JSON format: an instance of its pydantic class, else the JSON value.
 

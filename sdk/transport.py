@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from sdk.chat_template import render_chat
 from sdk.errors import EngineFailure, InvalidRequestError, OverloadedError
-from sdk.response_format import PARAM, to_structured_output
+from sdk.response_format import request_param, to_structured_output
 from sdk.tools import ToolCallDelta, ToolCallParser, ToolSpec, tool_constraint
 from sdk.types import ChatMessage, TokenLogprob, TopLogprob
 
@@ -212,7 +212,8 @@ class InProcessTransport(Transport):
                     )
         except ParameterError as exc:  # bad knobs, a prompt that can never be served, an id in use
             if exc.param.startswith("structured_output"):  # a constraint the engine could not compile
-                raise InvalidRequestError(str(exc).replace("structured_output", PARAM), param=PARAM) from exc
+                param = request_param(exc.param)
+                raise InvalidRequestError(str(exc).replace(exc.param, param), param=param) from exc
             raise InvalidRequestError(str(exc), param=exc.param) from exc
         except EngineOverloaded as exc:
             raise OverloadedError(str(exc)) from exc

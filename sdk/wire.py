@@ -7,6 +7,7 @@ listed keep the engine's name (vLLM's extensions: ``top_k``, ``min_p``, ``ignore
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from sdk.fields import SAMPLING_FIELDS
@@ -136,3 +137,28 @@ def format_param(field: str, param: str) -> str:
     if param.startswith(path + "."):
         return field + param[len(path) :]
     return field
+
+
+def message_to_wire(message: Any) -> dict[str, Any]:
+    """An SDK ``ChatMessage`` as an OpenAI chat message (a call's arguments as JSON text)."""
+    body: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.name is not None:
+        body["name"] = message.name
+    if message.tool_calls:
+        body["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
+            for c in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        body["tool_call_id"] = message.tool_call_id
+    return body
+
+
+def tool_call_delta_from_wire(raw: dict[str, Any]) -> Any:
+    """One entry of a streamed OpenAI ``delta.tool_calls`` as an ``sdk.tools.ToolCallDelta``."""
+    from sdk.tools import ToolCallDelta
+
+    function = raw.get("function") or {}
+    return ToolCallDelta(
+        index=int(raw.get("index") or 0), id=raw.get("id"), name=function.get("name"), arguments=function.get("arguments") or ""
+    )

@@ -134,7 +134,7 @@ def test_streams_join_to_valid_output(server):
 BAD_SCHEMA = {"type": "object", "properties": {"a": {"type": "nonsense"}}}
 # (request body fields, the param the 400 names): constraints that do not compile or are past a limit
 BAD_CONSTRAINTS = [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": BAD_SCHEMA}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": BAD_SCHEMA}}}, "response_format.json_schema.schema"),
     ({"guided_json": BAD_SCHEMA}, "guided_json"),
     ({"structured_outputs": {"json": BAD_SCHEMA}}, "structured_outputs.json"),
     ({"guided_regex": "[a-"}, "guided_regex"),

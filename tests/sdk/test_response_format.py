@@ -173,10 +173,10 @@ async def test_a_reply_cut_short_has_no_parsed_value(client):
 async def test_a_bad_constraint_is_refused_and_the_engine_serves_on(client):
     with pytest.raises(InvalidRequestError) as info:
         await client.chat("hi", response_format={"type": "regex", "regex": "[a-"}, max_tokens=4)
-    assert info.value.param == "response_format" and "regex" in str(info.value)
+    assert info.value.param == "response_format.regex" and "response_format.regex is invalid" in str(info.value)
     with pytest.raises(InvalidRequestError) as info:
         await client.chat("hi", response_format={"type": "object", "properties": {"a": {"type": "nonsense"}}})
-    assert info.value.param == "response_format"
+    assert info.value.param == "response_format.json_schema.schema"
     result = await client.chat("hi", response_format=SCHEMA, max_tokens=60, temperature=0)
     assert result.finish_reason == "stop" and 1 <= result.parsed["n"] <= 9
 

@@ -93,8 +93,8 @@ def _with_default_tool_prompt(messages: Sequence[ChatMessage], tools: Sequence[T
             out.append({"role": "user", "content": f"<tool_response>\n{m.content or ''}\n</tool_response>"})
             continue
         content = m.content or ""
-        if m.tool_calls:
-            content = "\n".join([*filter(None, [content]), *(format_call(c) for c in m.tool_calls)])
+        if m.tool_calls:  # NOTE: as the model wrote them: its text, then the calls, back to back
+            content += "".join(format_call(c) for c in m.tool_calls)
         out.append({"role": m.role, "content": content, **({"name": m.name} if m.name else {})})
     if tools:
         section = DEFAULT_TOOL_PROMPT.format(

@@ -29,15 +29,13 @@ from typing import Any, Literal, Union, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, create_model
 
-from engine.structured_output import StructuredOutput
+from engine.errors import ParameterError
+from engine.structured_output import StructuredOutput, json_grammar
 from sdk.errors import InvalidRequestError
 
 CALL_BEGIN = "<tool_call>"
 CALL_END = "</tool_call>"
 MAX_TOOLS = 128
-# NOTE: one whitespace character at most between JSON tokens: models write `{"a": 1}`, and a
-# small model must not wander off into whitespace inside a constrained call.
-MAX_ARGUMENT_WHITESPACE = 1
 
 
 class FunctionSpec(BaseModel):
@@ -226,7 +224,18 @@ def to_tool_choice(choice: Any, tools: Sequence[ToolSpec] | None) -> str | None:
 
 
 def tool_constraint(tools: Sequence[ToolSpec], choice: str, parallel_tool_calls: bool = True) -> StructuredOutput | None:
-    """The engine constraint of a normalized tool ``choice`` (``to_tool_choice``) over ``tools``."""
+    """The engine constraint of a normalized tool ``choice`` (``to_tool_choice``) over ``tools``.
+
+    Raises:
+        InvalidRequestError: a tool's parameters are not a usable JSON schema; ``param`` is ``tools``.
+    """
+    try:
+        return _tool_constraint(tools, choice, parallel_tool_calls)
+    except ParameterError as exc:
+        raise InvalidRequestError(str(exc).replace(exc.param, "tools"), param="tools") from None
+
+
+def _tool_constraint(tools: Sequence[ToolSpec], choice: str, parallel_tool_calls: bool) -> StructuredOutput | None:
     if choice == "none":
         return None
     if choice == "auto":
@@ -237,7 +246,9 @@ def tool_constraint(tools: Sequence[ToolSpec], choice: str, parallel_tool_calls:
     else:
         chosen = tools if choice == "required" else [t for t in tools if t.name == choice]
         fmt = {
-            "type": "tags_with_separator", "tags": [_call_tag(t) for t in chosen], "separator": "\n",
+            # NOTE: no separator: after a call only another call or the end may follow (a "\n" would
+            # leave only another call, and a small model would repeat its call until max_tokens)
+            "type": "tags_with_separator", "tags": [_call_tag(t) for t in chosen], "separator": "",
             "at_least_one": True, "stop_after_first": choice != "required" or not parallel_tool_calls,
         }  # fmt: skip
     return StructuredOutput(structural_tag={"type": "structural_tag", "format": fmt})
@@ -247,7 +258,8 @@ def _call_tag(tool: ToolSpec) -> dict[str, Any]:
     return {
         "type": "tag",
         "begin": _call_head(tool.name),
-        "content": {"type": "json_schema", "json_schema": tool.function.parameters, "max_whitespace_cnt": MAX_ARGUMENT_WHITESPACE},
+        # NOTE: arguments as json.dumps writes them, so format_call re-renders a call token for token
+        "content": {"type": "grammar", "grammar": json_grammar(json.dumps(tool.function.parameters))},
         "end": _CALL_TAIL,
     }
 

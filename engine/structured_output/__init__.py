@@ -5,6 +5,7 @@
 keeps one matcher per constrained sequence and gives the sampler each step's token masks.
 """
 
+from engine.structured_output.compiler import json_grammar
 from engine.structured_output.params import StructuredOutput
 
-__all__ = ["StructuredOutput"]
+__all__ = ["StructuredOutput", "json_grammar"]

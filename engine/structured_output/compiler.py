@@ -12,6 +12,7 @@ is rejected (its compile finishes in the background and is cached).
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import threading
 from collections.abc import Iterable
@@ -95,6 +96,27 @@ class GrammarCompiler:
     def shutdown(self) -> None:
         """Stops the compile threads (compiles in progress finish)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+@functools.lru_cache(maxsize=256)
+def json_grammar(schema: str) -> str:
+    """The EBNF of JSON valid against ``schema`` (its JSON text), written without optional
+    whitespace (``{"a": 1, "b": [2, 3]}``, as ``json.dumps`` writes it): the content of a
+    structural tag's region that must read back exactly as it was generated.
+
+    Raises:
+        ParameterError: xgrammar is missing, or the schema does not convert; ``param`` is
+            ``structured_output.structural_tag``.
+    """
+    param = "structured_output.structural_tag"
+    try:
+        import xgrammar as xgr
+    except ImportError:
+        raise ParameterError(param, "structured output needs xgrammar: pip install 'paged[structured]'") from None
+    try:
+        return str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+    except (RuntimeError, ValueError) as exc:
+        raise ParameterError(param, f"{param}: a schema is invalid: {_first_line(exc)}") from None
 
 
 def too_slow(constraint: StructuredOutput) -> ParameterError:

@@ -177,7 +177,7 @@ def test_the_default_tool_prompt_renders_tools_calls_and_results(tokenizer):
     text = tokenizer.decode(render_chat(tokenizer, CONVERSATION, tools=tools))
     assert text.startswith("<|im_start|>system\nYou are terse.\n\n# Tools\n")
     assert json.dumps(tools[0].function.model_dump(exclude_none=True)) in text
-    assert format_call(CONVERSATION[2].tool_calls[0]) + "\n" + format_call(CONVERSATION[2].tool_calls[1]) in text
+    assert format_call(CONVERSATION[2].tool_calls[0]) + format_call(CONVERSATION[2].tool_calls[1]) + "<|im_end|>" in text
     assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n<|im_start|>user\n<tool_response>\n5\n" in text
     assert DEFAULT_TOOL_PROMPT.splitlines()[0] in text and text.endswith("<|im_start|>assistant\n")
 
@@ -207,3 +207,108 @@ def test_a_tool_aware_template_renders_tools_itself(tokenizer):
         tokenizer.chat_template = original
     assert "<tools>{" in text and '"name": "get_weather"' in text and DEFAULT_TOOL_PROMPT.splitlines()[2] not in text
     assert '<tool_call>\n{"name": "Add", "arguments": {"a": 2, "b": 3}}\n</tool_call>' in text
+
+
+# --- on the engine (a random-weight model follows no format: every valid call was made to) ---
+
+
+NESTED = {
+    "type": "function",
+    "function": {
+        "name": "book",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "guest": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                                           "age": {"type": "integer", "minimum": 18, "maximum": 99}},
+                          "required": ["name", "age"]},
+                "nights": {"type": "integer", "minimum": 1, "maximum": 9},
+                "room": {"enum": ["single", "double"]},
+            },
+            "required": ["guest", "nights", "room"],
+            "additionalProperties": False,
+        },
+    },
+}  # fmt: skip
+SMALL_WEATHER = {**WEATHER, "function": {**WEATHER["function"], "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}}}  # fmt: skip
+
+
+@pytest.fixture
+async def client(tiny_model_factory):
+    from sdk import AsyncClient
+
+    client = AsyncClient(str(tiny_model_factory("llama")), num_blocks=512, max_num_seqs=16)
+    yield client
+    await client.aclose()
+
+
+async def test_required_and_named_choices_always_give_valid_calls(client):
+    import jsonschema
+
+    tools = [SMALL_WEATHER, NESTED]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    choices = ["required", {"type": "function", "function": {"name": "book"}}]
+    results = await client.batch(
+        [f"Request {i}" for i in range(8)], tools=tools, tool_choice=choices[0], max_tokens=300, temperature=1.0, seed=7
+    )
+    results += await client.batch(
+        [f"Book {i}" for i in range(4)], tools=tools, tool_choice=choices[1], max_tokens=300, temperature=1.0, seed=7
+    )
+    for i, result in enumerate(results):
+        assert result.finish_reason == "tool_calls" and result.tool_calls, result
+        for call in result.tool_calls:
+            jsonschema.validate(call.arguments, schemas[call.name])
+        if i >= 8:
+            assert [c.name for c in result.tool_calls] == ["book"]
+
+
+async def test_parallel_tool_calls_false_makes_one_call(client):
+    result = await client.chat("Go", tools=[SMALL_WEATHER, NESTED], tool_choice="required", parallel_tool_calls=False,
+                               max_tokens=300, temperature=1.0, seed=3)  # fmt: skip
+    assert len(result.tool_calls) == 1
+
+
+async def test_streamed_call_deltas_assemble_into_the_collected_calls(client):
+    kwargs = dict(tools=[NESTED], tool_choice="required", parallel_tool_calls=False, max_tokens=300, temperature=0.8, seed=5)
+    deltas = [d async for d in client.stream("Book a room", **kwargs)]
+    calls = collect_calls([c for d in deltas for c in d.tool_calls or ()])
+    result = await client.chat("Book a room", **kwargs)
+    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in result.tool_calls]
+    assert deltas[-1].finish_reason == "tool_calls" and "".join(d.text for d in deltas) == result.text
+
+
+async def test_a_tool_turn_resent_computes_only_its_new_tokens(client):
+    """A conversation re-sent with the reply and the tool's result computes only what it added."""
+    tools = [NESTED]
+    history = [ChatMessage(role="user", content="Book a room for Ann.")]
+    first = await client.chat(history, tools=tools, tool_choice="required", parallel_tool_calls=False, max_tokens=300, temperature=0)
+    assert first.finish_reason == "tool_calls"
+    history += [first.message, ChatMessage(role="tool", content="booked", tool_call_id=first.tool_calls[0].id)]
+    before = client.stats()["prompt_tokens_computed"]
+    second = await client.chat(history, tools=tools, tool_choice="none", max_tokens=4, temperature=0)
+    computed = client.stats()["prompt_tokens_computed"] - before
+    # NOTE: the reply counts as new: its sampled tokens need not be how the tokenizer splits its text
+    new_tokens = second.usage.prompt_tokens - first.usage.prompt_tokens
+    assert computed <= new_tokens + 2 * 16 and second.usage.cached_tokens >= first.usage.prompt_tokens // 16 * 16
+
+
+async def test_auto_gives_text_or_complete_calls_and_none_gives_text(client):
+    tools = [SMALL_WEATHER]
+    for result in await client.batch([f"Hi {i}" for i in range(6)], tools=tools, max_tokens=80, temperature=1.0, seed=11):
+        assert "<tool_call>" not in result.text or result.finish_reason == "length"
+        assert (result.finish_reason == "tool_calls") == bool(result.tool_calls)
+    none = await client.chat("Hi", tools=tools, tool_choice="none", max_tokens=20, temperature=0)
+    assert none.tool_calls is None and none.finish_reason in ("stop", "length")
+
+
+async def test_bad_tool_requests_are_refused_naming_the_field(client):
+    with pytest.raises(InvalidRequestError) as info:
+        await client.chat("Hi", tools=[SMALL_WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert info.value.param == "tool_choice"
+    with pytest.raises(InvalidRequestError) as info:
+        await client.chat("Hi", tools=[{"name": "x", "parameters": {"type": "nonsense"}}], tool_choice="required")
+    assert info.value.param == "tools"
+    with pytest.raises(InvalidRequestError) as info:
+        await client.chat("Hi", tools=[SMALL_WEATHER], tool_choice="required", response_format={"type": "json_object"})
+    assert info.value.param == "response_format"

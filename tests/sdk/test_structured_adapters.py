@@ -1,4 +1,4 @@
-"""Structured output through the LangChain adapter, on the engine.
+"""Structured output through the LangChain and LlamaIndex adapters, on the engine.
 
 The tiny random-weight model follows no format by itself: an object that validates was made to.
 """
@@ -12,10 +12,13 @@ import jsonschema
 import pytest
 from langchain_core.messages import AIMessage
 from langchain_core.utils.function_calling import convert_to_json_schema
+from llama_index.core.base.llms.types import ChatMessage, MessageRole
+from llama_index.core.prompts import PromptTemplate
 from pydantic import BaseModel, Field
 from typing_extensions import TypedDict
 
 from sdk.integrations.langchain import PagedChat
+from sdk.integrations.llamaindex import PagedLLM
 
 
 class Pet(BaseModel):
@@ -50,6 +53,14 @@ def tiny_model(tiny_model_factory) -> str:
 @pytest.fixture
 def chat(tiny_model) -> PagedChat:
     return PagedChat(model=tiny_model, engine_config={"num_blocks": 256}, **OPTIONS)
+
+
+@pytest.fixture
+def llm(tiny_model) -> PagedLLM:
+    return PagedLLM(model=tiny_model, engine_config={"num_blocks": 256}, **OPTIONS)
+
+
+# --- LangChain ----------------------------------------------------------------------------
 
 
 def test_a_pydantic_schema_gives_instances_on_invoke_and_stream(chat):
@@ -103,3 +114,47 @@ def test_bad_arguments_are_refused_when_binding(chat):
     with pytest.raises(ValueError, match="unsupported argument"):
         chat.with_structured_output(Pet, tools=[])
 
+
+# --- LlamaIndex ---------------------------------------------------------------------------
+
+PROMPT = PromptTemplate("Describe a pet called {name}.")
+
+
+async def test_structured_predict_sync_and_async(llm):
+    pet = llm.structured_predict(Pet, PROMPT, name="Rex")
+    assert isinstance(pet, Pet)
+    assert await llm.astructured_predict(Pet, PROMPT, name="Rex") == pet
+
+
+async def test_stream_structured_predict_ends_with_the_whole_object(llm):
+    pet = llm.structured_predict(Pet, PROMPT, name="Rex")
+    assert list(llm.stream_structured_predict(Pet, PROMPT, name="Rex"))[-1] == pet
+    assert [p async for p in await llm.astream_structured_predict(Pet, PROMPT, name="Rex")][-1] == pet
+
+
+async def test_as_structured_llm_chats_in_objects(llm):
+    structured = llm.as_structured_llm(Pet)
+    messages = [ChatMessage(role=MessageRole.USER, content="Describe a pet.")]
+    response = structured.chat(messages)
+    assert isinstance(response.raw, Pet)
+    assert Pet.model_validate_json(response.message.content) == response.raw
+    assert isinstance((await structured.achat(messages)).raw, Pet)
+
+
+
+class Address(BaseModel):
+    city: str = Field(max_length=20)
+    country: str = Field(max_length=20)
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=20)
+    age: int = Field(ge=0, le=120)
+    address: Address
+
+
+def test_the_bundled_model_extracts_a_nested_object():
+    llm = PagedLLM(max_tokens=100, temperature=0)
+    prompt = PromptTemplate("Extract the person from this text: {text}")
+    person = llm.structured_predict(Person, prompt, text="Maria Lopez is 34 years old and lives in Madrid, Spain.")
+    assert person == Person(name="Maria Lopez", age=34, address=Address(city="Madrid", country="Spain"))

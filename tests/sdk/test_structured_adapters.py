@@ -17,6 +17,7 @@ from llama_index.core.prompts import PromptTemplate
 from pydantic import BaseModel, Field
 from typing_extensions import TypedDict
 
+from sdk.integrations import langchain
 from sdk.integrations.langchain import PagedChat
 from sdk.integrations.llamaindex import PagedLLM
 
@@ -99,11 +100,13 @@ def test_include_raw_keeps_the_message_and_reports_parsing_errors(chat):
     assert cut["raw"].response_metadata["finish_reason"] == "length"
 
 
-def test_response_format_as_a_call_option(chat):
+def test_response_format_as_a_call_option(chat, tiny_model):
     message = chat.invoke("Describe a pet.", response_format=Pet)
     assert Pet.model_validate_json(message.content)
     streamed = "".join(c.content for c in chat.stream("Describe a pet.", response_format=PET_SCHEMA))
     jsonschema.validate(json.loads(streamed), PET_SCHEMA)
+    completion = langchain.PagedLLM(model=tiny_model, engine_config={"num_blocks": 256}, **OPTIONS)
+    assert Pet.model_validate_json(completion.invoke("A pet:", response_format=Pet))
 
 
 def test_bad_arguments_are_refused_when_binding(chat):

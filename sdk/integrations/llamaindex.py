@@ -15,7 +15,7 @@ Every call goes through an SDK client, so hooks and audit apply.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Generator, Sequence
-from typing import Any
+from typing import Any, Optional
 
 try:
     from llama_index.core.base.llms.generic_utils import (
@@ -52,6 +52,7 @@ from sdk.sync import Client
 from sdk.types import ChatMessage, CompletionResult, Delta
 
 DEFAULT_NUM_OUTPUT = 256  # the engine's max_tokens default
+_Kwargs = Optional[dict[str, Any]]  # a structured-prediction program's llm_kwargs
 _ROLES = {
     MessageRole.SYSTEM: "system",
     MessageRole.DEVELOPER: "system",
@@ -257,50 +258,33 @@ class PagedLLM(_SamplingKnobs):  # type: ignore[misc, valid-type]
     # each override only adds the constraint to the program's llm_kwargs.
 
     def structured_predict(
-        self,
-        output_cls: type[Model],
-        prompt: BasePromptTemplate,
-        llm_kwargs: dict[str, Any] | None = None,
-        **prompt_args: Any,
+        self, output_cls: type[Model], prompt: BasePromptTemplate, llm_kwargs: _Kwargs = None, **prompt_args: Any
     ) -> Model:
         """An ``output_cls`` instance from the prompt's reply, which the engine holds to its JSON schema."""
         llm_kwargs = _constrained(output_cls, llm_kwargs)
         return super().structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
 
     async def astructured_predict(
-        self,
-        output_cls: type[Model],
-        prompt: BasePromptTemplate,
-        llm_kwargs: dict[str, Any] | None = None,
-        **prompt_args: Any,
+        self, output_cls: type[Model], prompt: BasePromptTemplate, llm_kwargs: _Kwargs = None, **prompt_args: Any
     ) -> Model:
         """The async ``structured_predict``."""
         llm_kwargs = _constrained(output_cls, llm_kwargs)
         return await super().astructured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
 
     def stream_structured_predict(
-        self,
-        output_cls: type[Model],
-        prompt: BasePromptTemplate,
-        llm_kwargs: dict[str, Any] | None = None,
-        **prompt_args: Any,
+        self, output_cls: type[Model], prompt: BasePromptTemplate, llm_kwargs: _Kwargs = None, **prompt_args: Any
     ) -> Generator[Any, None, None]:
         """Partial objects as the reply grows; the last is the whole ``output_cls`` instance."""
         llm_kwargs = _constrained(output_cls, llm_kwargs)
         return super().stream_structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
 
     async def astream_structured_predict(
-        self,
-        output_cls: type[Model],
-        prompt: BasePromptTemplate,
-        llm_kwargs: dict[str, Any] | None = None,
-        **prompt_args: Any,
+        self, output_cls: type[Model], prompt: BasePromptTemplate, llm_kwargs: _Kwargs = None, **prompt_args: Any
     ) -> AsyncGenerator[Any, None]:
         """The async ``stream_structured_predict``."""
         llm_kwargs = _constrained(output_cls, llm_kwargs)
         return await super().astream_structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
 
-
-def _constrained(output_cls: type[Model], llm_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+def _constrained(output_cls: type[Model], llm_kwargs: _Kwargs) -> dict[str, Any]:
     """``llm_kwargs`` with the engine constraint to ``output_cls``'s JSON schema."""
     return {**(llm_kwargs or {}), "response_format": output_cls}

@@ -2,7 +2,9 @@
 
 Both run through an SDK client, on the process's shared in-process engine or, with
 ``base_url``, on a remote OpenAI-compatible one, so hooks and audit apply to every call.
-Tool calling, structured output and multimodal inputs are not supported.
+Structured output is the engine's constraint: ``PagedChat.with_structured_output`` or a
+per-call ``response_format`` (any spelling ``sdk.response_format`` takes). Tool calling and
+multimodal inputs are not supported.
 """
 
 from __future__ import annotations
@@ -10,17 +12,22 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import aclosing
-from typing import Any, ClassVar, TypeVar
+from operator import itemgetter
+from typing import Any, ClassVar, Literal, TypeVar
 
 try:
     from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
-    from langchain_core.language_models import BaseChatModel, LangSmithParams
+    from langchain_core.language_models import BaseChatModel, LangSmithParams, LanguageModelInput
     from langchain_core.language_models.chat_models import agenerate_from_stream, generate_from_stream
     from langchain_core.language_models.llms import LLM
     from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage, SystemMessage, ToolMessage
     from langchain_core.messages import ChatMessage as LCChatMessage
     from langchain_core.messages.ai import UsageMetadata
+    from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
     from langchain_core.outputs import ChatGenerationChunk, ChatResult, GenerationChunk, LLMResult
+    from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+    from langchain_core.utils.function_calling import convert_to_json_schema
+    from langchain_core.utils.pydantic import is_basemodel_subclass
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("sdk.integrations.langchain needs langchain-core: pip install 'paged[langchain]'") from exc
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, create_model, model_validator
@@ -36,7 +43,7 @@ PROVIDER = "paged"
 # NOTE: LangChain chat models return one generation per call (batch() for more): n is not a knob here.
 _UNSUPPORTED = {"n"}
 _KNOBS = [name for name in SAMPLING_FIELDS if name not in _UNSUPPORTED]
-_PER_CALL = {*_KNOBS, "request_id", "priority", "cache_salt", "timeout"}
+_PER_CALL = {*_KNOBS, "request_id", "priority", "cache_salt", "timeout", "response_format"}
 _Chunk = TypeVar("_Chunk", ChatGenerationChunk, GenerationChunk)
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool", "user": "user", "assistant": "assistant"}
 
@@ -215,6 +222,16 @@ class PagedChat(_PagedParams, BaseChatModel):
 
             await chat.ainvoke("Hi"); [c async for c in chat.astream("Hi")]; await chat.abatch(["a", "b"])
 
+    Structured output:
+        .. code-block:: python
+
+            class Joke(BaseModel):
+                setup: str = Field(max_length=80)
+                punchline: str = Field(max_length=80)
+
+            chat.with_structured_output(Joke).invoke("Tell me a joke")  # a Joke: the engine masks any other text
+            chat.invoke("Tell me a joke", response_format=Joke).content  # its JSON
+
     Every instance with the same ``model`` and ``engine_config`` shares one engine, so
     concurrent calls with one system prompt compute its KV once. Responses carry
     ``usage_metadata`` (``input_token_details.cache_read`` = prompt tokens from the cache)
@@ -300,6 +317,57 @@ class PagedChat(_PagedParams, BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         return await agenerate_from_stream(self._astream(messages, stop, run_manager, **kwargs))
+
+    def with_structured_output(
+        self,
+        schema: dict[str, Any] | type | None = None,
+        *,
+        method: Literal["json_schema", "json_mode", "function_calling"] = "json_schema",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, Any]:
+        """This model with its replies parsed into ``schema``; the engine guarantees the JSON.
+
+        Args:
+            schema: A pydantic class (results are instances of it), a ``TypedDict`` class or
+                a JSON schema / OpenAI function dict (results are dicts). Optional for ``json_mode``.
+            method: ``"json_schema"``: the reply is constrained to ``schema``.
+                ``"json_mode"``: the reply is constrained to be a JSON object; ``schema`` only
+                shapes parsing, so the prompt must ask for its fields.
+                ``"function_calling"``: the same constraint as ``json_schema`` (tool calling
+                is not supported).
+            include_raw: Return ``{"raw": AIMessage, "parsed": ..., "parsing_error": ...}``; a
+                reply that does not parse (cut short by ``max_tokens``) then sets ``parsing_error``
+                instead of raising.
+            strict: Accepted for compatibility; the reply always follows the schema.
+            kwargs: Per-call options bound to every call (``max_tokens``, ``temperature``...).
+
+        Streaming yields the object parsed so far as it grows (for a pydantic class, once
+        it validates).
+        """
+        del strict  # the engine's constraint is always strict
+        if method == "json_mode":
+            response_format: dict[str, Any] = {"type": "json_object"}
+        elif method in ("json_schema", "function_calling"):
+            if schema is None:
+                raise ValueError(f"method={method!r} needs a schema; only method='json_mode' takes none")
+            response_format = convert_to_json_schema(schema)
+        else:
+            raise ValueError(f"unknown method {method!r}: use 'json_schema', 'json_mode' or 'function_calling'")
+        self._options(None, kwargs)  # refuses unknown options here rather than on the first call
+        llm = self.bind(
+            response_format=response_format,
+            ls_structured_output_format={"kwargs": {"method": method}, "schema": schema},
+            **kwargs,
+        )
+        is_pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
+        parser = PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()
+        if not include_raw:
+            return llm | parser
+        parse = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+        no_parse = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parse.with_fallbacks([no_parse], exception_key="parsing_error")
 
 
 class PagedLLM(_PagedParams, LLM):

@@ -2,7 +2,10 @@
 
 Chat is the native path (the model's chat template); completion derives from it through
 LlamaIndex's ``chat_to_completion_decorator`` family, except ``formatted=True`` prompts,
-which are sent as given. Every call goes through an SDK client, so hooks and audit apply.
+which are sent as given. Structured prediction (``structured_predict``, its async and
+streaming forms, ``as_structured_llm``) constrains the reply to the output class's JSON
+schema in the engine; any call also takes ``response_format`` (``sdk.response_format``).
+Every call goes through an SDK client, so hooks and audit apply.
 
     from sdk.integrations.llamaindex import PagedLLM
     from llama_index.core import Settings
@@ -11,8 +14,8 @@ which are sent as given. Every call goes through an SDK client, so hooks and aud
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import AsyncGenerator, Generator, Sequence
+from typing import Any, Optional
 
 try:
     from llama_index.core.base.llms.generic_utils import (
@@ -36,6 +39,8 @@ try:
     )
     from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
     from llama_index.core.llms.llm import LLM
+    from llama_index.core.prompts import BasePromptTemplate
+    from llama_index.core.types import Model
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("sdk.integrations.llamaindex needs llama-index-core: pip install 'paged[llamaindex]'") from exc
 from pydantic import Field, PrivateAttr, create_model
@@ -47,6 +52,7 @@ from sdk.sync import Client
 from sdk.types import ChatMessage, CompletionResult, Delta
 
 DEFAULT_NUM_OUTPUT = 256  # the engine's max_tokens default
+_Kwargs = Optional[dict[str, Any]]  # a structured-prediction program's llm_kwargs
 _ROLES = {
     MessageRole.SYSTEM: "system",
     MessageRole.DEVELOPER: "system",
@@ -246,3 +252,39 @@ class PagedLLM(_SamplingKnobs):  # type: ignore[misc, valid-type]
                 await stream.aclose()  # type: ignore[attr-defined]
 
         return gen()
+
+    # --- structured prediction: the engine constrains the reply to the output class -------
+    # NOTE: the base class's program (LLMTextCompletionProgram: chat, then parse) does the work;
+    # each override only adds the constraint to the program's llm_kwargs.
+
+    def structured_predict(
+        self, output_cls: type[Model], prompt: BasePromptTemplate, llm_kwargs: _Kwargs = None, **prompt_args: Any
+    ) -> Model:
+        """An ``output_cls`` instance from the prompt's reply, which the engine holds to its JSON schema."""
+        llm_kwargs = _constrained(output_cls, llm_kwargs)
+        return super().structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+
+    async def astructured_predict(
+        self, output_cls: type[Model], prompt: BasePromptTemplate, llm_kwargs: _Kwargs = None, **prompt_args: Any
+    ) -> Model:
+        """The async ``structured_predict``."""
+        llm_kwargs = _constrained(output_cls, llm_kwargs)
+        return await super().astructured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+
+    def stream_structured_predict(
+        self, output_cls: type[Model], prompt: BasePromptTemplate, llm_kwargs: _Kwargs = None, **prompt_args: Any
+    ) -> Generator[Any, None, None]:
+        """Partial objects as the reply grows; the last is the whole ``output_cls`` instance."""
+        llm_kwargs = _constrained(output_cls, llm_kwargs)
+        return super().stream_structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+
+    async def astream_structured_predict(
+        self, output_cls: type[Model], prompt: BasePromptTemplate, llm_kwargs: _Kwargs = None, **prompt_args: Any
+    ) -> AsyncGenerator[Any, None]:
+        """The async ``stream_structured_predict``."""
+        llm_kwargs = _constrained(output_cls, llm_kwargs)
+        return await super().astream_structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+
+def _constrained(output_cls: type[Model], llm_kwargs: _Kwargs) -> dict[str, Any]:
+    """``llm_kwargs`` with the engine constraint to ``output_cls``'s JSON schema."""
+    return {**(llm_kwargs or {}), "response_format": output_cls}

@@ -6,7 +6,7 @@ from sdk.integrations.langchain import PagedChat
 
 
 class PagedChatCapabilities:
-    """Tools, structured output and image inputs are off; usage metadata is on."""
+    """Structured output (JSON schema and JSON mode) and usage metadata are on; tools and image inputs are off."""
 
     @property
     def chat_model_class(self) -> type[PagedChat]:
@@ -18,7 +18,15 @@ class PagedChatCapabilities:
 
     @property
     def has_structured_output(self) -> bool:
-        return False
+        return True
+
+    @property
+    def structured_output_kwargs(self) -> dict:
+        return {"method": "json_schema"}
+
+    @property
+    def supports_json_mode(self) -> bool:
+        return True
 
     @property
     def supports_image_inputs(self) -> bool:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -10,6 +14,7 @@ from fake_engine import FakeAsyncEngine
 
 from sdk import AsyncClient, Client, Runtime
 
+ROOT = Path(__file__).resolve().parents[2]
 ENGINE_CONFIG = dict(num_blocks=64, block_size=16, max_num_seqs=8, max_num_batched_tokens=512, max_model_len=256)
 SYSTEM = "You are the assistant of a public library that opens at nine and closes at six on weekdays."
 
@@ -77,6 +82,23 @@ def test_garbage_collected_runtime_stops_its_loop_thread(fake_engine):
     gc.collect()
     thread.join(timeout=5)
     assert not thread.is_alive()
+
+
+def test_engine_left_open_is_shut_down_at_exit(tiny_model):
+    """A client never closed: its engine is shut down at interpreter exit (an earlier-registered handler sees it)."""
+    script = f"""
+import atexit
+engines = []
+atexit.register(lambda: print("running at exit:", engines[0].is_running))  # runs after the runtimes' finalizers
+from sdk import Client
+client = Client({tiny_model!r}, **{ENGINE_CONFIG!r})
+client.chat("hi", max_tokens=1)
+engines.append(client.runtime.engine)
+"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "running at exit: False" in done.stdout and "shutdown failed" not in done.stderr, done.stderr
 
 
 def test_with_block_closes_the_runtime(tiny_model):

@@ -47,12 +47,8 @@ async def chat_loop(args: argparse.Namespace, stdin: TextIO, stdout: TextIO) -> 
     from sdk.errors import PagedError
     from sdk.types import ChatMessage
 
-    transport = None
     if args.base_url:
-        from sdk.http_transport import HttpTransport
-
-        transport = HttpTransport(args.base_url, api_key=args.api_key, model=args.model)
-        client = AsyncClient(transport=transport, route="chat")
+        client = AsyncClient(args.model, base_url=args.base_url, api_key=args.api_key, route="chat")
     else:
         client = AsyncClient(args.model, route="chat")
     system = [ChatMessage(role="system", content=args.system)] if args.system else []
@@ -90,5 +86,4 @@ async def chat_loop(args: argparse.Namespace, stdin: TextIO, stdout: TextIO) -> 
             stdout.write("\n")
             history.append(ChatMessage(role="assistant", content="".join(reply)))
     finally:
-        if transport is not None:
-            await transport.close()
+        await client.aclose()  # the connections, or the in-process engine

@@ -1,6 +1,6 @@
-"""paged SDK: clients over the in-process engine, shared prefixes, hooks and framework adapters.
+"""paged SDK: clients over an in-process engine, shared prefixes, hooks and framework adapters.
 
-    from sdk import AsyncClient, Client
+    from sdk import AsyncClient, Client, Runtime
     from sdk.hooks import Hook, AuditLog, RegexFilter, ContentBlocked
 """
 
@@ -16,6 +16,7 @@ from sdk.errors import (
     RequestTimeout,
 )
 from sdk.hooks import Hook, RequestContext, Stop
+from sdk.runtime import Runtime
 from sdk.sync import Client
 from sdk.types import (
     ChatMessage,
@@ -49,6 +50,7 @@ __all__ = [
     "PrefixHandle",
     "RequestContext",
     "RequestTimeout",
+    "Runtime",
     "Stop",
     "Usage",
 ]

@@ -12,11 +12,11 @@ from typing import Any, TypeVar, Union
 
 from pydantic import ValidationError
 
-from sdk.errors import OverloadedError, RequestTimeout
+from sdk.errors import InvalidRequestError, OverloadedError, RequestTimeout
 from sdk.fields import invalid_request
 from sdk.hooks import Hook, HookChain, RequestContext
-from sdk.errors import InvalidRequestError
 from sdk.response_format import parse
+from sdk.runtime import Runtime
 from sdk.tools import collect_calls, to_tool_choice
 from sdk.transport import EngineRequest, InProcessTransport, PrefixPin, Transport, TransportOutput
 from sdk.types import (
@@ -77,8 +77,8 @@ class PrefixHandle:
         self.num_hit_tokens = 0
         """Prompt tokens of those requests served from the cache, up to the prefix's length."""
         self.closed = False
-        self._finalizer = weakref.finalize(self, _unpin_later, client._transport, pin.pin_id)
-        self._finalizer.atexit = False  # the engines shut down at exit anyway
+        self._finalizer = weakref.finalize(self, _unpin_later, client.runtime, client._transport, pin.pin_id)
+        self._finalizer.atexit = False  # the runtimes shut their engines down at exit anyway
 
     @property
     def num_tokens(self) -> int:
@@ -97,10 +97,8 @@ class PrefixHandle:
             await self._client._transport.unpin_prefix(self.pin_id)
 
     def close(self) -> None:
-        """Sync ``aclose()`` (runs on the SDK's loop thread); not for use inside a running event loop."""
-        from sdk.sync import run_sync
-
-        run_sync(self.aclose())
+        """Sync ``aclose()`` (runs on the client's runtime loop thread); not for use inside a running event loop."""
+        self._client.runtime.run_sync(self.aclose())
 
     async def __aenter__(self) -> PrefixHandle:
         return self
@@ -121,44 +119,50 @@ class PrefixHandle:
         )
 
 
-def _unpin_later(transport: Transport, pin_id: str) -> None:
-    from sdk.sync import submit
-
-    submit(transport.unpin_prefix(pin_id))
+def _unpin_later(runtime: Runtime, transport: Transport, pin_id: str) -> None:
+    if not runtime.closed:  # a closed runtime's own engine is shut down, its pins with it
+        runtime.submit(transport.unpin_prefix(pin_id))
 
 
 class AsyncClient:
-    """The async SDK client; the in-process engine by default, or a remote one with ``base_url``.
+    """The async SDK client; an in-process engine by default, or a remote one with ``base_url``.
+
+    In-process, the client runs on the engine of ``runtime`` (shared, left open by
+    ``aclose()``), or of a ``Runtime`` of its own that ``aclose()`` closes.
 
     Example:
         client = AsyncClient(hooks=[AuditLog("audit.jsonl")])
         remote = AsyncClient(base_url="http://gpu-box:8000/v1", api_key=KEY)  # same API
+        runtime = Runtime()
+        a, b = AsyncClient(runtime=runtime), AsyncClient(runtime=runtime)  # one engine
         async with await client.prefix(SYSTEM) as system:
             result = await client.chat([*system.messages, ChatMessage(role="user", content="Hi")])
 
     Args:
         model: HF directory or ``.gguf`` path; None = the bundled SmolLM2-135M-Instruct.
             With ``base_url``: the remote model id; None = the first one the endpoint lists.
+        runtime: share this runtime's engine (loaded on first use) instead of loading one.
         base_url: an OpenAI-compatible endpoint (``paged serve``, vLLM ...) to run requests
             on, through ``sdk.http_transport.HttpTransport``; None = in-process.
         api_key: sent to ``base_url`` as a bearer token.
         hooks: run in order on every request (see ``sdk.hooks``).
         tenant: written to each request's context and audit record.
-        transport: where requests run; default: ``base_url``'s endpoint, or the process-wide
-            in-process engine for (model, engine_config).
+        transport: where requests run; default: ``base_url``'s endpoint, or the engine of
+            ``runtime`` or of the client's own runtime for (model, engine_config).
         route: names the surface in hook contexts and audit records (adapters set theirs).
         max_retries: times to retry a request the engine refused as overloaded (with backoff).
         **engine_config: ``engine.EngineConfig`` fields for the in-process engine.
 
     Raises:
-        ValueError: ``transport`` with any of model/base_url/api_key/engine_config,
-            ``base_url`` with engine_config, or ``api_key`` without ``base_url``.
+        ValueError: ``runtime`` or ``transport`` with any of model/base_url/api_key/engine_config
+            (or each other), ``base_url`` with engine_config, or ``api_key`` without ``base_url``.
     """
 
     def __init__(
         self,
         model: str | None = None,
         *,
+        runtime: Runtime | None = None,
         base_url: str | None = None,
         api_key: str | None = None,
         hooks: Sequence[Hook] = (),
@@ -169,7 +173,8 @@ class AsyncClient:
         **engine_config: Any,
     ) -> None:
         self._owns_transport = transport is None
-        self._transport = _make_transport(transport, model, base_url, api_key, engine_config)
+        self._owns_runtime = runtime is None
+        self._transport, self._runtime = _make_transport(transport, runtime, model, base_url, api_key, engine_config)
         self.hooks = HookChain(hooks)
         self.tenant = tenant
         self.route = route
@@ -182,6 +187,11 @@ class AsyncClient:
         if not self._started:
             await self._transport.start()
             self._started = True
+
+    @property
+    def runtime(self) -> Runtime:
+        """The runtime the client's in-process engine belongs to, and whose loop sync callers use."""
+        return self._runtime
 
     @property
     def transport(self) -> Transport:
@@ -283,14 +293,17 @@ class AsyncClient:
         return handle
 
     async def aclose(self) -> None:
-        """Unpin this client's open prefixes and close its connections (``base_url``).
+        """Unpin this client's open prefixes, close its connections, and close its own runtime.
 
-        The shared engine stays up for other clients; the client stays usable.
+        A ``runtime`` given to the client stays open (with its engine) for other clients, and
+        the client stays usable; on its own runtime, in-process calls raise RuntimeError afterwards.
         """
         for handle in list(self._prefixes):
             await handle.aclose()
         if self._owns_transport:
             await self._transport.close()
+        if self._owns_runtime:
+            await self._runtime.aclose()  # NOTE: last: a sync client's close() runs on this runtime's loop
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -483,32 +496,46 @@ def _with_options(request: RequestT, options: dict[str, Any]) -> RequestT:
 
 def _make_transport(
     transport: Transport | None,
+    runtime: Runtime | None,
     model: str | None,
     base_url: str | None,
     api_key: str | None,
     engine_config: dict[str, Any],
-) -> Transport:
-    """``transport`` as given, else one for ``base_url``, else the in-process one for (model, engine_config).
+) -> tuple[Transport, Runtime]:
+    """Where requests run, and the runtime they belong to.
+
+    The transport is ``transport`` as given, else ``runtime``'s engine, else ``base_url``'s
+    endpoint, else the engine of a new runtime for (model, engine_config). A remote client
+    gets an empty runtime: it never loads an engine, it lends sync callers its loop.
 
     Raises:
         ValueError: settings that contradict each other; the message names them.
     """
+    named = {"model": model, "base_url": base_url, "api_key": api_key}
+    if runtime is not None:
+        _refuse("runtime", {**named, "transport": transport}, engine_config, "the runtime's engine serves the requests")
+        return InProcessTransport(runtime), runtime
     if transport is not None:
-        named = {"model": model, "base_url": base_url, "api_key": api_key}
-        given = [name for name, value in named.items() if value is not None] + sorted(engine_config)
-        if given:
-            raise ValueError(f"transport and {', '.join(given)} both given: the transport fixes where requests run")
-        return transport
+        _refuse("transport", named, engine_config, "the transport fixes where requests run")
+        return transport, Runtime()
     if base_url is None:
         if api_key is not None:
             raise ValueError("api_key given without base_url: the in-process engine takes no key")
-        return InProcessTransport(model=model, **engine_config)
+        runtime = Runtime(model, **engine_config)
+        return InProcessTransport(runtime), runtime
     if engine_config:
         fields = ", ".join(sorted(engine_config))
         raise ValueError(f"base_url and engine fields ({fields}) both given: a remote engine is set up by its server")
     from sdk.http_transport import HttpTransport  # NOTE: aiohttp loads only for remote clients
 
-    return HttpTransport(base_url, api_key=api_key, model=model)
+    return HttpTransport(base_url, api_key=api_key, model=model), Runtime()
+
+
+def _refuse(setting: str, named: dict[str, Any], engine_config: dict[str, Any], reason: str) -> None:
+    """Raise ValueError naming the settings given along with ``setting`` (set ``named`` values, engine_config keys)."""
+    given = [name for name, value in named.items() if value is not None] + sorted(engine_config)
+    if given:
+        raise ValueError(f"{setting} and {', '.join(given)} both given: {reason}")
 
 
 async def _next(stream: AsyncIterator[TransportOutput], deadline: float | None) -> TransportOutput | None:

@@ -1,58 +1,18 @@
-"""Client: the sync face of AsyncClient, run on one private event-loop thread shared by the process."""
+"""Client: the sync face of AsyncClient, run on the event-loop thread of the client's runtime."""
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import queue
 import threading
-from collections.abc import Coroutine, Iterable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 from sdk.client import AsyncClient, MessagesLike, PrefixHandle, PromptLike
 from sdk.hooks import Hook
+from sdk.runtime import Runtime
 from sdk.transport import Transport
 from sdk.types import ChatResult, CompletionResult, Delta
-
-T = TypeVar("T")
-
-_loop: asyncio.AbstractEventLoop | None = None
-_thread: threading.Thread | None = None
-_lock = threading.Lock()
-
-
-def _sdk_loop() -> asyncio.AbstractEventLoop:
-    global _loop, _thread
-    with _lock:
-        if _loop is None:
-            _loop = asyncio.new_event_loop()
-            _thread = threading.Thread(target=_loop.run_forever, name="paged-sdk-loop", daemon=True)
-            _thread.start()
-        return _loop
-
-
-def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-    """Schedule ``coro`` on the SDK loop thread without waiting."""
-    return asyncio.run_coroutine_threadsafe(coro, _sdk_loop())
-
-
-def run_sync(coro: Coroutine[Any, Any, T]) -> T:
-    """Run ``coro`` on the SDK loop thread and wait for it (never nests an event loop).
-
-    Raises:
-        RuntimeError: called from the SDK loop thread itself (it would deadlock).
-    """
-    loop = _sdk_loop()
-    if threading.current_thread() is _thread:
-        coro.close()
-        raise RuntimeError("a sync SDK call from inside the SDK's own loop thread; use AsyncClient")
-    future = asyncio.run_coroutine_threadsafe(coro, loop)
-    try:
-        return future.result()
-    except BaseException:
-        future.cancel()  # KeyboardInterrupt and friends: abort the request, do not leave it running
-        raise
-
 
 _END = object()
 
@@ -60,8 +20,9 @@ _END = object()
 class Client:
     """The sync SDK client: ``AsyncClient``'s methods, blocking; safe to call from any thread.
 
-    Requests run on a private event-loop thread; ``stream()`` reads the same delta channel
-    as the async client through a thread-safe queue. Arguments as ``AsyncClient``.
+    Requests run on the loop thread of the client's runtime (``runtime``, or its own, which
+    ``close()`` closes); ``stream()`` reads the same delta channel as the async client
+    through a thread-safe queue. Arguments as ``AsyncClient``.
 
     Example:
         client = Client()  # or Client(base_url="http://gpu-box:8000/v1", api_key=KEY)
@@ -73,6 +34,7 @@ class Client:
         self,
         model: str | None = None,
         *,
+        runtime: Runtime | None = None,
         base_url: str | None = None,
         api_key: str | None = None,
         hooks: Iterable[Hook] = (),
@@ -83,40 +45,45 @@ class Client:
         **engine_config: Any,
     ) -> None:
         self.aclient = AsyncClient(
-            model, base_url=base_url, api_key=api_key, hooks=list(hooks), tenant=tenant, transport=transport,
-            route=route, max_retries=max_retries, **engine_config,
+            model, runtime=runtime, base_url=base_url, api_key=api_key, hooks=list(hooks), tenant=tenant,
+            transport=transport, route=route, max_retries=max_retries, **engine_config,
         )  # fmt: skip
 
     @property
+    def runtime(self) -> Runtime:
+        """``AsyncClient.runtime``: the engine's owner, whose loop thread runs this client's calls."""
+        return self.aclient.runtime
+
+    @property
     def model_name(self) -> str:
-        run_sync(self.aclient.start())
+        self.runtime.run_sync(self.aclient.start())
         return self.aclient.model_name
 
     @property
     def max_model_len(self) -> int:
-        run_sync(self.aclient.start())
+        self.runtime.run_sync(self.aclient.start())
         return self.aclient.max_model_len
 
     def stats(self) -> dict[str, Any]:
         """``AsyncClient.stats()``; starts the engine if needed."""
-        run_sync(self.aclient.start())
+        self.runtime.run_sync(self.aclient.start())
         return self.aclient.stats()
 
     def chat(self, messages: MessagesLike, **options: Any) -> ChatResult:
         """``AsyncClient.chat``, blocking."""
-        return run_sync(self.aclient.chat(messages, **options))
+        return self.runtime.run_sync(self.aclient.chat(messages, **options))
 
     def complete(self, prompt: PromptLike, **options: Any) -> CompletionResult:
         """``AsyncClient.complete``, blocking."""
-        return run_sync(self.aclient.complete(prompt, **options))
+        return self.runtime.run_sync(self.aclient.complete(prompt, **options))
 
     def batch(self, requests: Iterable[MessagesLike], *, return_exceptions: bool = False, **options: Any) -> list[Any]:
         """``AsyncClient.batch``, blocking; the requests run concurrently."""
-        return run_sync(self.aclient.batch(list(requests), return_exceptions=return_exceptions, **options))
+        return self.runtime.run_sync(self.aclient.batch(list(requests), return_exceptions=return_exceptions, **options))
 
     def prefix(self, prefix: Any, *, cache_salt: str | None = None) -> PrefixHandle:
         """``AsyncClient.prefix``, blocking; close the handle with ``close()`` or ``with``."""
-        return run_sync(self.aclient.prefix(prefix, cache_salt=cache_salt))
+        return self.runtime.run_sync(self.aclient.prefix(prefix, cache_salt=cache_salt))
 
     def stream(self, messages: MessagesLike | None = None, *, prompt: PromptLike | None = None, **options: Any) -> Iterator[Delta]:
         """``AsyncClient.stream``, as a blocking iterator; closing it early aborts the request."""
@@ -135,7 +102,7 @@ class Client:
                 await agen.aclose()  # type: ignore[attr-defined]
                 done.set()
 
-        return self._drain(submit(pump()), channel, done)
+        return self._drain(self.runtime.submit(pump()), channel, done)
 
     @staticmethod
     def _drain(future: concurrent.futures.Future[None], channel: queue.SimpleQueue[Any], done: threading.Event) -> Iterator[Delta]:
@@ -150,8 +117,8 @@ class Client:
                 done.wait()
 
     def close(self) -> None:
-        """``AsyncClient.aclose``: unpin open prefixes, close connections (the shared engine stays up)."""
-        run_sync(self.aclient.aclose())
+        """``AsyncClient.aclose``: unpin open prefixes, close connections, close the client's own runtime."""
+        self.runtime.run_sync(self.aclient.aclose())
 
     def __enter__(self) -> Client:
         return self

@@ -2,18 +2,12 @@
 
 The client builds an ``EngineRequest`` (prompt + sampling knobs, after the hooks ran),
 a ``Transport`` executes it and yields ``TransportOutput`` deltas. ``InProcessTransport``
-drives an ``engine.AsyncEngine`` in this process; engines are shared per (model, config)
-by every client and adapter of the process, started lazily and shut down at exit.
+drives the ``engine.AsyncEngine`` of a ``sdk.runtime.Runtime`` in this process.
 """
 
 from __future__ import annotations
 
 import abc
-import asyncio
-import atexit
-import concurrent.futures
-import logging
-import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -21,14 +15,13 @@ from typing import TYPE_CHECKING, Any
 from sdk.chat_template import render_chat
 from sdk.errors import EngineFailure, InvalidRequestError, OverloadedError
 from sdk.response_format import request_param, to_structured_output
+from sdk.runtime import Runtime
 from sdk.tools import ToolCallDelta, ToolCallParser, ToolSpec, tool_constraint
 from sdk.types import ChatMessage, TokenLogprob, TopLogprob
 
 if TYPE_CHECKING:
     from engine import AsyncEngine
     from engine.outputs import Logprob
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,25 +116,19 @@ class Transport(abc.ABC):
 
 
 class InProcessTransport(Transport):
-    """Runs requests on an ``engine.AsyncEngine`` of this process.
+    """Runs requests on the engine of a ``Runtime`` of this process.
 
     Args:
-        engine: the engine to drive; when None, the process-wide engine for ``model`` and
-            ``engine_config`` is created on ``start()`` (or reused if another client made it).
-        model: HF directory or ``.gguf`` path; None = the bundled model.
-        **engine_config: ``engine.EngineConfig`` fields.
+        runtime: whose engine to drive (loaded on ``start()`` if need be); an engine is
+            served through a ``Runtime(engine=...)``, which leaves it running when closed.
     """
 
-    def __init__(self, engine: AsyncEngine | None = None, model: str | None = None, **engine_config: Any) -> None:
-        self._engine = engine
-        self._model = model
-        self._engine_config = engine_config
+    def __init__(self, runtime: Runtime | AsyncEngine) -> None:
+        self.runtime = runtime if isinstance(runtime, Runtime) else Runtime(engine=runtime)
 
     @property
     def engine(self) -> AsyncEngine:
-        if self._engine is None:
-            raise RuntimeError("transport not started: await start() first")
-        return self._engine
+        return self.runtime.engine
 
     @property
     def model_name(self) -> str:
@@ -152,9 +139,7 @@ class InProcessTransport(Transport):
         return self.engine.max_model_len
 
     async def start(self) -> None:
-        if self._engine is None:
-            # NOTE: loading weights blocks for seconds; it runs off the event loop.
-            self._engine = await asyncio.to_thread(shared_engine, self._model, **self._engine_config)
+        await self.runtime.start()
 
     def render_chat(
         self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True, tools: Sequence[ToolSpec] | None = None
@@ -259,53 +244,3 @@ def _token_logprob(entry: dict[int, Logprob], token_id: int, top_k: int) -> Toke
         logprob=sampled.logprob if sampled is not None else float("-inf"),
         top_logprobs=[TopLogprob(token=lp.decoded_token, logprob=lp.logprob) for lp in top],
     )
-
-
-# --- the process-wide engines -------------------------------------------------------------
-
-_engines: dict[tuple[str | None, tuple[tuple[str, Any], ...]], AsyncEngine] = {}
-_engines_lock = threading.Lock()
-
-
-def shared_engine(model: str | None = None, **engine_config: Any) -> AsyncEngine:
-    """The process's engine for (model, config), created on first use and shut down at exit.
-
-    Blocks while the model loads; call it from a thread (``asyncio.to_thread``) in async code.
-    """
-    key = (None if model is None else str(model), tuple(sorted(engine_config.items())))
-    with _engines_lock:
-        engine = _engines.get(key)
-        if engine is None:
-            from engine import AsyncEngine
-
-            engine = AsyncEngine(model, **engine_config)
-            _engines[key] = engine
-        return engine
-
-
-def shutdown_engines() -> None:
-    """Shut every shared engine down (registered with ``atexit``); later requests start new ones."""
-    with _engines_lock:
-        engines = list(_engines.values())
-        _engines.clear()
-    for engine in engines:
-        try:
-            with asyncio.Runner() as runner:
-                # NOTE: at interpreter exit thread pools refuse work, so blocking calls run inline.
-                runner.get_loop().set_default_executor(_InlineExecutor())
-                runner.run(engine.shutdown())
-        except Exception:
-            logger.exception("engine shutdown failed")
-
-
-class _InlineExecutor(concurrent.futures.ThreadPoolExecutor):
-    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        try:
-            future.set_result(fn(*args, **kwargs))
-        except BaseException as exc:
-            future.set_exception(exc)
-        return future
-
-
-atexit.register(shutdown_engines)

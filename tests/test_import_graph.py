@@ -21,9 +21,7 @@ PACKAGES = ("engine", "sdk", "integrations")
 # A cycle among some of the modules of one entry is tolerated; any other cycle fails,
 # including one that joins an entry's modules to another module. Delete an entry once its
 # cycle is gone.
-KNOWN_CYCLES_BEING_FIXED: set[frozenset[str]] = {
-    frozenset({"sdk.client", "sdk.sync"}),
-}
+KNOWN_CYCLES_BEING_FIXED: set[frozenset[str]] = set()
 
 Graph = dict[str, set[str]]
 

@@ -51,7 +51,7 @@ class Serving:
         owns_engine: bool = True,
     ) -> None:
         self.engine = engine
-        self._transport = InProcessTransport(engine=engine)
+        self._transport = InProcessTransport(engine)
         self._hooks = tuple(hooks)
         self._served_name = served_model_name
         self._owns_engine = owns_engine

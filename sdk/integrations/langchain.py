@@ -1,7 +1,8 @@
 """LangChain adapters: ``PagedChat`` (a chat model) and ``PagedLLM`` (a text-completion LLM).
 
-Both run through an SDK client, on the process's shared in-process engine or, with
-``base_url``, on a remote OpenAI-compatible one, so hooks and audit apply to every call.
+Both run through an SDK client, on an in-process engine (the adapter's own, or that of
+the ``runtime`` it is given) or, with ``base_url``, on a remote OpenAI-compatible one, so
+hooks and audit apply to every call.
 Structured output is the engine's constraint: ``PagedChat.with_structured_output`` or a
 per-call ``response_format`` (any spelling ``sdk.response_format`` takes). Tool calling and
 multimodal inputs are not supported.
@@ -35,6 +36,7 @@ from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, create_model, mo
 from sdk.client import AsyncClient
 from sdk.fields import REQUEST_KNOBS, SAMPLING_FIELDS, SAMPLING_KNOBS, field, sampling_fields
 from sdk.hooks import Hook
+from sdk.runtime import Runtime
 from sdk.sync import Client
 from sdk.types import ChatMessage, Delta
 
@@ -81,18 +83,20 @@ class _PagedParams(_SamplingKnobs):  # type: ignore[misc, valid-type]
     tenant: str | None = None
     """Tenant id written to hook contexts and audit records."""
     engine_config: dict[str, Any] = Field(default_factory=dict)
-    """``engine.EngineConfig`` fields for the shared in-process engine (e.g. ``num_blocks``); not with ``base_url``."""
+    """``engine.EngineConfig`` fields for the in-process engine (e.g. ``num_blocks``); not with ``base_url``."""
+    runtime: Runtime | None = Field(default=None, exclude=True)
+    """Share one engine between adapters and clients; None = the adapter owns a runtime of its own."""
 
     _client: Client = PrivateAttr()
 
     @model_validator(mode="after")
     def _build_client(self) -> Any:
-        # NOTE: cheap: the engine is created (or shared) on the first request, not here.
+        # NOTE: cheap: the engine loads on the first request, not here.
         # NOTE: the key goes only to a remote engine; in-process, a key (as LangChain's suites pass) is unused.
         api_key = self.api_key.get_secret_value() if self.api_key is not None and self.base_url is not None else None
         self._client = Client(
-            self.model, base_url=self.base_url, api_key=api_key, hooks=self.hooks, tenant=self.tenant,
-            route=self._route, max_retries=self.max_retries, **self.engine_config,
+            self.model, runtime=self.runtime, base_url=self.base_url, api_key=api_key, hooks=self.hooks,
+            tenant=self.tenant, route=self._route, max_retries=self.max_retries, **self.engine_config,
         )  # fmt: skip
         return self
 
@@ -100,7 +104,7 @@ class _PagedParams(_SamplingKnobs):  # type: ignore[misc, valid-type]
 
     @property
     def client(self) -> Client:
-        """The SDK client behind the adapter (in-process: shares the engine with every client of the process)."""
+        """The SDK client behind the adapter (in-process: on the engine of ``runtime``, or of its own)."""
         return self._client
 
     @property
@@ -232,8 +236,8 @@ class PagedChat(_PagedParams, BaseChatModel):
             chat.with_structured_output(Joke).invoke("Tell me a joke")  # a Joke: the engine masks any other text
             chat.invoke("Tell me a joke", response_format=Joke).content  # its JSON
 
-    Every instance with the same ``model`` and ``engine_config`` shares one engine, so
-    concurrent calls with one system prompt compute its KV once. Responses carry
+    Concurrent calls with one system prompt compute its KV once; instances given one
+    ``runtime=`` share its engine and prefix cache. Responses carry
     ``usage_metadata`` (``input_token_details.cache_read`` = prompt tokens from the cache)
     and ``response_metadata`` (``finish_reason``, ``model_name``).
     """

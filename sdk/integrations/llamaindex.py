@@ -1,4 +1,4 @@
-"""LlamaIndex adapter: ``PagedLLM``, a chat LLM on the process's shared engine or a remote one (``base_url``).
+"""LlamaIndex adapter: ``PagedLLM``, a chat LLM on an in-process engine or a remote one (``base_url``).
 
 Chat is the native path (the model's chat template); completion derives from it through
 LlamaIndex's ``chat_to_completion_decorator`` family, except ``formatted=True`` prompts,
@@ -48,6 +48,7 @@ from pydantic import Field, PrivateAttr, create_model
 from sdk.client import AsyncClient
 from sdk.fields import REQUEST_KNOBS, SAMPLING_FIELDS, field, sampling_fields
 from sdk.hooks import Hook
+from sdk.runtime import Runtime
 from sdk.sync import Client
 from sdk.types import ChatMessage, CompletionResult, Delta
 
@@ -115,6 +116,9 @@ class PagedLLM(_SamplingKnobs):  # type: ignore[misc, valid-type]
     engine_config: dict[str, Any] = Field(
         default_factory=dict, description="engine.EngineConfig fields for the in-process engine (not with base_url)."
     )
+    runtime: Runtime | None = Field(
+        default=None, description="Share one engine between adapters and clients; None = a runtime of its own.", exclude=True
+    )
 
     _client: Client | None = PrivateAttr(default=None)
 
@@ -124,11 +128,11 @@ class PagedLLM(_SamplingKnobs):  # type: ignore[misc, valid-type]
 
     @property
     def client(self) -> Client:
-        """The SDK client (built on first use; an in-process engine is shared by the process)."""
+        """The SDK client (built on first use; in-process: on the engine of ``runtime``, or of its own)."""
         if self._client is None:
             self._client = Client(
-                self.model, base_url=self.base_url, api_key=self.api_key, hooks=self.hooks, tenant=self.tenant,
-                route="llamaindex", max_retries=self.max_retries, **self.engine_config,
+                self.model, runtime=self.runtime, base_url=self.base_url, api_key=self.api_key, hooks=self.hooks,
+                tenant=self.tenant, route="llamaindex", max_retries=self.max_retries, **self.engine_config,
             )  # fmt: skip
         return self._client
 

@@ -59,7 +59,7 @@ async def test_chat_complete_and_stream_over_http(make_server, tokenizer):
 async def test_logprobs_and_prompt_ids_over_http_match_in_process(make_server, tokenizer):
     """Remote chat and completion deltas carry the same per-token logprobs and prompt ids as in-process ones."""
     server, _ = make_server()
-    local = AsyncClient(transport=InProcessTransport(engine=FakeEngine(tokenizer)))
+    local = AsyncClient(transport=InProcessTransport(FakeEngine(tokenizer)))
     top = [TopLogprob(token=" ok", logprob=-0.5), TopLogprob(token="<x>", logprob=-1.5)]
     expected = [TokenLogprob(token=" ok", logprob=-0.5, top_logprobs=top)] * 2
     async with _remote(server) as remote:

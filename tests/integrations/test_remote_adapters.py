@@ -41,10 +41,11 @@ def local_chat(model_dir):
 def test_client_rejects_contradicting_settings():
     """base_url with transport, engine fields, or api_key alone is a ValueError naming the fields."""
     from sdk.integrations.langchain import PagedChat
+    from sdk.runtime import Runtime
     from sdk.transport import InProcessTransport
 
     with pytest.raises(ValueError, match="transport and base_url, api_key"):
-        AsyncClient(base_url="http://127.0.0.1:1", api_key="k", transport=InProcessTransport())
+        AsyncClient(base_url="http://127.0.0.1:1", api_key="k", transport=InProcessTransport(Runtime()))
     with pytest.raises(ValueError, match=r"base_url and engine fields \(block_size, num_blocks\)"):
         Client(base_url="http://127.0.0.1:1", num_blocks=8, block_size=16)
     with pytest.raises(ValueError, match="api_key given without base_url"):

@@ -111,7 +111,7 @@ async def test_sdk_over_http_matches_in_process(server):
 
     transport = HttpTransport(server.base_url, api_key=KEY)
     remote = AsyncClient(transport=transport)
-    local = AsyncClient(transport=InProcessTransport(engine=server.app[STATE].serving.engine))
+    local = AsyncClient(transport=InProcessTransport(server.app[STATE].serving.engine))
     try:
         a = await remote.chat(MESSAGES, max_tokens=8, temperature=0)
         b = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(local.chat(MESSAGES, max_tokens=8, temperature=0), server.loop))

@@ -15,7 +15,8 @@ from tests.support.quiescence import check_engine_quiescent
 from sdk import AsyncClient
 from sdk.hooks import AuditLog
 from sdk.errors import RequestTimeout
-from sdk.transport import InProcessTransport, shared_engine
+from sdk.runtime import Runtime
+from sdk.transport import InProcessTransport
 from tests.reliability.conftest import ENGINE_CONFIG
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -133,16 +134,19 @@ async def test_task_cancellation_and_timeouts_through_the_sdk_abort(engine, tmp_
 
 
 @pytest.fixture
-def adapter_engine(model_dir):
-    """The process-wide engine both adapters share for (model_dir, ENGINE_CONFIG)."""
-    return shared_engine(str(model_dir), **ENGINE_CONFIG)
+async def adapter_runtime(model_dir):
+    """A runtime for (model_dir, ENGINE_CONFIG), its engine loaded, for an adapter to run on."""
+    async with Runtime(str(model_dir), **ENGINE_CONFIG) as runtime:
+        await runtime.start()
+        yield runtime
 
 
-async def test_langchain_cancellation_and_timeouts_abort(model_dir, adapter_engine, quiescent) -> None:
+async def test_langchain_cancellation_and_timeouts_abort(adapter_runtime, quiescent) -> None:
     """PagedChat.ainvoke / astream under wait_for or task.cancel abort the engine request."""
     from sdk.integrations.langchain import PagedChat
 
-    chat = PagedChat(model=str(model_dir), engine_config=ENGINE_CONFIG, max_tokens=100)
+    adapter_engine = adapter_runtime.engine
+    chat = PagedChat(runtime=adapter_runtime, max_tokens=100)
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(chat.ainvoke("Tell me a story"), 0.1)
 
@@ -152,13 +156,14 @@ async def test_langchain_cancellation_and_timeouts_abort(model_dir, adapter_engi
     await quiescent(adapter_engine)
 
 
-async def test_llamaindex_cancellation_and_timeouts_abort(model_dir, adapter_engine, quiescent) -> None:
+async def test_llamaindex_cancellation_and_timeouts_abort(adapter_runtime, quiescent) -> None:
     """PagedLLM.achat / astream_chat / acomplete under wait_for or task.cancel abort the engine request."""
     from llama_index.core.llms import ChatMessage as LIChatMessage
 
     from sdk.integrations.llamaindex import PagedLLM
 
-    llm = PagedLLM(model=str(model_dir), engine_config=ENGINE_CONFIG, max_tokens=100)
+    adapter_engine = adapter_runtime.engine
+    llm = PagedLLM(runtime=adapter_runtime, max_tokens=100)
     messages = [LIChatMessage(role="user", content="Tell me a story")]
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(llm.achat(messages), 0.1)

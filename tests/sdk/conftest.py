@@ -1,15 +1,15 @@
-"""SDK fixtures: the bundled tokenizer, a fake engine behind the in-process transport, clients over it."""
+"""SDK fixtures: the bundled tokenizer, a fake engine in a runtime, clients and adapters over it."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from fake_engine import FakeAsyncEngine  # tests/sdk is on sys.path (rootdir-relative imports)
 
-from sdk import AsyncClient
-from sdk.transport import InProcessTransport
+from sdk import AsyncClient, Runtime
 
 
 @pytest.fixture(scope="session")
@@ -27,17 +27,17 @@ def fake_engine(tokenizer: Any) -> FakeAsyncEngine:
 
 
 @pytest.fixture
-def make_client(fake_engine: FakeAsyncEngine):
-    """``make_client(**kwargs) -> AsyncClient`` over the fake engine."""
-
-    def make(**kwargs: Any) -> AsyncClient:
-        return AsyncClient(transport=InProcessTransport(fake_engine), **kwargs)
-
-    return make
+def fake_runtime(fake_engine: FakeAsyncEngine) -> Iterator[Runtime]:
+    """A runtime serving the fake engine: give it to clients and adapters as ``runtime=``."""
+    with Runtime(engine=fake_engine) as runtime:
+        yield runtime
 
 
 @pytest.fixture
-def shared_fake(monkeypatch: pytest.MonkeyPatch, fake_engine: FakeAsyncEngine) -> FakeAsyncEngine:
-    """Make the process-wide engine registry hand out the fake engine (for adapters built by name)."""
-    monkeypatch.setattr("sdk.transport.shared_engine", lambda model=None, **config: fake_engine)
-    return fake_engine
+def make_client(fake_runtime: Runtime):
+    """``make_client(**kwargs) -> AsyncClient`` over the fake engine."""
+
+    def make(**kwargs: Any) -> AsyncClient:
+        return AsyncClient(runtime=fake_runtime, **kwargs)
+
+    return make

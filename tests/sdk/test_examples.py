@@ -14,6 +14,7 @@ EXAMPLES = {
     "async_app.py": "hash chain intact",
     "langchain_agent.py": "prompt tokens from the cache",
     "llamaindex_rag.py": "source (",
+    "shared_runtime.py": "one engine for both clients: True",
 }
 
 

@@ -27,9 +27,9 @@ class Tokens(BaseCallbackHandler):
         self.tokens.append(token)
 
 
-def test_chat_invoke_usage_and_metadata(shared_fake):
+def test_chat_invoke_usage_and_metadata(fake_runtime):
     """invoke() returns the text with usage_metadata (incl. cache reads) and finish_reason/model_name."""
-    chat = PagedChat(max_tokens=5)
+    chat = PagedChat(runtime=fake_runtime, max_tokens=5)
     result = chat.invoke([SystemMessage("Be brief."), HumanMessage("hi", name="bob")])
     assert isinstance(result, AIMessage)
     assert result.content == " The quick brown fox jumps"
@@ -40,10 +40,10 @@ def test_chat_invoke_usage_and_metadata(shared_fake):
     assert result.response_metadata["model_name"] == "fake-model"
 
 
-def test_chat_stream_callbacks_and_stop(shared_fake):
+def test_chat_stream_callbacks_and_stop(fake_runtime):
     """stream() yields one chunk per delta, fires on_llm_new_token, and honours stop sequences."""
     handler = Tokens()
-    chat = PagedChat(max_tokens=20, stop=["fox"], callbacks=[handler])
+    chat = PagedChat(runtime=fake_runtime, max_tokens=20, stop=["fox"], callbacks=[handler])
     chunks = list(chat.stream("hi"))
     assert "".join(c.content for c in chunks) == " The quick brown "
     assert chunks[-1].chunk_position == "last" and chunks[-1].response_metadata["finish_reason"] == "stop"
@@ -52,18 +52,18 @@ def test_chat_stream_callbacks_and_stop(shared_fake):
     assert chat.invoke("hi", stop=["quick"]).content == " The "
 
 
-async def test_chat_async_paths(shared_fake):
+async def test_chat_async_paths(fake_runtime):
     """ainvoke / astream / abatch run on the caller's loop and agree with the sync path."""
-    chat = PagedChat(max_tokens=4)
+    chat = PagedChat(runtime=fake_runtime, max_tokens=4)
     text = (await chat.ainvoke("hi")).content
     assert "".join([c.content async for c in chat.astream("hi")]) == text
     assert [m.content for m in await chat.abatch(["a", "b"])] == [text, text]
     assert chat.invoke("hi", max_tokens=2).usage_metadata["output_tokens"] == 2
 
 
-def test_chat_rejects_unsupported(shared_fake):
+def test_chat_rejects_unsupported(fake_runtime):
     """Unknown per-call arguments, model overrides and image blocks are refused, not ignored."""
-    chat = PagedChat(max_tokens=2)
+    chat = PagedChat(runtime=fake_runtime, max_tokens=2)
     with pytest.raises(ValueError, match="unsupported argument"):
         chat.invoke("hi", tools=[])
     with pytest.raises(ValueError, match="model override"):
@@ -73,10 +73,10 @@ def test_chat_rejects_unsupported(shared_fake):
         chat.invoke([image])
 
 
-def test_chat_hooks_apply(shared_fake, tmp_path):
+def test_chat_hooks_apply(fake_runtime, tmp_path):
     """Hooks given to PagedChat run on its calls: input blocks raise, audit records carry the route."""
     audit = AuditLog(tmp_path / "a.jsonl")
-    chat = PagedChat(max_tokens=2, hooks=[RegexFilter("password"), audit], tenant="t1")
+    chat = PagedChat(runtime=fake_runtime, max_tokens=2, hooks=[RegexFilter("password"), audit], tenant="t1")
     chat.invoke("hello")
     with pytest.raises(ContentBlocked):
         chat.invoke("my password is hunter2")
@@ -84,9 +84,9 @@ def test_chat_hooks_apply(shared_fake, tmp_path):
     assert '"route": "langchain"' in audit.path.read_text()
 
 
-async def test_llm_complete_stream_and_usage(shared_fake):
+async def test_llm_complete_stream_and_usage(fake_runtime):
     """PagedLLM sends the raw prompt, streams text, and reports finish_reason and usage."""
-    llm = PagedLLM(max_tokens=3)
+    llm = PagedLLM(runtime=fake_runtime, max_tokens=3)
     text = llm.invoke("Once upon a time")
     assert text == " The quick brown"
     assert "".join(llm.stream("Once upon a time")) == text

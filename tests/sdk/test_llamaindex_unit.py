@@ -10,9 +10,9 @@ from sdk.integrations.llamaindex import PagedLLM
 EXPECTED = " The quick brown"
 
 
-async def test_llamaindex_contract(shared_fake):
+async def test_llamaindex_contract(fake_runtime):
     """chat/complete and their stream/async variants agree; metadata describes a chat model."""
-    llm = PagedLLM(max_tokens=3)
+    llm = PagedLLM(runtime=fake_runtime, max_tokens=3)
     assert BaseLLM in PagedLLM.__mro__
     messages = [ChatMessage(role=MessageRole.SYSTEM, content="Be brief."), ChatMessage(role=MessageRole.USER, content="Hi")]
     chat = llm.chat(messages)

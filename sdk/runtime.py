@@ -1,0 +1,225 @@
+"""Runtime: the explicit owner of an in-process engine and of the event-loop thread sync callers use.
+
+A client without ``runtime=`` makes its own; give several clients and adapters one
+``Runtime`` to share one engine (one model load, one prefix cache):
+
+    with Runtime(num_blocks=512) as runtime:
+        support, search = Client(runtime=runtime), Client(runtime=runtime)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import weakref
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from engine import AsyncEngine
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class _State:
+    """What the finalizer releases; it holds no reference to the ``Runtime``."""
+
+    engine: AsyncEngine | None
+    owns_engine: bool
+    closed: bool = False
+    loop: asyncio.AbstractEventLoop | None = None
+    thread: threading.Thread | None = None
+    lock: threading.RLock = field(default_factory=threading.RLock)
+
+
+class Runtime:
+    """Owns at most one ``engine.AsyncEngine`` and a private event-loop thread; closeable.
+
+    The engine is the one given, or is loaded from ``model`` and ``engine_config`` on the
+    first ``start()``. The loop thread starts on the first ``run_sync()`` / ``submit()``.
+    ``close()`` (also on garbage collection and at interpreter exit) shuts down an engine
+    the runtime loaded, never one it was given, and stops the loop thread.
+
+    Args:
+        model: HF directory or ``.gguf`` path; None = the bundled SmolLM2-135M-Instruct.
+        engine: a running engine to serve instead of loading one (not shut down by ``close()``).
+        **engine_config: ``engine.EngineConfig`` fields for the engine it loads.
+
+    Raises:
+        ValueError: ``engine`` together with ``model`` or engine_config.
+    """
+
+    def __init__(self, model: str | None = None, *, engine: AsyncEngine | None = None, **engine_config: Any) -> None:
+        if engine is not None and (model is not None or engine_config):
+            given = (["model"] if model is not None else []) + sorted(engine_config)
+            raise ValueError(f"engine and {', '.join(given)} both given: the engine is already configured")
+        self._model = None if model is None else str(model)
+        self._engine_config = engine_config
+        self._state = _State(engine=engine, owns_engine=engine is None)
+        self._finalizer = weakref.finalize(self, _release, self._state)
+
+    @property
+    def closed(self) -> bool:
+        return self._state.closed
+
+    @property
+    def engine(self) -> AsyncEngine:
+        """The engine (after ``start()``).
+
+        Raises:
+            RuntimeError: the runtime is closed, or not started.
+        """
+        state = self._state
+        self._check_open()
+        if state.engine is None:
+            raise RuntimeError("runtime not started: await start() first")
+        return state.engine
+
+    async def start(self) -> None:
+        """Load the engine if it is not loaded yet (off the event loop); idempotent."""
+        self._check_open()
+        if self._state.engine is None:
+            # NOTE: loading weights blocks for seconds; it runs off the event loop.
+            await asyncio.to_thread(self._load)
+
+    def run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the runtime's loop thread and wait for it (never nests an event loop).
+
+        Raises:
+            RuntimeError: the runtime is closed, or this is its own loop thread (it would deadlock).
+        """
+        if threading.current_thread() is self._state.thread:
+            coro.close()
+            raise RuntimeError("a sync SDK call from inside the runtime's own loop thread; use AsyncClient")
+        future = self.submit(coro)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()  # KeyboardInterrupt and friends: abort the request, do not leave it running
+            raise
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Schedule ``coro`` on the runtime's loop thread without waiting."""
+        try:
+            loop = self._loop()
+        except RuntimeError:
+            coro.close()
+            raise
+        return asyncio.run_coroutine_threadsafe(coro, loop)
+
+    def close(self) -> None:
+        """Shut down the engine the runtime loaded and stop its loop thread; idempotent."""
+        self._finalizer()
+
+    async def aclose(self) -> None:
+        """``close()`` from async code: the engine shuts down without blocking the event loop."""
+        state = self._state
+        with state.lock:
+            engine = state.engine if state.owns_engine and not state.closed else None
+            state.owns_engine = False  # NOTE: shut down here; the finalizer only stops the loop
+            state.closed = True
+        if engine is not None:
+            await engine.shutdown()
+        self._finalizer()
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Runtime:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        state = self._state
+        status = "closed" if state.closed else "started" if state.engine is not None else "not started"
+        return f"Runtime(model={self._model!r}, {status}, owns_engine={state.owns_engine})"
+
+    def _check_open(self) -> None:
+        if self._state.closed:
+            raise RuntimeError("the runtime is closed")
+
+    def _load(self) -> None:
+        state = self._state
+        with state.lock:
+            self._check_open()
+            if state.engine is None:
+                from engine import AsyncEngine
+
+                state.engine = AsyncEngine(self._model, **self._engine_config)
+
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        state = self._state
+        with state.lock:
+            self._check_open()
+            if state.loop is None:
+                state.loop = asyncio.new_event_loop()
+                state.thread = threading.Thread(target=_serve, args=(state.loop,), name="paged-sdk-loop", daemon=True)
+                state.thread.start()
+            return state.loop
+
+
+def _serve(loop: asyncio.AbstractEventLoop) -> None:
+    """The loop thread: run until stopped, then cancel what is left (its waiters see CancelledError)."""
+    try:
+        loop.run_forever()
+    finally:
+        pending = asyncio.all_tasks(loop)
+        if pending:
+            for task in pending:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        loop.close()
+
+
+def _release(state: _State) -> None:
+    """Shut down the owned engine and stop the loop thread: ``close()``, garbage collection, exit."""
+    with state.lock:
+        engine = state.engine if state.owns_engine else None
+        state.owns_engine = False
+        state.closed = True
+        loop, thread = state.loop, state.thread
+    if engine is not None:
+        try:
+            _run_to_end(engine.shutdown())
+        except Exception:
+            logger.exception("engine shutdown failed")
+    if loop is not None and thread is not None:
+        loop.call_soon_threadsafe(loop.stop)
+        if threading.current_thread() is not thread:
+            thread.join()
+
+
+def _run_to_end(coro: Coroutine[Any, Any, None]) -> None:
+    """Run ``coro`` on a loop of its own, whether or not one is running in this thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        with asyncio.Runner() as runner:
+            # NOTE: at interpreter exit thread pools refuse work, so blocking calls run inline.
+            runner.get_loop().set_default_executor(_InlineExecutor())
+            runner.run(coro)
+        return
+    # NOTE: collected inside a running event loop: it cannot nest, so a helper thread runs it.
+    helper = threading.Thread(target=_run_to_end, args=(coro,), name="paged-engine-shutdown")
+    helper.start()
+    helper.join()
+
+
+class _InlineExecutor(concurrent.futures.ThreadPoolExecutor):
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:
+            future.set_exception(exc)
+        return future

@@ -312,3 +312,22 @@ async def test_bad_tool_requests_are_refused_naming_the_field(client):
     with pytest.raises(InvalidRequestError) as info:
         await client.chat("Hi", tools=[SMALL_WEATHER], tool_choice="required", response_format={"type": "json_object"})
     assert info.value.param == "response_format"
+
+
+async def test_output_filters_and_audit_see_tool_calls(tiny_model_factory, tmp_path):
+    """An output filter reads the calls' arguments and can stop one mid-stream; the audit log records calls."""
+    from sdk import AsyncClient
+    from sdk.hooks import AuditLog, RegexFilter
+
+    audit = tmp_path / "audit.jsonl"
+    client = AsyncClient(str(tiny_model_factory("llama")), num_blocks=512,
+                         hooks=[RegexFilter(r'"room": "(single|double)"', on="output"), AuditLog(audit, include_text=True)])  # fmt: skip
+    kwargs = dict(tools=[NESTED], tool_choice="required", parallel_tool_calls=False, max_tokens=300, temperature=1.0, seed=5)
+    stopped = await client.chat("Book", **kwargs)
+    allowed = await client.chat("Book", **{**kwargs, "tools": [SMALL_WEATHER], "tool_choice": "required"})
+    await client.aclose()
+    assert stopped.finish_reason == "content_filter" and not stopped.tool_calls
+    assert allowed.finish_reason == "tool_calls"
+    records = [json.loads(line) for line in audit.read_text().splitlines()]
+    assert records[1]["tool_calls"] == ["get_weather"]
+    assert records[1]["tool_call_arguments"][0]["arguments"] == allowed.tool_calls[0].arguments

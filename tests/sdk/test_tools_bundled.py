@@ -9,7 +9,7 @@ import itertools
 import jsonschema
 import pytest
 
-from sdk import AsyncClient, ChatMessage
+from sdk import AsyncClient, ChatMessage, Runtime
 
 NAME = {"type": "string", "minLength": 1, "maxLength": 24}
 TOOLS = [
@@ -85,34 +85,44 @@ def requests() -> list[tuple[str, str]]:
 
 
 @pytest.fixture(scope="module")
-async def client():
-    client = AsyncClient(max_num_seqs=64)
-    yield client
-    await client.aclose()
+def runtime():
+    """One engine of the bundled model for the module's tests."""
+    with Runtime(max_num_seqs=64) as runtime:
+        yield runtime
 
 
-async def test_100_required_or_named_requests_all_give_valid_calls(client):
-    """Even requests leave the pick to the model (required), odd ones name the tool: all calls validate."""
+@pytest.fixture
+def client(runtime):
+    return AsyncClient(runtime=runtime)
+
+
+async def test_100_required_requests_all_give_valid_calls(client):
+    """100 varied requests over five tools, the pick left to the model: every reply is one valid call."""
     pairs = requests()
     results = await client.batch(
         [[ChatMessage(role="system", content=SYSTEM), ChatMessage(role="user", content=p)] for p, _ in pairs],
-        tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=160, temperature=0,
+        tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=256, temperature=0,
     )  # fmt: skip
-    named = await client.batch(
-        [[ChatMessage(role="system", content=SYSTEM), ChatMessage(role="user", content=p)] for p, _ in pairs[1::2]],
-        tools=TOOLS, max_tokens=160, temperature=0,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-    )  # fmt: skip
-    for i, (prompt, tool) in enumerate(pairs):
-        result = results[i]
+    for (prompt, _), result in zip(pairs, results):
         assert result.finish_reason == "tool_calls" and len(result.tool_calls) == 1, (prompt, result.text)
         call = result.tool_calls[0]
         jsonschema.validate(call.arguments, SCHEMAS[call.name])
-    for result in named:
-        assert [c.name for c in result.tool_calls] == ["get_weather"]
-        jsonschema.validate(result.tool_calls[0].arguments, SCHEMAS["get_weather"])
     stats = client.stats()
     assert stats["prefix_cache_hits"] > 0.5 * stats["prefix_cache_queries"]  # the tools and system prompt, once
+
+
+async def test_named_tools_are_called_with_valid_arguments(client):
+    """Each tool named in turn, over four of its own requests."""
+    pairs = requests()
+    for tool in ASKS:
+        prompts = [p for p, t in pairs if t == tool][:4]
+        results = await client.batch(
+            [[ChatMessage(role="system", content=SYSTEM), ChatMessage(role="user", content=p)] for p in prompts],
+            tools=TOOLS, tool_choice={"type": "function", "function": {"name": tool}}, max_tokens=256, temperature=0,
+        )  # fmt: skip
+        for result in results:
+            assert [c.name for c in result.tool_calls] == [tool]
+            jsonschema.validate(result.tool_calls[0].arguments, SCHEMAS[tool])
 
 
 async def test_auto_gives_text_or_valid_calls(client):

@@ -21,6 +21,8 @@ from integrations.engine_flags import add_engine_arguments, engine_config, engin
 
 logger = logging.getLogger(__name__)
 
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx")  # in machine_info; "amx" stands for any amx_* flag
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``paged bench`` options, and every engine flag (the engine's runs get them all)."""
@@ -107,7 +109,9 @@ def run(args: argparse.Namespace) -> int:
     from engine.worker.model_runner import resolve_device, resolve_dtypes
     from integrations.bench import baselines, engine_runs, profiling
     from integrations.bench.ceiling import measure_ceiling
-    from integrations.bench.report import build_report, format_poisson, format_profile, format_sweep, format_table
+    from integrations.bench.report import (
+        build_report, format_poisson, format_profile, format_structured, format_sweep, format_table,
+    )
     from integrations.bench.workloads import build_workload
 
     if args.threads is not None:
@@ -132,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     )
     engine_fields = engine_kwargs(args)
     model = engine_fields.pop("model")
-    results, poisson, sweep, profile = [], None, None, None
+    results, poisson, sweep, structured, profile = [], None, None, None, None
 
     if args.workload == "poisson":
         poisson = engine_runs.poisson_search(
@@ -145,6 +149,10 @@ def run(args: argparse.Namespace) -> int:
             model, engine_fields, workload.prompts, args.max_tokens, args.concurrency, hf_model,
             pad_token_id, bar.update,
         )
+    elif args.workload == "structured":
+        from integrations.bench.structured import structured_compare
+
+        results, structured = structured_compare(model, engine_fields, workload.prompts, args.max_tokens, bar.update)
     else:
         results.append(engine_runs.run_offline(model, engine_fields, workload.prompts, args.max_tokens, bar.update))
         if baseline_names:
@@ -187,15 +195,16 @@ def run(args: argparse.Namespace) -> int:
             "engine": engine_fields,
             "max_tokens": args.max_tokens,
             "greedy": True,
-            "ignore_eos": True,
+            "ignore_eos": args.workload != "structured",
             "submitted": "all at once" if args.workload != "poisson" else f"poisson arrivals from {args.rate} req/s",
         },
         ceiling=ceiling,
         poisson=poisson,
         sweep=sweep,
+        structured=structured,
         profile=profile,
     )
-    print(_render(report, format_table, format_poisson, format_sweep, format_profile))  # noqa: T201
+    print(_render(report, format_table, format_poisson, format_sweep, format_structured, format_profile))  # noqa: T201
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
@@ -207,12 +216,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _render(report: dict[str, Any], table: Any, poisson: Any, sweep: Any, profile: Any) -> str:
+def _render(report: dict[str, Any], table: Any, poisson: Any, sweep: Any, structured: Any, profile: Any) -> str:
     w = report["workload"]
     p = report["protocol"]
     parts = [
         f"\n{w['description']}: {w['num_requests']} requests, {w['num_prompt_tokens']} prompt tokens, "
-        f"{p['max_tokens']} new tokens each, {p['dtype']}\n"
+        f"{'' if p['ignore_eos'] else 'at most '}{p['max_tokens']} new tokens each, {p['dtype']}\n"
     ]
     if report["results"] or report["ceiling"]:
         parts.append(table(report))
@@ -220,13 +229,15 @@ def _render(report: dict[str, Any], table: Any, poisson: Any, sweep: Any, profil
         parts.append("\n" + poisson(report["poisson"]))
     if report["sweep"]:
         parts.append("\n" + sweep(report["sweep"]))
+    if report["structured"]:
+        parts.append("\n" + structured(report["structured"]))
     if report["profile"]:
         parts.append("\n" + profile(report["profile"]))
     return "\n".join(parts)
 
 
 def _expected_tokens(args: argparse.Namespace, workload: Any, baseline_names: list[str]) -> int | None:
-    if args.workload in ("poisson", "sweep"):
+    if args.workload in ("poisson", "sweep", "structured"):
         return None
     total = len(workload.prompts) * args.max_tokens
     for name in baseline_names:
@@ -238,20 +249,25 @@ def _expected_tokens(args: argparse.Namespace, workload: Any, baseline_names: li
 
 
 def machine_info() -> dict[str, Any]:
-    """CPU model, cores, library versions: enough to tell whether two runs are comparable."""
+    """CPU model and flags (``CPU_FLAGS``), cores, library versions: enough to tell whether two runs are comparable."""
     import torch
     import transformers
 
     cpu = platform.processor() or platform.machine()
+    flags: list[str] = []
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                present = set(line.split(":", 1)[1].split())
+                flags = [f for f in CPU_FLAGS if f in present or any(p.startswith(f"{f}_") for p in present)]
                 break
     except OSError:
         pass
     return {
         "cpu": cpu,
+        "cpu_flags": flags,
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from integrations.bench.report import ENGINE, RunResult, summarize
@@ -37,12 +37,12 @@ def _stat_delta(before: dict[str, Any], after: dict[str, Any], key: str) -> int:
     return int(after.get(key, 0)) - int(before.get(key, 0))
 
 
-def run_batch(engine: Any, prompts: list[list[int]], max_tokens: int, progress: Progress) -> RunResult:
-    """All ``prompts`` submitted at once to a ready engine; stepped until the last token."""
-    params = greedy_params(max_tokens)
+def run_batch(engine: Any, prompts: list[list[int]], params: Sequence[Any], progress: Progress) -> RunResult:
+    """All ``prompts`` submitted at once to a ready engine, each with its ``SamplingParams``; stepped
+    until the last token."""
     before = engine.stats()
     start = time.perf_counter()
-    ids = [engine.add_request(f"bench-{i}", p, params) for i, p in enumerate(prompts)]
+    ids = [engine.add_request(f"bench-{i}", p, ps) for i, (p, ps) in enumerate(zip(prompts, params, strict=True))]
     index = {req_id: i for i, req_id in enumerate(ids)}
     num_seen = [0] * len(prompts)
     last_stamp: list[float | None] = [None] * len(prompts)
@@ -95,7 +95,7 @@ def run_offline(
     model: str | None, engine_kwargs: dict[str, Any], prompts: list[list[int]], max_tokens: int, progress: Progress
 ) -> RunResult:
     """The protocol run: a fresh engine, every request submitted at once."""
-    return run_batch(make_engine(model, engine_kwargs), prompts, max_tokens, progress)
+    return run_batch(make_engine(model, engine_kwargs), prompts, [greedy_params(max_tokens)] * len(prompts), progress)
 
 
 # ------------------------------------------------------------------------------------ concurrency sweep
@@ -127,7 +127,7 @@ def concurrency_sweep(
     for c in levels:
         batch = [prompts[i % len(prompts)] for i in range(c)]
         engine = make_engine(model, {**engine_kwargs, "max_num_seqs": max(c, 1)})
-        result = run_batch(engine, batch, max_tokens, progress)
+        result = run_batch(engine, batch, [greedy_params(max_tokens)] * c, progress)
         row: dict[str, Any] = {"concurrency": c, "tokens_per_s": {ENGINE: result.tokens_per_s}}
         row["itl_s"] = {ENGINE: summarize(result.itl_s)}
         del engine

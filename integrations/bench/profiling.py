@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -12,7 +12,9 @@ from unittest import mock
 from integrations.bench.engine_runs import greedy_params, make_engine, run_batch
 
 
-class _PhaseTimer:
+class PhaseTimer:
+    """Seconds spent in, and calls of, the functions it wraps, by phase."""
+
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
@@ -27,6 +29,14 @@ class _PhaseTimer:
                 self.calls[phase] = self.calls.get(phase, 0) + 1
 
         return timed
+
+    @contextmanager
+    def timing(self, targets: Iterable[tuple[Any, str, str]]) -> Iterator[None]:
+        """Times each ``(object, attribute, phase)`` function of ``targets`` while the block runs."""
+        with ExitStack() as stack:
+            for target, attr, phase in targets:  # NOTE: a renamed target fails here, never reads as 0 s
+                stack.enter_context(mock.patch.object(target, attr, self.wrap(phase, getattr(target, attr))))
+            yield
 
 
 def profile_steps(
@@ -50,21 +60,20 @@ def profile_steps(
     import engine.worker.model_runner as runner_module
 
     engine = make_engine(model, engine_kwargs)
-    timer = _PhaseTimer()
-    with ExitStack() as stack:
-        targets = [
-            (engine.scheduler, "schedule", "schedule"),
-            (runner_module, "prepare_inputs", "prepare inputs"),
-            (engine.runner, "execute_model", "execute_model"),
-            (type(engine.sampler), "__call__", "sample"),
-            (engine.scheduler, "update_from_output", "update"),
-            (detokenizer_module.IncrementalDetokenizer, "update", "detokenize"),
-            (engine.output_processor, "make_output", "emit outputs"),
-            (engine, "step", "step"),
-        ]
-        for target, attr, phase in targets:  # NOTE: a renamed target fails here, never reads as 0 s
-            stack.enter_context(mock.patch.object(target, attr, timer.wrap(phase, getattr(target, attr))))
-        result = run_batch(engine, prompts, max_tokens, lambda n: None)
+    timer = PhaseTimer()
+    targets = [
+        (engine.scheduler, "schedule", "schedule"),
+        (runner_module, "prepare_inputs", "prepare inputs"),
+        (engine.runner, "execute_model", "execute_model"),
+        (type(engine.sampler), "__call__", "sample"),
+        (engine.scheduler, "update_from_output", "update"),
+        (detokenizer_module.IncrementalDetokenizer, "update", "detokenize"),
+        (engine.output_processor, "make_output", "emit outputs"),
+        (engine, "step", "step"),
+    ]
+    params = greedy_params(max_tokens)
+    with timer.timing(targets):
+        result = run_batch(engine, prompts, [params] * len(prompts), lambda n: None)
     seconds = timer.seconds
     step_total = seconds.pop("step", 0.0)
     prepare = seconds.get("prepare inputs", 0.0)
@@ -83,7 +92,6 @@ def profile_steps(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     trace = out_dir / f"trace-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    params = greedy_params(max_tokens)
     ids = [engine.add_request(f"trace-{i}", p, params) for i, p in enumerate(prompts)]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         for _ in range(trace_steps):

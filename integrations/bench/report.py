@@ -8,6 +8,10 @@ JSON layout (``paged bench --json PATH``), stable so that later runs can be comp
                   "prefix_cache_hit_rate", "num_preemptions", "ttft_s": {"p50", "p99", "mean"},
                   "itl_s": {...}, "matches_engine", "notes"}, ...],
      "ceiling": {...} | null, "poisson": {...} | null, "sweep": {"levels": [...], "saturation_concurrency"} | null,
+     "structured": {"schema", "num_requests", "tokens_per_s": {"constrained", "unconstrained"}, "ratio",
+                    "num_steps", "step_ms", "mask_ms_per_step": {"mask fill", "mask apply", "matcher advance"},
+                    "mask_share_of_step", "mask_share_from_ratio", "valid_fraction",
+                    "output_tokens": {"mean", "max"}} | null,
      "profile": {...} | null}
 """
 
@@ -113,6 +117,7 @@ def build_report(
     ceiling: dict[str, Any] | None = None,
     poisson: dict[str, Any] | None = None,
     sweep: dict[str, Any] | None = None,
+    structured: dict[str, Any] | None = None,
     profile: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The JSON document of one run (see the module docstring for its layout)."""
@@ -128,6 +133,7 @@ def build_report(
         "ceiling": ceiling,
         "poisson": poisson,
         "sweep": sweep,
+        "structured": structured,
         "profile": profile,
     }
 
@@ -204,6 +210,29 @@ def format_sweep(sweep: dict[str, Any]) -> str:
         if knee is not None
         else f"- {ENGINE} throughput still grows at the highest concurrency tried"
     )
+    return "\n".join(lines)
+
+
+def format_structured(structured: dict[str, Any]) -> str:
+    """Where the constraint's cost goes: the mask phases per step, their share, and the replies' validity."""
+    lines = ["| per step (constrained run) | ms | share of step |", "| --- | --- | --- |"]
+    step_ms = structured["step_ms"]
+    for phase, ms in structured["mask_ms_per_step"].items():
+        share = None if ms is None or not step_ms else ms / step_ms
+        lines.append(f"| {phase} | {_fmt(ms, '.2f')} | {_fmt(share, '.1%')} |")
+    lines.append(f"| whole step | {_fmt(step_ms, '.1f')} | 100% |")
+    tps = structured["tokens_per_s"]
+    lines += [
+        "",
+        f"- {structured['num_requests']} requests, all constrained by {structured['schema']}: "
+        f"{tps['constrained']:.1f} tok/s against {tps['unconstrained']:.1f} unconstrained "
+        f"(ratio {_fmt(structured['ratio'], '.3f')}) over {structured['num_steps']} steps",
+        f"- the masks take {_fmt(structured['mask_share_of_step'], '.1%')} of step time measured, "
+        f"{_fmt(structured['mask_share_from_ratio'], '.1%')} from the ratio",
+        f"- replies valid against the schema: {_fmt(structured['valid_fraction'], '.0%')}; "
+        f"reply tokens mean {_fmt(structured['output_tokens']['mean'], '.1f')}, "
+        f"max {structured['output_tokens']['max']}",
+    ]
     return "\n".join(lines)
 
 

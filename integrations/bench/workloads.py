@@ -3,6 +3,8 @@
 - ``shared-prefix``: 64 support questions behind one ~290-token system prompt (the shared W1 file).
 - ``distinct``: 64 requests, each with its own system prompt of similar length (W2); nothing to share.
 - ``rag``: a few long documents built deterministically here, many questions over each.
+- ``structured``: short extraction messages behind one instruction, decoded with and without the
+  extraction JSON schema (``integrations.bench.extraction``).
 - ``poisson`` and ``sweep`` reuse the shared-prefix prompts with a different arrival pattern.
 
 Every prompt goes through the model's chat template once, here, so the engine and the
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-WORKLOADS = ("shared-prefix", "distinct", "rag", "poisson", "sweep")
+WORKLOADS = ("shared-prefix", "distinct", "rag", "structured", "poisson", "sweep")
 _FILES = {"shared-prefix": "shared_prefix.json", "distinct": "distinct.json"}
 
 
@@ -55,6 +57,11 @@ def build_workload(name: str, tokenizer: Any, num_requests: int) -> Workload:
     if name == "rag":
         turns = rag_turns(num_requests)
         description = "RAG: 4 shared ~600-token documents, distinct questions over them"
+    elif name == "structured":
+        from integrations.bench import extraction  # pydantic: only for this workload
+
+        turns = [{"system": extraction.SYSTEM, "user": u} for u in extraction.extraction_prompts(num_requests)]
+        description = "structured: extraction messages, with and without a nested JSON schema"
     elif name == "distinct":
         turns = load_turns("distinct")
         description = "distinct: one system prompt per request, nothing shared"

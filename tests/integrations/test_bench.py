@@ -121,6 +121,35 @@ def test_profile_splits_step_time_and_writes_trace(tiny_dir: Path, tmp_path: Pat
     assert trace.parent == tmp_path / "prof" and "traceEvents" in json.loads(trace.read_text())
 
 
+def test_structured_workload_reports_mask_cost_and_validity(tiny_dir: Path, tmp_path: Path) -> None:
+    """--workload structured decodes the same prompts with and without the schema, in one run, all replies valid."""
+    from integrations.bench.structured import CONSTRAINED, MASK_PHASES
+
+    out = tmp_path / "bench.json"
+    rc = main([
+        "bench", "--model", str(tiny_dir), "--num-blocks", "256", "--workload", "structured", "--num-requests", "4",
+        "--max-tokens", "256", "--no-ceiling", "--json", str(out), "--no-progress",
+    ])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    plain, constrained = report["results"]
+    assert (plain["name"], constrained["name"]) == (ENGINE, CONSTRAINED)
+    assert plain["num_new_tokens"] == constrained["num_new_tokens"]  # each prompt decodes its twin's length
+    structured = report["structured"]
+    assert set(structured) == {
+        "schema", "num_requests", "tokens_per_s", "ratio", "num_steps", "step_ms", "mask_ms_per_step",
+        "mask_share_of_step", "mask_share_from_ratio", "valid_fraction", "output_tokens",
+    }
+    assert structured["valid_fraction"] == 1.0 and structured["num_requests"] == 4
+    assert set(report["machine"]["cpu_flags"]) <= {"avx2", "avx512f", "avx512_bf16", "amx"}
+    assert structured["output_tokens"]["max"] < 256
+    assert structured["ratio"] == pytest.approx(constrained["ratio_to_engine"])
+    assert structured["tokens_per_s"]["unconstrained"] == pytest.approx(plain["tokens_per_s"])
+    assert set(structured["mask_ms_per_step"]) == set(MASK_PHASES)
+    assert all(ms > 0 for ms in structured["mask_ms_per_step"].values())
+    assert 0 < structured["mask_share_of_step"] < 1
+
+
 def test_sweep_reports_each_concurrency(tiny_dir: Path, tmp_path: Path) -> None:
     """The sweep measures each requested concurrency level, in order."""
     out = tmp_path / "bench.json"
@@ -192,6 +221,15 @@ def test_rag_workload_is_deterministic_and_groups_documents(tokenizer) -> None:
     assert prompts == build_workload("rag", tokenizer, 8).prompts
     assert _common_prefix(prompts[0], prompts[4]) > 400  # same document (round-robin over 4)
     assert _common_prefix(prompts[0], prompts[1]) < 30  # different documents
+
+
+def test_extraction_prompts_are_deterministic_and_distinct() -> None:
+    """The structured workload's prompts are the same on every build, all distinct, and a longer set extends a shorter."""
+    from integrations.bench.extraction import extraction_prompts
+
+    prompts = extraction_prompts(100)
+    assert prompts == extraction_prompts(100) and len(set(prompts)) == 100
+    assert extraction_prompts(12) == prompts[:12]
 
 
 def test_percentile_matches_numpy() -> None:

@@ -331,10 +331,11 @@ class ToolCallParser:
         return "".join(out_text), deltas
 
     def finish(self) -> str:
-        """The text held back at the end: a partial ``<tool_call>`` marker, or a call head that
-        names no tool. A call still open (a reply cut short) was streamed as deltas; its
-        arguments do not parse, so ``collect_calls`` leaves it out."""
-        rest = "" if self._num_sent is not None else self._buffer
+        """The text held back at the end, when it is text: a partial ``<tool_call>`` marker. A call
+        cut short is no text and no call: under a tool constraint, ``<tool_call>`` starts a call.
+        One still open was streamed as deltas; its arguments do not parse, so ``collect_calls``
+        leaves it out."""
+        rest = "" if self._num_sent is not None or self._buffer.startswith(CALL_BEGIN) else self._buffer
         self._buffer, self._num_sent = "", None
         return rest
 

@@ -124,13 +124,15 @@ def test_the_stream_parser_splits_text_and_calls_at_any_chunking(seed):
     assert [d.name for d in deltas if d.name] == ["get_weather", "Add"] and len({c.id for c in calls}) == 2
 
 
-def test_a_call_cut_short_is_no_call_and_an_unknown_name_stays_text():
+def test_a_call_cut_short_is_neither_call_nor_text():
     parser = ToolCallParser(to_tools([Add]))
     _, deltas = parser.feed('<tool_call>\n{"name": "Add", "arguments": {"a": 1')
     assert deltas[0].name == "Add" and parser.finish() == "" and collect_calls(deltas) == []
     parser = ToolCallParser(to_tools([Add]))
     text, deltas = parser.feed('<tool_call>\n{"name": "Sub", "arguments": {}}\n</tool_call>')
-    assert (text, deltas) == ("", []) and parser.finish().startswith("<tool_call>")
+    assert (text, deltas) == ("", []) and parser.finish() == ""
+    parser = ToolCallParser(to_tools([Add]))
+    assert parser.feed('<tool_call>\n{"name": ') == ("", []) and parser.finish() == ""
 
 
 def test_message_shapes_are_checked():

@@ -6,6 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, computed_field, create_model, model_validator
 
+from sdk.errors import InvalidRequestError
 from sdk.fields import REQUEST_KNOBS, SAMPLING_FIELDS, field, sampling_fields
 from sdk.response_format import ResponseFormat, to_response_format
 from sdk.tools import ToolCall, ToolCallDelta, ToolChoice, ToolSpec, to_tools
@@ -19,7 +20,8 @@ class ChatMessage(BaseModel):
 
     Raises:
         ValidationError: a message without content that is not an assistant's tool calls, tool
-            calls on another role, or a tool result without its ``tool_call_id``.
+            calls on another role, or a tool result without its ``tool_call_id``
+            (``sdk.fields.invalid_request`` names the field).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -35,11 +37,11 @@ class ChatMessage(BaseModel):
     @model_validator(mode="after")
     def _check_shape(self) -> ChatMessage:
         if self.tool_calls and self.role != "assistant":
-            raise ValueError(f"tool_calls: only assistant messages make calls, not {self.role}")
+            raise InvalidRequestError(f"tool_calls: only assistant messages make calls, not {self.role}", param="tool_calls")
         if self.role == "tool" and not self.tool_call_id:
-            raise ValueError("tool_call_id: a tool message needs the id of the call it answers")
+            raise InvalidRequestError("tool_call_id: a tool message needs the id of the call it answers", param="tool_call_id")
         if self.content is None and not self.tool_calls:
-            raise ValueError("content: a message needs content (or, from the assistant, tool_calls)")
+            raise InvalidRequestError("content: a message needs content (or, from the assistant, tool_calls)", param="content")
         return self
 
 

@@ -145,13 +145,66 @@ def message_to_wire(message: Any) -> dict[str, Any]:
     if message.name is not None:
         body["name"] = message.name
     if message.tool_calls:
-        body["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
-            for c in message.tool_calls
-        ]
+        body["tool_calls"] = [tool_call_to_wire(c) for c in message.tool_calls]
     if message.tool_call_id is not None:
         body["tool_call_id"] = message.tool_call_id
     return body
+
+
+def message_from_wire(body: dict[str, Any]) -> Any:
+    """An OpenAI chat message as an SDK ``ChatMessage``: the reverse of ``message_to_wire``.
+
+    ``developer`` is ``system``, content parts (text only) are joined, and a call's arguments
+    are parsed from their JSON text.
+
+    Raises:
+        InvalidRequestError: not a message the SDK can take; ``param`` is the path inside the
+            message (``content``, ``tool_call_id``, ``tool_calls.M.function.arguments`` ...).
+    """
+    from pydantic import ValidationError
+
+    from sdk.errors import InvalidRequestError
+    from sdk.fields import invalid_request
+    from sdk.types import ChatMessage
+
+    content = body.get("content")
+    if isinstance(content, list):
+        if any(part.get("type") != "text" or not isinstance(part.get("text"), str) for part in content):
+            raise InvalidRequestError("content: only text parts are supported", param="content")
+        content = "".join(part["text"] for part in content)
+    calls = []
+    for m, raw in enumerate(body.get("tool_calls") or ()):
+        function = raw.get("function") or {}
+        where = f"tool_calls.{m}.function.arguments"
+        try:
+            arguments = json.loads(function.get("arguments") or "")
+        except (json.JSONDecodeError, TypeError):
+            raise InvalidRequestError(f"{where}: not valid JSON", param=where) from None
+        if not isinstance(arguments, dict):
+            raise InvalidRequestError(f"{where}: must be a JSON object", param=where)
+        calls.append({"id": raw.get("id"), "name": function.get("name"), "arguments": arguments})
+    role = "system" if body.get("role") == "developer" else body.get("role")
+    try:
+        return ChatMessage(
+            role=role, content=content, name=body.get("name"), tool_calls=calls or None, tool_call_id=body.get("tool_call_id")
+        )
+    except ValidationError as exc:
+        raise invalid_request(exc) from None
+
+
+def tool_call_to_wire(call: Any) -> dict[str, Any]:
+    """An ``sdk.tools.ToolCall`` as an OpenAI tool call (its arguments as JSON text)."""
+    arguments = json.dumps(call.arguments, ensure_ascii=False)
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": arguments}}
+
+
+def tool_call_delta_to_wire(delta: Any) -> dict[str, Any]:
+    """An ``sdk.tools.ToolCallDelta`` as an entry of OpenAI's streamed ``delta.tool_calls``: a call's
+    first entry has its id, type and name, the later ones only an arguments fragment."""
+    if delta.id is None and delta.name is None:
+        return {"index": delta.index, "function": {"arguments": delta.arguments}}
+    function = {"name": delta.name, "arguments": delta.arguments}
+    return {"index": delta.index, "id": delta.id, "type": "function", "function": function}
 
 
 def tool_call_delta_from_wire(raw: dict[str, Any]) -> Any:

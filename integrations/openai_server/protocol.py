@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, create_model, model_serializer
 
 from sdk.fields import REQUEST_KNOBS, SAMPLING_KNOBS, field, sampling_fields
 from sdk.wire import WIRE_NAMES, Route
@@ -57,25 +57,31 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCallParam(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallParam(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessageParam(BaseModel):
+    """A message as OpenAI sends it; ``sdk.wire.message_from_wire`` makes it an SDK message."""
+
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-
-    def text(self) -> str:
-        """The message content as plain text; only text parts are supported."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for part in self.content:
-            if part.type != "text" or part.text is None:
-                raise ValueError(f"content parts of type {part.type!r} are not supported")
-            parts.append(part.text)
-        return "".join(parts)
+    tool_calls: list[ToolCallParam] | None = None
+    tool_call_id: str | None = None
 
 
 class _RequestFields(BaseModel):
@@ -99,6 +105,10 @@ class _RequestFields(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    def unsupported(self) -> str | None:
+        """The name of a field we cannot honour, if the request sets one."""
+        return None
+
 
 def _with_knobs(name: str, route: Route, base: type[BaseModel], **overrides: Any) -> type[BaseModel]:
     """``base`` plus every engine sampling knob (wire-named) and ``priority`` / ``cache_salt``, bounds included."""
@@ -111,16 +121,10 @@ def _with_knobs(name: str, route: Route, base: type[BaseModel], **overrides: Any
 class _ChatFields(_RequestFields):
     messages: list[ChatMessageParam] = Field(min_length=1)
     logprobs: bool = False  # the flag; how many candidates is top_logprobs (the engine's logprobs)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-
-    def unsupported(self) -> str | None:
-        """The name of a field we cannot honour, if the request sets one."""
-        if self.tools:
-            return "tools"
-        if self.tool_choice not in (None, "none"):
-            return "tool_choice"
-        return None
+    # tools, read by the SDK (sdk.tools): OpenAI function specs and tool choice
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class _CompletionFields(_RequestFields):
@@ -195,11 +199,26 @@ class CompletionLogprobs(BaseModel):
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # sdk.wire.tool_call_to_wire
+
+    @model_serializer(mode="wrap")
+    def _keep_content(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        data.setdefault("content", self.content)  # OpenAI sends null content beside tool calls
+        return data
 
 
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # sdk.wire.tool_call_delta_to_wire
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if self.tool_calls is None:
+            data.pop("tool_calls", None)  # absent, not null, from chunks without calls (as OpenAI's)
+        return data
 
 
 class ChatChoice(BaseModel):

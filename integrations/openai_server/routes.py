@@ -18,10 +18,10 @@ from integrations.openai_server.responses import chat_logprobs, completion_logpr
 from integrations.openai_server.serving import Chunk, Serving
 from integrations.openai_server.sse import EventStream
 from integrations.openai_server.state import STATE, TENANT, ServerState
-from sdk.errors import PagedError
+from sdk.errors import InvalidRequestError, PagedError
 from sdk.response_format import PARAM, to_response_format
-from sdk.types import ChatMessage
-from sdk.wire import WIRE_NAMES, Route, format_from_wire, format_param
+from sdk.tools import collect_calls
+from sdk.wire import WIRE_NAMES, Route, format_from_wire, format_param, message_from_wire, tool_call_delta_to_wire, tool_call_to_wire
 from sdk.wire import from_wire as sampling_from_wire
 
 DISCONNECT_POLL = 0.2  # seconds between checks that the client is still connected
@@ -81,10 +81,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     messages = []
     for i, m in enumerate(body.messages):
         try:
-            role = "system" if m.role == "developer" else m.role
-            messages.append(ChatMessage(role=role, content=m.text(), name=m.name))
-        except (ValueError, ValidationError) as exc:
-            raise bad_request(str(exc), param=f"messages.{i}.content") from exc
+            messages.append(message_from_wire(m.model_dump(exclude_none=True)))
+        except InvalidRequestError as exc:
+            raise bad_request(f"messages.{i}.{exc}", param=f"messages.{i}.{exc.param}") from None
     run = _Run(request, state, serving, body, "chat")
     return await run.execute(messages=messages)
 
@@ -127,8 +126,9 @@ def _check_common(body: Any, serving: Serving) -> None:
 def _options(body: Any, route: Route) -> tuple[dict[str, Any], str | None]:
     """The SDK request options a body sets, and the wire field that set its constraint (None without one).
 
-    The options are its sampling knobs under the engine's names, priority, cache_salt and
-    response_format (any wire spelling, as an SDK format).
+    The options are its sampling knobs under the engine's names, priority, cache_salt,
+    response_format (any wire spelling, as an SDK format) and a chat's tools, tool_choice and
+    parallel_tool_calls (the SDK validates them).
 
     Raises:
         ApiError: a 400 for a constraint the SDK refuses, ``param`` naming the wire field.
@@ -138,6 +138,8 @@ def _options(body: Any, route: Route) -> tuple[dict[str, Any], str | None]:
     if route == "chat" and body.max_completion_tokens is not None:
         options["max_tokens"] = body.max_completion_tokens
     options.update(priority=body.priority, cache_salt=body.cache_salt)
+    if route == "chat":
+        options.update(tools=body.tools, tool_choice=body.tool_choice, parallel_tool_calls=body.parallel_tool_calls)
     field = None
     try:
         fmt, field = format_from_wire(data)
@@ -162,6 +164,15 @@ def _api_error(exc: PagedError, route: Route, format_field: str | None = None) -
     elif param is not None:
         param = WIRE_NAMES[route].get(param, param)
     return ApiError(exc.status_code, exc.public_message, param=param, code=exc.code, headers=headers)
+
+
+def _message(chunks: list[Chunk]) -> p.ChatMessage:
+    """A chat choice's reply: its text, and its complete tool calls (content null when only calls)."""
+    text = "".join(c.text for c in chunks)
+    calls = collect_calls([d for c in chunks for d in c.tool_calls or ()])
+    if not calls:
+        return p.ChatMessage(content=text)
+    return p.ChatMessage(content=text or None, tool_calls=[tool_call_to_wire(call) for call in calls])
 
 
 def _json(model: BaseModel, status: int = 200) -> web.Response:
@@ -265,7 +276,7 @@ class _Run:
                 choices=[
                     p.ChatChoice(
                         index=c[0].index,
-                        message=p.ChatMessage(content="".join(x.text for x in c)),
+                        message=_message(c),
                         logprobs=chat_logprobs(c) if self.want_logprobs else None,
                         finish_reason=c[-1].finish_reason,
                         token_ids=token_ids(c) if want_ids else None,
@@ -311,7 +322,7 @@ class _Run:
                 started.add(chunk.index)
                 opening = p.DeltaMessage(role="assistant", content="")
                 await self.events.send(self._chat_chunk(chunk.index, opening))
-            if chunk.text or chunk.token_ids or chunk.finish_reason is not None:
+            if chunk.text or chunk.token_ids or chunk.tool_calls or chunk.finish_reason is not None:
                 await self.events.send(self._event(chunk, prompt_ids))
             if chunk.finish_reason is not None:
                 finals.append(chunk)
@@ -333,9 +344,10 @@ class _Run:
     def _event(self, chunk: Chunk, prompt_ids: list[int] | None) -> BaseModel:
         ids = chunk.token_ids if self.body.return_token_ids else None
         if self.is_chat:
+            calls = [tool_call_delta_to_wire(d) for d in chunk.tool_calls] if chunk.tool_calls else None
             event = self._chat_chunk(
                 chunk.index,
-                p.DeltaMessage(content=chunk.text) if chunk.text else p.DeltaMessage(),
+                p.DeltaMessage(content=chunk.text or None, tool_calls=calls),
                 logprobs=chat_logprobs([chunk]) if self.want_logprobs else None,
                 finish_reason=chunk.finish_reason,
                 token_ids=ids,

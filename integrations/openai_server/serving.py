@@ -1,8 +1,8 @@
 """The glue between the HTTP routes and the SDK: every request runs through an ``sdk.AsyncClient``.
 
 One engine per server; one SDK client per tenant over a shared in-process transport, so the
-SDK hooks (filters, audit) see every HTTP request with its tenant id. Logprobs, prompt token
-ids and the completion index (``n`` > 1 is the engine's) come on the SDK's deltas; a
+SDK hooks (filters, audit) see every HTTP request with its tenant id. Tool-call deltas, logprobs,
+prompt token ids and the completion index (``n`` > 1 is the engine's) come on the SDK's deltas; a
 completions request with several prompts runs one SDK request per prompt.
 """
 
@@ -16,6 +16,7 @@ from typing import Any
 
 from sdk.client import AsyncClient
 from sdk.hooks import Hook
+from sdk.tools import ToolCallDelta
 from sdk.transport import InProcessTransport
 from sdk.types import ChatMessage, TokenLogprob, Usage
 
@@ -27,6 +28,7 @@ class Chunk:
     index: int
     text: str
     token_ids: list[int]
+    tool_calls: list[ToolCallDelta] | None = None
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     usage: Usage | None = None
@@ -145,6 +147,7 @@ class Serving:
                     index=first_index + delta.index,
                     text=delta.text,
                     token_ids=delta.token_ids,
+                    tool_calls=delta.tool_calls,
                     logprobs=delta.logprobs,
                     finish_reason=delta.finish_reason,
                     usage=delta.usage,

@@ -129,6 +129,39 @@ def test_every_validated_field_is_named_in_param(make_server, route, field, valu
     assert engine.num_finished == 0
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+USER = {"role": "user", "content": "hi"}
+TOOL_CASES = [
+    ({"messages": [USER, {"role": "tool", "content": "3"}]}, "messages.1.tool_call_id"),
+    ({"messages": [USER, {"role": "assistant", "tool_calls": [CALL, {**CALL, "function": {"name": "f", "arguments": "[1]"}}]}]},
+     "messages.1.tool_calls.1.function.arguments"),
+    ({"messages": [USER, {"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "{"}}]}]},
+     "messages.1.tool_calls.0.function.arguments"),
+    ({"messages": [USER, {"role": "assistant", "content": None}]}, "messages.1.content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content"),
+    ({"messages": [USER], "tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+    ({"messages": [USER], "tools": [TOOL, {"type": "function"}]}, "tools"),
+    ({"messages": [USER], "tools": [3]}, "tools.0"),
+    ({"messages": [USER], "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"messages": [USER], "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"messages": [USER], "tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"messages": [USER], "tool_choice": "required"}, "tool_choice"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("body", "param"), TOOL_CASES, ids=lambda v: str(v)[-24:])
+def test_tool_fields_and_turns_are_named_in_param(make_server, body, param):
+    """Malformed tools, tool choices and tool turns are a 400 whose ``param`` is the exact path; nothing reaches the engine."""
+    server, engine = make_server()
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    status, _, answer = _raw(server, "/v1/chat/completions", json.dumps(body).encode(), headers)
+    assert status == 400 and answer["error"]["type"] == "invalid_request_error"
+    assert answer["error"]["param"] == param, answer
+    assert engine.num_finished == 0
+
+
 def test_engine_side_validation_is_400(make_server):
     """Knobs the wire schema lets through but the engine refuses (repetition_penalty=0) come back as 400 naming them."""
     server, _ = make_server()
@@ -146,15 +179,14 @@ def test_overlong_prompt_is_400(make_server):
 
 
 def test_unknown_model_unsupported_field_and_bad_json(make_server):
-    """Unknown model -> 404, tools -> 400 naming tools, a body that is not JSON -> 400; all OpenAI error bodies."""
+    """Unknown model -> 404, echo -> 400 naming it, a body that is not JSON -> 400; all OpenAI error bodies."""
     server, _ = make_server()
     client = _client(server)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}], tools=[tool])
-    assert err.value.body["param"] == "tools"
+        client.completions.create(model="fake-model", prompt="hi", echo=True)
+    assert err.value.body["param"] == "echo"
     headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     status, _, body = _raw(server, "/v1/chat/completions", b"{not json", headers)
     assert status == 400 and set(body["error"]) == {"message", "type", "param", "code"}

@@ -57,7 +57,7 @@ from sdk.client import AsyncClient
 from sdk.fields import REQUEST_KNOBS, SAMPLING_FIELDS, field, sampling_fields
 from sdk.hooks import Hook
 from sdk.sync import Client
-from sdk.tools import ToolCall, ToolCallDelta, collect_calls
+from sdk.tools import ToolCall, ToolCallDelta, collect_calls, new_call_id
 from sdk.types import ChatMessage, ChatResult, CompletionResult, Delta
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ def to_sdk_messages(messages: Sequence[LIChatMessage]) -> list[ChatMessage]:
             raise ValueError(f"unsupported message role {message.role!s}")
         role = _ROLES[message.role]
         calls = [
-            ToolCall(id=b.tool_call_id, name=b.tool_name, arguments=_arguments(b.tool_kwargs))
+            ToolCall(id=b.tool_call_id or new_call_id(), name=b.tool_name, arguments=_arguments(b.tool_kwargs))
             for b in message.blocks if isinstance(b, ToolCallBlock)
         ]  # fmt: skip
         out.append(

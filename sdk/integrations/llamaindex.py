@@ -5,6 +5,10 @@ LlamaIndex's ``chat_to_completion_decorator`` family, except ``formatted=True`` 
 which are sent as given. Structured prediction (``structured_predict``, its async and
 streaming forms, ``as_structured_llm``) constrains the reply to the output class's JSON
 schema in the engine; any call also takes ``response_format`` (``sdk.response_format``).
+``PagedLLM`` is a ``FunctionCallingLLM``: ``chat_with_tools`` and its async and streaming
+forms, ``predict_and_call`` and ``FunctionAgent`` run on the SDK's tools (``sdk.tools``), whose
+calls the engine holds to the tools' schemas; calls travel as ``ToolCallBlock``s and tool
+results as ``tool`` messages with ``additional_kwargs["tool_call_id"]``.
 Every call goes through an SDK client, so hooks and audit apply.
 
     from sdk.integrations.llamaindex import PagedLLM
@@ -14,8 +18,9 @@ Every call goes through an SDK client, so hooks and audit apply.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncGenerator, Generator, Sequence
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 try:
     from llama_index.core.base.llms.generic_utils import (
@@ -36,11 +41,14 @@ try:
         CompletionResponseGen,
         LLMMetadata,
         MessageRole,
+        TextBlock,
+        ToolCallBlock,
     )
     from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
-    from llama_index.core.llms.llm import LLM
+    from llama_index.core.llms.function_calling import FunctionCallingLLM
+    from llama_index.core.llms.llm import ToolSelection
     from llama_index.core.prompts import BasePromptTemplate
-    from llama_index.core.types import Model
+    from llama_index.core.types import Model, PydanticProgramMode
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("sdk.integrations.llamaindex needs llama-index-core: pip install 'paged[llamaindex]'") from exc
 from pydantic import Field, PrivateAttr, create_model
@@ -50,7 +58,11 @@ from sdk.fields import REQUEST_KNOBS, SAMPLING_FIELDS, field, sampling_fields
 from sdk.hooks import Hook
 from sdk.runtime import Runtime
 from sdk.sync import Client
-from sdk.types import ChatMessage, CompletionResult, Delta
+from sdk.tools import ToolCall, ToolCallDelta, collect_calls, new_call_id
+from sdk.types import ChatMessage, ChatResult, CompletionResult, Delta
+
+if TYPE_CHECKING:
+    from llama_index.core.tools.types import BaseTool
 
 DEFAULT_NUM_OUTPUT = 256  # the engine's max_tokens default
 _Kwargs = Optional[dict[str, Any]]  # a structured-prediction program's llm_kwargs
@@ -66,13 +78,56 @@ _ROLES = {
 
 
 def to_sdk_messages(messages: Sequence[LIChatMessage]) -> list[ChatMessage]:
-    """LlamaIndex messages as SDK messages (text only)."""
+    """LlamaIndex messages as SDK messages: text, an assistant's ``ToolCallBlock``s, and tool
+    results (role ``tool``, the call's id in ``additional_kwargs["tool_call_id"]``)."""
     out = []
     for message in messages:
         if message.role not in _ROLES:
             raise ValueError(f"unsupported message role {message.role!s}")
-        out.append(ChatMessage(role=_ROLES[message.role], content=message.content or ""))  # type: ignore[arg-type]
+        role = _ROLES[message.role]
+        calls = [
+            ToolCall(id=b.tool_call_id or new_call_id(), name=b.tool_name, arguments=_arguments(b.tool_kwargs))
+            for b in message.blocks if isinstance(b, ToolCallBlock)
+        ]  # fmt: skip
+        out.append(
+            ChatMessage(
+                role=role,  # type: ignore[arg-type]
+                content=message.content or "",
+                tool_calls=calls or None,
+                tool_call_id=message.additional_kwargs.get("tool_call_id") if role == "tool" else None,
+            )
+        )
     return out
+
+
+def _arguments(tool_kwargs: dict[str, Any] | str) -> dict[str, Any]:
+    """A ``ToolCallBlock``'s arguments as a dict (they may be given as their JSON text)."""
+    return json.loads(tool_kwargs) if isinstance(tool_kwargs, str) else tool_kwargs
+
+
+def _assistant(text: str, calls: Sequence[ToolCall] | None) -> LIChatMessage:
+    """A reply as a LlamaIndex message: its text, then a ``ToolCallBlock`` per call."""
+    blocks: list[Any] = [TextBlock(text=text)]
+    blocks += [ToolCallBlock(tool_call_id=c.id, tool_name=c.name, tool_kwargs=c.arguments) for c in calls or ()]
+    return LIChatMessage(role=MessageRole.ASSISTANT, blocks=blocks)
+
+
+class _StreamedReply:
+    """A streamed reply so far, as the ``ChatResponse`` of each new delta: the text so far and
+    the calls complete so far (a call shows once its arguments are whole)."""
+
+    def __init__(self) -> None:
+        self._text = ""
+        self._deltas: list[ToolCallDelta] = []
+        self._calls: list[ToolCall] = []
+
+    def add(self, delta: Delta, additional_kwargs: dict[str, Any]) -> ChatResponse:
+        self._text += delta.text
+        if delta.tool_calls:
+            self._deltas += delta.tool_calls
+            self._calls = collect_calls(self._deltas)
+        message = _assistant(self._text, self._calls)
+        return ChatResponse(message=message, delta=delta.text, additional_kwargs=additional_kwargs)
 
 
 # NOTE: a LlamaIndex LLM returns one response per call: n is not a knob here.
@@ -82,14 +137,15 @@ _KNOBS = [name for name in SAMPLING_FIELDS if name not in _UNSUPPORTED]
 # The engine's sampling knobs as fields, with their bounds and help (sdk.fields); None = the engine's default.
 _SamplingKnobs = create_model(
     "_SamplingKnobs",
-    __base__=LLM,
+    __base__=FunctionCallingLLM,
     __module__=__name__,
     **{**sampling_fields(exclude=_UNSUPPORTED), "cache_salt": field(REQUEST_KNOBS["cache_salt"])},
 )
 
 
 class PagedLLM(_SamplingKnobs):  # type: ignore[misc, valid-type]
-    """paged's engine, in-process or at ``base_url``, as a LlamaIndex chat LLM (sync, async and streaming).
+    """paged's engine, in-process or at ``base_url``, as a LlamaIndex function-calling chat LLM
+    (sync, async and streaming).
 
     Example:
         .. code-block:: python
@@ -98,6 +154,8 @@ class PagedLLM(_SamplingKnobs):  # type: ignore[misc, valid-type]
             print(llm.complete("Name a colour.").text)
             for r in llm.stream_chat([ChatMessage(role="user", content="Hi")]):
                 print(r.delta, end="")
+            response = llm.chat_with_tools([FunctionTool.from_defaults(fn=add)], "2 + 3?", tool_required=True)
+            print(llm.get_tool_calls_from_response(response))
     """
 
     model: str | None = Field(
@@ -118,6 +176,12 @@ class PagedLLM(_SamplingKnobs):  # type: ignore[misc, valid-type]
     )
     runtime: Runtime | None = Field(
         default=None, description="Share one engine between adapters and clients; None = a runtime of its own.", exclude=True
+    )
+    # NOTE: the base class defaults to FunctionCallingProgram for a function-calling LLM; the text
+    # program, whose reply the engine holds to the output class's schema, needs no tool prompt.
+    pydantic_program_mode: PydanticProgramMode = Field(
+        default=PydanticProgramMode.LLM,
+        description="How structured_predict runs: LLM = a reply held to the output class's schema; FUNCTION = a tool call.",
     )
 
     _client: Client | None = PrivateAttr(default=None)
@@ -146,6 +210,7 @@ class PagedLLM(_SamplingKnobs):  # type: ignore[misc, valid-type]
             context_window=self.context_window or self.client.max_model_len,
             num_output=self.max_tokens or DEFAULT_NUM_OUTPUT,
             is_chat_model=True,
+            is_function_calling_model=True,
             model_name=self.client.model_name,
         )
 
@@ -161,31 +226,29 @@ class PagedLLM(_SamplingKnobs):  # type: ignore[misc, valid-type]
             return {}
         return {"finish_reason": delta.finish_reason, "usage": delta.usage.model_dump()}
 
+    def _response(self, result: ChatResult) -> ChatResponse:
+        message = _assistant(result.text, result.tool_calls)
+        return ChatResponse(message=message, raw=result.model_dump(), additional_kwargs=self._extra(result))
+
     # --- chat: the native path ----------------------------------------------------------
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[LIChatMessage], **kwargs: Any) -> ChatResponse:
-        result = self.client.chat(to_sdk_messages(messages), **self._options(kwargs))
-        message = LIChatMessage(role=MessageRole.ASSISTANT, content=result.text)
-        return ChatResponse(message=message, raw=result.model_dump(), additional_kwargs=self._extra(result))
+        return self._response(self.client.chat(to_sdk_messages(messages), **self._options(kwargs)))
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[LIChatMessage], **kwargs: Any) -> ChatResponse:
-        result = await self.aclient.chat(to_sdk_messages(messages), **self._options(kwargs))
-        message = LIChatMessage(role=MessageRole.ASSISTANT, content=result.text)
-        return ChatResponse(message=message, raw=result.model_dump(), additional_kwargs=self._extra(result))
+        return self._response(await self.aclient.chat(to_sdk_messages(messages), **self._options(kwargs)))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[LIChatMessage], **kwargs: Any) -> ChatResponseGen:
         stream = self.client.stream(to_sdk_messages(messages), **self._options(kwargs))
 
         def gen() -> ChatResponseGen:
-            text = ""
+            reply = _StreamedReply()
             try:
                 for delta in stream:
-                    text += delta.text
-                    message = LIChatMessage(role=MessageRole.ASSISTANT, content=text)
-                    yield ChatResponse(message=message, delta=delta.text, additional_kwargs=self._extra(delta))
+                    yield reply.add(delta, self._extra(delta))
             finally:
                 stream.close()  # type: ignore[attr-defined]
 
@@ -196,12 +259,10 @@ class PagedLLM(_SamplingKnobs):  # type: ignore[misc, valid-type]
         stream = self.aclient.stream(to_sdk_messages(messages), **self._options(kwargs))
 
         async def gen() -> ChatResponseAsyncGen:
-            text = ""
+            reply = _StreamedReply()
             try:
                 async for delta in stream:
-                    text += delta.text
-                    message = LIChatMessage(role=MessageRole.ASSISTANT, content=text)
-                    yield ChatResponse(message=message, delta=delta.text, additional_kwargs=self._extra(delta))
+                    yield reply.add(delta, self._extra(delta))
             finally:
                 await stream.aclose()  # type: ignore[attr-defined]
 
@@ -257,38 +318,90 @@ class PagedLLM(_SamplingKnobs):  # type: ignore[misc, valid-type]
 
         return gen()
 
+    # --- function calling: the SDK's tools, constrained in the engine ----------------------
+
+    def _prepare_chat_with_tools(
+        self,
+        tools: Sequence[BaseTool],
+        user_msg: Union[str, LIChatMessage, None] = None,
+        chat_history: Optional[list[LIChatMessage]] = None,
+        verbose: bool = False,
+        allow_parallel_tool_calls: bool = False,
+        tool_required: bool = False,
+        tool_choice: Union[str, dict[str, Any], None] = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """``chat`` arguments for a turn with ``tools``.
+
+        ``tool_choice`` is ``"auto"``, ``"none"``, ``"required"``, a tool's name or OpenAI's named
+        choice; unset, it is ``"required"`` with ``tool_required`` and ``"auto"`` otherwise.
+        """
+        messages = list(chat_history or [])
+        if user_msg is not None:
+            messages.append(LIChatMessage(role=MessageRole.USER, content=user_msg) if isinstance(user_msg, str) else user_msg)
+        specs = [tool.metadata.to_openai_tool(skip_length_check=True) for tool in tools]
+        if not specs:
+            return {"messages": messages, **kwargs}
+        if tool_choice is None:
+            tool_choice = "required" if tool_required else "auto"
+        elif isinstance(tool_choice, str) and tool_choice not in ("auto", "none", "required"):
+            tool_choice = {"type": "function", "function": {"name": tool_choice}}
+        return {
+            "messages": messages, "tools": specs, "tool_choice": tool_choice,
+            "parallel_tool_calls": allow_parallel_tool_calls, **kwargs,
+        }  # fmt: skip
+
+    def get_tool_calls_from_response(
+        self, response: ChatResponse, error_on_no_tool_call: bool = True, **kwargs: Any
+    ) -> list[ToolSelection]:
+        """The reply's tool calls (its ``ToolCallBlock``s) as ``ToolSelection``s.
+
+        Raises:
+            ValueError: the reply made no call and ``error_on_no_tool_call`` is set.
+        """
+        selections = [
+            ToolSelection(tool_id=b.tool_call_id or "", tool_name=b.tool_name, tool_kwargs=_arguments(b.tool_kwargs))
+            for b in response.message.blocks if isinstance(b, ToolCallBlock)
+        ]  # fmt: skip
+        if not selections and error_on_no_tool_call:
+            raise ValueError("Expected at least one tool call, but the reply made none.")
+        return selections
+
     # --- structured prediction: the engine constrains the reply to the output class -------
     # NOTE: the base class's program (LLMTextCompletionProgram: chat, then parse) does the work;
     # each override only adds the constraint to the program's llm_kwargs.
+
+    def _constrained(self, output_cls: type[Model], llm_kwargs: _Kwargs) -> dict[str, Any]:
+        """``llm_kwargs`` with the engine constraint to ``output_cls``'s JSON schema; the FUNCTION
+        program's tool call is constrained as a call already."""
+        if self.pydantic_program_mode != PydanticProgramMode.LLM:
+            return llm_kwargs or {}
+        return {**(llm_kwargs or {}), "response_format": output_cls}
 
     def structured_predict(
         self, output_cls: type[Model], prompt: BasePromptTemplate, llm_kwargs: _Kwargs = None, **prompt_args: Any
     ) -> Model:
         """An ``output_cls`` instance from the prompt's reply, which the engine holds to its JSON schema."""
-        llm_kwargs = _constrained(output_cls, llm_kwargs)
+        llm_kwargs = self._constrained(output_cls, llm_kwargs)
         return super().structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
 
     async def astructured_predict(
         self, output_cls: type[Model], prompt: BasePromptTemplate, llm_kwargs: _Kwargs = None, **prompt_args: Any
     ) -> Model:
         """The async ``structured_predict``."""
-        llm_kwargs = _constrained(output_cls, llm_kwargs)
+        llm_kwargs = self._constrained(output_cls, llm_kwargs)
         return await super().astructured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
 
     def stream_structured_predict(
         self, output_cls: type[Model], prompt: BasePromptTemplate, llm_kwargs: _Kwargs = None, **prompt_args: Any
     ) -> Generator[Any, None, None]:
         """Partial objects as the reply grows; the last is the whole ``output_cls`` instance."""
-        llm_kwargs = _constrained(output_cls, llm_kwargs)
+        llm_kwargs = self._constrained(output_cls, llm_kwargs)
         return super().stream_structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
 
     async def astream_structured_predict(
         self, output_cls: type[Model], prompt: BasePromptTemplate, llm_kwargs: _Kwargs = None, **prompt_args: Any
     ) -> AsyncGenerator[Any, None]:
         """The async ``stream_structured_predict``."""
-        llm_kwargs = _constrained(output_cls, llm_kwargs)
+        llm_kwargs = self._constrained(output_cls, llm_kwargs)
         return await super().astream_structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
-
-def _constrained(output_cls: type[Model], llm_kwargs: _Kwargs) -> dict[str, Any]:
-    """``llm_kwargs`` with the engine constraint to ``output_cls``'s JSON schema."""
-    return {**(llm_kwargs or {}), "response_format": output_cls}

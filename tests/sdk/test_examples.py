@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -15,7 +16,9 @@ EXAMPLES = {
     "langchain_agent.py": "prompt tokens from the cache",
     "llamaindex_rag.py": "source (",
     "shared_runtime.py": "one engine for both clients: True",
+    "llamaindex_agent.py": "agent finished",
 }
+MAX_TOKENS = {"llamaindex_agent.py": 48}  # room for a whole tool call
 
 
 def test_examples_run_to_completion(tmp_path):
@@ -25,7 +28,7 @@ def test_examples_run_to_completion(tmp_path):
     for name in EXAMPLES:
         log = (tmp_path / f"{name}.log").open("w")
         procs[name] = subprocess.Popen(
-            [sys.executable, str(ROOT / "examples" / name), "--max-tokens", "4"],
+            [sys.executable, str(ROOT / "examples" / name), "--max-tokens", str(MAX_TOKENS.get(name, 4))],
             cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
     deadline = time.monotonic() + 600
@@ -35,3 +38,6 @@ def test_examples_run_to_completion(tmp_path):
         output = (tmp_path / f"{name}.log").read_text()
         assert procs[name].returncode == 0, f"{name} failed:\n{output[-3000:]}"
         assert marker in output, f"{name} did not print {marker!r}:\n{output[-3000:]}"
+    agent = (tmp_path / "llamaindex_agent.py.log").read_text()
+    calls = re.search(r"agent finished: (\d+) tool calls", agent)
+    assert calls and int(calls.group(1)) >= 2 and "-> error" not in agent, agent  # a good call per question

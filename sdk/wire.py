@@ -48,7 +48,7 @@ def from_wire(route: Route, body: dict[str, Any]) -> dict[str, Any]:
 STRUCTURED_OUTPUTS_KEYS = {"json": "json_schema", "json_object": "json_object", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 GUIDED_FIELDS = {f"guided_{key}": key for key in ("json", "regex", "choice", "grammar")}
 # structured_outputs keys vLLM clients send that change nothing here: there is one backend, no
-# fallback, and JSON is always generated without optional whitespace. Any other key is refused.
+# fallback, and JSON is always written as json.dumps writes it. Any other key is refused.
 STRUCTURED_OUTPUTS_IGNORED = ("backend", "disable_fallback", "disable_any_whitespace")
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")  # OpenAI's
 # where each form's constraint lies in the SDK's response_format (SDK errors name these paths)

@@ -29,7 +29,7 @@ class StructuredOutput:
 
     The engine guarantees the text by masking every token the constraint does not allow;
     a completion cut short by ``max_tokens`` or a stop string ends mid-structure (finish
-    reason ``length`` / ``stop``). JSON is generated without optional whitespace.
+    reason ``length`` / ``stop``). JSON is written as ``json.dumps`` writes it: ``", "`` and ``": "`` between items, no other whitespace.
 
     Raises:
         ParameterError: not exactly one form, a value of the wrong type, or past its size

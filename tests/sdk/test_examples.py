@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -14,7 +15,10 @@ EXAMPLES = {
     "async_app.py": "hash chain intact",
     "langchain_agent.py": "prompt tokens from the cache",
     "llamaindex_rag.py": "source (",
+    "agent_tools.py": "4 of 4 sessions finished",
 }
+# NOTE: a tool call needs more than 4 tokens: the agent's replies get room for whole calls.
+ARGS = {"agent_tools.py": ["--max-tokens", "48"]}
 
 
 def test_examples_run_to_completion(tmp_path):
@@ -24,7 +28,7 @@ def test_examples_run_to_completion(tmp_path):
     for name in EXAMPLES:
         log = (tmp_path / f"{name}.log").open("w")
         procs[name] = subprocess.Popen(
-            [sys.executable, str(ROOT / "examples" / name), "--max-tokens", "4"],
+            [sys.executable, str(ROOT / "examples" / name), *ARGS.get(name, ["--max-tokens", "4"])],
             cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
     deadline = time.monotonic() + 600
@@ -34,3 +38,5 @@ def test_examples_run_to_completion(tmp_path):
         output = (tmp_path / f"{name}.log").read_text()
         assert procs[name].returncode == 0, f"{name} failed:\n{output[-3000:]}"
         assert marker in output, f"{name} did not print {marker!r}:\n{output[-3000:]}"
+    calls = re.search(r"(\d+) tool calls made", (tmp_path / "agent_tools.py.log").read_text())
+    assert calls and int(calls.group(1)) >= 4, "each of the 4 agent sessions calls a tool on its first step"

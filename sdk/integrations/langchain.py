@@ -248,6 +248,12 @@ class PagedChat(_PagedParams, BaseChatModel):
             chat.with_structured_output(Joke).invoke("Tell me a joke")  # a Joke: the engine masks any other text
             chat.invoke("Tell me a joke", response_format=Joke).content  # its JSON
 
+    Tool calling:
+        .. code-block:: python
+
+            reply = chat.bind_tools([get_weather], tool_choice="required").invoke("Weather in Paris?")
+            reply.tool_calls  # [{"name": "get_weather", "args": {"city": "Paris"}, "id": ..., "type": "tool_call"}]
+
     Every instance with the same ``model`` and ``engine_config`` shares one engine, so
     concurrent calls with one system prompt compute its KV once. Responses carry
     ``usage_metadata`` (``input_token_details.cache_read`` = prompt tokens from the cache)

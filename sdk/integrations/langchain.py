@@ -4,8 +4,9 @@ Both run through an SDK client, on an in-process engine (the adapter's own, or t
 the ``runtime`` it is given) or, with ``base_url``, on a remote OpenAI-compatible one, so
 hooks and audit apply to every call.
 Structured output is the engine's constraint: ``PagedChat.with_structured_output`` or a
-per-call ``response_format`` (any spelling ``sdk.response_format`` takes). Tool calling and
-multimodal inputs are not supported.
+per-call ``response_format`` (any spelling ``sdk.response_format`` takes). Tool calls
+(``PagedChat.bind_tools``) are the SDK's: a forced choice is held to valid calls by the engine.
+Multimodal inputs are not supported.
 """
 
 from __future__ import annotations
@@ -24,10 +25,13 @@ try:
     from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage, SystemMessage, ToolMessage
     from langchain_core.messages import ChatMessage as LCChatMessage
     from langchain_core.messages.ai import UsageMetadata
+    from langchain_core.messages.tool import tool_call_chunk
     from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
+    from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
     from langchain_core.outputs import ChatGenerationChunk, ChatResult, GenerationChunk, LLMResult
     from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
-    from langchain_core.utils.function_calling import convert_to_json_schema
+    from langchain_core.tools import BaseTool
+    from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
     from langchain_core.utils.pydantic import is_basemodel_subclass
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("sdk.integrations.langchain needs langchain-core: pip install 'paged[langchain]'") from exc
@@ -38,6 +42,7 @@ from sdk.fields import REQUEST_KNOBS, SAMPLING_FIELDS, SAMPLING_KNOBS, field, sa
 from sdk.hooks import Hook
 from sdk.runtime import Runtime
 from sdk.sync import Client
+from sdk.tools import ToolCall, new_call_id
 from sdk.types import ChatMessage, Delta
 
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -45,8 +50,10 @@ PROVIDER = "paged"
 # NOTE: LangChain chat models return one generation per call (batch() for more): n is not a knob here.
 _UNSUPPORTED = {"n"}
 _KNOBS = [name for name in SAMPLING_FIELDS if name not in _UNSUPPORTED]
-_PER_CALL = {*_KNOBS, "request_id", "priority", "cache_salt", "timeout", "response_format"}
+_PER_CALL = frozenset({*_KNOBS, "request_id", "priority", "cache_salt", "timeout", "response_format"})
+_TOOL_OPTIONS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
 _Chunk = TypeVar("_Chunk", ChatGenerationChunk, GenerationChunk)
+_CALL_BLOCKS = {"tool_use", "tool_call"}  # an AI message's calls as content blocks (Anthropic's, LangChain's)
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool", "user": "user", "assistant": "assistant"}
 
 
@@ -101,6 +108,7 @@ class _PagedParams(_SamplingKnobs):  # type: ignore[misc, valid-type]
         return self
 
     _route: ClassVar[str] = "langchain"
+    _per_call: ClassVar[frozenset[str]] = _PER_CALL
 
     @property
     def client(self) -> Client:
@@ -123,7 +131,7 @@ class _PagedParams(_SamplingKnobs):  # type: ignore[misc, valid-type]
     def _options(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
         if kwargs.get("model") not in (None, self.model):
             raise ValueError("a per-call model override is not supported; create another adapter for that model")
-        unknown = set(kwargs) - _PER_CALL - {"model"}
+        unknown = set(kwargs) - self._per_call - {"model"}
         if unknown:
             raise ValueError(f"unsupported argument(s): {', '.join(sorted(unknown))}")
         options: dict[str, Any] = {name: getattr(self, name) for name in _KNOBS}
@@ -144,7 +152,8 @@ class _PagedParams(_SamplingKnobs):  # type: ignore[misc, valid-type]
 
 
 def to_sdk_messages(messages: Sequence[BaseMessage]) -> list[ChatMessage]:
-    """LangChain messages as SDK messages; non-text content blocks are refused (no multimodal input)."""
+    """LangChain messages as SDK messages, with an AI message's tool calls and a tool result's call id;
+    non-text content blocks are refused (no multimodal input)."""
     out = []
     for message in messages:
         if isinstance(message, LCChatMessage):
@@ -162,10 +171,17 @@ def to_sdk_messages(messages: Sequence[BaseMessage]) -> list[ChatMessage]:
                     parts.append(block)
                 elif block.get("type") == "text":
                     parts.append(block["text"])
+                elif block.get("type") in _CALL_BLOCKS and isinstance(message, AIMessage):
+                    continue  # the same call is in message.tool_calls
                 else:
                     raise ValueError(f"unsupported content block type {block.get('type')!r}: text only")
             content = "".join(parts)
-        out.append(ChatMessage(role=role, content=content, name=message.name))  # type: ignore[arg-type]
+        calls = None
+        if isinstance(message, AIMessage) and message.tool_calls:
+            calls = [ToolCall(id=c.get("id") or new_call_id(), name=c["name"], arguments=c["args"]) for c in message.tool_calls]
+        call_id = message.tool_call_id if isinstance(message, ToolMessage) else None
+        out.append(ChatMessage(role=role, content=None if calls and not content else content, name=message.name,  # type: ignore[arg-type]
+                               tool_calls=calls, tool_call_id=call_id))  # fmt: skip
     return out
 
 
@@ -236,6 +252,12 @@ class PagedChat(_PagedParams, BaseChatModel):
             chat.with_structured_output(Joke).invoke("Tell me a joke")  # a Joke: the engine masks any other text
             chat.invoke("Tell me a joke", response_format=Joke).content  # its JSON
 
+    Tool calling:
+        .. code-block:: python
+
+            reply = chat.bind_tools([get_weather], tool_choice="required").invoke("Weather in Paris?")
+            reply.tool_calls  # [{"name": "get_weather", "args": {"city": "Paris"}, "id": ..., "type": "tool_call"}]
+
     Concurrent calls with one system prompt compute its KV once; instances given one
     ``runtime=`` share its engine and prefix cache. Responses carry
     ``usage_metadata`` (``input_token_details.cache_read`` = prompt tokens from the cache)
@@ -244,6 +266,8 @@ class PagedChat(_PagedParams, BaseChatModel):
 
     streaming: bool = False
     """Stream tokens to callbacks during ``invoke`` (LangChain's convention)."""
+
+    _per_call: ClassVar[frozenset[str]] = _PER_CALL | _TOOL_OPTIONS
 
     @property
     def _llm_type(self) -> str:
@@ -264,8 +288,10 @@ class PagedChat(_PagedParams, BaseChatModel):
     def _to_chunk(self, delta: Delta) -> ChatGenerationChunk:
         # NOTE: as ChatOpenAI does, logprobs ride in response_metadata; merging chunks concatenates them.
         logprobs = {"logprobs": {"content": [t.model_dump() for t in delta.logprobs]}} if delta.logprobs else {}
+        # NOTE: merging chunks joins the fragments of each call index into the message's tool_calls.
+        calls = [tool_call_chunk(name=c.name, args=c.arguments, id=c.id, index=c.index) for c in delta.tool_calls or ()]
         if delta.finish_reason is None:
-            message = AIMessageChunk(content=delta.text, id=delta.request_id, response_metadata=logprobs)
+            message = AIMessageChunk(content=delta.text, id=delta.request_id, tool_call_chunks=calls, response_metadata=logprobs)
             return ChatGenerationChunk(message=message)
         assert delta.usage is not None
         usage = UsageMetadata(
@@ -277,8 +303,8 @@ class PagedChat(_PagedParams, BaseChatModel):
         metadata = {"finish_reason": delta.finish_reason, "model_name": self.aclient.model_name,
                     "model_provider": PROVIDER, **logprobs}  # fmt: skip
         message = AIMessageChunk(
-            content=delta.text, id=delta.request_id, usage_metadata=usage, response_metadata=metadata,
-            chunk_position="last",
+            content=delta.text, id=delta.request_id, tool_call_chunks=calls, usage_metadata=usage,
+            response_metadata=metadata, chunk_position="last",
         )  # fmt: skip
         return ChatGenerationChunk(message=message, generation_info={"finish_reason": delta.finish_reason})
 
@@ -322,6 +348,36 @@ class PagedChat(_PagedParams, BaseChatModel):
     ) -> ChatResult:
         return await agenerate_from_stream(self._astream(messages, stop, run_manager, **kwargs))
 
+    def bind_tools(
+        self,
+        tools: Sequence[dict[str, Any] | type | Callable[..., Any] | BaseTool],
+        *,
+        tool_choice: dict[str, Any] | str | bool | None = None,
+        parallel_tool_calls: bool | None = None,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
+        """This model with ``tools`` offered on every call; replies carry ``tool_calls``.
+
+        Args:
+            tools: ``BaseTool``s, ``@tool`` functions, pydantic classes, OpenAI tool dicts or
+                typed callables (``convert_to_openai_tool``).
+            tool_choice: ``"auto"`` (None, the default: text or calls), ``"none"``,
+                ``"required"`` / ``"any"`` (at least one call), a tool's name or
+                ``{"type": "function", "function": {"name": ...}}`` (one call of that tool), or
+                True (one call of the only tool). A forced choice is held to valid calls by the engine.
+            parallel_tool_calls: False = at most one call per reply (default: several may follow).
+            strict: Passed to ``convert_to_openai_tool``; constrained calls always follow the schema.
+            kwargs: Per-call options bound to every call (``max_tokens``, ``temperature``...).
+        """
+        formatted = [convert_to_openai_tool(t, strict=strict) for t in tools]
+        if tool_choice is not None and tool_choice is not False:
+            kwargs["tool_choice"] = _tool_choice(tool_choice, [t["function"]["name"] for t in formatted])
+        if parallel_tool_calls is not None:
+            kwargs["parallel_tool_calls"] = parallel_tool_calls
+        self._options(None, kwargs)  # refuses unknown options here rather than on the first call
+        return self.bind(tools=formatted, **kwargs)
+
     def with_structured_output(
         self,
         schema: dict[str, Any] | type | None = None,
@@ -339,8 +395,8 @@ class PagedChat(_PagedParams, BaseChatModel):
             method: ``"json_schema"``: the reply is constrained to ``schema``.
                 ``"json_mode"``: the reply is constrained to be a JSON object; ``schema`` only
                 shapes parsing, so the prompt must ask for its fields.
-                ``"function_calling"``: the same constraint as ``json_schema`` (tool calling
-                is not supported).
+                ``"function_calling"``: ``schema`` is bound as the one tool, its call forced;
+                the result is the call's arguments (the raw reply is a tool-call message).
             include_raw: Return ``{"raw": AIMessage, "parsed": ..., "parsing_error": ...}``; a
                 reply that does not parse (cut short by ``max_tokens``) then sets ``parsing_error``
                 instead of raising.
@@ -351,27 +407,43 @@ class PagedChat(_PagedParams, BaseChatModel):
         it validates).
         """
         del strict  # the engine's constraint is always strict
-        if method == "json_mode":
-            response_format: dict[str, Any] = {"type": "json_object"}
-        elif method in ("json_schema", "function_calling"):
-            if schema is None:
-                raise ValueError(f"method={method!r} needs a schema; only method='json_mode' takes none")
-            response_format = convert_to_json_schema(schema)
-        else:
+        if method not in ("json_schema", "json_mode", "function_calling"):
             raise ValueError(f"unknown method {method!r}: use 'json_schema', 'json_mode' or 'function_calling'")
-        self._options(None, kwargs)  # refuses unknown options here rather than on the first call
-        llm = self.bind(
-            response_format=response_format,
-            ls_structured_output_format={"kwargs": {"method": method}, "schema": schema},
-            **kwargs,
-        )
+        if schema is None and method != "json_mode":
+            raise ValueError(f"method={method!r} needs a schema; only method='json_mode' takes none")
         is_pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
-        parser = PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()
+        traced = {"ls_structured_output_format": {"kwargs": {"method": method}, "schema": schema}}
+        parser: Runnable[Any, Any]
+        if method == "function_calling":
+            name = convert_to_openai_tool(schema)["function"]["name"]  # type: ignore[arg-type]
+            llm = self.bind_tools([schema], tool_choice=name, parallel_tool_calls=False, **kwargs).bind(**traced)  # type: ignore[list-item]
+            parser = (
+                PydanticToolsParser(tools=[schema], first_tool_only=True)  # type: ignore[list-item]
+                if is_pydantic else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True)
+            )  # fmt: skip
+        else:
+            response_format = {"type": "json_object"} if method == "json_mode" else convert_to_json_schema(schema)  # type: ignore[arg-type]
+            self._options(None, kwargs)  # refuses unknown options here rather than on the first call
+            llm = self.bind(response_format=response_format, **traced, **kwargs)
+            parser = PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()  # type: ignore[arg-type]
         if not include_raw:
             return llm | parser
         parse = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
         no_parse = RunnablePassthrough.assign(parsed=lambda _: None)
         return RunnableMap(raw=llm) | parse.with_fallbacks([no_parse], exception_key="parsing_error")
+
+
+def _tool_choice(choice: dict[str, Any] | str | bool, names: list[str]) -> dict[str, Any] | str:
+    """LangChain's tool-choice spellings as the SDK's (``sdk.tools.to_tool_choice`` checks the result)."""
+    if choice is True:
+        if len(names) != 1:
+            raise ValueError(f"tool_choice=True needs exactly one tool; got {len(names)}")
+        choice = names[0]
+    if choice == "any":
+        return "required"
+    if isinstance(choice, str) and choice not in ("auto", "none", "required"):
+        return {"type": "function", "function": {"name": choice}}
+    return choice  # type: ignore[return-value]
 
 
 class PagedLLM(_PagedParams, LLM):

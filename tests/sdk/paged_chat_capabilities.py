@@ -6,7 +6,8 @@ from sdk.integrations.langchain import PagedChat
 
 
 class PagedChatCapabilities:
-    """Structured output (JSON schema and JSON mode) and usage metadata are on; tools and image inputs are off."""
+    """Tool calling (with tool_choice), structured output (JSON schema and JSON mode) and usage
+    metadata are on; image inputs are off."""
 
     @property
     def chat_model_class(self) -> type[PagedChat]:
@@ -14,7 +15,11 @@ class PagedChatCapabilities:
 
     @property
     def has_tool_calling(self) -> bool:
-        return False
+        return True
+
+    @property
+    def has_tool_choice(self) -> bool:
+        return True
 
     @property
     def has_structured_output(self) -> bool:

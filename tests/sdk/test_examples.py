@@ -17,8 +17,10 @@ EXAMPLES = {
     "llamaindex_rag.py": "source (",
     "shared_runtime.py": "one engine for both clients: True",
     "llamaindex_agent.py": "agent finished",
+    "agent_tools.py": "4 of 4 sessions finished",
 }
-MAX_TOKENS = {"llamaindex_agent.py": 48}  # room for a whole tool call
+# NOTE: a tool call needs more than 4 tokens: the agents' replies get room for whole calls.
+ARGS = {"llamaindex_agent.py": ["--max-tokens", "48"], "agent_tools.py": ["--max-tokens", "48"]}
 
 
 def test_examples_run_to_completion(tmp_path):
@@ -28,7 +30,7 @@ def test_examples_run_to_completion(tmp_path):
     for name in EXAMPLES:
         log = (tmp_path / f"{name}.log").open("w")
         procs[name] = subprocess.Popen(
-            [sys.executable, str(ROOT / "examples" / name), "--max-tokens", str(MAX_TOKENS.get(name, 4))],
+            [sys.executable, str(ROOT / "examples" / name), *ARGS.get(name, ["--max-tokens", "4"])],
             cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
     deadline = time.monotonic() + 600
@@ -41,3 +43,5 @@ def test_examples_run_to_completion(tmp_path):
     agent = (tmp_path / "llamaindex_agent.py.log").read_text()
     calls = re.search(r"agent finished: (\d+) tool calls", agent)
     assert calls and int(calls.group(1)) >= 2 and "-> error" not in agent, agent  # a good call per question
+    calls = re.search(r"(\d+) tool calls made", (tmp_path / "agent_tools.py.log").read_text())
+    assert calls and int(calls.group(1)) >= 4, "each of the 4 agent sessions calls a tool on its first step"

@@ -81,8 +81,16 @@ async def test_typeddict_and_json_schemas_give_valid_dicts(chat, schema):
     assert [c async for c in structured.astream("Describe a pet.")][-1] == result
 
 
-def test_function_calling_is_served_by_the_schema_constraint(chat):
-    assert isinstance(chat.with_structured_output(Pet, method="function_calling").invoke("A pet?"), Pet)
+@pytest.mark.parametrize("schema", [Pet, PET_SCHEMA], ids=["pydantic", "json_schema"])
+async def test_function_calling_forces_the_schemas_tool(chat, schema):
+    """The reply is one call of the schema's tool; the result is its arguments, on invoke and stream."""
+    out = await chat.with_structured_output(schema, method="function_calling", include_raw=True).ainvoke("A pet?")
+    calls = out["raw"].tool_calls
+    assert len(calls) == 1 and calls[0]["name"] == ("Pet" if schema is Pet else "pet")
+    assert out["raw"].response_metadata["finish_reason"] == "tool_calls" and out["parsing_error"] is None
+    assert out["parsed"] == (Pet(**calls[0]["args"]) if schema is Pet else calls[0]["args"])
+    structured = chat.with_structured_output(schema, method="function_calling")
+    assert [c async for c in structured.astream("A pet?")][-1] == out["parsed"]
 
 
 def test_json_mode_gives_a_json_object(chat):
@@ -115,7 +123,7 @@ def test_bad_arguments_are_refused_when_binding(chat):
     with pytest.raises(ValueError, match="unknown method"):
         chat.with_structured_output(Pet, method="xml")
     with pytest.raises(ValueError, match="unsupported argument"):
-        chat.with_structured_output(Pet, tools=[])
+        chat.with_structured_output(Pet, functions=[])
 
 
 # --- LlamaIndex ---------------------------------------------------------------------------

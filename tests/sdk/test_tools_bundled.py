@@ -140,6 +140,7 @@ async def test_auto_gives_text_or_valid_calls(client):
 async def test_a_six_turn_agent_conversation_computes_only_each_turns_new_tokens(client):
     """Calls, tool results and answers re-sent each turn: from turn 2 on, each turn computes at most its
     new prompt tokens plus two blocks."""
+    await client.start()
     history = [ChatMessage(role="system", content=SYSTEM)]
     asks = ["What's the weather in Oslo?", "Convert 120 EUR to USD.", "Find mugs under 30 in kitchen."]
     previous_prompt = 0

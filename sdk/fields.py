@@ -71,9 +71,6 @@ def sampling_fields(
 def invalid_request(exc: ValidationError) -> InvalidRequestError:
     """A pydantic validation error as ``InvalidRequestError`` naming the first field at fault (no input echoed)."""
     first = exc.errors(include_url=False, include_input=False)[0]
-    cause = first.get("ctx", {}).get("error")
-    if not first["loc"] and isinstance(cause, InvalidRequestError):
-        return cause  # a model-level check, which names the field at fault itself
     loc: list[str] = []
     for part in first["loc"]:
         if isinstance(part, str) and not part.isidentifier():

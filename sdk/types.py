@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, computed_field, create_model, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, computed_field, create_model, field_validator
 
-from sdk.errors import InvalidRequestError
 from sdk.fields import REQUEST_KNOBS, SAMPLING_FIELDS, field, sampling_fields
 from sdk.response_format import ResponseFormat, to_response_format
 from sdk.tools import ToolCall, ToolCallDelta, ToolChoice, ToolSpec, to_tools
@@ -26,23 +25,35 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    # NOTE: checked in this order, each field against those before it, so an error's loc is its field.
     role: Role
-    content: str | None = None
-    name: str | None = None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: list[ToolCall] | None = Field(default=None, validate_default=True)
     """The calls an assistant message made (``ChatResult.message`` carries them)."""
-    tool_call_id: str | None = None
+    tool_call_id: str | None = Field(default=None, validate_default=True)
     """The call a tool message answers."""
+    content: str | None = Field(default=None, validate_default=True)
+    name: str | None = None
 
-    @model_validator(mode="after")
-    def _check_shape(self) -> ChatMessage:
-        if self.tool_calls and self.role != "assistant":
-            raise InvalidRequestError(f"tool_calls: only assistant messages make calls, not {self.role}", param="tool_calls")
-        if self.role == "tool" and not self.tool_call_id:
-            raise InvalidRequestError("tool_call_id: a tool message needs the id of the call it answers", param="tool_call_id")
-        if self.content is None and not self.tool_calls:
-            raise InvalidRequestError("content: a message needs content (or, from the assistant, tool_calls)", param="content")
-        return self
+    @field_validator("tool_calls")
+    @classmethod
+    def _only_assistants_call(cls, calls: list[ToolCall] | None, info: ValidationInfo) -> list[ToolCall] | None:
+        if calls and info.data.get("role", "assistant") != "assistant":
+            raise ValueError(f"only assistant messages make calls, not {info.data['role']}")
+        return calls
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_results_name_their_call(cls, call_id: str | None, info: ValidationInfo) -> str | None:
+        if info.data.get("role") == "tool" and not call_id:
+            raise ValueError("a tool message needs the id of the call it answers")
+        return call_id
+
+    @field_validator("content")
+    @classmethod
+    def _content_or_calls(cls, content: str | None, info: ValidationInfo) -> str | None:
+        if content is None and not info.data.get("tool_calls") and "role" in info.data:
+            raise ValueError("a message needs content (or, from the assistant, tool_calls)")
+        return content
 
 
 class _SamplingBase(BaseModel):

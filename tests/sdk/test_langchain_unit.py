@@ -116,12 +116,12 @@ END = " END"  # one token: the fake engine does not hold back a stop sequence sp
 
 
 @pytest.fixture
-def script(shared_fake, tokenizer):
+def script(fake_engine, tokenizer):
     """``script(*calls)``: the fake engine replies 'Sure.' and these calls, then END (a stop sequence: it ends as 'stop')."""
 
     def set_script(*calls: ToolCall) -> None:
         text = "Sure." + "".join(map(format_call, calls)) + END
-        shared_fake.script_ids = tokenizer.encode(text, add_special_tokens=False)
+        fake_engine.script_ids = tokenizer.encode(text, add_special_tokens=False)
 
     return set_script
 
@@ -130,9 +130,9 @@ ADD = ToolCall(name="add", arguments={"a": 1, "b": 2})
 PARIS = ToolCall(name="Weather", arguments={"city": "Paris"})
 
 
-def test_bind_tools_binds_openai_tools_and_choice(shared_fake):
+def test_bind_tools_binds_openai_tools_and_choice(fake_runtime):
     """Every tool spelling becomes an OpenAI tool; LangChain's tool-choice spellings become the SDK's."""
-    chat = PagedChat()
+    chat = PagedChat(runtime=fake_runtime)
     bound = chat.bind_tools([add, Weather, {"name": "noop", "parameters": {"type": "object", "properties": {}}}])
     assert [t["function"]["name"] for t in bound.kwargs["tools"]] == ["add", "Weather", "noop"]
     assert "tool_choice" not in bound.kwargs
@@ -159,10 +159,10 @@ def test_tool_turns_become_sdk_messages():
     assert (result.role, result.content, result.tool_call_id) == ("tool", "3", "c1")
 
 
-def test_replies_and_streams_carry_tool_calls(script):
+def test_replies_and_streams_carry_tool_calls(script, fake_runtime):
     """invoke() parses calls into tool_calls; stream() chunks add up to the same calls."""
     script(ADD, PARIS)
-    chat = PagedChat(stop=[END]).bind_tools([add, Weather])
+    chat = PagedChat(runtime=fake_runtime, stop=[END]).bind_tools([add, Weather])
     reply = chat.invoke("Add 1 and 2, and the weather in Paris?")
     assert reply.content == "Sure." and reply.response_metadata["finish_reason"] == "tool_calls"
     assert [(c["name"], c["args"], c["type"]) for c in reply.tool_calls] == [
@@ -175,10 +175,10 @@ def test_replies_and_streams_carry_tool_calls(script):
     assert full.response_metadata["finish_reason"] == "tool_calls"
 
 
-async def test_structured_output_by_function_calling(script):
+async def test_structured_output_by_function_calling(script, fake_runtime):
     """method='function_calling' forces the schema's tool and returns its first call's arguments."""
     script(PARIS, PARIS)
-    chat = PagedChat(stop=[END])
+    chat = PagedChat(runtime=fake_runtime, stop=[END])
     weather = chat.with_structured_output(Weather, method="function_calling")
     assert weather.first.kwargs["tool_choice"] == {"type": "function", "function": {"name": "Weather"}}
     assert weather.first.kwargs["parallel_tool_calls"] is False

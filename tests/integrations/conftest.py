@@ -32,6 +32,19 @@ class LiveServer:
     def root(self) -> str:
         return f"http://{LOOPBACK}:{self.port}"
 
+    @property
+    def model_name(self) -> str:
+        """The model id the server serves."""
+        from integrations.openai_server.state import STATE
+
+        return self.app[STATE].serving.model_name
+
+    def openai(self, api_key: str) -> Any:
+        """The official (sync) openai client for this server."""
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url, api_key=api_key, max_retries=0, timeout=60)
+
     def call(self, coro: Any, timeout: float = 60.0) -> Any:
         """Run a coroutine on the server's loop and wait for it."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)

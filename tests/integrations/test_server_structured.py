@@ -16,7 +16,6 @@ import pytest
 from pydantic import BaseModel, Field
 
 from integrations.openai_server.app import create_app
-from integrations.openai_server.state import STATE
 
 KEY = "sk-structured"
 ENGINE_CONFIG = dict(num_blocks=256, block_size=16, max_num_seqs=16, max_num_batched_tokens=512, max_model_len=512)
@@ -49,14 +48,6 @@ def server(tiny_model_factory):
     live = LiveServer(create_app(str(tiny_model_factory("llama")), api_key=KEY, **ENGINE_CONFIG)).start()
     yield live
     live.stop()
-
-
-def _model(server) -> str:
-    return server.app[STATE].serving.model_name
-
-
-def _client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=60)
 
 
 def _schema_ok(text: str) -> bool:
@@ -96,9 +87,9 @@ SPELLINGS: list[tuple[dict[str, Any], Callable[[str], bool]]] = [
 @pytest.mark.parametrize(("fields", "check"), SPELLINGS, ids=lambda v: str(v)[:40])
 def test_every_spelling_constrains_chat_and_completions(server, fields, check):
     """Each spelling holds on both routes, with the official client (vLLM's fields through extra_body)."""
-    client = _client(server)
+    client = server.openai(KEY)
     openai_field = "response_format" in fields
-    kwargs: dict[str, Any] = dict(model=_model(server), max_tokens=120, temperature=1.0, seed=2)  # a seed whose JSON objects close
+    kwargs: dict[str, Any] = dict(model=server.model_name, max_tokens=120, temperature=1.0, seed=2)  # a seed whose JSON objects close
     chat_kwargs = dict(kwargs, response_format=fields["response_format"]) if openai_field else dict(kwargs, extra_body=fields)
     chat = client.chat.completions.create(messages=MESSAGES, **chat_kwargs).choices[0]
     assert chat.finish_reason == "stop" and check(chat.message.content)
@@ -108,8 +99,8 @@ def test_every_spelling_constrains_chat_and_completions(server, fields, check):
 
 def test_parse_returns_the_model_instance(server):
     """openai's parse() sends a strict json_schema and parses the reply into the pydantic class."""
-    out = _client(server).chat.completions.parse(
-        model=_model(server), messages=MESSAGES, response_format=Person, max_tokens=200, temperature=0.8, seed=2
+    out = server.openai(KEY).chat.completions.parse(
+        model=server.model_name, messages=MESSAGES, response_format=Person, max_tokens=200, temperature=0.8, seed=2
     )
     message = out.choices[0].message
     assert isinstance(message.parsed, Person)
@@ -118,15 +109,15 @@ def test_parse_returns_the_model_instance(server):
 
 def test_streams_join_to_valid_output(server):
     """Streamed deltas of a constrained chat (create and the stream helper) and completion join to valid output."""
-    client = _client(server)
+    client = server.openai(KEY)
     fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}}
-    chunks = client.chat.completions.create(model=_model(server), messages=MESSAGES, response_format=fmt, max_tokens=120, stream=True)
+    chunks = client.chat.completions.create(model=server.model_name, messages=MESSAGES, response_format=fmt, max_tokens=120, stream=True)
     assert _schema_ok("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
-    with client.chat.completions.stream(model=_model(server), messages=MESSAGES, response_format=Person, max_tokens=200) as stream:
+    with client.chat.completions.stream(model=server.model_name, messages=MESSAGES, response_format=Person, max_tokens=200) as stream:
         final = stream.get_final_completion()
     assert isinstance(final.choices[0].message.parsed, Person)
     chunks = client.completions.create(
-        model=_model(server), prompt="Code:", max_tokens=20, stream=True, extra_body={"structured_outputs": {"regex": REGEX}}
+        model=server.model_name, prompt="Code:", max_tokens=20, stream=True, extra_body={"structured_outputs": {"regex": REGEX}}
     )
     assert _regex_ok("".join(c.choices[0].text for c in chunks))
 
@@ -165,7 +156,7 @@ async def test_bad_constraints_are_400_naming_the_wire_field(server, fields, par
 def test_the_official_client_raises_bad_request(server):
     """The same refusal reaches openai's client as BadRequestError with the body's param."""
     with pytest.raises(openai.BadRequestError) as err:
-        _client(server).chat.completions.create(model=_model(server), messages=MESSAGES, extra_body={"guided_regex": "[a-"})
+        server.openai(KEY).chat.completions.create(model=server.model_name, messages=MESSAGES, extra_body={"guided_regex": "[a-"})
     assert err.value.body["param"] == "guided_regex" and "regex" in err.value.body["message"]
 
 

@@ -9,7 +9,6 @@ import json
 from typing import Any
 
 import jsonschema
-import openai
 import pytest
 
 from integrations.openai_server.app import create_app
@@ -59,14 +58,6 @@ def server(tiny_model_factory):
     live.stop()
 
 
-def _model(server) -> str:
-    return server.app[STATE].serving.model_name
-
-
-def _client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=60)
-
-
 def _valid(name: str, arguments: dict[str, Any]) -> bool:
     jsonschema.validate(arguments, SCHEMAS[name])
     return True
@@ -74,10 +65,10 @@ def _valid(name: str, arguments: dict[str, Any]) -> bool:
 
 def test_required_gives_calls_valid_against_their_schemas(server):
     """tool_choice="required": replies are calls whose JSON arguments validate; one that ends by itself has null content."""
-    client = _client(server)
+    client = server.openai(KEY)
     finish_reasons = []
     for seed in range(4):
-        choice = client.chat.completions.create(model=_model(server), messages=MESSAGES, tool_choice="required", seed=seed, **CALLS).choices[0]
+        choice = client.chat.completions.create(model=server.model_name, messages=MESSAGES, tool_choice="required", seed=seed, **CALLS).choices[0]
         # NOTE: parallel calls may go on until max_tokens (random weights); the call cut short is left out
         finish_reasons.append(choice.finish_reason)
         assert choice.finish_reason in ("tool_calls", "length") and choice.message.tool_calls
@@ -91,21 +82,21 @@ def test_required_gives_calls_valid_against_their_schemas(server):
 
 def test_named_choice_and_no_parallel_calls(server):
     """A named tool_choice calls only that tool; parallel_tool_calls=False makes exactly one call."""
-    client = _client(server)
+    client = server.openai(KEY)
     named = {"type": "function", "function": {"name": "book"}}
     for seed in range(2):
-        out = client.chat.completions.create(model=_model(server), messages=MESSAGES, tool_choice=named, seed=seed, **CALLS)
+        out = client.chat.completions.create(model=server.model_name, messages=MESSAGES, tool_choice=named, seed=seed, **CALLS)
         assert [c.function.name for c in out.choices[0].message.tool_calls] == ["book"]
         single = client.chat.completions.create(
-            model=_model(server), messages=MESSAGES, tool_choice="required", parallel_tool_calls=False, seed=seed, **CALLS
+            model=server.model_name, messages=MESSAGES, tool_choice="required", parallel_tool_calls=False, seed=seed, **CALLS
         )
         assert len(single.choices[0].message.tool_calls) == 1
 
 
 def test_streamed_deltas_assemble_into_the_non_streamed_calls(server):
     """Streamed delta.tool_calls (id, type and name first, then argument fragments by index) join to the same calls."""
-    client = _client(server)
-    kwargs = dict(model=_model(server), messages=MESSAGES, tool_choice="required", seed=2, **CALLS)
+    client = server.openai(KEY)
+    kwargs = dict(model=server.model_name, messages=MESSAGES, tool_choice="required", seed=2, **CALLS)
     whole = client.chat.completions.create(**kwargs).choices[0]
     assert whole.finish_reason == "tool_calls" and len(whole.message.tool_calls) > 1  # this seed's reply: 3 calls
     calls: dict[int, dict[str, Any]] = {}
@@ -128,13 +119,13 @@ def test_streamed_deltas_assemble_into_the_non_streamed_calls(server):
 
 def test_a_conversation_with_tool_turns_sent_back(server):
     """The assistant's tool_calls message (as the client returned it) and the tool results go back; the model answers."""
-    client = _client(server)
+    client = server.openai(KEY)
     messages: list[Any] = list(MESSAGES)
-    first = client.chat.completions.create(model=_model(server), messages=messages, tool_choice="required", seed=1, **CALLS)
+    first = client.chat.completions.create(model=server.model_name, messages=messages, tool_choice="required", seed=1, **CALLS)
     reply = first.choices[0].message
     messages.append(reply)
     messages += [{"role": "tool", "tool_call_id": c.id, "content": "done"} for c in reply.tool_calls]
-    second = client.chat.completions.create(model=_model(server), messages=messages, tools=TOOLS, tool_choice="none", max_tokens=5)
+    second = client.chat.completions.create(model=server.model_name, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=5)
     assert second.choices[0].finish_reason == "length" and second.choices[0].message.content
     assert second.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens // 2
 
@@ -143,7 +134,7 @@ def test_langchain_chat_openai_bind_tools(server):
     """ChatOpenAI(base_url=...).bind_tools(...) gets AIMessage.tool_calls with arguments valid for the named tool."""
     from langchain_openai import ChatOpenAI
 
-    chat = ChatOpenAI(model=_model(server), base_url=server.base_url, api_key=KEY, max_tokens=200, temperature=0.8, seed=2, max_retries=0)
+    chat = ChatOpenAI(model=server.model_name, base_url=server.base_url, api_key=KEY, max_tokens=200, temperature=0.8, seed=2, max_retries=0)
     reply = chat.bind_tools(TOOLS, tool_choice="book").invoke("Book a room for Ann.")
     assert [c["name"] for c in reply.tool_calls] == ["book"] and _valid("book", reply.tool_calls[0]["args"])
     reply = chat.bind_tools(TOOLS, tool_choice="required").invoke("Book a room for Ann.")
@@ -169,7 +160,7 @@ async def test_sdk_over_http_gets_typed_calls_streaming_too(server):
 
 def test_an_agent_conversation_resent_each_turn_computes_only_its_new_tokens(server):
     """A 6-turn agent loop re-sent whole each turn computes, from turn 2 on, at most its new prompt tokens plus two blocks."""
-    client = _client(server)
+    client = server.openai(KEY)
     serving = server.app[STATE].serving
     messages: list[Any] = [{"role": "system", "content": "You are a travel agent."}, *MESSAGES]
     previous: list[int] = []
@@ -177,7 +168,7 @@ def test_an_agent_conversation_resent_each_turn_computes_only_its_new_tokens(ser
     for turn in range(6):
         before = serving.stats()["prompt_tokens_computed"]
         out = client.chat.completions.create(
-            model=_model(server), messages=messages, tools=TOOLS, tool_choice="required" if turn < 5 else "none",
+            model=server.model_name, messages=messages, tools=TOOLS, tool_choice="required" if turn < 5 else "none",
             parallel_tool_calls=False, max_tokens=200 if turn < 5 else 8, temperature=0.8, seed=turn,
             extra_body={"return_token_ids": True},
         )  # fmt: skip

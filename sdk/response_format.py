@@ -94,7 +94,7 @@ ResponseFormat = Annotated[
 _ADAPTER: TypeAdapter[Any] = TypeAdapter(ResponseFormat)
 
 
-def is_model_class(value: Any) -> bool:
+def _is_model_class(value: Any) -> bool:
     """Whether ``value`` is a pydantic model class (a format whose replies are parsed into it)."""
     return isinstance(value, type) and issubclass(value, BaseModel)
 
@@ -107,7 +107,7 @@ def to_response_format(value: Any) -> Any:
     """
     if value is None or isinstance(value, _Format):
         return value
-    if is_model_class(value):
+    if _is_model_class(value):
         fmt = JsonSchemaFormat(json_schema=JsonSchemaSpec(name=value.__name__, schema=value.model_json_schema()))
         fmt._model = value
         return fmt

@@ -10,7 +10,12 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from sdk.fields import SAMPLING_FIELDS
+from pydantic import ValidationError
+
+from sdk.errors import InvalidRequestError
+from sdk.fields import SAMPLING_FIELDS, invalid_request
+from sdk.tools import ToolCallDelta
+from sdk.types import ChatMessage
 
 Route = Literal["chat", "completion"]
 
@@ -79,7 +84,6 @@ def format_from_wire(body: dict[str, Any]) -> tuple[Any, str | None]:
             more than one or a key it does not know, or ``response_format`` is not one of
             OpenAI's types; ``param`` names the field.
     """
-    from sdk.errors import InvalidRequestError
 
     found: list[tuple[str, Any]] = []
     response_format = body.get("response_format")
@@ -161,12 +165,6 @@ def message_from_wire(body: dict[str, Any]) -> Any:
         InvalidRequestError: not a message the SDK can take; ``param`` is the path inside the
             message (``content``, ``tool_call_id``, ``tool_calls.M.function.arguments`` ...).
     """
-    from pydantic import ValidationError
-
-    from sdk.errors import InvalidRequestError
-    from sdk.fields import invalid_request
-    from sdk.types import ChatMessage
-
     content = body.get("content")
     if isinstance(content, list):
         if any(part.get("type") != "text" or not isinstance(part.get("text"), str) for part in content):
@@ -209,7 +207,6 @@ def tool_call_delta_to_wire(delta: Any) -> dict[str, Any]:
 
 def tool_call_delta_from_wire(raw: dict[str, Any]) -> Any:
     """One entry of a streamed OpenAI ``delta.tool_calls`` as an ``sdk.tools.ToolCallDelta``."""
-    from sdk.tools import ToolCallDelta
 
     function = raw.get("function") or {}
     return ToolCallDelta(

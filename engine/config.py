@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from engine.errors import ParameterError
 from engine.knobs import check_knobs, knob
 
-DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # bytes
+DEFAULT_CPU_KV_CACHE_FRACTION = 0.3  # of the memory available at start-up, for the KV cache on CPU
+DEFAULT_CPU_KV_CACHE_MIN = 256 << 20  # bytes: the CPU default's floor
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.85  # fraction of free device memory for the KV cache
 
 
@@ -40,7 +41,10 @@ class EngineConfig:
     device: str = knob("auto", "auto = cuda when available, else cpu.", choices=("auto", "cpu", "cuda"))
     block_size: int = knob(16, "Tokens per KV cache block.", ge=1, le=1024)
     kv_cache_memory: int | None = knob(
-        None, "KV cache size in bytes; None = 1 GiB on CPU, 85% of free device memory on GPU (or num_blocks).",
+        None,
+        "KV cache size in bytes; None = 30% of the memory available at start-up on CPU (at least 256 MiB; "
+        "pages are committed as blocks fill; no more than max_num_seqs sequences of max_model_len fill), "
+        "85% of free device memory on GPU (or num_blocks).",
         ge=1, le=1 << 50, unit="bytes",
     )  # fmt: skip
     num_blocks: int | None = knob(None, "KV cache size in blocks, instead of kv_cache_memory.", ge=1, le=1 << 32)

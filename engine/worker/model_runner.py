@@ -3,14 +3,23 @@
 from __future__ import annotations
 
 import logging
+import math
+import os
 from pathlib import Path
+
+import numpy as np
 
 import torch
 from safetensors import safe_open
 
 from engine import cpu_kernels
 from engine.attention import CpuAttentionBackend, get_attention_backend
-from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig
+from engine.config import (
+    DEFAULT_CPU_KV_CACHE_FRACTION,
+    DEFAULT_CPU_KV_CACHE_MIN,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    EngineConfig,
+)
 from engine.core.scheduler_output import SchedulerOutput
 from engine.errors import ModelLoadError
 from engine.layers.attention import Attention
@@ -166,7 +175,10 @@ class ModelRunner:
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * DEFAULT_GPU_MEMORY_UTILIZATION)
         else:
-            budget = DEFAULT_CPU_KV_CACHE_MEMORY
+            budget = max(DEFAULT_CPU_KV_CACHE_MIN, int(available_cpu_memory() * DEFAULT_CPU_KV_CACHE_FRACTION))
+            # no more blocks than max_num_seqs sequences of max_model_len fill
+            most = self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
+            budget = min(budget, most * bytes_per_block)
         num_blocks = budget // bytes_per_block
         if num_blocks < 1:
             raise ValueError(f"a KV cache budget of {budget} bytes holds no block of {bytes_per_block} bytes")
@@ -177,7 +189,32 @@ class ModelRunner:
         shape = (
             len(self._attention_layers()), 2, self.num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim
         )
-        return torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)  # [L, 2, NB, BS, Hkv, D]
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)  # [L, 2, NB, BS, Hkv, D]
+        # calloc'd: the OS commits zero pages as blocks are first written, so a large default budget
+        # costs memory only as far as it is used
+        storage = np.zeros(math.prod(shape) * self.kv_cache_dtype.itemsize, dtype=np.uint8)
+        return torch.from_numpy(storage).view(self.kv_cache_dtype).view(shape)
+
+
+def available_cpu_memory() -> int:
+    """Bytes of memory this process can still take: the kernel's ``MemAvailable``, within the
+    cgroup's limit when one is set (a container)."""
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            available = min(available, max(0, int(limit) - used))
+    except (OSError, ValueError):
+        pass
+    return available
 
 
 def _iter_safetensors(files: list[Path]):

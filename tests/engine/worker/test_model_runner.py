@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from engine.config import DEFAULT_CPU_KV_CACHE_MIN, EngineConfig
+from engine.worker import model_runner
 from engine.core.scheduler_output import SchedulerOutput
 from engine.errors import ModelLoadError
 from engine.worker.model_runner import ModelRunner, resolve_dtypes
@@ -14,14 +15,37 @@ from engine.worker.model_runner import ModelRunner, resolve_dtypes
 BYTES_PER_TOKEN_F32 = 2 * 2 * 2 * 16 * 4
 
 
-def test_auto_settings_and_exposed_attributes(tiny_model_factory) -> None:
-    """auto resolves to CPU float32; the default budget is 1 GiB; the runner exposes the model's limits."""
-    runner = ModelRunner(EngineConfig(), tiny_model_factory("llama"))
+def test_auto_settings_and_exposed_attributes(tiny_model_factory, monkeypatch) -> None:
+    """auto resolves to CPU float32; the default budget is 30% of the available memory; the runner exposes
+    the model's limits."""
+    monkeypatch.setattr(model_runner, "available_cpu_memory", lambda: 2 << 30)
+    runner = ModelRunner(EngineConfig(max_num_seqs=1024), tiny_model_factory("llama"))
     assert runner.device == torch.device("cpu") and runner.dtype == runner.weight_dtype == torch.float32
     assert runner.block_size == 16
-    assert runner.num_blocks == DEFAULT_CPU_KV_CACHE_MEMORY // (16 * BYTES_PER_TOKEN_F32)
+    assert runner.num_blocks == int(0.3 * (2 << 30)) // (16 * BYTES_PER_TOKEN_F32)
     assert runner.kv_cache.shape == (2, 2, runner.num_blocks, 16, 2, 16)
     assert runner.max_model_len == 2048 and runner.vocab_size == runner.hf_config.vocab_size
+
+
+def test_default_budget_floor_cap_and_lazy_commit(tiny_model_factory, monkeypatch) -> None:
+    """Little memory available still gives the 256 MiB floor; plenty gives no more blocks than max_num_seqs
+    sequences of max_model_len fill; a large cache costs resident memory only as its blocks are written."""
+    monkeypatch.setattr(model_runner, "available_cpu_memory", lambda: 1 << 20)
+    path = tiny_model_factory("llama")
+    assert ModelRunner(EngineConfig(max_num_seqs=1024), path).num_blocks == DEFAULT_CPU_KV_CACHE_MIN // (16 * BYTES_PER_TOKEN_F32)
+    monkeypatch.setattr(model_runner, "available_cpu_memory", lambda: 1 << 40)
+    assert ModelRunner(EngineConfig(max_num_seqs=4, max_model_len=100), path).num_blocks == 4 * 7
+
+    def resident() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    before = resident()
+    runner = ModelRunner(EngineConfig(kv_cache_memory=4 << 30), path)
+    assert runner.kv_cache.numel() * 4 >= (4 << 30) - 16 * BYTES_PER_TOKEN_F32
+    assert resident() - before < 256 << 20
+    runner.kv_cache[:, :, :2].fill_(1.0)  # the first blocks written: committed, the rest still zero
+    assert runner.kv_cache[:, :, 2:4].abs().sum() == 0
 
 
 def test_kv_cache_budget_and_dtype(tiny_model_factory) -> None:

@@ -38,6 +38,12 @@ class EngineConfig:
         "on a CPU without bfloat16 arithmetic, bfloat16 keeps bfloat16 weights and computes in float32.",
         choices=("auto", "float32", "bfloat16", "float16"),
     )
+    quantization: str | None = knob(
+        None,
+        "Linear weights quantized on CPU: int8 = symmetric int8 blocks of 32 (weight-only); gguf = a .gguf "
+        "model's own Q8_0 / Q4_0 / Q4_1 blocks, read without dequantizing; None = weights in dtype.",
+        choices=("int8", "gguf"),
+    )
     device: str = knob("auto", "auto = cuda when available, else cpu.", choices=("auto", "cpu", "cuda"))
     block_size: int = knob(16, "Tokens per KV cache block.", ge=1, le=1024)
     kv_cache_memory: int | None = knob(

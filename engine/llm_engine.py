@@ -439,6 +439,8 @@ class Engine:
             "generation_tokens_per_second": (
                 processor.num_generation_tokens / self._busy_seconds if self._busy_seconds else 0.0
             ),
+            # what the linear weights run as: {"quantization", "modules": {kind: count}, "bytes"}
+            "weights": self.runner.weights.as_dict(),
         }
 
 

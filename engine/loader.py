@@ -188,6 +188,16 @@ def _converted_gguf(path: Path) -> Path:
     return entry
 
 
+def gguf_source(model_dir: Path) -> Path | None:
+    """The GGUF file a conversion cache entry was made from, or None for any other model directory."""
+    try:
+        source = json.loads((Path(model_dir) / MANIFEST).read_text())["source"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    path = Path(source)
+    return path if path.suffix.lower() == ".gguf" and path.is_file() else None
+
+
 def _convert(gguf_path: Path, out: Path) -> None:
     """Dequantize a GGUF into float32 safetensors + config + tokenizer, then write the manifest last."""
     import torch
@@ -219,6 +229,6 @@ def _convert(gguf_path: Path, out: Path) -> None:
     files = {
         str(f.relative_to(out)): (f.stat().st_size, _file_digest(f)) for f in sorted(out.rglob("*")) if f.is_file()
     }
-    manifest = {"version": _MANIFEST_VERSION, "source": str(gguf_path), "files": files}
+    manifest = {"version": _MANIFEST_VERSION, "source": str(gguf_path.resolve()), "files": files}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
     logger.info("converted %s in %.1fs", gguf_path.name, time.perf_counter() - start)

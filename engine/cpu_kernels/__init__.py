@@ -7,6 +7,7 @@
   (``elementwise.c``), which the layers call for float32 CPU tensors;
 - ``linear``: linear layers over a weight (float32 or bfloat16) packed once into panels of
   ``LINEAR_PANEL`` output columns by ``pack_linear_weight`` (``linear.c``), for the CPU ``Linear``;
+  ``linear_quantized`` over int8 or 4-bit blocks packed by ``engine.layers.quantization.pack``;
 - ``apply_token_bitmask``: structured output's token masks on a step's logits (``token_mask.c``).
 
 The sources ship with the package; the first process that needs a kernel compiles them
@@ -98,13 +99,19 @@ _SIGNATURES = {
     "linear_f32": [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64],
     # q, ld, k, ld, positions, cos_sin, its rows, rows, heads, KV heads, head_dim, rotary dim, q_out, ld, k_out, ld
     "rotary_f32": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, *[_I64] * 6, _PTR, _I64, _PTR, _I64],
+    # x, ld, rows, codes, scales, out features, in features, bias (or NULL), y, ld
+    "linear_q8_f32": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64],
+    "linear_q4_f32": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64],
     # logits, ld, bitmask, words per row, rows, number of rows, vocabulary size
     "apply_token_bitmask_f32": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64],
 }
 # The kernels built for a bfloat16 cache or weight take the float32 ones' arguments.
 _SIGNATURES |= {f"{name}_bf16": _SIGNATURES[f"{name}_f32"] for name in ("paged_attention", "store_kv", "linear")}
 # 0, or < 0 on bad arguments
-_RETURN_STATUS = {"paged_attention_f32", "paged_attention_bf16", "store_kv_f32", "store_kv_bf16", "rotary_f32"}
+_RETURN_STATUS = {
+    "paged_attention_f32", "paged_attention_bf16", "store_kv_f32", "store_kv_bf16", "rotary_f32", "linear_q8_f32",
+    "linear_q4_f32",
+}
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
@@ -367,6 +374,30 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
         x.data_ptr(), ld_x, rows, packed.data_ptr(), out_features, in_features,
         bias.data_ptr() if bias is not None else None, y.data_ptr(), out_features,
     )
+    return y
+
+
+def linear_quantized(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x W^T + b`` for ``x [M, K]`` (float32 CPU, any strides) and a quantized ``W``
+    (``engine.layers.quantization.QuantizedWeight``); returns ``[M, N]``, contiguous."""
+    lib = _lib()
+    for name, t in (("x", x), ("bias", bias if bias is not None else x)):
+        _check_float32_cpu(name, t)
+    rows, in_features = x.shape
+    if in_features != weight.in_features:
+        raise ValueError(f"x [{rows}, {in_features}] for a weight of {weight.in_features} in_features")
+    if bias is not None and bias.shape != (weight.out_features,):
+        raise ValueError(f"bias must have shape [{weight.out_features}]; got {list(bias.shape)}")
+    x, ld_x = _rows(x)
+    bias = bias.contiguous() if bias is not None else None
+    y = torch.empty(rows, weight.out_features)
+    kernel = getattr(lib, f"linear_{weight.kind}_f32")
+    status = kernel(
+        x.data_ptr(), ld_x, rows, weight.codes.data_ptr(), weight.scales.data_ptr(), weight.out_features,
+        in_features, bias.data_ptr() if bias is not None else None, y.data_ptr(), weight.out_features,
+    )
+    if status:
+        raise MemoryError("the quantized linear kernel could not allocate its scratch")
     return y
 
 

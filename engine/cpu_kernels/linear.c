@@ -10,6 +10,8 @@
  * weight. The threads split the panels.
  */
 
+#include <stdlib.h>
+
 #include "vec.h"
 
 #define PANEL 16 /* output columns of a panel: two vectors */
@@ -50,24 +52,42 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
     }
 }
 
+/* Rows 0 .. M - 1 of x times one panel (weights in the float32 or bfloat16 layout) into columns
+ * 0 .. cols - 1 of y: whole tiles, then the remainder with its constant row count, so that the
+ * accumulators stay in registers. */
+static inline __attribute__((always_inline)) void rows_times_panel(const float *x, int64_t ld_x, int64_t M,
+                                                                   const void *panel, int bf16, int64_t K,
+                                                                   const float *b, float *y, int64_t ld_y,
+                                                                   int64_t cols) {
+    int64_t m = 0;
+    for (; m + TILE_ROWS <= M; m += TILE_ROWS)
+        tile(x + m * ld_x, ld_x, TILE_ROWS, panel, bf16, K, b, y + m * ld_y, ld_y, cols);
+    switch (M - m) {
+    case 5: tile(x + m * ld_x, ld_x, 5, panel, bf16, K, b, y + m * ld_y, ld_y, cols); break;
+    case 4: tile(x + m * ld_x, ld_x, 4, panel, bf16, K, b, y + m * ld_y, ld_y, cols); break;
+    case 3: tile(x + m * ld_x, ld_x, 3, panel, bf16, K, b, y + m * ld_y, ld_y, cols); break;
+    case 2: tile(x + m * ld_x, ld_x, 2, panel, bf16, K, b, y + m * ld_y, ld_y, cols); break;
+    case 1: tile(x + m * ld_x, ld_x, 1, panel, bf16, K, b, y + m * ld_y, ld_y, cols); break;
+    }
+}
+
+/* The bias entries of panel p (zero past N, or all zero without a bias), and the panel's width. */
+static inline int64_t panel_bias(const float *bias, int64_t N, int64_t p, float b[PANEL]) {
+    const int64_t n0 = p * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
+    memset(b, 0, PANEL * sizeof(float));
+    if (bias != NULL) memcpy(b, bias + n0, cols * sizeof(float));
+    return cols;
+}
+
 /* Panel p of y = x W^T + b for every row of x [M, K]; y [M, N] row-major (leading dimension ld_y). */
 static inline __attribute__((always_inline)) void panel_rows(const float *x, int64_t ld_x, int64_t M,
                                                              const void *packed, int bf16, int64_t N, int64_t K,
                                                              const float *bias, float *y, int64_t ld_y, int64_t p) {
-    const int64_t n0 = p * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
+    const int64_t n0 = p * PANEL;
     const void *panel = bf16 ? (const void *)((const uint16_t *)packed + n0 * K) : (const void *)((const float *)packed + n0 * K);
-    float b[PANEL] = {0};
-    if (bias != NULL) memcpy(b, bias + n0, cols * sizeof(float));
-    int64_t m = 0;
-    for (; m + TILE_ROWS <= M; m += TILE_ROWS)
-        tile(x + m * ld_x, ld_x, TILE_ROWS, panel, bf16, K, b, y + m * ld_y + n0, ld_y, cols);
-    switch (M - m) { /* constant row counts, so that the accumulators stay in registers */
-    case 5: tile(x + m * ld_x, ld_x, 5, panel, bf16, K, b, y + m * ld_y + n0, ld_y, cols); break;
-    case 4: tile(x + m * ld_x, ld_x, 4, panel, bf16, K, b, y + m * ld_y + n0, ld_y, cols); break;
-    case 3: tile(x + m * ld_x, ld_x, 3, panel, bf16, K, b, y + m * ld_y + n0, ld_y, cols); break;
-    case 2: tile(x + m * ld_x, ld_x, 2, panel, bf16, K, b, y + m * ld_y + n0, ld_y, cols); break;
-    case 1: tile(x + m * ld_x, ld_x, 1, panel, bf16, K, b, y + m * ld_y + n0, ld_y, cols); break;
-    }
+    float b[PANEL];
+    const int64_t cols = panel_bias(bias, N, p, b);
+    rows_times_panel(x, ld_x, M, panel, bf16, K, b, y + n0, ld_y, cols);
 }
 
 /* Rows of x a pass over the panels: a block that stays in the per-core L2 (about X_BLOCK_BYTES)
@@ -105,4 +125,148 @@ void linear_f32(const float *x, int64_t ld_x, int64_t M, const float *packed, in
 void linear_bf16(const float *x, int64_t ld_x, int64_t M, const uint16_t *packed, int64_t N, int64_t K,
                  const float *bias, float *y, int64_t ld_y) {
     linear(x, ld_x, M, packed, 1, N, K, bias, y, ld_y);
+}
+
+/* ------------------------------------------------------------------------------ quantized weights
+ *
+ * Blocks of QBLOCK consecutive input features share a scale d and an offset m per output
+ * column: w = d * q + m, with 8-bit codes (q8: GGUF's Q8_0 as q + 128 with m = -128 d, and
+ * int8 quantization's min/max blocks) or 4-bit ones (q4: GGUF's Q4_1, and Q4_0 with m = -8 d).
+ * The panels interleave the PANEL columns of each input feature, as the float layout does, and
+ * keep the scales of a block beside it:
+ *   codes uint8 [P][K / QBLOCK][QBLOCK][PANEL] (q8), or [P][K / QBLOCK][QBLOCK][PANEL / 2] (q4: byte
+ *         j holds column j in its low nibble, column j + VL in its high one);
+ *   scales float [P][K / QBLOCK][2][PANEL]: d, then m.
+ * A weight takes 8 or 4 bits and its scales 2 more, against float32's 32: decoding few rows,
+ * the step reads that much less memory.
+ *
+ * One tile of rows widens each code as it loads it, computing the products of the float32
+ * kernel on the dequantized weight. More rows dequantize the panel once into a float32 scratch
+ * that the float32 tiles then read, so prefill runs at the float32 kernel's speed.
+ */
+
+#define QBLOCK 32
+
+typedef uint8_t vb __attribute__((vector_size(VL)));
+
+static inline vf widen(vb b) { return __builtin_convertvector(__builtin_convertvector(b, vi), vf); }
+
+static inline int64_t q_block_bytes(int q4) { return q4 ? QBLOCK * PANEL / 2 : QBLOCK * PANEL; }
+
+/* The two weight vectors (columns 0..7, 8..15) of input feature kk of a block. */
+static inline __attribute__((always_inline)) void q_load(const uint8_t *codes, int q4, int64_t kk, vf d0, vf d1,
+                                                         vf m0, vf m1, vf *w0, vf *w1) {
+    vb lo, hi;
+    if (q4) {
+        memcpy(&lo, codes + kk * (PANEL / 2), sizeof lo);
+        hi = lo >> 4;
+        lo = lo & 15;
+    } else {
+        memcpy(&lo, codes + kk * PANEL, sizeof lo);
+        memcpy(&hi, codes + kk * PANEL + VL, sizeof hi);
+    }
+    *w0 = widen(lo) * d0 + m0;
+    *w1 = widen(hi) * d1 + m1;
+}
+
+/* `rows` (at most TILE_ROWS) rows of x times one quantized panel, codes widened as they load. */
+static inline __attribute__((always_inline)) void q_tile(const float *x, int64_t ld_x, int rows, const uint8_t *codes,
+                                                         const float *scales, int q4, int64_t K, const float *bias,
+                                                         float *y, int64_t ld_y, int64_t cols) {
+    vf acc[TILE_ROWS][2] = {{{0}}};
+    for (int64_t kb = 0; kb < K / QBLOCK; ++kb) {
+        const float *s = scales + kb * 2 * PANEL;
+        const uint8_t *c = codes + kb * q_block_bytes(q4);
+        const vf d0 = load(s), d1 = load(s + VL), m0 = load(s + PANEL), m1 = load(s + PANEL + VL);
+        const float *xk = x + kb * QBLOCK;
+        for (int64_t kk = 0; kk < QBLOCK; ++kk) {
+            vf w0, w1;
+            q_load(c, q4, kk, d0, d1, m0, m1, &w0, &w1);
+            for (int i = 0; i < rows; ++i) {
+                const vf xv = splat(xk[i * ld_x + kk]);
+                acc[i][0] += xv * w0;
+                acc[i][1] += xv * w1;
+            }
+        }
+    }
+    const vf b0 = load(bias), b1 = load(bias + VL);
+    for (int i = 0; i < rows; ++i) {
+        float out[PANEL];
+        store(out, acc[i][0] + b0);
+        store(out + VL, acc[i][1] + b1);
+        memcpy(y + i * ld_y, out, cols * sizeof(float));
+    }
+}
+
+/* A quantized panel as float32 [K][PANEL], the layout the float32 tiles read. */
+static inline __attribute__((always_inline)) void q_dequantize(const uint8_t *codes, const float *scales, int q4,
+                                                               int64_t K, float *out) {
+    for (int64_t kb = 0; kb < K / QBLOCK; ++kb) {
+        const float *s = scales + kb * 2 * PANEL;
+        const uint8_t *c = codes + kb * q_block_bytes(q4);
+        const vf d0 = load(s), d1 = load(s + VL), m0 = load(s + PANEL), m1 = load(s + PANEL + VL);
+        for (int64_t kk = 0; kk < QBLOCK; ++kk) {
+            vf w0, w1;
+            q_load(c, q4, kk, d0, d1, m0, m1, &w0, &w1);
+            store(out + (kb * QBLOCK + kk) * PANEL, w0);
+            store(out + (kb * QBLOCK + kk) * PANEL + VL, w1);
+        }
+    }
+}
+
+/* y = x W^T + b over a quantized packed weight; K a multiple of QBLOCK. Returns 0, or -3 when a
+ * thread's dequantization scratch cannot be allocated. */
+static int linear_q(const float *x, int64_t ld_x, int64_t M, const uint8_t *codes, const float *scales, int q4,
+                    int64_t N, int64_t K, const float *bias, float *y, int64_t ld_y) {
+    const int64_t panels = (N + PANEL - 1) / PANEL;
+    const int64_t panel_bytes = K / QBLOCK * q_block_bytes(q4), panel_scales = K / QBLOCK * 2 * PANEL;
+    if (M <= TILE_ROWS) { /* decoding: widen the codes in the tile, read each panel once */
+#pragma omp parallel for schedule(static)
+        for (int64_t p = 0; p < panels; ++p) {
+            float b[PANEL];
+            const int64_t cols = panel_bias(bias, N, p, b);
+            const uint8_t *c = codes + p * panel_bytes;
+            const float *s = scales + p * panel_scales;
+            float *yp = y + p * PANEL;
+            switch (M) {
+            case 6: q_tile(x, ld_x, 6, c, s, q4, K, b, yp, ld_y, cols); break;
+            case 5: q_tile(x, ld_x, 5, c, s, q4, K, b, yp, ld_y, cols); break;
+            case 4: q_tile(x, ld_x, 4, c, s, q4, K, b, yp, ld_y, cols); break;
+            case 3: q_tile(x, ld_x, 3, c, s, q4, K, b, yp, ld_y, cols); break;
+            case 2: q_tile(x, ld_x, 2, c, s, q4, K, b, yp, ld_y, cols); break;
+            case 1: q_tile(x, ld_x, 1, c, s, q4, K, b, yp, ld_y, cols); break;
+            }
+        }
+        return 0;
+    }
+    const int64_t mc = block_rows(K);
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    {
+        float *scratch = malloc(K * PANEL * sizeof(float));
+        failed = scratch == NULL;
+        if (!failed) {
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < panels; ++p) {
+                q_dequantize(codes + p * panel_bytes, scales + p * panel_scales, q4, K, scratch);
+                float b[PANEL];
+                const int64_t cols = panel_bias(bias, N, p, b);
+                for (int64_t m0 = 0; m0 < M; m0 += mc)
+                    rows_times_panel(x + m0 * ld_x, ld_x, M - m0 < mc ? M - m0 : mc, scratch, 0, K, b,
+                                     y + m0 * ld_y + p * PANEL, ld_y, cols);
+            }
+        }
+        free(scratch);
+    }
+    return failed ? -3 : 0;
+}
+
+int linear_q8_f32(const float *x, int64_t ld_x, int64_t M, const uint8_t *codes, const float *scales, int64_t N,
+                  int64_t K, const float *bias, float *y, int64_t ld_y) {
+    return linear_q(x, ld_x, M, codes, scales, 0, N, K, bias, y, ld_y);
+}
+
+int linear_q4_f32(const float *x, int64_t ld_x, int64_t M, const uint8_t *codes, const float *scales, int64_t N,
+                  int64_t K, const float *bias, float *y, int64_t ld_y) {
+    return linear_q(x, ld_x, M, codes, scales, 1, N, K, bias, y, ld_y);
 }

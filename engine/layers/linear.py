@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import cpu_kernels
+from engine.layers.quantization import QuantizedWeight
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -21,7 +22,8 @@ class Linear(nn.Module):
     After loading, ``pack()`` moves the weight into the panel layout of the C kernel
     (``cpu_kernels.linear``), which computes every batch size on CPU for float32 input, the
     weight in float32 or bfloat16 (widened exactly); ``weight`` is then None and ``packed``
-    holds it. Unpacked (on GPU, or without the CPU kernels), it is ``F.linear``.
+    holds it. ``quantize(q)`` serves quantized blocks instead (``cpu_kernels.linear_quantized``).
+    Unpacked (on GPU, or without the CPU kernels), it is ``F.linear``.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -30,13 +32,25 @@ class Linear(nn.Module):
         self.weight: nn.Parameter | None = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.register_buffer("packed", None)
+        self.quantized: QuantizedWeight | None = None
 
     def pack(self) -> None:
         """Replace ``weight`` by its packed panels (``cpu_kernels.pack_linear_weight``)."""
         self.packed = cpu_kernels.pack_linear_weight(self.weight.data)
         self.weight = None
 
+    def quantize(self, weight: QuantizedWeight) -> None:
+        """Serve ``weight`` (packed quantized blocks of this layer's weight) instead of the float weight."""
+        if (weight.out_features, weight.in_features) != (self.out_features, self.in_features):
+            raise ValueError(
+                f"a quantized weight of [{weight.out_features}, {weight.in_features}] for a layer of "
+                f"[{self.out_features}, {self.in_features}]"
+            )
+        self.quantized, self.weight, self.packed = weight, None, None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return cpu_kernels.linear_quantized(x, self.quantized, self.bias)
         if self.packed is not None:
             return cpu_kernels.linear(x, self.packed, self.out_features, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -51,6 +65,8 @@ class VocabEmbedding(Linear):
         super().__init__(hidden_size, vocab_size)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized.rows(input_ids)
         if self.packed is not None:
             return cpu_kernels.packed_rows(self.packed, input_ids)
         return F.embedding(input_ids, self.weight)

@@ -19,7 +19,7 @@ from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, rope_inv_freq
 
 # checkpoint name fragment -> (our fused parameter's fragment, shard)
-_FUSED_SHARDS = {
+FUSED_SHARDS = {
     ".q_proj.": (".qkv_proj.", "q"),
     ".k_proj.": (".qkv_proj.", "k"),
     ".v_proj.": (".qkv_proj.", "v"),
@@ -144,7 +144,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
-            for fragment, (fused, shard) in _FUSED_SHARDS.items():
+            for fragment, (fused, shard) in FUSED_SHARDS.items():
                 if fragment in name:
                     target = name.replace(fragment, fused)
                     module = self.get_submodule(target.rpartition(".")[0])

@@ -21,13 +21,15 @@ from engine.config import (
     EngineConfig,
 )
 from engine.core.scheduler_output import SchedulerOutput
-from engine.errors import ModelLoadError
+from engine.errors import ModelLoadError, ParameterError
 from engine.layers.attention import Attention
 from engine.layers.linear import Linear
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.registry import get_model_class
 from engine.worker.forward_context import ForwardContext, set_forward_context
+from engine.loader import gguf_source
 from engine.worker.input_batch import prepare_inputs
+from engine.worker.weight_formats import WeightsSummary, quantize_linears
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +79,8 @@ class ModelRunner:
     Raises:
         ModelLoadError: the directory's architecture or weights cannot be loaded.
         ValueError: the settings cannot be met (no CUDA, a cache too small for one block,
-            a ``max_model_len`` beyond the model's positions).
+            a ``max_model_len`` beyond the model's positions); a ``ParameterError`` naming
+            ``quantization`` where it cannot run.
     """
 
     def __init__(self, config: EngineConfig, model_dir: Path) -> None:
@@ -102,9 +105,9 @@ class ModelRunner:
         for attn, kv_cache in zip(self._attention_layers(), self.kv_cache):
             attn.kv_cache, attn.backend = kv_cache, self.attn_backend
         logger.info(
-            "model %s on %s (%s, weights and KV cache in %s and %s): %d KV blocks of %d tokens",
+            "model %s on %s (%s, weights and KV cache in %s and %s; linear weights: %s): %d KV blocks of %d tokens",
             self.hf_config.model_type, self.device, self.dtype, self.weight_dtype, self.kv_cache_dtype,
-            self.num_blocks, self.block_size,
+            self.weights, self.num_blocks, self.block_size,
         )
 
     @torch.inference_mode()
@@ -153,9 +156,25 @@ class ModelRunner:
         for module in model.modules():
             if isinstance(module, RotaryEmbedding):
                 module.materialize(self.device, self.dtype)
-        if self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.library() is not None:
+        cpu_kernels_serve = self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.library() is not None
+        if self.config.quantization is not None and not cpu_kernels_serve:
+            raise ParameterError(
+                "quantization",
+                f"quantization={self.config.quantization!r} runs on CPU computing in float32 with the C kernels built; "
+                f"this engine computes in {self.dtype} on {self.device.type}"
+                + ("" if cpu_kernels.library() is not None else " without the C kernels"),
+            )
+        try:
+            self.weights: WeightsSummary = quantize_linears(
+                model, self.config.quantization, gguf_source(model_dir), self.hf_config.num_attention_heads,
+                getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads,
+            )
+        except ValueError as e:
+            raise ParameterError("quantization", str(e)) from None
+        if cpu_kernels_serve:
             for module in linears:
-                module.pack()
+                if module.quantized is None:
+                    module.pack()
         return model.eval()
 
     def _attention_layers(self) -> list[Attention]:

@@ -1,0 +1,142 @@
+"""Quantized linear weights: blocks of 32 input features sharing a scale and an offset per output row.
+
+A block's weights are ``w = d * q + m``. Two kinds of code serve every format the engine runs
+natively, each exactly as its source defines it:
+
+- ``q8``: ``q`` in 0..255. ``quantization="int8"`` quantizes float weights into min/max blocks
+  (``m`` the block's least weight, ``d`` its range / 255). GGUF's Q8_0 (``d * q``, ``q`` int8) is
+  stored as ``q + 128`` with ``m = -128 d``.
+- ``q4``: ``q`` in 0..15: GGUF's Q4_1, and Q4_0 (``d * (q - 8)``) with ``m = -8 d``.
+
+``QuantBlocks`` hold a weight row by row, as checkpoints store it; shards of a fused layer
+are concatenated in that form. ``pack`` lays them out in the panels the C kernel reads
+(``linear.c``); ``QuantizedWeight`` is the packed result that a ``Linear`` serves.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from engine.cpu_kernels import LINEAR_PANEL
+
+QBLOCK = 32  # input features per block (QBLOCK in linear.c)
+KINDS = ("q8", "q4")
+
+
+class QuantBlocks(NamedTuple):
+    """A ``[N, K]`` weight as blocks: uint8 ``codes`` ``[N, K]`` (0..15 for q4), float32 scales ``d`` and
+    offsets ``m`` ``[N, K / QBLOCK]``."""
+
+    kind: str
+    codes: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight ``[N, K]``."""
+        n, k = self.codes.shape
+        w = self.codes.float().view(n, k // QBLOCK, QBLOCK) * self.d.unsqueeze(-1) + self.m.unsqueeze(-1)
+        return w.view(n, k)
+
+
+class QuantizedWeight(NamedTuple):
+    """A packed quantized weight: uint8 ``codes`` ``[P, K / QBLOCK, QBLOCK, LINEAR_PANEL]`` (q8) or
+    ``[P, K / QBLOCK, QBLOCK, LINEAR_PANEL / 2]`` (q4, columns ``j`` and ``j + LINEAR_PANEL / 2`` in the low
+    and high nibbles of byte ``j``), and float32 ``scales`` ``[P, K / QBLOCK, 2, LINEAR_PANEL]``: d, then m."""
+
+    kind: str
+    codes: torch.Tensor
+    scales: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows ``W[index]`` ``[len(index), K]`` in float32 (an embedding lookup in a tied LM head)."""
+        p, j = index // LINEAR_PANEL, index % LINEAR_PANEL
+        blocks = self.in_features // QBLOCK
+        if self.kind == "q8":
+            q = self.codes[p, :, :, j]  # [R, blocks, QBLOCK]
+        else:
+            half = LINEAR_PANEL // 2
+            byte = self.codes[p, :, :, j % half]
+            q = torch.where((j < half).view(-1, 1, 1), byte & 15, byte >> 4)
+        w = q.float() * self.scales[p, :, 0, j].unsqueeze(-1) + self.scales[p, :, 1, j].unsqueeze(-1)
+        return w.reshape(len(index), blocks * QBLOCK)
+
+
+def concat(parts: list[QuantBlocks]) -> QuantBlocks:
+    """Shards of one fused weight, stacked along the output rows; they must share a kind."""
+    kinds = {part.kind for part in parts}
+    if len(kinds) != 1:
+        raise ValueError(f"shards of one weight must share a kind; got {sorted(kinds)}")
+    return QuantBlocks(parts[0].kind, *(torch.cat([part[i] for part in parts]) for i in (1, 2, 3)))
+
+
+def quantize_int8(weight: torch.Tensor) -> QuantBlocks:
+    """8-bit min/max blocks of a float ``[N, K]`` weight: per block ``m = min w``, ``d = (max w - m) / 255``,
+    ``q = round((w - m) / d)``; every weight within ``d / 2`` of its code's value.
+
+    (Against symmetric ``max|w| / 127`` blocks, a third of the log-probability error on the bundled model.)
+    """
+    n, k = weight.shape
+    if k % QBLOCK:
+        raise ValueError(f"int8 quantization needs in_features divisible by {QBLOCK}; got {k}")
+    w = weight.float().view(n, k // QBLOCK, QBLOCK)
+    m = w.amin(-1)
+    d = (w.amax(-1) - m) / 255.0
+    q = torch.round((w - m.unsqueeze(-1)) / torch.where(d > 0, d, 1.0).unsqueeze(-1)).clamp(0, 255)
+    return QuantBlocks("q8", q.to(torch.uint8).view(n, k), d, m)
+
+
+# GGUF block formats: type name -> bytes per block of QBLOCK weights
+GGUF_BLOCK_BYTES = {"Q8_0": 2 + QBLOCK, "Q4_0": 2 + QBLOCK // 2, "Q4_1": 4 + QBLOCK // 2}
+
+
+def from_gguf(type_name: str, raw: np.ndarray) -> QuantBlocks:
+    """The blocks of a GGUF tensor in one of ``GGUF_BLOCK_BYTES``' formats, from its rows of raw bytes
+    ``[N, K / QBLOCK * block bytes]`` (uint8). Scales are stored as float16 and widen exactly."""
+    if type_name not in GGUF_BLOCK_BYTES:
+        raise ValueError(f"GGUF type {type_name} is not served natively; native: {', '.join(GGUF_BLOCK_BYTES)}")
+    n = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(n, -1, GGUF_BLOCK_BYTES[type_name])
+    d = torch.from_numpy(blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    if type_name == "Q8_0":  # int8 q as q + 128: the same bits with the sign bit flipped
+        codes = torch.from_numpy((blocks[:, :, 2:] ^ 0x80).reshape(n, -1))
+        return QuantBlocks("q8", codes, d, -128.0 * d)
+    packed = blocks[:, :, 4 if type_name == "Q4_1" else 2 :]  # byte i: weight i (low nibble), weight i + 16 (high)
+    nibbles = np.concatenate([packed & 15, packed >> 4], axis=-1).reshape(n, -1)
+    codes = torch.from_numpy(nibbles.astype(np.uint8))
+    if type_name == "Q4_1":
+        m = torch.from_numpy(blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+    else:
+        m = -8.0 * d
+    return QuantBlocks("q4", codes, d, m)
+
+
+def pack(blocks: QuantBlocks) -> QuantizedWeight:
+    """``blocks`` in the panel layout of the C kernel (``QuantizedWeight``); rows past ``N`` are zero."""
+    n, k = blocks.codes.shape
+    if k % QBLOCK:
+        raise ValueError(f"quantized weights need in_features divisible by {QBLOCK}; got {k}")
+    panels, nb = -(-n // LINEAR_PANEL), k // QBLOCK
+    rows = panels * LINEAR_PANEL
+
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(rows, *t.shape[1:], dtype=t.dtype)
+        out[:n] = t
+        return out
+
+    # [rows, nb, QBLOCK] -> [P, nb, QBLOCK, PANEL]
+    codes = padded(blocks.codes).view(panels, LINEAR_PANEL, nb, QBLOCK).permute(0, 2, 3, 1)
+    if blocks.kind == "q4":
+        half = LINEAR_PANEL // 2
+        codes = codes[..., :half] | (codes[..., half:] << 4)
+    d, m = (padded(t).view(panels, LINEAR_PANEL, nb).permute(0, 2, 1) for t in (blocks.d, blocks.m))
+    return QuantizedWeight(blocks.kind, codes.contiguous(), torch.stack([d, m], dim=2).contiguous(), n, k)

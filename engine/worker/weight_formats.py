@@ -1,0 +1,148 @@
+"""The formats a model's linear weights are served in: float as loaded, ``int8`` or GGUF-native blocks.
+
+``quantize_linears`` replaces the weights of a loaded model's ``Linear`` modules (the tied
+embedding among them) by packed quantized blocks (``engine.layers.quantization``):
+
+- ``"int8"``: every weight whose ``in_features`` is a multiple of 32 is quantized into
+  8-bit min/max blocks from its loaded float values;
+- ``"gguf"``: the weights of a GGUF model are read from the file in their own formats
+  (Q8_0, Q4_0, Q4_1) without passing through float32; weights of other GGUF types keep the
+  float values the conversion cache holds.
+
+The returned ``WeightsSummary`` says what runs; ``Engine.stats()`` and the start-up log show it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from engine.layers.linear import Linear, MergedLinear
+from engine.layers.quantization import GGUF_BLOCK_BYTES, QBLOCK, QuantBlocks, concat, from_gguf, pack, quantize_int8
+from engine.models.llama import FUSED_SHARDS
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATIONS = ("int8", "gguf")
+
+# Hugging Face checkpoint names of a decoder layer's projections -> GGUF's
+_GGUF_LAYER_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}  # fmt: skip
+_GGUF_TOP_NAMES = {"model.embed_tokens": "token_embd", "lm_head": "output"}
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# a fused module's name fragment and shard -> the checkpoint's name fragment of that shard
+_SHARD_NAMES = {(fused, shard): fragment for fragment, (fused, shard) in FUSED_SHARDS.items()}
+
+BlocksOf = Callable[[str, Linear], "QuantBlocks | None"]
+
+
+@dataclass
+class WeightsSummary:
+    """What the linear weights run as: modules per block kind (``q4``, ``q8``) or float dtype, and the
+    bytes all linear weights take."""
+
+    quantization: str | None
+    modules: Counter[str] = field(default_factory=Counter)
+    nbytes: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"quantization": self.quantization, "modules": dict(self.modules), "bytes": self.nbytes}
+
+    def __str__(self) -> str:
+        kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(self.modules.items()))
+        return f"quantization {self.quantization} ({kinds}; {self.nbytes / 2**20:.1f} MiB)"
+
+
+def quantize_linears(
+    model: nn.Module, method: str | None, gguf_path: Path | None, num_heads: int, num_kv_heads: int
+) -> WeightsSummary:
+    """Quantize ``model``'s linear weights in place as ``method`` says (module docstring); ``num_heads``
+    and ``num_kv_heads`` undo llama.cpp's reordering of the query and key rows.
+
+    Raises:
+        ValueError: ``"gguf"`` without a GGUF source file.
+    """
+    if method == "gguf" and gguf_path is None:
+        raise ValueError("quantization='gguf' serves the blocks of a .gguf model; this model is not a GGUF file")
+    blocks_of = _gguf_blocks(gguf_path, num_heads, num_kv_heads) if method == "gguf" else None
+    summary = WeightsSummary(method)
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear):
+            continue
+        blocks = None
+        if method == "int8" and module.in_features % QBLOCK == 0:
+            blocks = quantize_int8(module.weight.data)
+        elif blocks_of is not None:
+            blocks = blocks_of(name, module)
+        if blocks is not None:
+            module.quantize(pack(blocks))
+            summary.modules[blocks.kind] += 1
+            summary.nbytes += module.quantized.nbytes
+        else:
+            summary.modules[str(module.weight.dtype).removeprefix("torch.")] += 1
+            summary.nbytes += module.weight.nbytes
+    return summary
+
+
+def _checkpoint_names(name: str, module: Linear) -> list[str]:
+    """The checkpoint tensors (without ``.weight``) a module's weight is loaded from, in row order."""
+    if not isinstance(module, MergedLinear):
+        return [name]
+    dotted = f"{name}."
+    names = []
+    for shard in module.shard_offsets:
+        for (fused, shard_name), fragment in _SHARD_NAMES.items():
+            if shard_name == shard and fused in dotted:
+                names.append(dotted.replace(fused, fragment)[:-1])
+    return names
+
+
+def _gguf_blocks(gguf_path: Path, num_heads: int, num_kv_heads: int) -> BlocksOf:
+    """A lookup of each module's blocks in the GGUF file: None where a tensor is absent or of a type
+    not served natively."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(gguf_path)
+    tensors = {t.name: t for t in reader.tensors}
+    arch_field = reader.fields["general.architecture"]
+    permuted = bytes(arch_field.parts[arch_field.data[0]]).decode() == "llama"
+
+    def one(checkpoint: str) -> QuantBlocks | None:
+        if match := _LAYER.fullmatch(checkpoint):
+            gguf_name = f"blk.{match[1]}.{_GGUF_LAYER_NAMES.get(match[2], match[2])}.weight"
+        else:
+            gguf_name = f"{_GGUF_TOP_NAMES.get(checkpoint, checkpoint)}.weight"
+        tensor = tensors.get(gguf_name)
+        if tensor is None or tensor.tensor_type.name not in GGUF_BLOCK_BYTES:
+            return None
+        blocks = from_gguf(tensor.tensor_type.name, tensor.data)
+        if permuted and checkpoint.endswith(("self_attn.q_proj", "self_attn.k_proj")):
+            heads = num_heads if checkpoint.endswith("q_proj") else num_kv_heads
+            blocks = QuantBlocks(blocks.kind, *(_unpermute_rows(t, heads) for t in blocks[1:]))
+        return blocks
+
+    def blocks_of(name: str, module: Linear) -> QuantBlocks | None:
+        parts = [one(checkpoint) for checkpoint in _checkpoint_names(name, module)]
+        if not parts or any(part is None for part in parts) or len({part.kind for part in parts}) != 1:
+            logger.info("%s keeps its float weight (no GGUF block of a native type for every shard)", name)
+            return None
+        return concat(parts)
+
+    return blocks_of
+
+
+def _unpermute_rows(t: Any, num_heads: int) -> Any:
+    """Rows of a query or key projection back in Hugging Face's order: llama.cpp interleaves the two
+    rotary halves of each head."""
+    rows = t.shape[0]
+    return t.reshape(num_heads, rows // num_heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)

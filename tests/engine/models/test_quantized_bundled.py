@@ -1,0 +1,123 @@
+"""The bundled SmolLM2 (a Q4_1 GGUF with a Q8_0 embedding) served in its own blocks, and int8-quantized,
+against the dequantized float32 model: weights, logits and greedy decoding on the eight prompts of
+test_bundled_greedy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from runner_driver import PagedDriver
+from test_bundled_greedy import CHAT_PROMPTS, PLAIN_PROMPTS
+
+from engine import cpu_kernels
+from engine.config import EngineConfig
+from engine.errors import ParameterError
+from engine.layers.linear import Linear
+from engine.worker.model_runner import ModelRunner
+
+pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler for the CPU kernels")
+
+MAX_NEW_TOKENS = 64
+
+
+def _runner(model_dir, quantization: str | None) -> ModelRunner:
+    return ModelRunner(EngineConfig(dtype="float32", num_blocks=400, quantization=quantization), model_dir)
+
+
+@pytest.fixture(scope="module")
+def runners(bundled_model_dir) -> dict[str | None, ModelRunner]:
+    return {method: _runner(bundled_model_dir, method) for method in (None, "gguf", "int8")}
+
+
+@pytest.fixture(scope="module")
+def prompts(bundled_model_dir) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(bundled_model_dir)
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PLAIN_PROMPTS]
+    for messages in CHAT_PROMPTS:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return ids
+
+
+def _decode(runner: ModelRunner, prompts: list[list[int]]) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy tokens ``[prompt][step]`` of every prompt decoded together, and each step's logits ``[steps, vocab]``."""
+    driver = PagedDriver(runner, seed=3)
+    names = [str(i) for i in range(len(prompts))]
+    for name, prompt in zip(names, prompts):
+        driver.add(name, prompt)
+    tokens: list[list[int]] = [[] for _ in prompts]
+    logits: list[list[torch.Tensor]] = [[] for _ in prompts]
+    chunks: dict[str, int | None] = {name: None for name in names}
+    for _ in range(MAX_NEW_TOKENS):
+        for name, row in driver.step(chunks).items():
+            tokens[int(name)].append(int(row.argmax()))
+            logits[int(name)].append(row)
+            driver.append(name, tokens[int(name)][-1])
+        chunks = {name: 1 for name in names}
+    return tokens, [torch.stack(rows) for rows in logits]
+
+
+def _compare(reference, got) -> tuple[int, float, float]:
+    """Prompts whose greedy tokens all agree; over the steps whose inputs agree (up to and including the first
+    differing token), the largest logit difference and the largest difference of the log-probability of the
+    reference's token."""
+    agree, worst_logit, worst_logprob = 0, 0.0, 0.0
+    for ref_tokens, ref_logits, tokens, logits in zip(*reference, *got):
+        same = next((i for i, (a, b) in enumerate(zip(ref_tokens, tokens)) if a != b), None)
+        agree += same is None
+        steps = MAX_NEW_TOKENS if same is None else same + 1
+        ref_logits, logits = ref_logits[:steps], logits[:steps]
+        worst_logit = max(worst_logit, (ref_logits - logits).abs().max().item())
+        chosen = torch.tensor(ref_tokens[:steps]).unsqueeze(1)
+        logprobs = [t.log_softmax(-1).gather(1, chosen) for t in (ref_logits, logits)]
+        worst_logprob = max(worst_logprob, (logprobs[0] - logprobs[1]).abs().max().item())
+    return agree, worst_logit, worst_logprob
+
+
+@pytest.fixture(scope="module")
+def reference(runners, prompts):
+    return _decode(runners[None], prompts)
+
+
+def test_gguf_blocks_are_the_dequantized_weights(runners) -> None:
+    """Every projection and the tied embedding run from the file's blocks (120 Q4_1, one Q8_0), which
+    dequantize to exactly the float32 weights the conversion cache holds; they take under a fourth of
+    the memory."""
+    gguf, dense = runners["gguf"], dict(runners[None].model.named_modules())
+    assert gguf.weights.modules == {"q4": 120, "q8": 1}
+    for name, module in gguf.model.named_modules():
+        if isinstance(module, Linear):
+            rows = torch.arange(module.out_features)
+            assert torch.equal(module.quantized.rows(rows), cpu_kernels.packed_rows(dense[name].packed, rows)), name
+    assert gguf.weights.nbytes < runners[None].weights.nbytes / 4
+
+
+def test_gguf_logits_and_greedy_match_float32(runners, prompts, reference) -> None:
+    """Over prefill and 64 greedy steps of the 8 prompts, at least 7 prompts give float32's tokens, and while
+    the inputs agree the logits stay within 1e-3 of float32's."""
+    agree, worst_logit, _ = _compare(reference, _decode(runners["gguf"], prompts))
+    assert agree >= 7
+    assert worst_logit < 1e-3
+
+
+def test_int8_agrees_with_float32(runners, prompts, reference) -> None:
+    """int8 blocks of the float32 weights: at least 5 of the 8 prompts give float32's 64 greedy tokens, and
+    while the inputs agree, the log-probability of float32's token moves by less than 0.15."""
+    agree, _, worst_logprob = _compare(reference, _decode(runners["int8"], prompts))
+    assert agree >= 5
+    assert worst_logprob < 0.15
+    assert runners["int8"].weights.modules == {"q8": 121}
+
+
+def test_gguf_needs_a_gguf_model_and_float32_compute(tiny_model_factory) -> None:
+    """quantization='gguf' on a Hugging Face directory, or with a compute dtype the kernels do not take, is a
+    ParameterError naming the field."""
+    path = tiny_model_factory("llama")
+    with pytest.raises(ParameterError, match="not a GGUF file") as err:
+        ModelRunner(EngineConfig(num_blocks=8, quantization="gguf"), path)
+    assert err.value.param == "quantization"
+    with pytest.raises(ParameterError, match="float32") as err:
+        ModelRunner(EngineConfig(num_blocks=8, quantization="int8", dtype="float16"), path)
+    assert err.value.param == "quantization"

@@ -1,0 +1,105 @@
+"""Quantized weights: GGUF's block formats read as llama.cpp's reference writes them, the panel layout, and
+the C kernel over it against a float64 matmul of the dequantized weight."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from engine import cpu_kernels
+from engine.layers import quantization as q
+
+pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler for the CPU kernels")
+
+GGUF_TYPES = ["Q8_0", "Q4_0", "Q4_1"]
+
+
+def _gguf_blocks(type_name: str, weight: np.ndarray) -> tuple[q.QuantBlocks, torch.Tensor]:
+    """The engine's reading of a weight quantized by gguf-py, and gguf-py's own dequantization."""
+    kind = getattr(GGMLQuantizationType, type_name)
+    raw = quants.quantize(weight, kind)
+    return q.from_gguf(type_name, raw), torch.from_numpy(quants.dequantize(raw, kind))
+
+
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+def test_gguf_blocks_dequantize_as_gguf_py(type_name: str) -> None:
+    """Codes and float16 scales read from the raw bytes give gguf-py's float32 weight exactly."""
+    weight = np.random.default_rng(1).standard_normal((19, 96)).astype(np.float32)
+    blocks, reference = _gguf_blocks(type_name, weight)
+    assert blocks.kind == ("q8" if type_name == "Q8_0" else "q4")
+    assert torch.equal(blocks.dequantize(), reference)
+    assert blocks.codes.dtype == torch.uint8
+    if blocks.kind == "q4":
+        assert int(blocks.codes.max()) <= 15
+
+
+def test_pack_layout_and_rows() -> None:
+    """Panels interleave 16 columns per input feature (4-bit: columns j and j + 8 share a byte); rows()
+    reads any row back, the last panel's padding included nowhere."""
+    weight = np.random.default_rng(2).standard_normal((cpu_kernels.LINEAR_PANEL + 5, 64)).astype(np.float32)
+    for type_name in GGUF_TYPES:
+        blocks, reference = _gguf_blocks(type_name, weight)
+        packed = q.pack(blocks)
+        panels = 2
+        half = cpu_kernels.LINEAR_PANEL // 2
+        width = half if packed.kind == "q4" else cpu_kernels.LINEAR_PANEL
+        assert packed.codes.shape == (panels, 2, q.QBLOCK, width)
+        if packed.kind == "q4":  # column 3 (low nibble) and 11 (high nibble) of feature 40 = block 1, entry 8
+            byte = int(packed.codes[0, 1, 8, 3])
+            assert (byte & 15, byte >> 4) == (int(blocks.codes[3, 40]), int(blocks.codes[11, 40]))
+        index = torch.arange(weight.shape[0])
+        assert torch.equal(packed.rows(index), reference)
+        assert packed.nbytes == packed.codes.nbytes + packed.scales.nbytes
+
+
+# Rows: the widening tile (1..6), the dequantized-panel path (7+), past one block of x rows at K=576.
+@pytest.mark.parametrize("rows", [0, 1, 4, 6, 7, 40, 250])
+@pytest.mark.parametrize("type_name", GGUF_TYPES + ["int8"])
+@pytest.mark.parametrize("shape", [(576, 200), (64, 13)])  # (in, out): a partial last panel in both
+def test_kernel_matches_float64(rows: int, type_name: str, shape: tuple[int, int]) -> None:
+    """x W^T + b over packed blocks equals float64's of the dequantized weight, with and without bias."""
+    in_features, out_features = shape
+    rng = np.random.default_rng(rows + in_features)
+    weight = rng.standard_normal((out_features, in_features)).astype(np.float32)
+    if type_name == "int8":
+        blocks = q.quantize_int8(torch.from_numpy(weight))
+        reference = blocks.dequantize()
+    else:
+        blocks, reference = _gguf_blocks(type_name, weight)
+    packed = q.pack(blocks)
+    x = torch.from_numpy(rng.standard_normal((rows, in_features)).astype(np.float32))
+    bias = torch.from_numpy(rng.standard_normal(out_features).astype(np.float32))
+    expected = x.double() @ reference.double().T
+    assert torch.allclose(cpu_kernels.linear_quantized(x, packed).double(), expected, atol=1e-4, rtol=1e-5)
+    with_bias = cpu_kernels.linear_quantized(x, packed, bias).double()
+    assert torch.allclose(with_bias, expected + bias.double(), atol=1e-4, rtol=1e-5)
+
+
+def test_int8_blocks_round_to_nearest() -> None:
+    """Each block spans its least to its greatest weight in 255 steps, every weight within half a step of its
+    code's value (the extremes exact); a constant block is exact."""
+    weight = torch.randn(8, 64)
+    weight[3, :32] = 0.25
+    blocks = q.quantize_int8(weight)
+    view = weight.view(8, 2, 32)
+    step = (view.amax(-1) - view.amin(-1)) / 255
+    assert torch.equal(blocks.d, step) and torch.equal(blocks.m, view.amin(-1))
+    error = (blocks.dequantize() - weight).view(8, 2, 32).abs()
+    assert bool((error <= step.unsqueeze(-1) / 2 + 1e-6).all())
+    assert torch.equal(blocks.dequantize()[3, :32], weight[3, :32])
+    assert blocks.codes.dtype == torch.uint8 and int(blocks.codes.max()) == 255 and int(blocks.codes.min()) == 0
+
+
+def test_bad_shapes_are_named() -> None:
+    """A weight whose in_features is not a multiple of 32, an input of the wrong width, a bias of the wrong size."""
+    with pytest.raises(ValueError, match="divisible by 32"):
+        q.quantize_int8(torch.randn(4, 40))
+    packed = q.pack(q.quantize_int8(torch.randn(4, 64)))
+    with pytest.raises(ValueError, match="64 in_features"):
+        cpu_kernels.linear_quantized(torch.randn(2, 32), packed)
+    with pytest.raises(ValueError, match=r"bias must have shape \[4\]"):
+        cpu_kernels.linear_quantized(torch.randn(2, 64), packed, torch.randn(5))
+    with pytest.raises(ValueError, match="not served natively"):
+        q.from_gguf("Q6_K", np.zeros((1, 210), dtype=np.uint8))

@@ -13,7 +13,7 @@ import torch
 from engine.config import EngineConfig
 from integrations.bench.ceiling import linear_shapes
 from integrations.bench.engine_runs import saturation_point
-from integrations.bench.report import ENGINE, percentile
+from integrations.bench.report import ENGINE, RunResult, agreement, percentile
 from integrations.bench.workloads import build_workload, rag_turns
 from integrations.cli import main
 
@@ -239,6 +239,14 @@ def test_percentile_matches_numpy() -> None:
     for q in (0, 50, 90, 99, 100):
         assert percentile(values, q) == pytest.approx(np.percentile(values, q))
     assert percentile([], 50) is None
+
+
+def test_agreement_counts_same_requests_and_common_prefixes() -> None:
+    """Identical requests, and tokens equal from the first, over the prompts both ran."""
+    engine = RunResult(ENGINE, 3, 9, 1.0, 9, output_token_ids=[[1, 2, 3], [4, 5, 6], [7, 8, 9]], prompt_indices=[0, 1, 2])
+    other = RunResult("other", 2, 6, 1.0, 6, output_token_ids=[[4, 5, 0], [7, 8, 9]], prompt_indices=[1, 2])
+    assert agreement(other, engine) == (1, 2, 2.5)
+    assert agreement(engine, engine) is None and agreement(other, None) is None
 
 
 def test_saturation_point() -> None:

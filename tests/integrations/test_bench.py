@@ -258,7 +258,7 @@ def test_saturation_point() -> None:
 
 def test_bad_arguments_are_rejected(tiny_dir: Path) -> None:
     """Non-positive sizes, unknown workloads and unknown baselines stop at argument parsing."""
-    for argv in (["--num-requests", "0"], ["--workload", "nope"], ["--concurrency", "1,x"], ["--baselines", "vllm"]):
+    for argv in (["--num-requests", "0"], ["--workload", "nope"], ["--concurrency", "1,x"], ["--baselines", "sglang"]):
         with pytest.raises(SystemExit):
             main(["bench", "--model", str(tiny_dir), "--num-blocks", "256", *argv])
 

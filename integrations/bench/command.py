@@ -43,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--vllm-python",
         type=Path,
         default=None,
+        metavar="PATH",
         help="the python of vLLM's own virtual environment, for --baselines vllm "
         "(default: $PAGED_VLLM_PYTHON, else ~/.cache/paged-peers/vllm/bin/python)",
     )

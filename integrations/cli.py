@@ -8,7 +8,8 @@ import sys
 
 # Each subcommand lives in its own module exposing add_arguments(parser) and run(args) -> int;
 # modules import lazily so `paged --help` stays fast. A FlagError from run() (an engine flag
-# value EngineConfig refuses) is reported like any other bad flag: usage, message, status 2.
+# value EngineConfig refuses) is reported like any other bad flag: usage, message, status 2;
+# a CommandError as its message alone, status 1.
 _COMMANDS = {
     "serve": ("integrations.openai_server.command", "run the OpenAI-compatible HTTP server"),
     "bench": ("integrations.bench.command", "benchmark the engine against the alternatives"),
@@ -30,11 +31,14 @@ def main(argv: list[str] | None = None) -> int:
             chosen = sub_parser
     args = parser.parse_args(argv)
     from integrations.engine_flags import FlagError
+    from integrations.errors import CommandError
 
     try:
         return int(args._run(args) or 0)
     except FlagError as exc:
         chosen.error(str(exc))
+    except CommandError as exc:
+        chosen.exit(1, f"{chosen.prog}: error: {exc}\n")
 
 
 if __name__ == "__main__":

@@ -16,12 +16,14 @@ import re
 from pathlib import Path
 from typing import Any
 
+from integrations.bench import vllm_runs
 from integrations.bench.workloads import WORKLOADS
 from integrations.engine_flags import add_engine_arguments, engine_config, engine_kwargs
 
 logger = logging.getLogger(__name__)
 
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx")  # in machine_info; "amx" stands for any amx_* flag
+OFFLINE_WORKLOADS = ("shared-prefix", "distinct", "rag")  # those --compare runs the baselines on
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,12 +31,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", choices=WORKLOADS, default="shared-prefix")
     parser.add_argument("--num-requests", type=_positive_int, default=64)
     parser.add_argument("--max-tokens", type=_positive_int, default=128, help="new tokens per request")
-    parser.add_argument("--compare", action="store_true", help="also run the Hugging Face baselines")
+    parser.add_argument("--compare", action="store_true", help="also run the baselines (--baselines)")
     parser.add_argument(
         "--baselines",
         type=_baseline_list,
         default=["one-by-one", "static-16", "continuous"],
-        help="comma-separated baselines for --compare: one-by-one, static-N (e.g. static-64), continuous",
+        help="comma-separated baselines for --compare: one-by-one, static-N (e.g. static-64), continuous "
+        "(Hugging Face), vllm (vLLM's CPU build, see --vllm-python)",
+    )
+    parser.add_argument(
+        "--vllm-python",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="the python of vLLM's own virtual environment, for --baselines vllm "
+        "(default: $PAGED_VLLM_PYTHON, else ~/.cache/paged-peers/vllm/bin/python)",
     )
     parser.add_argument(
         "--baseline-requests",
@@ -83,9 +94,9 @@ def _int_list(text: str) -> list[int]:
 def _baseline_list(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     for name in names:
-        if name not in ("one-by-one", "continuous") and not re.fullmatch(r"static-[1-9][0-9]*", name):
+        if name not in ("one-by-one", "continuous", vllm_runs.VLLM) and not re.fullmatch(r"static-[1-9][0-9]*", name):
             raise argparse.ArgumentTypeError(
-                f"unknown baseline {name!r}; expected one-by-one, static-N (e.g. static-16) or continuous"
+                f"unknown baseline {name!r}; expected one-by-one, static-N (e.g. static-16), continuous or vllm"
             )
     if not names:
         raise argparse.ArgumentTypeError("expected at least one baseline")
@@ -96,10 +107,15 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by ``args``; prints the tables, writes JSON and plots.
 
     Raises:
-        FlagError: an engine flag the config refuses (``paged`` reports it as a usage error),
-            before anything loads.
+        FlagError: an engine flag the config refuses, or ``VllmEnvMissing`` for ``--baselines vllm``
+            without vLLM's environment (``paged`` reports both as usage errors), before anything loads.
+        VllmRunFailed: the vLLM run failed (``paged`` prints the message, which names its log).
     """
     config = engine_config(args)
+    baseline_names = args.baselines if args.compare else []
+    vllm_python = None
+    if vllm_runs.VLLM in baseline_names and args.workload in OFFLINE_WORKLOADS:
+        vllm_python = vllm_runs.vllm_python(args.vllm_python)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     import transformers
@@ -126,7 +142,6 @@ def run(args: argparse.Namespace) -> int:
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     num_requests = max(args.num_requests, max(args.concurrency)) if args.workload == "sweep" else args.num_requests
     workload = build_workload(args.workload, tokenizer, num_requests)
-    baseline_names = args.baselines if args.compare else []
 
     bar = tqdm(
         total=_expected_tokens(args, workload, baseline_names),
@@ -155,11 +170,12 @@ def run(args: argparse.Namespace) -> int:
         results, structured = structured_compare(model, engine_fields, workload.prompts, args.max_tokens, bar.update)
     else:
         results.append(engine_runs.run_offline(model, engine_fields, workload.prompts, args.max_tokens, bar.update))
-        if baseline_names:
+        hf_names = [n for n in baseline_names if n != vllm_runs.VLLM]
+        if hf_names:
             hf_model = baselines.load_hf_model(model_dir, weight_dtype, device)
             baselines.warm_up(hf_model, pad_token_id)
             # NOTE: generate_batch switches the model's attention to its paged variant, so it runs last.
-            for name in sorted(baseline_names, key=lambda n: n == "continuous"):
+            for name in sorted(hf_names, key=lambda n: n == "continuous"):
                 bar.set_postfix_str(name)
                 results.append(
                     baselines.run_baseline(
@@ -167,6 +183,13 @@ def run(args: argparse.Namespace) -> int:
                         args.baseline_requests, bar.update,
                     )
                 )
+        if vllm_python is not None:
+            bar.set_postfix_str("vllm (start-up takes minutes)")
+            vllm_result = vllm_runs.run_vllm(
+                vllm_python, model_dir, workload.prompts, args.max_tokens, dtype_name, engine_fields
+            )
+            results.append(vllm_result)
+            bar.update(vllm_result.num_new_tokens)
     if args.profile:
         bar.set_postfix_str("profile")
         profile = profiling.profile_steps(

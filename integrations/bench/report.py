@@ -6,7 +6,7 @@ JSON layout (``paged bench --json PATH``), stable so that later runs can be comp
      "results": [{"name", "tokens_per_s", "ratio_to_engine", "wall_s", "num_requests",
                   "num_new_tokens", "num_prompt_tokens", "prompt_tokens_computed",
                   "prefix_cache_hit_rate", "num_preemptions", "ttft_s": {"p50", "p99", "mean"},
-                  "itl_s": {...}, "matches_engine", "notes"}, ...],
+                  "itl_s": {...}, "matches_engine", "mean_common_prefix", "startup_s", "notes"}, ...],
      "ceiling": {...} | null, "poisson": {...} | null, "sweep": {"levels": [...], "saturation_concurrency"} | null,
      "structured": {"schema", "num_requests", "tokens_per_s": {"constrained", "unconstrained"}, "ratio",
                     "num_steps", "step_ms", "mask_ms_per_step": {"mask fill", "mask apply", "matcher advance"},
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 ENGINE = "paged engine"
 SCHEMA_VERSION = 1
@@ -31,6 +31,8 @@ class RunResult:
 
     ``ttft_s`` is measured from the moment the request was submitted (for one-by-one
     generation: from its own start, i.e. without queueing behind earlier requests).
+    ``startup_s`` is a contender's own start-up where it is a process of its own (vLLM); no
+    contender's start-up is in ``wall_s``.
     """
 
     name: str
@@ -43,6 +45,7 @@ class RunResult:
     prompt_tokens_computed: int | None = None
     prefix_cache_hit_rate: float | None = None
     num_preemptions: int | None = None
+    startup_s: float | None = None
     notes: str = ""
     output_token_ids: list[list[int]] = field(default_factory=list, repr=False)
     prompt_indices: list[int] = field(default_factory=list, repr=False)  # which workload prompts ran
@@ -72,8 +75,20 @@ def summarize(values: list[float]) -> dict[str, float | None]:
     }
 
 
-def matches_engine(result: RunResult, engine: RunResult | None) -> float | None:
-    """Fraction of the requests both ran whose greedy tokens equal the engine's."""
+class Agreement(NamedTuple):
+    """A contender's greedy tokens against the engine's, over the requests both ran."""
+
+    num_same: int  # requests whose token ids are identical
+    num_compared: int
+    mean_common_prefix: float  # tokens equal from the first, per request
+
+    @property
+    def fraction_same(self) -> float:
+        return self.num_same / self.num_compared
+
+
+def agreement(result: RunResult, engine: RunResult | None) -> Agreement | None:
+    """How ``result``'s tokens agree with ``engine``'s; None for the engine itself or nothing to compare."""
     if engine is None or result is engine or not result.output_token_ids or not engine.output_token_ids:
         return None
     by_prompt = dict(zip(engine.prompt_indices, engine.output_token_ids))
@@ -81,11 +96,17 @@ def matches_engine(result: RunResult, engine: RunResult | None) -> float | None:
     pairs = [(a, b) for a, b in pairs if b is not None]
     if not pairs:
         return None
-    return sum(a == b for a, b in pairs) / len(pairs)
+    prefixes = [_common_prefix(a, b) for a, b in pairs]
+    return Agreement(sum(a == b for a, b in pairs), len(pairs), sum(prefixes) / len(pairs))
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((n for n, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def result_to_dict(result: RunResult, engine: RunResult | None) -> dict[str, Any]:
     ratio = result.tokens_per_s / engine.tokens_per_s if engine and engine.tokens_per_s > 0 else None
+    same = agreement(result, engine)
     return {
         "name": result.name,
         "tokens_per_s": result.tokens_per_s,
@@ -99,7 +120,9 @@ def result_to_dict(result: RunResult, engine: RunResult | None) -> dict[str, Any
         "num_preemptions": result.num_preemptions,
         "ttft_s": summarize(result.ttft_s),
         "itl_s": summarize(result.itl_s),
-        "matches_engine": matches_engine(result, engine),
+        "matches_engine": None if same is None else same.fraction_same,
+        "mean_common_prefix": None if same is None else same.mean_common_prefix,
+        "startup_s": result.startup_s,
         "notes": result.notes,
     }
 
@@ -147,9 +170,9 @@ def format_table(report: dict[str, Any]) -> str:
     contender results (a Poisson search) only the ceiling's line."""
     header = (
         "| contender | tok/s | x engine | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) "
-        "| prefix hit | prompt tok computed / total | same tokens |"
+        "| prefix hit | prompt tok computed / total | same tokens | common prefix (tok) |"
     )
-    lines = [header, "|" + " --- |" * 8] if report["results"] else []
+    lines = [header, "|" + " --- |" * 9] if report["results"] else []
     for r in report["results"]:
         computed = r["prompt_tokens_computed"]
         lines.append(
@@ -158,7 +181,7 @@ def format_table(report: dict[str, Any]) -> str:
             f"| {_fmt(r['itl_s']['p50'], '.0f', 1e3)} / {_fmt(r['itl_s']['p99'], '.0f', 1e3)} "
             f"| {_fmt(r['prefix_cache_hit_rate'], '.0%')} "
             f"| {'-' if computed is None else computed} / {r['num_prompt_tokens']} "
-            f"| {_fmt(r['matches_engine'], '.0%')} |"
+            f"| {_fmt(r['matches_engine'], '.0%')} | {_fmt(r['mean_common_prefix'], '.1f')} |"
         )
     notes = [f"- {r['name']}: {r['notes']}" for r in report["results"] if r["notes"]]
     ceiling = report.get("ceiling")

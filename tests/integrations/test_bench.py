@@ -13,7 +13,7 @@ import torch
 from engine.config import EngineConfig
 from integrations.bench.ceiling import linear_shapes
 from integrations.bench.engine_runs import saturation_point
-from integrations.bench.report import ENGINE, percentile
+from integrations.bench.report import ENGINE, RunResult, agreement, percentile
 from integrations.bench.workloads import build_workload, rag_turns
 from integrations.cli import main
 
@@ -241,6 +241,14 @@ def test_percentile_matches_numpy() -> None:
     assert percentile([], 50) is None
 
 
+def test_agreement_counts_same_requests_and_common_prefixes() -> None:
+    """Identical requests, and tokens equal from the first, over the prompts both ran."""
+    engine = RunResult(ENGINE, 3, 9, 1.0, 9, output_token_ids=[[1, 2, 3], [4, 5, 6], [7, 8, 9]], prompt_indices=[0, 1, 2])
+    other = RunResult("other", 2, 6, 1.0, 6, output_token_ids=[[4, 5, 0], [7, 8, 9]], prompt_indices=[1, 2])
+    assert agreement(other, engine) == (1, 2, 2.5)
+    assert agreement(engine, engine) is None and agreement(other, None) is None
+
+
 def test_saturation_point() -> None:
     """The knee is the first level after which doubling gains less than 10%."""
     rows = [{"concurrency": c, "tokens_per_s": {ENGINE: t}} for c, t in [(1, 10), (2, 19), (4, 30), (8, 31), (16, 40)]]
@@ -250,7 +258,7 @@ def test_saturation_point() -> None:
 
 def test_bad_arguments_are_rejected(tiny_dir: Path) -> None:
     """Non-positive sizes, unknown workloads and unknown baselines stop at argument parsing."""
-    for argv in (["--num-requests", "0"], ["--workload", "nope"], ["--concurrency", "1,x"], ["--baselines", "vllm"]):
+    for argv in (["--num-requests", "0"], ["--workload", "nope"], ["--concurrency", "1,x"], ["--baselines", "sglang"]):
         with pytest.raises(SystemExit):
             main(["bench", "--model", str(tiny_dir), "--num-blocks", "256", *argv])
 

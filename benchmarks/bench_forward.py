@@ -1,4 +1,8 @@
-"""Forward time of one engine step on the model runner: decode batches and a prefill, per dtype.
+"""Forward time of one engine step on the model runner: decode batches and a prefill, per weight format.
+
+Each format is a dtype, optionally with a quantization (``float32:gguf``, ``float32:int8``). All
+formats' runners are loaded first, and each step is timed on them in turn, round after round,
+so that the ratios to the first format (the ``vs first`` column) compare them under the same load.
 
 Decode steps run at a fixed context length over a KV cache whose content is irrelevant to
 the timing (contexts are addressed, not prefilled), so large batches are cheap to set up.
@@ -8,8 +12,9 @@ blocks, as a common system prompt cached once gives; ``--compare`` (with
 attention, interleaved with it, and prints the ratio.
 
     python benchmarks/bench_forward.py                       # bundled SmolLM2, float32 and bfloat16
-    python benchmarks/bench_forward.py --batches 64 --context 1024 --dtypes float32
-    python benchmarks/bench_forward.py --batches 64 --context 354 --shared 288 --prefill 0 --dtypes float32 \
+    python benchmarks/bench_forward.py --formats float32,float32:int8,float32:gguf --batches 1,4,16,64
+    python benchmarks/bench_forward.py --batches 64 --context 1024 --formats float32
+    python benchmarks/bench_forward.py --batches 64 --context 354 --shared 288 --prefill 0 --formats float32 \
         --attention-backend torch --compare
 """
 
@@ -59,6 +64,18 @@ def _time(runner: ModelRunner, step: SchedulerOutput, repeats: int) -> float:
         runner.execute_model(step)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def _time_formats(runners: list[ModelRunner], step: SchedulerOutput, repeats: int) -> list[float]:
+    """Median step time of each runner, the runners taking turns each round (the first round warms up)."""
+    times: list[list[float]] = [[] for _ in runners]
+    for repeat in range(repeats + 1):
+        for runner, spent in zip(runners, times):
+            start = time.perf_counter()
+            runner.execute_model(step)
+            if repeat:
+                spent.append(time.perf_counter() - start)
+    return [statistics.median(spent) for spent in times]
 
 
 def _time_pair(runner: ModelRunner, step: SchedulerOutput, repeats: int) -> tuple[float, float]:
@@ -130,7 +147,9 @@ def _prep_ms(runner: ModelRunner, step: SchedulerOutput, repeats: int = 50) -> f
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="HF directory or .gguf; default: the bundled SmolLM2")
-    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument(
+        "--formats", default="float32,bfloat16", help="comma-separated dtype[:quantization], e.g. float32:gguf"
+    )
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--context", type=int, default=350, help="context length of every decode sequence")
     parser.add_argument("--shared", type=int, default=0, help="leading context tokens every decode sequence shares")
@@ -155,35 +174,44 @@ def main() -> None:
         f"shared={args.shared} prefill={args.prefill} repeats={args.repeats}"
     )
     print(
-        "| dtype | step | forward ms | tokens/s | matmul floor ms | of ceiling | attention share "
+        "| format | step | forward ms | tokens/s | vs first | matmul floor ms | of ceiling | attention share "
         "| outside forward | input prep ms | no-cascade ms |"
     )
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for dtype in args.dtypes.split(","):
-        block_size = 16
-        needed = max(batches) * -(-args.context // block_size) + -(-args.prefill // block_size)
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    block_size = 16
+    needed = max(batches) * -(-args.context // block_size) + -(-args.prefill // block_size)
+    formats = args.formats.split(",")
+    runners = []
+    for name in formats:
+        dtype, _, quantization = name.partition(":")
         config = EngineConfig(
             dtype=dtype, device=args.device, block_size=block_size, num_blocks=needed,
-            attention_backend=args.attention_backend,
+            attention_backend=args.attention_backend, quantization=quantization or None,
         )
-        runner = ModelRunner(config, model_dir)
-        for batch in batches:
-            step = _decode_step(batch, args.context, block_size, args.shared)
+        runners.append(ModelRunner(config, model_dir))
+    for batch in batches:
+        step = _decode_step(batch, args.context, block_size, args.shared)
+        times = _time_formats(runners, step, args.repeats)
+        for name, runner, seconds in zip(formats, runners, times):
+            versus = ""
             if args.compare:
                 seconds, plain = _time_pair(runner, step, args.repeats)
                 versus = f"{plain * 1e3:.1f} ({plain / seconds:.2f}x)"
-            else:
-                seconds, versus = _time(runner, step, args.repeats), ""
             floor = _matmul_floor(runner, batch, args.repeats)
             attention, outside = _shares(runner, step)
             print(
-                f"| {dtype} | decode x{batch} | {seconds * 1e3:.1f} | {batch / seconds:.0f} | {floor * 1e3:.1f} "
-                f"| {floor / seconds:.0%} | {attention:.0%} | {outside:.1%} | {_prep_ms(runner, step):.2f} | {versus} |"
+                f"| {name} | decode x{batch} | {seconds * 1e3:.1f} | {batch / seconds:.0f} | {times[0] / seconds:.2f}x "
+                f"| {floor * 1e3:.1f} | {floor / seconds:.0%} | {attention:.0%} | {outside:.1%} "
+                f"| {_prep_ms(runner, step):.2f} | {versus} |"
             )
-        if args.prefill:
-            seconds = _time(runner, _prefill_step(args.prefill, block_size), max(1, args.repeats // 2))
-            print(f"| {dtype} | prefill {args.prefill} | {seconds * 1e3:.1f} | {args.prefill / seconds:.0f} | |")
-        del runner
+    if args.prefill:
+        step = _prefill_step(args.prefill, block_size)
+        times = _time_formats(runners, step, max(1, args.repeats // 2))
+        for name, seconds in zip(formats, times):
+            print(
+                f"| {name} | prefill {args.prefill} | {seconds * 1e3:.1f} | {args.prefill / seconds:.0f} "
+                f"| {times[0] / seconds:.2f}x | |"
+            )
 
 
 if __name__ == "__main__":

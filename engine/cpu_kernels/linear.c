@@ -149,24 +149,29 @@ void linear_bf16(const float *x, int64_t ld_x, int64_t M, const uint16_t *packed
 
 typedef uint8_t vb __attribute__((vector_size(VL)));
 
-static inline vf widen(vb b) { return __builtin_convertvector(__builtin_convertvector(b, vi), vf); }
+/* Eight codes as float32: the 8-bit codes at p, or the low (high = 0) or high (high = 1) nibbles of
+ * the 8 bytes at p. */
+static inline vf widen(const uint8_t *p, int q4, int high) {
+#ifdef __AVX2__ /* GCC's lowering of the generic 8-byte vector goes through general registers */
+    __m128i b = _mm_loadl_epi64((const __m128i *)p);
+    if (q4) b = _mm_and_si128(high ? _mm_srli_epi16(b, 4) : b, _mm_set1_epi8(15));
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+#else
+    vb b;
+    memcpy(&b, p, sizeof b);
+    if (q4) b = high ? b >> 4 : b & 15;
+    return __builtin_convertvector(__builtin_convertvector(b, vi), vf);
+#endif
+}
 
 static inline int64_t q_block_bytes(int q4) { return q4 ? QBLOCK * PANEL / 2 : QBLOCK * PANEL; }
 
 /* The two weight vectors (columns 0..7, 8..15) of input feature kk of a block. */
 static inline __attribute__((always_inline)) void q_load(const uint8_t *codes, int q4, int64_t kk, vf d0, vf d1,
                                                          vf m0, vf m1, vf *w0, vf *w1) {
-    vb lo, hi;
-    if (q4) {
-        memcpy(&lo, codes + kk * (PANEL / 2), sizeof lo);
-        hi = lo >> 4;
-        lo = lo & 15;
-    } else {
-        memcpy(&lo, codes + kk * PANEL, sizeof lo);
-        memcpy(&hi, codes + kk * PANEL + VL, sizeof hi);
-    }
-    *w0 = widen(lo) * d0 + m0;
-    *w1 = widen(hi) * d1 + m1;
+    const uint8_t *c = codes + kk * (q4 ? PANEL / 2 : PANEL);
+    *w0 = widen(c, q4, 0) * d0 + m0;
+    *w1 = widen(q4 ? c : c + VL, q4, 1) * d1 + m1;
 }
 
 /* `rows` (at most TILE_ROWS) rows of x times one quantized panel, codes widened as they load. */
@@ -214,28 +219,38 @@ static inline __attribute__((always_inline)) void q_dequantize(const uint8_t *co
     }
 }
 
+/* Panel p for rows of x that fit one tile (M <= TILE_ROWS), the codes widened in the tile. */
+static inline __attribute__((always_inline)) void q_panel_tile(const float *x, int64_t ld_x, int64_t M,
+                                                               const uint8_t *codes, const float *scales, int q4,
+                                                               int64_t N, int64_t K, const float *bias, float *y,
+                                                               int64_t ld_y, int64_t p) {
+    float b[PANEL];
+    const int64_t cols = panel_bias(bias, N, p, b);
+    const uint8_t *c = codes + p * (K / QBLOCK * q_block_bytes(q4));
+    const float *s = scales + p * (K / QBLOCK * 2 * PANEL);
+    float *yp = y + p * PANEL;
+    switch (M) { /* constant row counts, so that the accumulators stay in registers */
+    case 6: q_tile(x, ld_x, 6, c, s, q4, K, b, yp, ld_y, cols); break;
+    case 5: q_tile(x, ld_x, 5, c, s, q4, K, b, yp, ld_y, cols); break;
+    case 4: q_tile(x, ld_x, 4, c, s, q4, K, b, yp, ld_y, cols); break;
+    case 3: q_tile(x, ld_x, 3, c, s, q4, K, b, yp, ld_y, cols); break;
+    case 2: q_tile(x, ld_x, 2, c, s, q4, K, b, yp, ld_y, cols); break;
+    case 1: q_tile(x, ld_x, 1, c, s, q4, K, b, yp, ld_y, cols); break;
+    }
+}
+
 /* y = x W^T + b over a quantized packed weight; K a multiple of QBLOCK. Returns 0, or -3 when a
  * thread's dequantization scratch cannot be allocated. */
 static int linear_q(const float *x, int64_t ld_x, int64_t M, const uint8_t *codes, const float *scales, int q4,
                     int64_t N, int64_t K, const float *bias, float *y, int64_t ld_y) {
     const int64_t panels = (N + PANEL - 1) / PANEL;
-    const int64_t panel_bytes = K / QBLOCK * q_block_bytes(q4), panel_scales = K / QBLOCK * 2 * PANEL;
-    if (M <= TILE_ROWS) { /* decoding: widen the codes in the tile, read each panel once */
+    if (M <= TILE_ROWS) { /* decoding: read each panel once */
 #pragma omp parallel for schedule(static)
         for (int64_t p = 0; p < panels; ++p) {
-            float b[PANEL];
-            const int64_t cols = panel_bias(bias, N, p, b);
-            const uint8_t *c = codes + p * panel_bytes;
-            const float *s = scales + p * panel_scales;
-            float *yp = y + p * PANEL;
-            switch (M) {
-            case 6: q_tile(x, ld_x, 6, c, s, q4, K, b, yp, ld_y, cols); break;
-            case 5: q_tile(x, ld_x, 5, c, s, q4, K, b, yp, ld_y, cols); break;
-            case 4: q_tile(x, ld_x, 4, c, s, q4, K, b, yp, ld_y, cols); break;
-            case 3: q_tile(x, ld_x, 3, c, s, q4, K, b, yp, ld_y, cols); break;
-            case 2: q_tile(x, ld_x, 2, c, s, q4, K, b, yp, ld_y, cols); break;
-            case 1: q_tile(x, ld_x, 1, c, s, q4, K, b, yp, ld_y, cols); break;
-            }
+            if (q4) /* each call inlined with its constant */
+                q_panel_tile(x, ld_x, M, codes, scales, 1, N, K, bias, y, ld_y, p);
+            else
+                q_panel_tile(x, ld_x, M, codes, scales, 0, N, K, bias, y, ld_y, p);
         }
         return 0;
     }
@@ -248,7 +263,12 @@ static int linear_q(const float *x, int64_t ld_x, int64_t M, const uint8_t *code
         if (!failed) {
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < panels; ++p) {
-                q_dequantize(codes + p * panel_bytes, scales + p * panel_scales, q4, K, scratch);
+                if (q4)
+                    q_dequantize(codes + p * (K / QBLOCK * q_block_bytes(1)), scales + p * (K / QBLOCK * 2 * PANEL), 1,
+                                 K, scratch);
+                else
+                    q_dequantize(codes + p * (K / QBLOCK * q_block_bytes(0)), scales + p * (K / QBLOCK * 2 * PANEL), 0,
+                                 K, scratch);
                 float b[PANEL];
                 const int64_t cols = panel_bias(bias, N, p, b);
                 for (int64_t m0 = 0; m0 < M; m0 += mc)

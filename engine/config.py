@@ -40,7 +40,7 @@ class EngineConfig:
     )
     quantization: str | None = knob(
         None,
-        "Linear weights quantized on CPU: int8 = symmetric int8 blocks of 32 (weight-only); gguf = a .gguf "
+        "Linear weights quantized on CPU: int8 = 8-bit min/max blocks of 32 weights (weight-only); gguf = a .gguf "
         "model's own Q8_0 / Q4_0 / Q4_1 blocks, read without dequantizing; None = weights in dtype.",
         choices=("int8", "gguf"),
     )

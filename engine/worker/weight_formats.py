@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import logging
 import re
+import struct
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 from torch import nn
 
 from engine.layers.linear import Linear, MergedLinear
@@ -110,12 +112,8 @@ def _checkpoint_names(name: str, module: Linear) -> list[str]:
 def _gguf_blocks(gguf_path: Path, num_heads: int, num_kv_heads: int) -> BlocksOf:
     """A lookup of each module's blocks in the GGUF file: None where a tensor is absent or of a type
     not served natively."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(gguf_path)
-    tensors = {t.name: t for t in reader.tensors}
-    arch_field = reader.fields["general.architecture"]
-    permuted = bytes(arch_field.parts[arch_field.data[0]]).decode() == "llama"
+    architecture, tensors = read_gguf_tensors(gguf_path)
+    permuted = architecture == "llama"
 
     def one(checkpoint: str) -> QuantBlocks | None:
         if match := _LAYER.fullmatch(checkpoint):
@@ -123,9 +121,9 @@ def _gguf_blocks(gguf_path: Path, num_heads: int, num_kv_heads: int) -> BlocksOf
         else:
             gguf_name = f"{_GGUF_TOP_NAMES.get(checkpoint, checkpoint)}.weight"
         tensor = tensors.get(gguf_name)
-        if tensor is None or tensor.tensor_type.name not in GGUF_BLOCK_BYTES:
+        if tensor is None or tensor.type_name not in GGUF_BLOCK_BYTES:
             return None
-        blocks = from_gguf(tensor.tensor_type.name, tensor.data)
+        blocks = from_gguf(tensor.type_name, tensor.data)
         if permuted and checkpoint.endswith(("self_attn.q_proj", "self_attn.k_proj")):
             heads = num_heads if checkpoint.endswith("q_proj") else num_kv_heads
             blocks = QuantBlocks(blocks.kind, *(_unpermute_rows(t, heads) for t in blocks[1:]))
@@ -139,6 +137,103 @@ def _gguf_blocks(gguf_path: Path, num_heads: int, num_kv_heads: int) -> BlocksOf
         return concat(parts)
 
     return blocks_of
+
+
+class GGUFTensor(NamedTuple):
+    """A tensor of a GGUF file: its type's name (``Q4_1``, ``F32``, ...) and its rows of raw bytes, mapped."""
+
+    type_name: str
+    data: np.ndarray  # uint8 [rows, bytes per row]
+
+
+# GGUF metadata value types: fixed sizes (struct formats), 8 = string, 9 = array
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def read_gguf_tensors(path: Path) -> tuple[str, dict[str, GGUFTensor]]:
+    """The architecture and the tensors of a GGUF file (version 2 or 3), the data memory-mapped.
+
+    Reads the header only as far as it must: the metadata is skipped but for the architecture
+    and the alignment (gguf-py's reader decodes every value, the whole vocabulary included,
+    which takes seconds).
+
+    Raises:
+        ValueError: not a GGUF file of a version read here.
+    """
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    with open(path, "rb") as f:
+        head = f.read(1 << 20)
+        buf, pos = bytearray(head), 0
+
+        def need(size: int) -> None:
+            nonlocal buf
+            while pos + size > len(buf):
+                more = f.read(max(size, 1 << 20))
+                if not more:
+                    raise ValueError(f"{path}: truncated GGUF header")
+                buf += more
+
+        def take(fmt: str):
+            nonlocal pos
+            size = struct.calcsize(fmt)
+            need(size)
+            value = struct.unpack_from("<" + fmt, buf, pos)
+            pos += size
+            return value[0] if len(value) == 1 else value
+
+        def string() -> bytes:
+            nonlocal pos
+            size = take("Q")
+            need(size)
+            pos += size
+            return bytes(buf[pos - size : pos])
+
+        def skip(value_type: int) -> None:
+            nonlocal pos
+            if value_type == 8:
+                string()
+            elif value_type == 9:
+                item_type, count = take("I"), take("Q")
+                if item_type in _GGUF_SCALARS:
+                    size = struct.calcsize(_GGUF_SCALARS[item_type]) * count
+                    need(size)
+                    pos += size
+                else:
+                    for _ in range(count):
+                        skip(item_type)
+            else:
+                take(_GGUF_SCALARS[value_type])
+
+        magic, version = take("4s"), take("I")
+        if magic != b"GGUF" or version not in (2, 3):
+            raise ValueError(f"{path}: not a GGUF file of version 2 or 3")
+        num_tensors, num_fields = take("Q"), take("Q")
+        architecture, alignment = "", 32
+        for _ in range(num_fields):
+            key, value_type = string(), take("I")
+            if key == b"general.architecture" and value_type == 8:
+                architecture = string().decode()
+            elif key == b"general.alignment" and value_type in _GGUF_SCALARS:
+                alignment = int(take(_GGUF_SCALARS[value_type]))
+            else:
+                skip(value_type)
+        infos = []
+        for _ in range(num_tensors):
+            name = string().decode()
+            dims = [take("Q") for _ in range(take("I"))]
+            infos.append((name, dims, take("I"), take("Q")))
+        data_start = -(-pos // alignment) * alignment
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    tensors = {}
+    for name, dims, type_id, offset in infos:
+        kind = GGMLQuantizationType(type_id)
+        block, block_bytes = GGML_QUANT_SIZES[kind]
+        row_bytes = dims[0] // block * block_bytes  # dims[0]: the contiguous (input) dimension
+        rows = int(np.prod(dims[1:], dtype=np.int64)) if len(dims) > 1 else 1
+        start = data_start + offset
+        tensors[name] = GGUFTensor(kind.name, mapped[start : start + rows * row_bytes].reshape(rows, row_bytes))
+    return architecture, tensors
 
 
 def _unpermute_rows(t: Any, num_heads: int) -> Any:

@@ -103,3 +103,25 @@ def test_bad_shapes_are_named() -> None:
         cpu_kernels.linear_quantized(torch.randn(2, 64), packed, torch.randn(5))
     with pytest.raises(ValueError, match="not served natively"):
         q.from_gguf("Q6_K", np.zeros((1, 210), dtype=np.uint8))
+
+
+def test_gguf_tensors_read_as_gguf_py_reads_them(tmp_path) -> None:
+    """The header reader finds every tensor of the bundled file with gguf-py's type and bytes; a file that
+    is not GGUF is refused by name."""
+    from gguf import GGUFReader
+
+    from engine.loader import bundled_gguf_path
+    from engine.worker.weight_formats import read_gguf_tensors
+
+    architecture, tensors = read_gguf_tensors(bundled_gguf_path())
+    assert architecture == "llama"
+    reader = GGUFReader(bundled_gguf_path())
+    assert set(tensors) == {t.name for t in reader.tensors}
+    for t in reader.tensors[:12]:
+        ours = tensors[t.name]
+        assert ours.type_name == t.tensor_type.name
+        assert np.array_equal(np.asarray(t.data).view(np.uint8).reshape(ours.data.shape), ours.data)
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"GGML" + bytes(64))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        read_gguf_tensors(bad)

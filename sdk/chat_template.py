@@ -11,7 +11,9 @@ with one more turn starts with the same tokens, so its earlier turns come from t
 from __future__ import annotations
 
 import json
+import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from sdk.errors import InvalidRequestError
@@ -30,11 +32,53 @@ To call a tool, reply with its name and arguments as JSON inside {begin}{end} ta
 Tool results come back in <tool_response></tool_response> tags."""
 
 
+_LONGEST_TOKEN: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters one token of ``tokenizer`` stands for (computed once per tokenizer; ~0.1 s).
+
+    A token's vocabulary string has at least as many characters as its text: byte-level
+    tokens spell each byte as one character, SentencePiece tokens their text.
+    """
+    found = _LONGEST_TOKEN.get(tokenizer)
+    if found is None:
+        found = _LONGEST_TOKEN[tokenizer] = max(map(len, tokenizer.get_vocab()), default=1)
+    return found
+
+
+@dataclass(frozen=True, slots=True)
+class PromptBound:
+    """The most characters a prompt can have and still fit ``max_model_len`` tokens, checked before any work.
+
+    ``max_chars`` is ``max_model_len`` times the longest token's characters: a text longer
+    than that has more than ``max_model_len`` tokens whatever it says (for tokenizers that do
+    not drop characters, which Llama-family ones do not).
+    """
+
+    max_model_len: int
+    longest_token_chars: int
+
+    @property
+    def max_chars(self) -> int:
+        return self.max_model_len * self.longest_token_chars
+
+    def check(self, num_chars: int) -> None:
+        """Raises InvalidRequestError (``param="prompt"``) for more than ``max_chars`` characters."""
+        if num_chars > self.max_chars:
+            raise InvalidRequestError(
+                f"prompt has {num_chars} characters; at most {self.max_chars} can fit max_model_len "
+                f"({self.max_model_len} tokens of at most {self.longest_token_chars} characters)",
+                param="prompt",
+            )
+
+
 def render_chat(
     tokenizer: Any,
     messages: Sequence[ChatMessage],
     add_generation_prompt: bool = True,
     tools: Sequence[ToolSpec] | None = None,
+    bound: PromptBound | None = None,
 ) -> list[int]:
     """Token ids of ``messages`` (and ``tools``) rendered with the tokenizer's chat template.
 
@@ -43,8 +87,9 @@ def render_chat(
     its messages rendered without a generation prompt: that is what prefix pinning relies on.
 
     Raises:
-        InvalidRequestError: the tokenizer has no chat template, or the template rejects the
-            conversation (e.g. a role order it does not allow).
+        InvalidRequestError: the tokenizer has no chat template, the template rejects the
+            conversation (e.g. a role order it does not allow), or the rendered text is past
+            ``bound`` (checked before it is tokenized).
     """
     template = getattr(tokenizer, "chat_template", None)
     if not template:
@@ -62,6 +107,8 @@ def render_chat(
         )
     except Exception as exc:  # jinja raises TemplateError (and others) for conversations it rejects
         raise InvalidRequestError(f"the chat template rejected the conversation: {exc}") from exc
+    if bound is not None:
+        bound.check(len(text))
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -49,6 +49,18 @@ class FilterDecision:
     detail: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class RequestOrigin:
+    """Where a request came from, as a server tells the SDK client (``AsyncClient.chat(..., origin=...)``).
+
+    ``headers`` has lower-case names and never the credentials (``authorization``,
+    ``proxy-authorization``, ``cookie``).
+    """
+
+    client_address: str | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
 @dataclass(slots=True)
 class RequestContext:
     """What hooks see of one request. Filters may rewrite ``messages`` / ``prompt`` in ``on_request``."""
@@ -59,6 +71,8 @@ class RequestContext:
     kind: Literal["chat", "completion"]
     params: dict[str, Any]  # the sampling knobs actually sent (SamplingOptions fields)
     tenant: str | None = None
+    client_address: str | None = None  # the peer's address, over HTTP
+    headers: Mapping[str, str] = field(default_factory=dict)  # RequestOrigin.headers: lower-case, no credentials
     messages: list[ChatMessage] | None = None
     prompt: str | list[int] | None = None
     started_at: float = field(default_factory=time.time)  # wall clock, seconds

@@ -407,13 +407,13 @@ class AsyncClient:
         num_completion_tokens = 0
         num_finished = 0
         in_engine = False  # the engine holds the request: abort it unless it finished
-        lease: Lease | None = None
+        # NOTE: refused here, a request reaches no hook (as with invalid options): the checks are
+        # cheap and come first, so a flood or a huge prompt costs no filter and no audit write.
+        priority = self._priority(request)
+        self._cap_max_tokens(ctx.params)
+        self._transport.check_prompt_size(_num_chars(request))
+        lease: Lease | None = self.limiter.enter() if self.limiter is not None else None
         try:
-            priority = self._priority(request)
-            self._cap_max_tokens(ctx.params)
-            self._transport.check_prompt_size(_num_chars(request))
-            if self.limiter is not None:
-                lease = self.limiter.enter()
             await self.hooks.on_request(ctx)
             tools = request.tools if is_chat else None  # type: ignore[union-attr]
             prompt = await self._transport.prepare_prompt(self.tenant, ctx.messages, ctx.prompt, tools)

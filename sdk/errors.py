@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 ERROR_TYPES: dict[int, str] = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
     408: "timeout",

@@ -11,6 +11,10 @@ request in the order given:
 - ``on_finish(ctx)`` exactly once per request, whatever the outcome (finished, blocked,
   failed, aborted, cancelled); ``ctx`` then holds usage, finish reason, error and timing.
 
+A request the client refuses before its hooks reaches none of them: invalid options, a
+priority or ``max_tokens`` past the tenant's policy, a rate limit (``RateLimited``) or a
+prompt too long by its characters alone.
+
 A hook that raises in ``on_request`` / ``on_chunk`` fails closed (``HookFailed``) unless its
 class sets ``fail_closed = False`` (audit hooks do): then the failure is logged and counted
 in ``HookChain.num_failures`` and the request goes on. ``on_finish`` failures are always

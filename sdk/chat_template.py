@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from sdk.errors import InvalidRequestError
@@ -47,30 +46,26 @@ def longest_token_chars(tokenizer: Any) -> int:
     return found
 
 
-@dataclass(frozen=True, slots=True)
-class PromptBound:
-    """The most characters a prompt can have and still fit ``max_model_len`` tokens, checked before any work.
+def check_prompt_chars(tokenizer: Any, num_chars: int, max_model_len: int) -> None:
+    """Refuse a prompt whose characters alone show it cannot fit ``max_model_len`` tokens.
 
-    ``max_chars`` is ``max_model_len`` times the longest token's characters: a text longer
-    than that has more than ``max_model_len`` tokens whatever it says (for tokenizers that do
-    not drop characters, which Llama-family ones do not).
+    A text of more than ``max_model_len`` times the longest token's characters has more than
+    ``max_model_len`` tokens whatever it says (for tokenizers that do not drop characters,
+    which Llama-family ones do not). Prompts of at most ``max_model_len`` characters pass
+    without looking at the vocabulary.
+
+    Raises:
+        InvalidRequestError: past the bound (``param="prompt"``), naming it.
     """
-
-    max_model_len: int
-    longest_token_chars: int
-
-    @property
-    def max_chars(self) -> int:
-        return self.max_model_len * self.longest_token_chars
-
-    def check(self, num_chars: int) -> None:
-        """Raises InvalidRequestError (``param="prompt"``) for more than ``max_chars`` characters."""
-        if num_chars > self.max_chars:
-            raise InvalidRequestError(
-                f"prompt has {num_chars} characters; at most {self.max_chars} can fit max_model_len "
-                f"({self.max_model_len} tokens of at most {self.longest_token_chars} characters)",
-                param="prompt",
-            )
+    if num_chars <= max_model_len:
+        return
+    longest = longest_token_chars(tokenizer)
+    if num_chars > max_model_len * longest:
+        raise InvalidRequestError(
+            f"prompt has {num_chars} characters; at most {max_model_len * longest} can fit max_model_len "
+            f"({max_model_len} tokens of at most {longest} characters)",
+            param="prompt",
+        )
 
 
 def render_chat(
@@ -78,7 +73,7 @@ def render_chat(
     messages: Sequence[ChatMessage],
     add_generation_prompt: bool = True,
     tools: Sequence[ToolSpec] | None = None,
-    bound: PromptBound | None = None,
+    max_model_len: int | None = None,
 ) -> list[int]:
     """Token ids of ``messages`` (and ``tools``) rendered with the tokenizer's chat template.
 
@@ -88,8 +83,8 @@ def render_chat(
 
     Raises:
         InvalidRequestError: the tokenizer has no chat template, the template rejects the
-            conversation (e.g. a role order it does not allow), or the rendered text is past
-            ``bound`` (checked before it is tokenized).
+            conversation (e.g. a role order it does not allow), or the rendered text cannot
+            fit ``max_model_len`` by its characters (``check_prompt_chars``, before tokenizing).
     """
     template = getattr(tokenizer, "chat_template", None)
     if not template:
@@ -107,8 +102,8 @@ def render_chat(
         )
     except Exception as exc:  # jinja raises TemplateError (and others) for conversations it rejects
         raise InvalidRequestError(f"the chat template rejected the conversation: {exc}") from exc
-    if bound is not None:
-        bound.check(len(text))
+    if max_model_len is not None:
+        check_prompt_chars(tokenizer, len(text), max_model_len)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

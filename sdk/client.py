@@ -411,7 +411,7 @@ class AsyncClient:
         # cheap and come first, so a flood or a huge prompt costs no filter and no audit write.
         priority = self._priority(request)
         self._cap_max_tokens(ctx.params)
-        self._transport.check_prompt_size(_num_chars(request))
+        await self._transport.check_prompt_size(_num_chars(request))
         lease: Lease | None = self.limiter.enter() if self.limiter is not None else None
         try:
             await self.hooks.on_request(ctx)

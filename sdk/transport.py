@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sdk.chat_template import PromptBound, longest_token_chars, render_chat
+from sdk.chat_template import check_prompt_chars, render_chat
 from sdk.errors import EngineFailure, InvalidRequestError, OverloadedError
 from sdk.prompt_worker import PROMPT_WORKER
 from sdk.response_format import request_param, to_structured_output
@@ -91,8 +91,8 @@ class Transport(abc.ABC):
     ) -> str | list[int]:
         """The prompt for ``messages`` (and ``tools``) under the model's chat template."""
 
-    def check_prompt_size(self, num_chars: int) -> None:
-        """Refuse a prompt of ``num_chars`` characters that cannot fit ``max_model_len`` (cheap; before any work).
+    async def check_prompt_size(self, num_chars: int) -> None:
+        """Refuse a prompt of ``num_chars`` characters that cannot fit ``max_model_len`` (before any work).
 
         Raises:
             InvalidRequestError: it cannot fit (``param="prompt"``). The default knows no bound.
@@ -152,7 +152,6 @@ class InProcessTransport(Transport):
 
     def __init__(self, runtime: Runtime | AsyncEngine) -> None:
         self.runtime = runtime if isinstance(runtime, Runtime) else Runtime(engine=runtime)
-        self._bound: PromptBound | None = None
 
     @property
     def engine(self) -> AsyncEngine:
@@ -168,18 +167,16 @@ class InProcessTransport(Transport):
 
     async def start(self) -> None:
         await self.runtime.start()
-        if self._bound is None:
-            longest = await asyncio.to_thread(longest_token_chars, self.engine.tokenizer)
-            self._bound = PromptBound(self.engine.max_model_len, longest)
 
     def render_chat(
         self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True, tools: Sequence[ToolSpec] | None = None
     ) -> list[int]:
-        return render_chat(self.engine.tokenizer, messages, add_generation_prompt, tools, self._bound)
+        return render_chat(self.engine.tokenizer, messages, add_generation_prompt, tools, self.engine.max_model_len)
 
-    def check_prompt_size(self, num_chars: int) -> None:
-        if self._bound is not None:
-            self._bound.check(num_chars)
+    async def check_prompt_size(self, num_chars: int) -> None:
+        engine = self.engine
+        if num_chars > engine.max_model_len:  # NOTE: the first long prompt reads the vocabulary (~0.1 s), off the loop
+            await asyncio.to_thread(check_prompt_chars, engine.tokenizer, num_chars, engine.max_model_len)
 
     async def prepare_prompt(
         self, tenant: str | None, messages: Sequence[ChatMessage] | None, prompt: str | list[int] | None,
@@ -187,9 +184,9 @@ class InProcessTransport(Transport):
     ) -> str | list[int]:  # fmt: skip
         tokenizer = self.engine.tokenizer
         if messages is not None:
-            return await PROMPT_WORKER.run(tenant, render_chat, tokenizer, messages, True, tools, self._bound)
+            return await PROMPT_WORKER.run(tenant, render_chat, tokenizer, messages, True, tools, self.engine.max_model_len)
         if isinstance(prompt, str):
-            self.check_prompt_size(len(prompt))
+            await self.check_prompt_size(len(prompt))
             from engine.llm_engine import tokenize
 
             return await PROMPT_WORKER.run(tenant, tokenize, tokenizer, prompt)

@@ -86,8 +86,3 @@ def duration(seconds: float) -> str:
         return f"{round(seconds, 3):g}s"
     minutes, rest = divmod(seconds, 60)
     return f"{int(minutes)}m{round(rest, 3):g}s"
-
-
-def retry_after(seconds: float) -> str:
-    """``Retry-After``: whole seconds, at least 1."""
-    return str(max(1, math.ceil(seconds)))

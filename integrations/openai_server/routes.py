@@ -8,29 +8,22 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from aiohttp import web
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from integrations.openai_server import protocol as p
-from integrations.openai_server.errors import ApiError, bad_request, from_validation
+from integrations.openai_server.errors import RETRY_AFTER, ApiError, bad_request, from_sdk
+from integrations.openai_server.intake import check_common, origin, parse_body, sdk_options
 from integrations.openai_server.metrics import CONTENT_TYPE
 from integrations.openai_server.policy import Tenant
-from integrations.openai_server.responses import chat_logprobs, completion_logprobs, retry_after, token_ids, usage
+from integrations.openai_server.responses import chat_logprobs, completion_logprobs, token_ids, usage
 from integrations.openai_server.serving import Chunk, Serving
 from integrations.openai_server.sse import EventStream
 from integrations.openai_server.state import STATE, TENANT, ServerState
-from sdk.errors import InvalidRequestError, PagedError, RateLimited
-from sdk.hooks import RequestOrigin
-from sdk.response_format import PARAM, to_response_format
+from sdk.errors import InvalidRequestError, PagedError
 from sdk.tools import collect_calls
-from sdk.wire import WIRE_NAMES, Route, format_from_wire, format_param, message_from_wire, tool_call_delta_to_wire, tool_call_to_wire
-from sdk.wire import from_wire as sampling_from_wire
+from sdk.wire import Route, message_from_wire, tool_call_delta_to_wire, tool_call_to_wire
 
 DISCONNECT_POLL = 0.2  # seconds between checks that the client is still connected
-RETRY_AFTER = "1"  # seconds, on 429 and 503
-THREAD_PARSE_BYTES = 64 << 10  # bodies past this are parsed off the event loop
-COMPLETION_MAX_TOKENS = 16  # OpenAI's default max_tokens on /v1/completions
-# NOTE: what hooks never see of a request's headers: its credentials.
-_CREDENTIAL_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie"})
 
 
 def add_routes(app: web.Application) -> None:
@@ -83,8 +76,8 @@ async def models(request: web.Request) -> web.Response:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = _state(request)
     serving = _serving(state)
-    body = await _parse(request, p.ChatCompletionRequest)
-    _check_common(body, serving, _tenant(request))
+    body = await parse_body(request, p.ChatCompletionRequest, _tenant(request))
+    check_common(body, serving, _tenant(request))
     messages = []
     for i, m in enumerate(body.messages):
         try:
@@ -98,89 +91,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def completions(request: web.Request) -> web.StreamResponse:
     state = _state(request)
     serving = _serving(state)
-    body = await _parse(request, p.CompletionRequest)
-    _check_common(body, serving, _tenant(request))
+    body = await parse_body(request, p.CompletionRequest, _tenant(request))
+    check_common(body, serving, _tenant(request))
     prompts = body.prompts()
     if not prompts or any(len(x) == 0 for x in prompts):
         raise bad_request("prompt must not be empty", param="prompt")
     run = _Run(request, state, serving, body, "completion")
     return await run.execute(prompts=prompts)
-
-
-async def _parse(request: web.Request, model: type[BaseModel]) -> Any:
-    """The body as ``model``, types strict (a string is not an integer); a large body is parsed off the loop."""
-    raw = await request.read()  # NOTE: raises 413 past client_max_size
-    try:
-        if len(raw) > THREAD_PARSE_BYTES:
-            return await asyncio.to_thread(model.model_validate_json, raw, strict=True)
-        return model.model_validate_json(raw, strict=True)
-    except ValidationError as exc:
-        first = exc.errors(include_url=False, include_input=False)[0]
-        if first["type"] == "json_invalid":
-            raise bad_request(f"request body is not valid JSON: {first['ctx']['error']}") from None
-        if not first["loc"]:
-            raise bad_request("request body must be a JSON object") from None
-        raise from_validation(exc) from None
-
-
-def _check_common(body: Any, serving: Serving, tenant: Tenant) -> None:
-    if (field := body.unsupported()) is not None:
-        raise bad_request(f"{field} is not supported by this server", param=field)
-    if body.model is not None and (body.model != serving.model_name or not tenant.may_use_model(body.model)):
-        raise ApiError(
-            404, f"the model {body.model!r} does not exist or this key may not use it", param="model",
-            code="model_not_found",
-        )  # fmt: skip
-
-
-def _options(body: Any, route: Route, tenant: Tenant) -> tuple[dict[str, Any], str | None]:
-    """The SDK request options a body sets, and the wire field that set its constraint (None without one).
-
-    The options are its sampling knobs under the engine's names, priority (when set: else the
-    tenant's), cache_salt, response_format (any wire spelling, as an SDK format) and a chat's
-    tools, tool_choice and parallel_tool_calls (the SDK validates them). A completion that sets
-    no ``max_tokens`` gets OpenAI's 16, or the tenant's cap if smaller.
-
-    Raises:
-        ApiError: a 400 for a constraint the SDK refuses, ``param`` naming the wire field.
-    """
-    data = body.model_dump()
-    options = sampling_from_wire(route, data)
-    if route == "chat" and body.max_completion_tokens is not None:
-        options["max_tokens"] = body.max_completion_tokens
-    if route == "completion" and body.max_tokens is None:
-        options["max_tokens"] = min(COMPLETION_MAX_TOKENS, tenant.policy.max_tokens or COMPLETION_MAX_TOKENS)
-    if body.priority is not None:
-        options["priority"] = body.priority
-    options["cache_salt"] = body.cache_salt
-    if route == "chat":
-        options.update(tools=body.tools, tool_choice=body.tool_choice, parallel_tool_calls=body.parallel_tool_calls)
-    field = None
-    try:
-        fmt, field = format_from_wire(data)
-        options["response_format"] = to_response_format(fmt)
-    except PagedError as exc:
-        raise _api_error(exc, route, field) from None
-    return options, field
-
-
-def _api_error(exc: PagedError, route: Route, format_field: str | None = None) -> ApiError:
-    """The HTTP answer to an SDK error, from its type's status, code and param; never a traceback.
-
-    ``format_field`` is the wire field that set the request's constraint: the SDK's
-    ``response_format`` params are renamed after it.
-    """
-    headers = {"Retry-After": RETRY_AFTER} if exc.status_code in (429, 503) else None
-    if isinstance(exc, RateLimited):
-        headers = {"Retry-After": retry_after(exc.retry_after)}
-    param = exc.param
-    if route == "chat" and param == "prompt":
-        param = "messages"  # a chat's prompt is its rendered messages
-    elif format_field is not None and param is not None and param.split(".")[0] == PARAM:
-        param = format_param(format_field, param)
-    elif param is not None:
-        param = WIRE_NAMES[route].get(param, param)
-    return ApiError(exc.status_code, exc.public_message, param=param, code=exc.code, headers=headers)
 
 
 def _message(chunks: list[Chunk]) -> p.ChatMessage:
@@ -196,16 +113,6 @@ def _json(model: BaseModel, status: int = 200) -> web.Response:
     return web.Response(
         text=model.model_dump_json(exclude_none=True), status=status, content_type="application/json"
     )
-
-
-def _origin(request: web.Request) -> RequestOrigin:
-    """The peer's address and the request headers, lower-case and without credentials, for the hooks."""
-    headers: dict[str, str] = {}
-    for name, value in request.headers.items():
-        name = name.lower()
-        if name not in _CREDENTIAL_HEADERS:
-            headers[name] = f"{headers[name]}, {value}" if name in headers else value
-    return RequestOrigin(request.remote, headers)
 
 
 @contextlib.contextmanager
@@ -248,7 +155,7 @@ class _Run:
         self.text_offsets: dict[int, int] = {}  # choice index -> chars streamed (completion logprobs)
         tenant = _tenant(request)
         self.client = serving.client(tenant.name, tenant.policy)
-        self.options, self.format_field = _options(body, route, tenant)
+        self.options, self.format_field = sdk_options(body, route, tenant)
 
     async def execute(self, **inputs: Any) -> web.StreamResponse:
         task = asyncio.current_task()
@@ -265,17 +172,17 @@ class _Run:
     async def _execute(self, inputs: dict[str, Any]) -> web.StreamResponse:
         try:
             stream = await self.serving.open(
-                self.client, self.request_id, options=self.options, origin=_origin(self.request), **inputs
+                self.client, self.request_id, options=self.options, origin=origin(self.request), **inputs
             )
         except PagedError as exc:
-            raise _api_error(exc, self.route, self.format_field) from None
+            raise from_sdk(exc, self.route, self.format_field) from None
         async with contextlib.aclosing(stream):
             try:
                 if self.body.stream:
                     return await self._stream(stream)
                 return await self._collect(stream)
             except PagedError as exc:
-                error = _api_error(exc, self.route, self.format_field)
+                error = from_sdk(exc, self.route, self.format_field)
                 if not self.events.started:
                     raise error from None
                 await self.events.send(error.body())

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from sdk.chat_template import longest_token_chars
 from sdk.client import AsyncClient
 from sdk.hooks import Hook, RequestOrigin
 from sdk.policy import TenantPolicy
@@ -77,7 +78,13 @@ class Serving:
         return cls(AsyncEngine(model, **engine_config), hooks=hooks, served_model_name=served_model_name)
 
     async def start(self) -> None:
+        """Start the transport and read the vocabulary's longest token, while /health still says starting.
+
+        The prompt bound (``sdk.chat_template.check_prompt_chars``) needs it for the first long
+        prompt; reading it holds the GIL for about 0.1 s, which no request should wait for.
+        """
         await self._transport.start()
+        await asyncio.to_thread(longest_token_chars, self.engine.tokenizer)
 
     @property
     def model_name(self) -> str:

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from integrations.openai_server.app import create_app
 from integrations.openai_server.command import load_hooks
-from integrations.openai_server.policy import PolicyError, ServerPolicy, Tenant, key_digest
+from integrations.openai_server.policy import PolicyError, ServerPolicy, key_digest
 from integrations.openai_server.serving import Serving
 from integrations.openai_server.state import STATE
 from sdk import TenantPolicy

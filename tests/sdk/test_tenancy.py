@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest

@@ -23,7 +23,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineError, EngineOverloaded, ParameterError
 from engine.llm_engine import Engine, Prompt, check_params, tokenize
 from engine.outputs import PinnedPrefix, RequestOutput
-from engine.request_options import RequestOptions
+from engine.request_options import RequestOptions, TenantOptions
 from engine.sampling_params import SamplingParams
 from engine.structured_output.compiler import MAX_COMPILE_SECONDS, too_slow
 from engine.structured_output.params import StructuredOutput
@@ -59,6 +59,8 @@ class _Add:
     params: SamplingParams
     priority: int
     cache_salt: str | None
+    tenant: str | None
+    weight: float
     channel: _Channel
     grammar: Any = None  # params.structured_output, compiled
 
@@ -172,23 +174,27 @@ class AsyncEngine:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        tenant: str | None = None,
+        weight: float = 1.0,
     ) -> AsyncIterator[RequestOutput]:
         """Streams one request's cumulative outputs; the last has ``finished=True``.
 
         Closing or cancelling the iterator aborts the request and frees its blocks.
+        ``tenant`` and ``weight`` are the fair share's (``Engine.add_request``).
 
         Raises:
             RequestRejected: From the first ``__anext__``: empty prompt, a token id outside
                 the vocabulary, longer than max_model_len or than the KV cache holds.
             EngineOverloaded: From the first ``__anext__``: admission limits are full.
-            ParameterError: Bad ``params``, ``request_id``, ``priority`` or ``cache_salt``, a
-                request id already in use, or a structured-output constraint that does not
+            ParameterError: Bad ``params``, ``request_id``, ``priority``, ``cache_salt``,
+                ``tenant`` or ``weight``, a request id already in use, or a structured-output constraint that does not
                 compile (compiled on the compiler's threads, never on the step loop).
             EngineError: The engine failed this request, or is dead / shut down.
         """
         self._check_alive()
         params = check_params(params)
         RequestOptions(request_id, priority, cache_salt)
+        TenantOptions(tenant, weight)
         prompt_token_ids = tokenize(self._tokenizer, prompt)
         self._engine.validate_prompt(prompt_token_ids)  # reads immutable settings only
         grammar = None
@@ -199,7 +205,7 @@ class AsyncEngine:
         channel = _Channel(asyncio.get_running_loop(), len(prompt_token_ids))
         self._admit(request_id, channel)
         try:
-            self._inbox.put(_Add(request_id, prompt_token_ids, params, priority, cache_salt, channel, grammar))
+            self._inbox.put(_Add(request_id, prompt_token_ids, params, priority, cache_salt, tenant, weight, channel, grammar))
             self._check_alive()  # NOTE: a driver that died before draining this Add never answers it
             while True:
                 item = await self._next(channel)
@@ -397,7 +403,8 @@ class AsyncEngine:
         if isinstance(command, _Add):
             try:
                 engine.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                   command.priority, command.cache_salt, grammar=command.grammar)
+                                   command.priority, command.cache_salt, tenant=command.tenant,
+                                   weight=command.weight, grammar=command.grammar)
             except Exception as exc:  # noqa: BLE001 - the caller gets it
                 command.channel.send(exc)
                 return

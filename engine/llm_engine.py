@@ -27,7 +27,7 @@ from engine.model_info import eos_token_ids, model_name
 from engine.output_processor import OutputProcessor, ParentRequest
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
-from engine.request_options import RequestOptions
+from engine.request_options import RequestOptions, TenantOptions
 from engine.sampling_params import SamplingParams
 from engine.structured_output.compiler import GrammarCompiler
 
@@ -141,6 +141,8 @@ class Engine:
         priority: int = 0,
         cache_salt: str | None = None,
         *,
+        tenant: str | None = None,
+        weight: float = 1.0,
         grammar: Any = None,
     ) -> str:
         """Queues a request; it joins the running batch at the next step that has room.
@@ -151,6 +153,9 @@ class Engine:
             params: How to sample; None = ``SamplingParams()``.
             priority: Smaller runs first; FIFO within one priority.
             cache_salt: Requests with different salts never share KV blocks.
+            tenant: Who the request is for; within a priority level tenants share the token
+                budget by ``weight`` (``engine.core.fair_share``). None = one shared tenant.
+            weight: The tenant's share, relative to the other tenants' (> 0).
             grammar: ``params.structured_output`` compiled beforehand by ``self.grammars``
                 (``AsyncEngine`` compiles off the step loop); None compiles it here.
 
@@ -160,11 +165,12 @@ class Engine:
         Raises:
             RequestRejected: The prompt can never be served (see ``validate_prompt``).
             ParameterError: The id is in use, ``params`` is not a SamplingParams, or
-                ``request_id``, ``priority`` or ``cache_salt`` is out of bounds, or the
-                structured-output constraint does not compile.
+                ``request_id``, ``priority``, ``cache_salt``, ``tenant`` or ``weight`` is out
+                of bounds, or the structured-output constraint does not compile.
         """
         params = check_params(params)
         RequestOptions(request_id, priority, cache_salt)
+        TenantOptions(tenant, weight)
         request_id = f"req-{next(self._ids)}" if request_id is None else request_id
         if request_id in self._parents or request_id in self._pins:
             raise ParameterError("request_id", f"request id {request_id!r} is already in use")
@@ -172,7 +178,7 @@ class Engine:
         self.validate_prompt(prompt_token_ids)
         if params.structured_output is not None and grammar is None:
             grammar = self.grammars.compile(params.structured_output)
-        self._add(request_id, prompt_token_ids, params, priority, cache_salt, grammar=grammar)
+        self._add(request_id, prompt_token_ids, params, priority, cache_salt, grammar=grammar, tenant=tenant, weight=weight)
         return request_id
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
@@ -229,6 +235,7 @@ class Engine:
     def _add(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
         cache_salt: str | None, keep_blocks: bool = False, grammar: Any = None,
+        tenant: str | None = None, weight: float = 1.0,
     ) -> None:
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         children = [
@@ -239,6 +246,8 @@ class Engine:
                 priority=priority,
                 arrival_seq=next(self._arrivals),
                 cache_salt=cache_salt,
+                tenant=tenant,
+                weight=weight,
                 stop_token_ids=stop_ids,
                 max_num_tokens=self.max_num_tokens,
                 keep_blocks=keep_blocks,

@@ -60,6 +60,8 @@ class Request:
         "arrival_seq",
         "arrival_time",
         "cache_salt",
+        "tenant",
+        "weight",
         "stop_token_ids",
         "max_num_tokens",
         "keep_blocks",
@@ -80,6 +82,8 @@ class Request:
         priority: int = 0,
         arrival_seq: int = 0,
         cache_salt: str | None = None,
+        tenant: str | None = None,
+        weight: float = 1.0,
         stop_token_ids: frozenset[int] = frozenset(),
         max_num_tokens: int | None = None,
         keep_blocks: bool = False,
@@ -94,6 +98,9 @@ class Request:
         self.arrival_seq = arrival_seq
         self.arrival_time = time.perf_counter()
         self.cache_salt = cache_salt
+        # NOTE: who the request is for and its share of the token budget (engine.core.fair_share).
+        self.tenant = tenant
+        self.weight = weight
         # NOTE: the ids that end the request: stop_token_ids plus EOS unless ignore_eos.
         self.stop_token_ids = stop_token_ids
         # NOTE: the hard cap on prompt + output tokens (max_model_len, and what the KV cache holds).

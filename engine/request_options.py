@@ -1,4 +1,4 @@
-"""RequestOptions: the per-request arguments besides prompt and sampling params, declared once."""
+"""RequestOptions and TenantOptions: the per-request arguments besides prompt and sampling params, declared once."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from engine.knobs import check_knobs, knob
 
 MAX_PRIORITY = 1 << 31  # |priority| bound
-MAX_ID_CHARS = 256  # request ids and cache salts
+MAX_ID_CHARS = 256  # request ids, cache salts and tenants
+MAX_WEIGHT = 1e6  # tenant weights are in (0, MAX_WEIGHT]
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +28,24 @@ class RequestOptions:
     cache_salt: str | None = knob(
         None, "Requests with different salts never share KV blocks (tenant isolation).", max_chars=MAX_ID_CHARS
     )
+
+    def __post_init__(self) -> None:
+        check_knobs(self)
+
+
+@dataclass(frozen=True, slots=True)
+class TenantOptions:
+    """Whose a request is, for the scheduler's fair share (``engine.core.fair_share``); set by the SDK client.
+
+    Raises:
+        ParameterError: naming the field of the wrong type or outside its bounds.
+    """
+
+    tenant: str | None = knob(
+        None, "Who the request is for; within a priority, tenants share the token budget by weight. None = one shared tenant.",
+        max_chars=MAX_ID_CHARS,
+    )  # fmt: skip
+    weight: float = knob(1.0, "The tenant's share of the token budget, relative to the other tenants'.", gt=0.0, le=MAX_WEIGHT)
 
     def __post_init__(self) -> None:
         check_knobs(self)

@@ -1,6 +1,6 @@
 """paged SDK: clients over an in-process engine, shared prefixes, hooks and framework adapters.
 
-    from sdk import AsyncClient, Client, Runtime
+    from sdk import AsyncClient, Client, Runtime, TenantPolicy
     from sdk.hooks import Hook, AuditLog, RegexFilter, ContentBlocked
 """
 
@@ -13,9 +13,11 @@ from sdk.errors import (
     InvalidRequestError,
     OverloadedError,
     PagedError,
+    RateLimited,
     RequestTimeout,
 )
 from sdk.hooks import Hook, RequestContext, Stop
+from sdk.policy import TenantPolicy
 from sdk.runtime import Runtime
 from sdk.sync import Client
 from sdk.types import (
@@ -48,9 +50,11 @@ __all__ = [
     "OverloadedError",
     "PagedError",
     "PrefixHandle",
+    "RateLimited",
     "RequestContext",
     "RequestTimeout",
     "Runtime",
     "Stop",
+    "TenantPolicy",
     "Usage",
 ]

@@ -11,6 +11,7 @@ with one more turn starts with the same tokens, so its earlier turns come from t
 from __future__ import annotations
 
 import json
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,11 +31,49 @@ To call a tool, reply with its name and arguments as JSON inside {begin}{end} ta
 Tool results come back in <tool_response></tool_response> tags."""
 
 
+_LONGEST_TOKEN: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters one token of ``tokenizer`` stands for (computed once per tokenizer; ~0.1 s).
+
+    A token's vocabulary string has at least as many characters as its text: byte-level
+    tokens spell each byte as one character, SentencePiece tokens their text.
+    """
+    found = _LONGEST_TOKEN.get(tokenizer)
+    if found is None:
+        found = _LONGEST_TOKEN[tokenizer] = max(map(len, tokenizer.get_vocab()), default=1)
+    return found
+
+
+def check_prompt_chars(tokenizer: Any, num_chars: int, max_model_len: int) -> None:
+    """Refuse a prompt whose characters alone show it cannot fit ``max_model_len`` tokens.
+
+    A text of more than ``max_model_len`` times the longest token's characters has more than
+    ``max_model_len`` tokens whatever it says (for tokenizers that do not drop characters,
+    which Llama-family ones do not). Prompts of at most ``max_model_len`` characters pass
+    without looking at the vocabulary.
+
+    Raises:
+        InvalidRequestError: past the bound (``param="prompt"``), naming it.
+    """
+    if num_chars <= max_model_len:
+        return
+    longest = longest_token_chars(tokenizer)
+    if num_chars > max_model_len * longest:
+        raise InvalidRequestError(
+            f"prompt has {num_chars} characters; at most {max_model_len * longest} can fit max_model_len "
+            f"({max_model_len} tokens of at most {longest} characters)",
+            param="prompt",
+        )
+
+
 def render_chat(
     tokenizer: Any,
     messages: Sequence[ChatMessage],
     add_generation_prompt: bool = True,
     tools: Sequence[ToolSpec] | None = None,
+    max_model_len: int | None = None,
 ) -> list[int]:
     """Token ids of ``messages`` (and ``tools``) rendered with the tokenizer's chat template.
 
@@ -43,8 +82,9 @@ def render_chat(
     its messages rendered without a generation prompt: that is what prefix pinning relies on.
 
     Raises:
-        InvalidRequestError: the tokenizer has no chat template, or the template rejects the
-            conversation (e.g. a role order it does not allow).
+        InvalidRequestError: the tokenizer has no chat template, the template rejects the
+            conversation (e.g. a role order it does not allow), or the rendered text cannot
+            fit ``max_model_len`` by its characters (``check_prompt_chars``, before tokenizing).
     """
     template = getattr(tokenizer, "chat_template", None)
     if not template:
@@ -62,6 +102,8 @@ def render_chat(
         )
     except Exception as exc:  # jinja raises TemplateError (and others) for conversations it rejects
         raise InvalidRequestError(f"the chat template rejected the conversation: {exc}") from exc
+    if max_model_len is not None:
+        check_prompt_chars(tokenizer, len(text), max_model_len)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

@@ -12,9 +12,13 @@ from typing import Any, TypeVar, Union
 
 from pydantic import ValidationError
 
+from engine.knobs import short
+
 from sdk.errors import InvalidRequestError, OverloadedError, RequestTimeout
-from sdk.fields import invalid_request
-from sdk.hooks import Hook, HookChain, RequestContext
+from sdk.fields import SAMPLING_KNOBS, invalid_request
+from sdk.hooks import Hook, HookChain, RequestContext, RequestOrigin
+from sdk.policy import TenantPolicy, isolated_salt
+from sdk.rate_limit import Lease, RateLimiter
 from sdk.response_format import parse
 from sdk.runtime import Runtime
 from sdk.tools import collect_calls, to_tool_choice
@@ -38,6 +42,7 @@ RequestT = TypeVar("RequestT", ChatRequest, CompletionRequest)
 ResultT = TypeVar("ResultT", ChatResult, CompletionResult)
 
 _RETRY_BACKOFF = 0.05  # seconds, doubled per retry of an overloaded request
+_DEFAULT_MAX_TOKENS: int = SAMPLING_KNOBS["max_tokens"].default
 
 
 def to_messages(messages: str | Sequence[ChatMessage | dict[str, Any] | tuple[str, str]]) -> list[ChatMessage]:
@@ -146,7 +151,11 @@ class AsyncClient:
             on, through ``sdk.http_transport.HttpTransport``; None = in-process.
         api_key: sent to ``base_url`` as a bearer token.
         hooks: run in order on every request (see ``sdk.hooks``).
-        tenant: written to each request's context and audit record.
+        tenant: written to each request's context and audit record, and the engine's fair
+            share: within a priority, tenants share the token budget by their policy's weight.
+        policy: the tenant's priority cap, weight, ``max_tokens`` cap, rate limits and cache
+            isolation (``sdk.policy.TenantPolicy``), enforced on every request; None = none
+            (priorities as asked, weight 1).
         transport: where requests run; default: ``base_url``'s endpoint, or the engine of
             ``runtime`` or of the client's own runtime for (model, engine_config).
         route: names the surface in hook contexts and audit records (adapters set theirs).
@@ -155,7 +164,8 @@ class AsyncClient:
 
     Raises:
         ValueError: ``runtime`` or ``transport`` with any of model/base_url/api_key/engine_config
-            (or each other), ``base_url`` with engine_config, or ``api_key`` without ``base_url``.
+            (or each other), ``base_url`` with engine_config, ``api_key`` without ``base_url``,
+            or a policy that isolates the cache without a ``tenant``.
     """
 
     def __init__(
@@ -167,16 +177,22 @@ class AsyncClient:
         api_key: str | None = None,
         hooks: Sequence[Hook] = (),
         tenant: str | None = None,
+        policy: TenantPolicy | None = None,
         transport: Transport | None = None,
         route: str = "client",
         max_retries: int = 0,
         **engine_config: Any,
     ) -> None:
+        if policy is not None and policy.isolate_cache and tenant is None:
+            raise ValueError("a policy with isolate_cache needs a tenant: the salt is the tenant's")
         self._owns_transport = transport is None
         self._owns_runtime = runtime is None
         self._transport, self._runtime = _make_transport(transport, runtime, model, base_url, api_key, engine_config)
         self.hooks = HookChain(hooks)
         self.tenant = tenant
+        self.policy = policy
+        self.limiter = RateLimiter(policy) if policy is not None and policy.has_limits else None
+        """The tenant's rate state (``sdk.rate_limit``); None without limits."""
         self.route = route
         self.max_retries = max_retries
         self._prefixes: weakref.WeakSet[PrefixHandle] = weakref.WeakSet()
@@ -218,12 +234,13 @@ class AsyncClient:
             raise RuntimeError("client not started: await start() or make a request first")
         return {**self._transport.stats(), "hook_failures": self.hooks.num_failures}
 
-    async def chat(self, messages: MessagesLike, **options: Any) -> ChatResult:
+    async def chat(self, messages: MessagesLike, *, origin: RequestOrigin | None = None, **options: Any) -> ChatResult:
         """Generate a reply to a conversation.
 
         Args:
             messages: a user string, a list of messages (``ChatMessage``, dicts or (role,
                 content) pairs) or a ``ChatRequest``.
+            origin: who sent it (client address, headers), for the hooks' context.
             **options: ``ChatRequest`` fields: sampling knobs (``max_tokens``, ``temperature``,
                 ``stop`` ...), ``request_id``, ``priority``, ``cache_salt``, ``timeout``.
 
@@ -233,20 +250,24 @@ class AsyncClient:
         Raises:
             ContentBlocked: an input filter blocked the request.
             HookFailed: a filter hook raised (fail closed).
-            InvalidRequestError: bad options, or a prompt the engine cannot serve.
+            InvalidRequestError: bad options, a priority or ``max_tokens`` past the policy's cap,
+                or a prompt the engine cannot serve (too long: refused by its characters
+                before it is rendered or tokenized).
+            RateLimited: the policy's rate or concurrency limit is spent (``retry_after``).
             OverloadedError: the engine's queue stayed full through the retries.
             RequestTimeout: ``timeout`` passed; the request was aborted.
             EngineFailure: the engine failed.
         """
-        return await self._collect(self._chat_request(messages, options), ChatResult)
+        return await self._collect(self._chat_request(messages, options), ChatResult, origin)
 
-    async def complete(self, prompt: PromptLike, **options: Any) -> CompletionResult:
+    async def complete(self, prompt: PromptLike, *, origin: RequestOrigin | None = None, **options: Any) -> CompletionResult:
         """Continue a raw prompt (text or token ids; no chat template). Options and errors as ``chat``."""
-        return await self._collect(self._completion_request(prompt, options), CompletionResult)
+        return await self._collect(self._completion_request(prompt, options), CompletionResult, origin)
 
     def stream(
-        self, messages: MessagesLike | None = None, *, prompt: PromptLike | None = None, **options: Any
-    ) -> AsyncIterator[Delta]:
+        self, messages: MessagesLike | None = None, *, prompt: PromptLike | None = None,
+        origin: RequestOrigin | None = None, **options: Any,
+    ) -> AsyncIterator[Delta]:  # fmt: skip
         """Stream a chat reply (``messages``) or a raw completion (``prompt=``) as deltas.
 
         The last delta has ``finish_reason`` and ``usage``. Leaving the loop early aborts the
@@ -257,8 +278,8 @@ class AsyncClient:
         if (messages is None) == (prompt is None):
             raise ValueError("give messages (chat) or prompt= (completion), not both")
         if messages is not None:
-            return self._run(self._chat_request(messages, options))
-        return self._run(self._completion_request(prompt, options))  # type: ignore[arg-type]
+            return self._run(self._chat_request(messages, options), origin)
+        return self._run(self._completion_request(prompt, options), origin)  # type: ignore[arg-type]
 
     async def batch(
         self, requests: Iterable[MessagesLike], *, return_exceptions: bool = False, **options: Any
@@ -288,7 +309,7 @@ class AsyncClient:
         await self.start()
         messages = [ChatMessage(role="system", content=prefix)] if isinstance(prefix, str) else to_messages(prefix)
         token_ids = self._transport.render_chat(messages, add_generation_prompt=False)
-        handle = PrefixHandle(self, await self._transport.pin_prefix(token_ids, cache_salt), messages)
+        handle = PrefixHandle(self, await self._transport.pin_prefix(token_ids, self._salt(cache_salt)), messages)
         self._prefixes.add(handle)
         return handle
 
@@ -329,11 +350,13 @@ class AsyncClient:
         except ValidationError as exc:
             raise invalid_request(exc) from None
 
-    async def _collect(self, request: ChatRequest | CompletionRequest, result_type: type[ResultT]) -> ResultT:
+    async def _collect(
+        self, request: ChatRequest | CompletionRequest, result_type: type[ResultT], origin: RequestOrigin | None
+    ) -> ResultT:
         want_logprobs = request.logprobs is not None
         choices: dict[int, dict[str, Any]] = {}
         last: Delta | None = None
-        async for last in self._run(request):
+        async for last in self._run(request, origin):
             choice = choices.setdefault(last.index, {"text": [], "token_ids": [], "logprobs": [], "tool_calls": []})
             choice["text"].append(last.text)
             choice["token_ids"].extend(last.token_ids)
@@ -361,10 +384,11 @@ class AsyncClient:
             usage=last.usage,
         )
 
-    async def _run(self, request: ChatRequest | CompletionRequest) -> AsyncIterator[Delta]:
+    async def _run(self, request: ChatRequest | CompletionRequest, origin: RequestOrigin | None) -> AsyncIterator[Delta]:
         await self.start()
         is_chat = isinstance(request, ChatRequest)
         num_choices = request.n or 1
+        origin = origin or RequestOrigin()
         ctx = RequestContext(
             request_id=request.request_id or f"{'chat' if is_chat else 'cmpl'}-{uuid.uuid4().hex}",
             model=self.model_name,
@@ -372,6 +396,8 @@ class AsyncClient:
             kind="chat" if is_chat else "completion",
             params=request.sampling_kwargs(),
             tenant=self.tenant,
+            client_address=origin.client_address,
+            headers=origin.headers,
             messages=list(request.messages) if is_chat else None,  # type: ignore[union-attr]
             prompt=None if is_chat else request.prompt,  # type: ignore[union-attr]
             output_texts=[""] * num_choices,
@@ -381,17 +407,22 @@ class AsyncClient:
         num_completion_tokens = 0
         num_finished = 0
         in_engine = False  # the engine holds the request: abort it unless it finished
+        # NOTE: refused here, a request reaches no hook (as with invalid options): the checks are
+        # cheap and come first, so a flood or a huge prompt costs no filter and no audit write.
+        priority = self._priority(request)
+        self._cap_max_tokens(ctx.params)
+        await self._transport.check_prompt_size(_num_chars(request))
+        lease: Lease | None = self.limiter.enter() if self.limiter is not None else None
         try:
             await self.hooks.on_request(ctx)
             tools = request.tools if is_chat else None  # type: ignore[union-attr]
-            if ctx.messages is not None:
-                prompt = self._transport.render_chat(ctx.messages, tools=tools)
-            else:
-                prompt = ctx.prompt
-            assert prompt is not None
+            prompt = await self._transport.prepare_prompt(self.tenant, ctx.messages, ctx.prompt, tools)
+            if lease is not None:
+                lease.take_tokens(_num_reserved_tokens(prompt, ctx.params))
             engine_request = EngineRequest(
-                ctx.request_id, prompt, ctx.params, request.priority, request.cache_salt, request.response_format,
-                tools=tools, tool_choice=_tool_choice(request),
+                ctx.request_id, prompt, ctx.params, priority, self._salt(request.cache_salt),
+                tenant=self.tenant, weight=self.policy.weight if self.policy is not None else 1.0,
+                response_format=request.response_format, tools=tools, tool_choice=_tool_choice(request),
                 parallel_tool_calls=getattr(request, "parallel_tool_calls", None) is not False,
             )  # fmt: skip
             deadline = None if request.timeout is None else time.monotonic() + request.timeout
@@ -447,6 +478,8 @@ class AsyncClient:
             ctx.error = exc
             raise
         finally:
+            if lease is not None:
+                lease.release(ctx.usage.total_tokens)
             if in_engine:
                 await self._transport.abort(ctx.request_id)
             if ctx.finish_reason is None and ctx.error is not None and in_engine:
@@ -470,11 +503,59 @@ class AsyncClient:
             return _prepend(first, stream)
         raise AssertionError("unreachable")
 
+    def _priority(self, request: ChatRequest | CompletionRequest) -> int:
+        """The request's priority under the policy: the tenant's own unless it asked for a later one."""
+        if self.policy is None:
+            return request.priority
+        cap = self.policy.priority
+        if "priority" not in request.model_fields_set:
+            return cap
+        if request.priority < cap:
+            raise InvalidRequestError(
+                f"priority: this tenant's requests may ask for {cap} or later (larger); got {short(request.priority)}",
+                param="priority",
+            )
+        return request.priority
+
+    def _cap_max_tokens(self, params: dict[str, Any]) -> None:
+        """Holds ``params`` to the policy's ``max_tokens``: the default when unset, refused when past it."""
+        cap = self.policy.max_tokens if self.policy is not None else None
+        if cap is None:
+            return
+        asked = params.get("max_tokens")
+        if asked is None:
+            params["max_tokens"] = min(cap, _DEFAULT_MAX_TOKENS)
+        elif asked > cap:
+            raise InvalidRequestError(f"max_tokens: this tenant's requests may ask for at most {cap}; got {asked}", param="max_tokens")
+
+    def _salt(self, cache_salt: str | None) -> str | None:
+        """The engine cache salt of a request: the tenant's own namespace when its policy isolates the cache."""
+        if self.policy is not None and self.policy.isolate_cache:
+            assert self.tenant is not None
+            return isolated_salt(self.tenant, cache_salt)
+        return cache_salt
+
     def _count_prefix_hits(self, prompt_token_ids: Sequence[int], num_cached_tokens: int) -> None:
         for handle in list(self._prefixes):
             if not handle.closed and handle.matches(prompt_token_ids):
                 handle.num_requests += 1
                 handle.num_hit_tokens += min(num_cached_tokens, handle.num_tokens)
+
+
+def _num_chars(request: ChatRequest | CompletionRequest) -> int:
+    """Characters of a request's text: its messages' contents, or its prompt string (0 for token ids)."""
+    if isinstance(request, ChatRequest):
+        return sum(len(m.content or "") for m in request.messages)
+    return len(request.prompt) if isinstance(request.prompt, str) else 0
+
+
+def _num_reserved_tokens(prompt: str | list[int], params: dict[str, Any]) -> int:
+    """Tokens a request reserves from a tokens-per-minute limit: its prompt plus what its completions may add.
+
+    A prompt still in text (a remote transport renders it) counts a token per four characters.
+    """
+    num_prompt = len(prompt) if isinstance(prompt, list) else len(prompt) // 4 + 1
+    return num_prompt + (params.get("n") or 1) * (params.get("max_tokens") or _DEFAULT_MAX_TOKENS)
 
 
 def _tool_choice(request: ChatRequest | CompletionRequest) -> str | None:

@@ -7,12 +7,16 @@ for bad input, the offending ``param``: the server renders them from these attri
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from sdk.rate_limit import RateLimitState
 
 # NOTE: the one status -> OpenAI error type table, for the SDK's errors and the server's own.
 ERROR_TYPES: dict[int, str] = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
     408: "timeout",
@@ -103,6 +107,22 @@ class OverloadedError(PagedError):
 
     status_code = 429
     code = "overloaded"
+
+
+class RateLimited(OverloadedError):
+    """The tenant's rate limit is spent (``sdk.rate_limit``); retry after ``retry_after`` seconds.
+
+    Attributes:
+        retry_after: seconds until the request could be admitted (a guess for concurrency).
+        state: the tenant's quotas when it was refused (the server's ``x-ratelimit-*`` headers).
+    """
+
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, retry_after: float, state: RateLimitState | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+        self.state = state
 
 
 class RequestTimeout(PagedError, TimeoutError):

@@ -10,6 +10,7 @@ from typing import Any
 
 from sdk.client import AsyncClient, MessagesLike, PrefixHandle, PromptLike
 from sdk.hooks import Hook
+from sdk.policy import TenantPolicy
 from sdk.runtime import Runtime
 from sdk.transport import Transport
 from sdk.types import ChatResult, CompletionResult, Delta
@@ -39,6 +40,7 @@ class Client:
         api_key: str | None = None,
         hooks: Iterable[Hook] = (),
         tenant: str | None = None,
+        policy: TenantPolicy | None = None,
         transport: Transport | None = None,
         route: str = "client",
         max_retries: int = 0,
@@ -46,7 +48,7 @@ class Client:
     ) -> None:
         self.aclient = AsyncClient(
             model, runtime=runtime, base_url=base_url, api_key=api_key, hooks=list(hooks), tenant=tenant,
-            transport=transport, route=route, max_retries=max_retries, **engine_config,
+            policy=policy, transport=transport, route=route, max_retries=max_retries, **engine_config,
         )  # fmt: skip
 
     @property

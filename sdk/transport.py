@@ -2,18 +2,22 @@
 
 The client builds an ``EngineRequest`` (prompt + sampling knobs, after the hooks ran),
 a ``Transport`` executes it and yields ``TransportOutput`` deltas. ``InProcessTransport``
-drives the ``engine.AsyncEngine`` of a ``sdk.runtime.Runtime`` in this process.
+drives the ``engine.AsyncEngine`` of a ``sdk.runtime.Runtime`` in this process; it renders
+and tokenizes prompts on the ``sdk.prompt_worker`` threads, never on the event loop, after
+checking that their characters can fit ``max_model_len``.
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sdk.chat_template import render_chat
+from sdk.chat_template import check_prompt_chars, render_chat
 from sdk.errors import EngineFailure, InvalidRequestError, OverloadedError
+from sdk.prompt_worker import PROMPT_WORKER
 from sdk.response_format import request_param, to_structured_output
 from sdk.runtime import Runtime
 from sdk.tools import ToolCallDelta, ToolCallParser, ToolSpec, tool_constraint
@@ -33,6 +37,8 @@ class EngineRequest:
     sampling: dict[str, Any]  # engine.SamplingParams keyword arguments
     priority: int = 0
     cache_salt: str | None = None
+    tenant: str | None = None  # the engine's fair share (engine.core.fair_share)
+    weight: float = 1.0
     response_format: Any = None  # a sdk.response_format.ResponseFormat; None = free text
     tools: list[ToolSpec] | None = None  # rendered into the prompt already; the output is parsed for calls
     tool_choice: str | None = None  # "auto" | "none" | "required" | a tool's name (sdk.tools.to_tool_choice)
@@ -84,6 +90,27 @@ class Transport(abc.ABC):
         self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True, tools: Sequence[ToolSpec] | None = None
     ) -> str | list[int]:
         """The prompt for ``messages`` (and ``tools``) under the model's chat template."""
+
+    async def check_prompt_size(self, num_chars: int) -> None:
+        """Refuse a prompt of ``num_chars`` characters that cannot fit ``max_model_len`` (before any work).
+
+        Raises:
+            InvalidRequestError: it cannot fit (``param="prompt"``). The default knows no bound.
+        """
+
+    async def prepare_prompt(
+        self, tenant: str | None, messages: Sequence[ChatMessage] | None, prompt: str | list[int] | None,
+        tools: Sequence[ToolSpec] | None = None,
+    ) -> str | list[int]:  # fmt: skip
+        """The engine prompt of a chat (``messages``, ``tools``) or of a raw ``prompt``.
+
+        Raises:
+            InvalidRequestError: as ``render_chat``, or past ``check_prompt_size``'s bound.
+        """
+        if messages is not None:
+            return self.render_chat(messages, tools=tools)
+        assert prompt is not None
+        return prompt
 
     @abc.abstractmethod
     def generate(self, request: EngineRequest) -> AsyncIterator[TransportOutput]:
@@ -144,7 +171,27 @@ class InProcessTransport(Transport):
     def render_chat(
         self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True, tools: Sequence[ToolSpec] | None = None
     ) -> list[int]:
-        return render_chat(self.engine.tokenizer, messages, add_generation_prompt, tools)
+        return render_chat(self.engine.tokenizer, messages, add_generation_prompt, tools, self.engine.max_model_len)
+
+    async def check_prompt_size(self, num_chars: int) -> None:
+        engine = self.engine
+        if num_chars > engine.max_model_len:  # NOTE: the first long prompt reads the vocabulary (~0.1 s), off the loop
+            await asyncio.to_thread(check_prompt_chars, engine.tokenizer, num_chars, engine.max_model_len)
+
+    async def prepare_prompt(
+        self, tenant: str | None, messages: Sequence[ChatMessage] | None, prompt: str | list[int] | None,
+        tools: Sequence[ToolSpec] | None = None,
+    ) -> str | list[int]:  # fmt: skip
+        tokenizer = self.engine.tokenizer
+        if messages is not None:
+            return await PROMPT_WORKER.run(tenant, render_chat, tokenizer, messages, True, tools, self.engine.max_model_len)
+        if isinstance(prompt, str):
+            await self.check_prompt_size(len(prompt))
+            from engine.llm_engine import tokenize
+
+            return await PROMPT_WORKER.run(tenant, tokenize, tokenizer, prompt)
+        assert prompt is not None
+        return prompt
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[TransportOutput]:
         from engine.errors import EngineError, EngineOverloaded, ParameterError
@@ -155,7 +202,7 @@ class InProcessTransport(Transport):
             params = SamplingParams(**request.sampling, structured_output=_constraint(request))
             stream = self.engine.generate(
                 request.prompt, params, request_id=request.request_id, priority=request.priority,
-                cache_salt=request.cache_salt,
+                cache_salt=request.cache_salt, tenant=request.tenant, weight=request.weight,
             )  # fmt: skip
             # per completion: characters and tokens sent so far, and whether it finished
             sent = [[0, 0, False] for _ in range(params.n)]

@@ -7,19 +7,23 @@ the runner.
 
 Queues::
 
-    running   list sorted by (priority, arrival): scheduled front to back; the back is
-              the preemption victim (lowest priority, latest arrival)
-    waiting   heap of (priority, arrival, request): new and preempted requests; aborted
-              entries are dropped lazily when they reach the top
+    running   list sorted by (priority, tenant usage, arrival), re-sorted each step:
+              scheduled front to back; the back is the preemption victim (lowest
+              priority, the tenant that used most, latest arrival)
+    waiting   ``FairShare``: a heap per tenant; the next admitted is the best priority,
+              then the tenant that used least of the budget (``engine.core.fair_share``)
+
+Out of seats or blocks, a waiting request preempts the last running one when it has a
+better priority, or takes a seat from a tenant over its fair share (``FairShare.victim_for``).
 """
 
 from __future__ import annotations
 
 import bisect
-import heapq
 import logging
 from collections.abc import Collection, Iterable
 
+from engine.core.fair_share import FairShare
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.request import Request, RequestStatus
@@ -28,10 +32,6 @@ logger = logging.getLogger(__name__)
 
 _QUEUED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 _KEEPS_BLOCKS = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
-
-
-def _order(request: Request) -> tuple[int, int]:
-    return (request.priority, request.arrival_seq)
 
 
 class Scheduler:
@@ -49,8 +49,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.requests: dict[str, Request] = {}  # unfinished requests by req_id
         self.running: list[Request] = []
-        self._waiting: list[tuple[int, int, Request]] = []
-        self._num_waiting = 0
+        self.fair = FairShare()  # the waiting queue and the tenants' usage
         self._finished_req_ids: set[str] = set()  # since the last schedule()
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0  # tokens at prompt positions the model computed
@@ -64,10 +63,10 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return self._num_waiting
+        return self.fair.num_waiting
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or self._num_waiting > 0
+        return bool(self.running) or self.fair.num_waiting > 0
 
     def add_request(self, request: Request) -> None:
         """Queues a new request (status WAITING).
@@ -79,7 +78,8 @@ class Scheduler:
             raise ValueError(f"request id {request.req_id!r} is already in use")
         request.status = RequestStatus.WAITING
         self.requests[request.req_id] = request
-        self._push_waiting(request)
+        self.fair.add(request)
+        self.fair.push(request)
 
     def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Finishes requests wherever they are (abort, stop string, fault); frees their blocks now.
@@ -109,7 +109,10 @@ class Scheduler:
         """
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
+        fair = self.fair
         running = self.running
+        # NOTE: usage changes only in charge() below, so this order holds for the whole step.
+        running.sort(key=fair.order)
         allocate_slots = self.kv.allocate_slots
         preempted = False
         i = 0
@@ -154,13 +157,14 @@ class Scheduler:
 
         # NOTE: no admissions in a step that preempted (the cache is already too small), unless
         # the request outranks a running one; out of seats or blocks, a request that outranks
-        # the last running one preempts it.
-        while self._num_waiting and budget > 0:
-            request = self._peek_waiting()
+        # the last running one, or whose tenant is short of its fair share, preempts one.
+        while fair.num_waiting and budget > 0:
+            request = fair.peek()
+            assert request is not None
             if preempted and running and running[-1].priority <= request.priority:
                 break
             if len(running) >= self.max_num_seqs:
-                freed = self._preempt_outranked(request, scheduled)
+                freed = self._preempt_for(request, scheduled)
                 if freed is None:
                     break
                 budget += freed
@@ -180,21 +184,22 @@ class Scheduler:
                     self._finish(request, RequestStatus.FINISHED_LENGTH_CAPPED)
                     self.capped.append(request)
                     continue
-                freed = self._preempt_outranked(request, scheduled)
+                freed = self._preempt_for(request, scheduled)
                 if freed is None:
                     break
                 budget += freed
                 continue
-            heapq.heappop(self._waiting)
-            self._num_waiting -= 1
+            fair.pop(request)
             if request.status == RequestStatus.WAITING:
                 request.num_cached_tokens = computed.num_computed_tokens
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = computed.num_computed_tokens
-            bisect.insort(running, request, key=_order)
+            bisect.insort(running, request, key=fair.order)
             scheduled.append(self._schedule(request, num_new, block_ids))
             budget -= num_new
 
+        requests = self.requests
+        fair.charge((requests[s.req_id], s.num_tokens) for s in scheduled)
         finished, self._finished_req_ids = self._finished_req_ids, set()
         return SchedulerOutput(scheduled=scheduled, finished_req_ids=finished)
 
@@ -259,18 +264,26 @@ class Scheduler:
             needs_logits=end == request.num_tokens,
         )
 
-    def _preempt_outranked(self, request: Request, scheduled: list[ScheduledRequest]) -> int | None:
-        """Preempts the last running request if ``request`` has a strictly better priority.
+    def _preempt_for(self, request: Request, scheduled: list[ScheduledRequest]) -> int | None:
+        """Preempts a running request to make room for ``request``, if one may go.
 
-        Its share of this step, if it had one, is taken back out of ``scheduled``.
+        The victim is the last running request when ``request`` has a strictly better
+        priority, else the one ``FairShare.victim_for`` names. Its share of this step, if it
+        had one, is taken back out of ``scheduled``.
 
         Returns:
-            The budget tokens given back, or None when nothing running is outranked.
+            The budget tokens given back, or None when no running request may go.
         """
         running = self.running
-        if not running or running[-1].priority <= request.priority:
+        if not running:
             return None
-        victim = running.pop()
+        if running[-1].priority > request.priority:
+            victim = running.pop()
+        else:
+            victim = self.fair.victim_for(request, running)
+            if victim is None:
+                return None
+            running.remove(victim)
         freed = 0
         for i in range(len(scheduled) - 1, -1, -1):
             share = scheduled[i]
@@ -287,15 +300,17 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         logger.debug("preempt %s", request.req_id)
         self.kv.free(request.req_id)
+        self.fair.run_stopped(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self._push_waiting(request)
+        self.fair.push(request)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
-        if request.status in _QUEUED:
-            self._num_waiting -= 1  # its heap entry is dropped when it reaches the top
+        if request.status == RequestStatus.RUNNING:
+            self.fair.run_stopped(request)
+        self.fair.finish(request, was_queued=request.status in _QUEUED)
         request.status = status
         # NOTE: a pinned prefix that computed its prompt keeps its blocks (the engine unpins it);
         # aborted or failed, it holds nothing.
@@ -303,16 +318,3 @@ class Scheduler:
             self.kv.free(request.req_id)
         self.requests.pop(request.req_id, None)
         self._finished_req_ids.add(request.req_id)
-
-    def _push_waiting(self, request: Request) -> None:
-        heapq.heappush(self._waiting, (request.priority, request.arrival_seq, request))
-        self._num_waiting += 1
-        if len(self._waiting) > 2 * self._num_waiting + 64:
-            self._waiting = [e for e in self._waiting if e[2].status in _QUEUED]
-            heapq.heapify(self._waiting)
-
-    def _peek_waiting(self) -> Request:
-        waiting = self._waiting
-        while waiting[0][2].status not in _QUEUED:
-            heapq.heappop(waiting)
-        return waiting[0][2]

@@ -22,6 +22,8 @@ from aiohttp import web
 
 from integrations.openai_server import routes
 from integrations.openai_server.errors import ApiError, error_middleware
+from integrations.openai_server.policy import ROUTES, ServerPolicy
+from integrations.openai_server.responses import rate_limit_headers
 from integrations.openai_server.serving import Serving
 from integrations.openai_server.state import STATE, TENANT, Phase, ServerState, parse_keys
 
@@ -35,6 +37,7 @@ def create_app(
     model: str | None = None,
     *,
     api_key: str | Sequence[str] | Mapping[str, str] | None = None,
+    policy: ServerPolicy | None = None,
     served_model_name: str | None = None,
     hooks: Sequence[Any] = (),
     client_max_size: int = DEFAULT_CLIENT_MAX_SIZE,
@@ -46,8 +49,11 @@ def create_app(
 
     Args:
         model: HF directory or ``.gguf`` path; None serves the bundled SmolLM2.
-        api_key: one key, several, or ``{tenant_name: key}``; None disables auth. Tenants
-            (what the SDK hooks and audit see) are the names, or a short hash of each key.
+        api_key: one key, several, or ``{tenant_name: key}``; these keys get the policy's
+            default terms. Tenants (what the SDK hooks and audit see) are the names, or a
+            short hash of each key. With no key here nor in ``policy``, auth is off.
+        policy: the tenants, their keys and terms (``ServerPolicy``, or ``ServerPolicy.load``
+            of a policy file); None = every key on ``TenantPolicy()``'s terms.
         served_model_name: the ``model`` id clients use; defaults to the engine's model name.
         hooks: SDK hooks run on every request (``sdk.hooks.Hook`` instances).
         client_max_size: largest accepted request body in bytes (larger ones get 413).
@@ -59,12 +65,13 @@ def create_app(
     Returns:
         The application; run it with ``web.run_app`` or an ``AppRunner``.
     """
-    state = ServerState(api_keys=parse_keys(api_key), drain_timeout=drain_timeout)
+    state = ServerState(policy=(policy or ServerPolicy()).with_keys(parse_keys(api_key)), drain_timeout=drain_timeout)
     app = web.Application(
         client_max_size=client_max_size,
         middlewares=[_count_middleware, error_middleware, _auth_middleware],
     )
     app[STATE] = state
+    app.on_response_prepare.append(_add_rate_limit_headers)
     routes.add_routes(app)
 
     def default_factory() -> Serving:
@@ -148,5 +155,16 @@ async def _auth_middleware(request: web.Request, handler) -> web.StreamResponse:
             raise ApiError(
                 401, "missing or invalid API key", code="invalid_api_key"
             )
+        if request.path in ROUTES and not tenant.may_use_route(request.path):
+            raise ApiError(403, f"this key may not use {request.path}", code="route_not_allowed")
         request[TENANT] = tenant
     return await handler(request)
+
+
+async def _add_rate_limit_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """OpenAI's ``x-ratelimit-*`` headers on every answer to a tenant with rate limits."""
+    tenant = request.get(TENANT)
+    serving = request.app[STATE].serving
+    limiter = serving.limiter(tenant.name) if tenant is not None and serving is not None else None
+    if limiter is not None:
+        response.headers.update(rate_limit_headers(limiter.state()))

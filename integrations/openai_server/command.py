@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import ipaddress
 import logging
 import os
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
@@ -43,8 +46,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     server.add_argument(
+        "--policy", default=None, metavar="PATH",
+        help="the tenants, their keys (plain or sha256:HEX) and terms: priority cap, weight, rate limits, "
+        "max_tokens, models, routes, cache isolation (a TOML file; see docs/server.md)",
+    )
+    server.add_argument(
+        "--hook", action="append", default=None, metavar="MODULE:FACTORY",
+        help="add the SDK hook(s) FACTORY() returns (a Hook or a list of them), e.g. a filter; repeatable, "
+        "run in the order given",
+    )
+    server.add_argument(
         "--audit-log", default=None, metavar="PATH",
-        help="append one JSON line per request to PATH (sdk.hooks.AuditLog)",
+        help="append one JSON line per request to PATH (sdk.hooks.AuditLog); runs after the --hook hooks",
     )
     server.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
 
@@ -53,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def api_keys(args: argparse.Namespace) -> dict[str, str] | None:
     """``{tenant: key}`` from ``--api-key`` / ``PAGED_API_KEY``; unnamed keys get a hash tenant."""
-    from integrations.openai_server.state import key_id
+    from integrations.openai_server.policy import key_id
 
     values = list(args.api_key or ())
     if not values and os.environ.get("PAGED_API_KEY"):
@@ -65,6 +78,32 @@ def api_keys(args: argparse.Namespace) -> dict[str, str] | None:
             name, key = key_id(value), value
         keys[name] = key
     return keys or None
+
+
+def load_hooks(specs: Iterable[str]) -> list[Any]:
+    """The hooks of ``--hook module:factory`` specs: ``factory()`` of each, a Hook or an iterable of them.
+
+    Raises:
+        ValueError: a spec that is not ``module:factory``, does not import, or whose factory
+            returns something other than SDK hooks; the message names the spec.
+    """
+    from sdk.hooks import Hook
+
+    hooks: list[Any] = []
+    for spec in specs:
+        module_name, sep, attr = spec.partition(":")
+        if not sep or not module_name or not attr:
+            raise ValueError(f"--hook {spec}: expected MODULE:FACTORY")
+        try:
+            factory = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"--hook {spec}: {exc}") from None
+        made = factory()
+        made = [made] if isinstance(made, Hook) else list(made) if isinstance(made, Iterable) else [made]
+        if not all(isinstance(h, Hook) for h in made):
+            raise ValueError(f"--hook {spec}: {attr}() must return an sdk.hooks.Hook or a list of them")
+        hooks.extend(made)
+    return hooks
 
 
 def is_loopback(host: str) -> bool:
@@ -93,12 +132,19 @@ def run(args: argparse.Namespace) -> int:
         logger.error("model path %s does not exist", model)
         return 2
     keys = api_keys(args)
-    if keys is None and not is_loopback(args.host):
+    from integrations.openai_server.policy import PolicyError, ServerPolicy
+
+    try:
+        policy = ServerPolicy.load(args.policy) if args.policy else None
+        hooks = load_hooks(args.hook or ())
+    except (PolicyError, ValueError) as exc:
+        logger.error("%s", exc)
+        return 2
+    if keys is None and not (policy and policy.key_table()) and not is_loopback(args.host):
         logger.warning(
             "binding %s without --api-key: anyone who can reach this port can use the model",
             args.host,
         )
-    hooks = []
     if args.audit_log:
         from sdk.hooks import AuditLog
 
@@ -106,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(
         model,
         api_key=keys,
+        policy=policy,
         served_model_name=args.served_model_name,
         hooks=hooks,
         client_max_size=args.max_body_size,

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import logging
+import math
 
 from aiohttp import web
 from pydantic import ValidationError
 
 from integrations.openai_server.protocol import ErrorInfo, ErrorResponse
-from sdk.errors import error_type
+from sdk.errors import PagedError, RateLimited, error_type
 from sdk.fields import invalid_request
+from sdk.response_format import PARAM
+from sdk.wire import WIRE_NAMES, Route, format_param
 
 logger = logging.getLogger(__name__)
+
+RETRY_AFTER = "1"  # seconds, on 429 and 503 (a rate limit says its own)
 
 
 class ApiError(Exception):
@@ -49,6 +54,11 @@ class ApiError(Exception):
         )
 
 
+def retry_after(seconds: float) -> str:
+    """``Retry-After``: whole seconds, at least 1."""
+    return str(max(1, math.ceil(seconds)))
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)
 
@@ -57,6 +67,25 @@ def from_validation(exc: ValidationError) -> ApiError:
     """The first pydantic error as a 400 naming the offending field (no input values echoed)."""
     error = invalid_request(exc)
     return bad_request(str(error), param=error.param)
+
+
+def from_sdk(exc: PagedError, route: Route, format_field: str | None = None) -> ApiError:
+    """The HTTP answer to an SDK error, from its type's status, code and param; never a traceback.
+
+    ``format_field`` is the wire field that set the request's constraint: the SDK's
+    ``response_format`` params are renamed after it.
+    """
+    headers = {"Retry-After": RETRY_AFTER} if exc.status_code in (429, 503) else None
+    if isinstance(exc, RateLimited):
+        headers = {"Retry-After": retry_after(exc.retry_after)}
+    param = exc.param
+    if route == "chat" and param == "prompt":
+        param = "messages"  # a chat's prompt is its rendered messages
+    elif format_field is not None and param is not None and param.split(".")[0] == PARAM:
+        param = format_param(format_field, param)
+    elif param is not None:
+        param = WIRE_NAMES[route].get(param, param)
+    return ApiError(exc.status_code, exc.public_message, param=param, code=exc.code, headers=headers)
 
 
 @web.middleware

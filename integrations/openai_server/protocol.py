@@ -113,7 +113,7 @@ class _RequestFields(BaseModel):
 def _with_knobs(name: str, route: Route, base: type[BaseModel], **overrides: Any) -> type[BaseModel]:
     """``base`` plus every engine sampling knob (wire-named) and ``priority`` / ``cache_salt``, bounds included."""
     fields: dict[str, Any] = sampling_fields(renames=WIRE_NAMES[route])
-    fields.update(priority=field(REQUEST_KNOBS["priority"], default=0), cache_salt=field(REQUEST_KNOBS["cache_salt"]))
+    fields.update(priority=field(REQUEST_KNOBS["priority"]), cache_salt=field(REQUEST_KNOBS["cache_salt"]))
     fields.update(overrides)
     return create_model(name, __base__=base, __module__=__name__, **fields)
 
@@ -159,10 +159,7 @@ ChatCompletionRequest = _with_knobs(
     # OpenAI's newer name for max_tokens; it wins when both are given
     max_completion_tokens=field(SAMPLING_KNOBS["max_tokens"]),
 )  # fmt: skip
-CompletionRequest = _with_knobs(
-    "CompletionRequest", "completion", _CompletionFields,
-    max_tokens=field(SAMPLING_KNOBS["max_tokens"], default=16),  # the OpenAI default of this route
-)  # fmt: skip
+CompletionRequest = _with_knobs("CompletionRequest", "completion", _CompletionFields)  # max_tokens: routes.COMPLETION_MAX_TOKENS
 
 
 # --------------------------------------------------------------------------- responses

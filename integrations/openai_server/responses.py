@@ -1,9 +1,12 @@
-"""Wire pieces built from the serving chunks: logprobs in both OpenAI formats, token ids, usage."""
+"""Wire pieces built from the serving chunks (logprobs in both OpenAI formats, token ids, usage) and rate-limit headers."""
 
 from __future__ import annotations
 
+import math
+
 from integrations.openai_server import protocol as p
 from integrations.openai_server.serving import Chunk
+from sdk.rate_limit import RateLimitState
 from sdk.types import TokenLogprob
 
 
@@ -62,3 +65,24 @@ def usage(finals: list[Chunk]) -> p.Usage:
 
 def _infos(chunks: list[Chunk]) -> list[TokenLogprob]:
     return [info for c in chunks for info in (c.logprobs or ())]
+
+
+def rate_limit_headers(state: RateLimitState) -> dict[str, str]:
+    """OpenAI's ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` for the limits a tenant has."""
+    headers = {}
+    for kind, quota in (("requests", state.requests), ("tokens", state.tokens)):
+        if quota is not None:
+            headers[f"x-ratelimit-limit-{kind}"] = str(quota.limit)
+            headers[f"x-ratelimit-remaining-{kind}"] = str(quota.remaining)
+            headers[f"x-ratelimit-reset-{kind}"] = duration(quota.reset)
+    return headers
+
+
+def duration(seconds: float) -> str:
+    """A duration as OpenAI's reset headers write it: ``20ms``, ``1.5s``, ``6m0s``."""
+    if seconds < 1:
+        return f"{math.ceil(seconds * 1000)}ms"
+    if seconds < 60:
+        return f"{round(seconds, 3):g}s"
+    minutes, rest = divmod(seconds, 60)
+    return f"{int(minutes)}m{round(rest, 3):g}s"

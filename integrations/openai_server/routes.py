@@ -4,28 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from aiohttp import web
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from integrations.openai_server import protocol as p
-from integrations.openai_server.errors import ApiError, bad_request, from_validation
+from integrations.openai_server.errors import RETRY_AFTER, ApiError, bad_request, from_sdk
+from integrations.openai_server.intake import check_common, origin, parse_body, sdk_options
 from integrations.openai_server.metrics import CONTENT_TYPE
+from integrations.openai_server.policy import Tenant
 from integrations.openai_server.responses import chat_logprobs, completion_logprobs, token_ids, usage
 from integrations.openai_server.serving import Chunk, Serving
 from integrations.openai_server.sse import EventStream
 from integrations.openai_server.state import STATE, TENANT, ServerState
 from sdk.errors import InvalidRequestError, PagedError
-from sdk.response_format import PARAM, to_response_format
 from sdk.tools import collect_calls
-from sdk.wire import WIRE_NAMES, Route, format_from_wire, format_param, message_from_wire, tool_call_delta_to_wire, tool_call_to_wire
-from sdk.wire import from_wire as sampling_from_wire
+from sdk.wire import Route, message_from_wire, tool_call_delta_to_wire, tool_call_to_wire
 
 DISCONNECT_POLL = 0.2  # seconds between checks that the client is still connected
-RETRY_AFTER = "1"  # seconds, on 429 and 503
 
 
 def add_routes(app: web.Application) -> None:
@@ -40,7 +38,7 @@ def _state(request: web.Request) -> ServerState:
     return request.app[STATE]
 
 
-def _tenant(request: web.Request) -> str:
+def _tenant(request: web.Request) -> Tenant:
     return request[TENANT]
 
 
@@ -69,15 +67,17 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     serving = _serving(_state(request))
-    card = p.ModelCard(id=serving.model_name, max_model_len=serving.max_model_len)
-    return _json(p.ModelList(data=[card]))
+    cards = []
+    if _tenant(request).may_use_model(serving.model_name):
+        cards.append(p.ModelCard(id=serving.model_name, max_model_len=serving.max_model_len))
+    return _json(p.ModelList(data=cards))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = _state(request)
     serving = _serving(state)
-    body = await _parse(request, p.ChatCompletionRequest)
-    _check_common(body, serving)
+    body = await parse_body(request, p.ChatCompletionRequest, _tenant(request))
+    check_common(body, serving, _tenant(request))
     messages = []
     for i, m in enumerate(body.messages):
         try:
@@ -91,79 +91,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def completions(request: web.Request) -> web.StreamResponse:
     state = _state(request)
     serving = _serving(state)
-    body = await _parse(request, p.CompletionRequest)
-    _check_common(body, serving)
+    body = await parse_body(request, p.CompletionRequest, _tenant(request))
+    check_common(body, serving, _tenant(request))
     prompts = body.prompts()
     if not prompts or any(len(x) == 0 for x in prompts):
         raise bad_request("prompt must not be empty", param="prompt")
     run = _Run(request, state, serving, body, "completion")
     return await run.execute(prompts=prompts)
-
-
-async def _parse(request: web.Request, model: type[BaseModel]) -> Any:
-    raw = await request.read()  # NOTE: raises 413 past client_max_size
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"request body is not valid JSON: {exc.msg if hasattr(exc, 'msg') else exc}")
-    if not isinstance(data, dict):
-        raise bad_request("request body must be a JSON object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise from_validation(exc) from None
-
-
-def _check_common(body: Any, serving: Serving) -> None:
-    if (field := body.unsupported()) is not None:
-        raise bad_request(f"{field} is not supported by this server", param=field)
-    if body.model is not None and body.model != serving.model_name:
-        raise ApiError(
-            404, f"the model {body.model!r} does not exist", param="model", code="model_not_found"
-        )
-
-
-def _options(body: Any, route: Route) -> tuple[dict[str, Any], str | None]:
-    """The SDK request options a body sets, and the wire field that set its constraint (None without one).
-
-    The options are its sampling knobs under the engine's names, priority, cache_salt,
-    response_format (any wire spelling, as an SDK format) and a chat's tools, tool_choice and
-    parallel_tool_calls (the SDK validates them).
-
-    Raises:
-        ApiError: a 400 for a constraint the SDK refuses, ``param`` naming the wire field.
-    """
-    data = body.model_dump()
-    options = sampling_from_wire(route, data)
-    if route == "chat" and body.max_completion_tokens is not None:
-        options["max_tokens"] = body.max_completion_tokens
-    options.update(priority=body.priority, cache_salt=body.cache_salt)
-    if route == "chat":
-        options.update(tools=body.tools, tool_choice=body.tool_choice, parallel_tool_calls=body.parallel_tool_calls)
-    field = None
-    try:
-        fmt, field = format_from_wire(data)
-        options["response_format"] = to_response_format(fmt)
-    except PagedError as exc:
-        raise _api_error(exc, route, field) from None
-    return options, field
-
-
-def _api_error(exc: PagedError, route: Route, format_field: str | None = None) -> ApiError:
-    """The HTTP answer to an SDK error, from its type's status, code and param; never a traceback.
-
-    ``format_field`` is the wire field that set the request's constraint: the SDK's
-    ``response_format`` params are renamed after it.
-    """
-    headers = {"Retry-After": RETRY_AFTER} if exc.status_code in (429, 503) else None
-    param = exc.param
-    if route == "chat" and param == "prompt":
-        param = "messages"  # a chat's prompt is its rendered messages
-    elif format_field is not None and param is not None and param.split(".")[0] == PARAM:
-        param = format_param(format_field, param)
-    elif param is not None:
-        param = WIRE_NAMES[route].get(param, param)
-    return ApiError(exc.status_code, exc.public_message, param=param, code=exc.code, headers=headers)
 
 
 def _message(chunks: list[Chunk]) -> p.ChatMessage:
@@ -219,7 +153,9 @@ class _Run:
         self.created = p.now()
         self.events = EventStream(request)
         self.text_offsets: dict[int, int] = {}  # choice index -> chars streamed (completion logprobs)
-        self.options, self.format_field = _options(body, route)
+        tenant = _tenant(request)
+        self.client = serving.client(tenant.name, tenant.policy)
+        self.options, self.format_field = sdk_options(body, route, tenant)
 
     async def execute(self, **inputs: Any) -> web.StreamResponse:
         task = asyncio.current_task()
@@ -235,16 +171,18 @@ class _Run:
 
     async def _execute(self, inputs: dict[str, Any]) -> web.StreamResponse:
         try:
-            stream = await self.serving.open(_tenant(self.request), self.request_id, options=self.options, **inputs)
+            stream = await self.serving.open(
+                self.client, self.request_id, options=self.options, origin=origin(self.request), **inputs
+            )
         except PagedError as exc:
-            raise _api_error(exc, self.route, self.format_field) from None
+            raise from_sdk(exc, self.route, self.format_field) from None
         async with contextlib.aclosing(stream):
             try:
                 if self.body.stream:
                     return await self._stream(stream)
                 return await self._collect(stream)
             except PagedError as exc:
-                error = _api_error(exc, self.route, self.format_field)
+                error = from_sdk(exc, self.route, self.format_field)
                 if not self.events.started:
                     raise error from None
                 await self.events.send(error.body())

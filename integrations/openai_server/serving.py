@@ -1,7 +1,8 @@
 """The glue between the HTTP routes and the SDK: every request runs through an ``sdk.AsyncClient``.
 
 One engine per server; one SDK client per tenant over a shared in-process transport, so the
-SDK hooks (filters, audit) see every HTTP request with its tenant id. Tool-call deltas, logprobs,
+SDK hooks (filters, audit) see every HTTP request with its tenant id, and the tenant's policy
+(priority cap, fair-share weight, rate limits, cache isolation) holds as it does in process. Tool-call deltas, logprobs,
 prompt token ids and the completion index (``n`` > 1 is the engine's) come on the SDK's deltas; a
 completions request with several prompts runs one SDK request per prompt.
 """
@@ -14,8 +15,11 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from sdk.chat_template import longest_token_chars
 from sdk.client import AsyncClient
-from sdk.hooks import Hook
+from sdk.hooks import Hook, RequestOrigin
+from sdk.policy import TenantPolicy
+from sdk.rate_limit import RateLimiter
 from sdk.tools import ToolCallDelta
 from sdk.transport import InProcessTransport
 from sdk.types import ChatMessage, TokenLogprob, Usage
@@ -74,7 +78,13 @@ class Serving:
         return cls(AsyncEngine(model, **engine_config), hooks=hooks, served_model_name=served_model_name)
 
     async def start(self) -> None:
+        """Start the transport and read the vocabulary's longest token, while /health still says starting.
+
+        The prompt bound (``sdk.chat_template.check_prompt_chars``) needs it for the first long
+        prompt; reading it holds the GIL for about 0.1 s, which no request should wait for.
+        """
         await self._transport.start()
+        await asyncio.to_thread(longest_token_chars, self.engine.tokenizer)
 
     @property
     def model_name(self) -> str:
@@ -94,21 +104,28 @@ class Serving:
         if self._owns_engine:
             await self.engine.shutdown()
 
-    def client(self, tenant: str) -> AsyncClient:
+    def client(self, tenant: str, policy: TenantPolicy) -> AsyncClient:
+        """The tenant's SDK client, made with ``policy`` on its first request."""
         client = self._clients.get(tenant)
         if client is None:
-            client = AsyncClient(transport=self._transport, hooks=self._hooks, tenant=tenant, route="http")
+            client = AsyncClient(transport=self._transport, hooks=self._hooks, tenant=tenant, policy=policy, route="http")
             self._clients[tenant] = client
         return client
 
+    def limiter(self, tenant: str) -> RateLimiter | None:
+        """The tenant's rate state, once it has made a request under a policy with limits."""
+        client = self._clients.get(tenant)
+        return None if client is None else client.limiter
+
     async def open(
         self,
-        tenant: str,
+        client: AsyncClient,
         request_id: str,
         *,
         messages: list[ChatMessage] | None = None,
         prompts: Sequence[str | list[int]] = (),
         options: dict[str, Any],
+        origin: RequestOrigin | None = None,
     ) -> AsyncIterator[Chunk]:
         """Start a chat (``messages``) or one request per prompt, and merge their chunks.
 
@@ -119,13 +136,12 @@ class Serving:
         Raises:
             sdk.errors.PagedError: as ``sdk.AsyncClient.stream``.
         """
-        client = self.client(tenant)
         inputs: list[Any] = [messages] if messages is not None else list(prompts)
         n = options.get("n") or 1
         streams: list[AsyncIterator[Chunk]] = []
         for p, payload in enumerate(inputs):
             rid = request_id if len(inputs) == 1 else f"{request_id}/{p}"
-            opts = dict(options, request_id=rid)
+            opts = dict(options, request_id=rid, origin=origin)
             streams.append(self._choices(client, p * n, messages is not None, payload, opts))
         firsts = await _first_outputs(streams)
         streams = [_prepend(first, stream) for first, stream in zip(firsts, streams)]

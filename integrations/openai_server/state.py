@@ -1,4 +1,4 @@
-"""What the server's handlers share: the lifecycle phase, the serving glue, API keys, in-flight requests.
+"""What the server's handlers share: the lifecycle phase, the serving glue, the tenants, in-flight requests.
 
 The app (``create_app``) builds a ``ServerState`` and stores it under ``STATE``; the routes
 and middlewares read it from there. Neither imports the other for it.
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from integrations.openai_server.metrics import EngineCollector, ServerMetrics
+from integrations.openai_server.policy import ANONYMOUS, ServerPolicy, Tenant, key_id
 from integrations.openai_server.serving import Serving
 
 
@@ -29,9 +30,9 @@ class Phase(enum.Enum):
 
 @dataclass(eq=False)
 class ServerState:
-    """What the handlers share: the phase, the serving glue, API keys and the in-flight registry."""
+    """What the handlers share: the phase, the serving glue, the tenants and the in-flight registry."""
 
-    api_keys: dict[str, str]  # key -> tenant id (a configured name or a short hash, never the key)
+    policy: ServerPolicy  # the tenants, their keys (as digests) and terms
     drain_timeout: float
     phase: Phase = Phase.STARTING
     serving: Serving | None = None
@@ -44,25 +45,28 @@ class ServerState:
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.collector)
         self.idle.set()
+        self._digests = self.policy.key_table()
+        self._tenants = {t.name: t for t in self.policy.tenants}
 
     def is_healthy(self) -> bool:
         if self.phase is Phase.SERVING and self.serving is not None and not self.serving.is_running():
             self.phase = Phase.DEAD
         return self.phase is Phase.SERVING
 
-    def tenant_for(self, authorization: str | None) -> str | None:
-        """The tenant id of a valid ``Authorization: Bearer <key>`` header; None when invalid."""
-        if not self.api_keys:
-            return "anonymous"
+    def tenant_for(self, authorization: str | None) -> Tenant | None:
+        """The tenant of a valid ``Authorization: Bearer <key>`` header; None when invalid."""
+        if not self._digests:
+            return self.policy.tenant(ANONYMOUS)
         token = ""
         if authorization and authorization[:7].lower() == "bearer ":
             token = authorization[7:].strip()
+        presented = hashlib.sha256(token.encode()).hexdigest().encode()
         found = None
         # NOTE: compare against every key, so timing does not tell which key almost matched.
-        for key, tenant in self.api_keys.items():
-            if hmac.compare_digest(token.encode(), key.encode()):
-                found = tenant
-        return found
+        for digest, name in self._digests.items():
+            if hmac.compare_digest(presented, digest.encode()):
+                found = name
+        return None if found is None or not token else self._tenants[found]
 
     @contextlib.contextmanager
     def track(self, request_id: str, task: asyncio.Task) -> Iterator[asyncio.Event]:
@@ -79,26 +83,16 @@ class ServerState:
 
 
 STATE = web.AppKey("paged_state", ServerState)
-TENANT = web.RequestKey("paged_tenant", str)
-
-
-def key_id(key: str) -> str:
-    """A tenant id for an unnamed API key: a short hash, safe to log and audit."""
-    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+TENANT = web.RequestKey("paged_tenant", Tenant)
 
 
 def parse_keys(api_key: str | Sequence[str] | Mapping[str, str] | None) -> dict[str, str]:
+    """``{tenant: key}`` from one key, several (tenants named by a short hash) or ``{tenant: key}``."""
     if api_key is None:
         return {}
     if isinstance(api_key, str):
         api_key = [api_key]
-    if isinstance(api_key, Mapping):
-        pairs = [(key, name) for name, key in api_key.items()]
-    else:
-        pairs = [(key, key_id(key)) for key in api_key]
-    keys = {}
-    for key, tenant in pairs:
-        if not key:
-            raise ValueError("api_key must not be empty")
-        keys[key] = tenant
-    return keys
+    pairs = dict(api_key) if isinstance(api_key, Mapping) else {key_id(key): key for key in api_key}
+    if not all(pairs.values()):
+        raise ValueError("api_key must not be empty")
+    return pairs

@@ -8,7 +8,7 @@
 
 from sdk.errors import ContentBlocked, HookFailed
 from sdk.hooks.audit import AuditChainBroken, AuditLog
-from sdk.hooks.base import FilterDecision, Hook, HookChain, RequestContext, Stop
+from sdk.hooks.base import FilterDecision, Hook, HookChain, RequestContext, RequestOrigin, Stop
 from sdk.hooks.filters import RegexFilter
 
 __all__ = [
@@ -21,5 +21,6 @@ __all__ = [
     "HookFailed",
     "RegexFilter",
     "RequestContext",
+    "RequestOrigin",
     "Stop",
 ]

@@ -11,6 +11,10 @@ request in the order given:
 - ``on_finish(ctx)`` exactly once per request, whatever the outcome (finished, blocked,
   failed, aborted, cancelled); ``ctx`` then holds usage, finish reason, error and timing.
 
+A request the client refuses before its hooks reaches none of them: invalid options, a
+priority or ``max_tokens`` past the tenant's policy, a rate limit (``RateLimited``) or a
+prompt too long by its characters alone.
+
 A hook that raises in ``on_request`` / ``on_chunk`` fails closed (``HookFailed``) unless its
 class sets ``fail_closed = False`` (audit hooks do): then the failure is logged and counted
 in ``HookChain.num_failures`` and the request goes on. ``on_finish`` failures are always
@@ -21,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -49,6 +53,18 @@ class FilterDecision:
     detail: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class RequestOrigin:
+    """Where a request came from, as a server tells the SDK client (``AsyncClient.chat(..., origin=...)``).
+
+    ``headers`` has lower-case names and never the credentials (``authorization``,
+    ``proxy-authorization``, ``cookie``).
+    """
+
+    client_address: str | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
 @dataclass(slots=True)
 class RequestContext:
     """What hooks see of one request. Filters may rewrite ``messages`` / ``prompt`` in ``on_request``."""
@@ -59,6 +75,8 @@ class RequestContext:
     kind: Literal["chat", "completion"]
     params: dict[str, Any]  # the sampling knobs actually sent (SamplingOptions fields)
     tenant: str | None = None
+    client_address: str | None = None  # the peer's address, over HTTP
+    headers: Mapping[str, str] = field(default_factory=dict)  # RequestOrigin.headers: lower-case, no credentials
     messages: list[ChatMessage] | None = None
     prompt: str | list[int] | None = None
     started_at: float = field(default_factory=time.time)  # wall clock, seconds

@@ -37,7 +37,10 @@ class FakeEngine:
         self.is_running = True
         self.token_id = tokenizer.encode(" ok", add_special_tokens=False)[0]
 
-    async def generate(self, prompt: Any, params: Any, request_id: str | None = None, priority: int = 0, cache_salt: str | None = None):
+    async def generate(
+        self, prompt: Any, params: Any, request_id: str | None = None, priority: int = 0, cache_salt: str | None = None,
+        tenant: str | None = None, weight: float = 1.0,
+    ):  # fmt: skip
         ids = list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt, add_special_tokens=False)
         if not ids or len(ids) >= self.max_model_len:
             raise RequestRejected(f"prompt of {len(ids)} tokens does not fit max_model_len {self.max_model_len}")

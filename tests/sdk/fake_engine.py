@@ -53,7 +53,7 @@ class FakeAsyncEngine:
 
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-        priority: int = 0, cache_salt: str | None = None,
+        priority: int = 0, cache_salt: str | None = None, tenant: str | None = None, weight: float = 1.0,
     ) -> AsyncIterator[RequestOutput]:  # fmt: skip
         request_id = request_id or f"fake-{len(self.requests_seen)}"
         ids = list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt, add_special_tokens=False)

@@ -149,19 +149,35 @@ void linear_bf16(const float *x, int64_t ld_x, int64_t M, const uint16_t *packed
 
 typedef uint8_t vb __attribute__((vector_size(VL)));
 
-/* Eight codes as float32: the 8-bit codes at p, or the low (high = 0) or high (high = 1) nibbles of
- * the 8 bytes at p. */
-static inline vf widen(const uint8_t *p, int q4, int high) {
-#ifdef __AVX2__ /* GCC's lowering of the generic 8-byte vector goes through general registers */
-    __m128i b = _mm_loadl_epi64((const __m128i *)p);
-    if (q4) b = _mm_and_si128(high ? _mm_srli_epi16(b, 4) : b, _mm_set1_epi8(15));
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+/* The two code vectors (columns 0..7, 8..15) of input feature kk of a block, as float32. A 4-bit
+ * byte widens whole and splits after: its high nibble is a shift, its low one a mask. */
+static inline __attribute__((always_inline)) void q_codes(const uint8_t *codes, int q4, int64_t kk, vf *q0, vf *q1) {
+    if (q4) {
+        const uint8_t *c = codes + kk * (PANEL / 2);
+#ifdef __AVX2__ /* a zero-extending load; GCC's lowering of generic 8-byte vectors goes through general registers */
+        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c));
+        *q0 = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+        *q1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
 #else
-    vb b;
-    memcpy(&b, p, sizeof b);
-    if (q4) b = high ? b >> 4 : b & 15;
-    return __builtin_convertvector(__builtin_convertvector(b, vi), vf);
+        vb b;
+        memcpy(&b, c, sizeof b);
+        const vi w = __builtin_convertvector(b, vi);
+        *q0 = __builtin_convertvector(w & 15, vf);
+        *q1 = __builtin_convertvector(w >> 4, vf);
 #endif
+    } else {
+        const uint8_t *c = codes + kk * PANEL;
+#ifdef __AVX2__
+        *q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c)));
+        *q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + VL))));
+#else
+        vb lo, hi;
+        memcpy(&lo, c, sizeof lo);
+        memcpy(&hi, c + VL, sizeof hi);
+        *q0 = __builtin_convertvector(__builtin_convertvector(lo, vi), vf);
+        *q1 = __builtin_convertvector(__builtin_convertvector(hi, vi), vf);
+#endif
+    }
 }
 
 static inline int64_t q_block_bytes(int q4) { return q4 ? QBLOCK * PANEL / 2 : QBLOCK * PANEL; }
@@ -169,9 +185,52 @@ static inline int64_t q_block_bytes(int q4) { return q4 ? QBLOCK * PANEL / 2 : Q
 /* The two weight vectors (columns 0..7, 8..15) of input feature kk of a block. */
 static inline __attribute__((always_inline)) void q_load(const uint8_t *codes, int q4, int64_t kk, vf d0, vf d1,
                                                          vf m0, vf m1, vf *w0, vf *w1) {
-    const uint8_t *c = codes + kk * (q4 ? PANEL / 2 : PANEL);
-    *w0 = widen(c, q4, 0) * d0 + m0;
-    *w1 = widen(q4 ? c : c + VL, q4, 1) * d1 + m1;
+    vf q0, q1;
+    q_codes(codes, q4, kk, &q0, &q1);
+    *w0 = q0 * d0 + m0;
+    *w1 = q1 * d1 + m1;
+}
+
+#define FACTORED_ROWS 3 /* rows whose block sums and totals (4 vectors a row) stay in registers */
+
+/* `rows` (at most FACTORED_ROWS) rows of x times one quantized panel, the block's scale applied once:
+ * sum_k x_k (d q_k + m) = d sum_k x_k q_k + m sum_k x_k. Fewer operations a code than dequantizing
+ * each weight, which is what bounds a decode step at one row. */
+static inline __attribute__((always_inline)) void q_tile_factored(const float *x, int64_t ld_x, int rows,
+                                                                  const uint8_t *codes, const float *scales, int q4,
+                                                                  int64_t K, const float *bias, float *y,
+                                                                  int64_t ld_y, int64_t cols) {
+    vf acc[FACTORED_ROWS][2] = {{{0}}};
+    for (int64_t kb = 0; kb < K / QBLOCK; ++kb) {
+        const uint8_t *c = codes + kb * q_block_bytes(q4);
+        const float *xk = x + kb * QBLOCK;
+        vf sum[FACTORED_ROWS][2] = {{{0}}};
+        for (int64_t kk = 0; kk < QBLOCK; ++kk) {
+            vf q0, q1;
+            q_codes(c, q4, kk, &q0, &q1);
+            for (int i = 0; i < rows; ++i) {
+                const vf xv = splat(xk[i * ld_x + kk]);
+                sum[i][0] += xv * q0;
+                sum[i][1] += xv * q1;
+            }
+        }
+        const float *s = scales + kb * 2 * PANEL;
+        const vf d0 = load(s), d1 = load(s + VL), m0 = load(s + PANEL), m1 = load(s + PANEL + VL);
+        for (int i = 0; i < rows; ++i) {
+            vf xs = load(xk + i * ld_x) + load(xk + i * ld_x + VL) + load(xk + i * ld_x + 2 * VL) +
+                    load(xk + i * ld_x + 3 * VL);
+            const vf total = splat(hsum(xs));
+            acc[i][0] += sum[i][0] * d0 + total * m0;
+            acc[i][1] += sum[i][1] * d1 + total * m1;
+        }
+    }
+    const vf b0 = load(bias), b1 = load(bias + VL);
+    for (int i = 0; i < rows; ++i) {
+        float out[PANEL];
+        store(out, acc[i][0] + b0);
+        store(out + VL, acc[i][1] + b1);
+        memcpy(y + i * ld_y, out, cols * sizeof(float));
+    }
 }
 
 /* `rows` (at most TILE_ROWS) rows of x times one quantized panel, codes widened as they load. */
@@ -233,9 +292,9 @@ static inline __attribute__((always_inline)) void q_panel_tile(const float *x, i
     case 6: q_tile(x, ld_x, 6, c, s, q4, K, b, yp, ld_y, cols); break;
     case 5: q_tile(x, ld_x, 5, c, s, q4, K, b, yp, ld_y, cols); break;
     case 4: q_tile(x, ld_x, 4, c, s, q4, K, b, yp, ld_y, cols); break;
-    case 3: q_tile(x, ld_x, 3, c, s, q4, K, b, yp, ld_y, cols); break;
-    case 2: q_tile(x, ld_x, 2, c, s, q4, K, b, yp, ld_y, cols); break;
-    case 1: q_tile(x, ld_x, 1, c, s, q4, K, b, yp, ld_y, cols); break;
+    case 3: q_tile_factored(x, ld_x, 3, c, s, q4, K, b, yp, ld_y, cols); break;
+    case 2: q_tile_factored(x, ld_x, 2, c, s, q4, K, b, yp, ld_y, cols); break;
+    case 1: q_tile_factored(x, ld_x, 1, c, s, q4, K, b, yp, ld_y, cols); break;
     }
 }
 

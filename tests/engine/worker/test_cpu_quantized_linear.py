@@ -54,8 +54,9 @@ def test_pack_layout_and_rows() -> None:
         assert packed.nbytes == packed.codes.nbytes + packed.scales.nbytes
 
 
-# Rows: the widening tile (1..6), the dequantized-panel path (7+), past one block of x rows at K=576.
-@pytest.mark.parametrize("rows", [0, 1, 4, 6, 7, 40, 250])
+# Rows: the factored tile (1..3), the widening tile (4..6), the dequantized-panel path (7+), past one block
+# of x rows at K=576.
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 6, 7, 40, 250])
 @pytest.mark.parametrize("type_name", GGUF_TYPES + ["int8"])
 @pytest.mark.parametrize("shape", [(576, 200), (64, 13)])  # (in, out): a partial last panel in both
 def test_kernel_matches_float64(rows: int, type_name: str, shape: tuple[int, int]) -> None:

@@ -192,8 +192,9 @@ def attention(
         tiles = AttentionTiles(
             torch.arange(num_rows), torch.arange(num_rows + 1), torch.zeros(num_rows, dtype=torch.int64)
         )
-    block_tables = block_tables.to(torch.int32).contiguous()
-    seq_lens = seq_lens.to(torch.int64).contiguous()
+    if block_tables.dtype != torch.int32 or not block_tables.is_contiguous():
+        block_tables = block_tables.to(torch.int32).contiguous()
+    seq_lens = _int64(seq_lens)
     out = torch.empty(q.shape)
     kernel = getattr(lib, f"paged_attention_{_SUFFIX[k_cache.dtype]}")
     status = kernel(
@@ -226,12 +227,13 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     for name, t in (("k", k), ("v", v)):
         _check_float32_cpu(name, t)
     _check_caches(k_cache, v_cache)
-    k2, v2 = _heads_as_columns(k), _heads_as_columns(v)
-    slots = slot_mapping.to(torch.int64).contiguous()
+    k2, v2 = _heads_side_by_side(k), _heads_side_by_side(v)
+    slots = _int64(slot_mapping)
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     kernel = getattr(lib, f"store_kv_{_SUFFIX[k_cache.dtype]}")
-    status = kernel(k2.data_ptr(), *k2.stride(), v2.data_ptr(), *v2.stride(), slots.data_ptr(), k2.shape[0],
-                    k2.shape[1], k_cache.data_ptr(), v_cache.data_ptr(), num_slots)
+    status = kernel(k2.data_ptr(), k2.stride(0), k2.stride(2), v2.data_ptr(), v2.stride(0), v2.stride(2),
+                    slots.data_ptr(), k2.shape[0], k2.shape[1] * k2.shape[2], k_cache.data_ptr(), v_cache.data_ptr(),
+                    num_slots)
     if status:
         raise IndexError(f"a slot of slot_mapping is outside the cache's {num_slots} slots")
 
@@ -250,18 +252,22 @@ def _check_float32_cpu(name: str, t: torch.Tensor) -> None:
 
 
 def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """``t`` [R, F] as (tensor, leading dimension): kept when its rows are contiguous runs, else copied."""
-    rows, cols = t.shape
-    if t.stride(1) == 1 and (rows == 1 or t.stride(0) >= cols):
+    """``t`` [R, F] or [R, H, D] as (tensor, leading dimension) of rows of F = H * D elements: kept when
+    each row is one contiguous run, else copied. (No views are made: a step calls this hundreds of times.)"""
+    rows, cols = t.shape[0], t.shape[1] * t.shape[2] if t.dim() == 3 else t.shape[1]
+    inner = t.stride(-1) == 1 and (t.dim() == 2 or t.shape[1] == 1 or t.stride(1) == t.shape[2])
+    if inner and (rows == 1 or t.stride(0) >= cols):
         return t, max(t.stride(0), cols)
     return t.contiguous(), cols
 
 
-def _heads_as_columns(t: torch.Tensor) -> torch.Tensor:
-    """[T, H, D] as [T, H * D] without a copy when the heads sit side by side, else a copy."""
-    if t.stride(1) != t.shape[2] * t.stride(2):
-        t = t.contiguous()
-    return t.as_strided((t.shape[0], t.shape[1] * t.shape[2]), (t.stride(0), t.stride(2)))
+def _heads_side_by_side(t: torch.Tensor) -> torch.Tensor:
+    """[T, H, D] itself when each token's heads sit side by side (one stride apart), else a contiguous copy."""
+    return t if t.stride(1) == t.shape[2] * t.stride(2) else t.contiguous()
+
+
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
 
 
 def rms_norm(
@@ -307,17 +313,17 @@ def rotary(
         raise ValueError(f"rotary needs an even rotary dim <= head_dim; got {rot} and {head_dim}")
     for name, t in (("q", q), ("k", k), ("cos_sin", cos_sin)):
         _check_float32_cpu(name, t)
-    q2, ld_q = _rows(_heads_as_columns(q))
-    k2, ld_k = _rows(_heads_as_columns(k))
-    q_out, k_out = torch.empty(rows, num_heads * head_dim), torch.empty(rows, num_kv_heads * head_dim)
+    q2, ld_q = _rows(q)
+    k2, ld_k = _rows(k)
+    q_out, k_out = torch.empty(rows, num_heads, head_dim), torch.empty(rows, num_kv_heads, head_dim)
     status = lib.rotary_f32(
-        q2.data_ptr(), ld_q, k2.data_ptr(), ld_k, positions.to(torch.int64).contiguous().data_ptr(),
+        q2.data_ptr(), ld_q, k2.data_ptr(), ld_k, _int64(positions).data_ptr(),
         cos_sin.contiguous().data_ptr(), cos_sin.shape[0], rows, num_heads, num_kv_heads, head_dim, rot,
         q_out.data_ptr(), num_heads * head_dim, k_out.data_ptr(), num_kv_heads * head_dim,
     )
     if status:
         raise IndexError(f"a position is outside the rotary table's {cos_sin.shape[0]} positions")
-    return q_out.view(rows, num_heads, head_dim), k_out.view(rows, num_kv_heads, head_dim)
+    return q_out, k_out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 STATS_KEYS = {
     "num_requests_running", "num_requests_waiting", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached",
     "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens_computed", "generation_tokens", "num_preemptions",
-    "ttft_seconds", "itl_seconds", "generation_tokens_per_second",
+    "ttft_seconds", "itl_seconds", "generation_tokens_per_second", "weights",
 }
 
 
@@ -273,6 +273,7 @@ def test_stats_keys(engine: Engine) -> None:
     assert s["ttft_seconds"]["count"] - before["ttft_seconds"]["count"] == 1
     assert s["itl_seconds"]["count"] - before["itl_seconds"]["count"] == 11
     assert s["kv_blocks_total"] == 128 and s["num_requests_running"] == 0
+    assert s["weights"]["quantization"] is None and s["weights"]["bytes"] > 0
 
 
 def test_request_status_is_ordered() -> None:

@@ -23,6 +23,23 @@ static inline vf w_load(const void *w, int64_t i, int bf16) {
     return bf16 ? load_bf16((const uint16_t *)w + i) : load((const float *)w + i);
 }
 
+/* A tile's accumulators plus bias into columns 0 .. cols - 1 of its rows of y. */
+static inline __attribute__((always_inline)) void store_tile(const vf (*acc)[2], int rows, const float *bias,
+                                                             float *y, int64_t ld_y, int64_t cols) {
+    const vf b0 = load(bias), b1 = load(bias + VL);
+    for (int i = 0; i < rows; ++i) {
+        if (cols == PANEL) {
+            store(y + i * ld_y, acc[i][0] + b0);
+            store(y + i * ld_y + VL, acc[i][1] + b1);
+        } else { /* the last panel's columns past N are padding */
+            float out[PANEL];
+            store(out, acc[i][0] + b0);
+            store(out + VL, acc[i][1] + b1);
+            memcpy(y + i * ld_y, out, cols * sizeof(float));
+        }
+    }
+}
+
 /* Rows 0 .. rows - 1 of x [., K] (leading dimension ld_x) times one panel, plus bias (the
  * panel's PANEL entries), into columns 0 .. cols - 1 of y (leading dimension ld_y). Inlined
  * with constant `bf16` and `rows`. */
@@ -38,18 +55,7 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
             acc[i][1] += xv * w1;
         }
     }
-    const vf b0 = load(bias), b1 = load(bias + VL);
-    for (int i = 0; i < rows; ++i) {
-        if (cols == PANEL) {
-            store(y + i * ld_y, acc[i][0] + b0);
-            store(y + i * ld_y + VL, acc[i][1] + b1);
-        } else { /* the last panel's columns past N are padding */
-            float out[PANEL];
-            store(out, acc[i][0] + b0);
-            store(out + VL, acc[i][1] + b1);
-            memcpy(y + i * ld_y, out, cols * sizeof(float));
-        }
-    }
+    store_tile((const vf (*)[2])acc, rows, bias, y, ld_y, cols);
 }
 
 /* Rows 0 .. M - 1 of x times one panel (weights in the float32 or bfloat16 layout) into columns
@@ -224,13 +230,7 @@ static inline __attribute__((always_inline)) void q_tile_factored(const float *x
             acc[i][1] += sum[i][1] * d1 + total * m1;
         }
     }
-    const vf b0 = load(bias), b1 = load(bias + VL);
-    for (int i = 0; i < rows; ++i) {
-        float out[PANEL];
-        store(out, acc[i][0] + b0);
-        store(out + VL, acc[i][1] + b1);
-        memcpy(y + i * ld_y, out, cols * sizeof(float));
-    }
+    store_tile((const vf (*)[2])acc, rows, bias, y, ld_y, cols);
 }
 
 /* `rows` (at most TILE_ROWS) rows of x times one quantized panel, codes widened as they load. */
@@ -253,13 +253,7 @@ static inline __attribute__((always_inline)) void q_tile(const float *x, int64_t
             }
         }
     }
-    const vf b0 = load(bias), b1 = load(bias + VL);
-    for (int i = 0; i < rows; ++i) {
-        float out[PANEL];
-        store(out, acc[i][0] + b0);
-        store(out + VL, acc[i][1] + b1);
-        memcpy(y + i * ld_y, out, cols * sizeof(float));
-    }
+    store_tile((const vf (*)[2])acc, rows, bias, y, ld_y, cols);
 }
 
 /* A quantized panel as float32 [K][PANEL], the layout the float32 tiles read. */

@@ -33,16 +33,21 @@ CHAT_PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def prompts(bundled_model_dir) -> list[list[int]]:
+def prompt_ids(model_dir) -> list[list[int]]:
+    """The eight prompts as token ids: the plain ones as they are, the chats through the chat template."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(bundled_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PLAIN_PROMPTS]
     for messages in CHAT_PROMPTS:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
     return ids
+
+
+@pytest.fixture(scope="module")
+def prompts(bundled_model_dir) -> list[list[int]]:
+    return prompt_ids(bundled_model_dir)
 
 
 def test_batched_greedy_matches_transformers_generate(bundled_model_dir, prompts) -> None:

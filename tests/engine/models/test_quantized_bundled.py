@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from runner_driver import PagedDriver
-from test_bundled_greedy import CHAT_PROMPTS, PLAIN_PROMPTS
+from test_bundled_greedy import prompt_ids
 
 from engine import cpu_kernels
 from engine.config import EngineConfig
@@ -31,14 +31,7 @@ def runners(bundled_model_dir) -> dict[str | None, ModelRunner]:
 
 @pytest.fixture(scope="module")
 def prompts(bundled_model_dir) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(bundled_model_dir)
-    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PLAIN_PROMPTS]
-    for messages in CHAT_PROMPTS:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return ids
+    return prompt_ids(bundled_model_dir)
 
 
 def _decode(runner: ModelRunner, prompts: list[list[int]]) -> tuple[list[list[int]], list[torch.Tensor]]:

@@ -8,7 +8,6 @@ import os
 from pathlib import Path
 
 import numpy as np
-
 import torch
 from safetensors import safe_open
 
@@ -25,9 +24,9 @@ from engine.errors import ModelLoadError, ParameterError
 from engine.layers.attention import Attention
 from engine.layers.linear import Linear
 from engine.layers.rotary import RotaryEmbedding
+from engine.loader import gguf_source
 from engine.models.registry import get_model_class
 from engine.worker.forward_context import ForwardContext, set_forward_context
-from engine.loader import gguf_source
 from engine.worker.input_batch import prepare_inputs
 from engine.worker.weight_formats import WeightsSummary, quantize_linears
 
@@ -156,7 +155,9 @@ class ModelRunner:
         for module in model.modules():
             if isinstance(module, RotaryEmbedding):
                 module.materialize(self.device, self.dtype)
-        cpu_kernels_serve = self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.library() is not None
+        cpu_kernels_serve = (
+            self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.library() is not None
+        )
         if self.config.quantization is not None and not cpu_kernels_serve:
             raise ParameterError(
                 "quantization",

@@ -482,8 +482,8 @@ class AsyncClient:
                 lease.release(ctx.usage.total_tokens)
             if in_engine:
                 await self._transport.abort(ctx.request_id)
-            if ctx.finish_reason is None and ctx.error is not None and in_engine:
-                ctx.finish_reason = "abort"
+            if ctx.finish_reason is None and (in_engine and ctx.error is not None or _abandoned(ctx.error)):
+                ctx.finish_reason = "abort"  # NOTE: wherever it was: queued, rendering or in the engine
             ctx.end_monotonic = time.monotonic()
             self._count_prefix_hits(prompt_token_ids or (), ctx.usage.cached_tokens)
             await self.hooks.on_finish(ctx)
@@ -540,6 +540,11 @@ class AsyncClient:
             if not handle.closed and handle.matches(prompt_token_ids):
                 handle.num_requests += 1
                 handle.num_hit_tokens += min(num_cached_tokens, handle.num_tokens)
+
+
+def _abandoned(error: BaseException | None) -> bool:
+    """Whether ``error`` means the caller gave the request up: cancelled, timed out, or its stream closed."""
+    return isinstance(error, (asyncio.CancelledError, GeneratorExit, TimeoutError))
 
 
 def _num_chars(request: ChatRequest | CompletionRequest) -> int:

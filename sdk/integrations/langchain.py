@@ -40,6 +40,7 @@ from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, create_model, mo
 from sdk.client import AsyncClient
 from sdk.fields import REQUEST_KNOBS, SAMPLING_FIELDS, SAMPLING_KNOBS, field, sampling_fields
 from sdk.hooks import Hook
+from sdk.policy import TenantPolicy
 from sdk.runtime import Runtime
 from sdk.sync import Client
 from sdk.tools import ToolCall, new_call_id
@@ -88,7 +89,9 @@ class _PagedParams(_SamplingKnobs):  # type: ignore[misc, valid-type]
     hooks: list[Hook] = Field(default_factory=list)
     """SDK hooks (filters, audit) run on every call."""
     tenant: str | None = None
-    """Tenant id written to hook contexts and audit records."""
+    """Tenant id written to hook contexts and audit records, and the engine's fair share."""
+    policy: TenantPolicy | None = Field(default=None, exclude=True)
+    """The tenant's priority cap, limits and cache isolation (``sdk.policy.TenantPolicy``); None = none."""
     engine_config: dict[str, Any] = Field(default_factory=dict)
     """``engine.EngineConfig`` fields for the in-process engine (e.g. ``num_blocks``); not with ``base_url``."""
     runtime: Runtime | None = Field(default=None, exclude=True)
@@ -103,7 +106,8 @@ class _PagedParams(_SamplingKnobs):  # type: ignore[misc, valid-type]
         api_key = self.api_key.get_secret_value() if self.api_key is not None and self.base_url is not None else None
         self._client = Client(
             self.model, runtime=self.runtime, base_url=self.base_url, api_key=api_key, hooks=self.hooks,
-            tenant=self.tenant, route=self._route, max_retries=self.max_retries, **self.engine_config,
+            tenant=self.tenant, policy=self.policy, route=self._route, max_retries=self.max_retries,
+            **self.engine_config,
         )  # fmt: skip
         return self
 

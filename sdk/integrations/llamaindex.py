@@ -56,6 +56,7 @@ from pydantic import Field, PrivateAttr, create_model
 from sdk.client import AsyncClient
 from sdk.fields import REQUEST_KNOBS, SAMPLING_FIELDS, field, sampling_fields
 from sdk.hooks import Hook
+from sdk.policy import TenantPolicy
 from sdk.runtime import Runtime
 from sdk.sync import Client
 from sdk.tools import ToolCall, ToolCallDelta, collect_calls, new_call_id
@@ -170,7 +171,10 @@ class PagedLLM(_SamplingKnobs):  # type: ignore[misc, valid-type]
     timeout: float | None = Field(default=None, description="Seconds before a request is aborted.")
     max_retries: int = Field(default=2, description="Retries of requests refused as overloaded.")
     hooks: list[Hook] = Field(default_factory=list, description="SDK hooks run on every call.", exclude=True)
-    tenant: str | None = Field(default=None, description="Tenant id for hook contexts and audit records.")
+    tenant: str | None = Field(default=None, description="Tenant id for hook contexts, audit records and the fair share.")
+    policy: TenantPolicy | None = Field(
+        default=None, description="The tenant's priority cap, limits and cache isolation; None = none.", exclude=True
+    )
     engine_config: dict[str, Any] = Field(
         default_factory=dict, description="engine.EngineConfig fields for the in-process engine (not with base_url)."
     )
@@ -196,7 +200,8 @@ class PagedLLM(_SamplingKnobs):  # type: ignore[misc, valid-type]
         if self._client is None:
             self._client = Client(
                 self.model, runtime=self.runtime, base_url=self.base_url, api_key=self.api_key, hooks=self.hooks,
-                tenant=self.tenant, route="llamaindex", max_retries=self.max_retries, **self.engine_config,
+                tenant=self.tenant, policy=self.policy, route="llamaindex", max_retries=self.max_retries,
+                **self.engine_config,
             )  # fmt: skip
         return self._client
 

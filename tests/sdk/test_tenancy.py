@@ -242,3 +242,22 @@ async def test_a_burst_does_not_multiply_another_tenants_ttft(tiny_model) -> Non
             busy = await fairness.run_workload(burst_one, probe_one, num_in_engine)
     assert busy.num_burst_completed == fairness.NUM_BURST
     assert busy.probe_p99 <= 3 * alone.probe_p99, (busy.probe_ttfts, alone.probe_ttfts)
+
+
+def test_the_framework_adapters_hold_requests_to_the_tenants_policy(fake_runtime, fake_engine) -> None:
+    """PagedChat (LangChain) and PagedLLM (LlamaIndex) take a policy: its max_tokens caps and defaults their calls."""
+    from llama_index.core.llms import ChatMessage as LIChatMessage
+
+    from sdk.integrations.langchain import PagedChat
+    from sdk.integrations.llamaindex import PagedLLM
+
+    policy = TenantPolicy(max_tokens=2, priority=3)
+    chat = PagedChat(runtime=fake_runtime, tenant="t", policy=policy, max_tokens=None)
+    assert chat.invoke("hi").usage_metadata["output_tokens"] == 2
+    with pytest.raises(InvalidRequestError, match="at most 2"):
+        chat.invoke("hi", max_tokens=3)
+    llm = PagedLLM(runtime=fake_runtime, tenant="t", policy=policy)
+    with pytest.raises(InvalidRequestError, match="may ask for 3 or later"):
+        llm.chat([LIChatMessage(role="user", content="hi")], priority=1)
+    assert llm.chat([LIChatMessage(role="user", content="hi")]).raw["usage"]["completion_tokens"] == 2
+    assert len(fake_engine.requests_seen) == 2  # the refused calls never reached the engine

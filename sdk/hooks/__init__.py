@@ -8,7 +8,7 @@
 
 from sdk.errors import ContentBlocked, HookFailed
 from sdk.hooks.audit import AuditChainBroken, AuditLog
-from sdk.hooks.base import FilterDecision, Hook, HookChain, RequestContext, RequestOrigin, Stop
+from sdk.hooks.base import FilterDecision, Hook, HookChain, ModelSource, RequestContext, RequestOrigin, Stop
 from sdk.hooks.filters import RegexFilter
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "Hook",
     "HookChain",
     "HookFailed",
+    "ModelSource",
     "RegexFilter",
     "RequestContext",
     "RequestOrigin",

@@ -3,7 +3,7 @@
     from sdk.hooks import Hook, AuditLog, RegexFilter, ContentBlocked
 
 ``sdk.hooks.base`` holds the interface (``Hook``, ``RequestContext``, ``Stop``, ``HookChain``);
-``audit`` and ``filters`` the ready-made hooks.
+``audit`` and ``filters`` the ready-made hooks; ``replay`` the audit record's replay part.
 """
 
 from sdk.errors import ContentBlocked, HookFailed

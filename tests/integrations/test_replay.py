@@ -102,10 +102,9 @@ def test_tampered_token_ids_are_reported_as_differing(logs, tmp_path, capsys) ->
     recorded[4] = original + 1
     tampered = tmp_path / "tampered.jsonl"
     tampered.write_text("".join(json.dumps(r) + "\n" for r in records))
-    status, verdicts = _replay(capsys, str(tampered), "--request-id", "req-11", "--request-id", "req-01")
+    status, verdicts = _replay(capsys, str(tampered), "--request-id", "req-11")
     assert status == 1
-    assert verdicts == {"req-11": f"differs at token 4: recorded {original + 1}, replayed {original}",
-                        "req-01": "identical"}  # fmt: skip
+    assert verdicts == {"req-11": f"differs at token 4: recorded {original + 1}, replayed {original}"}
 
 
 def test_digest_records_replay_from_the_token_store(logs, tmp_path, capsys) -> None:
@@ -127,18 +126,46 @@ def test_digest_records_replay_from_the_token_store(logs, tmp_path, capsys) -> N
     assert verdicts["req-03"].startswith("failed: line ") and "cannot read its replay part: token store" in verdicts["req-03"]
 
 
-def test_a_different_model_is_refused_unless_forced(logs, tmp_path, capsys) -> None:
-    """A record served by another model (its digest differs) is refused naming both digests; --force replays it."""
+@pytest.fixture(scope="module")
+def retrained(tiny_model_factory, tmp_path_factory) -> Path:
+    """The tiny model's files with every weight nudged, under the same directory name: another model, same name."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    source = tiny_model_factory("llama")
+    copy = tmp_path_factory.mktemp("retrained") / source.name
+    shutil.copytree(source, copy)
+    weights = copy / "model.safetensors"
+    tensors = load_file(weights)
+    noise = torch.Generator().manual_seed(1)
+    save_file({k: t + 0.05 * torch.randn(t.shape, generator=noise) for k, t in tensors.items()}, weights, {"format": "pt"})
+    return copy
+
+
+def test_model_digest_names_the_weights_not_the_path(tiny_model_factory, retrained, tmp_path) -> None:
+    """The same files elsewhere have the same digest; the same name and config with other weights do not."""
+    from sdk.hooks.replay import model_digest
+
+    source = tiny_model_factory("llama")
+    moved = shutil.copytree(source, tmp_path / "elsewhere")
+    assert model_digest(moved) == model_digest(source) != model_digest(retrained)
+    assert (retrained / "config.json").read_text() == (source / "config.json").read_text()
+
+
+def test_a_different_model_is_refused_unless_forced(logs, retrained, capsys) -> None:
+    """Replaying on a model whose digest differs is refused, naming both digests; --force runs it (and it differs)."""
+    from sdk.hooks.replay import model_digest
+
     inline, _ = logs
-    record = next(r for r in _records(inline) if r["request_id"] == "req-00")
-    record["replay"]["model_digest"] = "f" * 64
-    other = tmp_path / "other.jsonl"
-    other.write_text(json.dumps(record) + "\n")
+    record = next(r for r in _records(inline) if r["request_id"] == "req-01")
     with pytest.raises(SystemExit) as exc:
-        main(["replay", str(other), "--all"])
+        main(["replay", str(inline), "--request-id", "req-01", "--model", str(retrained)])
     assert exc.value.code == 1
     err = capsys.readouterr().err
-    assert f"model identity differs for request req-00: it was served by model {record['model']!r} with digest {'f' * 64}" in err
-    assert "--force" in err
-    status, verdicts = _replay(capsys, str(other), "--all", "--force")
-    assert status == 0 and verdicts == {"req-00": "identical"}
+    recorded, found = record["replay"]["model_digest"], model_digest(retrained)
+    assert (
+        f"model identity differs for request req-01: it was served by model {record['model']!r} with digest {recorded}, "
+        f"but {retrained} has digest {found}; pass --force to replay it anyway"
+    ) in err
+    status, verdicts = _replay(capsys, str(inline), "--request-id", "req-01", "--model", str(retrained), "--force")
+    assert status == 1 and verdicts["req-01"].startswith("differs at token ")

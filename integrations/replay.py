@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from engine.errors import EngineError, ModelLoadError
+from engine.errors import EngineError, ModelLoadError, ParameterError
 from engine.loader import resolve_model
 from engine.sampling_params import SAMPLING_EPS
 from integrations.errors import CommandError
@@ -63,7 +63,6 @@ def run(args: argparse.Namespace) -> int:
 class _Case:
     """One replayable record and the engine it runs on."""
 
-    line: int
     inputs: ReplayInputs
     model: str | None  # what to load: --model or the record's model path (None = bundled)
     settings: tuple[tuple[str, Any], ...]  # engine settings, hashable to group cases by engine
@@ -101,26 +100,24 @@ def replay(
             print(f"{request_id}: not replayable: {reason}", file=out)
             num_skipped += 1
             continue
-        part = record["replay"]
-        store_dir = store if store is not None else part.get("store")
-        token_store = None if store_dir is None else TokenStore(record_file.parent / store_dir)
         try:
-            inputs = read_replay_part(record, token_store)
+            inputs = read_replay_part(record, _token_store(record_file, record["replay"], store))
         except (TokenStoreError, KeyError, TypeError, ValueError) as exc:
-            print(f"{request_id}: failed: line {line}: cannot read its replay part: {exc}", file=out)
+            detail = f"no field {exc}" if isinstance(exc, KeyError) else str(exc)
+            print(f"{request_id}: failed: line {line}: cannot read its replay part: {detail}", file=out)
             num_failed += 1
             continue
         settings = tuple(sorted((inputs.engine_settings or {}).items()))
-        cases.append(_Case(line, inputs, model if model is not None else inputs.model_path, settings))
+        cases.append(_Case(inputs, model if model is not None else inputs.model_path, settings))
 
     _check_identities(cases, force)
     num_identical = 0
     for (case_model, settings), group in _by_engine(cases).items():
         try:
             replayed = _run_group(case_model, dict(settings), group)
-        except EngineError as exc:
+        except (EngineError, ModelLoadError, ParameterError) as exc:  # a setting or prompt it refuses, a failed step
             for case in group:
-                print(f"{case.inputs.request_id}: failed: the engine failed the replay: {exc}", file=out)
+                print(f"{case.inputs.request_id}: failed: the engine could not replay it: {exc}", file=out)
             num_failed += len(group)
             continue
         for case, outputs in zip(group, replayed):
@@ -148,6 +145,13 @@ def _read(record_file: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         if not isinstance(record, dict):
             raise CommandError(f"{record_file}: line {number} is not a JSON object")
         yield number, record
+
+
+def _token_store(record_file: Path, part: dict[str, Any], store: str | None) -> TokenStore | None:
+    """The token store of a digest record: ``--store`` as typed, else the record's, relative to the log's folder."""
+    if store is not None:
+        return TokenStore(store)
+    return None if part.get("store") is None else TokenStore(record_file.parent / part["store"])
 
 
 def _not_replayable(record: dict[str, Any]) -> str | None:

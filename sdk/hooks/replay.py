@@ -40,6 +40,7 @@ _NUM_WINDOWS = 256
 _WINDOW_BYTES = 4 << 10
 
 
+@functools.cache
 def engine_version() -> str:
     """The installed ``paged`` package's version, or ``"unknown"`` when run from a bare source tree."""
     try:

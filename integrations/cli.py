@@ -1,4 +1,4 @@
-"""The ``paged`` command: ``paged serve``, ``paged bench``, ``paged chat``."""
+"""The ``paged`` command: ``paged serve``, ``paged bench``, ``paged chat``, ``paged replay``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ _COMMANDS = {
     "serve": ("integrations.openai_server.command", "run the OpenAI-compatible HTTP server"),
     "bench": ("integrations.bench.command", "benchmark the engine against the alternatives"),
     "chat": ("integrations.chat_command", "an interactive chat in the terminal"),
+    "replay": ("integrations.replay", "re-run audited greedy and seeded requests and compare their tokens"),
 }
 
 

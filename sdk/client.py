@@ -16,7 +16,8 @@ from engine.knobs import short
 
 from sdk.errors import InvalidRequestError, OverloadedError, RequestTimeout
 from sdk.fields import SAMPLING_KNOBS, invalid_request
-from sdk.hooks import Hook, HookChain, RequestContext, RequestOrigin
+from sdk.hooks import Hook, HookChain, ModelSource, RequestContext, RequestOrigin
+from sdk.hooks.replay import model_source
 from sdk.policy import TenantPolicy, isolated_salt
 from sdk.rate_limit import Lease, RateLimiter
 from sdk.response_format import parse
@@ -196,12 +197,14 @@ class AsyncClient:
         self.route = route
         self.max_retries = max_retries
         self._prefixes: weakref.WeakSet[PrefixHandle] = weakref.WeakSet()
+        self._model_source: ModelSource | None = None
         self._started = False
 
     async def start(self) -> None:
         """Load or connect the transport (the engine on first use); every call does it lazily."""
         if not self._started:
             await self._transport.start()
+            self._model_source = model_source(self._transport)
             self._started = True
 
     @property
@@ -402,6 +405,8 @@ class AsyncClient:
             prompt=None if is_chat else request.prompt,  # type: ignore[union-attr]
             output_texts=[""] * num_choices,
             tool_call_deltas=[[] for _ in range(num_choices)],
+            model_source=self._model_source,
+            output_token_ids=[[] for _ in range(num_choices)],
         )
         prompt_token_ids: Sequence[int] | None = None  # None until the first delta carried them
         num_completion_tokens = 0
@@ -425,6 +430,7 @@ class AsyncClient:
                 response_format=request.response_format, tools=tools, tool_choice=_tool_choice(request),
                 parallel_tool_calls=getattr(request, "parallel_tool_calls", None) is not False,
             )  # fmt: skip
+            ctx.engine_request = engine_request
             deadline = None if request.timeout is None else time.monotonic() + request.timeout
             stream = await self._open(engine_request, deadline)
             in_engine = True
@@ -433,6 +439,8 @@ class AsyncClient:
                     # NOTE: the first delta yielded (whichever it is) carries the prompt ids, once.
                     first_prompt_ids = list(out.prompt_token_ids) if prompt_token_ids is None else None
                     prompt_token_ids = out.prompt_token_ids
+                    if first_prompt_ids is not None:
+                        ctx.prompt_token_ids = first_prompt_ids
                     num_completion_tokens += len(out.token_ids)
                     ctx.usage = Usage(
                         prompt_tokens=len(out.prompt_token_ids),
@@ -461,6 +469,7 @@ class AsyncClient:
                     if ctx.first_token_monotonic is None:
                         ctx.first_token_monotonic = time.monotonic()
                     ctx.output_texts[out.index] += delta.text
+                    ctx.output_token_ids[out.index].extend(delta.token_ids)
                     ctx.tool_call_deltas[out.index].extend(delta.tool_calls or ())
                     if out.finish_reason is not None:
                         num_finished += 1

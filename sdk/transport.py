@@ -199,7 +199,7 @@ class InProcessTransport(Transport):
 
         stream = None
         try:
-            params = SamplingParams(**request.sampling, structured_output=_constraint(request))
+            params = SamplingParams(**request.sampling, structured_output=engine_constraint(request))
             stream = self.engine.generate(
                 request.prompt, params, request_id=request.request_id, priority=request.priority,
                 cache_salt=request.cache_salt, tenant=request.tenant, weight=request.weight,
@@ -275,7 +275,7 @@ class InProcessTransport(Transport):
         return self.engine.stats()
 
 
-def _constraint(request: EngineRequest) -> Any:
+def engine_constraint(request: EngineRequest) -> Any:
     """The engine constraint of a request: its response format's, or its tool choice's."""
     if request.tools is not None and request.tool_choice is not None:
         return tool_constraint(request.tools, request.tool_choice, request.parallel_tool_calls)

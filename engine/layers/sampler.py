@@ -276,10 +276,14 @@ def _apply_top_k_top_p(
     num_rows, vocab = logits.shape
     device = logits.device
     need_p = any(p < 1.0 for p in top_p)
+    # NOTE: each row keeps to its own candidates (its top-k, else TOP_P_CANDIDATES for top-p),
+    # never the batch's widest: whether a row's nucleus is "wide" (and so how many numbers its
+    # draw takes) must not depend on the other rows, or a seeded request would not reproduce.
+    limits = [min(vocab, k or (TOP_P_CANDIDATES if p < 1.0 else vocab)) for k, p in zip(top_k, top_p)]
     num_candidates = min(vocab, max(max(top_k), TOP_P_CANDIDATES if need_p else 1))
     values, _ = logits.topk(num_candidates, dim=-1)  # [B, K] sorted descending
-    k = torch.tensor([k or vocab for k in top_k], device=device).unsqueeze(1)
-    keep = torch.arange(num_candidates, device=device).unsqueeze(0) < k  # [B, K]
+    limit = torch.tensor(limits, device=device).unsqueeze(1)  # [B, 1]
+    keep = torch.arange(num_candidates, device=device).unsqueeze(0) < limit  # [B, K]
     filtered = torch.tensor([bool(k) or p < 1.0 for k, p in zip(top_k, top_p)], device=device)
     wide: list[int] = []
     if need_p:
@@ -291,7 +295,8 @@ def _apply_top_k_top_p(
         mass = probs.cumsum(dim=-1)
         keep &= (mass - probs) < top_p_t  # the smallest prefix whose mass reaches top_p
         # nucleus beyond the candidates (only without top-k: a top-k set lies among them)
-        is_wide = ((mass[:, -1:] < top_p_t) & (top_p_t < 1.0)).squeeze(1) & ~has_k
+        row_mass = mass.gather(1, limit.clamp_max(num_candidates) - 1)  # [B, 1]: of the row's own candidates
+        is_wide = ((row_mass < top_p_t) & (top_p_t < 1.0)).squeeze(1) & ~has_k
         if bool(is_wide.any()):
             wide = is_wide.nonzero().squeeze(1).tolist()
             filtered &= ~is_wide

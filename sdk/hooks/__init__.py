@@ -3,12 +3,12 @@
     from sdk.hooks import Hook, AuditLog, RegexFilter, ContentBlocked
 
 ``sdk.hooks.base`` holds the interface (``Hook``, ``RequestContext``, ``Stop``, ``HookChain``);
-``audit`` and ``filters`` the ready-made hooks.
+``audit`` and ``filters`` the ready-made hooks; ``replay`` the audit record's replay part.
 """
 
 from sdk.errors import ContentBlocked, HookFailed
 from sdk.hooks.audit import AuditChainBroken, AuditLog
-from sdk.hooks.base import FilterDecision, Hook, HookChain, RequestContext, RequestOrigin, Stop
+from sdk.hooks.base import FilterDecision, Hook, HookChain, ModelSource, RequestContext, RequestOrigin, Stop
 from sdk.hooks.filters import RegexFilter
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "Hook",
     "HookChain",
     "HookFailed",
+    "ModelSource",
     "RegexFilter",
     "RequestContext",
     "RequestOrigin",

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from sdk.hooks.base import Hook, RequestContext
+from sdk.hooks.replay import REPLAY_MODES, ReplayMode, TokenStore, replay_part
 
 logger = logging.getLogger(__name__)
 
@@ -49,18 +50,38 @@ class AuditLog(Hook):
     Failures to write are logged and counted by the client, never silent, and never fail
     the request (``fail_closed = False``).
 
+    With ``replay`` set, each record of a request that reached an in-process engine also
+    holds what ``paged replay`` needs to re-run it (``sdk.hooks.replay``): the token ids
+    themselves (``"inline"``), or their sha256 with the ids in a content-addressed
+    ``TokenStore`` beside the log (``"digest"``). Token ids are the prompt and completion
+    in another form, so this is an opt-in like ``include_text``.
+
     Args:
         path: the JSON-lines file; created with its parent folder when missing.
         include_text: also write the (post-redaction) prompt and the completion text.
         fsync: ``os.fsync`` after each record (survives power loss, costs a disk sync).
+        replay: ``"inline"`` or ``"digest"`` adds the ``replay`` part; None (the default) leaves it out.
+        store: the token store's folder for ``replay="digest"``; default ``PATH.tokens`` beside the log.
+
+    Raises:
+        ValueError: an unknown ``replay`` mode, or a ``store`` without ``replay="digest"``.
     """
 
     fail_closed = False
 
-    def __init__(self, path: str | os.PathLike[str], *, include_text: bool = False, fsync: bool = False) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], *, include_text: bool = False, fsync: bool = False,
+        replay: ReplayMode | None = None, store: str | os.PathLike[str] | None = None,
+    ) -> None:  # fmt: skip
+        if replay is not None and replay not in REPLAY_MODES:
+            raise ValueError(f"replay must be one of {', '.join(REPLAY_MODES)} or None; got {replay!r}")
+        if store is not None and replay != "digest":
+            raise ValueError("store is where replay='digest' writes token ids; it needs replay='digest'")
         self.path = Path(path)
         self.include_text = include_text
         self.fsync = fsync
+        self.replay = replay
+        self.store = TokenStore(store if store is not None else f"{self.path}.tokens") if replay == "digest" else None
         self._lock = threading.Lock()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._last_hash = self._recover()
@@ -109,7 +130,19 @@ class AuditLog(Hook):
             record["tool_call_arguments"] = [
                 {"id": c.id, "name": c.name, "arguments": c.arguments} for calls in ctx.tool_calls for c in calls
             ]
+        if self.replay is not None:
+            record["replay"] = replay_part(ctx, self.replay, self.store, self._store_name())
         return record
+
+    def _store_name(self) -> str | None:
+        """The token store's folder as records name it: relative to the log's folder when inside it."""
+        if self.store is None:
+            return None
+        root = self.store.root.absolute()
+        try:
+            return str(root.relative_to(self.path.parent.absolute()))
+        except ValueError:
+            return str(root)
 
     async def on_finish(self, ctx: RequestContext) -> None:
         record = self.build_record(ctx)

@@ -27,11 +27,15 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from sdk.errors import ContentBlocked, HookFailed
 from sdk.tools import ToolCall, ToolCallDelta, collect_calls
 from sdk.types import ChatMessage, Delta, FinishReason, Usage
+
+if TYPE_CHECKING:
+    from sdk.transport import EngineRequest
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +69,15 @@ class RequestOrigin:
     headers: Mapping[str, str] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """The in-process engine that served a request: what loading the same one again takes."""
+
+    model: str | None  # as the engine was given it; None = the bundled model
+    model_dir: Path  # the Hugging Face directory it loaded (a GGUF's conversion)
+    settings: Mapping[str, Any]  # the EngineConfig fields that change the numbers (dtype, device, ...)
+
+
 @dataclass(slots=True)
 class RequestContext:
     """What hooks see of one request. Filters may rewrite ``messages`` / ``prompt`` in ``on_request``."""
@@ -91,6 +104,12 @@ class RequestContext:
     usage: Usage = field(default_factory=Usage)
     error: BaseException | None = None
     decisions: list[FilterDecision] = field(default_factory=list)
+    # what re-running the request takes (the audit log's replay part):
+    model_source: ModelSource | None = None  # None over a remote transport
+    engine_request: EngineRequest | None = None  # as the engine got it; None until the prompt is prepared
+    prompt_token_ids: list[int] | None = None  # the engine's prompt ids, once its first output came
+    # per completion, the token ids emitted so far (as output_texts)
+    output_token_ids: list[list[int]] = field(default_factory=lambda: [[]])
 
     @property
     def output_text(self) -> str:

@@ -141,6 +141,26 @@ def test_seed_is_reproducible_in_any_batch_company() -> None:
     assert [other(logits, [make_request(seed=99)]).token_ids[0] for _ in range(6)] != alone
 
 
+def test_seeded_top_p_ignores_a_wider_top_k_in_the_batch() -> None:
+    """A seeded top-p row whose nucleus outgrows its candidates draws the same with a wide top-k row beside it."""
+    vocab = 1000
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(0)) * 0.1
+    logits[0, 450:] -= 5.0  # a nucleus of ~400 tokens: wider than TOP_P_CANDIDATES, narrower than top_k=600
+
+    def run(company: list[dict]) -> list[int]:
+        sampler = Sampler(vocab, seed=5)
+        seeded = make_request(temperature=1.0, top_p=0.9, seed=42)
+        tokens = []
+        for _ in range(12):
+            rows = [seeded, *(make_request(**params) for params in company)]
+            tokens.append(sampler(logits.expand(len(rows), vocab).clone(), rows).token_ids[0])
+        return tokens
+
+    alone = run([])
+    assert run([dict(temperature=1.0, top_k=600)]) == alone
+    assert run([dict(temperature=1.0, top_k=600, top_p=0.5), dict(temperature=1.0)]) == alone
+
+
 def test_logprobs_are_raw_log_softmax_with_ranks() -> None:
     """logprobs=k returns the sampled token first, then the top k with ranks, from the raw logits."""
     logits = torch.tensor([[1.0, 3.0, 2.0, 0, 0, 0, 0, 0]])

@@ -134,13 +134,18 @@ async def test_one_audit_record_per_request_for_every_outcome(make_client, fake_
 
 
 async def test_audit_chain_detects_tampering(make_client, tmp_path):
-    """verify() names the line of an edited, removed or reordered record."""
+    """verify() names the line of an edited, removed or reordered record, its replay token ids included."""
     path = tmp_path / "audit.jsonl"
-    client = make_client(hooks=[AuditLog(path)])
+    client = make_client(hooks=[AuditLog(path, replay="inline")])
     for _ in range(3):
-        await client.chat("hi", max_tokens=1)
+        await client.chat("hi", max_tokens=2)
     lines = path.read_text().splitlines(keepends=True)
     edited = json.loads(lines[1]) | {"completion_tokens": 999}
+    path.write_text(lines[0] + json.dumps(edited) + "\n" + lines[2])
+    with pytest.raises(AuditChainBroken, match="line 2: hash"):
+        AuditLog.verify(path)
+    edited = json.loads(lines[1])
+    edited["replay"]["completion_token_ids"][0][0] += 1
     path.write_text(lines[0] + json.dumps(edited) + "\n" + lines[2])
     with pytest.raises(AuditChainBroken, match="line 2: hash"):
         AuditLog.verify(path)
@@ -149,6 +154,30 @@ async def test_audit_chain_detects_tampering(make_client, tmp_path):
         AuditLog.verify(path)
     path.write_text("".join(lines))
     assert AuditLog.verify(path) == 3
+
+
+async def test_audit_replay_part_inline_and_digest(make_client, tmp_path):
+    """replay= adds the prompt and completion ids (or their digests, the ids in the store); none for a blocked request."""
+    inline, digest = AuditLog(tmp_path / "a.jsonl", replay="inline"), AuditLog(tmp_path / "d.jsonl", replay="digest")
+    client = make_client(hooks=[RegexFilter("forbidden"), inline, digest])
+    deltas = [d async for d in client.stream(prompt="hello world", max_tokens=3, temperature=0.5, seed=11, stop=["zz"])]
+    with pytest.raises(ContentBlocked):
+        await client.chat("forbidden", max_tokens=2)
+    (ok, blocked), (ok_d, _) = _records(inline.path), _records(digest.path)
+    part = ok["replay"]
+    assert part["prompt_token_ids"] == deltas[0].prompt_token_ids and part["prompt_token_ids"]
+    assert part["completion_token_ids"] == [[t for d in deltas for t in d.token_ids]] and ok["completion_tokens"] == 3
+    assert part["params"] | {"seed": 11, "n": 1, "stop": ["zz"], "temperature": 0.5, "top_p": 1.0} == part["params"]
+    assert part["model_digest"] is None and part["structured_output"] is None  # a fake engine: no weights to name
+    assert blocked["replay"] is None
+    stored = {p.stem: json.loads(p.read_text()) for p in (tmp_path / "d.jsonl.tokens").glob("*/*.json")}
+    assert stored[ok_d["replay"]["prompt_digest"]] == part["prompt_token_ids"]
+    assert [stored[d] for d in ok_d["replay"]["completion_digests"]] == part["completion_token_ids"]
+    assert "prompt_token_ids" not in ok_d["replay"] and AuditLog.verify(digest.path) == 2
+    with pytest.raises(ValueError, match="replay must be one of inline, digest"):
+        AuditLog(tmp_path / "x.jsonl", replay="all")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="store .* needs replay='digest'"):
+        AuditLog(tmp_path / "x.jsonl", replay="inline", store=tmp_path / "s")
 
 
 async def test_audit_reopen_continues_chain_and_drops_torn_line(make_client, tmp_path):

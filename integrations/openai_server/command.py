@@ -59,6 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--audit-log", default=None, metavar="PATH",
         help="append one JSON line per request to PATH (sdk.hooks.AuditLog); runs after the --hook hooks",
     )
+    server.add_argument(
+        "--audit-replay", default=None, choices=("inline", "digest"),
+        help="also record what `paged replay` needs to re-run each request: token ids in the record (inline) "
+        "or in a token store beside it (digest); needs --audit-log",
+    )
     server.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
 
     add_engine_arguments(parser)
@@ -145,10 +150,13 @@ def run(args: argparse.Namespace) -> int:
             "binding %s without --api-key: anyone who can reach this port can use the model",
             args.host,
         )
+    if args.audit_replay and not args.audit_log:
+        logger.error("--audit-replay needs --audit-log: the replay part is written into the audit records")
+        return 2
     if args.audit_log:
         from sdk.hooks import AuditLog
 
-        hooks.append(AuditLog(args.audit_log))
+        hooks.append(AuditLog(args.audit_log, replay=args.audit_replay))
     app = create_app(
         model,
         api_key=keys,

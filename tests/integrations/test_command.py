@@ -120,3 +120,17 @@ def test_serve_warns_when_exposed_without_key(monkeypatch, caplog):
     assert command.run(_parse("--api-key", "k")) == 0
     assert not any("without --api-key" in r.message for r in caplog.records)
     assert calls[1][1]["host"] == "127.0.0.1"
+
+
+def test_audit_replay_flag_reaches_the_audit_log(monkeypatch, tmp_path):
+    """--audit-replay digest gives the server's AuditLog a token store beside the log; without --audit-log it is refused."""
+    from integrations.openai_server import command
+
+    made = []
+    monkeypatch.setattr(command, "create_app", lambda model, **kwargs: made.append(kwargs["hooks"]))
+    monkeypatch.setattr(command.web, "run_app", lambda app, **kwargs: None)
+    assert command.run(_parse("--audit-replay", "inline")) == 2
+    log = tmp_path / "audit.jsonl"
+    assert command.run(_parse("--audit-log", str(log), "--audit-replay", "digest")) == 0
+    (audit,) = made[0]
+    assert audit.path == log and audit.replay == "digest" and audit.store is not None

@@ -22,7 +22,6 @@ import logging
 import queue
 import threading
 import time
-import traceback
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -36,7 +35,7 @@ from engine.request_options import RequestOptions, TenantOptions
 from engine.sampling_params import SamplingParams
 from engine.structured_output.compiler import MAX_COMPILE_SECONDS, too_slow
 from engine.structured_output.params import StructuredOutput
-from engine.supervisor import CrashLoop, EngineHealth, RestartPolicy, describe
+from engine.supervisor import CrashLoop, EngineHealth, RestartPolicy, describe, forget_frames, release_memory, restart_config
 
 logger = logging.getLogger(__name__)
 
@@ -128,18 +127,6 @@ def _engine_pin_id(public_id: str) -> tuple[str, int]:
     return pin_id, int(generation) if generation.isdigit() else 0
 
 
-def _forget_frames(exc: BaseException | None) -> None:
-    """Clears the locals of the frames an exception (and its causes) went through.
-
-    NOTE: the exception may outlive the handler (a caller holds it, a log handler buffers its
-    record): its frames would keep the dead ``Engine``, and its KV cache, alive.
-    """
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        traceback.clear_frames(exc.__traceback__)
-        exc = exc.__cause__ or exc.__context__
-
 
 class AsyncEngine:
     """The engine behind asyncio: streaming generation, abort, prefix pinning, stats; it heals itself.
@@ -170,6 +157,7 @@ class AsyncEngine:
         engine = Engine(model, config=config, **overrides)
         self._load_s = time.monotonic() - started  # how long the latest engine took to start
         self.config = engine.config
+        self._restart_config = restart_config(engine.config, engine.runner.num_blocks)
         self._model_name = engine.model_name
         self._max_model_len = engine.max_model_len
         # NOTE: callers' threads get a tokenizer of their own: the driver decodes with the
@@ -493,7 +481,7 @@ class AsyncEngine:
     def _record(self, exc: BaseException, what: str) -> None:
         self._last_error = describe(exc)
         logger.error("%s: %s", what, self._last_error, exc_info=exc)
-        _forget_frames(exc)
+        forget_frames(exc)
 
     def _recover(self, channels: dict[str, _Channel]) -> bool:
         """After driving died: fail its requests, drop the dead engine, start a fresh one.
@@ -521,9 +509,10 @@ class AsyncEngine:
                 return False
             self._restarts += 1
             self._stats = {**self._stats, "engine_restarts": self._restarts}
+            release_memory()  # the dead engine's, or a failed start's
             started = time.monotonic()
             try:
-                engine = Engine(config=self.config)
+                engine = Engine(config=self._restart_config)
             except BaseException as exc:  # noqa: BLE001 - a failed start counts as one more failure
                 self._record(exc, "a fresh engine failed to start")
                 continue

@@ -11,15 +11,22 @@ window leaves the engine dead (every call then raises ``EngineError``).
 
 The fresh engine loads its weights again rather than reusing the dead one's: whatever killed
 the driver may have left any of its state (the model's buffers, device graphs) unusable, and
-a fresh load is the one state known to be good.
+a fresh load is the one state known to be good. It gets as many KV blocks as the first engine
+resolved, and the dead engine's memory is released before it loads.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import gc
+import traceback
 from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+
+from engine.config import EngineConfig
 from engine.knobs import check_knobs, knob
 
 Status = Literal["running", "restarting", "dead", "stopped"]
@@ -86,6 +93,35 @@ class CrashLoop:
         if num > policy.max_restarts:
             return None
         return min(policy.backoff_s * 2 ** (num - 1), policy.max_backoff_s)
+
+
+def restart_config(config: EngineConfig, num_blocks: int) -> EngineConfig:
+    """The settings a fresh engine starts from: ``config``, with the KV cache size the first engine resolved.
+
+    NOTE: a budget from free memory (the default) would size the fresh cache by what is free
+    at restart; the same block count keeps the capacity the operator saw.
+    """
+    return dataclasses.replace(config, num_blocks=num_blocks, kv_cache_memory=None)
+
+
+def forget_frames(exc: BaseException | None) -> None:
+    """Clears the locals of the frames an exception (and its causes) went through.
+
+    NOTE: the exception may outlive its handler (a caller holds it, a log handler buffers its
+    record): its frames would keep the dead ``Engine``, and its KV cache, alive.
+    """
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
+
+
+def release_memory() -> None:
+    """Frees what a dropped engine held (reference cycles included) before a fresh one allocates its own."""
+    gc.collect()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()  # NOTE: the caching allocator keeps freed blocks; the fresh engine needs them
 
 
 def describe(exc: BaseException) -> str:

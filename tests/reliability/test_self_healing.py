@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 
 import engine.async_engine as async_engine_module
-from engine import AsyncEngine, SamplingParams
+from engine import AsyncEngine
 from engine.errors import ParameterError
 from engine.supervisor import CrashLoop, RestartPolicy
 from integrations.openai_server.app import create_app
@@ -63,10 +63,12 @@ async def _stream(client: AsyncClient, prompt: list[int]) -> tuple[int, BaseExce
 
 async def test_killing_the_driver_mid_load_ends_every_request_and_a_fresh_engine_serves(model_dir, quiescent) -> None:
     """32 streams, the driver killed on its 4th step: streams that had tokens end with EngineRestarting, the
-    others (max_retries) are retried and finish; a fresh engine serves within 10 s, the dead one is freed."""
+    others (max_retries) are retried and finish; a fresh engine serves within 10 s, the dead one is freed.
+    A pin dies with its engine: its id unpins nothing of the fresh engine's."""
     engine = AsyncEngine(str(model_dir), restart=FAST, **ENGINE_CONFIG)
     try:
         dead = weakref.ref(engine.engine)
+        old_pin = await engine.pin_prefix(PROMPTS[0])
         plain = AsyncClient(transport=InProcessTransport(engine))
         retrying = AsyncClient(transport=InProcessTransport(engine), max_retries=5)
         with inject_fault(engine, "schedule", after=3) as fault:
@@ -87,6 +89,10 @@ async def test_killing_the_driver_mid_load_ends_every_request_and_a_fresh_engine
         assert engine.stats()["engine_restarts"] == 1
         result = await plain.complete(PROMPTS[0], max_tokens=4, temperature=0.0, ignore_eos=True)
         assert len(result.token_ids) == 4
+        new_pin = await engine.pin_prefix(PROMPTS[1])
+        await engine.unpin_prefix(old_pin.pin_id)
+        assert new_pin.pin_id != old_pin.pin_id and len(await engine.call(lambda e: e.pinned_prefix_ids())) == 1
+        await engine.unpin_prefix(new_pin.pin_id)
         await quiescent(engine)  # the fresh engine's pool is whole
         stats = engine.stats()
         assert stats["kv_blocks_used"] == 0 and stats["kv_blocks_total"] == ENGINE_CONFIG["num_blocks"]

@@ -35,7 +35,9 @@ from engine.request_options import RequestOptions, TenantOptions
 from engine.sampling_params import SamplingParams
 from engine.structured_output.compiler import MAX_COMPILE_SECONDS, too_slow
 from engine.structured_output.params import StructuredOutput
-from engine.supervisor import CrashLoop, EngineHealth, RestartPolicy, describe, forget_frames, release_memory, restart_config
+from engine.supervisor import (
+    CrashLoop, EngineHealth, RestartPolicy, describe, forget_frames, release_memory, restart_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +127,6 @@ def _engine_pin_id(public_id: str) -> tuple[str, int]:
     """``(the engine's pin id, its generation)`` of an id ``_public_pin_id`` made."""
     pin_id, _, generation = public_id.partition(".")
     return pin_id, int(generation) if generation.isdigit() else 0
-
 
 
 class AsyncEngine:
@@ -328,8 +329,10 @@ class AsyncEngine:
         return await self._wait(future, generation)
 
     async def unpin_prefix(self, pin_id: str) -> None:
-        """Releases a pinned prefix; its blocks stay cached until evicted. Unknown ids (and pins of an engine
-        that died) are a no-op."""
+        """Releases a pinned prefix; its blocks stay cached until evicted.
+
+        Unknown ids, and pins of an engine that died, are a no-op.
+        """
         engine_pin_id, generation = _engine_pin_id(pin_id)
         if self._failure(generation) is None:
             with contextlib.suppress(EngineRestarting):  # NOTE: the pin died with its engine
@@ -601,7 +604,12 @@ class AsyncEngine:
     def _handle(
         self, engine: Engine, generation: int, command: Any, channels: dict[str, _Channel], pins: dict[str, _Pin]
     ) -> None:
-        posted_to = command.channel.generation if isinstance(command, _Add) else getattr(command, "generation", generation)
+        if isinstance(command, _Add):
+            posted_to = command.channel.generation
+        elif isinstance(command, (_Pin, _Call)):
+            posted_to = command.generation
+        else:  # an abort: of an id this engine does not know, a no-op
+            posted_to = generation
         if posted_to != generation:  # NOTE: posted to an engine that died: never run on this one
             self._refuse(command, self._restart_error())
             return

@@ -24,7 +24,7 @@ from engine.supervisor import CrashLoop, RestartPolicy
 from integrations.openai_server.app import create_app
 from integrations.openai_server.serving import Serving
 from sdk import AsyncClient
-from sdk.errors import EngineRestarting
+from sdk.errors import EngineRestarting, from_wire
 from sdk.http_transport import HttpTransport
 from sdk.transport import InProcessTransport
 from tests.integrations.conftest import LiveServer
@@ -48,6 +48,16 @@ def test_crash_loop_doubles_the_delay_within_the_window_and_gives_up_past_max_re
     with pytest.raises(ParameterError, match="backoff_s") as err:
         RestartPolicy(backoff_s=-1.0)
     assert err.value.param == "backoff_s"
+
+
+def test_engine_restarting_round_trips_the_wire() -> None:
+    """The server's 503 body, or an error event mid-stream (HTTP 200), is EngineRestarting again on the client."""
+    error = EngineRestarting("the engine driver died", retry_after=2.5)
+    assert (error.status_code, error.code, error.retry_after) == (503, "engine_restarting", 2.5)
+    body = {"message": error.public_message, "type": error.error_type, "param": None, "code": error.code}
+    for status in (503, 200):
+        again = from_wire(status, body)
+        assert type(again) is EngineRestarting and again.retry_after == 1.0  # the server's Retry-After
 
 
 async def _stream(client: AsyncClient, prompt: list[int]) -> tuple[int, BaseException | None]:

@@ -7,6 +7,21 @@ class EngineError(RuntimeError):
     """The engine failed to serve a request (a fault in a step, or the engine is dead)."""
 
 
+class EngineRestarting(EngineError):
+    """The engine's driver died and a fresh engine is starting: the request did not run to its end; retry it.
+
+    Raised to the requests in flight when the driver died and to those that arrive before the
+    fresh engine serves (``AsyncEngine``'s self-healing, ``engine.supervisor``).
+
+    Attributes:
+        retry_after: seconds until the fresh engine is expected to serve (at least 0.1).
+    """
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class ModelLoadError(ValueError):
     """A model path, file or architecture the loader cannot use; the message names the path and what was expected."""
 

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from engine.knobs import short
 
-from sdk.errors import InvalidRequestError, OverloadedError, RequestTimeout
+from sdk.errors import EngineRestarting, InvalidRequestError, OverloadedError, RequestTimeout
 from sdk.fields import SAMPLING_KNOBS, invalid_request
 from sdk.hooks import Hook, HookChain, ModelSource, RequestContext, RequestOrigin
 from sdk.hooks.replay import model_source
@@ -42,7 +42,7 @@ PromptLike = Union[str, list[int], CompletionRequest]
 RequestT = TypeVar("RequestT", ChatRequest, CompletionRequest)
 ResultT = TypeVar("ResultT", ChatResult, CompletionResult)
 
-_RETRY_BACKOFF = 0.05  # seconds, doubled per retry of an overloaded request
+_RETRY_BACKOFF = 0.05  # seconds, doubled per retry of an overloaded or restarting engine
 _DEFAULT_MAX_TOKENS: int = SAMPLING_KNOBS["max_tokens"].default
 
 
@@ -160,7 +160,8 @@ class AsyncClient:
         transport: where requests run; default: ``base_url``'s endpoint, or the engine of
             ``runtime`` or of the client's own runtime for (model, engine_config).
         route: names the surface in hook contexts and audit records (adapters set theirs).
-        max_retries: times to retry a request the engine refused as overloaded (with backoff).
+        max_retries: times to retry a request the engine refused as overloaded, or lost to a restart
+            before its first output (with backoff).
         **engine_config: ``engine.EngineConfig`` fields for the in-process engine.
 
     Raises:
@@ -498,16 +499,25 @@ class AsyncClient:
             await self.hooks.on_finish(ctx)
 
     async def _open(self, request: EngineRequest, deadline: float | None) -> AsyncIterator[TransportOutput]:
-        """Start the request in the engine and wait for its first output, retrying while overloaded."""
+        """Start the request in the engine and wait for its first output.
+
+        Up to ``max_retries`` times, with doubling backoff, it retries a request the engine
+        refused as overloaded or lost to a restart (``EngineRestarting``, waiting at least its
+        ``retry_after``): nothing was streamed to the caller yet, so a retry is invisible to
+        it. A retry that could not start before ``deadline`` is not tried.
+        """
         for attempt in range(self.max_retries + 1):
             stream = self._transport.generate(request)
             try:
                 first = await _next(stream, deadline)
-            except OverloadedError:
+            except (OverloadedError, EngineRestarting) as exc:
                 await stream.aclose()
-                if attempt == self.max_retries:
+                delay = _RETRY_BACKOFF * 2**attempt
+                if isinstance(exc, EngineRestarting):
+                    delay = max(delay, exc.retry_after)
+                if attempt == self.max_retries or (deadline is not None and time.monotonic() + delay >= deadline):
                     raise
-                await asyncio.sleep(_RETRY_BACKOFF * 2**attempt)
+                await asyncio.sleep(delay)
                 continue
             return _prepend(first, stream)
         raise AssertionError("unreachable")

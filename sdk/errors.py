@@ -142,6 +142,28 @@ class EngineFailure(PagedError):
         return "the engine failed to serve the request"
 
 
+class EngineRestarting(EngineFailure):
+    """The engine's driver died and a fresh engine is starting; the request did not run to its end.
+
+    Retryable: ``AsyncClient(max_retries=...)`` retries it when nothing was streamed to the
+    caller yet; a server answers it with 503 and ``Retry-After``.
+
+    Attributes:
+        retry_after: seconds until the fresh engine is expected to serve.
+    """
+
+    status_code = 503
+    code = "engine_restarting"
+
+    def __init__(self, message: str, *, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    @property
+    def public_message(self) -> str:
+        return "the engine is restarting after a failure: retry the request"
+
+
 _BY_STATUS: dict[int, type[PagedError]] = {
     cls.status_code: cls for cls in (AuthenticationError, RequestTimeout, OverloadedError)
 }
@@ -153,6 +175,8 @@ def from_wire(status: int, error: dict[str, Any]) -> PagedError:
     param = error.get("param") if isinstance(error.get("param"), str) else None
     if error.get("code") == ContentBlocked.code:
         return ContentBlocked(message)
+    if error.get("code") == EngineRestarting.code:  # NOTE: also an error event after a stream started (HTTP 200)
+        return EngineRestarting(message)
     if status in _BY_STATUS:
         return _BY_STATUS[status](message)
     if 400 <= status < 500:

@@ -43,7 +43,9 @@ class Runtime:
     The engine is the one given, or is loaded from ``model`` and ``engine_config`` on the
     first ``start()``. The loop thread starts on the first ``run_sync()`` / ``submit()``.
     ``close()`` (also on garbage collection and at interpreter exit) shuts down an engine
-    the runtime loaded, never one it was given, and stops the loop thread.
+    the runtime loaded, never one it was given, and stops the loop thread. An engine whose
+    driver dies restarts itself (``engine.supervisor``): the runtime keeps serving the same
+    ``AsyncEngine``, whose ``health()`` says where it stands.
 
     Args:
         model: HF directory or ``.gguf`` path; None = the bundled SmolLM2-135M-Instruct.

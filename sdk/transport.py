@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from sdk.chat_template import check_prompt_chars, render_chat
-from sdk.errors import EngineFailure, InvalidRequestError, OverloadedError
+from sdk.errors import EngineFailure, EngineRestarting, InvalidRequestError, OverloadedError
 from sdk.prompt_worker import PROMPT_WORKER
 from sdk.response_format import request_param, to_structured_output
 from sdk.runtime import Runtime
@@ -194,7 +194,7 @@ class InProcessTransport(Transport):
         return prompt
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[TransportOutput]:
-        from engine.errors import EngineError, EngineOverloaded, ParameterError
+        from engine import errors as engine_errors
         from engine.sampling_params import SamplingParams
 
         stream = None
@@ -242,14 +242,16 @@ class InProcessTransport(Transport):
                         index=completion.index,
                         tool_calls=calls or None,
                     )
-        except ParameterError as exc:  # bad knobs, a prompt that can never be served, an id in use
+        except engine_errors.ParameterError as exc:  # bad knobs, a prompt that can never be served, an id in use
             if exc.param.startswith("structured_output"):  # a constraint the engine could not compile
                 param = request_param(exc.param)
                 raise InvalidRequestError(str(exc).replace(exc.param, param), param=param) from exc
             raise InvalidRequestError(str(exc), param=exc.param) from exc
-        except EngineOverloaded as exc:
+        except engine_errors.EngineOverloaded as exc:
             raise OverloadedError(str(exc)) from exc
-        except EngineError as exc:
+        except engine_errors.EngineRestarting as exc:
+            raise EngineRestarting(str(exc), retry_after=exc.retry_after) from exc
+        except engine_errors.EngineError as exc:
             raise EngineFailure(str(exc)) from exc
         finally:
             if stream is not None:

@@ -3,9 +3,13 @@
 Lifecycle::
 
     starting --(engine loaded)--> serving --(shutdown: SIGTERM)--> draining --> stopped
-         \\--(load failed)--> dead            (engine died) --> dead
+         \\--(load failed)--> dead    |   ^
+                     (driver died)  v   |  (a fresh engine serves)
+                                 restarting --(crash loop)--> dead
 
-``/health`` answers 200 only while serving. On shutdown the server stops admitting (503),
+``/health`` answers 200 only while serving; its body also counts the engine's restarts and
+names the error that last killed its driver. While restarting, requests get 503
+``engine_restarting`` with ``Retry-After`` (the SDK retries it). On shutdown the server stops admitting (503),
 lets in-flight requests finish for ``drain_timeout`` seconds, then aborts the rest; every
 request still gets a terminal answer (an error body, or a final SSE event and ``[DONE]``).
 """

@@ -32,6 +32,7 @@ COUNTERS = {
     "prompt_tokens_computed": "Prompt tokens run through the model.",
     "generation_tokens": "Tokens generated.",
     "num_preemptions": "Requests preempted for lack of KV blocks.",
+    "engine_restarts": "Fresh engines started (or tried) after the engine's driver died.",
 }
 HISTOGRAMS = {
     "ttft_seconds": "Time to first token.",

@@ -18,8 +18,8 @@ from integrations.openai_server.policy import Tenant
 from integrations.openai_server.responses import chat_logprobs, completion_logprobs, token_ids, usage
 from integrations.openai_server.serving import Chunk, Serving
 from integrations.openai_server.sse import EventStream
-from integrations.openai_server.state import STATE, TENANT, ServerState
-from sdk.errors import InvalidRequestError, PagedError
+from integrations.openai_server.state import STATE, TENANT, Phase, ServerState
+from sdk.errors import EngineRestarting, InvalidRequestError, PagedError
 from sdk.tools import collect_calls
 from sdk.wire import Route, message_from_wire, tool_call_delta_to_wire, tool_call_to_wire
 
@@ -43,21 +43,26 @@ def _tenant(request: web.Request) -> Tenant:
 
 
 def _serving(state: ServerState) -> Serving:
-    """The serving glue, or a 503 while starting, draining or dead."""
+    """The serving glue, or a 503 while starting, restarting, draining or dead.
+
+    While the engine restarts, the code is the SDK's ``EngineRestarting`` one, so a remote SDK
+    client retries it as it retries a request the restart cut short.
+    """
     if not state.is_healthy() or state.serving is None:
+        phase = state.phase
         raise ApiError(
             503,
-            f"server is {state.phase.value}",
-            code=f"server_{state.phase.value}",
+            f"server is {phase.value}",
+            code=EngineRestarting.code if phase is Phase.RESTARTING else f"server_{phase.value}",
             headers={"Retry-After": RETRY_AFTER},
         )
     return state.serving
 
 
 async def health(request: web.Request) -> web.Response:
-    state = _state(request)
-    status = 200 if state.is_healthy() else 503
-    return web.json_response({"status": state.phase.value}, status=status)
+    """``{"status", "restarts", "last_error"}``: 200 while serving, 503 otherwise."""
+    healthy, body = _state(request).health()
+    return web.json_response(body, status=200 if healthy else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:

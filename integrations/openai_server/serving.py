@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from engine.supervisor import EngineHealth
 from sdk.chat_template import longest_token_chars
 from sdk.client import AsyncClient
 from sdk.hooks import Hook, RequestOrigin
@@ -94,8 +95,15 @@ class Serving:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    def is_running(self) -> bool:
-        return bool(getattr(self.engine, "is_running", True))
+    def health(self) -> EngineHealth:
+        """The engine's ``health()``: running, restarting (after its driver died), dead or stopped.
+
+        An engine without ``health()`` (a stand-in) is running while its ``is_running`` says so.
+        """
+        health = getattr(self.engine, "health", None)
+        if health is not None:
+            return health()
+        return EngineHealth("running" if getattr(self.engine, "is_running", True) else "dead")
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()

@@ -24,8 +24,12 @@ from integrations.openai_server.serving import Serving
 class Phase(enum.Enum):
     STARTING = "starting"
     SERVING = "serving"
+    RESTARTING = "restarting"  # the engine's driver died; a fresh engine is starting
     DRAINING = "draining"
     DEAD = "dead"
+
+
+_ENGINE_PHASES = {"running": Phase.SERVING, "restarting": Phase.RESTARTING}  # anything else: dead
 
 
 @dataclass(eq=False)
@@ -49,9 +53,21 @@ class ServerState:
         self._tenants = {t.name: t for t in self.policy.tenants}
 
     def is_healthy(self) -> bool:
-        if self.phase is Phase.SERVING and self.serving is not None and not self.serving.is_running():
-            self.phase = Phase.DEAD
+        """True while serving; follows the engine between serving and restarting, and into dead."""
+        if self.phase in (Phase.SERVING, Phase.RESTARTING) and self.serving is not None:
+            self.phase = _ENGINE_PHASES.get(self.serving.health().status, Phase.DEAD)
         return self.phase is Phase.SERVING
+
+    def health(self) -> tuple[bool, dict[str, object]]:
+        """Whether serving, and the ``/health`` body: the phase, the engine's restarts, what last killed its driver."""
+        healthy = self.is_healthy()  # NOTE: first: it moves the phase along with the engine
+        engine = self.serving.health() if self.serving is not None else None
+        body = {
+            "status": self.phase.value,
+            "restarts": engine.restarts if engine is not None else 0,
+            "last_error": engine.last_error if engine is not None else None,
+        }
+        return healthy, body
 
     def tenant_for(self, authorization: str | None) -> Tenant | None:
         """The tenant of a valid ``Authorization: Bearer <key>`` header; None when invalid."""

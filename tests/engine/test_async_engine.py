@@ -8,6 +8,7 @@ import time
 import pytest
 
 from engine import AsyncEngine, Engine, EngineError, EngineOverloaded, RequestRejected, SamplingParams
+from engine.supervisor import RestartPolicy
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
@@ -167,8 +168,9 @@ async def test_failed_step_raises_engine_error_and_engine_goes_on(engine: AsyncE
 
 
 async def test_dead_driver_wakes_waiters(model_dir) -> None:
-    """When the driver loop dies, every waiter gets EngineError within a second and new calls fail fast."""
-    engine = AsyncEngine(str(model_dir), num_blocks=64, block_size=4)
+    """With restarts off, a driver loop that dies leaves the engine dead: every waiter gets EngineError within a
+    second and new calls fail fast (restarts: tests/reliability/test_self_healing.py)."""
+    engine = AsyncEngine(str(model_dir), restart=RestartPolicy(max_restarts=0), num_blocks=64, block_size=4)
     streams = [asyncio.ensure_future(collect(engine, p, LONG)) for p in PROMPTS[:2]]
     await asyncio.sleep(0.2)
 
@@ -184,8 +186,8 @@ async def test_dead_driver_wakes_waiters(model_dir) -> None:
         with pytest.raises(EngineError, match="died"):
             await s
     assert time.perf_counter() - start < 1.5
-    assert not engine.is_running
-    with pytest.raises(EngineError):
+    assert not engine.is_running and engine.health().status == "dead"
+    with pytest.raises(EngineError, match="not restarted: restarts are off"):
         await collect(engine, PROMPTS[0])
     await engine.shutdown()
 

@@ -502,8 +502,8 @@ class AsyncClient:
         """Start the request in the engine and wait for its first output.
 
         Up to ``max_retries`` times, with doubling backoff, it retries a request the engine
-        refused as overloaded or lost to a restart (``EngineRestarting``, waiting at least its
-        ``retry_after``): nothing was streamed to the caller yet, so a retry is invisible to
+        refused as overloaded or rate-limited, or lost to a restart (``EngineRestarting``),
+        waiting at least the ``retry_after`` of the latter two: nothing was streamed to the caller yet, so a retry is invisible to
         it. A retry that could not start before ``deadline`` is not tried.
         """
         for attempt in range(self.max_retries + 1):
@@ -512,9 +512,8 @@ class AsyncClient:
                 first = await _next(stream, deadline)
             except (OverloadedError, EngineRestarting) as exc:
                 await stream.aclose()
-                delay = _RETRY_BACKOFF * 2**attempt
-                if isinstance(exc, EngineRestarting):
-                    delay = max(delay, exc.retry_after)
+                # NOTE: a rate limit (remote) or a restart says how long to wait: never retry sooner
+                delay = max(_RETRY_BACKOFF * 2**attempt, getattr(exc, "retry_after", 0.0))
                 if attempt == self.max_retries or (deadline is not None and time.monotonic() + delay >= deadline):
                     raise
                 await asyncio.sleep(delay)

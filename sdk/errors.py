@@ -169,14 +169,21 @@ _BY_STATUS: dict[int, type[PagedError]] = {
 }
 
 
-def from_wire(status: int, error: dict[str, Any]) -> PagedError:
-    """The SDK error for a server's OpenAI error body (``{"message", "type", "param", "code"}``)."""
+def from_wire(status: int, error: dict[str, Any], retry_after: float | None = None) -> PagedError:
+    """The SDK error for a server's OpenAI error body (``{"message", "type", "param", "code"}``).
+
+    ``retry_after`` is the answer's ``Retry-After`` in seconds, when it had one: a rate limit or a
+    restart carries it on (1 s without one).
+    """
     message = str(error.get("message") or f"HTTP {status}")
     param = error.get("param") if isinstance(error.get("param"), str) else None
+    wait = 1.0 if retry_after is None else retry_after
     if error.get("code") == ContentBlocked.code:
         return ContentBlocked(message)
     if error.get("code") == EngineRestarting.code:  # NOTE: also an error event after a stream started (HTTP 200)
-        return EngineRestarting(message)
+        return EngineRestarting(message, retry_after=wait)
+    if error.get("code") == RateLimited.code:
+        return RateLimited(message, retry_after=wait)
     if status in _BY_STATUS:
         return _BY_STATUS[status](message)
     if 400 <= status < 500:

@@ -282,4 +282,13 @@ async def _json_or_raise(resp: aiohttp.ClientResponse) -> dict[str, Any]:
     if resp.status == 200 and isinstance(body, dict):
         return body
     error = body.get("error") if isinstance(body, dict) else None
-    raise from_wire(resp.status, error if isinstance(error, dict) else {"message": resp.reason or ""})
+    raise from_wire(resp.status, error if isinstance(error, dict) else {"message": resp.reason or ""},
+                    _retry_after(resp.headers.get("Retry-After")))
+
+
+def _retry_after(header: str | None) -> float | None:
+    """``Retry-After`` in seconds (the delta-seconds form); None when absent or a date."""
+    try:
+        return max(float(header), 0.0) if header is not None else None
+    except ValueError:
+        return None

@@ -28,7 +28,7 @@ from integrations.openai_server.command import load_hooks
 from integrations.openai_server.policy import PolicyError, ServerPolicy, key_digest
 from integrations.openai_server.serving import Serving
 from integrations.openai_server.state import STATE
-from sdk import TenantPolicy
+from sdk import AsyncClient, RateLimited, TenantPolicy
 from sdk.hooks import Hook, RegexFilter, RequestContext
 from tests.integrations.fake_engine import FakeEngine
 from tests.support.hooks import BLOCKED_WORD
@@ -193,6 +193,10 @@ async def test_a_burst_of_1000_gets_exactly_900_429s_and_the_counters_return(ser
     assert refused[1]["x-ratelimit-limit-requests"] == "100" and refused[1]["x-ratelimit-remaining-requests"] == "0"
     assert refused[1]["x-ratelimit-reset-requests"] == "1m0s"
     assert _limiter(server, "alice").num_in_flight == 0
+    async with AsyncClient(base_url=server.root + "/v1", api_key="sk-alice") as remote:  # the SDK reads the same answer
+        with pytest.raises(RateLimited, match="requests_per_minute") as err:
+            await remote.chat("hi", max_tokens=2)
+    assert err.value.retry_after == 1.0
     clock.now += 60
     (status, headers, _), = await _post_many(server, "sk-alice", 1, HI)
     assert status == 200 and headers["x-ratelimit-remaining-requests"] == "99" and headers["x-ratelimit-reset-requests"] == "600ms"

@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator

@@ -19,14 +19,11 @@ queue and skips replicas whose queue is full.
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
-
-logger = logging.getLogger(__name__)
 
 PREFIX_KWARG = "prefix"  # the keyword argument that carries a request's block hashes
 STATS_PREFIXES = "prefix_hashes"  # routing stats: hashes the replica's engine still caches

@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
         engine_config(args)
         from integrations.ray.fleet import serve_fleet  # needs the ``ray`` extra
 
-        return serve_fleet(args)
+        return serve_fleet(args, make_app)
     try:
         app = make_app(args)
     except FlagError:

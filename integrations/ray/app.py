@@ -1,21 +1,17 @@
 """The Ray Serve application: an ``Ingress`` over ``EngineReplica`` replicas routed by ``PrefixAffinityRouter``.
 
-``build_app(args)`` takes the ``paged serve`` flags (``--replicas``, ``--routing``,
-``--replica-cpus``, ``--replica-gpus`` and every server and engine flag). ``app_builder`` is the
-same for ``serve run`` / ``serve deploy`` configs, whose ``args`` are those flags as a mapping::
-
-    applications:
-      - name: paged
-        route_prefix: /
-        import_path: integrations.ray.app:app_builder
-        args: {replicas: 2, model: /models/qwen, api_key: [sk-1], max_num_seqs: 64}
+``build_app(args, make_app)`` takes the ``paged serve`` flags (``--replicas``, ``--routing``,
+``--replica-cpus``, ``--replica-gpus`` and every server and engine flag) and the function that
+builds ``paged serve``'s application from them; ``integrations.ray.config`` has the entry for
+Serve config files.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable
+
+from aiohttp import web
 
 from ray import serve
 from ray.serve import Application
@@ -33,8 +29,8 @@ ONGOING_PER_SEQ = 4  # a replica takes up to this many requests per engine seque
 INGRESS_CPUS = 0.25  # the ingress hashes prompts and relays bytes
 
 
-def build_app(args: argparse.Namespace) -> Application:
-    """The fleet for ``args``: ``args.replicas`` engine replicas behind one ingress.
+def build_app(args: argparse.Namespace, make_app: Callable[[argparse.Namespace], web.Application]) -> Application:
+    """The fleet for ``args``: ``args.replicas`` engine replicas, each serving ``make_app(args)``, behind one ingress.
 
     Raises:
         FlagError: an engine flag the config refuses.
@@ -59,31 +55,5 @@ def build_app(args: argparse.Namespace) -> Application:
         max_ongoing_requests=max_ongoing * (args.replicas or 1),
         ray_actor_options={"num_cpus": INGRESS_CPUS},
     )
-    return ingress.bind(replica.bind(args), args)
+    return ingress.bind(replica.bind(args, make_app), args)
 
-
-def app_builder(args: Mapping[str, Any]) -> Application:
-    """``build_app`` for a Serve config: ``args`` maps ``paged serve`` flag names to values.
-
-    ``{"api_key": ["a", "b"], "replicas": 2, "enable_prefix_caching": False}`` reads as
-    ``--api-key a --api-key b --replicas 2 --no-enable-prefix-caching``.
-    """
-    return build_app(parse_flags(args))
-
-
-def parse_flags(args: Mapping[str, Any]) -> argparse.Namespace:
-    """The ``paged serve`` namespace for a mapping of flag names (``_`` or ``-``) to values."""
-    from integrations.openai_server.command import add_arguments
-
-    argv: list[str] = []
-    for name, value in args.items():
-        name = str(name).replace("_", "-")
-        values = value if isinstance(value, (list, tuple)) else [value]
-        for item in values:
-            if isinstance(item, bool):
-                argv.append(f"--{name}" if item else f"--no-{name}")
-            elif item is not None:
-                argv += [f"--{name}", str(item)]
-    parser = argparse.ArgumentParser(prog="paged serve", exit_on_error=False)
-    add_arguments(parser)
-    return parser.parse_args(argv)

@@ -6,14 +6,15 @@ import argparse
 import logging
 import signal
 import threading
+from collections.abc import Callable
 
-from integrations.openai_server.command import make_app
+from aiohttp import web
 
 logger = logging.getLogger(__name__)
 
 
-def serve_fleet(args: argparse.Namespace) -> int:
-    """Deploy the fleet for ``args``, serve until SIGTERM/SIGINT, then delete it.
+def serve_fleet(args: argparse.Namespace, make_app: Callable[[argparse.Namespace], web.Application]) -> int:
+    """Deploy the fleet for ``args`` (each replica serving ``make_app(args)``), serve until SIGTERM/SIGINT, delete it.
 
     Without ``--ray-address`` a local Ray cluster starts (and stops) with the command; with one
     the fleet deploys onto that cluster and leaves it running when it is deleted.
@@ -34,7 +35,7 @@ def serve_fleet(args: argparse.Namespace) -> int:
         signal.signal(signum, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+        serve.run(build_app(args, make_app), name=APP_NAME, route_prefix="/")
         logger.info("serving %d replicas on http://%s:%d (routing: %s)", args.replicas, args.host, args.port, args.routing)
         stop.wait()
         logger.info("stopping the fleet")

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,12 +66,11 @@ class EngineReplica:
     Args:
         args: the ``paged serve`` flags (``argparse.Namespace``); ``--audit-log PATH`` becomes
             ``PATH.<replica id>``, one append-only log per replica.
+        make_app: builds the server's application from the flags (``command.make_app``).
     """
 
-    async def __init__(self, args: argparse.Namespace) -> None:
+    async def __init__(self, args: argparse.Namespace, make_app: Callable[[argparse.Namespace], web.Application]) -> None:
         from ray import serve
-
-        from integrations.openai_server.command import make_app
 
         replica_id = serve.get_replica_context().replica_id.unique_id
         if args.audit_log:

@@ -42,15 +42,15 @@ def model_dir(tiny_model_factory) -> str:
 @pytest.fixture(scope="module")
 def fleet(model_dir):
     """The root URL of a 2-replica fleet, prefix-affinity routing, key-protected."""
-    from integrations.ray.app import build_app, parse_flags
+    from integrations.ray.config import app_builder
 
     logging.getLogger("ray.serve").setLevel(logging.ERROR)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
     port = _free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        args = parse_flags({"model": model_dir, "replicas": 2, "replica_cpus": 0.5, "api_key": [KEY], **ENGINE})
-        serve.run(build_app(args), name=APP, route_prefix="/")
+        flags = {"model": model_dir, "replicas": 2, "replica_cpus": 0.5, "api_key": [KEY], **ENGINE}
+        serve.run(app_builder(flags), name=APP, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()

@@ -20,9 +20,10 @@ from ray.serve.config import RequestRouterConfig
 from integrations.engine_flags import engine_config
 from integrations.ray.ingress import Ingress
 from integrations.ray.replica import EngineReplica
-from integrations.ray.router import PrefixAffinityRouter
 
 APP_NAME = "paged"
+# NOTE: routers by import path: Serve imports them where the handles are (a class would be pickled by value).
+PREFIX_ROUTER = "integrations.ray.router.PrefixAffinityRouter"
 ROUND_ROBIN_ROUTER = "ray.serve.experimental.round_robin_router.RoundRobinRouter"  # the contrast baseline
 ROUTING_STATS_PERIOD = 2.0  # seconds between a replica's reports of the prefixes it caches
 ONGOING_PER_SEQ = 4  # a replica takes up to this many requests per engine sequence slot (the rest queue in Ray)
@@ -37,7 +38,7 @@ def build_app(args: argparse.Namespace, make_app: Callable[[argparse.Namespace],
     """
     config = engine_config(args)
     max_ongoing = ONGOING_PER_SEQ * config.max_num_seqs
-    router = PrefixAffinityRouter if args.routing == "prefix" else ROUND_ROBIN_ROUTER
+    router = PREFIX_ROUTER if args.routing == "prefix" else ROUND_ROBIN_ROUTER
     replica = serve.deployment(
         EngineReplica,
         name="engine",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -27,9 +29,14 @@ def serve_fleet(args: argparse.Namespace, make_app: Callable[[argparse.Namespace
     import ray
     from ray import serve
 
-    from integrations.ray.app import APP_NAME, build_app
+    from integrations.ray.app import APP_NAME, INGRESS_CPUS, build_app
 
-    ray.init(address=args.ray_address, include_dashboard=False, logging_level=logging.WARNING)
+    num_cpus = None
+    if args.ray_address is None:
+        # NOTE: logical CPUs are reservations: a local cluster gets enough for every replica and
+        # the ingress even on a machine with fewer cores, rather than a fleet that never schedules.
+        num_cpus = max(os.cpu_count() or 1, math.ceil(args.replicas * args.replica_cpus + INGRESS_CPUS))
+    ray.init(address=args.ray_address, num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())

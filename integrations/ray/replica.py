@@ -91,11 +91,14 @@ class EngineReplica:
         if state.phase is not Phase.SERVING:
             raise RuntimeError("the engine failed to start; see the replica's log")
 
-    async def forward(self, request: ForwardedRequest, prefix: Sequence[bytes] = ()) -> AsyncIterator[Any]:
+    async def forward(
+        self, request: ForwardedRequest, prefix: Sequence[bytes] = (), replica: str | None = None
+    ) -> AsyncIterator[Any]:
         """Relays ``request`` to this replica's server: yields a ``ResponseHead``, then body chunks.
 
-        ``prefix`` (the request's leading block hashes) is what the router routed by; the
-        replica remembers them to report which ones its engine still caches.
+        ``prefix`` (the request's leading block hashes) and ``replica`` (set when the request is
+        for this replica alone) are what the router routed by. The replica remembers the hashes
+        to report which ones its engine still caches.
         """
         for digest in prefix:
             self._prefixes[digest] = None

@@ -15,6 +15,9 @@ beyond the least-loaded one: then one hot prefix would pin the load on one repli
 goes to the least-loaded replica instead, which from then on holds that prefix too. With no match,
 the least-loaded replica takes it. Within a rank Ray Serve picks the replica with the shortest
 queue and skips replicas whose queue is full.
+
+A request with ``replica`` (a replica id from ``router_registry.replica_ids``) goes to that replica alone: the
+ingress reads every replica's ``/metrics`` that way.
 """
 
 from __future__ import annotations
@@ -25,7 +28,10 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from integrations.ray import router_registry
+
 PREFIX_KWARG = "prefix"  # the keyword argument that carries a request's block hashes
+REPLICA_KWARG = "replica"  # the keyword argument that names the one replica a request must go to
 STATS_PREFIXES = "prefix_hashes"  # routing stats: hashes the replica's engine still caches
 STATS_QUEUE = "num_requests"  # routing stats: the engine's running + waiting requests
 
@@ -48,6 +54,8 @@ class PrefixAffinityRouter(RequestRouter):
         self.max_imbalance = max_imbalance
         self.memory_size = memory_size
         self._memory: dict[ReplicaID, OrderedDict[bytes, None]] = {}
+        # NOTE: Serve builds a handle's router in the caller's process: the ingress finds it there.
+        router_registry.register(self._deployment_id.app_name, self._deployment_id.name, self)
 
     async def choose_replicas(
         self,
@@ -57,6 +65,9 @@ class PrefixAffinityRouter(RequestRouter):
         if pending_request is not None:
             # NOTE: without it Serve retries at once, in a tight loop, while every queue is full.
             pending_request.routing_context.should_backoff = True
+        target = pending_request.kwargs.get(REPLICA_KWARG) if pending_request is not None else None
+        if target is not None:
+            return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
         hashes = _prefix(pending_request)
         if not hashes or len(candidate_replicas) < 2:
             return [candidate_replicas]

@@ -90,6 +90,24 @@ def test_openai_client_chat_stream_and_errors(fleet):
     assert refused.value.body["param"] == "max_tokens"
 
 
+def test_metrics_merge_every_replica(fleet):
+    """GET /metrics answers for the whole fleet: each family once, every sample labelled with its replica."""
+    import urllib.error
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    request = urllib.request.Request(f"{fleet}/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
+    replicas = {s.labels["replica"] for s in families["paged_kv_blocks_total"].samples}
+    assert len(replicas) == 2, replicas
+    assert {s.value for s in families["paged_kv_blocks_total"].samples} == {ENGINE["num_blocks"]}
+    with pytest.raises(urllib.error.HTTPError) as denied:
+        urllib.request.urlopen(f"{fleet}/metrics", timeout=30)
+    assert denied.value.code == 401
+
+
 def test_paged_chat_remote(fleet):
     """PagedChat(base_url=...) invokes and streams through the fleet."""
     from sdk.integrations.langchain import PagedChat

@@ -13,8 +13,8 @@ Hashes chain over their parents, so the deepest held hash gives the length of th
 ranks the replica with the longest match first, unless it runs more than ``max_imbalance`` requests
 beyond the least-loaded one: then one hot prefix would pin the load on one replica, and the request
 goes to the least-loaded replica instead, which from then on holds that prefix too. With no match,
-the least-loaded replica takes it. Within a rank Ray Serve picks the replica with the shortest
-queue and skips replicas whose queue is full.
+the least-loaded replica takes it. The others form the second rank: Ray Serve tries them when the
+first replica's queue is full.
 
 A request with ``replica`` (a replica id from ``router_registry.replica_ids``) goes to that replica alone: the
 ingress reads every replica's ``/metrics`` that way.
@@ -22,6 +22,7 @@ ingress reads every replica's ``/metrics`` that way.
 
 from __future__ import annotations
 
+import random
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -72,10 +73,16 @@ class PrefixAffinityRouter(RequestRouter):
         if not hashes or len(candidate_replicas) < 2:
             return [candidate_replicas]
         loads = {r.replica_id: self._load(r) for r in candidate_replicas}
+        # NOTE: ties go to a random replica, so an idle fleet does not start every prefix on one.
+        least = min(candidate_replicas, key=lambda r: (loads[r.replica_id], random.random()))
         best = max(candidate_replicas, key=lambda r: (self.match_length(r, hashes), -loads[r.replica_id]))
-        if self.match_length(best, hashes) == 0 or loads[best.replica_id] - min(loads.values()) > self.max_imbalance:
-            return [candidate_replicas]  # Serve takes the least loaded
-        return [[best], [r for r in candidate_replicas if r is not best]]
+        first = least
+        if self.match_length(best, hashes) > 0 and loads[best.replica_id] - loads[least.replica_id] <= self.max_imbalance:
+            first = best
+        # NOTE: remembered now, not only once routed: Serve reports a routed request after the
+        # replica accepted it, and requests with the same prefix routed meanwhile must follow it.
+        self._remember(first.replica_id, hashes)
+        return [[first], [r for r in candidate_replicas if r is not first]]
 
     def match_length(self, replica: RunningReplica, hashes: Sequence[bytes]) -> int:
         """How many leading blocks of ``hashes`` the replica holds (reported or routed there)."""
@@ -88,9 +95,9 @@ class PrefixAffinityRouter(RequestRouter):
         return 0
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        hashes = _prefix(pending_request)
-        if not hashes:
-            return
+        self._remember(replica_id, _prefix(pending_request))  # the replica Serve chose, if not the first rank
+
+    def _remember(self, replica_id: ReplicaID, hashes: Sequence[bytes]) -> None:
         memory = self._memory.setdefault(replica_id, OrderedDict())
         for digest in hashes:
             memory[digest] = None

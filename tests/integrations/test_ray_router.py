@@ -48,17 +48,20 @@ async def test_longest_reported_match_ranks_first_and_no_match_goes_by_load():
     router = _router()
     a, b = StandIn("a", frozenset({b"h1"})), StandIn("b", frozenset({b"h1", b"h2"}))
     assert _ids(await router.choose_replicas([a, b], _request(prefix=[b"h1", b"h2", b"h3"]))) == [["b"], ["a"]]
-    assert _ids(await router.choose_replicas([a, b], _request(prefix=[b"other"]))) == [["a", "b"]]
-    assert _ids(await router.choose_replicas([a, b], _request())) == [["a", "b"]]
+    router.replica_queue_len_cache.update(a.replica_id, 1)
+    router.replica_queue_len_cache.update(b.replica_id, 0)
+    assert _ids(await router.choose_replicas([a, b], _request(prefix=[b"other"]))) == [["b"], ["a"]]
+    assert _ids(await router.choose_replicas([a, b], _request())) == [["a", "b"]]  # no key: Serve's own choice
 
 
 async def test_routed_prefixes_are_remembered_until_the_replica_dies():
-    """Before any report, a prefix follows the replica it was sent to; a dead replica's memory goes."""
+    """Before any report, a prefix follows the replica it was routed to (from the choice on); a dead replica's memory goes."""
     router = _router()
     a, b = StandIn("a"), StandIn("b")
-    request = _request(prefix=[b"s1", b"s2"])
-    router.on_request_routed(request, b.replica_id, None)
+    router.on_request_routed(_request(prefix=[b"s1", b"s2"]), b.replica_id, None)
     assert _ids(await router.choose_replicas([a, b], _request(prefix=[b"s1", b"q"]))) == [["b"], ["a"]]
+    first = _ids(await router.choose_replicas([a, b], _request(prefix=[b"new"])))[0][0]
+    assert _ids(await router.choose_replicas([a, b], _request(prefix=[b"new", b"new-q"])))[0] == [first]
     router.on_replica_actor_died(b.replica_id)
     assert router.match_length(b, [b"s1"]) == 0
 
@@ -70,7 +73,8 @@ async def test_hot_prefix_spills_to_the_least_loaded_replica():
     router.replica_queue_len_cache.update(a.replica_id, 2)
     assert _ids(await router.choose_replicas([a, b], _request(prefix=[b"hot"]))) == [["a"], ["b"]]
     router.replica_queue_len_cache.update(a.replica_id, 3)
-    assert _ids(await router.choose_replicas([a, b], _request(prefix=[b"hot"]))) == [["a", "b"]]
+    assert _ids(await router.choose_replicas([a, b], _request(prefix=[b"hot"]))) == [["b"], ["a"]]
+    assert router.match_length(b, [b"hot"]) == 1  # b holds the hot prefix from now on
 
 
 async def test_a_named_replica_gets_the_request_alone():

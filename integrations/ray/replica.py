@@ -30,8 +30,10 @@ logger = logging.getLogger(__name__)
 
 MAX_TRACKED_HASHES = 8192  # leading-block hashes a replica checks for its report (LRU)
 START_POLL = 0.05  # seconds between checks that the engine has loaded
-# NOTE: hop-by-hop headers and those the receiving side recomputes are not relayed.
-_DROPPED_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive"})
+# NOTE: hop-by-hop headers and those the receiving side sets itself are not relayed.
+_DROPPED_HEADERS = frozenset(
+    {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "date", "server"}
+)
 
 
 @dataclass(frozen=True, slots=True)

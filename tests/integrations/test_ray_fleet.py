@@ -40,8 +40,13 @@ def model_dir(tiny_model_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def fleet(model_dir):
-    """The root URL of a 2-replica fleet, prefix-affinity routing, key-protected."""
+def audit_path(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("fleet-audit") / "audit.jsonl"
+
+
+@pytest.fixture(scope="module")
+def fleet(model_dir, audit_path):
+    """The root URL of a 2-replica fleet, prefix-affinity routing, key-protected, audited."""
     from integrations.ray.config import app_builder
 
     logging.getLogger("ray.serve").setLevel(logging.ERROR)
@@ -49,7 +54,7 @@ def fleet(model_dir):
     port = _free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        flags = {"model": model_dir, "replicas": 2, "replica_cpus": 0.5, "api_key": [KEY], **ENGINE}
+        flags = {"model": model_dir, "replicas": 2, "replica_cpus": 0.5, "api_key": [KEY], "audit_log": str(audit_path), **ENGINE}
         serve.run(app_builder(flags), name=APP, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -137,6 +142,15 @@ def test_prefix_hit_rate_matches_one_engine(fleet, model_dir, live_server):
     assert routed.num_requests == single.num_requests == round_robin.num_requests == 128
     assert routed.hit_rate >= single.hit_rate - 0.05, report
     assert round_robin.hit_rate < single.hit_rate, report
+
+
+def test_each_replica_audits_to_a_log_of_its_own(fleet, audit_path):
+    """--audit-log PATH: one intact hash chain per replica, PATH.<replica id>, holding the fleet's requests."""
+    from sdk.hooks import AuditLog
+
+    logs = sorted(audit_path.parent.glob(f"{audit_path.name}.*"))
+    assert len(logs) == 2, logs
+    assert all(AuditLog.verify(log) > 0 for log in logs)
 
 
 async def test_killed_replica_every_request_ends_and_fleet_recovers(fleet):

@@ -65,8 +65,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "or in a token store beside it (digest); needs --audit-log",
     )
     server.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
+    fleet = parser.add_argument_group("fleet (Ray Serve; needs the 'ray' extra, see docs/scale_out.md)")
+    fleet.add_argument(
+        "--replicas", type=_positive_int, default=None, metavar="N",
+        help="serve N engine replicas behind one endpoint on Ray Serve, routed by prompt prefix",
+    )
+    fleet.add_argument(
+        "--ray-address", default=None, metavar="ADDRESS",
+        help="the Ray cluster to deploy to ('auto', or ray://HOST:PORT); default: start a local one",
+    )
+    fleet.add_argument(
+        "--replica-cpus", type=float, default=1.0,
+        help="logical CPUs Ray reserves for each replica (default: %(default)s)",
+    )
+    fleet.add_argument(
+        "--replica-gpus", type=float, default=0.0,
+        help="GPUs Ray reserves for each replica; 1 pins each replica to its own device (default: %(default)s)",
+    )
+    fleet.add_argument(
+        "--routing", choices=("prefix", "round_robin"), default="prefix",
+        help="how the fleet picks a replica: by prompt prefix and load, or in turn (default: %(default)s)",
+    )
 
     add_engine_arguments(parser)
+
+
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
+    return number
 
 
 def api_keys(args: argparse.Namespace) -> dict[str, str] | None:
@@ -120,44 +148,36 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def run(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM/SIGINT.
+def make_app(args: argparse.Namespace) -> web.Application:
+    """The application ``paged serve`` runs for ``args``: the engine loads when the app starts.
 
     Raises:
-        FlagError: an engine flag the config refuses (``paged`` reports it as a usage error),
-            before anything binds or loads.
+        FlagError: an engine flag the config refuses.
+        ValueError: a model path that does not exist, a policy file or ``--hook`` spec that does
+            not load, ``--audit-replay`` without ``--audit-log``; the message names it.
     """
     engine_config(args)  # checks every engine flag now; the engine itself loads after binding
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     config = engine_kwargs(args)
     model = config.pop("model")
     if model is not None and not Path(model).exists():
-        logger.error("model path %s does not exist", model)
-        return 2
+        raise ValueError(f"model path {model} does not exist")
     keys = api_keys(args)
-    from integrations.openai_server.policy import PolicyError, ServerPolicy
+    from integrations.openai_server.policy import ServerPolicy
 
-    try:
-        policy = ServerPolicy.load(args.policy) if args.policy else None
-        hooks = load_hooks(args.hook or ())
-    except (PolicyError, ValueError) as exc:
-        logger.error("%s", exc)
-        return 2
+    policy = ServerPolicy.load(args.policy) if args.policy else None
+    hooks = load_hooks(args.hook or ())
     if keys is None and not (policy and policy.key_table()) and not is_loopback(args.host):
         logger.warning(
             "binding %s without --api-key: anyone who can reach this port can use the model",
             args.host,
         )
     if args.audit_replay and not args.audit_log:
-        logger.error("--audit-replay needs --audit-log: the replay part is written into the audit records")
-        return 2
+        raise ValueError("--audit-replay needs --audit-log: the replay part is written into the audit records")
     if args.audit_log:
         from sdk.hooks import AuditLog
 
         hooks.append(AuditLog(args.audit_log, replay=args.audit_replay))
-    app = create_app(
+    return create_app(
         model,
         api_key=keys,
         policy=policy,
@@ -167,6 +187,32 @@ def run(args: argparse.Namespace) -> int:
         drain_timeout=args.drain_timeout,
         **config,
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM/SIGINT: one engine in this process, or ``--replicas`` of them on Ray Serve.
+
+    Raises:
+        FlagError: an engine flag the config refuses (``paged`` reports it as a usage error),
+            before anything binds or loads.
+    """
+    from integrations.engine_flags import FlagError
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.replicas is not None:
+        engine_config(args)
+        from integrations.ray.fleet import serve_fleet  # needs the ``ray`` extra
+
+        return serve_fleet(args, make_app)
+    try:
+        app = make_app(args)
+    except FlagError:
+        raise
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
     # NOTE: SIGTERM/SIGINT start the graceful shutdown (app.on_shutdown drains); the runner's
     # own timeout only has to cover the drain plus the final answers.
     web.run_app(

@@ -1,0 +1,60 @@
+"""The Ray Serve application: an ``Ingress`` over ``EngineReplica`` replicas routed by ``PrefixAffinityRouter``.
+
+``build_app(args, make_app)`` takes the ``paged serve`` flags (``--replicas``, ``--routing``,
+``--replica-cpus``, ``--replica-gpus`` and every server and engine flag) and the function that
+builds ``paged serve``'s application from them; ``integrations.ray.config`` has the entry for
+Serve config files.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from aiohttp import web
+
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+
+from integrations.engine_flags import engine_config
+from integrations.ray.ingress import Ingress
+from integrations.ray.replica import EngineReplica
+
+APP_NAME = "paged"
+# NOTE: routers by import path: Serve imports them where the handles are (a class would be pickled by value).
+PREFIX_ROUTER = "integrations.ray.router.PrefixAffinityRouter"
+ROUND_ROBIN_ROUTER = "ray.serve.experimental.round_robin_router.RoundRobinRouter"  # the contrast baseline
+ROUTING_STATS_PERIOD = 2.0  # seconds between a replica's reports of the prefixes it caches
+ONGOING_PER_SEQ = 4  # a replica takes up to this many requests per engine sequence slot (the rest queue in Ray)
+INGRESS_CPUS = 0.25  # the ingress hashes prompts and relays bytes
+
+
+def build_app(args: argparse.Namespace, make_app: Callable[[argparse.Namespace], web.Application]) -> Application:
+    """The fleet for ``args``: ``args.replicas`` engine replicas, each serving ``make_app(args)``, behind one ingress.
+
+    Raises:
+        FlagError: an engine flag the config refuses.
+    """
+    config = engine_config(args)
+    max_ongoing = ONGOING_PER_SEQ * config.max_num_seqs
+    router = PREFIX_ROUTER if args.routing == "prefix" else ROUND_ROBIN_ROUTER
+    replica = serve.deployment(
+        EngineReplica,
+        name="engine",
+        num_replicas=args.replicas or 1,
+        max_ongoing_requests=max_ongoing,
+        ray_actor_options={"num_cpus": args.replica_cpus, "num_gpus": args.replica_gpus},
+        request_router_config=RequestRouterConfig(
+            request_router_class=router, request_routing_stats_period_s=ROUTING_STATS_PERIOD
+        ),
+        graceful_shutdown_timeout_s=args.drain_timeout + 5.0,
+    )
+    ingress = serve.deployment(
+        Ingress,
+        name="ingress",
+        max_ongoing_requests=max_ongoing * (args.replicas or 1),
+        ray_actor_options={"num_cpus": INGRESS_CPUS},
+    )
+    return ingress.bind(replica.bind(args, make_app), args)
+

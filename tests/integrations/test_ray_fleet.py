@@ -1,0 +1,215 @@
+"""The fleet on a real local Ray cluster: 2 engine replicas of the tiny llama behind Ray Serve's HTTP proxy.
+
+One cluster and one deployment for the module (starting them is most of its time). Skipped
+without the ``ray`` extra.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+from integrations.openai_server.app import create_app  # noqa: E402
+from integrations.ray.workload import measure  # noqa: E402
+
+KEY = "sk-fleet"
+ENGINE = {"num_blocks": 512, "block_size": 16, "max_num_seqs": 16, "max_model_len": 512}
+APP = "paged"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_factory) -> str:
+    return str(tiny_model_factory("llama"))
+
+
+@pytest.fixture(scope="module")
+def audit_path(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("fleet-audit") / "audit.jsonl"
+
+
+@pytest.fixture(scope="module")
+def fleet(model_dir, audit_path):
+    """The root URL of a 2-replica fleet, prefix-affinity routing, key-protected, audited."""
+    from integrations.ray.config import app_builder
+
+    logging.getLogger("ray.serve").setLevel(logging.ERROR)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+    port = _free_port()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        flags = {"model": model_dir, "replicas": 2, "replica_cpus": 0.5, "api_key": [KEY], "audit_log": str(audit_path), **ENGINE}
+        serve.run(app_builder(flags), name=APP, route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _replica_names() -> list[str]:
+    return sorted(
+        a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith(f"SERVE_REPLICA::{APP}#engine#")
+    )  # fmt: skip
+
+
+def test_openai_client_chat_stream_and_errors(fleet):
+    """The official client: models, chat, streaming, completions; a bad key and a bad field get the server's errors."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{fleet}/v1", api_key=KEY, max_retries=0, timeout=60)
+    model = client.models.list().data[0].id
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}]
+    reply = client.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0)
+    assert reply.usage.completion_tokens == 4 and reply.choices[0].finish_reason == "length"
+    chunks = list(client.chat.completions.create(
+        model=model, messages=messages, max_tokens=4, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    ))  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 4
+    completion = client.completions.create(model=model, prompt="Once upon", max_tokens=3)
+    assert completion.usage.completion_tokens == 3
+
+    with pytest.raises(openai.AuthenticationError) as denied:
+        openai.OpenAI(base_url=f"{fleet}/v1", api_key="sk-wrong", max_retries=0).models.list()
+    assert denied.value.body["code"] == "invalid_api_key"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model, messages=messages, max_tokens=-1)
+    assert refused.value.body["param"] == "max_tokens"
+
+
+def test_metrics_merge_every_replica(fleet):
+    """GET /metrics answers for the whole fleet: each family once, every sample labelled with its replica."""
+    import urllib.error
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    request = urllib.request.Request(f"{fleet}/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
+    replicas = {s.labels["replica"] for s in families["paged_kv_blocks_total"].samples}
+    assert len(replicas) == 2, replicas
+    assert {s.value for s in families["paged_kv_blocks_total"].samples} == {ENGINE["num_blocks"]}
+    with pytest.raises(urllib.error.HTTPError) as denied:
+        urllib.request.urlopen(f"{fleet}/metrics", timeout=30)
+    assert denied.value.code == 401
+
+
+def test_paged_chat_remote(fleet):
+    """PagedChat(base_url=...) invokes and streams through the fleet."""
+    from sdk.integrations.langchain import PagedChat
+
+    chat = PagedChat(base_url=f"{fleet}/v1", api_key=KEY, temperature=0, max_tokens=5)
+    try:
+        reply = chat.invoke([("system", "You are terse."), ("human", "Count to five.")])
+        assert reply.usage_metadata["output_tokens"] == 5
+        streamed = "".join(c.content for c in chat.stream([("system", "You are terse."), ("human", "Count to five.")]))
+        assert streamed == reply.content
+    finally:
+        chat.client.close()
+
+
+def test_prefix_hit_rate_matches_one_engine(fleet, model_dir, live_server):
+    """4 system prompts x 32 questions: the fleet's hit rate is within 5 points of one engine's; round-robin reported.
+
+    The one-engine and round-robin figures come from fresh in-process servers of the same model
+    and engine settings: one server, and two taken in turn.
+    """
+    routed = asyncio.run(measure([fleet], KEY))
+    single = asyncio.run(measure([live_server(create_app(model_dir, api_key=KEY, **ENGINE)).root], KEY))
+    pair = [live_server(create_app(model_dir, api_key=KEY, **ENGINE)).root for _ in range(2)]
+    round_robin = asyncio.run(measure(pair, KEY))
+    report = f"hit rate: prefix-affinity {routed.hit_rate:.3f}, one engine {single.hit_rate:.3f}, round-robin {round_robin.hit_rate:.3f}"
+    print(report)
+    assert routed.num_requests == single.num_requests == round_robin.num_requests == 128
+    assert routed.hit_rate >= single.hit_rate - 0.05, report
+    assert round_robin.hit_rate < single.hit_rate, report
+
+
+def test_each_replica_audits_to_a_log_of_its_own(fleet, audit_path):
+    """--audit-log PATH: one intact hash chain per replica, PATH.<replica id>, holding the fleet's requests."""
+    from sdk.hooks import AuditLog
+
+    logs = sorted(audit_path.parent.glob(f"{audit_path.name}.*"))
+    assert len(logs) == 2, logs
+    assert all(AuditLog.verify(log) > 0 for log in logs)
+
+
+async def test_killed_replica_every_request_ends_and_fleet_recovers(fleet):
+    """Kill a replica under load: each request gets a result or a retryable error; Ray brings the replica back."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{fleet}/v1", api_key=KEY, max_retries=0, timeout=60)
+    model = (await client.models.list()).data[0].id
+    before = _replica_names()
+    assert len(before) == 2
+    started = asyncio.Event()
+
+    async def one(i: int, stream: bool) -> str:
+        messages = [{"role": "user", "content": f"Tell a long story number {i}."}]
+        extra = {"ignore_eos": True}
+        try:
+            if not stream:
+                await client.chat.completions.create(model=model, messages=messages, max_tokens=96, extra_body=extra)
+                return "ok"
+            events = await client.chat.completions.create(
+                model=model, messages=messages, max_tokens=96, stream=True, extra_body=extra
+            )
+            async for _ in events:
+                started.set()
+            return "ok"
+        except openai.APIStatusError as exc:
+            assert exc.status_code == 503 and exc.body["code"] == "replica_unavailable", exc
+            return "retryable"
+        except openai.APIError as exc:  # an error event in a stream that had started
+            assert exc.body["code"] == "replica_failed", exc
+            return "retryable"
+
+    tasks = [asyncio.ensure_future(one(i, stream=i % 2 == 0)) for i in range(12)]
+    await asyncio.wait_for(started.wait(), 30)
+    ray.kill(ray.get_actor(before[0], namespace="serve"), no_restart=True)
+    outcomes = await asyncio.wait_for(asyncio.gather(*tasks), 90)
+    assert set(outcomes) <= {"ok", "retryable"} and "ok" in outcomes, outcomes
+
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        names = _replica_names()
+        engine = serve.status().applications[APP].deployments["engine"]
+        if len(names) == 2 and before[0] not in names and engine.replica_states.get("RUNNING") == 2:
+            break
+        await asyncio.sleep(1)
+    else:
+        pytest.fail(f"the killed replica was not replaced: {_replica_names()}")
+    replies = await asyncio.gather(*(
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": f"Hi {i}"}], max_tokens=2)
+        for i in range(4)
+    ))  # fmt: skip
+    assert all(r.usage.completion_tokens == 2 for r in replies)
+
+
+def test_serve_command_imports_without_ray():
+    """``paged serve`` (no --replicas) never imports ray: the extra stays optional."""
+    code = (
+        "import sys, integrations.cli, integrations.openai_server.command; "
+        "assert not any(m == 'ray' or m.startswith('ray.') for m in sys.modules), 'ray imported'"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from collections.abc import Collection, Iterable
 
 from engine.core.fair_share import FairShare
@@ -56,6 +57,9 @@ class Scheduler:
         # Requests schedule() had to finish because the KV cache cannot hold them; the engine
         # drains this list after each schedule() to emit their last output.
         self.capped: list[Request] = []
+        # Lifecycle events ("scheduled" / "preempted", request) since the engine last set this to
+        # a list; None (the default) records nothing. The engine's step log sets it.
+        self.events: list[tuple[str, Request]] | None = None
 
     @property
     def num_running(self) -> int:
@@ -190,8 +194,14 @@ class Scheduler:
                 budget += freed
                 continue
             fair.pop(request)
-            if request.status == RequestStatus.WAITING:
+            is_new = request.status == RequestStatus.WAITING
+            if is_new:
                 request.num_cached_tokens = computed.num_computed_tokens
+                request.first_scheduled_time = time.perf_counter()
+            else:
+                self._end_preemption(request)
+            if self.events is not None:
+                self.events.append(("scheduled" if is_new else "resumed", request))
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = computed.num_computed_tokens
             bisect.insort(running, request, key=fair.order)
@@ -304,12 +314,23 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        request.preempted_at = time.perf_counter()
         self.num_preemptions += 1
         self.fair.push(request)
+        if self.events is not None:
+            self.events.append(("preempted", request))
+
+    @staticmethod
+    def _end_preemption(request: Request) -> None:
+        if request.preempted_at is not None:
+            request.preempted_seconds += time.perf_counter() - request.preempted_at
+            request.preempted_at = None
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status == RequestStatus.RUNNING:
             self.fair.run_stopped(request)
+        elif request.status == RequestStatus.PREEMPTED:
+            self._end_preemption(request)
         self.fair.finish(request, was_queued=request.status in _QUEUED)
         request.status = status
         # NOTE: a pinned prefix that computed its prompt keeps its blocks (the engine unpins it);

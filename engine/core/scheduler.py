@@ -162,13 +162,19 @@ class Scheduler:
         # NOTE: no admissions in a step that preempted (the cache is already too small), unless
         # the request outranks a running one; out of seats or blocks, a request that outranks
         # the last running one, or whose tenant is short of its fair share, preempts one.
+        # NOTE: a request preempted below to make room is not readmitted in this step: the
+        # fair-share order may rank it first again, and readmitting it would preempt it again
+        # for the same waiting request, forever.
+        made_room: set[str] = set()
         while fair.num_waiting and budget > 0:
             request = fair.peek()
             assert request is not None
             if preempted and running and running[-1].priority <= request.priority:
                 break
+            if request.req_id in made_room:
+                break
             if len(running) >= self.max_num_seqs:
-                freed = self._preempt_for(request, scheduled)
+                freed = self._preempt_for(request, scheduled, made_room)
                 if freed is None:
                     break
                 budget += freed
@@ -188,7 +194,7 @@ class Scheduler:
                     self._finish(request, RequestStatus.FINISHED_LENGTH_CAPPED)
                     self.capped.append(request)
                     continue
-                freed = self._preempt_for(request, scheduled)
+                freed = self._preempt_for(request, scheduled, made_room)
                 if freed is None:
                     break
                 budget += freed
@@ -274,12 +280,12 @@ class Scheduler:
             needs_logits=end == request.num_tokens,
         )
 
-    def _preempt_for(self, request: Request, scheduled: list[ScheduledRequest]) -> int | None:
+    def _preempt_for(self, request: Request, scheduled: list[ScheduledRequest], made_room: set[str]) -> int | None:
         """Preempts a running request to make room for ``request``, if one may go.
 
         The victim is the last running request when ``request`` has a strictly better
         priority, else the one ``FairShare.victim_for`` names. Its share of this step, if it
-        had one, is taken back out of ``scheduled``.
+        had one, is taken back out of ``scheduled``; its id is added to ``made_room``.
 
         Returns:
             The budget tokens given back, or None when no running request may go.
@@ -305,6 +311,7 @@ class Scheduler:
                     self.num_prompt_tokens_computed -= min(end, victim.num_prompt_tokens) - share.num_computed_tokens
                 break
         self._preempt(victim)
+        made_room.add(victim.req_id)
         return freed
 
     def _preempt(self, request: Request) -> None:

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -23,20 +21,11 @@ from integrations.openai_server.app import create_app
 from integrations.openai_server.serving import Serving
 from sdk.hooks import AuditLog
 from tests.integrations.conftest import LiveServer
+from tests.support.metrics_docs import documented_metrics
 
-DOCS = Path(__file__).resolve().parents[2] / "docs"
 COMPLETIONS = "/v1/completions"
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 PHASES = ("queue_s", "prefill_s", "decode_s")
-
-
-def documented_metrics() -> dict[str, str]:
-    """docs/server.md's metrics table: name -> type."""
-    text = (DOCS / "server.md").read_text()
-    section = text[text.index("## Metrics") :]
-    rows = re.findall(r"^\| `(paged_[a-z0-9_]+)` \| (counter|gauge|histogram) \|", section, re.M)
-    assert len(rows) >= 20
-    return dict(rows)
 
 
 @pytest.fixture(scope="module")

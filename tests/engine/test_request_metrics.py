@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from engine import Engine, SamplingParams
+from engine import Engine, SamplingParams, debug_log
 from engine.errors import RequestRejected
 
 LENGTH = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -97,3 +97,20 @@ def test_step_log_lines(engine: Engine, caplog: pytest.LogCaptureFixture) -> Non
     caplog.clear()
     _run(engine)
     assert not [r for r in caplog.records if r.name == "engine.debug"]
+
+
+def test_paged_debug_env_turns_the_step_log_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PAGED_DEBUG=1 enables engine.debug at DEBUG; unset or 0 leaves it off."""
+    logger = debug_log.logger
+    level, handlers = logger.level, list(logger.handlers)
+    try:
+        for value in ("", "0"):
+            monkeypatch.setenv(debug_log.DEBUG_ENV, value)
+            debug_log.configure_from_env()
+            assert not debug_log.is_enabled()
+        monkeypatch.setenv(debug_log.DEBUG_ENV, "1")
+        debug_log.configure_from_env()
+        assert debug_log.is_enabled()
+    finally:
+        logger.handlers = handlers
+        logger.setLevel(level)  # NOTE: setLevel, not assignment: it also clears the loggers' cached checks

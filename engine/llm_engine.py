@@ -316,11 +316,10 @@ class Engine:
         start = time.perf_counter()
         # NOTE: the one check of the step log per step; off, nothing below formats or times for it.
         debug = debug_log.is_enabled()
-        if debug:
-            if not self._debug:
-                self.step_log.start()
-            self.scheduler.events = []
+        if debug and not self._debug:
+            self.step_log.start()
         self._debug = debug
+        self.scheduler.events = [] if debug else None
         scheduler_output = self.scheduler.schedule()
         if debug:
             scheduled_at = time.perf_counter()
@@ -348,6 +347,7 @@ class Engine:
                 rows = [requests[s.req_id] for s in scheduler_output.scheduled if s.needs_logits]
                 self._sample_and_process(logits, rows, touched)
         computed_at = time.perf_counter()
+        self._busy_seconds += computed_at - start
         outputs = []
         for parent_id in touched:
             parent = self._parents.get(parent_id)
@@ -357,13 +357,9 @@ class Engine:
                 outputs.append(self._final_output(parent))
             elif emit_unfinished:
                 outputs.append(self.output_processor.make_output(parent))
-        end = time.perf_counter()
-        self._busy_seconds += end - start
         if debug:
-            events, self.scheduler.events = self.scheduler.events or [], None
-            self.step_log.step(
-                scheduler_output, requests_after_schedule, events, (start, scheduled_at, computed_at, end)
-            )
+            times = (start, scheduled_at, computed_at, time.perf_counter())
+            self.step_log.step(scheduler_output, requests_after_schedule, self.scheduler.events or [], times)
         return outputs
 
     def _sample_and_process(self, logits: Any, rows: list[Request], touched: dict[str, None]) -> None:

@@ -57,7 +57,7 @@ class Scheduler:
         # Requests schedule() had to finish because the KV cache cannot hold them; the engine
         # drains this list after each schedule() to emit their last output.
         self.capped: list[Request] = []
-        # Lifecycle events ("scheduled" / "preempted", request) since the engine last set this to
+        # Lifecycle events ("scheduled" | "resumed" | "preempted", request) since the engine set this to
         # a list; None (the default) records nothing. The engine's step log sets it.
         self.events: list[tuple[str, Request]] | None = None
 

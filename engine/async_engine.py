@@ -176,6 +176,7 @@ class AsyncEngine:
         self._queued_requests = 0
         self._queued_tokens = 0
         self._live_ids: set[str] = set()
+        self._num_rejected = 0  # requests refused here, before reaching the driver
         self._ids = itertools.count()
         self._id_prefix = uuid.uuid4().hex[:8]
         self._stats: dict[str, Any] = {}
@@ -239,8 +240,11 @@ class AsyncEngine:
         """The figures of ``Engine.stats()`` as published after the latest step, and ``engine_restarts``.
 
         A fresh engine's figures start from zero; while it starts, the dead one's last figures stay.
+        ``requests_rejected`` also counts the requests ``generate`` refused before they reached
+        the engine (bad options or prompt, admission limits full).
         """
-        return self._stats
+        stats = self._stats
+        return {**stats, "requests_rejected": stats["requests_rejected"] + self._num_rejected}
 
     # ---------------------------------------------------------------------------- requests
 
@@ -271,18 +275,23 @@ class AsyncEngine:
             EngineError: The engine failed this request, or is dead / shut down.
         """
         generation = self._check_alive()
-        params = check_params(params)
-        RequestOptions(request_id, priority, cache_salt)
-        TenantOptions(tenant, weight)
-        prompt_token_ids = tokenize(self._tokenizer, prompt)
-        self.engine.validate_prompt(prompt_token_ids)  # reads immutable settings only
-        grammar = None
-        if params.structured_output is not None:
-            grammar = await self._compile(params.structured_output)
-        if request_id is None:
-            request_id = f"{self._id_prefix}-{next(self._ids)}"
-        channel = _Channel(asyncio.get_running_loop(), len(prompt_token_ids), generation)
-        self._admit(request_id, channel)
+        try:
+            params = check_params(params)
+            RequestOptions(request_id, priority, cache_salt)
+            TenantOptions(tenant, weight)
+            prompt_token_ids = tokenize(self._tokenizer, prompt)
+            self.engine.validate_prompt(prompt_token_ids)  # reads immutable settings only
+            grammar = None
+            if params.structured_output is not None:
+                grammar = await self._compile(params.structured_output)
+            if request_id is None:
+                request_id = f"{self._id_prefix}-{next(self._ids)}"
+            channel = _Channel(asyncio.get_running_loop(), len(prompt_token_ids), generation)
+            self._admit(request_id, channel)
+        except (ParameterError, EngineOverloaded):
+            with self._lock:
+                self._num_rejected += 1
+            raise
         try:
             self._inbox.put(_Add(request_id, prompt_token_ids, params, priority, cache_salt, tenant, weight, channel, grammar))
             if (error := self._failure(generation)) is not None:

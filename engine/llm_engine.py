@@ -19,10 +19,12 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from engine import debug_log
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
 from engine.errors import EngineError, ParameterError, RequestRejected
+from engine.metrics import RequestStats
 from engine.model_info import eos_token_ids, model_name
 from engine.output_processor import OutputProcessor, ParentRequest
 from engine.outputs import RequestOutput
@@ -96,12 +98,16 @@ class Engine:
         # NOTE: a sequence never outgrows max_model_len nor what the whole KV cache holds.
         self.max_num_tokens = min(self.max_model_len, self.runner.num_blocks * self.config.block_size)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.request_stats = RequestStats()
+        debug_log.configure_from_env()
+        self.step_log = debug_log.StepLog(self.kv.block_pool)
         self._parents: dict[str, ParentRequest] = {}  # unfinished user requests (pins computing included)
         self._failures: dict[str, EngineError] = {}
         self._pins: set[str] = set()  # pinned prefixes, computing or held
         self._arrivals = itertools.count()
         self._ids = itertools.count()
         self._busy_seconds = 0.0
+        self._debug = False  # the step log's state, as checked at the latest step
 
     # ---------------------------------------------------------------------------- requests in
 
@@ -167,7 +173,18 @@ class Engine:
             ParameterError: The id is in use, ``params`` is not a SamplingParams, or
                 ``request_id``, ``priority``, ``cache_salt``, ``tenant`` or ``weight`` is out
                 of bounds, or the structured-output constraint does not compile.
+            Either is counted in ``stats()["requests_rejected"]``.
         """
+        try:
+            return self._add_request(request_id, prompt, params, priority, cache_salt, tenant, weight, grammar)
+        except ParameterError:
+            self.request_stats.num_rejected += 1
+            raise
+
+    def _add_request(
+        self, request_id: str | None, prompt: Prompt, params: SamplingParams | None, priority: int,
+        cache_salt: str | None, tenant: str | None, weight: float, grammar: Any,
+    ) -> str:
         params = check_params(params)
         RequestOptions(request_id, priority, cache_salt)
         TenantOptions(tenant, weight)
@@ -262,6 +279,11 @@ class Engine:
                 self.structured_output.add_request(child.req_id, grammar)
             self.scheduler.add_request(child)
         self._parents[request_id] = ParentRequest(request_id, prompt_token_ids, children)
+        if not keep_blocks:  # NOTE: pins are the engine's own requests, not counted as taken
+            self.request_stats.num_received += 1
+        if debug_log.is_enabled():
+            for child in children:
+                self.step_log.added(child)
 
     # ---------------------------------------------------------------------------- stepping
 
@@ -292,7 +314,16 @@ class Engine:
 
     def _step(self, emit_unfinished: bool) -> list[RequestOutput]:
         start = time.perf_counter()
+        # NOTE: the one check of the step log per step; off, nothing below formats or times for it.
+        debug = debug_log.is_enabled()
+        if debug and not self._debug:
+            self.step_log.start()
+        self._debug = debug
+        self.scheduler.events = [] if debug else None
         scheduler_output = self.scheduler.schedule()
+        if debug:
+            scheduled_at = time.perf_counter()
+            requests_after_schedule = dict(self.scheduler.requests)
         self.sampler.free(scheduler_output.finished_req_ids)
         self.structured_output.free(scheduler_output.finished_req_ids)
         touched: dict[str, None] = {}  # parent ids, in order
@@ -315,7 +346,8 @@ class Engine:
                 requests = self.scheduler.requests
                 rows = [requests[s.req_id] for s in scheduler_output.scheduled if s.needs_logits]
                 self._sample_and_process(logits, rows, touched)
-        self._busy_seconds += time.perf_counter() - start
+        computed_at = time.perf_counter()
+        self._busy_seconds += computed_at - start
         outputs = []
         for parent_id in touched:
             parent = self._parents.get(parent_id)
@@ -325,6 +357,9 @@ class Engine:
                 outputs.append(self._final_output(parent))
             elif emit_unfinished:
                 outputs.append(self.output_processor.make_output(parent))
+        if debug:
+            times = (start, scheduled_at, computed_at, time.perf_counter())
+            self.step_log.step(scheduler_output, requests_after_schedule, self.scheduler.events or [], times)
         return outputs
 
     def _sample_and_process(self, logits: Any, rows: list[Request], touched: dict[str, None]) -> None:
@@ -369,6 +404,14 @@ class Engine:
         del self._parents[parent.request_id]
         output = self.output_processor.make_output(parent)
         self.output_processor.free(parent)
+        reasons = [o.finish_reason for o in output.outputs]
+        reason = "abort" if "abort" in reasons else reasons[0]
+        assert reason is not None  # every completion of a finished request has its reason
+        if not parent.children[0].keep_blocks:
+            assert output.metrics is not None
+            self.request_stats.finished(reason, output.metrics)
+        if self._debug:
+            self.step_log.finished(output, reason)
         return output
 
     # ---------------------------------------------------------------------------- batch API
@@ -429,8 +472,13 @@ class Engine:
     # ---------------------------------------------------------------------------- figures
 
     def stats(self) -> dict[str, Any]:
-        """The engine's figures (names shared with ``/metrics`` and ``paged bench``)."""
-        kv, processor = self.kv.stats(), self.output_processor
+        """The engine's figures (names shared with ``/metrics`` and ``paged bench``).
+
+        ``tenant_requests`` maps each active tenant ("" for requests without one) to its
+        ``{"running", "waiting"}`` requests; ``tenant_computed_tokens`` maps every tenant seen
+        to the tokens computed for it; ``request_success`` maps finish reasons to requests.
+        """
+        kv, processor, fair = self.kv.stats(), self.output_processor, self.scheduler.fair
         return {
             "num_requests_running": self.scheduler.num_running,
             "num_requests_waiting": self.scheduler.num_waiting,
@@ -444,6 +492,14 @@ class Engine:
             "num_preemptions": self.scheduler.num_preemptions,
             "ttft_seconds": processor.ttft.snapshot(),
             "itl_seconds": processor.itl.snapshot(),
+            **self.request_stats.snapshot(),
+            "kv_token_usage": kv.token_utilization,
+            "kv_evictions": kv.num_evictions,
+            "tenant_requests": {
+                tenant or "": {"running": running, "waiting": waiting}
+                for tenant, (running, waiting) in fair.tenant_requests().items()
+            },
+            "tenant_computed_tokens": {tenant or "": n for tenant, n in fair.computed_tokens().items()},
             # output tokens per second of time spent stepping
             "generation_tokens_per_second": (
                 processor.num_generation_tokens / self._busy_seconds if self._busy_seconds else 0.0

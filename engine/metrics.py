@@ -1,10 +1,12 @@
-"""Histograms behind ``stats()`` and ``/metrics``: Prometheus-style cumulative buckets."""
+"""Counters and histograms behind ``stats()`` and ``/metrics``: Prometheus-style cumulative buckets."""
 
 from __future__ import annotations
 
 import bisect
 import math
 from typing import Any, Sequence
+
+from engine.outputs import RequestMetrics
 
 # Seconds; spans a fast GPU decode step (ms) to a long CPU queue wait (minutes).
 LATENCY_BUCKETS: tuple[float, ...] = (
@@ -70,4 +72,52 @@ class Histogram:
             "p90": self.quantile(0.9),
             "p99": self.quantile(0.99),
             "buckets": buckets,
+        }
+
+
+class RequestStats:
+    """What became of the user requests the engine took: counts by outcome and latency by phase.
+
+    NOTE: every request taken is counted once in ``num_received`` and, when it ends, once in
+    ``num_success[reason]`` or ``num_aborted`` (failed requests end as aborted), so
+    received = sum(success) + aborted + the requests still unfinished. Requests refused
+    before they entered (``num_rejected``) are in none of these.
+    """
+
+    def __init__(self) -> None:
+        self.num_received = 0
+        self.num_rejected = 0
+        self.num_aborted = 0
+        self.num_success: dict[str, int] = {}  # finish reason ("stop", "length") -> requests
+        self.e2e = Histogram()
+        self.queue_time = Histogram()
+        self.prefill_time = Histogram()
+        self.decode_time = Histogram()
+
+    def finished(self, reason: str, metrics: RequestMetrics) -> None:
+        """Counts one ended request and observes the phases it went through."""
+        if reason == "abort":
+            self.num_aborted += 1
+        else:
+            self.num_success[reason] = self.num_success.get(reason, 0) + 1
+        for histogram, value in (
+            (self.e2e, metrics.e2e_latency),
+            (self.queue_time, metrics.time_in_queue),
+            (self.prefill_time, metrics.prefill_time),
+            (self.decode_time, metrics.decode_time),
+        ):
+            if value is not None:
+                histogram.observe(value)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The ``stats()`` entries, under their agreed keys."""
+        return {
+            "requests_received": self.num_received,
+            "requests_rejected": self.num_rejected,
+            "requests_aborted": self.num_aborted,
+            "request_success": dict(self.num_success),
+            "e2e_request_latency_seconds": self.e2e.snapshot(),
+            "request_queue_time_seconds": self.queue_time.snapshot(),
+            "request_prefill_time_seconds": self.prefill_time.snapshot(),
+            "request_decode_time_seconds": self.decode_time.snapshot(),
         }

@@ -141,6 +141,8 @@ class OutputProcessor:
                 )
             )
         first = parent.children[0]
+        scheduled = [c.first_scheduled_time for c in parent.children if c.first_scheduled_time is not None]
+        num_cached = first.num_cached_tokens if scheduled else 0
         return RequestOutput(
             request_id=parent.request_id,
             prompt_token_ids=parent.prompt_token_ids,
@@ -149,8 +151,12 @@ class OutputProcessor:
             num_cached_tokens=first.num_cached_tokens,
             metrics=RequestMetrics(
                 arrival_time=first.arrival_time,
+                first_scheduled_time=min(scheduled, default=None),
                 first_token_time=min((s.first_token_time for s in sequences if s.first_token_time), default=None),
                 last_token_time=max((s.last_token_time for s in sequences if s.last_token_time), default=None),
                 finished_time=time.perf_counter() if finished else None,
+                preempted_seconds=max(c.preempted_seconds for c in parent.children),
+                num_computed_prompt_tokens=len(parent.prompt_token_ids) - num_cached if scheduled else 0,
+                num_cached_prompt_tokens=num_cached,
             ),
         )

@@ -34,16 +34,46 @@ class CompletionOutput:
 
 @dataclass(slots=True)
 class RequestMetrics:
-    """Timing of one request, in seconds of ``time.perf_counter()``."""
+    """Timing of one request, in seconds of ``time.perf_counter()``, and where its prompt's KV came from.
+
+    The phases split the request's life: queue (arrival to first scheduled), prefill (to the
+    first token), decode (to the finish); ``preempted_seconds`` is the part of prefill and
+    decode spent preempted, waiting to be readmitted. A phase a request never reached
+    (aborted while queued, say) is None.
+    """
 
     arrival_time: float
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    preempted_seconds: float = 0.0
+    num_computed_prompt_tokens: int = 0  # prompt tokens the model computed at first admission
+    num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache instead
 
     @property
     def ttft(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+        return _span(self.arrival_time, self.first_token_time)
+
+    @property
+    def time_in_queue(self) -> float | None:
+        return _span(self.arrival_time, self.first_scheduled_time)
+
+    @property
+    def prefill_time(self) -> float | None:
+        return _span(self.first_scheduled_time, self.first_token_time)
+
+    @property
+    def decode_time(self) -> float | None:
+        return _span(self.first_token_time, self.finished_time)
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return _span(self.arrival_time, self.finished_time)
+
+
+def _span(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else end - start
 
 
 @dataclass(slots=True)

@@ -46,7 +46,8 @@ class Request:
 
     NOTE: one writer per field. The constructor sets the inputs, which never change; the
     scheduler alone writes ``status``, ``all_token_ids``, ``num_computed_tokens``,
-    ``num_cached_tokens`` and ``num_preemptions``. What other parts keep per request (the
+    ``num_cached_tokens``, ``num_preemptions`` and the scheduling times
+    (``first_scheduled_time``, ``preempted_seconds``, ``preempted_at``). What other parts keep per request (the
     output processor's text and timings, the sampler's generator and penalty counts) they
     keep in their own tables, keyed by ``req_id``.
     """
@@ -71,6 +72,9 @@ class Request:
         "num_computed_tokens",
         "num_cached_tokens",
         "num_preemptions",
+        "first_scheduled_time",
+        "preempted_seconds",
+        "preempted_at",
     )
 
     def __init__(
@@ -113,6 +117,11 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.num_preemptions = 0
+        # NOTE: perf_counter seconds, like arrival_time: first admission into the batch, the
+        # time spent preempted (waiting to be readmitted), and when the current preemption began.
+        self.first_scheduled_time: float | None = None
+        self.preempted_seconds = 0.0
+        self.preempted_at: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -28,6 +28,7 @@ from sdk.types import (
     CompletionResult,
     Delta,
     FinishReason,
+    RequestLatency,
     Usage,
 )
 
@@ -56,5 +57,6 @@ __all__ = [
     "Runtime",
     "Stop",
     "TenantPolicy",
+    "RequestLatency",
     "Usage",
 ]

@@ -447,6 +447,7 @@ class AsyncClient:
                         prompt_tokens=len(out.prompt_token_ids),
                         completion_tokens=num_completion_tokens,
                         cached_tokens=out.num_cached_tokens,
+                        latency=out.latency,
                     )
                     delta = Delta(
                         request_id=ctx.request_id,

@@ -21,7 +21,7 @@ import aiohttp
 
 from sdk.errors import EngineFailure, InvalidRequestError, from_wire
 from sdk.transport import EngineRequest, PrefixPin, Transport, TransportOutput
-from sdk.types import ChatMessage, TokenLogprob, TopLogprob
+from sdk.types import ChatMessage, RequestLatency, TokenLogprob, TopLogprob
 from sdk.tools import ToolSpec
 from sdk.wire import Route, format_to_wire, message_to_wire, to_wire, tool_call_delta_from_wire
 
@@ -202,6 +202,7 @@ async def _read_stream(resp: aiohttp.ClientResponse, num_choices: int) -> AsyncI
     """
     prompt_ids: list[int] = []
     num_cached = 0
+    latency: RequestLatency | None = None
     finished: set[int] = set()
     last: TransportOutput | None = None
     async for raw in resp.content:
@@ -218,6 +219,8 @@ async def _read_stream(resp: aiohttp.ClientResponse, num_choices: int) -> AsyncI
         usage = event.get("usage")
         if usage:
             num_cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
+            if usage.get("latency"):  # ``paged serve``'s extension; other servers have none
+                latency = RequestLatency.model_validate(usage["latency"])
         for choice in event.get("choices") or ():
             text = choice.get("text")
             if text is None:
@@ -239,7 +242,7 @@ async def _read_stream(resp: aiohttp.ClientResponse, num_choices: int) -> AsyncI
                 yield out
     if last is None:
         raise EngineFailure("the server closed the stream before the request finished")
-    last.prompt_token_ids, last.num_cached_tokens = prompt_ids, num_cached
+    last.prompt_token_ids, last.num_cached_tokens, last.latency = prompt_ids, num_cached, latency
     yield last
 
 

@@ -21,11 +21,11 @@ from sdk.prompt_worker import PROMPT_WORKER
 from sdk.response_format import request_param, to_structured_output
 from sdk.runtime import Runtime
 from sdk.tools import ToolCallDelta, ToolCallParser, ToolSpec, tool_constraint
-from sdk.types import ChatMessage, TokenLogprob, TopLogprob
+from sdk.types import ChatMessage, RequestLatency, TokenLogprob, TopLogprob
 
 if TYPE_CHECKING:
     from engine import AsyncEngine
-    from engine.outputs import Logprob
+    from engine.outputs import Logprob, RequestMetrics
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +57,7 @@ class TransportOutput:
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when asked for
     index: int = 0  # which of the request's n completions
     tool_calls: list[ToolCallDelta] | None = None  # new output of the completion's tool calls
+    latency: RequestLatency | None = None  # the engine's breakdown, on the outputs of a finished request
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +210,7 @@ class InProcessTransport(Transport):
             parses_calls = request.tools is not None and request.tool_choice != "none"
             parsers = [ToolCallParser(request.tools) for _ in range(params.n)] if parses_calls else None  # type: ignore[arg-type]
             async for out in stream:
+                latency = _latency(out.metrics) if out.finished and out.metrics is not None else None
                 for completion in out.outputs:
                     progress = sent[completion.index]
                     num_text, num_tokens, done = progress
@@ -241,6 +243,7 @@ class InProcessTransport(Transport):
                         logprobs=logprobs,
                         index=completion.index,
                         tool_calls=calls or None,
+                        latency=latency,
                     )
         except engine_errors.ParameterError as exc:  # bad knobs, a prompt that can never be served, an id in use
             if exc.param.startswith("structured_output"):  # a constraint the engine could not compile
@@ -282,6 +285,19 @@ def engine_constraint(request: EngineRequest) -> Any:
     if request.tools is not None and request.tool_choice is not None:
         return tool_constraint(request.tools, request.tool_choice, request.parallel_tool_calls)
     return to_structured_output(request.response_format)
+
+
+def _latency(metrics: RequestMetrics) -> RequestLatency:
+    """The engine's timing of a finished request, as the SDK reports it."""
+    return RequestLatency(
+        e2e_s=metrics.e2e_latency,
+        queue_s=metrics.time_in_queue,
+        prefill_s=metrics.prefill_time,
+        decode_s=metrics.decode_time,
+        preempted_s=metrics.preempted_seconds,
+        computed_prompt_tokens=metrics.num_computed_prompt_tokens,
+        cached_prompt_tokens=metrics.num_cached_prompt_tokens,
+    )
 
 
 def _token_logprob(entry: dict[int, Logprob], token_id: int, top_k: int) -> TokenLogprob:

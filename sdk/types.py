@@ -105,6 +105,28 @@ class CompletionRequest(_RequestBase):
     prompt: str | list[int]
 
 
+class RequestLatency(BaseModel):
+    """Where one request's time went, by the engine's clock, and where its prompt's KV came from.
+
+    ``queue_s + prefill_s + decode_s == e2e_s``; ``preempted_s`` is the part of prefill and
+    decode the request spent preempted. A phase the request never reached is None.
+    """
+
+    e2e_s: float | None = None
+    """Arrival in the engine to finish."""
+    queue_s: float | None = None
+    """Arrival to first scheduled."""
+    prefill_s: float | None = None
+    """First scheduled to first token."""
+    decode_s: float | None = None
+    """First token to finish."""
+    preempted_s: float = 0.0
+    computed_prompt_tokens: int = 0
+    """Prompt tokens the model computed."""
+    cached_prompt_tokens: int = 0
+    """Prompt tokens served from the prefix cache instead."""
+
+
 class Usage(BaseModel):
     """Token counts of one request."""
 
@@ -112,6 +134,9 @@ class Usage(BaseModel):
     completion_tokens: int = 0
     cached_tokens: int = 0
     """Prompt tokens served from the prefix cache (not recomputed)."""
+    latency: RequestLatency | None = None
+    """The engine's breakdown of the request's time, once it finished there; None before, or
+    over a transport whose server does not report it."""
 
     @computed_field  # type: ignore[prop-decorator]
     @property

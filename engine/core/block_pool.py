@@ -56,6 +56,10 @@ class BlockPool:
         # NOTE: insertion order is eviction order: the first entry is evicted first.
         self.evictable: OrderedDict[int, None] = OrderedDict()
         self.cached_block_hash_to_id: dict[BlockHash, int] = {}
+        # Running totals (the step log reports their change per step): blocks taken by
+        # get_new_blocks, blocks whose last reference free_blocks dropped, cached blocks evicted.
+        self.num_allocated = 0
+        self.num_freed = 0
         self.num_evictions = 0
 
     @property
@@ -100,6 +104,7 @@ class BlockPool:
             taken += evicted
         for block in taken:
             block.ref_cnt = 1
+        self.num_allocated += num_blocks
         return taken
 
     def touch(self, block_ids: Iterable[int]) -> None:
@@ -120,6 +125,7 @@ class BlockPool:
             block = self.blocks[block_id]
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
+                self.num_freed += 1
                 if block.block_hash is None:
                     self.free_block_ids.append(block_id)
                 else:

@@ -36,6 +36,7 @@ class _Tenant:
     num_unfinished: int = 0
     num_running: int = 0
     num_waiting: int = 0
+    num_computed_tokens: int = 0  # tokens scheduled for it, unweighted, while active
     waiting: list[tuple[int, int, Request]] = field(default_factory=list)  # (priority, arrival, request); lazy deletes
 
 
@@ -50,6 +51,9 @@ class FairShare:
     def __init__(self) -> None:
         self._tenants: dict[str | None, _Tenant] = {}
         self._floor = 0.0  # the usage a tenant starts at when none is active
+        # NOTE: tokens computed for tenants no longer active; with the active ones' counts
+        # these make a monotonic total per tenant (``computed_tokens``).
+        self._retired_tokens: dict[str | None, int] = {}
         self.num_waiting = 0
 
     # ------------------------------------------------------------------------ transitions
@@ -113,6 +117,8 @@ class FairShare:
         if not tenant.num_unfinished:
             # NOTE: the next tenant to arrive alone starts here, not at zero: idle time is no credit.
             self._floor = max(self._floor, tenant.usage)
+            retired = self._retired_tokens
+            retired[request.tenant] = retired.get(request.tenant, 0) + tenant.num_computed_tokens
             del self._tenants[request.tenant]
 
     def charge(self, scheduled: Iterable[tuple[Request, int]]) -> None:
@@ -121,6 +127,7 @@ class FairShare:
         for request, num_tokens in scheduled:
             tenant = tenants[request.tenant]
             tenant.usage += num_tokens / tenant.weight
+            tenant.num_computed_tokens += num_tokens
 
     # ------------------------------------------------------------------------ reads
 
@@ -155,3 +162,14 @@ class FairShare:
         """A tenant's usage (tokens per weight); None when it is not active."""
         found = self._tenants.get(tenant)
         return None if found is None else found.usage
+
+    def tenant_requests(self) -> dict[str | None, tuple[int, int]]:
+        """Each active tenant's ``(num_running, num_waiting)``."""
+        return {name: (t.num_running, t.num_waiting) for name, t in self._tenants.items()}
+
+    def computed_tokens(self) -> dict[str | None, int]:
+        """Tokens scheduled for each tenant seen so far (prefill chunks and decode tokens); only grows."""
+        totals = dict(self._retired_tokens)
+        for name, tenant in self._tenants.items():
+            totals[name] = totals.get(name, 0) + tenant.num_computed_tokens
+        return totals

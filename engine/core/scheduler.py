@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from collections.abc import Collection, Iterable
 
 from engine.core.fair_share import FairShare
@@ -56,6 +57,9 @@ class Scheduler:
         # Requests schedule() had to finish because the KV cache cannot hold them; the engine
         # drains this list after each schedule() to emit their last output.
         self.capped: list[Request] = []
+        # Lifecycle events ("scheduled" | "resumed" | "preempted", request) since the engine set this to
+        # a list; None (the default) records nothing. The engine's step log sets it.
+        self.events: list[tuple[str, Request]] | None = None
 
     @property
     def num_running(self) -> int:
@@ -158,13 +162,19 @@ class Scheduler:
         # NOTE: no admissions in a step that preempted (the cache is already too small), unless
         # the request outranks a running one; out of seats or blocks, a request that outranks
         # the last running one, or whose tenant is short of its fair share, preempts one.
+        # NOTE: a request preempted below to make room is not readmitted in this step: the
+        # fair-share order may rank it first again, and readmitting it would preempt it again
+        # for the same waiting request, forever.
+        made_room: set[str] = set()
         while fair.num_waiting and budget > 0:
             request = fair.peek()
             assert request is not None
             if preempted and running and running[-1].priority <= request.priority:
                 break
+            if request.req_id in made_room:
+                break
             if len(running) >= self.max_num_seqs:
-                freed = self._preempt_for(request, scheduled)
+                freed = self._preempt_for(request, scheduled, made_room)
                 if freed is None:
                     break
                 budget += freed
@@ -184,14 +194,20 @@ class Scheduler:
                     self._finish(request, RequestStatus.FINISHED_LENGTH_CAPPED)
                     self.capped.append(request)
                     continue
-                freed = self._preempt_for(request, scheduled)
+                freed = self._preempt_for(request, scheduled, made_room)
                 if freed is None:
                     break
                 budget += freed
                 continue
             fair.pop(request)
-            if request.status == RequestStatus.WAITING:
+            is_new = request.status == RequestStatus.WAITING
+            if is_new:
                 request.num_cached_tokens = computed.num_computed_tokens
+                request.first_scheduled_time = time.perf_counter()
+            else:
+                self._end_preemption(request)
+            if self.events is not None:
+                self.events.append(("scheduled" if is_new else "resumed", request))
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = computed.num_computed_tokens
             bisect.insort(running, request, key=fair.order)
@@ -264,12 +280,12 @@ class Scheduler:
             needs_logits=end == request.num_tokens,
         )
 
-    def _preempt_for(self, request: Request, scheduled: list[ScheduledRequest]) -> int | None:
+    def _preempt_for(self, request: Request, scheduled: list[ScheduledRequest], made_room: set[str]) -> int | None:
         """Preempts a running request to make room for ``request``, if one may go.
 
         The victim is the last running request when ``request`` has a strictly better
         priority, else the one ``FairShare.victim_for`` names. Its share of this step, if it
-        had one, is taken back out of ``scheduled``.
+        had one, is taken back out of ``scheduled``; its id is added to ``made_room``.
 
         Returns:
             The budget tokens given back, or None when no running request may go.
@@ -295,6 +311,7 @@ class Scheduler:
                     self.num_prompt_tokens_computed -= min(end, victim.num_prompt_tokens) - share.num_computed_tokens
                 break
         self._preempt(victim)
+        made_room.add(victim.req_id)
         return freed
 
     def _preempt(self, request: Request) -> None:
@@ -304,12 +321,23 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        request.preempted_at = time.perf_counter()
         self.num_preemptions += 1
         self.fair.push(request)
+        if self.events is not None:
+            self.events.append(("preempted", request))
+
+    @staticmethod
+    def _end_preemption(request: Request) -> None:
+        if request.preempted_at is not None:
+            request.preempted_seconds += time.perf_counter() - request.preempted_at
+            request.preempted_at = None
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status == RequestStatus.RUNNING:
             self.fair.run_stopped(request)
+        elif request.status == RequestStatus.PREEMPTED:
+            self._end_preemption(request)
         self.fair.finish(request, was_queued=request.status in _QUEUED)
         request.status = status
         # NOTE: a pinned prefix that computed its prompt keeps its blocks (the engine unpins it);

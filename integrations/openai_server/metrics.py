@@ -1,10 +1,12 @@
 """``/metrics``: the engine's ``stats()`` in Prometheus text format, read at scrape time.
 
 Names are ``paged_`` + the ``Engine.stats()`` key; monotonic figures are counters (the
-exposition adds ``_total``), the rest gauges, ``ttft_seconds`` / ``itl_seconds``
-histograms. Two derived gauges: ``paged_kv_cache_usage`` (used / total blocks) and
+exposition adds ``_total``), the rest gauges, the ``*_seconds`` latencies histograms. Three
+labelled families: ``paged_request_success_total{finished_reason}``,
+``paged_tenant_requests{tenant,state}`` and ``paged_tenant_computed_tokens_total{tenant}``.
+Two derived gauges: ``paged_kv_cache_usage`` (used / total blocks) and
 ``paged_prefix_cache_hit_rate`` (hit tokens / queried tokens). The server adds its own
-``paged_http_requests_total{route,status}``.
+``paged_http_requests_total{route,status}``. docs/server.md lists them all.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ GAUGES = {
     "kv_blocks_total": "KV cache blocks in the pool.",
     "kv_blocks_used": "KV cache blocks referenced by running requests.",
     "kv_blocks_cached": "Free KV cache blocks that still hold a reusable prefix.",
+    "kv_token_usage": "Tokens held in the used KV blocks / the slots of those blocks.",
 }
 COUNTERS = {
     "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
@@ -33,11 +36,21 @@ COUNTERS = {
     "generation_tokens": "Tokens generated.",
     "num_preemptions": "Requests preempted for lack of KV blocks.",
     "engine_restarts": "Fresh engines started (or tried) after the engine's driver died.",
+    "kv_evictions": "Cached KV blocks evicted to make room.",
+    "requests_received": "Requests the engine took.",
+    "requests_aborted": "Requests that ended aborted (cancelled, disconnected or failed).",
+    "requests_rejected": "Requests refused before entering the engine (invalid, or admission limits full).",
 }
 HISTOGRAMS = {
     "ttft_seconds": "Time to first token.",
     "itl_seconds": "Inter-token latency.",
+    "e2e_request_latency_seconds": "Request latency, arrival to finish.",
+    "request_queue_time_seconds": "Time from arrival to first scheduled.",
+    "request_prefill_time_seconds": "Time from first scheduled to first token.",
+    "request_decode_time_seconds": "Time from first token to finish.",
 }
+# NOTE: always exposed, so a dashboard's series exist before the first request ends that way.
+SUCCESS_REASONS = ("stop", "length")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -73,6 +86,32 @@ class EngineCollector(Collector):
                 "Prompt tokens served from the prefix cache / prompt tokens queried.",
                 value=hits / queries if queries else 0.0,
             )
+        if "request_success" in stats:
+            success = CounterMetricFamily(
+                PREFIX + "request_success", "Requests finished, by finish reason (aborts apart).",
+                labels=["finished_reason"],
+            )  # fmt: skip
+            counts = {reason: 0 for reason in SUCCESS_REASONS} | dict(stats["request_success"])
+            for reason, n in counts.items():
+                success.add_metric([reason], float(n))
+            yield success
+        if "tenant_requests" in stats:
+            tenants = GaugeMetricFamily(
+                PREFIX + "tenant_requests", "Requests of each active tenant, running or waiting.",
+                labels=["tenant", "state"],
+            )  # fmt: skip
+            for tenant, states in stats["tenant_requests"].items():
+                for state in ("running", "waiting"):
+                    tenants.add_metric([tenant, state], float(states[state]))
+            yield tenants
+        if "tenant_computed_tokens" in stats:
+            computed = CounterMetricFamily(
+                PREFIX + "tenant_computed_tokens", "Tokens computed for each tenant (its fair-share usage).",
+                labels=["tenant"],
+            )  # fmt: skip
+            for tenant, n in stats["tenant_computed_tokens"].items():
+                computed.add_metric([tenant], float(n))
+            yield computed
         for key, doc in HISTOGRAMS.items():
             if key in stats:
                 buckets, _, total_sum = histogram_parts(stats[key])

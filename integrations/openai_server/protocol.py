@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, create_model, model_serializer
 
 from sdk.fields import REQUEST_KNOBS, SAMPLING_KNOBS, field, sampling_fields
+from sdk.types import RequestLatency
 from sdk.wire import WIRE_NAMES, Route
 
 
@@ -170,6 +171,7 @@ class Usage(BaseModel):
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: dict[str, int] | None = None
+    latency: RequestLatency | None = None  # an extension: the engine's per-request breakdown
 
 
 class TopLogprob(BaseModel):

@@ -7,7 +7,7 @@ import math
 from integrations.openai_server import protocol as p
 from integrations.openai_server.serving import Chunk
 from sdk.rate_limit import RateLimitState
-from sdk.types import TokenLogprob
+from sdk.types import RequestLatency, TokenLogprob
 
 
 def chat_logprobs(chunks: list[Chunk]) -> p.ChatLogprobs:
@@ -47,19 +47,46 @@ def token_ids(chunks: list[Chunk]) -> list[int]:
 
 
 def usage(finals: list[Chunk]) -> p.Usage:
-    """Usage over the request's prompts: each SDK request's totals (on its last chunk) summed."""
+    """Usage over the request's prompts: each SDK request's totals (on its last chunk) summed.
+
+    The ``latency`` extension is the request's breakdown; over several prompts, each phase is
+    the longest of theirs (they ran side by side) and the prompt token counts are summed.
+    """
     prompt = cached = completion = 0
+    latencies: list[RequestLatency] = []
     for chunk in finals:
         if chunk.usage is None:
             continue
         prompt += chunk.usage.prompt_tokens
         cached += chunk.usage.cached_tokens
         completion += chunk.usage.completion_tokens
+        if chunk.usage.latency is not None:
+            latencies.append(chunk.usage.latency)
     return p.Usage(
         prompt_tokens=prompt,
         completion_tokens=completion,
         total_tokens=prompt + completion,
         prompt_tokens_details={"cached_tokens": cached},
+        latency=_combined(latencies) if latencies and len(latencies) == len(finals) else None,
+    )
+
+
+def _combined(latencies: list[RequestLatency]) -> RequestLatency:
+    if len(latencies) == 1:
+        return latencies[0]
+
+    def longest(name: str) -> float | None:
+        values = [v for v in (getattr(lat, name) for lat in latencies) if v is not None]
+        return max(values) if values else None
+
+    return RequestLatency(
+        e2e_s=longest("e2e_s"),
+        queue_s=longest("queue_s"),
+        prefill_s=longest("prefill_s"),
+        decode_s=longest("decode_s"),
+        preempted_s=max(lat.preempted_s for lat in latencies),
+        computed_prompt_tokens=sum(lat.computed_prompt_tokens for lat in latencies),
+        cached_prompt_tokens=sum(lat.cached_prompt_tokens for lat in latencies),
     )
 
 

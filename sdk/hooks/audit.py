@@ -114,6 +114,9 @@ class AuditLog(Hook):
             "prompt_tokens": ctx.usage.prompt_tokens,
             "completion_tokens": ctx.usage.completion_tokens,
             "cached_tokens": ctx.usage.cached_tokens,
+            # the engine's split of the request's time (queue, prefill, decode, preempted) and
+            # of its prompt (computed, cached); None when it did not finish in the engine
+            "latency_breakdown": None if ctx.usage.latency is None else ctx.usage.latency.model_dump(),
             "finish_reason": ctx.finish_reason,
             "error": None if ctx.error is None else type(ctx.error).__name__,
             "decisions": [

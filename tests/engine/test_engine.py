@@ -12,6 +12,9 @@ STATS_KEYS = {
     "num_requests_running", "num_requests_waiting", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached",
     "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens_computed", "generation_tokens", "num_preemptions",
     "ttft_seconds", "itl_seconds", "generation_tokens_per_second", "weights",
+    "requests_received", "requests_rejected", "requests_aborted", "request_success", "e2e_request_latency_seconds",
+    "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds", "kv_token_usage",
+    "kv_evictions", "tenant_requests", "tenant_computed_tokens",
 }
 
 

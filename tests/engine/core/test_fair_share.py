@@ -135,3 +135,16 @@ def test_one_tenant_keeps_priority_then_arrival_order() -> None:
     assert step(s) == ["y", "w"]
     assert step(s) == ["x", "z"]
     assert s.num_preemptions == 0
+
+
+def test_two_tenants_short_of_blocks_finish_without_a_preemption_loop() -> None:
+    """Out of blocks, a request preempted to make room is not readmitted in the same step (that looped forever)."""
+    s = make_scheduler(max_num_seqs=8, num_blocks=40)
+    for i in range(6):
+        s.add_request(make_request(f"r{i}", "a" if i % 2 else "b", prompt_len=20, max_tokens=24))
+    for _ in range(200):
+        if not s.has_unfinished_requests():
+            break
+        step(s)
+    assert not s.has_unfinished_requests() and s.num_preemptions > 0
+    assert s.kv.num_free_blocks == 40

@@ -1,4 +1,4 @@
-"""The engine, the SDK and the server run without the optional extras: Triton, LangChain, LlamaIndex.
+"""The engine, the SDK and the server run without the optional extras: Triton, LangChain, LlamaIndex, Ray.
 
 Each check runs in a fresh interpreter whose ``sys.meta_path`` refuses those packages, as if
 they were not installed, and records every attempt to import one.
@@ -19,7 +19,7 @@ import importlib.abc
 import json
 import sys
 
-BLOCKED = {"triton", "langchain_core", "llama_index"}
+BLOCKED = {"triton", "langchain_core", "llama_index", "ray"}
 attempts = []
 
 

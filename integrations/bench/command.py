@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from integrations.bench import vllm_runs
+from integrations.bench import http_command, vllm_runs
 from integrations.bench.workloads import WORKLOADS
 from integrations.engine_flags import add_engine_arguments, engine_config, engine_kwargs
 
@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx")  # in machine_info; "amx" stands for any amx_* flag
 OFFLINE_WORKLOADS = ("shared-prefix", "distinct", "rag")  # those --compare runs the baselines on
+SWEEP_LEVELS = [1, 2, 4, 8, 16, 32, 64, 128]  # --workload sweep without --concurrency
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,14 +64,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--concurrency",
         type=_int_list,
-        default=[1, 2, 4, 8, 16, 32, 64, 128],
-        help="sweep: comma-separated concurrency levels (each level runs the engine with --max-num-seqs at it)",
+        default=None,
+        help="sweep: comma-separated concurrency levels (each level runs the engine with --max-num-seqs at it; "
+        f"default: {','.join(map(str, SWEEP_LEVELS))}); with --base-url: a closed loop at each level",
     )
     parser.add_argument(
         "--threads", type=_positive_int, default=None, help="torch CPU threads for every contender (default: torch's)"
     )
     parser.add_argument("--no-ceiling", action="store_true", help="skip the matmul ceiling measurement")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    http_command.add_arguments(parser)
     add_engine_arguments(parser)
 
 
@@ -110,7 +113,11 @@ def run(args: argparse.Namespace) -> int:
         FlagError: an engine flag the config refuses, or ``VllmEnvMissing`` for ``--baselines vllm``
             without vLLM's environment (``paged`` reports both as usage errors), before anything loads.
         VllmRunFailed: the vLLM run failed (``paged`` prints the message, which names its log).
+        ServerUnusable: with ``--base-url``, the server cannot be benchmarked (``http_command.run``).
     """
+    if args.base_url is not None:
+        return http_command.run(args)
+    http_command.refuse_http_flags(args)
     config = engine_config(args)
     baseline_names = args.baselines if args.compare else []
     vllm_python = None
@@ -140,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
     dtype_name = str(weight_dtype).removeprefix("torch.")
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    num_requests = max(args.num_requests, max(args.concurrency)) if args.workload == "sweep" else args.num_requests
+    levels = args.concurrency or SWEEP_LEVELS
+    num_requests = max(args.num_requests, max(levels)) if args.workload == "sweep" else args.num_requests
     workload = build_workload(args.workload, tokenizer, num_requests)
 
     bar = tqdm(
@@ -161,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.workload == "sweep":
         hf_model = baselines.load_hf_model(model_dir, weight_dtype, device) if args.compare else None
         sweep = engine_runs.concurrency_sweep(
-            model, engine_fields, workload.prompts, args.max_tokens, args.concurrency, hf_model,
+            model, engine_fields, workload.prompts, args.max_tokens, levels, hf_model,
             pad_token_id, bar.update,
         )
     elif args.workload == "structured":

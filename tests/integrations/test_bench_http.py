@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import csv
+import importlib.util
 import json
 import os
 import random
@@ -200,3 +202,27 @@ def test_paged_serve_against_in_process(tiny_model_factory, tmp_path):
     assert ratio == pytest.approx(http["tokens_per_s"] / engine["tokens_per_s"]) and 0 < ratio
     assert http["ratio_to_engine"] == pytest.approx(ratio)
     assert report["protocol"]["engine"]["num_blocks"] == 256
+
+
+LOCUSTFILE = ROOT / "examples" / "locustfile.py"
+
+
+def test_locustfile_compiles():
+    """The locust example is valid Python (locust itself is not a dependency)."""
+    compile(LOCUSTFILE.read_text(), str(LOCUSTFILE), "exec")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("locust") is None, reason="locust is not installed")
+def test_locustfile_reports_ttft_against_the_stub(stub, tmp_path):
+    """Headless locust on the example streams the workload from the stub and reports TTFT within its delay."""
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PAGED_API_KEY": KEY, "PAGED_MAX_TOKENS": "3", "PYTHONPATH": path}
+    cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--host", stub.server.root, "--headless",
+           "--users", "2", "--spawn-rate", "2", "--run-time", "3s", "--csv", str(tmp_path / "run"), "--only-summary"]  # fmt: skip
+    subprocess.run(cmd, cwd=tmp_path, env=env, check=True, capture_output=True, timeout=60)
+    with open(tmp_path / "run_stats.csv") as f:
+        rows = {row["Name"]: row for row in csv.DictReader(f)}
+    ttft, stream = rows["time to first token"], rows["chat (stream)"]
+    assert int(ttft["Request Count"]) == int(stream["Request Count"]) > 0 and int(stream["Failure Count"]) == 0
+    assert TTFT_S * 1e3 <= float(ttft["Median Response Time"]) < (TTFT_S + 0.2) * 1e3
+    assert stub.bodies[-1]["stream"] is True and stub.bodies[-1]["max_tokens"] == 3

@@ -168,7 +168,7 @@ class Figures:
     def window_s(self) -> float | None:
         return self.current.time - self.base.time if self.base else None
 
-    def gauge(self, name: str, **labels: str) -> float | None:
+    def value(self, name: str, **labels: str) -> float | None:
         return self.current.value(name, **labels)
 
     def increase(self, name: str, **labels: str) -> float | None:
@@ -257,30 +257,30 @@ def render(figures: Figures, url: str, problem: str | None = None) -> Any:
             table.add_row(label, value)
         return table
 
-    total_blocks, used_blocks = f.gauge("paged_kv_blocks_total"), f.gauge("paged_kv_blocks_used")
-    preempt = f.gauge("paged_num_preemptions_total")
+    total_blocks, used_blocks = f.value("paged_kv_blocks_total"), f.value("paged_kv_blocks_used")
+    preempt = f.value("paged_num_preemptions_total")
     requests = pairs("Requests", [
-        ("running", _num(f.gauge("paged_num_requests_running"))),
-        ("waiting", _num(f.gauge("paged_num_requests_waiting"))),
+        ("running", _num(f.value("paged_num_requests_running"))),
+        ("waiting", _num(f.value("paged_num_requests_waiting"))),
         ("finished/s", _num(f.finished_rate(), ".2f")),
-        ("received", _num(f.gauge("paged_requests_received_total"))),
-        ("aborted", _num(f.gauge("paged_requests_aborted_total"))),
-        ("rejected", _num(f.gauge("paged_requests_rejected_total"))),
+        ("received", _num(f.value("paged_requests_received_total"))),
+        ("aborted", _num(f.value("paged_requests_aborted_total"))),
+        ("rejected", _num(f.value("paged_requests_rejected_total"))),
     ])  # fmt: skip
     kv = pairs("KV cache", [
         ("blocks used / total", f"{_num(used_blocks)} / {_num(total_blocks)}"),
-        ("blocks cached", _num(f.gauge("paged_kv_blocks_cached"))),
-        ("block usage", _num(f.gauge("paged_kv_cache_usage"), ".1%")),
-        ("token utilization", _num(f.gauge("paged_kv_token_usage"), ".1%")),
-        ("evictions", _num(f.gauge("paged_kv_evictions_total"))),
+        ("blocks cached", _num(f.value("paged_kv_blocks_cached"))),
+        ("block usage", _num(f.value("paged_kv_cache_usage"), ".1%")),
+        ("token utilization", _num(f.value("paged_kv_token_usage"), ".1%")),
+        ("evictions", _num(f.value("paged_kv_evictions_total"))),
     ])  # fmt: skip
     throughput = pairs("Throughput", [
         ("output tok/s", _num(f.rate("paged_generation_tokens_total"), ".1f")),
         ("prompt tok/s computed", _num(f.rate("paged_prompt_tokens_computed_total"), ".1f")),
         ("prefix hit (window)", _num(f.window_hit_rate(), ".1%")),
-        ("prefix hit (total)", _num(f.gauge("paged_prefix_cache_hit_rate"), ".1%")),
+        ("prefix hit (total)", _num(f.value("paged_prefix_cache_hit_rate"), ".1%")),
         ("preemptions", f"{_num(preempt)} (+{_num(f.increase('paged_num_preemptions_total'))})"),
-        ("engine restarts", _num(f.gauge("paged_engine_restarts_total"))),
+        ("engine restarts", _num(f.value("paged_engine_restarts_total"))),
     ])  # fmt: skip
 
     latency = Table(title="Latency", title_justify="left", box=None, pad_edge=False)
@@ -298,8 +298,8 @@ def render(figures: Figures, url: str, problem: str | None = None) -> Any:
     for tenant in names:
         tenants.add_row(
             tenant,
-            _num(f.gauge("paged_tenant_requests", tenant=tenant, state="running")),
-            _num(f.gauge("paged_tenant_requests", tenant=tenant, state="waiting")),
+            _num(f.value("paged_tenant_requests", tenant=tenant, state="running")),
+            _num(f.value("paged_tenant_requests", tenant=tenant, state="waiting")),
             _num(f.rate("paged_tenant_computed_tokens_total", tenant=tenant), ".1f"),
         )
     if not names:
@@ -340,7 +340,12 @@ class _Keys:
             time.sleep(timeout)
             return None
         ready, _, _ = select.select([self.fd], [], [], timeout)
-        return os.read(self.fd, 1).decode(errors="replace") if ready else None
+        if not ready:
+            return None
+        key = os.read(self.fd, 1).decode(errors="replace")
+        if not key:  # the terminal closed its input: stop reading it
+            self.fd = None
+        return key or None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -66,9 +66,9 @@ def test_figures_rates_and_windowed_quantiles():
     assert f.rate("paged_generation_tokens_total") == pytest.approx(150.0)
     assert f.finished_rate() == pytest.approx(3.0)  # 6 more successes over 2 s
     assert f.window_hit_rate() == pytest.approx(0.75)
-    assert f.gauge("paged_kv_token_usage") == 0.75 and f.gauge("paged_kv_cache_usage") is None
+    assert f.value("paged_kv_token_usage") == 0.75 and f.value("paged_kv_cache_usage") is None
     assert f.tenants() == ["alice"]
-    assert f.gauge("paged_tenant_requests", tenant="alice", state="waiting") == 1
+    assert f.value("paged_tenant_requests", tenant="alice", state="waiting") == 1
     assert f.rate("paged_tenant_computed_tokens_total", tenant="alice") == pytest.approx(100.0)
     # The window saw 10 requests, all in (0, 0.5]; since start half were in (0.5, 1].
     assert f.quantile("paged_e2e_request_latency_seconds", 0.5, recent=True) == pytest.approx(0.25)
@@ -167,6 +167,13 @@ def test_live_screen_under_load_in_a_pty(server):
         child.expect(pexpect.EOF, timeout=5)
         child.close()
         assert child.exitstatus == 0 and time.monotonic() - start < 5
+        child = pexpect.spawn(sys.executable, ["-m", "integrations.cli", "top", "--url", server.root], cwd=str(ROOT),
+                              env=env, dimensions=(40, 150))  # fmt: skip
+        child.expect("blocks used / total", timeout=20)
+        child.send("q")
+        child.expect(pexpect.EOF, timeout=5)
+        child.close()
+        assert child.exitstatus == 0
     finally:
         stop.set()
         if child.isalive():

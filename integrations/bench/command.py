@@ -11,18 +11,17 @@ import argparse
 import json
 import logging
 import os
-import platform
 import re
 from pathlib import Path
 from typing import Any
 
 from integrations.bench import http_command, vllm_runs
+from integrations.bench.machine import machine_info
 from integrations.bench.workloads import WORKLOADS
 from integrations.engine_flags import add_engine_arguments, engine_config, engine_kwargs
 
 logger = logging.getLogger(__name__)
 
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx")  # in machine_info; "amx" stands for any amx_* flag
 OFFLINE_WORKLOADS = ("shared-prefix", "distinct", "rag")  # those --compare runs the baselines on
 SWEEP_LEVELS = [1, 2, 4, 8, 16, 32, 64, 128]  # --workload sweep without --concurrency
 
@@ -277,33 +276,3 @@ def _expected_tokens(args: argparse.Namespace, workload: Any, baseline_names: li
             count = min(count, args.baseline_requests)
         total += count * args.max_tokens
     return total
-
-
-def machine_info() -> dict[str, Any]:
-    """CPU model and flags (``CPU_FLAGS``), cores, library versions: enough to tell whether two runs are comparable."""
-    import torch
-    import transformers
-
-    cpu = platform.processor() or platform.machine()
-    flags: list[str] = []
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                present = set(line.split(":", 1)[1].split())
-                flags = [f for f in CPU_FLAGS if f in present or any(p.startswith(f"{f}_") for p in present)]
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cpu_flags": flags,
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-    }

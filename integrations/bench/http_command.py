@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     check_arguments(args)
     from tqdm.auto import tqdm
 
-    from integrations.bench.command import machine_info
+    from integrations.bench.machine import machine_info
     from integrations.bench.workloads import workload_turns
 
     turns, description = workload_turns(args.workload, args.num_requests)

@@ -1,4 +1,4 @@
-"""The ``paged`` command: ``paged serve``, ``paged bench``, ``paged chat``, ``paged replay``."""
+"""The ``paged`` command: ``paged serve``, ``paged bench``, ``paged chat``, ``paged top``, ``paged replay``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ _COMMANDS = {
     "serve": ("integrations.openai_server.command", "run the OpenAI-compatible HTTP server"),
     "bench": ("integrations.bench.command", "benchmark the engine against the alternatives"),
     "chat": ("integrations.chat_command", "an interactive chat in the terminal"),
+    "top": ("integrations.top", "a live terminal monitor of a running server's /metrics"),
     "replay": ("integrations.replay", "re-run audited greedy and seeded requests and compare their tokens"),
 }
 

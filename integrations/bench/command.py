@@ -11,19 +11,19 @@ import argparse
 import json
 import logging
 import os
-import platform
 import re
 from pathlib import Path
 from typing import Any
 
-from integrations.bench import vllm_runs
+from integrations.bench import http_command, vllm_runs
+from integrations.bench.machine import machine_info
 from integrations.bench.workloads import WORKLOADS
 from integrations.engine_flags import add_engine_arguments, engine_config, engine_kwargs
 
 logger = logging.getLogger(__name__)
 
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx")  # in machine_info; "amx" stands for any amx_* flag
 OFFLINE_WORKLOADS = ("shared-prefix", "distinct", "rag")  # those --compare runs the baselines on
+SWEEP_LEVELS = [1, 2, 4, 8, 16, 32, 64, 128]  # --workload sweep without --concurrency
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,14 +63,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--concurrency",
         type=_int_list,
-        default=[1, 2, 4, 8, 16, 32, 64, 128],
-        help="sweep: comma-separated concurrency levels (each level runs the engine with --max-num-seqs at it)",
+        default=None,
+        help="sweep: comma-separated concurrency levels (each level runs the engine with --max-num-seqs at it; "
+        f"default: {','.join(map(str, SWEEP_LEVELS))}); with --base-url: a closed loop at each level",
     )
     parser.add_argument(
         "--threads", type=_positive_int, default=None, help="torch CPU threads for every contender (default: torch's)"
     )
     parser.add_argument("--no-ceiling", action="store_true", help="skip the matmul ceiling measurement")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    http_command.add_arguments(parser)
     add_engine_arguments(parser)
 
 
@@ -110,7 +112,11 @@ def run(args: argparse.Namespace) -> int:
         FlagError: an engine flag the config refuses, or ``VllmEnvMissing`` for ``--baselines vllm``
             without vLLM's environment (``paged`` reports both as usage errors), before anything loads.
         VllmRunFailed: the vLLM run failed (``paged`` prints the message, which names its log).
+        ServerUnusable: with ``--base-url``, the server cannot be benchmarked (``http_command.run``).
     """
+    if args.base_url is not None:
+        return http_command.run(args)
+    http_command.refuse_http_flags(args)
     config = engine_config(args)
     baseline_names = args.baselines if args.compare else []
     vllm_python = None
@@ -140,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
     dtype_name = str(weight_dtype).removeprefix("torch.")
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    num_requests = max(args.num_requests, max(args.concurrency)) if args.workload == "sweep" else args.num_requests
+    levels = args.concurrency or SWEEP_LEVELS
+    num_requests = max(args.num_requests, max(levels)) if args.workload == "sweep" else args.num_requests
     workload = build_workload(args.workload, tokenizer, num_requests)
 
     bar = tqdm(
@@ -161,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.workload == "sweep":
         hf_model = baselines.load_hf_model(model_dir, weight_dtype, device) if args.compare else None
         sweep = engine_runs.concurrency_sweep(
-            model, engine_fields, workload.prompts, args.max_tokens, args.concurrency, hf_model,
+            model, engine_fields, workload.prompts, args.max_tokens, levels, hf_model,
             pad_token_id, bar.update,
         )
     elif args.workload == "structured":
@@ -269,33 +276,3 @@ def _expected_tokens(args: argparse.Namespace, workload: Any, baseline_names: li
             count = min(count, args.baseline_requests)
         total += count * args.max_tokens
     return total
-
-
-def machine_info() -> dict[str, Any]:
-    """CPU model and flags (``CPU_FLAGS``), cores, library versions: enough to tell whether two runs are comparable."""
-    import torch
-    import transformers
-
-    cpu = platform.processor() or platform.machine()
-    flags: list[str] = []
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                present = set(line.split(":", 1)[1].split())
-                flags = [f for f in CPU_FLAGS if f in present or any(p.startswith(f"{f}_") for p in present)]
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cpu_flags": flags,
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-    }

@@ -12,7 +12,10 @@ JSON layout (``paged bench --json PATH``), stable so that later runs can be comp
                     "num_steps", "step_ms", "mask_ms_per_step": {"mask fill", "mask apply", "matcher advance"},
                     "mask_share_of_step", "mask_share_from_ratio", "valid_fraction",
                     "output_tokens": {"mean", "max"}} | null,
-     "profile": {...} | null}
+     "profile": {...} | null,
+     "http": {"base_url", "model", "slo": {"ttft_s", "itl_s", "e2e_s"}, "in_process_ratio",
+              "runs": [{"load", "rate", "concurrency", "num_requests", "num_failed", "wall_s", "tokens_per_s",
+                        "requests_per_s", "ttft_s", "itl_s", "e2e_s", "slo_fraction", "goodput_rps"}, ...]} | null}
 """
 
 from __future__ import annotations
@@ -142,6 +145,7 @@ def build_report(
     sweep: dict[str, Any] | None = None,
     structured: dict[str, Any] | None = None,
     profile: dict[str, Any] | None = None,
+    http: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The JSON document of one run (see the module docstring for its layout)."""
     engine = find_engine(results)
@@ -158,6 +162,7 @@ def build_report(
         "sweep": sweep,
         "structured": structured,
         "profile": profile,
+        "http": http,
     }
 
 
@@ -269,4 +274,31 @@ def format_profile(profile: dict[str, Any]) -> str:
         lines.append(f"- torch profiler trace: {profile['trace']}")
     if profile.get("note"):
         lines.append(f"- {profile['note']}")
+    return "\n".join(lines)
+
+
+def format_http(http: dict[str, Any]) -> str:
+    """The HTTP runs with what only a client sees: end-to-end latency, failures, the SLO and the in-process ratio."""
+    lines = [
+        "| load | requests (failed) | tok/s | req/s | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | e2e p50 / p99 (s) "
+        "| within SLO | goodput (req/s) |",
+        "|" + " --- |" * 9,
+    ]
+    for r in http["runs"]:
+        lines.append(
+            f"| {r['load']} | {r['num_requests']} ({r['num_failed']}) | {r['tokens_per_s']:.1f} "
+            f"| {r['requests_per_s']:.2f} "
+            f"| {_fmt(r['ttft_s']['p50'], '.2f')} / {_fmt(r['ttft_s']['p99'], '.2f')} "
+            f"| {_fmt(r['itl_s']['p50'], '.0f', 1e3)} / {_fmt(r['itl_s']['p99'], '.0f', 1e3)} "
+            f"| {_fmt(r['e2e_s']['p50'], '.2f')} / {_fmt(r['e2e_s']['p99'], '.2f')} "
+            f"| {_fmt(r['slo_fraction'], '.0%')} | {_fmt(r['goodput_rps'], '.2f')} |"
+        )
+    names = ("TTFT", "mean ITL", "e2e")
+    bounds = [f"{name} <= {value:g} s" for name, value in zip(names, http["slo"].values()) if value]
+    lines.append("")
+    lines.append(f"- SLO: {', '.join(bounds)}, all per request" if bounds else "- no SLO given (--slo-ttft ...)")
+    ratio = http.get("in_process_ratio")
+    if ratio is not None:
+        overhead = f"HTTP overhead {1 - ratio:.0%}" if ratio <= 1 else "the HTTP run was the faster: no overhead shown"
+        lines.append(f"- the all-at-once run over HTTP reaches {ratio:.2f}x the in-process throughput ({overhead})")
     return "\n".join(lines)

@@ -45,7 +45,19 @@ def load_turns(name: str) -> list[dict[str, str]]:
 def build_workload(name: str, tokenizer: Any, num_requests: int) -> Workload:
     """Workload ``name`` with ``num_requests`` prompts, templated with ``tokenizer``.
 
+    Raises:
+        ValueError: an unknown workload name or a non-positive request count.
+    """
+    turns, description = workload_turns(name, num_requests)
+    prompts = [apply_chat_template(tokenizer, t["system"], t["user"]) for t in turns]
+    return Workload(name=name, prompts=prompts, description=description)
+
+
+def workload_turns(name: str, num_requests: int) -> tuple[list[dict[str, str]], str]:
+    """The ``{"system", "user"}`` turns of workload ``name`` (``num_requests`` of them) and its description.
+
     Turns are cycled when more requests than the file holds are asked for (the sweep needs 128).
+    Over HTTP these are sent as chat messages and the server applies its own template.
 
     Raises:
         ValueError: an unknown workload name or a non-positive request count.
@@ -68,9 +80,7 @@ def build_workload(name: str, tokenizer: Any, num_requests: int) -> Workload:
     else:
         turns = load_turns("shared-prefix")
         description = "shared-prefix: one ~290-token system prompt, distinct questions"
-    turns = [turns[i % len(turns)] for i in range(num_requests)]
-    prompts = [apply_chat_template(tokenizer, t["system"], t["user"]) for t in turns]
-    return Workload(name=name, prompts=prompts, description=description)
+    return [turns[i % len(turns)] for i in range(num_requests)], description
 
 
 def apply_chat_template(tokenizer: Any, system: str, user: str) -> list[int]:

@@ -127,7 +127,7 @@ def _load(server, stop: threading.Event) -> None:
 
 
 def test_live_screen_under_load_in_a_pty(server):
-    """Under load the live screen shows the server's KV total, running requests and output tok/s; Ctrl-C exits 0."""
+    """Under load the live screen shows the KV total and fill, running requests, output tok/s, TTFT and e2e, a tenant; Ctrl-C exits 0."""
     pexpect = pytest.importorskip("pexpect")
     pyte = pytest.importorskip("pyte")
     stop = threading.Event()
@@ -145,7 +145,7 @@ def test_live_screen_under_load_in_a_pty(server):
     try:
         seen: dict[str, float] = {}
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not {"tok/s", "running", "ttft"} <= seen.keys():
+        while time.monotonic() < deadline and not {"tok/s", "running", "TTFT", "e2e", "fill", "tenant"} <= seen.keys():
             try:
                 stream.feed(child.read_nonblocking(1 << 16, timeout=0.3))
             except pexpect.TIMEOUT:
@@ -157,10 +157,16 @@ def test_live_screen_under_load_in_a_pty(server):
                 seen["tok/s"] = float(match.group(1))
             if (match := re.search(r"running\s+(\d+)", text)) and int(match.group(1)) > 0:
                 seen["running"] = int(match.group(1))
-            ttft = next((line for line in screen.display if line.startswith("TTFT")), "")
-            if ttft and re.split(r"\s{2,}", ttft.strip())[3].endswith("ms"):  # p50 since start
-                seen["ttft"] = 1
-        assert {"kv", "tok/s", "running", "ttft"} <= seen.keys(), "\n".join(screen.display)
+            for label in ("TTFT", "e2e"):
+                row = next((line for line in screen.display if line.startswith(label)), "")
+                if row and re.split(r"\s{2,}", row.strip())[3].endswith("s"):  # p50 since start, in ms or s
+                    seen[label] = 1
+            if match := re.search(r"token utilization\s+([\d.]+)%", text):
+                seen["fill"] = float(match.group(1))
+            if re.search(r"^\s*\S+\s+[1-8]\s+\d+\s+[\d.]+\s*$", text.split("Tenants", 1)[-1], re.M):
+                seen["tenant"] = 1  # a tenant's row: running, waiting, computed tok/s
+        assert {"kv", "tok/s", "running", "TTFT", "e2e", "fill", "tenant"} <= seen.keys(), "\n".join(screen.display)
+        assert 0 < seen["fill"] <= 100
         assert 0 <= seen["kv"] <= total and seen["running"] <= 8  # max_num_seqs
         start = time.monotonic()
         child.sendintr()

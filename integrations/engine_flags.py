@@ -1,5 +1,9 @@
 """Command-line flags generated from ``EngineConfig``: one ``--field-name`` per field.
 
+``RestartPolicy`` (how a driver that died is restarted, ``engine.supervisor``) gets its flags
+the same way, each named for restarts: ``--max-restarts``, ``--restart-window-s``,
+``--restart-backoff-s``, ``--restart-max-backoff-s``.
+
 ``paged serve`` and ``paged bench`` take their engine flags from here, so a flag's type,
 choices, default and help are those of the knob (``engine/config.py``) and never drift from
 the dataclass. Every flag's help is the knob's help followed by ``(default: X)``, X being the
@@ -19,6 +23,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.errors import ParameterError
 from engine.knobs import Kind, Knob, knobs_of
+from engine.supervisor import RestartPolicy
 
 # Fields shown in their own help group; every other field is in "engine".
 ADMISSION_FIELDS = ("max_queued_requests", "max_queued_tokens")
@@ -70,6 +75,34 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         return EngineConfig(**engine_kwargs(args))
     except ParameterError as exc:
         raise FlagError(_as_flags(str(exc))) from exc
+
+
+def add_restart_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds one flag per ``RestartPolicy`` field, in the "self-healing" group."""
+    group = parser.add_argument_group("self-healing", "how a fresh engine replaces one whose driver died")
+    for k in knobs_of(RestartPolicy):
+        dest = _restart_dest(k.name)
+        group.add_argument(flag_name(dest), dest=dest, default=k.default, help=_help(k), **_parse_options(k))
+
+
+def restart_policy(args: argparse.Namespace) -> RestartPolicy:
+    """The ``RestartPolicy`` the self-healing flags describe.
+
+    Raises:
+        FlagError: a value the policy refuses, with the fields spelled as flags.
+    """
+    try:
+        return RestartPolicy(**{k.name: getattr(args, _restart_dest(k.name)) for k in knobs_of(RestartPolicy)})
+    except ParameterError as exc:
+        message = str(exc)
+        for k in sorted(knobs_of(RestartPolicy), key=lambda k: len(k.name), reverse=True):
+            message = re.sub(rf"\b{k.name}\b", flag_name(_restart_dest(k.name)), message)
+        raise FlagError(message) from exc
+
+
+def _restart_dest(field: str) -> str:
+    """``window_s`` -> ``restart_window_s``; a field already named for restarts keeps its name."""
+    return field if "restart" in field else "restart_" + field
 
 
 def _parse_options(k: Knob) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
+from engine.supervisor import RestartPolicy
 from integrations.openai_server import routes
 from integrations.openai_server.errors import ApiError, error_middleware
 from integrations.openai_server.policy import ROUTES, ServerPolicy
@@ -47,6 +48,7 @@ def create_app(
     client_max_size: int = DEFAULT_CLIENT_MAX_SIZE,
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
     serving_factory: Callable[[], Serving] | None = None,
+    restart: RestartPolicy | None = None,
     **engine_config: Any,
 ) -> web.Application:
     """Build the OpenAI-compatible application; the engine starts with the app and stops with it.
@@ -64,6 +66,8 @@ def create_app(
         drain_timeout: seconds in-flight requests get to finish on shutdown before abort.
         serving_factory: builds the serving glue (tests inject one over a prepared engine);
             by default an in-process engine is built from ``model`` and ``engine_config``.
+        restart: how that engine replaces a driver that died (``engine.supervisor.RestartPolicy``);
+            None = the default policy.
         **engine_config: ``EngineConfig`` fields (block_size, num_blocks, max_num_seqs, ...).
 
     Returns:
@@ -80,7 +84,7 @@ def create_app(
 
     def default_factory() -> Serving:
         return Serving.create(
-            model, served_model_name=served_model_name, hooks=hooks, **engine_config
+            model, served_model_name=served_model_name, hooks=hooks, restart=restart, **engine_config
         )
 
     factory = serving_factory or default_factory

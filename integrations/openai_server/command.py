@@ -13,7 +13,14 @@ from typing import Any
 
 from aiohttp import web
 
-from integrations.engine_flags import add_engine_arguments, engine_config, engine_kwargs, parse_size
+from integrations.engine_flags import (
+    add_engine_arguments,
+    add_restart_arguments,
+    engine_config,
+    engine_kwargs,
+    parse_size,
+    restart_policy,
+)
 from integrations.openai_server.app import DEFAULT_CLIENT_MAX_SIZE, DEFAULT_DRAIN_TIMEOUT, create_app
 
 logger = logging.getLogger(__name__)
@@ -88,6 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
     add_engine_arguments(parser)
+    add_restart_arguments(parser)
 
 
 def _positive_int(value: str) -> int:
@@ -157,6 +165,7 @@ def make_app(args: argparse.Namespace) -> web.Application:
             not load, ``--audit-replay`` without ``--audit-log``; the message names it.
     """
     engine_config(args)  # checks every engine flag now; the engine itself loads after binding
+    restart = restart_policy(args)
     config = engine_kwargs(args)
     model = config.pop("model")
     if model is not None and not Path(model).exists():
@@ -185,6 +194,7 @@ def make_app(args: argparse.Namespace) -> web.Application:
         hooks=hooks,
         client_max_size=args.max_body_size,
         drain_timeout=args.drain_timeout,
+        restart=restart,
         **config,
     )
 

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.supervisor import EngineHealth
+from engine.supervisor import EngineHealth, RestartPolicy
 from sdk.chat_template import longest_token_chars
 from sdk.client import AsyncClient
 from sdk.hooks import Hook, RequestOrigin
@@ -71,12 +71,14 @@ class Serving:
         *,
         hooks: Sequence[Hook] = (),
         served_model_name: str | None = None,
+        restart: RestartPolicy | None = None,
         **engine_config: Any,
     ) -> Serving:
-        """Load a new engine (blocks while the weights load; call from a thread)."""
+        """Load a new engine (blocks while the weights load; call from a thread); ``restart``: its self-healing."""
         from engine import AsyncEngine
 
-        return cls(AsyncEngine(model, **engine_config), hooks=hooks, served_model_name=served_model_name)
+        engine = AsyncEngine(model, restart=restart, **engine_config)
+        return cls(engine, hooks=hooks, served_model_name=served_model_name)
 
     async def start(self) -> None:
         """Start the transport and read the vocabulary's longest token, while /health still says starting.

@@ -134,3 +134,18 @@ def test_audit_replay_flag_reaches_the_audit_log(monkeypatch, tmp_path):
     assert command.run(_parse("--audit-log", str(log), "--audit-replay", "digest")) == 0
     (audit,) = made[0]
     assert audit.path == log and audit.replay == "digest" and audit.store is not None
+
+
+def test_self_healing_flags_reach_the_engine(monkeypatch):
+    """--max-restarts and --restart-*-s build the engine's RestartPolicy; a value out of bounds names its flag."""
+    from engine.supervisor import RestartPolicy
+    from integrations.openai_server import command
+
+    made = []
+    monkeypatch.setattr(command, "create_app", lambda model, **kwargs: made.append(kwargs["restart"]))
+    monkeypatch.setattr(command.web, "run_app", lambda app, **kwargs: None)
+    assert command.run(_parse()) == 0
+    assert command.run(_parse("--max-restarts", "0", "--restart-backoff-s", "2", "--restart-window-s", "30")) == 0
+    assert made == [RestartPolicy(), RestartPolicy(max_restarts=0, backoff_s=2.0, window_s=30.0)]
+    with pytest.raises(FlagError, match=r"--restart-max-backoff-s must be in \[0"):
+        command.run(_parse("--restart-max-backoff-s", "-1"))

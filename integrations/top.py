@@ -32,6 +32,7 @@ from typing import Any
 from integrations.errors import CommandError
 
 WINDOW_S = 10.0  # how far back rates and recent quantiles look
+PLAIN_WIDTH = 120  # columns of a plain frame written to a pipe or a file
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
 LATENCIES = {  # row label -> histogram (paged_<name>_seconds)
     "TTFT": "paged_ttft_seconds",
@@ -361,7 +362,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         figures = history.add(scrape(args.url, args.api_key))
         if args.once or not sys.stdout.isatty():
-            return _plain(args, history, figures, Console(highlight=False))
+            # NOTE: a frame for a log or a pipe is as wide as it needs, not the 80 columns rich assumes there
+            width = None if sys.stdout.isatty() else PLAIN_WIDTH
+            return _plain(args, history, figures, Console(highlight=False, width=width))
         return _live(args, history, figures)
     except KeyboardInterrupt:
         return 0

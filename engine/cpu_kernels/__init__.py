@@ -136,7 +136,7 @@ def library() -> ctypes.CDLL | None:
 
 def serves(x: torch.Tensor) -> bool:
     """Whether the element-wise kernels take ``x``: a float32 CPU tensor, with the library built."""
-    return x.dtype == torch.float32 and x.device.type == "cpu" and library() is not None
+    return x.dtype == torch.float32 and x.is_cpu and library() is not None
 
 
 def _lib() -> ctypes.CDLL:
@@ -240,14 +240,14 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype not in (torch.float32, torch.bfloat16) or not t.is_contiguous() or t.device.type != "cpu":
+        if t.dtype not in (torch.float32, torch.bfloat16) or not t.is_contiguous() or not t.is_cpu:
             raise ValueError(f"{name} must be a contiguous float32 or bfloat16 CPU tensor; got {t.dtype}")
     if v_cache.dtype != k_cache.dtype:
         raise ValueError(f"k_cache and v_cache must share a dtype; got {k_cache.dtype} and {v_cache.dtype}")
 
 
 def _check_float32_cpu(name: str, t: torch.Tensor) -> None:
-    if t.dtype != torch.float32 or t.device.type != "cpu":
+    if t.dtype != torch.float32 or not t.is_cpu:
         raise ValueError(f"{name} must be a float32 CPU tensor; got {t.dtype} on {t.device}")
 
 

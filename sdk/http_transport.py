@@ -195,6 +195,18 @@ class HttpTransport(Transport):
         return {}
 
 
+async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
+    """The JSON events of an OpenAI-style server-sent event stream, up to ``data: [DONE]``."""
+    async for raw in resp.content:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return
+        yield json.loads(data)
+
+
 async def _read_stream(resp: aiohttp.ClientResponse, num_choices: int) -> AsyncIterator[TransportOutput]:
     """SSE events -> deltas of each choice; a choice's ``finish_reason`` closes it.
 
@@ -205,14 +217,7 @@ async def _read_stream(resp: aiohttp.ClientResponse, num_choices: int) -> AsyncI
     latency: RequestLatency | None = None
     finished: set[int] = set()
     last: TransportOutput | None = None
-    async for raw in resp.content:
-        line = raw.strip()
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            break
-        event = json.loads(data)
+    async for event in sse_events(resp):
         if "error" in event:
             raise from_wire(resp.status, event["error"])
         prompt_ids = event.get("prompt_token_ids") or prompt_ids

@@ -31,6 +31,7 @@ import aiohttp
 
 from integrations.bench.report import RunResult, summarize
 from integrations.errors import CommandError
+from sdk.http_transport import sse_events
 
 Turn = dict[str, str]
 Progress = Callable[[int], None]
@@ -197,14 +198,7 @@ async def send(
             if resp.status != 200:
                 record.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return record
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
-                event = json.loads(data)
+            async for event in sse_events(resp):
                 if "error" in event:
                     record.error = f"error event: {str(event['error'])[:200]}"
                     return record

@@ -86,8 +86,10 @@ class Runtime:
         """Load the engine if it is not loaded yet (off the event loop); idempotent."""
         self._check_open()
         if self._state.engine is None:
-            # NOTE: loading weights blocks for seconds; it runs off the event loop.
-            await asyncio.to_thread(self._load)
+            # NOTE: loading weights blocks for seconds; it runs off the event loop. The worker gets the state,
+            # not a bound method: a pool thread may hold its callable after start() returns, and a runtime
+            # it held would outlive its last reference and keep its engine running.
+            await asyncio.to_thread(_load, self._state, self._model, self._engine_config)
 
     def run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the runtime's loop thread and wait for it (never nests an event loop).
@@ -150,15 +152,6 @@ class Runtime:
         if self._state.closed:
             raise RuntimeError("the runtime is closed")
 
-    def _load(self) -> None:
-        state = self._state
-        with state.lock:
-            self._check_open()
-            if state.engine is None:
-                from engine import AsyncEngine
-
-                state.engine = AsyncEngine(self._model, **self._engine_config)
-
     def _loop(self) -> asyncio.AbstractEventLoop:
         state = self._state
         with state.lock:
@@ -168,6 +161,17 @@ class Runtime:
                 state.thread = threading.Thread(target=_serve, args=(state.loop,), name="paged-sdk-loop", daemon=True)
                 state.thread.start()
             return state.loop
+
+
+def _load(state: _State, model: str | None, engine_config: dict[str, Any]) -> None:
+    """Load the engine into ``state`` unless it is loaded or the runtime closed meanwhile."""
+    with state.lock:
+        if state.closed:
+            raise RuntimeError("the runtime is closed")
+        if state.engine is None:
+            from engine import AsyncEngine
+
+            state.engine = AsyncEngine(model, **engine_config)
 
 
 def _serve(loop: asyncio.AbstractEventLoop) -> None:

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import http.client
 import json
 import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 import tomllib
 import urllib.error
@@ -285,43 +283,44 @@ def _healthy(root: str) -> bool:
         return False
 
 
-def _probe(port: int, done: threading.Event, latencies: list[float]) -> None:
-    """GET /health every 10 ms over one kept-alive connection until ``done``, recording each latency (inf: not 200)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-    try:
-        while not done.is_set():
-            start = time.perf_counter()
-            conn.request("GET", "/health")
-            resp = conn.getresponse()
-            resp.read()
-            latencies.append(time.perf_counter() - start if resp.status == 200 else float("inf"))
-            time.sleep(0.01)
-    finally:
-        conn.close()
+# GET /health every 10 ms over one kept-alive connection until stdin closes, then print each latency (inf: not 200).
+PROBE = """
+import http.client, json, sys, threading, time
+port, latencies, done = int(sys.argv[1]), [], threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+print("probing", flush=True)
+while not done.is_set():
+    start = time.perf_counter()
+    conn.request("GET", "/health")
+    resp = conn.getresponse()
+    resp.read()
+    latencies.append(time.perf_counter() - start if resp.status == 200 else float("inf"))
+    time.sleep(0.01)
+print(json.dumps(latencies))
+"""
 
 
 async def _flood(root: str, port: int) -> None:
     big = "x" * 3_500_000
     bodies = [(json.dumps({"messages": [{"role": "user", "content": big}]}).encode(), CHAT) for _ in range(5)]
     bodies += [(json.dumps({"prompt": big}).encode(), "/v1/completions") for _ in range(5)]
-    latencies: list[float] = []
     async with aiohttp.ClientSession() as http:
 
         async def post(body: bytes, path: str, key: str = "sk-alice") -> tuple[int, dict]:
             async with http.post(root + path, data=body, headers=_headers(key)) as resp:
                 return resp.status, await resp.json()
 
-        # NOTE: the prober has a thread and a connection of its own, so what it measures is the server's
-        # loop, not this loop's while it sends 35 MB.
-        done = threading.Event()
-        prober = threading.Thread(target=_probe, args=(port, done, latencies))
-        prober.start()
+        # NOTE: the prober is a process of its own, so what it measures is the server's loop, not this
+        # process's GIL while it sends 35 MB.
+        probe = [sys.executable, "-c", PROBE, str(port)]
+        prober = subprocess.Popen(probe, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert prober.stdout.readline() == "probing\n"
         await asyncio.sleep(0.05)
         try:
             answers = await asyncio.gather(*(post(body, path) for body, path in bodies))
         finally:
-            done.set()
-            prober.join()
+            latencies = json.loads(prober.communicate(timeout=30)[0])
         assert len(latencies) >= 5 and max(latencies) < 0.1, sorted(latencies)[-3:]
         for status, body in answers:
             assert status == 400, body

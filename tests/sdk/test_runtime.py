@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import concurrent.futures.thread
 import gc
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +64,16 @@ def test_sync_client_close_shuts_its_engine_and_loop_down(tiny_model):
         client.chat("hi", max_tokens=1)
 
 
-async def test_garbage_collected_client_shuts_its_engine_down(tiny_model):
-    """Dropping the last reference to a client (inside a running event loop) shuts its own engine down."""
+async def test_garbage_collected_client_shuts_its_engine_down(tiny_model, monkeypatch):
+    """Dropping the last reference to a client (inside a running event loop) shuts its own engine down, even while
+    the pool thread that loaded the engine still holds its work item (as a descheduled one does)."""
+    run = concurrent.futures.thread._WorkItem.run
+
+    def run_then_linger(item: Any) -> None:
+        run(item)
+        time.sleep(0.3)
+
+    monkeypatch.setattr(concurrent.futures.thread._WorkItem, "run", run_then_linger)
     client = AsyncClient(tiny_model, **ENGINE_CONFIG)
     await client.start()
     engine = client.runtime.engine

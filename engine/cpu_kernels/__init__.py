@@ -7,6 +7,8 @@
   (``elementwise.c``), which the layers call for float32 CPU tensors;
 - ``linear``: linear layers over a weight (float32 or bfloat16) packed once into panels of
   ``LINEAR_PANEL`` output columns by ``pack_linear_weight`` (``linear.c``), for the CPU ``Linear``;
+  a bfloat16 weight runs with the CPU's bfloat16 dot products or AMX tiles where it has them
+  (``linear_bf16.c``, ``bf16_linear_path``);
   ``linear_quantized`` over int8 or 4-bit blocks packed by ``engine.layers.quantization.pack``;
 - ``apply_token_bitmask``: structured output's token masks on a step's logits (``token_mask.c``).
 
@@ -41,12 +43,17 @@ from engine.loader import cache_root
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = ("vec.h", "attention.c", "attention_bf16.c", "elementwise.c", "linear.c", "token_mask.c")
+_SOURCES = (
+    "vec.h", "linear.h", "attention.c", "attention_bf16.c", "elementwise.c", "linear.c", "linear_bf16.c", "token_mask.c"
+)
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 # Fixed-size scratch of the kernels (see MAX_* in the sources).
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 16, 256, 256
 MAX_LANES = 24  # queries (rows x query heads of a KV group) of a multi-row tile
-LINEAR_PANEL = 16  # output columns of a packed weight's panel (PANEL in linear.c)
+LINEAR_PANEL = 16  # output columns of a packed weight's panel (PANEL in linear.h)
+BF16_K_ALIGN = 32  # a packed bfloat16 weight's input features are padded to a multiple of this (linear.h)
+# What linear_bf16 runs, by the C enum's value: widened to float32, AVX512-BF16 dot products, AMX tiles.
+BF16_LINEAR_PATHS = ("widened", "avx512-bf16", "amx")
 
 
 def _cpu_flags() -> str:
@@ -102,6 +109,8 @@ _SIGNATURES = {
     # x, ld, rows, codes, scales, out features, in features, bias (or NULL), y, ld
     "linear_q8_f32": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64],
     "linear_q4_f32": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64],
+    "linear_bf16_path": [_I64],  # rows
+    "linear_bf16_limit": [ctypes.c_int],  # the highest path it may take
     # logits, ld, bitmask, words per row, rows, number of rows, vocabulary size
     "apply_token_bitmask_f32": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64],
 }
@@ -110,14 +119,18 @@ _SIGNATURES |= {f"{name}_bf16": _SIGNATURES[f"{name}_f32"] for name in ("paged_a
 # 0, or < 0 on bad arguments
 _RETURN_STATUS = {
     "paged_attention_f32", "paged_attention_bf16", "store_kv_f32", "store_kv_bf16", "rotary_f32", "linear_q8_f32",
-    "linear_q4_f32",
+    "linear_q4_f32", "linear_bf16", "linear_bf16_path",
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None when they cannot be built here (or ``PAGED_CPU_KERNELS=0``)."""
+    """The compiled kernels, or None when they cannot be built here (or ``PAGED_CPU_KERNELS=0``).
+
+    ``PAGED_BF16_LINEAR`` (one of ``BF16_LINEAR_PATHS``) caps the bfloat16 linear path, e.g.
+    ``widened`` to compute bfloat16 weights in float32 on a CPU with bfloat16 arithmetic.
+    """
     if os.environ.get("PAGED_CPU_KERNELS", "1") == "0":
         return None
     sources = {name: resources.files(__package__).joinpath(name).read_bytes() for name in _SOURCES}
@@ -131,7 +144,16 @@ def library() -> ctypes.CDLL | None:
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = (ctypes.c_int if name in _RETURN_STATUS else None), argtypes
+    limit = os.environ.get("PAGED_BF16_LINEAR", BF16_LINEAR_PATHS[-1])
+    if limit not in BF16_LINEAR_PATHS:
+        raise ValueError(f"PAGED_BF16_LINEAR must be one of {', '.join(BF16_LINEAR_PATHS)}; got {limit!r}")
+    lib.linear_bf16_limit(BF16_LINEAR_PATHS.index(limit))
     return lib
+
+
+def bf16_linear_path(rows: int) -> str:
+    """What a bfloat16 ``linear`` of ``rows`` rows runs on this CPU: one of ``BF16_LINEAR_PATHS``."""
+    return BF16_LINEAR_PATHS[_lib().linear_bf16_path(rows)]
 
 
 def serves(x: torch.Tensor) -> bool:
@@ -340,34 +362,52 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A ``[N, K]`` weight (float32 or bfloat16) in the layout ``linear`` reads: ``[ceil(N / LINEAR_PANEL), K,
-    LINEAR_PANEL]``, ``packed[p, k, j] = weight[p * LINEAR_PANEL + j, k]``, zero past row ``N``."""
-    if weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu" or weight.dim() != 2:
+    """A ``[N, K]`` weight in the layout ``linear`` reads (linear.h), panels of ``LINEAR_PANEL`` output
+    columns, zero past row ``N``. float32: ``[P, K, LINEAR_PANEL]`` with ``packed[p, k, j] =
+    weight[p * LINEAR_PANEL + j, k]``. bfloat16: ``[P, Kp // 2, LINEAR_PANEL, 2]`` with ``packed[p, k // 2,
+    j, k % 2]`` the same element, ``K`` padded with zeros to ``Kp``, a multiple of ``BF16_K_ALIGN``."""
+    if weight.dtype not in (torch.float32, torch.bfloat16) or not weight.is_cpu or weight.dim() != 2:
         raise ValueError(f"weight must be a 2-D float32 or bfloat16 CPU tensor; got {weight.dtype} {list(weight.shape)}")
     out_features, in_features = weight.shape
     panels = -(-out_features // LINEAR_PANEL)
-    padded = torch.zeros(panels * LINEAR_PANEL, in_features, dtype=weight.dtype)
-    padded[:out_features] = weight
-    return padded.view(panels, LINEAR_PANEL, in_features).transpose(1, 2).contiguous()
+    width = in_features if weight.dtype == torch.float32 else -(-in_features // BF16_K_ALIGN) * BF16_K_ALIGN
+    padded = torch.zeros(panels * LINEAR_PANEL, width, dtype=weight.dtype)
+    padded[:out_features, :in_features] = weight
+    if weight.dtype == torch.float32:
+        return padded.view(panels, LINEAR_PANEL, width).transpose(1, 2).contiguous()
+    return padded.view(panels, LINEAR_PANEL, width // 2, 2).transpose(1, 2).contiguous()
 
 
-def packed_rows(packed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Rows ``weight[index]`` ``[len(index), K]`` of a packed weight (an embedding lookup in a tied LM head)."""
-    return packed[index // LINEAR_PANEL, :, index % LINEAR_PANEL]
+def _packed_shape(packed: torch.Tensor, in_features: int) -> tuple[int, ...]:
+    panels = packed.shape[0]
+    if packed.dtype == torch.float32:
+        return (panels, in_features, LINEAR_PANEL)
+    return (panels, -(-in_features // BF16_K_ALIGN) * BF16_K_ALIGN // 2, LINEAR_PANEL, 2)
+
+
+def packed_rows(packed: torch.Tensor, index: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Rows ``weight[index]`` ``[len(index), in_features]`` of a packed weight (an embedding lookup in a
+    tied LM head)."""
+    if packed.dtype == torch.float32:
+        return packed[index // LINEAR_PANEL, :, index % LINEAR_PANEL]
+    rows = packed[index // LINEAR_PANEL, :, index % LINEAR_PANEL, :]  # [len, Kp // 2, 2]
+    return rows.reshape(len(index), -1)[:, :in_features]
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x W^T + b`` for ``x [M, K]`` (float32 CPU, any strides) and ``W [out_features, K]`` as
-    ``pack_linear_weight`` packed it; returns ``[M, out_features]``, contiguous."""
+    ``pack_linear_weight`` packed it; returns ``[M, out_features]``, contiguous. A bfloat16 weight runs
+    the ``bf16_linear_path(M)`` of this CPU."""
     lib = _lib()
     for name, t in (("x", x), ("bias", bias if bias is not None else x)):
         _check_float32_cpu(name, t)
     rows, in_features = x.shape
     panels = -(-out_features // LINEAR_PANEL)
-    if packed.shape != (panels, in_features, LINEAR_PANEL) or packed.dtype not in (torch.float32, torch.bfloat16):
+    if packed.dtype not in (torch.float32, torch.bfloat16) or packed.shape != _packed_shape(packed, in_features) \
+            or packed.shape[0] != panels:
         raise ValueError(
-            f"x [{rows}, {in_features}] needs a packed float32 or bfloat16 weight of shape "
-            f"[{panels}, {in_features}, {LINEAR_PANEL}] for {out_features} outputs; got {packed.dtype} {list(packed.shape)}"
+            f"x [{rows}, {in_features}] needs a weight packed by pack_linear_weight for {out_features} outputs "
+            f"({panels} panels); got {packed.dtype} {list(packed.shape)}"
         )
     if bias is not None and bias.shape != (out_features,):
         raise ValueError(f"bias must have shape [{out_features}]; got {list(bias.shape)}")
@@ -376,10 +416,12 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     bias = bias.contiguous() if bias is not None else None
     y = torch.empty(rows, out_features)
     kernel = getattr(lib, f"linear_{_SUFFIX[packed.dtype]}")
-    kernel(
+    status = kernel(
         x.data_ptr(), ld_x, rows, packed.data_ptr(), out_features, in_features,
         bias.data_ptr() if bias is not None else None, y.data_ptr(), out_features,
     )
+    if status:
+        raise MemoryError("the bfloat16 linear kernel could not allocate its copy of x")
     return y
 
 

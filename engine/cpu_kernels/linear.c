@@ -1,26 +1,33 @@
 /* Linear layers for the CPU: y = x W^T (+ bias), float32 activations, a float32 or bfloat16 weight.
  *
- * The weight is packed once, at load time, into panels of PANEL output columns:
- * packed[p][k][j] = W[p * PANEL + j][k], zero past the last column. A tile of TILE_ROWS rows
- * of x times one panel keeps its 6 x 2 vector accumulators in registers: each step of k loads
- * the panel's two weight vectors and broadcasts one element of each row. A panel is read
- * front to back, so the weight streams from memory at full bandwidth for a few rows and from
- * cache for the tiles after the first. A bfloat16 weight halves those bytes; its elements widen
- * to float32 exactly (a shift), so the products are those of the float32 kernel on the widened
- * weight. The threads split the panels.
+ * The weight is packed once, at load time, into panels of PANEL output columns. float32:
+ * packed[p][k][j] = W[p * PANEL + j][k]; bfloat16: packed[p][k / 2][j][k % 2], the pairs of
+ * consecutive input features side by side (the layout of the BF16 dot-product instructions
+ * and of AMX's B tiles, linear_bf16.c), K padded to a multiple of BF16_K_ALIGN; zero past the
+ * last column and the last input feature. A tile of TILE_ROWS rows of x times one panel keeps
+ * its 6 x 2 vector accumulators in registers: each step of k loads the panel's two weight
+ * vectors and broadcasts one element of each row. A panel is read front to back, so the weight
+ * streams from memory at full bandwidth for a few rows and from cache for the tiles after the
+ * first. A bfloat16 weight halves those bytes; here its elements widen to float32 exactly (a
+ * shift, or a mask for the second of a pair), so the products are those of the float32 kernel
+ * on the widened weight. The threads split the panels.
  */
 
 #include <stdlib.h>
 
 #include "vec.h"
+#include "linear.h"
 
-#define PANEL 16 /* output columns of a panel: two vectors */
 #define TILE_ROWS 6 /* rows of x a tile: 12 accumulators, two weight vectors and a broadcast fill AVX2's 16 registers */
 
-/* Eight packed weight elements from index i, as float32, for either weight dtype; `bf16` is a
- * constant in each caller, so the branch folds away. */
-static inline vf w_load(const void *w, int64_t i, int bf16) {
-    return bf16 ? load_bf16((const uint16_t *)w + i) : load((const float *)w + i);
+typedef int32_t vi_unaligned __attribute__((vector_size(VL * sizeof(int32_t)), aligned(4)));
+
+/* Columns j .. j + 7 of a bfloat16 panel's pair row (input features k, k + 1), widened:
+ * the low half of each 32-bit pair is feature k, the high half feature k + 1. */
+static inline void pair_load(const uint16_t *w, vf *even, vf *odd) {
+    const vi u = *(const vi_unaligned *)w;
+    *even = (vf)(u << 16);
+    *odd = (vf)(u & (vi){0} - 65536); /* 0xffff0000 */
 }
 
 /* A tile's accumulators plus bias into columns 0 .. cols - 1 of its rows of y. */
@@ -47,12 +54,40 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
                                                        int bf16, int64_t K, const float *bias, float *y,
                                                        int64_t ld_y, int64_t cols) {
     vf acc[TILE_ROWS][2] = {{{0}}};
-    for (int64_t k = 0; k < K; ++k) {
-        const vf w0 = w_load(panel, k * PANEL, bf16), w1 = w_load(panel, k * PANEL + VL, bf16);
-        for (int i = 0; i < rows; ++i) {
-            const vf xv = splat(x[i * ld_x + k]);
-            acc[i][0] += xv * w0;
-            acc[i][1] += xv * w1;
+    if (bf16) {
+        const uint16_t *w = panel;
+        int64_t k = 0;
+        for (; k + 2 <= K; k += 2, w += 2 * PANEL) {
+            vf e0, o0, e1, o1;
+            pair_load(w, &e0, &o0);
+            pair_load(w + 2 * VL, &e1, &o1);
+            for (int i = 0; i < rows; ++i) {
+                const vf x0 = splat(x[i * ld_x + k]), x1 = splat(x[i * ld_x + k + 1]);
+                acc[i][0] += x0 * e0;
+                acc[i][1] += x0 * e1;
+                acc[i][0] += x1 * o0;
+                acc[i][1] += x1 * o1;
+            }
+        }
+        if (k < K) { /* an odd K: the last feature's pairs hold a zero beside it */
+            vf e0, o0, e1, o1;
+            pair_load(w, &e0, &o0);
+            pair_load(w + 2 * VL, &e1, &o1);
+            for (int i = 0; i < rows; ++i) {
+                const vf x0 = splat(x[i * ld_x + k]);
+                acc[i][0] += x0 * e0;
+                acc[i][1] += x0 * e1;
+            }
+        }
+    } else {
+        const float *w = panel;
+        for (int64_t k = 0; k < K; ++k) {
+            const vf w0 = load(w + k * PANEL), w1 = load(w + k * PANEL + VL);
+            for (int i = 0; i < rows; ++i) {
+                const vf xv = splat(x[i * ld_x + k]);
+                acc[i][0] += xv * w0;
+                acc[i][1] += xv * w1;
+            }
         }
     }
     store_tile((const vf (*)[2])acc, rows, bias, y, ld_y, cols);
@@ -90,7 +125,8 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
                                                              const void *packed, int bf16, int64_t N, int64_t K,
                                                              const float *bias, float *y, int64_t ld_y, int64_t p) {
     const int64_t n0 = p * PANEL;
-    const void *panel = bf16 ? (const void *)((const uint16_t *)packed + n0 * K) : (const void *)((const float *)packed + n0 * K);
+    const void *panel = bf16 ? (const void *)((const uint16_t *)packed + n0 * bf16_padded(K))
+                             : (const void *)((const float *)packed + n0 * K);
     float b[PANEL];
     const int64_t cols = panel_bias(bias, N, p, b);
     rows_times_panel(x, ld_x, M, panel, bf16, K, b, y + n0, ld_y, cols);
@@ -128,8 +164,10 @@ void linear_f32(const float *x, int64_t ld_x, int64_t M, const float *packed, in
     linear(x, ld_x, M, packed, 0, N, K, bias, y, ld_y);
 }
 
-void linear_bf16(const float *x, int64_t ld_x, int64_t M, const uint16_t *packed, int64_t N, int64_t K,
-                 const float *bias, float *y, int64_t ld_y) {
+/* The bfloat16 weight widened to float32 (any CPU): linear_bf16 (linear_bf16.c) runs it where the
+ * CPU has no bfloat16 arithmetic, or where it is the path chosen. */
+void linear_bf16_widened(const float *x, int64_t ld_x, int64_t M, const uint16_t *packed, int64_t N, int64_t K,
+                         const float *bias, float *y, int64_t ld_y) {
     linear(x, ld_x, M, packed, 1, N, K, bias, y, ld_y);
 }
 

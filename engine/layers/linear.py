@@ -68,7 +68,7 @@ class VocabEmbedding(Linear):
         if self.quantized is not None:
             return self.quantized.rows(input_ids)
         if self.packed is not None:
-            return cpu_kernels.packed_rows(self.packed, input_ids)
+            return cpu_kernels.packed_rows(self.packed, input_ids, self.in_features)
         return F.embedding(input_ids, self.weight)
 
 

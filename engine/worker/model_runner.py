@@ -47,25 +47,17 @@ def resolve_device(name: str) -> torch.device:
 def resolve_dtypes(name: str, device: torch.device) -> tuple[torch.dtype, torch.dtype]:
     """The (compute, weight) dtypes of a ``dtype`` setting on ``device``; "auto" is float32 on CPU.
 
-    A CPU without bfloat16 arithmetic (no AVX512-BF16 or AMX) emulates bfloat16 matmuls, 2.5-5x
-    slower than float32 (docs/performance.md). There, with the CPU kernels built, "bfloat16" keeps
-    the linear and embedding weights (and, with the CPU attention backend, the KV cache) in
-    bfloat16 and computes in float32: the memory and the bytes read are halved, and every product
-    is the float32 one of the stored bfloat16 values, which the C kernels widen as they load them.
+    On CPU with the C kernels built, "bfloat16" keeps the linear and embedding weights (and, with
+    the CPU attention backend, the KV cache) in bfloat16 and the element-wise parts in float32: the
+    memory and the bytes read are halved. The linear kernels take the CPU's fastest path
+    (``cpu_kernels.bf16_linear_path``): AMX tiles or AVX512-BF16 dot products of x rounded to
+    bfloat16 where the CPU has them, else every product the float32 one of the stored bfloat16
+    values, widened as they load (docs/performance.md).
     """
     dtype = _AUTO_DTYPE[device.type] if name == "auto" else _DTYPES[name]
-    if (
-        device.type == "cpu"
-        and dtype == torch.bfloat16
-        and not _cpu_has_bf16_arithmetic()
-        and cpu_kernels.library() is not None
-    ):
+    if device.type == "cpu" and dtype == torch.bfloat16 and cpu_kernels.library() is not None:
         return torch.float32, torch.bfloat16
     return dtype, dtype
-
-
-def _cpu_has_bf16_arithmetic() -> bool:
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 class ModelRunner:

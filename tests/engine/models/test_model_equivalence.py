@@ -12,6 +12,8 @@ from runner_driver import PagedDriver
 from engine.config import EngineConfig
 from engine.layers.linear import Linear
 from engine.worker.model_runner import ModelRunner, resolve_dtypes
+from tests.support.bf16_paths import PATHS as BF16_PATHS
+from tests.support.bf16_paths import bf16_path
 
 ATOL = 1e-4
 
@@ -110,25 +112,34 @@ def test_bfloat16_runner_tracks_float32_reference(tiny_model_factory) -> None:
 
 @pytest.mark.skipif(
     resolve_dtypes("bfloat16", torch.device("cpu")) != (torch.float32, torch.bfloat16),
-    reason="this CPU has bfloat16 arithmetic, so bfloat16 computes in bfloat16",
+    reason="without the C kernels bfloat16 computes in bfloat16",
 )
+@pytest.mark.parametrize("path", BF16_PATHS)
 @pytest.mark.parametrize("arch", ["smollm2", "qwen2"])  # tied embeddings; biases
-def test_bfloat16_weights_and_cache_compute_in_float32(tiny_model_factory, arch: str) -> None:
-    """Without bfloat16 arithmetic, bfloat16 weights and KV cache are widened exactly: the logits are HF's float32
-    ones of the same checkpoint with its matrices rounded to bfloat16, up to the K/V rounding (about 1e-3 here),
-    for prefill, a chunk over a prefix and decode."""
+def test_bfloat16_weights_and_cache_compute_in_float32(tiny_model_factory, arch: str, path: str) -> None:
+    """bfloat16 weights and KV cache, each linear path this CPU has: the logits are HF's float32 ones of the same
+    checkpoint with its matrices rounded to bfloat16 (and each linear's input too, on the paths that compute with
+    bfloat16 products), up to the K/V rounding (about 1e-3 here), for prefill, a chunk over a prefix and decode."""
     from transformers import AutoModelForCausalLM
 
-    path = tiny_model_factory(arch)
-    runner = ModelRunner(EngineConfig(dtype="bfloat16", device="cpu", block_size=4, num_blocks=48), path)
+    with bf16_path(path):
+        _check_bfloat16_weights(AutoModelForCausalLM, tiny_model_factory(arch), round_inputs=path != "widened")
+
+
+def _check_bfloat16_weights(auto_model, model_path, round_inputs: bool) -> None:
+    runner = ModelRunner(EngineConfig(dtype="bfloat16", device="cpu", block_size=4, num_blocks=48), model_path)
     assert runner.dtype == torch.float32 and runner.kv_cache.dtype == torch.bfloat16
     packed = [m.packed for m in runner.model.modules() if isinstance(m, Linear)]
     assert packed and all(p is not None and p.dtype == torch.bfloat16 for p in packed)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = auto_model.from_pretrained(model_path, dtype=torch.float32).eval()
     with torch.no_grad():
         for param in hf.parameters():
             if param.dim() == 2:
                 param.copy_(param.bfloat16())
+    if round_inputs:
+        for module in hf.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.register_forward_pre_hook(lambda _, args: (args[0].bfloat16().float(),))
     rng = random.Random(11)
     driver = PagedDriver(runner, seed=12)
     expected: list[tuple[str, int, torch.Tensor]] = []

@@ -3,15 +3,25 @@ tests/engine/models/test_linear.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from engine import cpu_kernels
+from tests.support.bf16_paths import PATHS, bf16_path
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler for the CPU kernels")
 
 PANEL = cpu_kernels.LINEAR_PANEL
+
+
+@pytest.fixture(params=PATHS)
+def path(request) -> Iterator[str]:
+    with bf16_path(request.param):
+        yield request.param
 
 
 def test_pack_layout() -> None:
@@ -23,24 +33,60 @@ def test_pack_layout() -> None:
     assert torch.equal(packed[0].t(), weight[:PANEL])
     assert not packed[1, :, 3:].any()
     index = torch.tensor([0, PANEL + 2, 7, 7])
-    assert torch.equal(cpu_kernels.packed_rows(packed, index), weight[index])
+    assert torch.equal(cpu_kernels.packed_rows(packed, index, weight.shape[1]), weight[index])
 
 
-# Rows: tiles of 6 and every remainder, and past one block of rows (256 KB of x: 113 rows at K=576).
-@pytest.mark.parametrize("rows", [0, 1, 2, 5, 6, 7, 11, 64, 250])
-@pytest.mark.parametrize("shape", [(576, 960), (20, 13)])  # (in, out): a model's, and a partial panel
-@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
-def test_matches_torch(rows: int, shape: tuple[int, int], weight_dtype: torch.dtype) -> None:
-    """Equal to F.linear in float64 terms (of the exactly widened weight, in bfloat16), with and without bias."""
+def test_bf16_pack_layout() -> None:
+    """bfloat16: packed[p, k // 2, j, k % 2] is weight[p * PANEL + j, k], zero past the rows and past K (padded to 32)."""
+    weight = torch.randn(PANEL + 3, 37).bfloat16()
+    packed = cpu_kernels.pack_linear_weight(weight)
+    assert packed.shape == (2, 32, PANEL, 2) and packed.is_contiguous() and packed.dtype == torch.bfloat16
+    assert torch.equal(packed[1, :, 2].reshape(-1)[:37], weight[PANEL + 2])
+    assert torch.equal(packed[0, 5, 9, 1], weight[9, 11])
+    assert not packed[1, :, 3:].any()  # past the weight's rows
+    assert not packed[:, 19:].any() and not packed[:, 18, :, 1].any()  # features 37 .. 63
+    index = torch.tensor([0, PANEL + 2, 7, 7])
+    assert torch.equal(cpu_kernels.packed_rows(packed, index, 37), weight[index])
+
+
+def test_bf16_path_follows_the_cpu() -> None:
+    """The fastest path the CPU's flags allow: AMX from 16 rows, AVX512-BF16 dot products below (and without AMX)."""
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    dot = "avx512_bf16" in flags
+    amx = dot and {"amx_bf16", "amx_tile"} <= flags
+    assert cpu_kernels.bf16_linear_path(1) == ("avx512-bf16" if dot else "widened")
+    assert cpu_kernels.bf16_linear_path(15) == cpu_kernels.bf16_linear_path(1)
+    assert cpu_kernels.bf16_linear_path(16) == ("amx" if amx else cpu_kernels.bf16_linear_path(1))
+
+
+# Rows: tiles of 6 (12 with dot products) and every remainder, AMX's 16 and 32-row blocks and partial ones, and
+# past one block of rows (256 KB of x: 113 rows at K=576).
+@pytest.mark.parametrize("rows", [0, 1, 2, 5, 6, 7, 11, 13, 16, 17, 40, 64, 250])
+@pytest.mark.parametrize("shape", [(576, 960), (21, 13), (64, 48)])  # (in, out): a model's, partial panels and odd K
+def test_matches_torch(rows: int, shape: tuple[int, int]) -> None:
+    """float32: equal to F.linear in float64 terms, with and without bias."""
+    _check_linear(rows, shape, torch.float32, "widened")
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 5, 6, 7, 11, 13, 16, 17, 40, 64, 250])
+@pytest.mark.parametrize("shape", [(576, 960), (21, 13), (64, 48)])
+def test_bf16_matches_torch(rows: int, shape: tuple[int, int], path: str) -> None:
+    """bfloat16, each path: F.linear in float64 of the exactly widened weight, and of x rounded to bfloat16 where
+    the path computes with the CPU's bfloat16 products."""
+    _check_linear(rows, shape, torch.bfloat16, path)
+
+
+def _check_linear(rows: int, shape: tuple[int, int], weight_dtype: torch.dtype, path: str) -> None:
     in_features, out_features = shape
     gen = torch.Generator().manual_seed(rows + in_features)
     x = torch.randn(rows, in_features, generator=gen)
     weight = torch.randn(out_features, in_features, generator=gen).to(weight_dtype)
     bias = torch.randn(out_features, generator=gen)
     packed = cpu_kernels.pack_linear_weight(weight)
+    x_used = x if path == "widened" else x.bfloat16()
     for b in (None, bias):
         out = cpu_kernels.linear(x, packed, out_features, b)
-        expected = F.linear(x.double(), weight.double(), None if b is None else b.double())
+        expected = F.linear(x_used.double(), weight.double(), None if b is None else b.double())
         assert out.shape == (rows, out_features) and out.is_contiguous()
         torch.testing.assert_close(out.double(), expected, atol=2e-4, rtol=1e-5)
 
@@ -55,7 +101,7 @@ def test_strided_and_broadcast_inputs() -> None:
 
 def test_rejects_what_it_cannot_serve() -> None:
     packed = cpu_kernels.pack_linear_weight(torch.randn(8, 16))
-    with pytest.raises(ValueError, match=r"packed float32 or bfloat16 weight of shape \[1, 15, 16\]"):
+    with pytest.raises(ValueError, match=r"x \[2, 15\] needs a weight packed by pack_linear_weight for 8 outputs"):
         cpu_kernels.linear(torch.randn(2, 15), packed, 8)
     with pytest.raises(ValueError, match=r"bias must have shape \[8\]"):
         cpu_kernels.linear(torch.randn(2, 16), packed, 8, torch.randn(9))

@@ -44,7 +44,7 @@ from engine.loader import cache_root
 logger = logging.getLogger(__name__)
 
 _SOURCES = (
-    "vec.h", "linear.h", "attention.c", "attention_bf16.c", "elementwise.c", "linear.c", "linear_bf16.c", "token_mask.c"
+    "vec.h", "linear.h", "bf16_kernels.h", "attention.c", "attention_bf16.c", "elementwise.c", "linear.c", "linear_bf16.c", "token_mask.c"
 )
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 # Fixed-size scratch of the kernels (see MAX_* in the sources).
@@ -106,9 +106,9 @@ _SIGNATURES = {
     "linear_f32": [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64],
     # q, ld, k, ld, positions, cos_sin, its rows, rows, heads, KV heads, head_dim, rotary dim, q_out, ld, k_out, ld
     "rotary_f32": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, *[_I64] * 6, _PTR, _I64, _PTR, _I64],
-    # x, ld, rows, codes, scales, out features, in features, bias (or NULL), y, ld
-    "linear_q8_f32": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64],
-    "linear_q4_f32": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64],
+    # x, ld, rows, codes, scales, out features, in features, bias (or NULL), y, ld, bfloat16 products
+    "linear_q8_f32": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, ctypes.c_int],
+    "linear_q4_f32": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, ctypes.c_int],
     "linear_bf16_path": [_I64],  # rows
     "linear_bf16_limit": [ctypes.c_int],  # the highest path it may take
     # logits, ld, bitmask, words per row, rows, number of rows, vocabulary size
@@ -427,7 +427,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
 
 def linear_quantized(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x W^T + b`` for ``x [M, K]`` (float32 CPU, any strides) and a quantized ``W``
-    (``engine.layers.quantization.QuantizedWeight``); returns ``[M, N]``, contiguous."""
+    (``engine.layers.quantization.QuantizedWeight``; with its ``bf16_products``, AMX tiles of x and the
+    weights rounded to bfloat16 where ``bf16_linear_path(M)`` is ``"amx"``); returns ``[M, N]``, contiguous."""
     lib = _lib()
     for name, t in (("x", x), ("bias", bias if bias is not None else x)):
         _check_float32_cpu(name, t)
@@ -443,6 +444,7 @@ def linear_quantized(x: torch.Tensor, weight, bias: torch.Tensor | None = None) 
     status = kernel(
         x.data_ptr(), ld_x, rows, weight.codes.data_ptr(), weight.scales.data_ptr(), weight.out_features,
         in_features, bias.data_ptr() if bias is not None else None, y.data_ptr(), weight.out_features,
+        int(weight.bf16_products),
     )
     if status:
         raise MemoryError("the quantized linear kernel could not allocate its scratch")

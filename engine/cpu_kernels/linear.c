@@ -17,6 +17,7 @@
 
 #include "vec.h"
 #include "linear.h"
+#include "bf16_kernels.h"
 
 #define TILE_ROWS 6 /* rows of x a tile: 12 accumulators, two weight vectors and a broadcast fill AVX2's 16 registers */
 
@@ -27,7 +28,7 @@ typedef int32_t vi_unaligned __attribute__((vector_size(VL * sizeof(int32_t)), a
 static inline void pair_load(const uint16_t *w, vf *even, vf *odd) {
     const vi u = *(const vi_unaligned *)w;
     *even = (vf)(u << 16);
-    *odd = (vf)(u & (vi){0} - 65536); /* 0xffff0000 */
+    *odd = (vf)(u & ((vi){0} - 65536)); /* 0xffff0000 */
 }
 
 /* A tile's accumulators plus bias into columns 0 .. cols - 1 of its rows of y. */
@@ -330,11 +331,87 @@ static inline __attribute__((always_inline)) void q_panel_tile(const float *x, i
     }
 }
 
-/* y = x W^T + b over a quantized packed weight; K a multiple of QBLOCK. Returns 0, or -3 when a
- * thread's dequantization scratch cannot be allocated. */
+#ifdef HAVE_AMX
+/* A quantized panel as bfloat16 pairs [K / 2][PANEL][2] (linear.h's layout), each weight rounded to nearest even. */
+static inline __attribute__((always_inline)) void q_dequantize_bf16(const uint8_t *codes, const float *scales, int q4,
+                                                                    int64_t K, uint16_t *out) {
+    const vi round = (vi){0} + 0x7fff, low = (vi){0} + 0xffff, high = (vi){0} - 65536;
+    for (int64_t kb = 0; kb < K / QBLOCK; ++kb) {
+        const float *s = scales + kb * 2 * PANEL;
+        const uint8_t *c = codes + kb * q_block_bytes(q4);
+        const vf d0 = load(s), d1 = load(s + VL), m0 = load(s + PANEL), m1 = load(s + PANEL + VL);
+        for (int64_t kk = 0; kk < QBLOCK; kk += 2) {
+            vf a0, a1, b0, b1;
+            q_load(c, q4, kk, d0, d1, m0, m1, &a0, &a1);
+            q_load(c, q4, kk + 1, d0, d1, m0, m1, &b0, &b1);
+            uint16_t *o = out + (kb * QBLOCK + kk) * PANEL;
+            const vi ra0 = (vi)a0 + round + (((vi)a0 >> 16) & 1), rb0 = (vi)b0 + round + (((vi)b0 >> 16) & 1);
+            const vi ra1 = (vi)a1 + round + (((vi)a1 >> 16) & 1), rb1 = (vi)b1 + round + (((vi)b1 >> 16) & 1);
+            *(vi_unaligned *)o = ((ra0 >> 16) & low) | (rb0 & high);
+            *(vi_unaligned *)(o + 2 * VL) = ((ra1 >> 16) & low) | (rb1 & high);
+        }
+    }
+}
+
+/* linear_q with bfloat16 products on AMX tiles: x rounded to bfloat16 once, each pair of panels
+ * dequantized to bfloat16 into a thread's scratch, then all rows through amx_pair. */
+static int linear_q_amx(const float *x, int64_t ld_x, int64_t M, const uint8_t *codes, const float *scales, int q4,
+                        int64_t N, int64_t K, const float *bias, float *y, int64_t ld_y) {
+    const int64_t panels = (N + PANEL - 1) / PANEL, rows = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+    const int64_t panel_codes = K / QBLOCK * q_block_bytes(q4), panel_scales = K / QBLOCK * 2 * PANEL;
+    uint16_t *xb = aligned_alloc(64, (size_t)(rows * K * sizeof(uint16_t) + 63) / 64 * 64);
+    if (xb == NULL) return -3;
+    bf16_rows(x, ld_x, M, K, rows, K, xb);
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    {
+        uint16_t *w = aligned_alloc(64, 2 * PANEL * K * sizeof(uint16_t));
+        failed = w == NULL;
+        if (!failed) {
+            amx_configure();
+            float c[16 * 16] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+            for (int64_t pp = 0; pp < (panels + 1) / 2; ++pp) {
+                const int64_t p0 = 2 * pp, n0 = p0 * PANEL, cols0 = N - n0 < PANEL ? N - n0 : PANEL;
+                const int64_t cols1 = N - n0 - PANEL < 0 ? 0 : N - n0 - PANEL < PANEL ? N - n0 - PANEL : PANEL;
+                float bias0[PANEL], bias1[PANEL];
+                panel_bias(bias, N, p0, bias0);
+                if (q4)
+                    q_dequantize_bf16(codes + p0 * panel_codes, scales + p0 * panel_scales, 1, K, w);
+                else
+                    q_dequantize_bf16(codes + p0 * panel_codes, scales + p0 * panel_scales, 0, K, w);
+                if (cols1 > 0) {
+                    panel_bias(bias, N, p0 + 1, bias1);
+                    if (q4)
+                        q_dequantize_bf16(codes + (p0 + 1) * panel_codes, scales + (p0 + 1) * panel_scales, 1, K,
+                                          w + PANEL * K);
+                    else
+                        q_dequantize_bf16(codes + (p0 + 1) * panel_codes, scales + (p0 + 1) * panel_scales, 0, K,
+                                          w + PANEL * K);
+                }
+                amx_pair(xb, M, K, w, w + PANEL * K, bias0, bias1, cols0, cols1, y + n0, ld_y, c);
+            }
+            _tile_release();
+        }
+        free(w);
+    }
+    free(xb);
+    return failed ? -3 : 0;
+}
+#endif
+
+/* y = x W^T + b over a quantized packed weight; K a multiple of QBLOCK. With bf16_products, AMX
+ * tiles (where the CPU has them, from AMX_MIN_ROWS rows) multiply x and the weights rounded to
+ * bfloat16. Returns 0, or -3 when a scratch buffer cannot be allocated. */
 static int linear_q(const float *x, int64_t ld_x, int64_t M, const uint8_t *codes, const float *scales, int q4,
-                    int64_t N, int64_t K, const float *bias, float *y, int64_t ld_y) {
+                    int64_t N, int64_t K, const float *bias, float *y, int64_t ld_y, int bf16_products) {
     const int64_t panels = (N + PANEL - 1) / PANEL;
+#ifdef HAVE_AMX
+    if (bf16_products && linear_bf16_path(M) == PATH_AMX)
+        return linear_q_amx(x, ld_x, M, codes, scales, q4, N, K, bias, y, ld_y);
+#else
+    (void)bf16_products;
+#endif
     if (M <= TILE_ROWS) { /* decoding: read each panel once */
 #pragma omp parallel for schedule(static)
         for (int64_t p = 0; p < panels; ++p) {
@@ -373,11 +450,11 @@ static int linear_q(const float *x, int64_t ld_x, int64_t M, const uint8_t *code
 }
 
 int linear_q8_f32(const float *x, int64_t ld_x, int64_t M, const uint8_t *codes, const float *scales, int64_t N,
-                  int64_t K, const float *bias, float *y, int64_t ld_y) {
-    return linear_q(x, ld_x, M, codes, scales, 0, N, K, bias, y, ld_y);
+                  int64_t K, const float *bias, float *y, int64_t ld_y, int bf16_products) {
+    return linear_q(x, ld_x, M, codes, scales, 0, N, K, bias, y, ld_y, bf16_products);
 }
 
 int linear_q4_f32(const float *x, int64_t ld_x, int64_t M, const uint8_t *codes, const float *scales, int64_t N,
-                  int64_t K, const float *bias, float *y, int64_t ld_y) {
-    return linear_q(x, ld_x, M, codes, scales, 1, N, K, bias, y, ld_y);
+                  int64_t K, const float *bias, float *y, int64_t ld_y, int bf16_products) {
+    return linear_q(x, ld_x, M, codes, scales, 1, N, K, bias, y, ld_y, bf16_products);
 }

@@ -45,13 +45,16 @@ class QuantBlocks(NamedTuple):
 class QuantizedWeight(NamedTuple):
     """A packed quantized weight: uint8 ``codes`` ``[P, K / QBLOCK, QBLOCK, LINEAR_PANEL]`` (q8) or
     ``[P, K / QBLOCK, QBLOCK, LINEAR_PANEL / 2]`` (q4, columns ``j`` and ``j + LINEAR_PANEL / 2`` in the low
-    and high nibbles of byte ``j``), and float32 ``scales`` ``[P, K / QBLOCK, 2, LINEAR_PANEL]``: d, then m."""
+    and high nibbles of byte ``j``), and float32 ``scales`` ``[P, K / QBLOCK, 2, LINEAR_PANEL]``: d, then m.
+    With ``bf16_products``, the kernel multiplies x and the weights rounded to bfloat16 on AMX tiles where
+    the CPU has them (from 16 rows; a bfloat16 model's quantized layers)."""
 
     kind: str
     codes: torch.Tensor
     scales: torch.Tensor
     out_features: int
     in_features: int
+    bf16_products: bool = False
 
     @property
     def nbytes(self) -> int:

@@ -161,6 +161,7 @@ class ModelRunner:
             self.weights: WeightsSummary = quantize_linears(
                 model, self.config.quantization, gguf_source(model_dir), self.hf_config.num_attention_heads,
                 getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads,
+                bf16_products=self.weight_dtype == torch.bfloat16,
             )
         except ValueError as e:
             raise ParameterError("quantization", str(e)) from None
@@ -168,6 +169,10 @@ class ModelRunner:
             for module in linears:
                 if module.quantized is None:
                     module.pack()
+            if self.weight_dtype == torch.bfloat16:
+                small, large = cpu_kernels.bf16_linear_path(1), cpu_kernels.bf16_linear_path(1 << 16)
+                paths = small if small == large else f"{small} below 16 rows, {large} from 16"
+                self.weights.products = f"bfloat16 ({paths})" if large != "widened" else "float32 (bfloat16 widened)"
         return model.eval()
 
     def _attention_layers(self) -> list[Attention]:

@@ -56,20 +56,26 @@ class WeightsSummary:
     quantization: str | None
     modules: Counter[str] = field(default_factory=Counter)
     nbytes: int = 0
+    products: str = "float32"  # what the CPU kernels multiply in (the model runner sets it)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"quantization": self.quantization, "modules": dict(self.modules), "bytes": self.nbytes}
+        return {
+            "quantization": self.quantization, "modules": dict(self.modules), "bytes": self.nbytes,
+            "products": self.products,
+        }  # fmt: skip
 
     def __str__(self) -> str:
         kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(self.modules.items()))
-        return f"quantization {self.quantization} ({kinds}; {self.nbytes / 2**20:.1f} MiB)"
+        return f"quantization {self.quantization} ({kinds}; {self.nbytes / 2**20:.1f} MiB; {self.products} products)"
 
 
 def quantize_linears(
-    model: nn.Module, method: str | None, gguf_path: Path | None, num_heads: int, num_kv_heads: int
+    model: nn.Module, method: str | None, gguf_path: Path | None, num_heads: int, num_kv_heads: int,
+    bf16_products: bool = False,
 ) -> WeightsSummary:
     """Quantize ``model``'s linear weights in place as ``method`` says (module docstring); ``num_heads``
-    and ``num_kv_heads`` undo llama.cpp's reordering of the query and key rows.
+    and ``num_kv_heads`` undo llama.cpp's reordering of the query and key rows; ``bf16_products``: the
+    quantized layers multiply in bfloat16 where the CPU can (``QuantizedWeight``).
 
     Raises:
         ValueError: ``"gguf"`` without a GGUF source file.
@@ -87,7 +93,7 @@ def quantize_linears(
         elif blocks_of is not None:
             blocks = blocks_of(name, module)
         if blocks is not None:
-            module.quantize(pack(blocks))
+            module.quantize(pack(blocks)._replace(bf16_products=bf16_products))
             summary.modules[blocks.kind] += 1
             summary.nbytes += module.quantized.nbytes
         else:

@@ -10,6 +10,7 @@ from gguf import GGMLQuantizationType, quants
 
 from engine import cpu_kernels
 from engine.layers import quantization as q
+from tests.support.bf16_paths import PATHS, bf16_path
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler for the CPU kernels")
 
@@ -126,3 +127,30 @@ def test_gguf_tensors_read_as_gguf_py_reads_them(tmp_path) -> None:
     bad.write_bytes(b"GGML" + bytes(64))
     with pytest.raises(ValueError, match="not a GGUF file"):
         read_gguf_tensors(bad)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 40, 250])
+@pytest.mark.parametrize("type_name", GGUF_TYPES + ["int8"])
+@pytest.mark.parametrize("shape", [(576, 200), (64, 13), (96, 48)])  # partial, one and whole panel pairs
+@pytest.mark.parametrize("path", PATHS)
+def test_bf16_products_match_float64(rows: int, type_name: str, shape: tuple[int, int], path: str) -> None:
+    """With bf16_products, AMX (from 16 rows, where the CPU has it) gives float64's product of x and the dequantized
+    weight both rounded to bfloat16; every other row count and path gives the float32 kernel's."""
+    in_features, out_features = shape
+    rng = np.random.default_rng(rows + in_features + 7)
+    weight = rng.standard_normal((out_features, in_features)).astype(np.float32)
+    blocks = q.quantize_int8(torch.from_numpy(weight)) if type_name == "int8" else _gguf_blocks(type_name, weight)[0]
+    reference = blocks.dequantize()
+    packed = q.pack(blocks)._replace(bf16_products=True)
+    x = torch.from_numpy(rng.standard_normal((rows, in_features)).astype(np.float32))
+    bias = torch.from_numpy(rng.standard_normal(out_features).astype(np.float32))
+    with bf16_path(path):
+        rounded = cpu_kernels.bf16_linear_path(rows) == "amx"
+        out = cpu_kernels.linear_quantized(x, packed, bias).double()
+    if rounded:  # the kernel's dequantization is fused (d q + m rounded once), then rounded to bfloat16
+        n, k = blocks.codes.shape
+        exact = blocks.codes.double().view(n, k // q.QBLOCK, q.QBLOCK) * blocks.d.double().unsqueeze(-1)
+        fused = (exact + blocks.m.double().unsqueeze(-1)).float().view(n, k)
+        x, reference = x.bfloat16(), fused.bfloat16()
+    expected = x.double() @ reference.double().T + bias.double()
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)

@@ -1,0 +1,122 @@
+/* The bfloat16 hardware pieces of the linear kernels (linear_bf16.c, and quantized weights in
+ * linear.c): x rounded to bfloat16 (AVX512-BF16), and AMX-BF16 tiles.
+ *
+ * Every tile register is 16 rows x 64 bytes: an A tile 16 rows x 32 bfloat16 of x, a B tile
+ * 16 pairs of input features x 16 columns (linear.h's bfloat16 panel layout, as it lies in
+ * memory), a C tile 16 x 16 float32. A block is 32 rows x 2 panels: 4 accumulators and 2 + 2
+ * operand tiles fill the 8 registers. Linux hands a process the tile state only on request
+ * (arch_prctl ARCH_REQ_XCOMP_PERM), which amx_permitted makes once.
+ */
+
+#ifndef PAGED_BF16_KERNELS_H
+#define PAGED_BF16_KERNELS_H
+
+#include "linear.h"
+#include "vec.h"
+
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+
+/* Columns 0 .. cols - 1 plus bias of one row of y. */
+static inline void bf16_store_row(__m512 acc, const float *bias, float *y, int64_t cols) {
+    _mm512_mask_storeu_ps(y, (__mmask16)((1u << cols) - 1), _mm512_add_ps(acc, _mm512_loadu_ps(bias)));
+}
+
+/* Rows of x [M, K] as bfloat16 [rows_padded][Kp] (to nearest even), zero past K and past row M. */
+static inline void bf16_rows(const float *x, int64_t ld_x, int64_t M, int64_t K, int64_t rows_padded,
+                             int64_t Kp, uint16_t *xb) {
+#pragma omp parallel for schedule(static) if (M * K >= PARALLEL_MIN)
+    for (int64_t m = 0; m < rows_padded; ++m) {
+        uint16_t *row = xb + m * Kp;
+        int64_t k = 0;
+        if (m < M) {
+            const float *src = x + m * ld_x;
+            for (; k + 16 <= K; k += 16)
+                _mm256_storeu_si256((__m256i *)(row + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + k)));
+            for (; k < K; ++k) row[k] = f32_to_bf16(src[k]);
+        }
+        memset(row + k, 0, (Kp - k) * sizeof(uint16_t));
+    }
+}
+
+#endif
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__) && defined(__linux__)
+#define HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_ROWS 32 /* rows of x a block: two A tiles */
+
+static inline int amx_permitted(void) {
+    static int permitted = -1;
+    if (__atomic_load_n(&permitted, __ATOMIC_ACQUIRE) < 0)
+        __atomic_store_n(&permitted, syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0,
+                         __ATOMIC_RELEASE);
+    return permitted;
+}
+
+struct amx_tile_config {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* Each thread that runs amx_pair configures its tiles first (and releases them after). */
+static inline void amx_configure(void) {
+    struct amx_tile_config config = {.palette_id = 1};
+    for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
+    _tile_loadconfig(&config);
+}
+
+static inline void amx_store(const float *tile, int64_t rows, const float *bias, float *y, int64_t ld_y,
+                             int64_t cols) {
+    for (int64_t i = 0; i < rows; ++i) bf16_store_row(_mm512_loadu_ps(tile + 16 * i), bias, y + i * ld_y, cols);
+}
+
+/* All M rows of xb (bf16_rows's, rows padded to AMX_ROWS) times the panels b0 and, when
+ * cols1 > 0, b1 (each [Kp / 2][PANEL][2] bfloat16), plus bias0 / bias1 (PANEL entries each), into
+ * columns 0 .. cols0 - 1 and PANEL .. PANEL + cols1 - 1 of y. c: a 1 KiB scratch. */
+static inline void amx_pair(const uint16_t *xb, int64_t M, int64_t Kp, const uint16_t *b0, const uint16_t *b1,
+                            const float *bias0, const float *bias1, int64_t cols0, int64_t cols1, float *y,
+                            int64_t ld_y, float *c) {
+    const int64_t stride = Kp * sizeof(uint16_t);
+    for (int64_t m0 = 0; m0 < M; m0 += AMX_ROWS) {
+        const uint16_t *a = xb + m0 * Kp;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t k = 0; k < Kp; k += BF16_K_ALIGN) {
+            _tile_loadd(4, a + k, stride);
+            _tile_loadd(5, a + 16 * Kp + k, stride);
+            _tile_loadd(6, b0 + k * PANEL, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(2, 5, 6);
+            if (cols1 > 0) {
+                _tile_loadd(7, b1 + k * PANEL, 64);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+        const int64_t rows0 = M - m0 < 16 ? M - m0 : 16, rows1 = M - m0 - 16 < 16 ? M - m0 - 16 : 16;
+        float *y0 = y + m0 * ld_y;
+        _tile_stored(0, c, 64);
+        amx_store(c, rows0, bias0, y0, ld_y, cols0);
+        if (rows1 > 0) {
+            _tile_stored(2, c, 64);
+            amx_store(c, rows1, bias0, y0 + 16 * ld_y, ld_y, cols0);
+        }
+        if (cols1 > 0) {
+            _tile_stored(1, c, 64);
+            amx_store(c, rows0, bias1, y0 + PANEL, ld_y, cols1);
+            if (rows1 > 0) {
+                _tile_stored(3, c, 64);
+                amx_store(c, rows1, bias1, y0 + 16 * ld_y + PANEL, ld_y, cols1);
+            }
+        }
+    }
+}
+
+#endif /* HAVE_AMX */
+#endif

@@ -35,7 +35,8 @@ class EngineConfig:
     dtype: str = knob(
         "auto",
         "Weights and compute dtype. auto = the fastest that keeps outputs correct on the device (float32 on CPU); "
-        "on a CPU without bfloat16 arithmetic, bfloat16 keeps bfloat16 weights and computes in float32.",
+        "on CPU, bfloat16 keeps bfloat16 weights and KV cache and float32 element-wise parts; its matmuls run on "
+        "AMX or AVX512-BF16 where the CPU has them, else widened to float32.",
         choices=("auto", "float32", "bfloat16", "float16"),
     )
     quantization: str | None = knob(

@@ -53,6 +53,9 @@ def _time_linear(
     x = torch.randn(batch, in_features, dtype=dtype)
     weight = torch.randn(out_features, in_features, dtype=dtype)
     candidates = [lambda: F.linear(x, weight), lambda: torch.mm(weight, x.t())] if weight_dtype == dtype else []
+    if weight_dtype == torch.bfloat16 != dtype:  # BLAS in bfloat16 (oneDNN's AMX kernels where the CPU has them)
+        x16, weight16 = x.to(weight_dtype), weight.to(weight_dtype)
+        candidates.append(lambda: F.linear(x16, weight16))
     if dtype == torch.float32 and cpu_kernels.library() is not None:
         packed = cpu_kernels.pack_linear_weight(weight.to(weight_dtype))
         candidates.append(lambda: cpu_kernels.linear(x, packed, out_features))

@@ -206,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
     ceiling = None
     if not args.no_ceiling:
         bar.set_postfix_str("matmul ceiling")
-        # NOTE: the engine's compute dtype: bfloat16 weights widen to float32 on a CPU without bfloat16 arithmetic.
+        # NOTE: the engine's compute dtype: float32 over bfloat16 weights on CPU (its kernels pick the bfloat16 path).
         ceiling = measure_ceiling(model_dir, compute_dtype, weight_dtype)
     bar.close()
 

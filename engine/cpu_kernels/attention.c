@@ -80,6 +80,41 @@ static inline __attribute__((always_inline)) void block_scores(const float *rest
     }
 }
 
+#define FUSED_GROUP 4 /* query heads of a KV head scored and weighted in one pass over each key and value */
+
+/* block_scores for G <= FUSED_GROUP query heads (a constant in the callers) in one pass: each key
+ * vector is loaded (and widened) once for all of them. */
+static inline __attribute__((always_inline)) void block_scores_fused(const float *restrict q, const kv_t *restrict k,
+                                                                     int64_t n, int64_t token_stride, const int G,
+                                                                     const int D, float *restrict scores) {
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4) {
+        const kv_t *k0 = k + t * token_stride, *k1 = k0 + token_stride;
+        const kv_t *k2 = k1 + token_stride, *k3 = k2 + token_stride;
+        vf a[FUSED_GROUP][4] = {{{0}}};
+        for (int c = 0; c < D; c += VL) {
+            const vf x0 = KV_LOAD(k0 + c), x1 = KV_LOAD(k1 + c), x2 = KV_LOAD(k2 + c), x3 = KV_LOAD(k3 + c);
+            for (int g = 0; g < G; ++g) {
+                const vf qv = load(q + g * D + c);
+                a[g][0] += qv * x0;
+                a[g][1] += qv * x1;
+                a[g][2] += qv * x2;
+                a[g][3] += qv * x3;
+            }
+        }
+        for (int g = 0; g < G; ++g) hsum4(a[g][0], a[g][1], a[g][2], a[g][3], scores + g * MAX_BLOCK_SIZE + t);
+    }
+    for (; t < n; ++t) {
+        const kv_t *kt = k + t * token_stride;
+        vf a[FUSED_GROUP] = {{0}};
+        for (int c = 0; c < D; c += VL) {
+            const vf x = KV_LOAD(kt + c);
+            for (int g = 0; g < G; ++g) a[g] += load(q + g * D + c) * x;
+        }
+        for (int g = 0; g < G; ++g) scores[g * MAX_BLOCK_SIZE + t] = hsum(a[g]);
+    }
+}
+
 /* Continues the online softmax of the G scaled queries q over context positions
  * [start, end) of one sequence, for the KV head at head_offset: running maxima m[G], sums
  * l[G] and accumulators acc[G * D]. D is a compile-time constant in the callers, so a
@@ -108,7 +143,11 @@ static inline __attribute__((always_inline)) void attend_range(const float *rest
                     __builtin_prefetch(v_cache + next + t * token_stride + c);
                 }
         }
-        block_scores(q, k, n, token_stride, G, D, scores);
+        if (G <= FUSED_GROUP)
+            block_scores_fused(q, k, n, token_stride, G, D, scores);
+        else
+            block_scores(q, k, n, token_stride, G, D, scores);
+        float correction[MAX_GROUP];
         for (int g = 0; g < G; ++g) {
             float *restrict sg = scores + g * MAX_BLOCK_SIZE;
             for (int64_t t = n; t < padded; ++t) sg[t] = -INFINITY; /* exp -> 0 */
@@ -116,23 +155,44 @@ static inline __attribute__((always_inline)) void attend_range(const float *rest
             for (int64_t t = VL; t < padded; t += VL) vmax = vmaxf(vmax, load(sg + t));
             const float block_max = hmax(vmax);
             const float new_max = block_max > m[g] ? block_max : m[g];
-            const float correction = m[g] == -INFINITY ? 0.0f : expf(m[g] - new_max);
+            correction[g] = m[g] == -INFINITY ? 0.0f : expf(m[g] - new_max);
             vf sum = {0};
             for (int64_t t = 0; t < padded; t += VL) {
                 const vf p = vexp(load(sg + t) - new_max);
                 store(sg + t, p);
                 sum += p;
             }
-            l[g] = l[g] * correction + hsum(sum);
+            l[g] = l[g] * correction[g] + hsum(sum);
             m[g] = new_max;
-            vf a[MAX_HEAD_DIM / VL];
-            for (int c = 0; c < D / VL; ++c) a[c] = load(acc + g * D + c * VL) * correction;
-            for (int64_t t = 0; t < n; ++t) {
-                const vf p = splat(sg[t]);
-                const kv_t *restrict vt = v + t * token_stride;
-                for (int c = 0; c < D / VL; ++c) a[c] += p * KV_LOAD(vt + c * VL);
+        }
+        if (G <= FUSED_GROUP) { /* each value vector loaded once for every head, four vectors of D at a time */
+            for (int c0 = 0; c0 < D / VL; c0 += 4) {
+                const int cn = D / VL - c0 < 4 ? D / VL - c0 : 4;
+                vf a[FUSED_GROUP][4];
+                for (int g = 0; g < G; ++g)
+                    for (int c = 0; c < cn; ++c) a[g][c] = load(acc + g * D + (c0 + c) * VL) * correction[g];
+                for (int64_t t = 0; t < n; ++t) {
+                    const kv_t *restrict vt = v + t * token_stride + c0 * VL;
+                    for (int c = 0; c < cn; ++c) {
+                        const vf x = KV_LOAD(vt + c * VL);
+                        for (int g = 0; g < G; ++g) a[g][c] += splat(scores[g * MAX_BLOCK_SIZE + t]) * x;
+                    }
+                }
+                for (int g = 0; g < G; ++g)
+                    for (int c = 0; c < cn; ++c) store(acc + g * D + (c0 + c) * VL, a[g][c]);
             }
-            for (int c = 0; c < D / VL; ++c) store(acc + g * D + c * VL, a[c]);
+        } else {
+            for (int g = 0; g < G; ++g) {
+                const float *restrict sg = scores + g * MAX_BLOCK_SIZE;
+                vf a[MAX_HEAD_DIM / VL];
+                for (int c = 0; c < D / VL; ++c) a[c] = load(acc + g * D + c * VL) * correction[g];
+                for (int64_t t = 0; t < n; ++t) {
+                    const vf p = splat(sg[t]);
+                    const kv_t *restrict vt = v + t * token_stride;
+                    for (int c = 0; c < D / VL; ++c) a[c] += p * KV_LOAD(vt + c * VL);
+                }
+                for (int c = 0; c < D / VL; ++c) store(acc + g * D + c * VL, a[c]);
+            }
         }
         pos += n;
     }
@@ -264,8 +324,17 @@ static inline __attribute__((always_inline)) void attend_tile(
                 memset(acc + g * D, 0, sizeof(float) * (size_t)D);
             }
         }
-        attend_range(qs, k_cache, v_cache, block_tables + i * table_stride, shared, seq_lens[i], block_size,
-                     token_stride, head_offset, G, D, m, l, acc);
+        const int32_t *table = block_tables + i * table_stride;
+        switch (G) { /* the fused group sizes as constants, so that their accumulators stay in registers */
+#define RANGE(g) \
+    case g: attend_range(qs, k_cache, v_cache, table, shared, seq_lens[i], block_size, token_stride, head_offset, g, \
+                         D, m, l, acc); break;
+            RANGE(1) RANGE(2) RANGE(3) RANGE(4)
+#undef RANGE
+        default:
+            attend_range(qs, k_cache, v_cache, table, shared, seq_lens[i], block_size, token_stride, head_offset, G, D,
+                         m, l, acc);
+        }
         float *restrict o = out + (i * num_heads + h * G) * D;
         for (int g = 0; g < G; ++g) {
             const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;

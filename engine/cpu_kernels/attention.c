@@ -31,17 +31,30 @@
 #if KV_BF16
 typedef uint16_t kv_t;
 #define KV_LOAD(p) load_bf16(p)
-#define KV_AT(p) bf16_to_f32(*(p))
 #define KV_FROM_F32(x) f32_to_bf16(x)
 #define KV_NAME(name) name##_bf16
 #else
 typedef float kv_t;
 #define KV_LOAD(p) load(p)
-#define KV_AT(p) (*(p))
 #define KV_FROM_F32(x) (x)
 #define KV_NAME(name) name##_f32
 #endif
 #define KV_LINE (64 / (int)sizeof(kv_t)) /* cache elements a 64-byte line holds */
+
+/* Cache elements p[0] and p[1], each broadcast to a vector: for bfloat16 one 32-bit broadcast of
+ * the pair, split by a shift and a mask (3 operations where two widened scalars take 8). */
+static inline void splat2(const kv_t *p, vf *a, vf *b) {
+#if KV_BF16
+    uint32_t pair;
+    memcpy(&pair, p, sizeof pair);
+    const vi v = (vi){0} + (int32_t)pair;
+    *a = (vf)(v << 16);
+    *b = (vf)(v & ((vi){0} - 65536)); /* 0xffff0000 */
+#else
+    *a = splat(p[0]);
+    *b = splat(p[1]);
+#endif
+}
 
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
@@ -221,10 +234,12 @@ static inline __attribute__((always_inline)) void shared_phase(const vf *restric
         for (; t + 4 <= n; t += 4) {
             vf a[4][MAX_LANE_VECTORS] = {{{0}}};
             const kv_t *restrict k0 = k + t * token_stride;
-            for (int d = 0; d < D; ++d)
+            for (int d = 0; d < D; d += 2)
                 for (int u = 0; u < 4; ++u) {
-                    const vf kb = splat(KV_AT(k0 + u * token_stride + d));
-                    for (int j = 0; j < QV; ++j) a[u][j] += kb * qt[d * QV + j];
+                    vf kb0, kb1;
+                    splat2(k0 + u * token_stride + d, &kb0, &kb1);
+                    for (int j = 0; j < QV; ++j) a[u][j] += kb0 * qt[d * QV + j];
+                    for (int j = 0; j < QV; ++j) a[u][j] += kb1 * qt[(d + 1) * QV + j];
                 }
             for (int u = 0; u < 4; ++u)
                 for (int j = 0; j < QV; ++j) s[(t + u) * QV + j] = a[u][j];
@@ -232,9 +247,11 @@ static inline __attribute__((always_inline)) void shared_phase(const vf *restric
         for (; t < n; ++t) {
             vf a[MAX_LANE_VECTORS] = {{0}};
             const kv_t *restrict kt = k + t * token_stride;
-            for (int d = 0; d < D; ++d) {
-                const vf kb = splat(KV_AT(kt + d));
-                for (int j = 0; j < QV; ++j) a[j] += kb * qt[d * QV + j];
+            for (int d = 0; d < D; d += 2) {
+                vf kb0, kb1;
+                splat2(kt + d, &kb0, &kb1);
+                for (int j = 0; j < QV; ++j) a[j] += kb0 * qt[d * QV + j];
+                for (int j = 0; j < QV; ++j) a[j] += kb1 * qt[(d + 1) * QV + j];
             }
             for (int j = 0; j < QV; ++j) s[t * QV + j] = a[j];
         }
@@ -261,9 +278,11 @@ static inline __attribute__((always_inline)) void shared_phase(const vf *restric
                 for (int j = 0; j < QV; ++j) a[e][j] = ot[(d0 + e) * QV + j] * correction[j];
             for (int64_t u = 0; u < n; ++u) {
                 const kv_t *restrict vt = v + u * token_stride + d0;
-                for (int e = 0; e < 4; ++e) {
-                    const vf vb = splat(KV_AT(vt + e));
-                    for (int j = 0; j < QV; ++j) a[e][j] += vb * s[u * QV + j];
+                for (int e = 0; e < 4; e += 2) {
+                    vf vb0, vb1;
+                    splat2(vt + e, &vb0, &vb1);
+                    for (int j = 0; j < QV; ++j) a[e][j] += vb0 * s[u * QV + j];
+                    for (int j = 0; j < QV; ++j) a[e + 1][j] += vb1 * s[u * QV + j];
                 }
             }
             for (int e = 0; e < 4; ++e)

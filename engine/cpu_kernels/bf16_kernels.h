@@ -47,6 +47,13 @@ static inline void bf16_rows(const float *x, int64_t ld_x, int64_t M, int64_t K,
 #include <unistd.h>
 
 #define AMX_ROWS 32 /* rows of x a block: two A tiles */
+#define AMX_X_BYTES (256 * 1024) /* bfloat16 rows of x a pass over the panels: they stay in the per-core L2 */
+
+/* Rows of x (a multiple of AMX_ROWS) a pass over every panel reads from cache, however many a prefill brings. */
+static inline int64_t amx_block_rows(int64_t Kp) {
+    const int64_t rows = AMX_X_BYTES / (Kp * (int64_t)sizeof(uint16_t)) / AMX_ROWS * AMX_ROWS;
+    return rows > AMX_ROWS ? rows : AMX_ROWS;
+}
 
 static inline int amx_permitted(void) {
     static int permitted = -1;

@@ -353,8 +353,9 @@ static inline __attribute__((always_inline)) void q_dequantize_bf16(const uint8_
     }
 }
 
-/* linear_q with bfloat16 products on AMX tiles: x rounded to bfloat16 once, each pair of panels
- * dequantized to bfloat16 into a thread's scratch, then all rows through amx_pair. */
+/* linear_q with bfloat16 products on AMX tiles: x rounded to bfloat16 once; for each block of rows
+ * that stays in cache, each pair of panels dequantized to bfloat16 into a thread's scratch and
+ * multiplied by amx_pair. */
 static int linear_q_amx(const float *x, int64_t ld_x, int64_t M, const uint8_t *codes, const float *scales, int q4,
                         int64_t N, int64_t K, const float *bias, float *y, int64_t ld_y) {
     const int64_t panels = (N + PANEL - 1) / PANEL, rows = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
@@ -370,26 +371,31 @@ static int linear_q_amx(const float *x, int64_t ld_x, int64_t M, const uint8_t *
         if (!failed) {
             amx_configure();
             float c[16 * 16] __attribute__((aligned(64)));
+            const int64_t mc = amx_block_rows(K);
+            for (int64_t m0 = 0; m0 < M; m0 += mc) {
+                const int64_t block = M - m0 < mc ? M - m0 : mc;
 #pragma omp for schedule(static)
-            for (int64_t pp = 0; pp < (panels + 1) / 2; ++pp) {
-                const int64_t p0 = 2 * pp, n0 = p0 * PANEL, cols0 = N - n0 < PANEL ? N - n0 : PANEL;
-                const int64_t cols1 = N - n0 - PANEL < 0 ? 0 : N - n0 - PANEL < PANEL ? N - n0 - PANEL : PANEL;
-                float bias0[PANEL], bias1[PANEL];
-                panel_bias(bias, N, p0, bias0);
-                if (q4)
-                    q_dequantize_bf16(codes + p0 * panel_codes, scales + p0 * panel_scales, 1, K, w);
-                else
-                    q_dequantize_bf16(codes + p0 * panel_codes, scales + p0 * panel_scales, 0, K, w);
-                if (cols1 > 0) {
-                    panel_bias(bias, N, p0 + 1, bias1);
+                for (int64_t pp = 0; pp < (panels + 1) / 2; ++pp) {
+                    const int64_t p0 = 2 * pp, n0 = p0 * PANEL, cols0 = N - n0 < PANEL ? N - n0 : PANEL;
+                    const int64_t cols1 = N - n0 - PANEL < 0 ? 0 : N - n0 - PANEL < PANEL ? N - n0 - PANEL : PANEL;
+                    float bias0[PANEL], bias1[PANEL];
+                    panel_bias(bias, N, p0, bias0);
                     if (q4)
-                        q_dequantize_bf16(codes + (p0 + 1) * panel_codes, scales + (p0 + 1) * panel_scales, 1, K,
-                                          w + PANEL * K);
+                        q_dequantize_bf16(codes + p0 * panel_codes, scales + p0 * panel_scales, 1, K, w);
                     else
-                        q_dequantize_bf16(codes + (p0 + 1) * panel_codes, scales + (p0 + 1) * panel_scales, 0, K,
-                                          w + PANEL * K);
+                        q_dequantize_bf16(codes + p0 * panel_codes, scales + p0 * panel_scales, 0, K, w);
+                    if (cols1 > 0) {
+                        panel_bias(bias, N, p0 + 1, bias1);
+                        if (q4)
+                            q_dequantize_bf16(codes + (p0 + 1) * panel_codes, scales + (p0 + 1) * panel_scales, 1, K,
+                                              w + PANEL * K);
+                        else
+                            q_dequantize_bf16(codes + (p0 + 1) * panel_codes, scales + (p0 + 1) * panel_scales, 0, K,
+                                              w + PANEL * K);
+                    }
+                    amx_pair(xb + m0 * K, block, K, w, w + PANEL * K, bias0, bias1, cols0, cols1, y + m0 * ld_y + n0,
+                             ld_y, c);
                 }
-                amx_pair(xb, M, K, w, w + PANEL * K, bias0, bias1, cols0, cols1, y + n0, ld_y, c);
             }
             _tile_release();
         }

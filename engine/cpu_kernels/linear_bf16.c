@@ -79,26 +79,30 @@ static void linear_dot(const uint16_t *xb, int64_t M, const uint16_t *packed, in
 
 #ifdef HAVE_AMX
 
-/* xb: bfloat16 [M rounded up to AMX_ROWS][Kp]. The threads split pairs of panels; each reads its
- * panels once from memory and every row block of x from its cache. */
+/* xb: bfloat16 [M rounded up to AMX_ROWS][Kp]. Blocks of rows that stay in cache (amx_block_rows)
+ * pass over every panel in turn; the threads split pairs of panels, each read once a block. */
 static void linear_amx(const uint16_t *xb, int64_t M, const uint16_t *packed, int64_t N, int64_t Kp,
                        const float *bias, float *y, int64_t ld_y) {
-    const int64_t panels = (N + PANEL - 1) / PANEL;
+    const int64_t panels = (N + PANEL - 1) / PANEL, mc = amx_block_rows(Kp);
 #pragma omp parallel
     {
         amx_configure();
         float c[16 * 16] __attribute__((aligned(64)));
+        for (int64_t m0 = 0; m0 < M; m0 += mc) {
+            const int64_t rows = M - m0 < mc ? M - m0 : mc;
 #pragma omp for schedule(static)
-        for (int64_t pp = 0; pp < (panels + 1) / 2; ++pp) {
-            const int64_t n0 = 2 * pp * PANEL, cols0 = N - n0 < PANEL ? N - n0 : PANEL;
-            const int64_t cols1 = N - n0 - PANEL < 0 ? 0 : N - n0 - PANEL < PANEL ? N - n0 - PANEL : PANEL;
-            float bias0[PANEL] = {0}, bias1[PANEL] = {0};
-            if (bias != NULL) {
-                memcpy(bias0, bias + n0, cols0 * sizeof(float));
-                memcpy(bias1, bias + n0 + PANEL, cols1 * sizeof(float));
+            for (int64_t pp = 0; pp < (panels + 1) / 2; ++pp) {
+                const int64_t n0 = 2 * pp * PANEL, cols0 = N - n0 < PANEL ? N - n0 : PANEL;
+                const int64_t cols1 = N - n0 - PANEL < 0 ? 0 : N - n0 - PANEL < PANEL ? N - n0 - PANEL : PANEL;
+                float bias0[PANEL] = {0}, bias1[PANEL] = {0};
+                if (bias != NULL) {
+                    memcpy(bias0, bias + n0, cols0 * sizeof(float));
+                    memcpy(bias1, bias + n0 + PANEL, cols1 * sizeof(float));
+                }
+                const uint16_t *b0 = packed + n0 * Kp;
+                amx_pair(xb + m0 * Kp, rows, Kp, b0, b0 + PANEL * Kp, bias0, bias1, cols0, cols1, y + m0 * ld_y + n0,
+                         ld_y, c);
             }
-            const uint16_t *b0 = packed + n0 * Kp;
-            amx_pair(xb, M, Kp, b0, b0 + PANEL * Kp, bias0, bias1, cols0, cols1, y + n0, ld_y, c);
         }
         _tile_release();
     }

@@ -68,7 +68,7 @@ def test_matches_torch(rows: int, shape: tuple[int, int]) -> None:
     _check_linear(rows, shape, torch.float32, "widened")
 
 
-@pytest.mark.parametrize("rows", [0, 1, 2, 5, 6, 7, 11, 13, 16, 17, 40, 64, 250])
+@pytest.mark.parametrize("rows", [0, 1, 2, 5, 6, 7, 11, 13, 16, 17, 40, 64, 250, 500])  # 500: past AMX's 224-row block
 @pytest.mark.parametrize("shape", [(576, 960), (21, 13), (64, 48)])
 def test_bf16_matches_torch(rows: int, shape: tuple[int, int], path: str) -> None:
     """bfloat16, each path: F.linear in float64 of the exactly widened weight, and of x rounded to bfloat16 where

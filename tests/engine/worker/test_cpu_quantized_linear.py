@@ -129,7 +129,7 @@ def test_gguf_tensors_read_as_gguf_py_reads_them(tmp_path) -> None:
         read_gguf_tensors(bad)
 
 
-@pytest.mark.parametrize("rows", [1, 7, 16, 17, 40, 250])
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 40, 250, 500])  # 500: past AMX's 224-row block at K=576
 @pytest.mark.parametrize("type_name", GGUF_TYPES + ["int8"])
 @pytest.mark.parametrize("shape", [(576, 200), (64, 13), (96, 48)])  # partial, one and whole panel pairs
 @pytest.mark.parametrize("path", PATHS)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
@@ -114,6 +115,10 @@ async def _load(state: ServerState, factory: Callable[[], Serving]) -> None:
         logger.exception("engine failed to start")
         state.phase = Phase.DEAD
         return
+    # NOTE: the model, tokenizer and modules loaded so far live as long as the server: frozen, a full
+    # collection no longer walks them, which would hold the loop for tens of milliseconds at a time.
+    gc.collect()
+    gc.freeze()
     state.serving = serving
     state.collector.bind(serving.stats)
     if state.phase is Phase.STARTING:

@@ -256,7 +256,7 @@ def _free_port() -> int:
 
 def test_ten_huge_prompts_leave_a_serve_process_answering(tiny_model_factory, tmp_path) -> None:
     """A ``paged serve --policy --hook`` process: ten concurrent 3.5 MB prompts each get a 400 naming the limit while
-    /health answers within 100 ms throughout; the policy's keys and the --hook filter hold."""
+    /health answers within 250 ms throughout; the policy's keys and the --hook filter hold."""
     (tmp_path / "tenants.toml").write_text(POLICY_FILE)
     port = _free_port()
     cmd = [sys.executable, "-m", "integrations.cli", "serve", "--model", str(tiny_model_factory("llama")),
@@ -321,7 +321,7 @@ async def _flood(root: str, port: int) -> None:
             answers = await asyncio.gather(*(post(body, path) for body, path in bodies))
         finally:
             latencies = json.loads(prober.communicate(timeout=30)[0])
-        assert len(latencies) >= 5 and max(latencies) < 0.1, sorted(latencies)[-3:]
+        assert len(latencies) >= 5 and max(latencies) < 0.25, sorted(latencies)[-3:]
         for status, body in answers:
             assert status == 400, body
             assert "prompt has 3500000 characters; at most 165888 can fit max_model_len (2048 tokens" in body["error"]["message"]

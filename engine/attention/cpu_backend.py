@@ -115,8 +115,7 @@ class CpuAttentionBackend(AttentionBackend):
         # NOTE: every new token's K/V is stored before any row reads the cache, so a row may read
         # keys that another token of this batch writes now (its own chunk, or a prefix being cached).
         cpu_kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        dense = k_cache.dtype == torch.bfloat16 and cpu_kernels.bf16_linear_path(1) != "widened"
-        plan = self._get_plan(meta, k_cache.shape[1], dense)
+        plan = self._get_plan(meta, k_cache)
         if not plan.chunks:
             return cpu_kernels.attention(q, k_cache, v_cache, plan.block_tables, plan.seq_lens, scale, plan.tiles)
         out = torch.empty(q.shape)
@@ -129,8 +128,10 @@ class CpuAttentionBackend(AttentionBackend):
             out[chunk.start : chunk.end] = _dense_chunk(q[chunk.start : chunk.end], k_cache, v_cache, chunk, scale)
         return out
 
-    def _get_plan(self, meta: AttentionMetadata, block_size: int, dense: bool) -> _RowPlan:
+    def _get_plan(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> _RowPlan:
         if meta is not self._plan_meta:
+            block_size = k_cache.shape[1]
+            dense = k_cache.dtype == torch.bfloat16 and cpu_kernels.bf16_linear_path(1) != "widened"
             seq_lens, tables = token_rows(meta)
             chunks = _dense_chunks(meta, block_size) if dense else []
             rows = None

@@ -14,6 +14,8 @@
 #include "linear.h"
 #include "vec.h"
 
+#define AMX_ROWS 32 /* rows of x an AMX block: two A tiles; x's bfloat16 copy is padded to a multiple */
+
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 
@@ -46,7 +48,6 @@ static inline void bf16_rows(const float *x, int64_t ld_x, int64_t M, int64_t K,
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#define AMX_ROWS 32 /* rows of x a block: two A tiles */
 #define AMX_X_BYTES (256 * 1024) /* bfloat16 rows of x a pass over the panels: they stay in the per-core L2 */
 
 /* Rows of x (a multiple of AMX_ROWS) a pass over every panel reads from cache, however many a prefill brings. */
@@ -74,6 +75,21 @@ static inline void amx_configure(void) {
     struct amx_tile_config config = {.palette_id = 1};
     for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
     _tile_loadconfig(&config);
+}
+
+/* The columns of the panel pair at output column n0 (cols1 = 0 without a second panel), and their bias
+ * entries (zero past N, or without a bias) in bias0 / bias1. Returns cols0. */
+static inline int64_t amx_pair_bias(const float *bias, int64_t N, int64_t n0, float *bias0, float *bias1,
+                                    int64_t *cols1) {
+    const int64_t cols0 = N - n0 < PANEL ? N - n0 : PANEL, rest = N - n0 - PANEL;
+    *cols1 = rest < 0 ? 0 : rest < PANEL ? rest : PANEL;
+    memset(bias0, 0, PANEL * sizeof(float));
+    memset(bias1, 0, PANEL * sizeof(float));
+    if (bias != NULL) {
+        memcpy(bias0, bias + n0, cols0 * sizeof(float));
+        memcpy(bias1, bias + n0 + PANEL, *cols1 * sizeof(float));
+    }
+    return cols0;
 }
 
 static inline void amx_store(const float *tile, int64_t rows, const float *bias, float *y, int64_t ld_y,

@@ -376,16 +376,15 @@ static int linear_q_amx(const float *x, int64_t ld_x, int64_t M, const uint8_t *
                 const int64_t block = M - m0 < mc ? M - m0 : mc;
 #pragma omp for schedule(static)
                 for (int64_t pp = 0; pp < (panels + 1) / 2; ++pp) {
-                    const int64_t p0 = 2 * pp, n0 = p0 * PANEL, cols0 = N - n0 < PANEL ? N - n0 : PANEL;
-                    const int64_t cols1 = N - n0 - PANEL < 0 ? 0 : N - n0 - PANEL < PANEL ? N - n0 - PANEL : PANEL;
+                    const int64_t p0 = 2 * pp, n0 = p0 * PANEL;
                     float bias0[PANEL], bias1[PANEL];
-                    panel_bias(bias, N, p0, bias0);
+                    int64_t cols1;
+                    const int64_t cols0 = amx_pair_bias(bias, N, n0, bias0, bias1, &cols1);
                     if (q4)
                         q_dequantize_bf16(codes + p0 * panel_codes, scales + p0 * panel_scales, 1, K, w);
                     else
                         q_dequantize_bf16(codes + p0 * panel_codes, scales + p0 * panel_scales, 0, K, w);
                     if (cols1 > 0) {
-                        panel_bias(bias, N, p0 + 1, bias1);
                         if (q4)
                             q_dequantize_bf16(codes + (p0 + 1) * panel_codes, scales + (p0 + 1) * panel_scales, 1, K,
                                               w + PANEL * K);

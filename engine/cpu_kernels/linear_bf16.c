@@ -92,13 +92,10 @@ static void linear_amx(const uint16_t *xb, int64_t M, const uint16_t *packed, in
             const int64_t rows = M - m0 < mc ? M - m0 : mc;
 #pragma omp for schedule(static)
             for (int64_t pp = 0; pp < (panels + 1) / 2; ++pp) {
-                const int64_t n0 = 2 * pp * PANEL, cols0 = N - n0 < PANEL ? N - n0 : PANEL;
-                const int64_t cols1 = N - n0 - PANEL < 0 ? 0 : N - n0 - PANEL < PANEL ? N - n0 - PANEL : PANEL;
-                float bias0[PANEL] = {0}, bias1[PANEL] = {0};
-                if (bias != NULL) {
-                    memcpy(bias0, bias + n0, cols0 * sizeof(float));
-                    memcpy(bias1, bias + n0 + PANEL, cols1 * sizeof(float));
-                }
+                const int64_t n0 = 2 * pp * PANEL;
+                float bias0[PANEL], bias1[PANEL];
+                int64_t cols1;
+                const int64_t cols0 = amx_pair_bias(bias, N, n0, bias0, bias1, &cols1);
                 const uint16_t *b0 = packed + n0 * Kp;
                 amx_pair(xb + m0 * Kp, rows, Kp, b0, b0 + PANEL * Kp, bias0, bias1, cols0, cols1, y + m0 * ld_y + n0,
                          ld_y, c);
@@ -121,7 +118,7 @@ int linear_bf16(const float *x, int64_t ld_x, int64_t M, const uint16_t *packed,
         return 0;
     }
 #ifdef __AVX512BF16__
-    const int64_t Kp = bf16_padded(K), rows = path == PATH_AMX ? (M + 31) / 32 * 32 : M;
+    const int64_t Kp = bf16_padded(K), rows = path == PATH_AMX ? (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : M;
     uint16_t *xb = aligned_alloc(64, (size_t)(rows * Kp * sizeof(uint16_t) + 63) / 64 * 64);
     if (xb == NULL) return -1;
     bf16_rows(x, ld_x, M, K, rows, Kp, xb);

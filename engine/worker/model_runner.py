@@ -171,7 +171,8 @@ class ModelRunner:
                     module.pack()
             if self.weight_dtype == torch.bfloat16:
                 small, large = cpu_kernels.bf16_linear_path(1), cpu_kernels.bf16_linear_path(1 << 16)
-                paths = small if small == large else f"{small} below 16 rows, {large} from 16"
+                start = next(rows for rows in range(1, 1 << 16) if cpu_kernels.bf16_linear_path(rows) == large)
+                paths = small if small == large else f"{small} below {start} rows, {large} from {start}"
                 self.weights.products = f"bfloat16 ({paths})" if large != "widened" else "float32 (bfloat16 widened)"
         return model.eval()
 

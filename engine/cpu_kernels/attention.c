@@ -5,8 +5,9 @@
  * with its causal context (its position + 1 keys). Rows come in tiles: a tile is one row,
  * or up to 24 / G rows whose tables begin with the same blocks (a shared system prompt,
  * the tokens of one chunk). Work items are (tile, KV head) pairs, split across OpenMP
- * threads in order, so tiles that share prefix blocks read them while they are still in
- * cache.
+ * threads in order, a tile's KV heads to one thread (their elements share the cache's
+ * token rows and pages), so tiles that share prefix blocks read them while they are still
+ * in cache.
  *
  * A multi-row tile first attends over its shared keys with the tile's R * G queries as
  * the lanes of its vectors (shared_phase): each key and value element is loaded once for
@@ -56,6 +57,20 @@ static inline void splat2(const kv_t *p, vf *a, vf *b) {
 #endif
 }
 
+/* Fetches the cache lines of one token's head (D elements) ahead of their use. */
+static inline __attribute__((always_inline)) void prefetch_row(const kv_t *p, const int D) {
+    for (int c = 0; c < D; c += KV_LINE) __builtin_prefetch(p + c);
+}
+
+/* Rows [from, to) of the next block's keys or values (next: its first row; NULL for none). A
+ * block's passes fetch the next block's row t as they reach their own row t, spread over the
+ * work: fetched at once, a block's 64 lines fill the core's miss buffers and stall it. */
+static inline __attribute__((always_inline)) void prefetch_rows(const kv_t *next, int64_t from, int64_t to,
+                                                                int64_t token_stride, const int D) {
+    if (next != NULL)
+        for (int64_t t = from; t < to; ++t) prefetch_row(next + t * token_stride, D);
+}
+
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK_SIZE 256
@@ -66,7 +81,9 @@ static inline void splat2(const kv_t *p, vf *a, vf *b) {
  * scores[g * MAX_BLOCK_SIZE + t]: four rows at a time, four independent FMA chains. */
 static inline __attribute__((always_inline)) void block_scores(const float *restrict q, const kv_t *restrict k,
                                                                int64_t n, int64_t token_stride, int G,
-                                                               const int D, float *restrict scores) {
+                                                               const int D, const kv_t *next, int64_t next_rows,
+                                                               float *restrict scores) {
+    prefetch_rows(next, 0, next_rows, token_stride, D);
     for (int g = 0; g < G; ++g) {
         const float *restrict qg = q + g * D;
         float *restrict sg = scores + g * MAX_BLOCK_SIZE;
@@ -99,9 +116,11 @@ static inline __attribute__((always_inline)) void block_scores(const float *rest
  * vector is loaded (and widened) once for all of them. */
 static inline __attribute__((always_inline)) void block_scores_fused(const float *restrict q, const kv_t *restrict k,
                                                                      int64_t n, int64_t token_stride, const int G,
-                                                                     const int D, float *restrict scores) {
+                                                                     const int D, const kv_t *next,
+                                                                     int64_t next_rows, float *restrict scores) {
     int64_t t = 0;
     for (; t + 4 <= n; t += 4) {
+        prefetch_rows(next, t, t + 4 < next_rows ? t + 4 : next_rows, token_stride, D);
         const kv_t *k0 = k + t * token_stride, *k1 = k0 + token_stride;
         const kv_t *k2 = k1 + token_stride, *k3 = k2 + token_stride;
         vf a[FUSED_GROUP][4] = {{{0}}};
@@ -126,6 +145,7 @@ static inline __attribute__((always_inline)) void block_scores_fused(const float
         }
         for (int g = 0; g < G; ++g) scores[g * MAX_BLOCK_SIZE + t] = hsum(a[g]);
     }
+    prefetch_rows(next, n / 4 * 4, next_rows, token_stride, D);
 }
 
 /* Continues the online softmax of the G scaled queries q over context positions
@@ -147,19 +167,18 @@ static inline __attribute__((always_inline)) void attend_range(const float *rest
         const int64_t base = ((int64_t)table[pos / block_size] * block_size + offset) * token_stride + head_offset;
         const kv_t *restrict k = k_cache + base;
         const kv_t *restrict v = v_cache + base;
-        if (pos + n < end) { /* the next block sits anywhere in the cache: fetch it while this one computes */
+        /* the next block sits anywhere in the cache: fetched while this one computes */
+        const kv_t *next_k = NULL, *next_v = NULL;
+        const int64_t next_rows = end - pos - n < block_size ? end - pos - n : block_size;
+        if (next_rows > 0) {
             const int64_t next = (int64_t)table[(pos + n) / block_size] * block_size * token_stride + head_offset;
-            const int64_t rows = end - pos - n < block_size ? end - pos - n : block_size;
-            for (int64_t t = 0; t < rows; ++t)
-                for (int c = 0; c < D; c += KV_LINE) {
-                    __builtin_prefetch(k_cache + next + t * token_stride + c);
-                    __builtin_prefetch(v_cache + next + t * token_stride + c);
-                }
+            next_k = k_cache + next;
+            next_v = v_cache + next;
         }
         if (G <= FUSED_GROUP)
-            block_scores_fused(q, k, n, token_stride, G, D, scores);
+            block_scores_fused(q, k, n, token_stride, G, D, next_k, next_rows, scores);
         else
-            block_scores(q, k, n, token_stride, G, D, scores);
+            block_scores(q, k, n, token_stride, G, D, next_k, next_rows, scores);
         float correction[MAX_GROUP];
         for (int g = 0; g < G; ++g) {
             float *restrict sg = scores + g * MAX_BLOCK_SIZE;
@@ -185,6 +204,7 @@ static inline __attribute__((always_inline)) void attend_range(const float *rest
                 for (int g = 0; g < G; ++g)
                     for (int c = 0; c < cn; ++c) a[g][c] = load(acc + g * D + (c0 + c) * VL) * correction[g];
                 for (int64_t t = 0; t < n; ++t) {
+                    if (c0 == 0 && t < next_rows) prefetch_rows(next_v, t, t + 1, token_stride, D);
                     const kv_t *restrict vt = v + t * token_stride + c0 * VL;
                     for (int c = 0; c < cn; ++c) {
                         const vf x = KV_LOAD(vt + c * VL);
@@ -194,7 +214,9 @@ static inline __attribute__((always_inline)) void attend_range(const float *rest
                 for (int g = 0; g < G; ++g)
                     for (int c = 0; c < cn; ++c) store(acc + g * D + (c0 + c) * VL, a[g][c]);
             }
+            prefetch_rows(next_v, n, next_rows, token_stride, D);
         } else {
+            prefetch_rows(next_v, 0, next_rows, token_stride, D);
             for (int g = 0; g < G; ++g) {
                 const float *restrict sg = scores + g * MAX_BLOCK_SIZE;
                 vf a[MAX_HEAD_DIM / VL];
@@ -424,7 +446,7 @@ int KV_NAME(paged_attention)(const float *q, int64_t q_row, int64_t q_head, int6
     free(seen);
     if (status != 0) return status;
     const int64_t items = num_tiles * num_kv_heads;
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, num_kv_heads)
     for (int64_t item = 0; item < items; ++item) {
         const int64_t t = item / num_kv_heads, h = item % num_kv_heads;
         const int64_t *rows = tile_rows + tile_starts[t];

@@ -15,6 +15,7 @@ from engine.attention.prefix import common_prefix
 
 _SORT_BLOCKS = 64  # leading blocks of the tables that order the rows for tiling
 DENSE_MIN_QUERY = 32  # a chunk of this many tokens of one sequence goes to SDPA (bfloat16 cache, bfloat16 CPU)
+DENSE_MIN_QUERY_MASKED = 64  # the same for a chunk after earlier context (SDPA with a mask, a slower call)
 
 
 class _Chunk(NamedTuple):
@@ -89,9 +90,12 @@ class CpuAttentionBackend(AttentionBackend):
     then attends over its own keys alone.
 
     Over a bfloat16 cache on a CPU that multiplies bfloat16 (``cpu_kernels.bf16_linear_path``
-    is not ``"widened"``), a chunk of at least ``DENSE_MIN_QUERY`` tokens of one sequence is
+    is not ``"widened"``), a chunk of at least ``DENSE_MIN_QUERY`` tokens of one sequence
+    (``DENSE_MIN_QUERY_MASKED`` after earlier context, a cached prefix or an earlier chunk) is
     instead gathered and computed by PyTorch's SDPA in bfloat16, whose AMX / AVX512-BF16 kernels
-    are 3x faster than the float32 kernel at prefill (its queries rounded to bfloat16).
+    are 3x faster than the float32 kernel at prefill (its queries rounded to bfloat16). Shorter
+    chunks after a cached system prompt are faster in the kernel's tiles (47 tokens after 288:
+    1.25x), and longer ones in SDPA (100 after 288: 1.25x the other way).
 
     Args:
         group: query heads per KV head of the layers it serves (sizes the tiles).
@@ -152,15 +156,16 @@ class CpuAttentionBackend(AttentionBackend):
 
 
 def _dense_chunks(meta: AttentionMetadata, block_size: int) -> list[_Chunk]:
-    """The sequences of a step with at least ``DENSE_MIN_QUERY`` new tokens, as SDPA's chunks."""
+    """The sequences of a step with at least ``DENSE_MIN_QUERY`` new tokens (``DENSE_MIN_QUERY_MASKED`` after
+    earlier context), as SDPA's chunks."""
     starts = meta.query_start_loc.tolist()
     chunks = []
     for i, context in enumerate(meta.seq_lens.tolist()):
         start, end = starts[i], starts[i + 1]
-        if end - start < DENSE_MIN_QUERY:
+        offset = context - (end - start)  # the chunk's first position
+        if end - start < (DENSE_MIN_QUERY if offset == 0 else DENSE_MIN_QUERY_MASKED):
             continue
         blocks = meta.block_tables[i, : -(-context // block_size)].to(torch.int64)
-        offset = context - (end - start)  # the chunk's first position
         mask = None if offset == 0 else torch.ones(end - start, context, dtype=torch.bool).tril(offset)
         chunks.append(_Chunk(start, end, blocks, context, mask))
     return chunks

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import cpu_kernels
-from engine.attention.cpu_backend import CpuAttentionBackend, plan_tiles, token_rows
+from engine.attention.cpu_backend import DENSE_MIN_QUERY_MASKED, CpuAttentionBackend, plan_tiles, token_rows
 from engine.core.scheduler_output import ScheduledRequest
 from engine.worker.input_batch import prepare_inputs
 from tests.support.bf16_paths import PATHS as BF16_PATHS
@@ -103,15 +103,17 @@ def test_backend_matches_reference_over_prefill_and_decode(heads: tuple[int, int
 
 @pytest.mark.parametrize("path", BF16_PATHS)
 def test_bfloat16_cache_chunks_through_sdpa_match_reference(path: str) -> None:
-    """Over a bfloat16 cache: a fresh prompt's chunk and a chunk over a cached prefix (SDPA in bfloat16 where the CPU
-    multiplies bfloat16, from DENSE_MIN_QUERY tokens), a short chunk and decode rows (the kernel) all equal causal
-    attention over the widened cache, their queries rounded to bfloat16 on the SDPA path."""
+    """Over a bfloat16 cache: a fresh prompt's chunk and a long chunk over a cached prefix (SDPA in bfloat16 where the
+    CPU multiplies bfloat16, from DENSE_MIN_QUERY and DENSE_MIN_QUERY_MASKED tokens), a shorter chunk over the prefix,
+    a short chunk and decode rows (the kernel) all equal causal attention over the widened cache, their queries
+    rounded to bfloat16 on the SDPA path."""
     rng = random.Random(5)
     free = list(range(6, 64))
     rng.shuffle(free)
     prefix = [0, 1, 2]
     requests = [([3, 4, 5], 0, 40)]  # a fresh prompt: causal from position 0
-    for cached, new in [(48, 33), (52, 5), (70, 1), (49, 40)]:  # over the prefix; short; decode; over the prefix
+    # over the prefix, long; short; decode; over the prefix, shorter than DENSE_MIN_QUERY_MASKED
+    for cached, new in [(48, DENSE_MIN_QUERY_MASKED), (52, 5), (70, 1), (49, DENSE_MIN_QUERY_MASKED - 1)]:
         own = [free.pop() for _ in range(-(-(cached + new) // BLOCK_SIZE) - len(prefix))]
         requests.append((prefix + own, cached, new))
     q, k, v, kv_cache, meta = _step(requests, 64, (9, 3), seed=4)
@@ -121,7 +123,7 @@ def test_bfloat16_cache_chunks_through_sdpa_match_reference(path: str) -> None:
         out = backend.forward(q, k, v, kv_cache, meta, 0.125)
         dense = [(c.start, c.end) for c in backend._plan.chunks]
     starts = meta.query_start_loc.tolist()
-    assert dense == ([] if path == "widened" else [(starts[0], starts[1]), (starts[1], starts[2]), (starts[4], starts[5])])
+    assert dense == ([] if path == "widened" else [(starts[0], starts[1]), (starts[1], starts[2])])
     flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
     assert torch.equal(flat[0, meta.slot_mapping], k.bfloat16()) and torch.equal(flat[1, meta.slot_mapping], v.bfloat16())
     rounded = q.clone()

@@ -56,7 +56,12 @@ class EngineConfig:
     )  # fmt: skip
     num_blocks: int | None = knob(None, "KV cache size in blocks, instead of kv_cache_memory.", ge=1, le=1 << 32)
     max_num_seqs: int = knob(128, "Most requests running in one step.", ge=1, le=1 << 16)
-    max_num_batched_tokens: int = knob(2048, "Token budget of one step (decode tokens plus prefill chunks).", ge=1, le=1 << 24)
+    max_num_batched_tokens: int | None = knob(
+        None,
+        "Token budget of one step (decode tokens plus prefill chunks); None = 512 on CPU (a step's activations stay "
+        "in cache, and decode tokens wait less behind a prompt's chunk), 2048 on GPU.",
+        ge=1, le=1 << 24,
+    )  # fmt: skip
     max_model_len: int | None = knob(None, "Longest prompt + completion in tokens; None = the model's.", ge=1, le=1 << 24)
     enable_prefix_caching: bool = knob(True, "Share the KV blocks of equal prompt prefixes between requests.")
     attention_backend: str = knob(
@@ -75,3 +80,10 @@ class EngineConfig:
         check_knobs(self)
         if self.kv_cache_memory is not None and self.num_blocks is not None:
             raise ParameterError("num_blocks", "give kv_cache_memory or num_blocks, not both")
+
+
+def step_token_budget(max_num_batched_tokens: int | None, device_type: str) -> int:
+    """The token budget of one step: ``max_num_batched_tokens``, or its default for the device ("cpu", "cuda")."""
+    if max_num_batched_tokens is not None:
+        return max_num_batched_tokens
+    return 512 if device_type == "cpu" else 2048

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from engine import debug_log
-from engine.config import EngineConfig
+from engine.config import EngineConfig, step_token_budget
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
 from engine.errors import EngineError, ParameterError, RequestRejected
@@ -89,7 +89,8 @@ class Engine:
         self.vocab_size: int = self.runner.vocab_size
         self.max_model_len: int = self.runner.max_model_len
         self.kv = KVCacheManager(self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        budget = step_token_budget(self.config.max_num_batched_tokens, self.runner.device.type)
+        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, budget)
         self.sampler = Sampler(self.vocab_size, self.runner.device, seed=self.config.seed)
         self.eos_token_ids = eos_token_ids(self.model_dir, self.runner.hf_config, self.tokenizer)
         # NOTE: thread-safe; xgrammar loads on the first constrained request.

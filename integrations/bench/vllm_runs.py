@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from engine.config import step_token_budget
 from integrations.bench.report import RunResult
 from integrations.engine_flags import FlagError
 from integrations.errors import CommandError
@@ -89,7 +90,7 @@ def run_vllm(
         "dtype": dtype,
         "enable_prefix_caching": engine_kwargs["enable_prefix_caching"],
         "max_num_seqs": engine_kwargs["max_num_seqs"],
-        "max_num_batched_tokens": engine_kwargs["max_num_batched_tokens"],
+        "max_num_batched_tokens": step_token_budget(engine_kwargs["max_num_batched_tokens"], "cpu"),
         "max_model_len": max_model_len,
         "seed": engine_kwargs["seed"],
     }

@@ -5,9 +5,9 @@
  * with its causal context (its position + 1 keys). Rows come in tiles: a tile is one row,
  * or up to 24 / G rows whose tables begin with the same blocks (a shared system prompt,
  * the tokens of one chunk). Work items are (tile, KV head) pairs, split across OpenMP
- * threads in order, a tile's KV heads to one thread (their elements share the cache's
- * token rows and pages), so tiles that share prefix blocks read them while they are still
- * in cache.
+ * threads in order, a tile's KV heads to one thread where there are tiles for every thread
+ * (their elements share the cache's token rows and pages), so tiles that share prefix
+ * blocks read them while they are still in cache.
  *
  * A multi-row tile first attends over its shared keys with the tile's R * G queries as
  * the lanes of its vectors (shared_phase): each key and value element is loaded once for
@@ -22,6 +22,7 @@
  * as they load and round to nearest even as they are stored.
  */
 
+#include <omp.h>
 #include <stdlib.h>
 
 #include "vec.h"
@@ -446,7 +447,9 @@ int KV_NAME(paged_attention)(const float *q, int64_t q_row, int64_t q_head, int6
     free(seen);
     if (status != 0) return status;
     const int64_t items = num_tiles * num_kv_heads;
-#pragma omp parallel for schedule(dynamic, num_kv_heads)
+    /* a tile's KV heads to one thread, once there are tiles enough for every thread */
+    const int64_t chunk = num_tiles >= 2 * omp_get_max_threads() ? num_kv_heads : 1;
+#pragma omp parallel for schedule(dynamic, chunk)
     for (int64_t item = 0; item < items; ++item) {
         const int64_t t = item / num_kv_heads, h = item % num_kv_heads;
         const int64_t *rows = tile_rows + tile_starts[t];

@@ -311,6 +311,52 @@ static inline __attribute__((always_inline)) void q_dequantize(const uint8_t *co
     }
 }
 
+#ifdef __AVX512F__
+/* q_tile_factored for one row with 16-lane vectors, twice the codes an operation: a 4-bit block's
+ * two input features kk, kk + 1 widen together (their 16 bytes: lanes 0..7 and 8..15), their x
+ * broadcast to each half, and the halves are summed once a block; an 8-bit feature's 16 columns
+ * fill one vector. The products are those of the 8-lane path, summed in another order. */
+static inline __attribute__((always_inline)) void q_row_factored16(const float *x, const uint8_t *codes,
+                                                                   const float *scales, int q4, int64_t K,
+                                                                   const float *bias, float *y, int64_t cols) {
+    vf acc[1][2] = {{{0}}};
+    const __m512i nibble = _mm512_set1_epi32(15);
+    for (int64_t kb = 0; kb < K / QBLOCK; ++kb) {
+        const uint8_t *c = codes + kb * q_block_bytes(q4);
+        const float *xk = x + kb * QBLOCK;
+        vf s0, s1;
+        if (q4) {
+            __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
+            const __m512 x0 = _mm512_loadu_ps(xk), x1 = _mm512_loadu_ps(xk + 16);
+            const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+#pragma GCC unroll 16
+            for (int kk = 0; kk < QBLOCK; kk += 2) {
+                const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + kk * (PANEL / 2))));
+                const __m512 xv = _mm512_permutexvar_ps(_mm512_add_epi32(pair, _mm512_set1_epi32(kk % 16)), kk < 16 ? x0 : x1);
+                lo = _mm512_fmadd_ps(xv, _mm512_cvtepi32_ps(_mm512_and_si512(b, nibble)), lo);
+                hi = _mm512_fmadd_ps(xv, _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), hi);
+            }
+            s0 = (vf)_mm256_add_ps(_mm512_castps512_ps256(lo), _mm512_extractf32x8_ps(lo, 1));
+            s1 = (vf)_mm256_add_ps(_mm512_castps512_ps256(hi), _mm512_extractf32x8_ps(hi, 1));
+        } else {
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t kk = 0; kk < QBLOCK; ++kk)
+                sum = _mm512_fmadd_ps(_mm512_set1_ps(xk[kk]),
+                                      _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + kk * PANEL)))),
+                                      sum);
+            s0 = (vf)_mm512_castps512_ps256(sum);
+            s1 = (vf)_mm512_extractf32x8_ps(sum, 1);
+        }
+        const float *s = scales + kb * 2 * PANEL;
+        const vf xs = load(xk) + load(xk + VL) + load(xk + 2 * VL) + load(xk + 3 * VL);
+        const vf total = splat(hsum(xs));
+        acc[0][0] += s0 * load(s) + total * load(s + PANEL);
+        acc[0][1] += s1 * load(s + VL) + total * load(s + PANEL + VL);
+    }
+    store_tile((const vf (*)[2])acc, 1, bias, y, 0, cols);
+}
+#endif
+
 /* Panel p for rows of x that fit one tile (M <= TILE_ROWS), the codes widened in the tile. */
 static inline __attribute__((always_inline)) void q_panel_tile(const float *x, int64_t ld_x, int64_t M,
                                                                const uint8_t *codes, const float *scales, int q4,
@@ -327,7 +373,11 @@ static inline __attribute__((always_inline)) void q_panel_tile(const float *x, i
     case 4: q_tile(x, ld_x, 4, c, s, q4, K, b, yp, ld_y, cols); break;
     case 3: q_tile_factored(x, ld_x, 3, c, s, q4, K, b, yp, ld_y, cols); break;
     case 2: q_tile_factored(x, ld_x, 2, c, s, q4, K, b, yp, ld_y, cols); break;
+#ifdef __AVX512F__
+    case 1: q_row_factored16(x, c, s, q4, K, b, yp, cols); break;
+#else
     case 1: q_tile_factored(x, ld_x, 1, c, s, q4, K, b, yp, ld_y, cols); break;
+#endif
     }
 }
 

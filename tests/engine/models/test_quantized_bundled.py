@@ -96,12 +96,13 @@ def test_gguf_logits_and_greedy_match_float32(runners, prompts, reference) -> No
 
 
 def test_int8_agrees_with_float32(runners, prompts, reference) -> None:
-    """int8 blocks of the float32 weights: at least 5 of the 8 prompts give float32's 64 greedy tokens, and
-    while the inputs agree, the log-probability of float32's token moves by less than 0.15."""
+    """int8 blocks of the float32 weights, the output head (the tied embedding) kept in float32: at least 6 of the
+    8 prompts give float32's 64 greedy tokens, and while the inputs agree, the log-probability of float32's token
+    moves by less than 0.01 (measured: 8 of 8, 2e-5; with the head quantized too, 5 of 8 and 0.08)."""
     agree, _, worst_logprob = _compare(reference, _decode(runners["int8"], prompts))
-    assert agree >= 5
-    assert worst_logprob < 0.15
-    assert runners["int8"].weights.modules == {"q8": 121}
+    assert agree >= 6
+    assert worst_logprob < 0.01
+    assert runners["int8"].weights.modules == {"q8": 120, "float32": 1}
 
 
 def test_gguf_needs_a_gguf_model_and_float32_compute(tiny_model_factory) -> None:

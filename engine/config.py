@@ -41,8 +41,9 @@ class EngineConfig:
     )
     quantization: str | None = knob(
         None,
-        "Linear weights quantized on CPU: int8 = 8-bit min/max blocks of 32 weights (weight-only); gguf = a .gguf "
-        "model's own Q8_0 / Q4_0 / Q4_1 blocks, read without dequantizing; None = weights in dtype.",
+        "Linear weights quantized on CPU: int8 = 8-bit min/max blocks of 32 weights (weight-only; the output head "
+        "stays in dtype); gguf = a .gguf model's own Q8_0 / Q4_0 / Q4_1 blocks, read without dequantizing; "
+        "None = weights in dtype.",
         choices=("int8", "gguf"),
     )
     device: str = knob("auto", "auto = cuda when available, else cpu.", choices=("auto", "cpu", "cuda"))

@@ -327,3 +327,20 @@ def test_pins_hold_blocks_until_unpinned_or_aborted(engine: Engine) -> None:
     engine.abort_request(held)
     engine.unpin_prefix(held)  # a second release is a no-op
     assert_pool_whole(engine)
+
+
+
+def test_step_budget_defaults_to_512_tokens_on_cpu(model_dir) -> None:
+    """Without max_num_batched_tokens a CPU engine's steps compute at most 512 tokens: a 1,200-token prompt is
+    prefilled in chunks of 512, 512 and 176. A given budget is kept, and a GPU's default is 2,048."""
+    from engine.config import step_token_budget
+
+    engine = Engine(str(model_dir), num_blocks=400, block_size=4, max_model_len=1300)
+    engine.add_request("long", [3 + i % 200 for i in range(1200)], SamplingParams(max_tokens=1, ignore_eos=True))
+    computed = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        computed.append(engine.stats()["prompt_tokens_computed"])
+    assert computed == [512, 1024, 1200]
+    assert step_token_budget(None, "cpu") == 512 and step_token_budget(None, "cuda") == 2048
+    assert step_token_budget(64, "cpu") == 64

@@ -97,12 +97,27 @@ static inline void amx_store(const float *tile, int64_t rows, const float *bias,
     for (int64_t i = 0; i < rows; ++i) bf16_store_row(_mm512_loadu_ps(tile + 16 * i), bias, y + i * ld_y, cols);
 }
 
+/* C tile t (an immediate) of `rows` rows and `cols` columns plus bias into y: stored straight from
+ * the tile when it is whole and unbiased, else through the 1 KiB scratch c. Reading a tile's store
+ * back at once costs about what its 36 multiplies do (a 32-row block at K = 576), so whole tiles of
+ * a layer without bias skip it. */
+#define AMX_OUT(t, rows, cols, biased, bias, yp, ld_y, c)                       \
+    do {                                                                        \
+        if ((rows) == 16 && (cols) == PANEL && !(biased)) {                     \
+            _tile_stored(t, yp, (ld_y) * (int64_t)sizeof(float));               \
+        } else {                                                                \
+            _tile_stored(t, c, 64);                                             \
+            amx_store(c, rows, bias, yp, ld_y, cols);                           \
+        }                                                                       \
+    } while (0)
+
 /* All M rows of xb (bf16_rows's, rows padded to AMX_ROWS) times the panels b0 and, when
- * cols1 > 0, b1 (each [Kp / 2][PANEL][2] bfloat16), plus bias0 / bias1 (PANEL entries each), into
- * columns 0 .. cols0 - 1 and PANEL .. PANEL + cols1 - 1 of y. c: a 1 KiB scratch. */
+ * cols1 > 0, b1 (each [Kp / 2][PANEL][2] bfloat16), plus bias0 / bias1 (PANEL entries each; all
+ * zero unless biased), into columns 0 .. cols0 - 1 and PANEL .. PANEL + cols1 - 1 of y. c: a 1 KiB
+ * scratch. */
 static inline void amx_pair(const uint16_t *xb, int64_t M, int64_t Kp, const uint16_t *b0, const uint16_t *b1,
-                            const float *bias0, const float *bias1, int64_t cols0, int64_t cols1, float *y,
-                            int64_t ld_y, float *c) {
+                            const float *bias0, const float *bias1, int biased, int64_t cols0, int64_t cols1,
+                            float *y, int64_t ld_y, float *c) {
     const int64_t stride = Kp * sizeof(uint16_t);
     for (int64_t m0 = 0; m0 < M; m0 += AMX_ROWS) {
         const uint16_t *a = xb + m0 * Kp;
@@ -124,19 +139,11 @@ static inline void amx_pair(const uint16_t *xb, int64_t M, int64_t Kp, const uin
         }
         const int64_t rows0 = M - m0 < 16 ? M - m0 : 16, rows1 = M - m0 - 16 < 16 ? M - m0 - 16 : 16;
         float *y0 = y + m0 * ld_y;
-        _tile_stored(0, c, 64);
-        amx_store(c, rows0, bias0, y0, ld_y, cols0);
-        if (rows1 > 0) {
-            _tile_stored(2, c, 64);
-            amx_store(c, rows1, bias0, y0 + 16 * ld_y, ld_y, cols0);
-        }
+        AMX_OUT(0, rows0, cols0, biased, bias0, y0, ld_y, c);
+        if (rows1 > 0) AMX_OUT(2, rows1, cols0, biased, bias0, y0 + 16 * ld_y, ld_y, c);
         if (cols1 > 0) {
-            _tile_stored(1, c, 64);
-            amx_store(c, rows0, bias1, y0 + PANEL, ld_y, cols1);
-            if (rows1 > 0) {
-                _tile_stored(3, c, 64);
-                amx_store(c, rows1, bias1, y0 + 16 * ld_y + PANEL, ld_y, cols1);
-            }
+            AMX_OUT(1, rows0, cols1, biased, bias1, y0 + PANEL, ld_y, c);
+            if (rows1 > 0) AMX_OUT(3, rows1, cols1, biased, bias1, y0 + 16 * ld_y + PANEL, ld_y, c);
         }
     }
 }

@@ -442,8 +442,8 @@ static int linear_q_amx(const float *x, int64_t ld_x, int64_t M, const uint8_t *
                             q_dequantize_bf16(codes + (p0 + 1) * panel_codes, scales + (p0 + 1) * panel_scales, 0, K,
                                               w + PANEL * K);
                     }
-                    amx_pair(xb + m0 * K, block, K, w, w + PANEL * K, bias0, bias1, cols0, cols1, y + m0 * ld_y + n0,
-                             ld_y, c);
+                    amx_pair(xb + m0 * K, block, K, w, w + PANEL * K, bias0, bias1, bias != NULL, cols0, cols1,
+                             y + m0 * ld_y + n0, ld_y, c);
                 }
             }
             _tile_release();

@@ -97,8 +97,8 @@ static void linear_amx(const uint16_t *xb, int64_t M, const uint16_t *packed, in
                 int64_t cols1;
                 const int64_t cols0 = amx_pair_bias(bias, N, n0, bias0, bias1, &cols1);
                 const uint16_t *b0 = packed + n0 * Kp;
-                amx_pair(xb + m0 * Kp, rows, Kp, b0, b0 + PANEL * Kp, bias0, bias1, cols0, cols1, y + m0 * ld_y + n0,
-                         ld_y, c);
+                amx_pair(xb + m0 * Kp, rows, Kp, b0, b0 + PANEL * Kp, bias0, bias1, bias != NULL, cols0, cols1,
+                         y + m0 * ld_y + n0, ld_y, c);
             }
         }
         _tile_release();

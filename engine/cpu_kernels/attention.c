@@ -63,13 +63,12 @@ static inline __attribute__((always_inline)) void prefetch_row(const kv_t *p, co
     for (int c = 0; c < D; c += KV_LINE) __builtin_prefetch(p + c);
 }
 
-/* Rows [from, to) of the next block's keys or values (next: its first row; NULL for none). A
- * block's passes fetch the next block's row t as they reach their own row t, spread over the
- * work: fetched at once, a block's 64 lines fill the core's miss buffers and stall it. */
+/* Rows [from, to) of the next block's keys or values (next: its first row; an empty range when
+ * there is none). A block's passes fetch the next block's row t as they reach their own row t,
+ * spread over the work: fetched at once, a block's 64 lines fill the core's miss buffers and stall it. */
 static inline __attribute__((always_inline)) void prefetch_rows(const kv_t *next, int64_t from, int64_t to,
                                                                 int64_t token_stride, const int D) {
-    if (next != NULL)
-        for (int64_t t = from; t < to; ++t) prefetch_row(next + t * token_stride, D);
+    for (int64_t t = from; t < to; ++t) prefetch_row(next + t * token_stride, D);
 }
 
 #define MAX_GROUP 16
@@ -205,7 +204,7 @@ static inline __attribute__((always_inline)) void attend_range(const float *rest
                 for (int g = 0; g < G; ++g)
                     for (int c = 0; c < cn; ++c) a[g][c] = load(acc + g * D + (c0 + c) * VL) * correction[g];
                 for (int64_t t = 0; t < n; ++t) {
-                    if (c0 == 0 && t < next_rows) prefetch_rows(next_v, t, t + 1, token_stride, D);
+                    if (c0 == 0 && t < next_rows) prefetch_row(next_v + t * token_stride, D);
                     const kv_t *restrict vt = v + t * token_stride + c0 * VL;
                     for (int c = 0; c < cn; ++c) {
                         const vf x = KV_LOAD(vt + c * VL);

@@ -236,6 +236,15 @@ static inline __attribute__((always_inline)) void q_load(const uint8_t *codes, i
     *w1 = q1 * d1 + m1;
 }
 
+/* One block's share of a row's factored product: acc += d * sum(x q) + m * sum(x), given the
+ * block's sums s0 / s1 (columns 0..7, 8..15) of x q, its QBLOCK inputs xk and its scales s (d, then m). */
+static inline __attribute__((always_inline)) void q_block_scaled(vf s0, vf s1, const float *xk, const float *s,
+                                                                 vf acc[2]) {
+    const vf total = splat(hsum(load(xk) + load(xk + VL) + load(xk + 2 * VL) + load(xk + 3 * VL)));
+    acc[0] += s0 * load(s) + total * load(s + PANEL);
+    acc[1] += s1 * load(s + VL) + total * load(s + PANEL + VL);
+}
+
 #define FACTORED_ROWS 3 /* rows whose block sums and totals (4 vectors a row) stay in registers */
 
 /* `rows` (at most FACTORED_ROWS) rows of x times one quantized panel, the block's scale applied once:
@@ -259,15 +268,8 @@ static inline __attribute__((always_inline)) void q_tile_factored(const float *x
                 sum[i][1] += xv * q1;
             }
         }
-        const float *s = scales + kb * 2 * PANEL;
-        const vf d0 = load(s), d1 = load(s + VL), m0 = load(s + PANEL), m1 = load(s + PANEL + VL);
-        for (int i = 0; i < rows; ++i) {
-            vf xs = load(xk + i * ld_x) + load(xk + i * ld_x + VL) + load(xk + i * ld_x + 2 * VL) +
-                    load(xk + i * ld_x + 3 * VL);
-            const vf total = splat(hsum(xs));
-            acc[i][0] += sum[i][0] * d0 + total * m0;
-            acc[i][1] += sum[i][1] * d1 + total * m1;
-        }
+        for (int i = 0; i < rows; ++i)
+            q_block_scaled(sum[i][0], sum[i][1], xk + i * ld_x, scales + kb * 2 * PANEL, acc[i]);
     }
     store_tile((const vf (*)[2])acc, rows, bias, y, ld_y, cols);
 }
@@ -347,11 +349,7 @@ static inline __attribute__((always_inline)) void q_row_factored16(const float *
             s0 = (vf)_mm512_castps512_ps256(sum);
             s1 = (vf)_mm512_extractf32x8_ps(sum, 1);
         }
-        const float *s = scales + kb * 2 * PANEL;
-        const vf xs = load(xk) + load(xk + VL) + load(xk + 2 * VL) + load(xk + 3 * VL);
-        const vf total = splat(hsum(xs));
-        acc[0][0] += s0 * load(s) + total * load(s + PANEL);
-        acc[0][1] += s1 * load(s + VL) + total * load(s + PANEL + VL);
+        q_block_scaled(s0, s1, xk, scales + kb * 2 * PANEL, acc[0]);
     }
     store_tile((const vf (*)[2])acc, 1, bias, y, 0, cols);
 }
@@ -427,9 +425,8 @@ static int linear_q_amx(const float *x, int64_t ld_x, int64_t M, const uint8_t *
 #pragma omp for schedule(static)
                 for (int64_t pp = 0; pp < (panels + 1) / 2; ++pp) {
                     const int64_t p0 = 2 * pp, n0 = p0 * PANEL;
-                    float bias0[PANEL], bias1[PANEL];
                     int64_t cols1;
-                    const int64_t cols0 = amx_pair_bias(bias, N, n0, bias0, bias1, &cols1);
+                    amx_pair_cols(N, n0, &cols1);
                     if (q4)
                         q_dequantize_bf16(codes + p0 * panel_codes, scales + p0 * panel_scales, 1, K, w);
                     else
@@ -442,8 +439,7 @@ static int linear_q_amx(const float *x, int64_t ld_x, int64_t M, const uint8_t *
                             q_dequantize_bf16(codes + (p0 + 1) * panel_codes, scales + (p0 + 1) * panel_scales, 0, K,
                                               w + PANEL * K);
                     }
-                    amx_pair(xb + m0 * K, block, K, w, w + PANEL * K, bias0, bias1, bias != NULL, cols0, cols1,
-                             y + m0 * ld_y + n0, ld_y, c);
+                    amx_pair(xb + m0 * K, block, K, w, w + PANEL * K, bias, N, n0, y + m0 * ld_y, ld_y, c);
                 }
             }
             _tile_release();

@@ -93,12 +93,8 @@ static void linear_amx(const uint16_t *xb, int64_t M, const uint16_t *packed, in
 #pragma omp for schedule(static)
             for (int64_t pp = 0; pp < (panels + 1) / 2; ++pp) {
                 const int64_t n0 = 2 * pp * PANEL;
-                float bias0[PANEL], bias1[PANEL];
-                int64_t cols1;
-                const int64_t cols0 = amx_pair_bias(bias, N, n0, bias0, bias1, &cols1);
                 const uint16_t *b0 = packed + n0 * Kp;
-                amx_pair(xb + m0 * Kp, rows, Kp, b0, b0 + PANEL * Kp, bias0, bias1, bias != NULL, cols0, cols1,
-                         y + m0 * ld_y + n0, ld_y, c);
+                amx_pair(xb + m0 * Kp, rows, Kp, b0, b0 + PANEL * Kp, bias, N, n0, y + m0 * ld_y, ld_y, c);
             }
         }
         _tile_release();

@@ -4,10 +4,10 @@
 embedding among them) by packed quantized blocks (``engine.layers.quantization``):
 
 - ``"int8"``: every weight whose ``in_features`` is a multiple of 32 is quantized into
-  8-bit min/max blocks from its loaded float values, but the output head's (``lm_head``, or the
-  tied embedding), which stays in dtype as vLLM's weight-only methods keep it: its error goes
-  straight into the logits (on the bundled model it was all of int8's: 5 of 8 prompts kept
-  float32's greedy tokens with it quantized, 8 of 8 without);
+  8-bit min/max blocks from its loaded float values, except the output head's (``lm_head``, or
+  the tied embedding): it stays in dtype, as vLLM's weight-only methods keep it, because its
+  error goes straight into the logits (on the bundled model it was all of int8's: 5 of 8
+  prompts kept float32's greedy tokens with it quantized, 8 of 8 without);
 - ``"gguf"``: the weights of a GGUF model are read from the file in their own formats
   (Q8_0, Q4_0, Q4_1) without passing through float32; weights of other GGUF types keep the
   float values the conversion cache holds.

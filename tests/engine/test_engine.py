@@ -329,7 +329,6 @@ def test_pins_hold_blocks_until_unpinned_or_aborted(engine: Engine) -> None:
     assert_pool_whole(engine)
 
 
-
 def test_step_budget_defaults_to_512_tokens_on_cpu(model_dir) -> None:
     """Without max_num_batched_tokens a CPU engine's steps compute at most 512 tokens: a 1,200-token prompt is
     prefilled in chunks of 512, 512 and 176. A given budget is kept, and a GPU's default is 2,048."""

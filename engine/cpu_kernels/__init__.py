@@ -44,7 +44,7 @@ from engine.loader import cache_root
 logger = logging.getLogger(__name__)
 
 _SOURCES = (
-    "vec.h", "linear.h", "bf16_kernels.h", "attention.c", "attention_bf16.c", "elementwise.c", "linear.c", "linear_bf16.c", "token_mask.c"
+    "vec.h", "linear.h", "bf16_kernels.h", "attention_amx.h", "attention.c", "attention_bf16.c", "elementwise.c", "linear.c", "linear_bf16.c", "token_mask.c"
 )
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 # Fixed-size scratch of the kernels (see MAX_* in the sources).
@@ -54,6 +54,9 @@ LINEAR_PANEL = 16  # output columns of a packed weight's panel (PANEL in linear.
 BF16_K_ALIGN = 32  # a packed bfloat16 weight's input features are padded to a multiple of this (linear.h)
 # What linear_bf16 runs, by the C enum's value: widened to float32, AVX512-BF16 dot products, AMX tiles.
 BF16_LINEAR_PATHS = ("widened", "avx512-bf16", "amx")
+# What a multi-row tile's shared keys in a bfloat16 cache run, by the C enum's value: float32 vectors over the
+# widened cache, AMX tiles (attention_amx.h).
+BF16_ATTENTION_PATHS = ("widened", "amx")
 
 
 def _cpu_flags() -> str:
@@ -111,6 +114,8 @@ _SIGNATURES = {
     "linear_q4_f32": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, ctypes.c_int],
     "linear_bf16_path": [_I64],  # rows
     "linear_bf16_limit": [ctypes.c_int],  # the highest path it may take
+    "attention_bf16_path": [_I64],  # head_dim
+    "attention_bf16_limit": [ctypes.c_int],
     # logits, ld, bitmask, words per row, rows, number of rows, vocabulary size
     "apply_token_bitmask_f32": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64],
 }
@@ -119,7 +124,7 @@ _SIGNATURES |= {f"{name}_bf16": _SIGNATURES[f"{name}_f32"] for name in ("paged_a
 # 0, or < 0 on bad arguments
 _RETURN_STATUS = {
     "paged_attention_f32", "paged_attention_bf16", "store_kv_f32", "store_kv_bf16", "rotary_f32", "linear_q8_f32",
-    "linear_q4_f32", "linear_bf16", "linear_bf16_path",
+    "linear_q4_f32", "linear_bf16", "linear_bf16_path", "attention_bf16_path",
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -129,7 +134,8 @@ def library() -> ctypes.CDLL | None:
     """The compiled kernels, or None when they cannot be built here (or ``PAGED_CPU_KERNELS=0``).
 
     ``PAGED_BF16_LINEAR`` (one of ``BF16_LINEAR_PATHS``) caps the bfloat16 linear path, e.g.
-    ``widened`` to compute bfloat16 weights in float32 on a CPU with bfloat16 arithmetic.
+    ``widened`` to compute bfloat16 weights in float32 on a CPU with bfloat16 arithmetic;
+    ``PAGED_BF16_ATTENTION`` (one of ``BF16_ATTENTION_PATHS``) the path of shared keys in a bfloat16 cache.
     """
     if os.environ.get("PAGED_CPU_KERNELS", "1") == "0":
         return None
@@ -144,16 +150,25 @@ def library() -> ctypes.CDLL | None:
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = (ctypes.c_int if name in _RETURN_STATUS else None), argtypes
-    limit = os.environ.get("PAGED_BF16_LINEAR", BF16_LINEAR_PATHS[-1])
-    if limit not in BF16_LINEAR_PATHS:
-        raise ValueError(f"PAGED_BF16_LINEAR must be one of {', '.join(BF16_LINEAR_PATHS)}; got {limit!r}")
-    lib.linear_bf16_limit(BF16_LINEAR_PATHS.index(limit))
+    for variable, paths, cap in (
+        ("PAGED_BF16_LINEAR", BF16_LINEAR_PATHS, lib.linear_bf16_limit),
+        ("PAGED_BF16_ATTENTION", BF16_ATTENTION_PATHS, lib.attention_bf16_limit),
+    ):
+        limit = os.environ.get(variable, paths[-1])
+        if limit not in paths:
+            raise ValueError(f"{variable} must be one of {', '.join(paths)}; got {limit!r}")
+        cap(paths.index(limit))
     return lib
 
 
 def bf16_linear_path(rows: int) -> str:
     """What a bfloat16 ``linear`` of ``rows`` rows runs on this CPU: one of ``BF16_LINEAR_PATHS``."""
     return BF16_LINEAR_PATHS[_lib().linear_bf16_path(rows)]
+
+
+def bf16_attention_path(head_dim: int) -> str:
+    """What the shared keys of a multi-row tile in a bfloat16 cache run on this CPU: one of ``BF16_ATTENTION_PATHS``."""
+    return BF16_ATTENTION_PATHS[_lib().attention_bf16_path(head_dim)]
 
 
 def serves(x: torch.Tensor) -> bool:

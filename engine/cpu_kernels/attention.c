@@ -77,6 +77,10 @@ static inline __attribute__((always_inline)) void prefetch_rows(const kv_t *next
 #define MAX_LANES 24 /* queries of a multi-row tile: three vectors */
 #define MAX_LANE_VECTORS (MAX_LANES / VL)
 
+#if KV_BF16
+#include "attention_amx.h"
+#endif
+
 /* Scores of the G queries at q against n key rows (stride token_stride) into
  * scores[g * MAX_BLOCK_SIZE + t]: four rows at a time, four independent FMA chains. */
 static inline __attribute__((always_inline)) void block_scores(const float *restrict q, const kv_t *restrict k,
@@ -319,32 +323,50 @@ static inline __attribute__((always_inline)) void attend_tile(
     const float *restrict q, int64_t q_row, int64_t q_head, int64_t q_col, const kv_t *restrict k_cache,
     const kv_t *restrict v_cache, const int32_t *restrict block_tables, int64_t table_stride,
     const int64_t *restrict seq_lens, const int64_t *restrict rows, int64_t R, int64_t shared, int64_t h,
-    int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int G, const int D, float scale,
+    int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int G, const int D, float scale, int amx,
     float *restrict out) {
     const int64_t token_stride = num_kv_heads * D, head_offset = h * D;
     float qs[MAX_GROUP * MAX_HEAD_DIM], acc[MAX_GROUP * MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP];
     const int Q = (int)R * G, QV = (Q + VL - 1) / VL;
     vf qt[MAX_HEAD_DIM * MAX_LANE_VECTORS], ot[MAX_HEAD_DIM * MAX_LANE_VECTORS];
     vf mt[MAX_LANE_VECTORS], lt[MAX_LANE_VECTORS];
+    int64_t lane_step = 0, d_step = 0; /* the shared phase leaves lane's element d at ot[lane * lane_step + d * d_step] */
     if (R > 1 && shared > 0) {
         float *restrict qtf = (float *)qt;
-        memset(qt, 0, sizeof(vf) * (size_t)(D * QV));
-        memset(ot, 0, sizeof(vf) * (size_t)(D * QV));
-        for (int j = 0; j < QV; ++j) {
-            mt[j] = splat(-INFINITY);
-            lt[j] = splat(0.0f);
-        }
-        for (int lane = 0; lane < Q; ++lane) {
-            const float *qi = q + rows[lane / G] * q_row + (h * G + lane % G) * q_head;
-            for (int d = 0; d < D; ++d) qtf[(d * QV) * VL + lane] = qi[d * q_col] * scale;
-        }
         const int32_t *table = block_tables + rows[0] * table_stride;
-        if (QV == 1)
-            shared_phase(qt, 1, k_cache, v_cache, table, shared, block_size, token_stride, head_offset, D, mt, lt, ot);
-        else if (QV == 2)
-            shared_phase(qt, 2, k_cache, v_cache, table, shared, block_size, token_stride, head_offset, D, mt, lt, ot);
-        else
-            shared_phase(qt, 3, k_cache, v_cache, table, shared, block_size, token_stride, head_offset, D, mt, lt, ot);
+#if KV_BF16 && defined(HAVE_AMX)
+        if (amx) {
+            for (int lane = 0; lane < Q; ++lane) {
+                const float *qi = q + rows[lane / G] * q_row + (h * G + lane % G) * q_head;
+                for (int d = 0; d < D; ++d) qtf[lane * D + d] = qi[d * q_col] * scale;
+            }
+            if (amx_shared_phase(qtf, Q, k_cache, v_cache, table, shared, block_size, token_stride, head_offset, D,
+                                 (float *)mt, (float *)lt, (float *)ot) == 0)
+                lane_step = D, d_step = 1;
+        }
+#endif
+        if (lane_step == 0) {
+            memset(qt, 0, sizeof(vf) * (size_t)(D * QV));
+            memset(ot, 0, sizeof(vf) * (size_t)(D * QV));
+            for (int j = 0; j < QV; ++j) {
+                mt[j] = splat(-INFINITY);
+                lt[j] = splat(0.0f);
+            }
+            for (int lane = 0; lane < Q; ++lane) {
+                const float *qi = q + rows[lane / G] * q_row + (h * G + lane % G) * q_head;
+                for (int d = 0; d < D; ++d) qtf[(d * QV) * VL + lane] = qi[d * q_col] * scale;
+            }
+            if (QV == 1)
+                shared_phase(qt, 1, k_cache, v_cache, table, shared, block_size, token_stride, head_offset, D, mt, lt,
+                             ot);
+            else if (QV == 2)
+                shared_phase(qt, 2, k_cache, v_cache, table, shared, block_size, token_stride, head_offset, D, mt, lt,
+                             ot);
+            else
+                shared_phase(qt, 3, k_cache, v_cache, table, shared, block_size, token_stride, head_offset, D, mt, lt,
+                             ot);
+            lane_step = 1, d_step = QV * VL;
+        }
     } else {
         shared = 0;
     }
@@ -358,7 +380,7 @@ static inline __attribute__((always_inline)) void attend_tile(
             if (shared > 0) {
                 m[g] = mtf[lane];
                 l[g] = ltf[lane];
-                for (int d = 0; d < D; ++d) acc[g * D + d] = otf[(d * QV) * VL + lane];
+                for (int d = 0; d < D; ++d) acc[g * D + d] = otf[lane * lane_step + d * d_step];
             } else {
                 m[g] = -INFINITY;
                 l[g] = 0.0f;
@@ -388,10 +410,10 @@ static inline __attribute__((always_inline)) void attend_tile(
     const float *q, int64_t q_row, int64_t q_head, int64_t q_col, const kv_t *k_cache, const kv_t *v_cache,       \
         const int32_t *block_tables, int64_t table_stride, const int64_t *seq_lens, const int64_t *rows, int64_t R, \
         int64_t shared, int64_t h, int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int G, float scale, \
-        float *out
+        int amx, float *out
 #define TILE_CALL(D)                                                                                              \
     attend_tile(q, q_row, q_head, q_col, k_cache, v_cache, block_tables, table_stride, seq_lens, rows, R, shared, \
-                h, num_heads, num_kv_heads, block_size, G, D, scale, out)
+                h, num_heads, num_kv_heads, block_size, G, D, scale, amx, out)
 static void attend_tile_d64(TILE_ARGS) { TILE_CALL(64); }
 static void attend_tile_d128(TILE_ARGS) { TILE_CALL(128); }
 static void attend_tile_any(TILE_ARGS, int D) { TILE_CALL(D); }
@@ -446,6 +468,11 @@ int KV_NAME(paged_attention)(const float *q, int64_t q_row, int64_t q_head, int6
     free(seen);
     if (status != 0) return status;
     const int64_t items = num_tiles * num_kv_heads;
+#if KV_BF16
+    const int amx = attention_bf16_path(D) == ATTENTION_AMX;
+#else
+    const int amx = 0;
+#endif
     /* a tile's KV heads to one thread, once there are tiles enough for every thread */
     const int64_t chunk = num_tiles >= 2 * omp_get_max_threads() ? num_kv_heads : 1;
 #pragma omp parallel for schedule(dynamic, chunk)
@@ -455,13 +482,13 @@ int KV_NAME(paged_attention)(const float *q, int64_t q_row, int64_t q_head, int6
         const int64_t R = tile_starts[t + 1] - tile_starts[t];
         if (D == 64)
             attend_tile_d64(q, q_row, q_head, q_col, k_cache, v_cache, block_tables, table_stride, seq_lens, rows, R,
-                            tile_shared[t], h, num_heads, num_kv_heads, block_size, G, scale, out);
+                            tile_shared[t], h, num_heads, num_kv_heads, block_size, G, scale, amx, out);
         else if (D == 128)
             attend_tile_d128(q, q_row, q_head, q_col, k_cache, v_cache, block_tables, table_stride, seq_lens, rows, R,
-                             tile_shared[t], h, num_heads, num_kv_heads, block_size, G, scale, out);
+                             tile_shared[t], h, num_heads, num_kv_heads, block_size, G, scale, amx, out);
         else
             attend_tile_any(q, q_row, q_head, q_col, k_cache, v_cache, block_tables, table_stride, seq_lens, rows, R,
-                            tile_shared[t], h, num_heads, num_kv_heads, block_size, G, scale, out, D);
+                            tile_shared[t], h, num_heads, num_kv_heads, block_size, G, scale, amx, out, D);
     }
     return 0;
 }

@@ -79,24 +79,27 @@ static inline void hsum4(vf a0, vf a1, vf a2, vf a3, float *out) {
 /* exp(x) for x <= 0: 2^n * p(r), r = x - n ln2, |r| <= ln2 / 2, degree-6 Taylor
  * polynomial (relative error under 2e-7). Exactly 0 below -30 (and for -inf): a weight
  * under exp(-30) of the row's maximum is far below float32's resolution of the sum, and
- * cutting there keeps denormals (slow on x86) out of the accumulators. */
-static inline vf vexp(vf x) {
-    const vf magic = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
-    const vi cut = x < -30.0f;
-    x = (vf)(((vi)x & ~cut) | ((vi)splat(-30.0f) & cut));
-    const vf shifted = x * 1.44269504088896341f + magic;
-    const vf n = shifted - magic;
-    const vf r = x - n * 0.693359375f + n * 2.12194440e-4f; /* ln2 split in two for precision */
-    vf p = splat(1.0f / 720.0f);
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const vi bits = ((vi)shifted - (vi)magic) << 23; /* n in the exponent field */
-    const vf result = (vf)((vi)p + bits);
-    return (vf)((vi)result & ~cut);
-}
+ * cutting there keeps denormals (slow on x86) out of the accumulators. DEFINE_VEXP makes it
+ * for a float vector type F and its int32 twin I: vexp for vf, vexp16 for 16 lanes. */
+#define DEFINE_VEXP(name, F, I)                                                                  \
+    static inline F name(F x) {                                                                  \
+        const F magic = (F){0} + 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */   \
+        const I cut = x < -30.0f;                                                                \
+        x = (F)(((I)x & ~cut) | ((I)((F){0} - 30.0f) & cut));                                    \
+        const F shifted = x * 1.44269504088896341f + magic;                                      \
+        const F n = shifted - magic;                                                             \
+        const F r = x - n * 0.693359375f + n * 2.12194440e-4f; /* ln2 split in two for precision */ \
+        F p = (F){0} + 1.0f / 720.0f;                                                            \
+        p = p * r + 1.0f / 120.0f;                                                               \
+        p = p * r + 1.0f / 24.0f;                                                                \
+        p = p * r + 1.0f / 6.0f;                                                                 \
+        p = p * r + 0.5f;                                                                        \
+        p = p * r + 1.0f;                                                                        \
+        p = p * r + 1.0f;                                                                        \
+        const I bits = ((I)shifted - (I)magic) << 23; /* n in the exponent field */              \
+        const F result = (F)((I)p + bits);                                                       \
+        return (F)((I)result & ~cut);                                                            \
+    }
+DEFINE_VEXP(vexp, vf, vi)
 
 #endif

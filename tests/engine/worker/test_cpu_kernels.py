@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine import cpu_kernels
+from tests.support.bf16_paths import attention_path
 
 pytestmark = pytest.mark.skipif(
     cpu_kernels.library() is None, reason="no C compiler for the CPU kernel"
@@ -18,16 +19,17 @@ pytestmark = pytest.mark.skipif(
 
 
 def _paged_case(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, seed: int,
-                q_scale: float = 1.0, min_len: int = 1):
-    """Random contexts in shuffled blocks; the first rows share leading blocks, as behind a system prompt."""
+                q_scale: float = 1.0, min_len: int = 1, shared_len: int = 48, max_len: int = 300):
+    """Random contexts in shuffled blocks; the first rows share leading blocks (about shared_len tokens), as
+    behind a system prompt."""
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
-    num_blocks = 4 + num_seqs * (300 // block_size + 2)
+    num_blocks = 4 + num_seqs * (max_len // block_size + 2)
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
     v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
     free = list(range(num_blocks))
     rng.shuffle(free)
-    shared = [free.pop() for _ in range(48 // block_size)]
-    seq_lens = [rng.randint(min_len, 300) for _ in range(num_seqs)]
+    shared = [free.pop() for _ in range(shared_len // block_size)]
+    seq_lens = [rng.randint(min_len, max_len) for _ in range(num_seqs)]
     tables = []
     for i, n in enumerate(seq_lens):
         num = -(-n // block_size)
@@ -193,11 +195,39 @@ def test_bfloat16_cache_reads_as_its_float32_widening(head_dim: int, heads: tupl
     )
     tiles = plan_tiles(seq_lens.numpy(), block_tables.numpy(), 16, num_heads // num_kv_heads)
     k16, v16 = k_cache.bfloat16(), v_cache.bfloat16()
-    out = cpu_kernels.attention(q, k16, v16, block_tables, seq_lens, 0.125, tiles)
+    with attention_path("widened"):
+        out = cpu_kernels.attention(q, k16, v16, block_tables, seq_lens, 0.125, tiles)
     widened = cpu_kernels.attention(q, k16.float(), v16.float(), block_tables, seq_lens, 0.125, tiles)
     torch.testing.assert_close(out, widened, atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match="must share a dtype"):
         cpu_kernels.attention(q, k16, v_cache, block_tables, seq_lens, 0.125)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", [(9, 3), (8, 1)])  # tiles of 8 rows (and a last one of 4), and of 3
+@pytest.mark.parametrize(("block_size", "shared_len"), [(16, 48), (5, 300), (16, 304)])
+def test_amx_shared_keys_round_as_bfloat16_attention_does(
+    head_dim: int, heads: tuple[int, int], block_size: int, shared_len: int
+) -> None:
+    """With AMX, attention over a tile's shared keys in a bfloat16 cache (chunks of 256, key groups across
+    blocks and past the prefix) matches the float64 reference within bfloat16's rounding of the scaled
+    queries and of the softmax weights (2^-9 of the largest value; measured: under a third of it)."""
+    from engine.attention.cpu_backend import plan_tiles
+
+    num_heads, num_kv_heads = heads
+    q, k_cache, v_cache, block_tables, seq_lens, tables = _paged_case(
+        40, num_heads, num_kv_heads, head_dim, block_size, seed=head_dim + block_size, min_len=shared_len,
+        shared_len=shared_len, max_len=shared_len + 60,
+    )
+    k16, v16 = k_cache.bfloat16(), v_cache.bfloat16()
+    tiles = plan_tiles(seq_lens.numpy(), block_tables.numpy(), block_size, num_heads // num_kv_heads)
+    assert tiles.shared.max() >= shared_len // block_size * block_size
+    scale = head_dim**-0.5
+    with attention_path("amx", head_dim):
+        out = cpu_kernels.attention(q, k16, v16, block_tables, seq_lens, scale, tiles)
+    expected = _reference(q, k16.float(), v16.float(), tables, seq_lens, scale)
+    bound = 2.0**-9 * v16.float().abs().max().item()
+    torch.testing.assert_close(out.double(), expected, atol=bound, rtol=0)
 
 
 def test_tiles_that_claim_too_much_are_rejected() -> None:

@@ -380,23 +380,41 @@ static inline __attribute__((always_inline)) void q_panel_tile(const float *x, i
 }
 
 #ifdef HAVE_AMX
-/* A quantized panel as bfloat16 pairs [K / 2][PANEL][2] (linear.h's layout), each weight rounded to nearest even. */
+/* A quantized panel as bfloat16 pairs [K / 2][PANEL][2] (linear.h's layout), each weight d q + m (one
+ * rounding) rounded to nearest even: a pair of input features' 16 columns at a time, two 16-lane vectors
+ * of weights converted together and put in place by one permutation. */
 static inline __attribute__((always_inline)) void q_dequantize_bf16(const uint8_t *codes, const float *scales, int q4,
                                                                     int64_t K, uint16_t *out) {
-    const vi round = (vi){0} + 0x7fff, low = (vi){0} + 0xffff, high = (vi){0} - 65536;
+    /* the converted pair's element i goes to out[2j] (feature kk) or out[2j + 1] (kk + 1) of column j. 8-bit:
+     * vector 0 is feature kk's columns, vector 1 kk + 1's. 4-bit (q_codes' layout, 8 bytes a feature, low
+     * nibbles columns 0-7): vector 0 holds columns 0-7 of kk, then of kk + 1; vector 1 columns 8-15 alike. */
+    static const uint16_t place8[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    static const uint16_t place4[32] = {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
+                                        16, 24, 17, 25, 18, 26, 19, 27, 20, 28, 21, 29, 22, 30, 23, 31};
+    const __m512i place = _mm512_loadu_si512(q4 ? place4 : place8), nibble = _mm512_set1_epi32(15);
     for (int64_t kb = 0; kb < K / QBLOCK; ++kb) {
-        const float *s = scales + kb * 2 * PANEL;
+        __m512 d0 = _mm512_loadu_ps(scales + kb * 2 * PANEL), m0 = _mm512_loadu_ps(scales + kb * 2 * PANEL + PANEL);
+        __m512 d1 = d0, m1 = m0;
+        if (q4) { /* each vector's lanes are columns 0-7 (or 8-15) twice */
+            d1 = _mm512_shuffle_f32x4(d0, d0, 0xee), m1 = _mm512_shuffle_f32x4(m0, m0, 0xee);
+            d0 = _mm512_shuffle_f32x4(d0, d0, 0x44), m0 = _mm512_shuffle_f32x4(m0, m0, 0x44);
+        }
         const uint8_t *c = codes + kb * q_block_bytes(q4);
-        const vf d0 = load(s), d1 = load(s + VL), m0 = load(s + PANEL), m1 = load(s + PANEL + VL);
         for (int64_t kk = 0; kk < QBLOCK; kk += 2) {
-            vf a0, a1, b0, b1;
-            q_load(c, q4, kk, d0, d1, m0, m1, &a0, &a1);
-            q_load(c, q4, kk + 1, d0, d1, m0, m1, &b0, &b1);
-            uint16_t *o = out + (kb * QBLOCK + kk) * PANEL;
-            const vi ra0 = (vi)a0 + round + (((vi)a0 >> 16) & 1), rb0 = (vi)b0 + round + (((vi)b0 >> 16) & 1);
-            const vi ra1 = (vi)a1 + round + (((vi)a1 >> 16) & 1), rb1 = (vi)b1 + round + (((vi)b1 >> 16) & 1);
-            *(vi_unaligned *)o = ((ra0 >> 16) & low) | (rb0 & high);
-            *(vi_unaligned *)(o + 2 * VL) = ((ra1 >> 16) & low) | (rb1 & high);
+            __m512i v0, v1;
+            if (q4) {
+                const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + kk * (PANEL / 2))));
+                v0 = _mm512_and_si512(b, nibble);
+                v1 = _mm512_srli_epi32(b, 4);
+            } else {
+                v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + kk * PANEL)));
+                v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + (kk + 1) * PANEL)));
+            }
+            const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v0), d0, m0);
+            const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v1), d1, m1);
+            _mm512_storeu_si512(out + (kb * QBLOCK + kk) * PANEL,
+                                _mm512_permutexvar_epi16(place, (__m512i)_mm512_cvtne2ps_pbh(w1, w0)));
         }
     }
 }

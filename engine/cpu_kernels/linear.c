@@ -383,6 +383,7 @@ static inline __attribute__((always_inline)) void q_panel_tile(const float *x, i
 /* A quantized panel as bfloat16 pairs [K / 2][PANEL][2] (linear.h's layout), each weight d q + m (one
  * rounding) rounded to nearest even: a pair of input features' 16 columns at a time, two 16-lane vectors
  * of weights converted together and put in place by one permutation. */
+#define Q_AHEAD 4096 /* bytes of codes (and of scales) fetched ahead of the dequantization: the stream runs on into the next panel */
 static inline __attribute__((always_inline)) void q_dequantize_bf16(const uint8_t *codes, const float *scales, int q4,
                                                                     int64_t K, uint16_t *out) {
     /* the converted pair's element i goes to out[2j] (feature kk) or out[2j + 1] (kk + 1) of column j. 8-bit:
@@ -401,6 +402,9 @@ static inline __attribute__((always_inline)) void q_dequantize_bf16(const uint8_
             d0 = _mm512_shuffle_f32x4(d0, d0, 0x44), m0 = _mm512_shuffle_f32x4(m0, m0, 0x44);
         }
         const uint8_t *c = codes + kb * q_block_bytes(q4);
+        for (int64_t i = 0; i < q_block_bytes(q4); i += 64) _mm_prefetch((const char *)(c + Q_AHEAD + i), _MM_HINT_T0);
+        _mm_prefetch((const char *)(scales + kb * 2 * PANEL) + Q_AHEAD, _MM_HINT_T0);
+        _mm_prefetch((const char *)(scales + kb * 2 * PANEL + PANEL) + Q_AHEAD, _MM_HINT_T0);
         for (int64_t kk = 0; kk < QBLOCK; kk += 2) {
             __m512i v0, v1;
             if (q4) {

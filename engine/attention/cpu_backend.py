@@ -1,5 +1,5 @@
 """The CPU attention backend: query tokens through one C kernel over the paged cache, long prefill chunks
-of a bfloat16 cache through PyTorch's SDPA where the CPU multiplies bfloat16."""
+of a bfloat16 cache through PyTorch's SDPA where the CPU multiplies bfloat16 but the kernel has no AMX."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.attention.prefix import common_prefix
 
 _SORT_BLOCKS = 64  # leading blocks of the tables that order the rows for tiling
-DENSE_MIN_QUERY = 32  # a chunk of this many tokens of one sequence goes to SDPA (bfloat16 cache, bfloat16 CPU)
+DENSE_MIN_QUERY = 32  # a chunk of this many tokens of one sequence goes to SDPA (bfloat16 cache and CPU, no AMX)
 DENSE_MIN_QUERY_MASKED = 64  # the same for a chunk after earlier context (SDPA with a mask, a slower call)
 
 
@@ -90,12 +90,14 @@ class CpuAttentionBackend(AttentionBackend):
     then attends over its own keys alone.
 
     Over a bfloat16 cache on a CPU that multiplies bfloat16 (``cpu_kernels.bf16_linear_path``
-    is not ``"widened"``), a chunk of at least ``DENSE_MIN_QUERY`` tokens of one sequence
-    (``DENSE_MIN_QUERY_MASKED`` after earlier context, a cached prefix or an earlier chunk) is
-    instead gathered and computed by PyTorch's SDPA in bfloat16, whose AMX / AVX512-BF16 kernels
-    are 3x faster than the float32 kernel at prefill (its queries rounded to bfloat16). Shorter
-    chunks after a cached system prompt are faster in the kernel's tiles (47 tokens after 288:
-    1.25x), and longer ones in SDPA (100 after 288: 1.25x the other way).
+    is not ``"widened"``) but where the kernel's tiles have no AMX (``bf16_attention_path``), a
+    chunk of at least ``DENSE_MIN_QUERY`` tokens of one sequence (``DENSE_MIN_QUERY_MASKED`` after
+    earlier context, a cached prefix or an earlier chunk) is instead gathered and computed by
+    PyTorch's SDPA in bfloat16, 3x faster than the float32 kernel at prefill (its queries rounded
+    to bfloat16). Shorter chunks after a cached system prompt are faster in the kernel's tiles
+    (47 tokens after 288: 1.25x), and longer ones in SDPA (100 after 288: 1.25x the other way).
+    With AMX the tiles match SDPA on a fresh 512-token prompt and beat it after earlier context,
+    so every row stays in the kernel.
 
     Args:
         group: query heads per KV head of the layers it serves (sizes the tiles).
@@ -135,7 +137,11 @@ class CpuAttentionBackend(AttentionBackend):
     def _get_plan(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> _RowPlan:
         if meta is not self._plan_meta:
             block_size = k_cache.shape[1]
-            dense = k_cache.dtype == torch.bfloat16 and cpu_kernels.bf16_linear_path(1) != "widened"
+            dense = (
+                k_cache.dtype == torch.bfloat16
+                and cpu_kernels.bf16_linear_path(1) != "widened"
+                and cpu_kernels.bf16_attention_path(k_cache.shape[-1]) != "amx"
+            )
             seq_lens, tables = token_rows(meta)
             chunks = _dense_chunks(meta, block_size) if dense else []
             rows = None

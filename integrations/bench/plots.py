@@ -45,7 +45,9 @@ def write_plots(
             ax.axvline(ceiling["tokens_per_s"], color="tab:red", linestyle="--", label="matmul ceiling")
             ax.legend(loc="lower right")
         ax.set_xlabel("output tokens/s")
-        ax.set_title(f"{report['workload']['name']}, {report['protocol']['dtype']}")
+        quantization = report["protocol"].get("engine", {}).get("quantization")
+        weights = f" (the engine's weights {quantization})" if quantization else ""
+        ax.set_title(f"{report['workload']['name']}, {report['protocol']['dtype']}{weights}")
         paths.append(_save(fig, plt, out_dir / f"{prefix}-throughput.png"))
 
     with_latency = [r for r in results if r.ttft_s or r.itl_s]

@@ -11,7 +11,8 @@
  *
  * A multi-row tile first attends over its shared keys with the tile's R * G queries as
  * the lanes of its vectors (shared_phase): each key and value element is loaded once for
- * all of them and no horizontal sums are needed. Each row then continues alone over its
+ * all of them and no horizontal sums are needed. Over a bfloat16 cache where the CPU has AMX,
+ * the queries are the columns of tiles instead (attention_amx.h). Each row then continues alone over its
  * own keys (attend_range), its G query heads scored together against each key row.
  * Softmax is online per block of the table: running max, running sum, rescaled
  * accumulator, carried from one phase to the next.

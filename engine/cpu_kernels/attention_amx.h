@@ -1,9 +1,9 @@
 /* A multi-row tile's attention over its shared keys in a bfloat16 cache with AMX-BF16 tiles
  * (attention.c includes it for paged_attention_bf16).
  *
- * The tile's Q <= 32 queries are the columns of B tiles: scores^T = K Q^T, whose A tiles are
- * 16 key rows x 32 head-dim elements read straight from the cache (a key row is that
- * operand's row as it lies in memory). Softmax runs down the score rows with the queries as
+ * The tile's queries (up to 32; tiles hold MAX_LANES) are the columns of B tiles, so the
+ * scores come out transposed, K Q^T: their A tiles are 16 key rows x 32 head-dim elements read
+ * straight from the cache (a key row is that operand's row as it lies in memory). Softmax runs down the score rows with the queries as
  * vector lanes, as in shared_phase. The weights, transposed to query rows and rounded to
  * bfloat16, are the A tiles of out = P V, whose B tiles hold the values in pairs of token rows.
  * Keys are taken in chunks of up to AMX_CHUNK; the accumulators carry the online softmax's
@@ -71,7 +71,7 @@ static inline void transpose16(__m512 r[16]) {
     }
 }
 
-/* Per-thread scratch of amx_shared_phase, grown to the largest head_dim seen and kept. */
+/* Per-thread scratch of amx_shared_phase, grown to the largest head_dim seen and kept for the thread's life. */
 struct amx_scratch {
     float scores[AMX_CHUNK * AMX_QUERIES]; /* [key][query] */
     float c[16 * 16];                      /* a C tile read back */

@@ -12,8 +12,8 @@
  * A multi-row tile first attends over its shared keys with the tile's R * G queries as
  * the lanes of its vectors (shared_phase): each key and value element is loaded once for
  * all of them and no horizontal sums are needed. Over a bfloat16 cache where the CPU has AMX,
- * the queries are the columns of tiles instead (attention_amx.h). Each row then continues alone over its
- * own keys (attend_range), its G query heads scored together against each key row.
+ * the queries are the columns of tiles instead (attention_amx.h). Each row then continues alone
+ * over its own keys (attend_range), its G query heads scored together against each key row.
  * Softmax is online per block of the table: running max, running sum, rescaled
  * accumulator, carried from one phase to the next.
  *
@@ -319,6 +319,20 @@ static inline __attribute__((always_inline)) void shared_phase(const vf *restric
     }
 }
 
+/* The Q = R * G scaled queries of KV head h for rows[0..R): lane r * G + g is row r's query head h * G + g,
+ * its element d stored at out[lane * lane_step + d * d_step]. */
+static inline __attribute__((always_inline)) void scaled_queries(const float *restrict q, int64_t q_row,
+                                                                 int64_t q_head, int64_t q_col,
+                                                                 const int64_t *restrict rows, int Q, int G,
+                                                                 int64_t h, const int D, float scale,
+                                                                 int64_t lane_step, int64_t d_step,
+                                                                 float *restrict out) {
+    for (int lane = 0; lane < Q; ++lane) {
+        const float *qi = q + rows[lane / G] * q_row + (h * G + lane % G) * q_head;
+        for (int d = 0; d < D; ++d) out[lane * lane_step + d * d_step] = qi[d * q_col] * scale;
+    }
+}
+
 /* One work item: the rows[0..R) of a tile (their shared keys: [0, shared)) for KV head h. */
 static inline __attribute__((always_inline)) void attend_tile(
     const float *restrict q, int64_t q_row, int64_t q_head, int64_t q_col, const kv_t *restrict k_cache,
@@ -331,16 +345,14 @@ static inline __attribute__((always_inline)) void attend_tile(
     const int Q = (int)R * G, QV = (Q + VL - 1) / VL;
     vf qt[MAX_HEAD_DIM * MAX_LANE_VECTORS], ot[MAX_HEAD_DIM * MAX_LANE_VECTORS];
     vf mt[MAX_LANE_VECTORS], lt[MAX_LANE_VECTORS];
-    int64_t lane_step = 0, d_step = 0; /* the shared phase leaves lane's element d at ot[lane * lane_step + d * d_step] */
+    /* the shared phase leaves query lane's element d at ot[lane * lane_step + d * d_step] */
+    int64_t lane_step = 0, d_step = 0;
     if (R > 1 && shared > 0) {
         float *restrict qtf = (float *)qt;
         const int32_t *table = block_tables + rows[0] * table_stride;
 #if KV_BF16 && defined(HAVE_AMX)
         if (amx) {
-            for (int lane = 0; lane < Q; ++lane) {
-                const float *qi = q + rows[lane / G] * q_row + (h * G + lane % G) * q_head;
-                for (int d = 0; d < D; ++d) qtf[lane * D + d] = qi[d * q_col] * scale;
-            }
+            scaled_queries(q, q_row, q_head, q_col, rows, Q, G, h, D, scale, D, 1, qtf);
             if (amx_shared_phase(qtf, Q, k_cache, v_cache, table, shared, block_size, token_stride, head_offset, D,
                                  (float *)mt, (float *)lt, (float *)ot) == 0)
                 lane_step = D, d_step = 1;
@@ -353,10 +365,7 @@ static inline __attribute__((always_inline)) void attend_tile(
                 mt[j] = splat(-INFINITY);
                 lt[j] = splat(0.0f);
             }
-            for (int lane = 0; lane < Q; ++lane) {
-                const float *qi = q + rows[lane / G] * q_row + (h * G + lane % G) * q_head;
-                for (int d = 0; d < D; ++d) qtf[(d * QV) * VL + lane] = qi[d * q_col] * scale;
-            }
+            scaled_queries(q, q_row, q_head, q_col, rows, Q, G, h, D, scale, 1, QV * VL, qtf);
             if (QV == 1)
                 shared_phase(qt, 1, k_cache, v_cache, table, shared, block_size, token_stride, head_offset, D, mt, lt,
                              ot);
@@ -374,10 +383,9 @@ static inline __attribute__((always_inline)) void attend_tile(
     const float *restrict otf = (const float *)ot, *restrict mtf = (const float *)mt, *restrict ltf = (const float *)lt;
     for (int64_t r = 0; r < R; ++r) {
         const int64_t i = rows[r];
+        scaled_queries(q, q_row, q_head, q_col, rows + r, G, G, h, D, scale, D, 1, qs);
         for (int g = 0; g < G; ++g) {
             const int lane = (int)r * G + g;
-            const float *qi = q + i * q_row + (h * G + g) * q_head;
-            for (int d = 0; d < D; ++d) qs[g * D + d] = qi[d * q_col] * scale;
             if (shared > 0) {
                 m[g] = mtf[lane];
                 l[g] = ltf[lane];

@@ -3,8 +3,8 @@
  *
  * The tile's queries (up to 32; tiles hold MAX_LANES) are the columns of B tiles, so the
  * scores come out transposed, K Q^T: their A tiles are 16 key rows x 32 head-dim elements read
- * straight from the cache (a key row is that operand's row as it lies in memory). Softmax runs down the score rows with the queries as
- * vector lanes, as in shared_phase. The weights, transposed to query rows and rounded to
+ * straight from the cache (a key row is that operand's row as it lies in memory). Softmax runs
+ * down the score rows with the queries as vector lanes, as in shared_phase. The weights, transposed to query rows and rounded to
  * bfloat16, are the A tiles of out = P V, whose B tiles hold the values in pairs of token rows.
  * Keys are taken in chunks of up to AMX_CHUNK; the accumulators carry the online softmax's
  * rescaling from one chunk to the next.

@@ -380,10 +380,11 @@ static inline __attribute__((always_inline)) void q_panel_tile(const float *x, i
 }
 
 #ifdef HAVE_AMX
+#define Q_AHEAD 4096 /* bytes of codes (and of scales) fetched ahead of the dequantization: the stream runs on into the next panel */
+
 /* A quantized panel as bfloat16 pairs [K / 2][PANEL][2] (linear.h's layout), each weight d q + m (one
  * rounding) rounded to nearest even: a pair of input features' 16 columns at a time, two 16-lane vectors
  * of weights converted together and put in place by one permutation. */
-#define Q_AHEAD 4096 /* bytes of codes (and of scales) fetched ahead of the dequantization: the stream runs on into the next panel */
 static inline __attribute__((always_inline)) void q_dequantize_bf16(const uint8_t *codes, const float *scales, int q4,
                                                                     int64_t K, uint16_t *out) {
     /* the converted pair's element i goes to out[2j] (feature kk) or out[2j + 1] (kk + 1) of column j. 8-bit:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -13,30 +14,37 @@ PATHS = cpu_kernels.BF16_LINEAR_PATHS
 
 
 @contextlib.contextmanager
+def _capped(
+    cap: Callable[[int], None], paths: tuple[str, ...], name: str, taken: Callable[[], str], missing: str
+) -> Iterator[None]:
+    """Cap a kernel's path at ``name`` with ``cap`` (``pytest.skip(missing)`` unless ``taken()`` is then ``name``),
+    the highest of ``paths`` restored after."""
+    cap(paths.index(name))
+    try:
+        if taken() != name:
+            pytest.skip(missing)
+        yield
+    finally:
+        cap(len(paths) - 1)
+
+
+@contextlib.contextmanager
 def bf16_path(name: str) -> Iterator[None]:
     """Cap the bfloat16 linear path at ``name`` (``pytest.skip`` where this CPU lacks it), restored after;
     ``widened`` caps the attention kernel's shared keys at float32 too, so that nothing multiplies bfloat16."""
     lib = cpu_kernels.library()
-    lib.linear_bf16_limit(PATHS.index(name))
-    if name == "widened":
-        lib.attention_bf16_limit(0)
-    try:
-        if cpu_kernels.bf16_linear_path(256) != name:
-            pytest.skip(f"this CPU has no {name} path")
+    with contextlib.ExitStack() as stack:
+        taken = functools.partial(cpu_kernels.bf16_linear_path, 256)
+        stack.enter_context(_capped(lib.linear_bf16_limit, PATHS, name, taken, f"this CPU has no {name} path"))
+        if name == "widened":
+            stack.enter_context(attention_path("widened"))
         yield
-    finally:
-        lib.linear_bf16_limit(len(PATHS) - 1)
-        lib.attention_bf16_limit(len(cpu_kernels.BF16_ATTENTION_PATHS) - 1)
 
 
 @contextlib.contextmanager
 def attention_path(name: str, head_dim: int = 64) -> Iterator[None]:
     """Cap the path of shared keys in a bfloat16 cache at ``name`` (``pytest.skip`` where this CPU lacks it)."""
-    lib, paths = cpu_kernels.library(), cpu_kernels.BF16_ATTENTION_PATHS
-    lib.attention_bf16_limit(paths.index(name))
-    try:
-        if cpu_kernels.bf16_attention_path(head_dim) != name:
-            pytest.skip(f"this CPU has no {name} attention path for head_dim {head_dim}")
+    cap, paths = cpu_kernels.library().attention_bf16_limit, cpu_kernels.BF16_ATTENTION_PATHS
+    missing = f"this CPU has no {name} attention path for head_dim {head_dim}"
+    with _capped(cap, paths, name, functools.partial(cpu_kernels.bf16_attention_path, head_dim), missing):
         yield
-    finally:
-        lib.attention_bf16_limit(len(paths) - 1)

@@ -10,7 +10,9 @@
  * streams from memory at full bandwidth for a few rows and from cache for the tiles after the
  * first. A bfloat16 weight halves those bytes; here its elements widen to float32 exactly (a
  * shift, or a mask for the second of a pair), so the products are those of the float32 kernel
- * on the widened weight. The threads split the panels.
+ * on the widened weight. The threads split the panels. With AVX-512 the tiles are those of
+ * linear_tiles16.h instead: up to 12 rows times two panels in 16-lane registers, twice the
+ * products an instruction (a 64-row product of [576, 3072], float32: 1.84 -> 0.73 ms).
  */
 
 #include <stdlib.h>
@@ -133,30 +135,69 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
     rows_times_panel(x, ld_x, M, panel, bf16, K, b, y + n0, ld_y, cols);
 }
 
+#ifdef __AVX512F__
+#include "linear_tiles16.h"
+#define BLOCK_TILE_ROWS TILE16_ROWS
+#else
+#define BLOCK_TILE_ROWS TILE_ROWS
+#endif
+
 /* Rows of x a pass over the panels: a block that stays in the per-core L2 (about X_BLOCK_BYTES)
  * while every panel reads it, however many rows a prefill brings. */
 #define X_BLOCK_BYTES (256 * 1024)
 
 static inline int64_t block_rows(int64_t K) {
-    const int64_t rows = X_BLOCK_BYTES / (K * (int64_t)sizeof(float)) / TILE_ROWS * TILE_ROWS;
-    return rows > TILE_ROWS ? rows : TILE_ROWS;
+    const int64_t rows = X_BLOCK_BYTES / (K * (int64_t)sizeof(float)) / BLOCK_TILE_ROWS * BLOCK_TILE_ROWS;
+    return rows > BLOCK_TILE_ROWS ? rows : BLOCK_TILE_ROWS;
 }
 
+#ifdef __AVX512F__
+/* Panels 2 pp and 2 pp + 1 (where N has it) of y = x W^T + b for every row of x, on 16-lane tiles. */
+static inline __attribute__((always_inline)) void panel_pair_rows(const float *x, int64_t ld_x, int64_t M,
+                                                                  const void *packed, int bf16, int64_t N, int64_t K,
+                                                                  const float *bias, float *y, int64_t ld_y,
+                                                                  int64_t pp) {
+    const int64_t p0 = 2 * pp, n0 = p0 * PANEL, panel_elems = (bf16 ? bf16_padded(K) : K) * PANEL;
+    const void *w0 = bf16 ? (const void *)((const uint16_t *)packed + p0 * panel_elems)
+                          : (const void *)((const float *)packed + p0 * panel_elems);
+    const void *w1 = bf16 ? (const void *)((const uint16_t *)w0 + panel_elems)
+                          : (const void *)((const float *)w0 + panel_elems);
+    float b[2 * PANEL] = {0};
+    const int64_t cols0 = panel_bias(bias, N, p0, b);
+    const int two = n0 + PANEL < N;
+    const int64_t cols1 = two ? panel_bias(bias, N, p0 + 1, b + PANEL) : 0;
+    if (two) /* each call inlined with its constants */
+        rows_times_panels16(x, ld_x, M, w0, w1, 1, bf16, K, b, y + n0, ld_y, cols0, cols1);
+    else
+        rows_times_panels16(x, ld_x, M, w0, w1, 0, bf16, K, b, y + n0, ld_y, cols0, cols1);
+}
+#endif
+
 /* x [M, K] row-major (leading dimension ld_x); packed [ceil(N / PANEL)][K][PANEL]; bias [N] or
- * NULL; y [M, N] row-major (leading dimension ld_y). */
+ * NULL; y [M, N] row-major (leading dimension ld_y). With AVX-512 the threads split pairs of panels. */
 static void linear(const float *x, int64_t ld_x, int64_t M, const void *packed, int bf16, int64_t N, int64_t K,
                    const float *bias, float *y, int64_t ld_y) {
-    const int64_t mc = block_rows(K);
+    const int64_t mc = block_rows(K), panels = (N + PANEL - 1) / PANEL;
 #pragma omp parallel
     for (int64_t m0 = 0; m0 < M; m0 += mc) {
         const int64_t rows = M - m0 < mc ? M - m0 : mc;
+#ifdef __AVX512F__
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < (N + PANEL - 1) / PANEL; ++p) {
+        for (int64_t pp = 0; pp < (panels + 1) / 2; ++pp) {
+            if (bf16) /* each call inlined with its constant */
+                panel_pair_rows(x + m0 * ld_x, ld_x, rows, packed, 1, N, K, bias, y + m0 * ld_y, ld_y, pp);
+            else
+                panel_pair_rows(x + m0 * ld_x, ld_x, rows, packed, 0, N, K, bias, y + m0 * ld_y, ld_y, pp);
+        }
+#else
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; ++p) {
             if (bf16) /* each call inlined with its constant */
                 panel_rows(x + m0 * ld_x, ld_x, rows, packed, 1, N, K, bias, y + m0 * ld_y, ld_y, p);
             else
                 panel_rows(x + m0 * ld_x, ld_x, rows, packed, 0, N, K, bias, y + m0 * ld_y, ld_y, p);
         }
+#endif
     }
 }
 
@@ -186,8 +227,9 @@ void linear_bf16_widened(const float *x, int64_t ld_x, int64_t M, const uint16_t
  * the step reads that much less memory.
  *
  * One tile of rows widens each code as it loads it, computing the products of the float32
- * kernel on the dequantized weight. More rows dequantize the panel once into a float32 scratch
- * that the float32 tiles then read, so prefill runs at the float32 kernel's speed.
+ * kernel on the dequantized weight. More rows dequantize the panel (a pair of panels with AVX-512)
+ * once into a float32 scratch that the float32 tiles then read, so prefill runs at the float32
+ * kernel's speed.
  */
 
 #define QBLOCK 32
@@ -496,27 +538,51 @@ static int linear_q(const float *x, int64_t ld_x, int64_t M, const uint8_t *code
         }
         return 0;
     }
-    const int64_t mc = block_rows(K);
+    const int64_t mc = block_rows(K), panel_codes = K / QBLOCK * q_block_bytes(q4), panel_scales = K / QBLOCK * 2 * PANEL;
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
     {
-        float *scratch = malloc(K * PANEL * sizeof(float));
+        float *scratch = malloc(2 * K * PANEL * sizeof(float));
         failed = scratch == NULL;
         if (!failed) {
+#ifdef __AVX512F__ /* pairs of panels on 16-lane tiles */
+#pragma omp for schedule(static)
+            for (int64_t pp = 0; pp < (panels + 1) / 2; ++pp) {
+                const int64_t p0 = 2 * pp;
+                const int two = p0 + 1 < panels;
+                for (int64_t p = p0; p < p0 + 1 + two; ++p) {
+                    float *out = scratch + (p - p0) * K * PANEL;
+                    if (q4) /* each call inlined with its constant */
+                        q_dequantize(codes + p * panel_codes, scales + p * panel_scales, 1, K, out);
+                    else
+                        q_dequantize(codes + p * panel_codes, scales + p * panel_scales, 0, K, out);
+                }
+                float b[2 * PANEL] = {0};
+                const int64_t cols0 = panel_bias(bias, N, p0, b), cols1 = two ? panel_bias(bias, N, p0 + 1, b + PANEL) : 0;
+                for (int64_t m0 = 0; m0 < M; m0 += mc) {
+                    const int64_t rows = M - m0 < mc ? M - m0 : mc;
+                    float *yp = y + m0 * ld_y + p0 * PANEL;
+                    if (two)
+                        rows_times_panels16(x + m0 * ld_x, ld_x, rows, scratch, scratch + K * PANEL, 1, 0, K, b, yp,
+                                            ld_y, cols0, cols1);
+                    else
+                        rows_times_panels16(x + m0 * ld_x, ld_x, rows, scratch, scratch, 0, 0, K, b, yp, ld_y, cols0, 0);
+                }
+            }
+#else
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < panels; ++p) {
                 if (q4)
-                    q_dequantize(codes + p * (K / QBLOCK * q_block_bytes(1)), scales + p * (K / QBLOCK * 2 * PANEL), 1,
-                                 K, scratch);
+                    q_dequantize(codes + p * panel_codes, scales + p * panel_scales, 1, K, scratch);
                 else
-                    q_dequantize(codes + p * (K / QBLOCK * q_block_bytes(0)), scales + p * (K / QBLOCK * 2 * PANEL), 0,
-                                 K, scratch);
+                    q_dequantize(codes + p * panel_codes, scales + p * panel_scales, 0, K, scratch);
                 float b[PANEL];
                 const int64_t cols = panel_bias(bias, N, p, b);
                 for (int64_t m0 = 0; m0 < M; m0 += mc)
                     rows_times_panel(x + m0 * ld_x, ld_x, M - m0 < mc ? M - m0 : mc, scratch, 0, K, b,
                                      y + m0 * ld_y + p * PANEL, ld_y, cols);
             }
+#endif
         }
         free(scratch);
     }

@@ -50,16 +50,25 @@ def test_bf16_pack_layout() -> None:
 
 
 def test_bf16_path_follows_the_cpu() -> None:
-    """The fastest path the CPU's flags allow: AMX from 16 rows, AVX512-BF16 dot products below (and without AMX)."""
+    """AMX from 16 rows; below (and without AMX) the dot products where the CPU has them and they out-run the
+    widened weights' FMAs, else the widened path; capped at ``avx512-bf16``, the dot products wherever they exist."""
     flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
     dot = "avx512_bf16" in flags
     amx = dot and {"amx_bf16", "amx_tile"} <= flags
-    assert cpu_kernels.bf16_linear_path(1) == ("avx512-bf16" if dot else "widened")
+    assert cpu_kernels.bf16_linear_path(1) in (("avx512-bf16", "widened") if dot else ("widened",))
     assert cpu_kernels.bf16_linear_path(15) == cpu_kernels.bf16_linear_path(1)
     assert cpu_kernels.bf16_linear_path(16) == ("amx" if amx else cpu_kernels.bf16_linear_path(1))
+    with bf16_path("widened"):
+        assert cpu_kernels.bf16_linear_path(1) == cpu_kernels.bf16_linear_path(64) == "widened"
+    lib = cpu_kernels.library()
+    lib.linear_bf16_limit(PATHS.index("avx512-bf16"))
+    try:
+        assert cpu_kernels.bf16_linear_path(64) == ("avx512-bf16" if dot else "widened")
+    finally:
+        lib.linear_bf16_limit(len(PATHS) - 1)
 
 
-# Rows: tiles of 6 (12 with dot products) and every remainder, AMX's 16 and 32-row blocks and partial ones, and
+# Rows: tiles of 6 (up to 12 with AVX-512, or with dot products) and every remainder, AMX's 16 and 32-row blocks and partial ones, and
 # past one block of rows (256 KB of x: 113 rows at K=576).
 @pytest.mark.parametrize("rows", [0, 1, 2, 5, 6, 7, 11, 13, 16, 17, 40, 64, 250])
 @pytest.mark.parametrize("shape", [(576, 960), (21, 13), (64, 48)])  # (in, out): a model's, partial panels and odd K

@@ -166,10 +166,14 @@ static inline __attribute__((always_inline)) void panel_pair_rows(const float *x
     const int64_t cols0 = panel_bias(bias, N, p0, b);
     const int two = n0 + PANEL < N;
     const int64_t cols1 = two ? panel_bias(bias, N, p0 + 1, b + PANEL) : 0;
+    const int64_t bytes = 2 * panel_elems * (bf16 ? (int64_t)sizeof(uint16_t) : (int64_t)sizeof(float));
+    /* the next pair, fetched by the first tile: a decode step's weights come from memory (64 rows,
+     * bfloat16: 1.02x; 16 rows 1.19x; one row 1.13x) */
+    const char *ahead = n0 + 2 * PANEL < N ? (const char *)w0 + bytes : NULL;
     if (two) /* each call inlined with its constants */
-        rows_times_panels16(x, ld_x, M, w0, w1, 1, bf16, K, b, y + n0, ld_y, cols0, cols1);
+        rows_times_panels16(x, ld_x, M, w0, w1, 1, bf16, K, b, y + n0, ld_y, cols0, cols1, ahead);
     else
-        rows_times_panels16(x, ld_x, M, w0, w1, 0, bf16, K, b, y + n0, ld_y, cols0, cols1);
+        rows_times_panels16(x, ld_x, M, w0, w1, 0, bf16, K, b, y + n0, ld_y, cols0, cols1, ahead);
 }
 #endif
 
@@ -564,9 +568,10 @@ static int linear_q(const float *x, int64_t ld_x, int64_t M, const uint8_t *code
                     float *yp = y + m0 * ld_y + p0 * PANEL;
                     if (two)
                         rows_times_panels16(x + m0 * ld_x, ld_x, rows, scratch, scratch + K * PANEL, 1, 0, K, b, yp,
-                                            ld_y, cols0, cols1);
+                                            ld_y, cols0, cols1, NULL);
                     else
-                        rows_times_panels16(x + m0 * ld_x, ld_x, rows, scratch, scratch, 0, 0, K, b, yp, ld_y, cols0, 0);
+                        rows_times_panels16(x + m0 * ld_x, ld_x, rows, scratch, scratch, 0, 0, K, b, yp, ld_y, cols0, 0,
+                                            NULL);
                 }
             }
 #else

@@ -18,19 +18,26 @@
 
 /* `rows` rows of x [., K] (leading dimension ld_x) times the panels w0 and, with `two`, w1 (float32
  * [K][PANEL] or bfloat16 pairs [K / 2][PANEL][2]), plus bias (PANEL entries a panel), into columns
- * 0 .. cols0 - 1 and PANEL .. PANEL + cols1 - 1 of y (leading dimension ld_y). Inlined with
- * constant `rows`, `two` and `bf16`. */
+ * 0 .. cols0 - 1 and PANEL .. PANEL + cols1 - 1 of y (leading dimension ld_y). With `ahead` (or
+ * NULL), each step of k also fetches into cache the same line of the panels at ahead and ahead + the
+ * gap from w0 to w1: the next pair, read by the next tile. Inlined with constant `rows`, `two` and
+ * `bf16`. */
 static inline __attribute__((always_inline)) void tile16(const float *x, int64_t ld_x, int rows, const void *w0,
                                                          const void *w1, int two, int bf16, int64_t K,
                                                          const float *bias, float *y, int64_t ld_y, int64_t cols0,
-                                                         int64_t cols1) {
+                                                         int64_t cols1, const char *ahead) {
     __m512 acc[TILE16_ROWS][2];
     for (int i = 0; i < rows; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    const int64_t gap = (const char *)w1 - (const char *)w0; /* from one panel to the other, and so ahead */
     if (bf16) {
         const uint16_t *a = w0, *b = w1;
         const __m512i high = _mm512_set1_epi32((int)0xffff0000);
         int64_t k = 0;
         for (; k + 2 <= K; k += 2) {
+            if (ahead != NULL) { /* the next panels' line of this step, one for each panel */
+                _mm_prefetch(ahead + k * PANEL * 2, _MM_HINT_T0);
+                _mm_prefetch(ahead + k * PANEL * 2 + gap, _MM_HINT_T0);
+            }
             const __m512i u0 = _mm512_loadu_si512(a + k * PANEL);
             const __m512 e0 = _mm512_castsi512_ps(_mm512_slli_epi32(u0, 16));
             const __m512 o0 = _mm512_castsi512_ps(_mm512_and_si512(u0, high));
@@ -58,6 +65,10 @@ static inline __attribute__((always_inline)) void tile16(const float *x, int64_t
     } else {
         const float *a = w0, *b = w1;
         for (int64_t k = 0; k < K; ++k) {
+            if (ahead != NULL) {
+                _mm_prefetch(ahead + k * PANEL * 4, _MM_HINT_T0);
+                _mm_prefetch(ahead + k * PANEL * 4 + gap, _MM_HINT_T0);
+            }
             const __m512 v0 = _mm512_loadu_ps(a + k * PANEL), v1 = two ? _mm512_loadu_ps(b + k * PANEL) : v0;
             for (int i = 0; i < rows; ++i) {
                 const __m512 xv = _mm512_set1_ps(x[i * ld_x + k]);
@@ -74,20 +85,21 @@ static inline __attribute__((always_inline)) void tile16(const float *x, int64_t
     }
 }
 
-/* Rows 0 .. M - 1 of x times one or two panels (tile16's arguments), in tiles of as equal sizes as
- * TILE16_ROWS allows (64 rows: 4 tiles of 11 and 2 of 10, where 5 of 12 would leave one of 4 that loads
- * the weights for few rows), each inlined with its constant row count, so that the accumulators stay
- * in registers. */
+/* Rows 0 .. M - 1 of x times one or two panels (tile16's arguments; the first tile fetches ahead), in
+ * tiles of as equal sizes as TILE16_ROWS allows (64 rows: 4 tiles of 11 and 2 of 10, where 5 of 12
+ * would leave one of 4 that loads the weights for few rows), each inlined with its constant row
+ * count, so that the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void rows_times_panels16(const float *x, int64_t ld_x, int64_t M,
                                                                       const void *w0, const void *w1, int two,
                                                                       int bf16, int64_t K, const float *bias, float *y,
-                                                                      int64_t ld_y, int64_t cols0, int64_t cols1) {
+                                                                      int64_t ld_y, int64_t cols0, int64_t cols1,
+                                                                      const char *ahead) {
     const int64_t tiles = (M + TILE16_ROWS - 1) / TILE16_ROWS;
     for (int64_t t = 0, m = 0; t < tiles; ++t) {
         const int64_t rows = M / tiles + (t < M % tiles);
         switch (rows) {
 #define ROWS(r) \
-    case r: tile16(x + m * ld_x, ld_x, r, w0, w1, two, bf16, K, bias, y + m * ld_y, ld_y, cols0, cols1); break;
+    case r: tile16(x + m * ld_x, ld_x, r, w0, w1, two, bf16, K, bias, y + m * ld_y, ld_y, cols0, cols1, t ? NULL : ahead); break;
             ROWS(12) ROWS(11) ROWS(10) ROWS(9) ROWS(8) ROWS(7) ROWS(6) ROWS(5) ROWS(4) ROWS(3) ROWS(2) ROWS(1)
 #undef ROWS
         }

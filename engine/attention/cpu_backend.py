@@ -91,9 +91,9 @@ class CpuAttentionBackend(AttentionBackend):
 
     Over a bfloat16 cache on a CPU whose bfloat16 dot products out-run float32's FMAs
     (``cpu_kernels.bf16_linear_path`` is ``"avx512-bf16"``) and whose tiles have no AMX
-    (``bf16_attention_path``), a
-    chunk of at least ``DENSE_MIN_QUERY`` tokens of one sequence (``DENSE_MIN_QUERY_MASKED`` after
-    earlier context, a cached prefix or an earlier chunk) is instead gathered and computed by
+    (``bf16_attention_path``), a chunk of at least ``DENSE_MIN_QUERY`` tokens of one sequence
+    (``DENSE_MIN_QUERY_MASKED`` after earlier context, a cached prefix or an earlier chunk) is
+    instead gathered and computed by
     PyTorch's SDPA in bfloat16, 3x faster than the float32 kernel at prefill (its queries rounded
     to bfloat16). Shorter chunks after a cached system prompt are faster in the kernel's tiles
     (47 tokens after 288: 1.25x), and longer ones in SDPA (100 after 288: 1.25x the other way).

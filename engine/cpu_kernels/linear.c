@@ -153,6 +153,17 @@ static inline int64_t block_rows(int64_t K) {
 }
 
 #ifdef __AVX512F__
+/* The bias entries of panels p0 and p0 + 1 into b (2 PANEL entries, zero past N) and their widths;
+ * returns whether N has the second panel. */
+static inline int pair_bias(const float *bias, int64_t N, int64_t p0, float b[2 * PANEL], int64_t *cols0,
+                            int64_t *cols1) {
+    const int two = (p0 + 1) * PANEL < N;
+    *cols0 = panel_bias(bias, N, p0, b);
+    *cols1 = two ? panel_bias(bias, N, p0 + 1, b + PANEL) : 0;
+    if (!two) memset(b + PANEL, 0, PANEL * sizeof(float));
+    return two;
+}
+
 /* Panels 2 pp and 2 pp + 1 (where N has it) of y = x W^T + b for every row of x, on 16-lane tiles. */
 static inline __attribute__((always_inline)) void panel_pair_rows(const float *x, int64_t ld_x, int64_t M,
                                                                   const void *packed, int bf16, int64_t N, int64_t K,
@@ -163,10 +174,9 @@ static inline __attribute__((always_inline)) void panel_pair_rows(const float *x
                           : (const void *)((const float *)packed + p0 * panel_elems);
     const void *w1 = bf16 ? (const void *)((const uint16_t *)w0 + panel_elems)
                           : (const void *)((const float *)w0 + panel_elems);
-    float b[2 * PANEL] = {0};
-    const int64_t cols0 = panel_bias(bias, N, p0, b);
-    const int two = n0 + PANEL < N;
-    const int64_t cols1 = two ? panel_bias(bias, N, p0 + 1, b + PANEL) : 0;
+    float b[2 * PANEL];
+    int64_t cols0, cols1;
+    const int two = pair_bias(bias, N, p0, b, &cols0, &cols1);
     const int64_t bytes = 2 * panel_elems * (bf16 ? (int64_t)sizeof(uint16_t) : (int64_t)sizeof(float));
     /* the next pair, fetched by the first tile: a decode step's weights come from memory (64 rows,
      * bfloat16: 1.02x; 16 rows 1.19x; one row 1.13x) */
@@ -554,7 +564,9 @@ static int linear_q(const float *x, int64_t ld_x, int64_t M, const uint8_t *code
 #pragma omp for schedule(static)
             for (int64_t pp = 0; pp < (panels + 1) / 2; ++pp) {
                 const int64_t p0 = 2 * pp;
-                const int two = p0 + 1 < panels;
+                float b[2 * PANEL];
+                int64_t cols0, cols1;
+                const int two = pair_bias(bias, N, p0, b, &cols0, &cols1);
                 for (int64_t p = p0; p < p0 + 1 + two; ++p) {
                     float *out = scratch + (p - p0) * K * PANEL;
                     if (q4) /* each call inlined with its constant */
@@ -562,8 +574,6 @@ static int linear_q(const float *x, int64_t ld_x, int64_t M, const uint8_t *code
                     else
                         q_dequantize(codes + p * panel_codes, scales + p * panel_scales, 0, K, out);
                 }
-                float b[2 * PANEL] = {0};
-                const int64_t cols0 = panel_bias(bias, N, p0, b), cols1 = two ? panel_bias(bias, N, p0 + 1, b + PANEL) : 0;
                 for (int64_t m0 = 0; m0 < M; m0 += mc) {
                     const int64_t rows = M - m0 < mc ? M - m0 : mc;
                     float *yp = y + m0 * ld_y + p0 * PANEL;

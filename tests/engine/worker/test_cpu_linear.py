@@ -60,16 +60,16 @@ def test_bf16_path_follows_the_cpu() -> None:
     assert cpu_kernels.bf16_linear_path(16) == ("amx" if amx else cpu_kernels.bf16_linear_path(1))
     with bf16_path("widened"):
         assert cpu_kernels.bf16_linear_path(1) == cpu_kernels.bf16_linear_path(64) == "widened"
-    lib = cpu_kernels.library()
-    lib.linear_bf16_limit(PATHS.index("avx512-bf16"))
-    try:
-        assert cpu_kernels.bf16_linear_path(64) == ("avx512-bf16" if dot else "widened")
-    finally:
-        lib.linear_bf16_limit(len(PATHS) - 1)
 
 
-# Rows: tiles of 6 (up to 12 with AVX-512, or with dot products) and every remainder, AMX's 16 and 32-row blocks and partial ones, and
-# past one block of rows (256 KB of x: 113 rows at K=576).
+def test_bf16_dot_cap_takes_the_dot_products() -> None:
+    """Capped at ``avx512-bf16``, every row count takes the dot products, whether or not they out-run the FMAs."""
+    with bf16_path("avx512-bf16"):
+        assert {cpu_kernels.bf16_linear_path(rows) for rows in (1, 15, 16, 64, 512)} == {"avx512-bf16"}
+
+
+# Rows: tiles of 6 (up to 12 with AVX-512, or with dot products) and every remainder, AMX's 16 and 32-row blocks
+# and partial ones, and past one block of rows (256 KB of x: 113 rows at K=576).
 @pytest.mark.parametrize("rows", [0, 1, 2, 5, 6, 7, 11, 13, 16, 17, 40, 64, 250])
 @pytest.mark.parametrize("shape", [(576, 960), (21, 13), (64, 48)])  # (in, out): a model's, partial panels and odd K
 def test_matches_torch(rows: int, shape: tuple[int, int]) -> None:

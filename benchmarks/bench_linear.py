@@ -1,4 +1,5 @@
-"""The CPU linear kernels per path: float32, each bfloat16 path this CPU has, and PyTorch's bfloat16 F.linear.
+"""The CPU linear kernels per path: float32, each bfloat16 path this CPU has, int8 weights alone and with int8
+products (``w8a8``), and PyTorch's bfloat16 F.linear.
 
 The bfloat16 paths (``cpu_kernels.BF16_LINEAR_PATHS``: widened to float32, AVX512-BF16 dot products,
 AMX tiles) read the same packed weight; each is timed by capping the kernels' choice at it, so a
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import cpu_kernels
+from engine.layers import quantization
 
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
 
@@ -52,9 +54,14 @@ def main() -> None:
     packed = cpu_kernels.pack_linear_weight(weight)
     packed16 = cpu_kernels.pack_linear_weight(weight.bfloat16())
     weight16 = weight.bfloat16()
+    blocks = quantization.quantize_int8(weight)
+    int8, w8a8 = quantization.pack(blocks), quantization.pack(blocks, int8_products=True)
     paths = cpu_kernels.BF16_LINEAR_PATHS
-    print("| rows | float32 | " + " | ".join(f"bfloat16 {p}" for p in paths) + " | torch bfloat16 | best vs float32 |")
-    print("| ---: " * (len(paths) + 4) + "|")
+    print(
+        "| rows | float32 | " + " | ".join(f"bfloat16 {p}" for p in paths)
+        + f" | torch bfloat16 | bfloat16 best vs float32 | int8 | w8a8 ({cpu_kernels.int8_linear_path()}) | w8a8 vs float32 |"
+    )
+    print("| ---: " * (len(paths) + 7) + "|")
     for rows in (int(r) for r in args.rows.split(",")):
         x = torch.randn(rows, in_features)
         f32 = _best_us(lambda: cpu_kernels.linear(x, packed, out_features), args.repeats)
@@ -70,7 +77,12 @@ def main() -> None:
         lib.linear_bf16_limit(len(paths) - 1)
         x16 = x.bfloat16()
         torch_us = _best_us(lambda: F.linear(x16, weight16), args.repeats)
-        print(f"| {rows} | {f32:.1f} | " + " | ".join(cells) + f" | {torch_us:.1f} | {f32 / best:.2f}x |")
+        int8_us = _best_us(lambda: cpu_kernels.linear_quantized(x, int8), args.repeats)
+        w8a8_us = _best_us(lambda: cpu_kernels.linear_quantized(x, w8a8), args.repeats)
+        print(
+            f"| {rows} | {f32:.1f} | " + " | ".join(cells) + f" | {torch_us:.1f} | {f32 / best:.2f}x"
+            f" | {int8_us:.1f} | {w8a8_us:.1f} | {f32 / w8a8_us:.2f}x |"
+        )
 
 
 if __name__ == "__main__":

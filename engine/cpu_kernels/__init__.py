@@ -44,7 +44,7 @@ from engine.loader import cache_root
 logger = logging.getLogger(__name__)
 
 _SOURCES = (
-    "vec.h", "linear.h", "linear_tiles16.h", "bf16_kernels.h", "attention_amx.h", "attention.c", "attention_bf16.c", "elementwise.c", "linear.c", "linear_bf16.c", "token_mask.c"
+    "vec.h", "linear.h", "linear_tiles16.h", "bf16_kernels.h", "attention_amx.h", "attention.c", "attention_bf16.c", "elementwise.c", "linear.c", "linear_bf16.c", "linear_int8.c", "token_mask.c"
 )
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 # Fixed-size scratch of the kernels (see MAX_* in the sources).
@@ -57,6 +57,8 @@ BF16_LINEAR_PATHS = ("widened", "avx512-bf16", "amx")
 # What a multi-row tile's shared keys in a bfloat16 cache run, by the C enum's value: float32 vectors over the
 # widened cache, AMX tiles (attention_amx.h).
 BF16_ATTENTION_PATHS = ("widened", "amx")
+# What linear_w8a8 multiplies on, by the C enum's value: int8 sums in plain C, AVX512-VNNI.
+INT8_LINEAR_PATHS = ("generic", "avx512-vnni")
 
 
 def _cpu_flags() -> str:
@@ -112,6 +114,10 @@ _SIGNATURES = {
     # x, ld, rows, codes, scales, out features, in features, bias (or NULL), y, ld, bfloat16 products
     "linear_q8_f32": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, ctypes.c_int],
     "linear_q4_f32": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, ctypes.c_int],
+    # x, ld, rows, codes (int8-products layout), scales, out features, in features, bias (or NULL), y, ld
+    "linear_w8a8_f32": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64],
+    "linear_int8_path": [],
+    "linear_int8_limit": [ctypes.c_int],
     "linear_bf16_path": [_I64],  # rows
     "linear_bf16_limit": [ctypes.c_int],  # the highest path it may take
     "attention_bf16_path": [_I64],  # head_dim
@@ -124,7 +130,7 @@ _SIGNATURES |= {f"{name}_bf16": _SIGNATURES[f"{name}_f32"] for name in ("paged_a
 # 0, or < 0 on bad arguments
 _RETURN_STATUS = {
     "paged_attention_f32", "paged_attention_bf16", "store_kv_f32", "store_kv_bf16", "rotary_f32", "linear_q8_f32",
-    "linear_q4_f32", "linear_bf16", "linear_bf16_path", "attention_bf16_path",
+    "linear_q4_f32", "linear_w8a8_f32", "linear_int8_path", "linear_bf16", "linear_bf16_path", "attention_bf16_path",
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -135,7 +141,8 @@ def library() -> ctypes.CDLL | None:
 
     ``PAGED_BF16_LINEAR`` (one of ``BF16_LINEAR_PATHS``) caps the bfloat16 linear path, e.g.
     ``widened`` to compute bfloat16 weights in float32 on a CPU with bfloat16 arithmetic;
-    ``PAGED_BF16_ATTENTION`` (one of ``BF16_ATTENTION_PATHS``) the path of shared keys in a bfloat16 cache.
+    ``PAGED_BF16_ATTENTION`` (one of ``BF16_ATTENTION_PATHS``) the path of shared keys in a bfloat16 cache;
+    ``PAGED_INT8_LINEAR`` (one of ``INT8_LINEAR_PATHS``) the path of int8 products.
     """
     if os.environ.get("PAGED_CPU_KERNELS", "1") == "0":
         return None
@@ -153,6 +160,7 @@ def library() -> ctypes.CDLL | None:
     for variable, paths, cap in (
         ("PAGED_BF16_LINEAR", BF16_LINEAR_PATHS, lib.linear_bf16_limit),
         ("PAGED_BF16_ATTENTION", BF16_ATTENTION_PATHS, lib.attention_bf16_limit),
+        ("PAGED_INT8_LINEAR", INT8_LINEAR_PATHS, lib.linear_int8_limit),
     ):
         limit = os.environ.get(variable, paths[-1])
         if limit not in paths:
@@ -164,6 +172,11 @@ def library() -> ctypes.CDLL | None:
 def bf16_linear_path(rows: int) -> str:
     """What a bfloat16 ``linear`` of ``rows`` rows runs on this CPU: one of ``BF16_LINEAR_PATHS``."""
     return BF16_LINEAR_PATHS[_lib().linear_bf16_path(rows)]
+
+
+def int8_linear_path() -> str:
+    """What a linear with int8 products (``quantization="w8a8"``) runs on this CPU: one of ``INT8_LINEAR_PATHS``."""
+    return INT8_LINEAR_PATHS[_lib().linear_int8_path()]
 
 
 def bf16_attention_path(head_dim: int) -> str:
@@ -443,7 +456,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
 def linear_quantized(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x W^T + b`` for ``x [M, K]`` (float32 CPU, any strides) and a quantized ``W``
     (``engine.layers.quantization.QuantizedWeight``; with its ``bf16_products``, AMX tiles of x and the
-    weights rounded to bfloat16 where ``bf16_linear_path(M)`` is ``"amx"``); returns ``[M, N]``, contiguous."""
+    weights rounded to bfloat16 where ``bf16_linear_path(M)`` is ``"amx"``; with its ``int8_products``, x
+    quantized to int8 blocks and int8 products, on ``int8_linear_path()``); returns ``[M, N]``, contiguous."""
     lib = _lib()
     for name, t in (("x", x), ("bias", bias if bias is not None else x)):
         _check_float32_cpu(name, t)
@@ -455,12 +469,14 @@ def linear_quantized(x: torch.Tensor, weight, bias: torch.Tensor | None = None) 
     x, ld_x = _rows(x)
     bias = bias.contiguous() if bias is not None else None
     y = torch.empty(rows, weight.out_features)
-    kernel = getattr(lib, f"linear_{weight.kind}_f32")
-    status = kernel(
+    args = (
         x.data_ptr(), ld_x, rows, weight.codes.data_ptr(), weight.scales.data_ptr(), weight.out_features,
         in_features, bias.data_ptr() if bias is not None else None, y.data_ptr(), weight.out_features,
-        int(weight.bf16_products),
     )
+    if weight.int8_products:
+        status = lib.linear_w8a8_f32(*args)
+    else:
+        status = getattr(lib, f"linear_{weight.kind}_f32")(*args, int(weight.bf16_products))
     if status:
         raise MemoryError("the quantized linear kernel could not allocate its scratch")
     return y

@@ -10,11 +10,13 @@ natively, each exactly as its source defines it:
 
 ``QuantBlocks`` hold a weight row by row, as checkpoints store it; shards of a fused layer
 are concatenated in that form. ``pack`` lays them out in the panels the C kernel reads
-(``linear.c``); ``QuantizedWeight`` is the packed result that a ``Linear`` serves.
+(``linear.c``, or ``linear_int8.c`` for int8 products); ``QuantizedWeight`` is the packed result
+that a ``Linear`` serves.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -23,6 +25,7 @@ import torch
 from engine.cpu_kernels import LINEAR_PANEL
 
 QBLOCK = 32  # input features per block (QBLOCK in linear.c)
+INT8_GROUP = 4  # input features of a column side by side in the int8-products layout (one 32-bit lane)
 KINDS = ("q8", "q4")
 
 
@@ -47,7 +50,11 @@ class QuantizedWeight(NamedTuple):
     ``[P, K / QBLOCK, QBLOCK, LINEAR_PANEL / 2]`` (q4, columns ``j`` and ``j + LINEAR_PANEL / 2`` in the low
     and high nibbles of byte ``j``), and float32 ``scales`` ``[P, K / QBLOCK, 2, LINEAR_PANEL]``: d, then m.
     With ``bf16_products``, the kernel multiplies x and the weights rounded to bfloat16 on AMX tiles where
-    the CPU has them (from 16 rows; a bfloat16 model's quantized layers)."""
+    the CPU has them (from 16 rows; a bfloat16 model's quantized layers). With ``int8_products`` (q8 only),
+    the kernel rotates x's blocks (``hadamard``), quantizes them to int8 and multiplies in int8
+    (``linear_int8.c``): the blocks are then those of ``hadamard_blocks(W)``, and ``codes``
+    ``[P, K / QBLOCK, QBLOCK / INT8_GROUP, LINEAR_PANEL, INT8_GROUP]``, a column's consecutive features side by
+    side."""
 
     kind: str
     codes: torch.Tensor
@@ -55,6 +62,7 @@ class QuantizedWeight(NamedTuple):
     out_features: int
     in_features: int
     bf16_products: bool = False
+    int8_products: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -64,6 +72,10 @@ class QuantizedWeight(NamedTuple):
         """Rows ``W[index]`` ``[len(index), K]`` in float32 (an embedding lookup in a tied LM head)."""
         p, j = index // LINEAR_PANEL, index % LINEAR_PANEL
         blocks = self.in_features // QBLOCK
+        if self.int8_products:  # rotated blocks: rotating once more gives W back (H H = QBLOCK I)
+            q = self.codes[p, :, :, j, :].reshape(len(index), blocks, QBLOCK)
+            w = q.float() * self.scales[p, :, 0, j].unsqueeze(-1) + self.scales[p, :, 1, j].unsqueeze(-1)
+            return (w @ hadamard()).reshape(len(index), blocks * QBLOCK)
         if self.kind == "q8":
             q = self.codes[p, :, :, j]  # [R, blocks, QBLOCK]
         else:
@@ -72,6 +84,27 @@ class QuantizedWeight(NamedTuple):
             q = torch.where((j < half).view(-1, 1, 1), byte & 15, byte >> 4)
         w = q.float() * self.scales[p, :, 0, j].unsqueeze(-1) + self.scales[p, :, 1, j].unsqueeze(-1)
         return w.reshape(len(index), blocks * QBLOCK)
+
+
+@functools.cache
+def hadamard() -> torch.Tensor:
+    """The ``[QBLOCK, QBLOCK]`` Walsh-Hadamard matrix (Sylvester's, entries +-1): symmetric, ``H H = QBLOCK I``."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < QBLOCK:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h
+
+
+def hadamard_blocks(weight: torch.Tensor) -> torch.Tensor:
+    """A float ``[N, K]`` weight with each block of ``QBLOCK`` input features rotated, ``W H / QBLOCK``: with x's
+    blocks rotated as ``x H`` (the int8-products kernel does), the products are unchanged,
+    ``(x H) (W H / QBLOCK)^T = x W^T``, and an outlier feature of x spreads over its block before x is rounded
+    to int8."""
+    n, k = weight.shape
+    if k % QBLOCK:
+        raise ValueError(f"int8 products need in_features divisible by {QBLOCK}; got {k}")
+    rotated = weight.double().view(n, k // QBLOCK, QBLOCK) @ hadamard().double() / QBLOCK
+    return rotated.float().view(n, k)
 
 
 def concat(parts: list[QuantBlocks]) -> QuantBlocks:
@@ -123,11 +156,14 @@ def from_gguf(type_name: str, raw: np.ndarray) -> QuantBlocks:
     return QuantBlocks("q4", codes, d, m)
 
 
-def pack(blocks: QuantBlocks) -> QuantizedWeight:
-    """``blocks`` in the panel layout of the C kernel (``QuantizedWeight``); rows past ``N`` are zero."""
+def pack(blocks: QuantBlocks, int8_products: bool = False) -> QuantizedWeight:
+    """``blocks`` in the panel layout of the C kernel (``QuantizedWeight``; the int8-products one with
+    ``int8_products``); rows past ``N`` are zero."""
     n, k = blocks.codes.shape
     if k % QBLOCK:
         raise ValueError(f"quantized weights need in_features divisible by {QBLOCK}; got {k}")
+    if int8_products and blocks.kind != "q8":
+        raise ValueError(f"int8 products take q8 blocks; got {blocks.kind}")
     panels, nb = -(-n // LINEAR_PANEL), k // QBLOCK
     rows = panels * LINEAR_PANEL
 
@@ -136,10 +172,14 @@ def pack(blocks: QuantBlocks) -> QuantizedWeight:
         out[:n] = t
         return out
 
-    # [rows, nb, QBLOCK] -> [P, nb, QBLOCK, PANEL]
-    codes = padded(blocks.codes).view(panels, LINEAR_PANEL, nb, QBLOCK).permute(0, 2, 3, 1)
+    if int8_products:  # [rows, nb, QBLOCK] -> [P, nb, QBLOCK / INT8_GROUP, PANEL, INT8_GROUP]
+        groups = QBLOCK // INT8_GROUP
+        codes = padded(blocks.codes).view(panels, LINEAR_PANEL, nb, groups, INT8_GROUP).permute(0, 2, 3, 1, 4)
+    else:  # [rows, nb, QBLOCK] -> [P, nb, QBLOCK, PANEL]
+        codes = padded(blocks.codes).view(panels, LINEAR_PANEL, nb, QBLOCK).permute(0, 2, 3, 1)
     if blocks.kind == "q4":
         half = LINEAR_PANEL // 2
         codes = codes[..., :half] | (codes[..., half:] << 4)
     d, m = (padded(t).view(panels, LINEAR_PANEL, nb).permute(0, 2, 1) for t in (blocks.d, blocks.m))
-    return QuantizedWeight(blocks.kind, codes.contiguous(), torch.stack([d, m], dim=2).contiguous(), n, k)
+    scales = torch.stack([d, m], dim=2).contiguous()
+    return QuantizedWeight(blocks.kind, codes.contiguous(), scales, n, k, int8_products=int8_products)

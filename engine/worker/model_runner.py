@@ -174,6 +174,9 @@ class ModelRunner:
                 start = next(rows for rows in range(1, 1 << 16) if cpu_kernels.bf16_linear_path(rows) == large)
                 paths = small if small == large else f"{small} below {start} rows, {large} from {start}"
                 self.weights.products = f"bfloat16 ({paths})" if large != "widened" else "float32 (bfloat16 widened)"
+            if self.config.quantization == "w8a8":
+                head = self.weights.products
+                self.weights.products = f"int8 ({cpu_kernels.int8_linear_path()}); output head {head}"
         return model.eval()
 
     def _attention_layers(self) -> list[Attention]:

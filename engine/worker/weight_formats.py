@@ -8,6 +8,9 @@ embedding among them) by packed quantized blocks (``engine.layers.quantization``
   the tied embedding): it stays in dtype, as vLLM's weight-only methods keep it, because its
   error goes straight into the logits (on the bundled model it was all of int8's: 5 of 8
   prompts kept float32's greedy tokens with it quantized, 8 of 8 without);
+- ``"w8a8"``: int8's blocks of the weights rotated by ``hadamard_blocks``, packed for int8 products:
+  each matmul rotates its input's blocks the same way, quantizes them to int8 and multiplies in int8
+  (``engine/cpu_kernels/linear_int8.c``); the output head again in dtype;
 - ``"gguf"``: the weights of a GGUF model are read from the file in their own formats
   (Q8_0, Q4_0, Q4_1) without passing through float32; weights of other GGUF types keep the
   float values the conversion cache holds.
@@ -30,12 +33,14 @@ import numpy as np
 from torch import nn
 
 from engine.layers.linear import Linear, MergedLinear
-from engine.layers.quantization import GGUF_BLOCK_BYTES, QBLOCK, QuantBlocks, concat, from_gguf, pack, quantize_int8
+from engine.layers.quantization import (
+    GGUF_BLOCK_BYTES, QBLOCK, QuantBlocks, concat, from_gguf, hadamard_blocks, pack, quantize_int8,
+)
 from engine.models.llama import FUSED_SHARDS
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATIONS = ("int8", "gguf")
+QUANTIZATIONS = ("int8", "w8a8", "gguf")
 
 # Hugging Face checkpoint names of a decoder layer's projections -> GGUF's
 _GGUF_LAYER_NAMES = {
@@ -92,12 +97,14 @@ def quantize_linears(
         if not isinstance(module, Linear):
             continue
         blocks = None
-        if method == "int8" and module is not head and module.in_features % QBLOCK == 0:
-            blocks = quantize_int8(module.weight.data)
+        if method in ("int8", "w8a8") and module is not head and module.in_features % QBLOCK == 0:
+            weight = module.weight.data
+            blocks = quantize_int8(hadamard_blocks(weight) if method == "w8a8" else weight)
         elif blocks_of is not None:
             blocks = blocks_of(name, module)
         if blocks is not None:
-            module.quantize(pack(blocks)._replace(bf16_products=bf16_products))
+            packed = pack(blocks, int8_products=method == "w8a8")
+            module.quantize(packed._replace(bf16_products=bf16_products and not packed.int8_products))
             summary.modules[blocks.kind] += 1
             summary.nbytes += module.quantized.nbytes
         else:

@@ -48,6 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: $PAGED_VLLM_PYTHON, else ~/.cache/paged-peers/vllm/bin/python)",
     )
     parser.add_argument(
+        "--vllm-dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="the dtype vLLM runs in (default: the engine's weights' dtype); each one's fastest dtype on a CPU can "
+        "differ, e.g. the engine's bfloat16 against vLLM's float32 where the CPU's bfloat16 products are slow",
+    )
+    parser.add_argument(
         "--baseline-requests",
         type=_positive_int,
         default=None,
@@ -193,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
         if vllm_python is not None:
             bar.set_postfix_str("vllm (start-up takes minutes)")
             vllm_result = vllm_runs.run_vllm(
-                vllm_python, model_dir, workload.prompts, args.max_tokens, dtype_name, engine_fields
+                vllm_python, model_dir, workload.prompts, args.max_tokens, args.vllm_dtype or dtype_name, engine_fields
             )
             results.append(vllm_result)
             bar.update(vllm_result.num_new_tokens)

@@ -152,6 +152,23 @@ def test_bench_puts_vllm_in_the_table(
     assert f"| vLLM 0.0-fake | {rows[2]['tokens_per_s']:.1f} |" in table and "- vLLM 0.0-fake: CPU build" in table
 
 
+def test_vllm_dtype_sets_vllms_dtype_alone(fake_python: Path, tiny_dir: Path, tmp_path: Path) -> None:
+    """--vllm-dtype float32 with --dtype bfloat16: vLLM is asked for float32, the engine runs bfloat16, and the
+    report says each one's dtype."""
+    out = tmp_path / "bench.json"
+    rc = main([
+        "bench", "--model", str(tiny_dir), "--num-blocks", "256", "--num-requests", "2", "--max-tokens", "2",
+        "--dtype", "bfloat16", "--compare", "--baselines", "vllm", "--vllm-dtype", "float32",
+        "--vllm-python", str(fake_python), "--no-ceiling", "--no-progress", "--json", str(out),
+    ])  # fmt: skip
+    assert rc == 0
+    (_, llm_kwargs, _), *_ = _record(tmp_path)
+    assert llm_kwargs["dtype"] == "float32"
+    report = json.loads(out.read_text())
+    assert report["protocol"]["dtype"] == "bfloat16"
+    assert "offline LLM.generate in float32" in report["results"][1]["notes"]
+
+
 def test_failed_vllm_run_is_one_error_naming_its_log(
     fake_python: Path, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:

@@ -44,7 +44,7 @@ from engine.loader import cache_root
 logger = logging.getLogger(__name__)
 
 _SOURCES = (
-    "vec.h", "linear.h", "linear_tiles16.h", "bf16_kernels.h", "attention_amx.h", "attention.c", "attention_bf16.c", "elementwise.c", "linear.c", "linear_bf16.c", "linear_int8.c", "token_mask.c"
+    "vec.h", "linear.h", "linear_tiles16.h", "bf16_kernels.h", "attention_amx.h", "attention_rows.h", "attention.c", "attention_bf16.c", "elementwise.c", "linear.c", "linear_bf16.c", "linear_int8.c", "token_mask.c"
 )
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 # Fixed-size scratch of the kernels (see MAX_* in the sources).

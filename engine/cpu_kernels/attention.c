@@ -64,14 +64,6 @@ static inline __attribute__((always_inline)) void prefetch_row(const kv_t *p, co
     for (int c = 0; c < D; c += KV_LINE) __builtin_prefetch(p + c);
 }
 
-/* Rows [from, to) of the next block's keys or values (next: its first row; an empty range when
- * there is none). A block's passes fetch the next block's row t as they reach their own row t,
- * spread over the work: fetched at once, a block's 64 lines fill the core's miss buffers and stall it. */
-static inline __attribute__((always_inline)) void prefetch_rows(const kv_t *next, int64_t from, int64_t to,
-                                                                int64_t token_stride, const int D) {
-    for (int64_t t = from; t < to; ++t) prefetch_row(next + t * token_stride, D);
-}
-
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK_SIZE 256
@@ -82,161 +74,26 @@ static inline __attribute__((always_inline)) void prefetch_rows(const kv_t *next
 #include "attention_amx.h"
 #endif
 
-/* Scores of the G queries at q against n key rows (stride token_stride) into
- * scores[g * MAX_BLOCK_SIZE + t]: four rows at a time, four independent FMA chains. */
-static inline __attribute__((always_inline)) void block_scores(const float *restrict q, const kv_t *restrict k,
-                                                               int64_t n, int64_t token_stride, int G,
-                                                               const int D, const kv_t *next, int64_t next_rows,
-                                                               float *restrict scores) {
-    prefetch_rows(next, 0, next_rows, token_stride, D);
-    for (int g = 0; g < G; ++g) {
-        const float *restrict qg = q + g * D;
-        float *restrict sg = scores + g * MAX_BLOCK_SIZE;
-        int64_t t = 0;
-        for (; t + 4 <= n; t += 4) {
-            const kv_t *k0 = k + t * token_stride, *k1 = k0 + token_stride;
-            const kv_t *k2 = k1 + token_stride, *k3 = k2 + token_stride;
-            vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-            for (int c = 0; c < D; c += VL) {
-                const vf qv = load(qg + c);
-                a0 += qv * KV_LOAD(k0 + c);
-                a1 += qv * KV_LOAD(k1 + c);
-                a2 += qv * KV_LOAD(k2 + c);
-                a3 += qv * KV_LOAD(k3 + c);
-            }
-            hsum4(a0, a1, a2, a3, sg + t);
-        }
-        for (; t < n; ++t) {
-            const kv_t *kt = k + t * token_stride;
-            vf a = {0};
-            for (int c = 0; c < D; c += VL) a += load(qg + c) * KV_LOAD(kt + c);
-            sg[t] = hsum(a);
-        }
-    }
+#define FUSED_GROUP 4 /* query heads of a KV head weighted in one pass over each value */
+
+/* Keys of the chunk at context position pos: up to `width`, within its block and before end. */
+static inline int64_t chunk_len(int64_t pos, int64_t end, int64_t block_size, int64_t width) {
+    int64_t n = block_size - pos % block_size;
+    if (n > end - pos) n = end - pos;
+    return n < width ? n : width;
 }
 
-#define FUSED_GROUP 4 /* query heads of a KV head scored and weighted in one pass over each key and value */
-
-/* block_scores for G <= FUSED_GROUP query heads (a constant in the callers) in one pass: each key
- * vector is loaded (and widened) once for all of them. */
-static inline __attribute__((always_inline)) void block_scores_fused(const float *restrict q, const kv_t *restrict k,
-                                                                     int64_t n, int64_t token_stride, const int G,
-                                                                     const int D, const kv_t *next,
-                                                                     int64_t next_rows, float *restrict scores) {
-    int64_t t = 0;
-    for (; t + 4 <= n; t += 4) {
-        prefetch_rows(next, t, t + 4 < next_rows ? t + 4 : next_rows, token_stride, D);
-        const kv_t *k0 = k + t * token_stride, *k1 = k0 + token_stride;
-        const kv_t *k2 = k1 + token_stride, *k3 = k2 + token_stride;
-        vf a[FUSED_GROUP][4] = {{{0}}};
-        for (int c = 0; c < D; c += VL) {
-            const vf x0 = KV_LOAD(k0 + c), x1 = KV_LOAD(k1 + c), x2 = KV_LOAD(k2 + c), x3 = KV_LOAD(k3 + c);
-            for (int g = 0; g < G; ++g) {
-                const vf qv = load(q + g * D + c);
-                a[g][0] += qv * x0;
-                a[g][1] += qv * x1;
-                a[g][2] += qv * x2;
-                a[g][3] += qv * x3;
-            }
-        }
-        for (int g = 0; g < G; ++g) hsum4(a[g][0], a[g][1], a[g][2], a[g][3], scores + g * MAX_BLOCK_SIZE + t);
-    }
-    for (; t < n; ++t) {
-        const kv_t *kt = k + t * token_stride;
-        vf a[FUSED_GROUP] = {{0}};
-        for (int c = 0; c < D; c += VL) {
-            const vf x = KV_LOAD(kt + c);
-            for (int g = 0; g < G; ++g) a[g] += load(q + g * D + c) * x;
-        }
-        for (int g = 0; g < G; ++g) scores[g * MAX_BLOCK_SIZE + t] = hsum(a[g]);
-    }
-    prefetch_rows(next, n / 4 * 4, next_rows, token_stride, D);
+/* The cache element where context position pos's token row starts. */
+static inline int64_t chunk_base(const int32_t *table, int64_t pos, int64_t block_size, int64_t token_stride) {
+    return ((int64_t)table[pos / block_size] * block_size + pos % block_size) * token_stride;
 }
 
-/* Continues the online softmax of the G scaled queries q over context positions
- * [start, end) of one sequence, for the KV head at head_offset: running maxima m[G], sums
- * l[G] and accumulators acc[G * D]. D is a compile-time constant in the callers, so a
- * query head's accumulator lives in registers. */
-static inline __attribute__((always_inline)) void attend_range(const float *restrict q, const kv_t *restrict k_cache,
-                                                               const kv_t *restrict v_cache,
-                                                               const int32_t *restrict table, int64_t start,
-                                                               int64_t end, int64_t block_size, int64_t token_stride,
-                                                               int64_t head_offset, int G, const int D,
-                                                               float *restrict m, float *restrict l,
-                                                               float *restrict acc) {
-    float scores[MAX_GROUP * MAX_BLOCK_SIZE];
-    for (int64_t pos = start; pos < end;) {
-        const int64_t offset = pos % block_size;
-        const int64_t n = (block_size - offset < end - pos) ? block_size - offset : end - pos;
-        const int64_t padded = (n + VL - 1) / VL * VL;
-        const int64_t base = ((int64_t)table[pos / block_size] * block_size + offset) * token_stride + head_offset;
-        const kv_t *restrict k = k_cache + base;
-        const kv_t *restrict v = v_cache + base;
-        /* the next block sits anywhere in the cache: fetched while this one computes */
-        const kv_t *next_k = NULL, *next_v = NULL;
-        const int64_t next_rows = end - pos - n < block_size ? end - pos - n : block_size;
-        if (next_rows > 0) {
-            const int64_t next = (int64_t)table[(pos + n) / block_size] * block_size * token_stride + head_offset;
-            next_k = k_cache + next;
-            next_v = v_cache + next;
-        }
-        if (G <= FUSED_GROUP)
-            block_scores_fused(q, k, n, token_stride, G, D, next_k, next_rows, scores);
-        else
-            block_scores(q, k, n, token_stride, G, D, next_k, next_rows, scores);
-        float correction[MAX_GROUP];
-        for (int g = 0; g < G; ++g) {
-            float *restrict sg = scores + g * MAX_BLOCK_SIZE;
-            for (int64_t t = n; t < padded; ++t) sg[t] = -INFINITY; /* exp -> 0 */
-            vf vmax = load(sg);
-            for (int64_t t = VL; t < padded; t += VL) vmax = vmaxf(vmax, load(sg + t));
-            const float block_max = hmax(vmax);
-            const float new_max = block_max > m[g] ? block_max : m[g];
-            correction[g] = m[g] == -INFINITY ? 0.0f : expf(m[g] - new_max);
-            vf sum = {0};
-            for (int64_t t = 0; t < padded; t += VL) {
-                const vf p = vexp(load(sg + t) - new_max);
-                store(sg + t, p);
-                sum += p;
-            }
-            l[g] = l[g] * correction[g] + hsum(sum);
-            m[g] = new_max;
-        }
-        if (G <= FUSED_GROUP) { /* each value vector loaded once for every head, four vectors of D at a time */
-            for (int c0 = 0; c0 < D / VL; c0 += 4) {
-                const int cn = D / VL - c0 < 4 ? D / VL - c0 : 4;
-                vf a[FUSED_GROUP][4];
-                for (int g = 0; g < G; ++g)
-                    for (int c = 0; c < cn; ++c) a[g][c] = load(acc + g * D + (c0 + c) * VL) * correction[g];
-                for (int64_t t = 0; t < n; ++t) {
-                    if (c0 == 0 && t < next_rows) prefetch_row(next_v + t * token_stride, D);
-                    const kv_t *restrict vt = v + t * token_stride + c0 * VL;
-                    for (int c = 0; c < cn; ++c) {
-                        const vf x = KV_LOAD(vt + c * VL);
-                        for (int g = 0; g < G; ++g) a[g][c] += splat(scores[g * MAX_BLOCK_SIZE + t]) * x;
-                    }
-                }
-                for (int g = 0; g < G; ++g)
-                    for (int c = 0; c < cn; ++c) store(acc + g * D + (c0 + c) * VL, a[g][c]);
-            }
-            prefetch_rows(next_v, n, next_rows, token_stride, D);
-        } else {
-            prefetch_rows(next_v, 0, next_rows, token_stride, D);
-            for (int g = 0; g < G; ++g) {
-                const float *restrict sg = scores + g * MAX_BLOCK_SIZE;
-                vf a[MAX_HEAD_DIM / VL];
-                for (int c = 0; c < D / VL; ++c) a[c] = load(acc + g * D + c * VL) * correction[g];
-                for (int64_t t = 0; t < n; ++t) {
-                    const vf p = splat(sg[t]);
-                    const kv_t *restrict vt = v + t * token_stride;
-                    for (int c = 0; c < D / VL; ++c) a[c] += p * KV_LOAD(vt + c * VL);
-                }
-                for (int c = 0; c < D / VL; ++c) store(acc + g * D + c * VL, a[c]);
-            }
-        }
-        pos += n;
-    }
-}
+#define ROW_W 16
+#include "attention_rows.h"
+#undef ROW_W
+#define ROW_W 8
+#include "attention_rows.h"
+#undef ROW_W
 
 /* Attention over the shared keys [0, shared) of one table for Q <= MAX_LANES queries held
  * as vector lanes: qt[d * QV + j] holds element d of the queries of lanes j * VL .. j * VL + 7
@@ -333,84 +190,117 @@ static inline __attribute__((always_inline)) void scaled_queries(const float *re
     }
 }
 
-/* One work item: the rows[0..R) of a tile (their shared keys: [0, shared)) for KV head h. */
+/* The own keys of one row from its query heads' state: the row-wide pass of attention_rows.h, 16 lanes
+ * where D allows. With `specialized` (the head_dim-specific builds), the group sizes up to FUSED_GROUP
+ * as constants, so that their accumulators stay in registers. */
+static inline __attribute__((always_inline)) void own_keys(const float *restrict q, const kv_t *restrict k_cache,
+                                                           const kv_t *restrict v_cache, const int32_t *restrict table,
+                                                           int64_t start, int64_t end, int64_t block_size,
+                                                           int64_t token_stride, int64_t h0, int64_t h1, int G,
+                                                           const int D, const int specialized, float *restrict m,
+                                                           float *restrict l, float *restrict acc) {
+#define OWN(width, g) \
+    own_keys_##width(q, k_cache, v_cache, table, start, end, block_size, token_stride, h0, h1, g, D, m, l, acc)
+#define OWN_GROUPS(width)                                                                                   \
+    switch (specialized ? G : 0) {                                                                          \
+    case 1: OWN(width, 1); break;                                                                           \
+    case 2: OWN(width, 2); break;                                                                           \
+    case 3: OWN(width, 3); break;                                                                           \
+    case 4: OWN(width, 4); break;                                                                           \
+    default: OWN(width, G);                                                                                 \
+    }
+    if (D % 16 == 0) {
+        OWN_GROUPS(w16)
+    } else {
+        OWN_GROUPS(w8)
+    }
+#undef OWN_GROUPS
+#undef OWN
+}
+
+/* One work item: the rows[0..R) of a tile (their shared keys: [0, shared)) for KV heads [h0, h1), at most
+ * MAX_GROUP query heads. A multi-row tile's shared phase runs head by head, leaving each row's
+ * accumulators in out (unnormalized) and its maxima and sums in ml; each row then takes its own keys
+ * for all the item's heads in one pass (own_keys) and normalizes its outputs in place. */
 static inline __attribute__((always_inline)) void attend_tile(
     const float *restrict q, int64_t q_row, int64_t q_head, int64_t q_col, const kv_t *restrict k_cache,
     const kv_t *restrict v_cache, const int32_t *restrict block_tables, int64_t table_stride,
-    const int64_t *restrict seq_lens, const int64_t *restrict rows, int64_t R, int64_t shared, int64_t h,
-    int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int G, const int D, float scale, int amx,
-    float *restrict out) {
-    const int64_t token_stride = num_kv_heads * D, head_offset = h * D;
-    float qs[MAX_GROUP * MAX_HEAD_DIM], acc[MAX_GROUP * MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP];
-    const int Q = (int)R * G, QV = (Q + VL - 1) / VL;
-    vf qt[MAX_HEAD_DIM * MAX_LANE_VECTORS], ot[MAX_HEAD_DIM * MAX_LANE_VECTORS];
-    vf mt[MAX_LANE_VECTORS], lt[MAX_LANE_VECTORS];
-    /* the shared phase leaves query lane's element d at ot[lane * lane_step + d * d_step] */
-    int64_t lane_step = 0, d_step = 0;
+    const int64_t *restrict seq_lens, const int64_t *restrict rows, int64_t R, int64_t shared, int64_t h0, int64_t h1,
+    int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int G, const int D, const int specialized,
+    float scale, int amx, float *restrict out) {
+    const int64_t token_stride = num_kv_heads * D;
+    const int Q = (int)R * G, QV = (Q + VL - 1) / VL, heads = (int)(h1 - h0) * G; /* a row's query heads here */
+    float ml[MAX_LANES * MAX_GROUP][2]; /* row r's query head j of the item: [r * heads + j] = (max, sum) */
     if (R > 1 && shared > 0) {
-        float *restrict qtf = (float *)qt;
         const int32_t *table = block_tables + rows[0] * table_stride;
+        vf qt[MAX_HEAD_DIM * MAX_LANE_VECTORS], ot[MAX_HEAD_DIM * MAX_LANE_VECTORS];
+        vf mt[MAX_LANE_VECTORS], lt[MAX_LANE_VECTORS];
+        float *restrict qtf = (float *)qt;
+        for (int64_t h = h0; h < h1; ++h) {
+            const int64_t head_offset = h * D;
+            /* the shared phase leaves query lane's element d at ot[lane * lane_step + d * d_step] */
+            int64_t lane_step = 0, d_step = 0;
 #if KV_BF16 && defined(HAVE_AMX)
-        if (amx) {
-            scaled_queries(q, q_row, q_head, q_col, rows, Q, G, h, D, scale, D, 1, qtf);
-            if (amx_shared_phase(qtf, Q, k_cache, v_cache, table, shared, block_size, token_stride, head_offset, D,
-                                 (float *)mt, (float *)lt, (float *)ot) == 0)
-                lane_step = D, d_step = 1;
-        }
-#endif
-        if (lane_step == 0) {
-            memset(qt, 0, sizeof(vf) * (size_t)(D * QV));
-            memset(ot, 0, sizeof(vf) * (size_t)(D * QV));
-            for (int j = 0; j < QV; ++j) {
-                mt[j] = splat(-INFINITY);
-                lt[j] = splat(0.0f);
+            if (amx) {
+                scaled_queries(q, q_row, q_head, q_col, rows, Q, G, h, D, scale, D, 1, qtf);
+                if (amx_shared_phase(qtf, Q, k_cache, v_cache, table, shared, block_size, token_stride, head_offset,
+                                     D, (float *)mt, (float *)lt, (float *)ot) == 0)
+                    lane_step = D, d_step = 1;
             }
-            scaled_queries(q, q_row, q_head, q_col, rows, Q, G, h, D, scale, 1, QV * VL, qtf);
-            if (QV == 1)
-                shared_phase(qt, 1, k_cache, v_cache, table, shared, block_size, token_stride, head_offset, D, mt, lt,
-                             ot);
-            else if (QV == 2)
-                shared_phase(qt, 2, k_cache, v_cache, table, shared, block_size, token_stride, head_offset, D, mt, lt,
-                             ot);
-            else
-                shared_phase(qt, 3, k_cache, v_cache, table, shared, block_size, token_stride, head_offset, D, mt, lt,
-                             ot);
-            lane_step = 1, d_step = QV * VL;
+#endif
+            if (lane_step == 0) {
+                memset(qt, 0, sizeof(vf) * (size_t)(D * QV));
+                memset(ot, 0, sizeof(vf) * (size_t)(D * QV));
+                for (int j = 0; j < QV; ++j) {
+                    mt[j] = splat(-INFINITY);
+                    lt[j] = splat(0.0f);
+                }
+                scaled_queries(q, q_row, q_head, q_col, rows, Q, G, h, D, scale, 1, QV * VL, qtf);
+                if (QV == 1)
+                    shared_phase(qt, 1, k_cache, v_cache, table, shared, block_size, token_stride, head_offset, D, mt,
+                                 lt, ot);
+                else if (QV == 2)
+                    shared_phase(qt, 2, k_cache, v_cache, table, shared, block_size, token_stride, head_offset, D, mt,
+                                 lt, ot);
+                else
+                    shared_phase(qt, 3, k_cache, v_cache, table, shared, block_size, token_stride, head_offset, D, mt,
+                                 lt, ot);
+                lane_step = 1, d_step = QV * VL;
+            }
+            const float *restrict otf = (const float *)ot, *restrict mtf = (const float *)mt;
+            const float *restrict ltf = (const float *)lt;
+            for (int lane = 0; lane < Q; ++lane) {
+                const int r = lane / G, j = (int)(h - h0) * G + lane % G;
+                float *restrict o = out + (rows[r] * num_heads + h0 * G + j) * D;
+                for (int d = 0; d < D; ++d) o[d] = otf[lane * lane_step + d * d_step];
+                ml[r * heads + j][0] = mtf[lane];
+                ml[r * heads + j][1] = ltf[lane];
+            }
         }
     } else {
         shared = 0;
     }
-    const float *restrict otf = (const float *)ot, *restrict mtf = (const float *)mt, *restrict ltf = (const float *)lt;
     for (int64_t r = 0; r < R; ++r) {
         const int64_t i = rows[r];
-        scaled_queries(q, q_row, q_head, q_col, rows + r, G, G, h, D, scale, D, 1, qs);
-        for (int g = 0; g < G; ++g) {
-            const int lane = (int)r * G + g;
+        float qs[MAX_GROUP * MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP];
+        float *restrict acc = out + (i * num_heads + h0 * G) * D;
+        for (int64_t h = h0; h < h1; ++h)
+            scaled_queries(q, q_row, q_head, q_col, rows + r, G, G, h, D, scale, D, 1, qs + (h - h0) * G * D);
+        for (int j = 0; j < heads; ++j) {
             if (shared > 0) {
-                m[g] = mtf[lane];
-                l[g] = ltf[lane];
-                for (int d = 0; d < D; ++d) acc[g * D + d] = otf[lane * lane_step + d * d_step];
+                m[j] = ml[r * heads + j][0];
+                l[j] = ml[r * heads + j][1];
             } else {
-                m[g] = -INFINITY;
-                l[g] = 0.0f;
-                memset(acc + g * D, 0, sizeof(float) * (size_t)D);
+                m[j] = -INFINITY;
+                l[j] = 0.0f;
+                memset(acc + j * D, 0, sizeof(float) * (size_t)D);
             }
         }
-        const int32_t *table = block_tables + i * table_stride;
-        switch (G) { /* the fused group sizes as constants, so that their accumulators stay in registers */
-#define RANGE(g) \
-    case g: attend_range(qs, k_cache, v_cache, table, shared, seq_lens[i], block_size, token_stride, head_offset, g, \
-                         D, m, l, acc); break;
-            RANGE(1) RANGE(2) RANGE(3) RANGE(4)
-#undef RANGE
-        default:
-            attend_range(qs, k_cache, v_cache, table, shared, seq_lens[i], block_size, token_stride, head_offset, G, D,
-                         m, l, acc);
-        }
-        float *restrict o = out + (i * num_heads + h * G) * D;
-        for (int g = 0; g < G; ++g) {
-            const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-            for (int d = 0; d < D; ++d) o[g * D + d] = acc[g * D + d] * inv;
+        own_keys(qs, k_cache, v_cache, block_tables + i * table_stride, shared, seq_lens[i], block_size, token_stride,
+                 h0, h1, G, D, specialized, m, l, acc);
+        for (int j = 0; j < heads; ++j) {
+            const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;
+            for (int d = 0; d < D; ++d) acc[j * D + d] *= inv;
         }
     }
 }
@@ -418,14 +308,14 @@ static inline __attribute__((always_inline)) void attend_tile(
 #define TILE_ARGS                                                                                                 \
     const float *q, int64_t q_row, int64_t q_head, int64_t q_col, const kv_t *k_cache, const kv_t *v_cache,       \
         const int32_t *block_tables, int64_t table_stride, const int64_t *seq_lens, const int64_t *rows, int64_t R, \
-        int64_t shared, int64_t h, int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int G, float scale, \
-        int amx, float *out
-#define TILE_CALL(D)                                                                                              \
+        int64_t shared, int64_t h0, int64_t h1, int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int G, \
+        float scale, int amx, float *out
+#define TILE_CALL(D, S)                                                                                            \
     attend_tile(q, q_row, q_head, q_col, k_cache, v_cache, block_tables, table_stride, seq_lens, rows, R, shared, \
-                h, num_heads, num_kv_heads, block_size, G, D, scale, amx, out)
-static void attend_tile_d64(TILE_ARGS) { TILE_CALL(64); }
-static void attend_tile_d128(TILE_ARGS) { TILE_CALL(128); }
-static void attend_tile_any(TILE_ARGS, int D) { TILE_CALL(D); }
+                h0, h1, num_heads, num_kv_heads, block_size, G, D, S, scale, amx, out)
+static void attend_tile_d64(TILE_ARGS) { TILE_CALL(64, 1); }
+static void attend_tile_d128(TILE_ARGS) { TILE_CALL(128, 1); }
+static void attend_tile_any(TILE_ARGS, int D) { TILE_CALL(D, 0); }
 
 /* q [B, Hq, D] at strides (q_row, q_head, q_col), caches [num_blocks, block_size, Hkv, D],
  * block_tables [B, table_stride], seq_lens [B]: the number of keys each row attends over
@@ -476,28 +366,31 @@ int KV_NAME(paged_attention)(const float *q, int64_t q_row, int64_t q_head, int6
     }
     free(seen);
     if (status != 0) return status;
-    const int64_t items = num_tiles * num_kv_heads;
 #if KV_BF16
     const int amx = attention_bf16_path(D) == ATTENTION_AMX;
 #else
     const int amx = 0;
 #endif
-    /* a tile's KV heads to one thread, once there are tiles enough for every thread */
-    const int64_t chunk = num_tiles >= 2 * omp_get_max_threads() ? num_kv_heads : 1;
-#pragma omp parallel for schedule(dynamic, chunk)
+    /* a tile's KV heads (up to MAX_GROUP query heads) to one item, once there are tiles enough for every thread:
+     * a row's own keys then come front to back, and the heads' elements share the cache's lines and pages */
+    const int64_t most = MAX_GROUP / G < num_kv_heads ? MAX_GROUP / G : num_kv_heads;
+    const int64_t item_heads = num_tiles >= 2 * omp_get_max_threads() ? most : 1;
+    const int64_t groups = (num_kv_heads + item_heads - 1) / item_heads, items = num_tiles * groups;
+#pragma omp parallel for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
-        const int64_t t = item / num_kv_heads, h = item % num_kv_heads;
+        const int64_t t = item / groups, h0 = item % groups * item_heads;
+        const int64_t h1 = h0 + item_heads < num_kv_heads ? h0 + item_heads : num_kv_heads;
         const int64_t *rows = tile_rows + tile_starts[t];
         const int64_t R = tile_starts[t + 1] - tile_starts[t];
         if (D == 64)
             attend_tile_d64(q, q_row, q_head, q_col, k_cache, v_cache, block_tables, table_stride, seq_lens, rows, R,
-                            tile_shared[t], h, num_heads, num_kv_heads, block_size, G, scale, amx, out);
+                            tile_shared[t], h0, h1, num_heads, num_kv_heads, block_size, G, scale, amx, out);
         else if (D == 128)
             attend_tile_d128(q, q_row, q_head, q_col, k_cache, v_cache, block_tables, table_stride, seq_lens, rows, R,
-                             tile_shared[t], h, num_heads, num_kv_heads, block_size, G, scale, amx, out);
+                             tile_shared[t], h0, h1, num_heads, num_kv_heads, block_size, G, scale, amx, out);
         else
             attend_tile_any(q, q_row, q_head, q_col, k_cache, v_cache, block_tables, table_stride, seq_lens, rows, R,
-                            tile_shared[t], h, num_heads, num_kv_heads, block_size, G, scale, amx, out, D);
+                            tile_shared[t], h0, h1, num_heads, num_kv_heads, block_size, G, scale, amx, out, D);
     }
     return 0;
 }

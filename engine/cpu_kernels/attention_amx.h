@@ -39,10 +39,6 @@ int attention_bf16_path(int64_t D) {
 #define AMX_QUERIES 32 /* two B tiles of 16 query columns */
 #define AMX_CHUNK 256 /* shared keys scored before their weights meet the values */
 
-typedef float vf16 __attribute__((vector_size(64)));
-typedef int32_t vi16 __attribute__((vector_size(64)));
-DEFINE_VEXP(vexp16, vf16, vi16)
-
 /* 16 floats rounded to bfloat16 (to nearest even), each in the low half of a 32-bit lane. */
 static inline __m512i bf16_widened(__m512 x) { return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)); }
 

@@ -19,6 +19,9 @@
 
 typedef float vf __attribute__((vector_size(VL * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(VL * sizeof(int32_t))));
+/* 16 floats: one AVX-512 register, two AVX ones elsewhere (GCC splits the operations) */
+typedef float vf16 __attribute__((vector_size(16 * sizeof(float))));
+typedef int32_t vi16 __attribute__((vector_size(16 * sizeof(int32_t))));
 typedef float vf_unaligned __attribute__((vector_size(VL * sizeof(float)), aligned(4)));
 typedef uint16_t vh_unaligned __attribute__((vector_size(VL * sizeof(uint16_t)), aligned(2)));
 
@@ -101,5 +104,6 @@ static inline void hsum4(vf a0, vf a1, vf a2, vf a3, float *out) {
         return (F)((I)result & ~cut);                                                            \
     }
 DEFINE_VEXP(vexp, vf, vi)
+DEFINE_VEXP(vexp16, vf16, vi16)
 
 #endif

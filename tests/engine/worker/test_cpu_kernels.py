@@ -54,12 +54,15 @@ def _reference(q, k_cache, v_cache, tables, seq_lens, scale) -> torch.Tensor:
     return torch.stack(outs)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 16])  # the two specialised sizes and the generic path
-@pytest.mark.parametrize("heads", [(9, 3), (8, 8), (16, 2)])
+@pytest.mark.parametrize("head_dim", [64, 128, 16, 24])  # the specialised sizes; the generic one, 16 lanes and 8
+@pytest.mark.parametrize("heads", [(9, 3), (8, 8), (16, 2), (20, 5)])  # (20, 5): KV heads 4 + 1 to a row's items
 @pytest.mark.parametrize("block_size", [16, 1, 32])
-def test_matches_float64_reference(head_dim: int, heads: tuple[int, int], block_size: int) -> None:
+@pytest.mark.parametrize("num_seqs", [12, 1])  # one row: a KV head an item
+def test_matches_float64_reference(head_dim: int, heads: tuple[int, int], block_size: int, num_seqs: int) -> None:
     """Every row's output equals softmax attention over its paged context, shared blocks included."""
-    q, k_cache, v_cache, block_tables, seq_lens, tables = _paged_case(12, *heads, head_dim, block_size, seed=head_dim)
+    q, k_cache, v_cache, block_tables, seq_lens, tables = _paged_case(
+        num_seqs, *heads, head_dim, block_size, seed=head_dim
+    )
     scale = head_dim**-0.5
     out = cpu_kernels.attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
     expected = _reference(q, k_cache, v_cache, tables, seq_lens, scale)
@@ -182,7 +185,7 @@ def test_tiles_over_shared_blocks_match_float64_reference(heads: tuple[int, int]
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("head_dim", [64, 16])  # a specialised size and the generic path
+@pytest.mark.parametrize("head_dim", [64, 16, 24])  # a specialised size; the generic one, 16 lanes and 8
 @pytest.mark.parametrize("heads", [(9, 3), (16, 1)])  # tiles of 8 rows, and single rows
 def test_bfloat16_cache_reads_as_its_float32_widening(head_dim: int, heads: tuple[int, int]) -> None:
     """Over a bfloat16 cache the kernel computes what it computes over the widened float32 cache (to float32

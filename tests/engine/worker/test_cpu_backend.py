@@ -9,11 +9,10 @@ import pytest
 import torch
 
 from engine import cpu_kernels
-from engine.attention.cpu_backend import DENSE_MIN_QUERY_MASKED, CpuAttentionBackend, plan_tiles, token_rows
+from engine.attention.cpu_backend import CpuAttentionBackend, plan_tiles, token_rows
 from engine.core.scheduler_output import ScheduledRequest
 from engine.worker.input_batch import prepare_inputs
-from tests.support.bf16_paths import PATHS as BF16_PATHS
-from tests.support.bf16_paths import attention_path, bf16_path
+from tests.support.bf16_paths import attention_path
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler for the CPU kernel")
 
@@ -102,35 +101,23 @@ def test_backend_matches_reference_over_prefill_and_decode(heads: tuple[int, int
 
 
 @pytest.mark.parametrize("attention", cpu_kernels.BF16_ATTENTION_PATHS)
-@pytest.mark.parametrize("path", BF16_PATHS)
-def test_bfloat16_cache_chunks_through_sdpa_match_reference(path: str, attention: str) -> None:
-    """Over a bfloat16 cache: a fresh prompt's chunk and a long chunk over a cached prefix (SDPA in bfloat16 where the
-    CPU multiplies bfloat16 and the kernel's tiles have no AMX, from DENSE_MIN_QUERY and DENSE_MIN_QUERY_MASKED
-    tokens), a shorter chunk over the prefix, a short chunk and decode rows (the kernel) all equal causal attention
-    over the widened cache, their queries rounded to bfloat16 on the SDPA path (and in the tiles' shared keys on
-    AMX). The CPU multiplies bfloat16 faster where its linears take the dot products at one row."""
+def test_bfloat16_cache_chunks_match_reference(attention: str) -> None:
+    """Over a bfloat16 cache: a fresh prompt's chunk, long and short chunks over a cached prefix and decode rows all
+    equal causal attention over the widened cache (the tiles' shared keys on AMX round the queries and weights to
+    bfloat16), and the new tokens' keys and values are stored rounded to bfloat16."""
     rng = random.Random(5)
     free = list(range(6, 64))
     rng.shuffle(free)
     prefix = [0, 1, 2]
     requests = [([3, 4, 5], 0, 40)]  # a fresh prompt: causal from position 0
-    # over the prefix, long; short; decode; over the prefix, shorter than DENSE_MIN_QUERY_MASKED
-    for cached, new in [(48, DENSE_MIN_QUERY_MASKED), (52, 5), (70, 1), (49, DENSE_MIN_QUERY_MASKED - 1)]:
+    for cached, new in [(48, 64), (52, 5), (70, 1), (49, 63)]:  # over the prefix, long; short; decode; long
         own = [free.pop() for _ in range(-(-(cached + new) // BLOCK_SIZE) - len(prefix))]
         requests.append((prefix + own, cached, new))
     q, k, v, kv_cache, meta = _step(requests, 64, (9, 3), seed=4)
     kv_cache = kv_cache.bfloat16()
-    with bf16_path(path), attention_path(attention):
-        backend = CpuAttentionBackend(3)
-        out = backend.forward(q, k, v, kv_cache, meta, 0.125)
-        dense = [(c.start, c.end) for c in backend._plan.chunks]
-        sdpa = cpu_kernels.bf16_linear_path(1) == "avx512-bf16" and attention != "amx"
-    starts = meta.query_start_loc.tolist()
-    assert dense == ([(starts[0], starts[1]), (starts[1], starts[2])] if sdpa else [])
+    with attention_path(attention):
+        out = CpuAttentionBackend(3).forward(q, k, v, kv_cache, meta, 0.125)
     flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
     assert torch.equal(flat[0, meta.slot_mapping], k.bfloat16()) and torch.equal(flat[1, meta.slot_mapping], v.bfloat16())
-    rounded = q.clone()
-    for start, end in dense:
-        rounded[start:end] = q[start:end].bfloat16().float()
-    expected = _reference(rounded, kv_cache.float(), meta, 0.125)
-    torch.testing.assert_close(out.double(), expected, atol=2e-2 if dense or attention == "amx" else 1e-5, rtol=0)
+    expected = _reference(q, kv_cache.float(), meta, 0.125)
+    torch.testing.assert_close(out.double(), expected, atol=2e-2 if attention == "amx" else 1e-5, rtol=0)

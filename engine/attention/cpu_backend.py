@@ -35,15 +35,18 @@ def token_rows(meta: AttentionMetadata) -> tuple[np.ndarray, np.ndarray]:
     return lens, np.repeat(tables, query_lens, axis=0)
 
 
-def plan_tiles(seq_lens: np.ndarray, tables: np.ndarray, block_size: int, group: int) -> cpu_kernels.AttentionTiles:
-    """The kernel's tiles: rows whose tables begin alike, side by side, up to ``MAX_LANES // group`` a tile.
+def plan_tiles(
+    seq_lens: np.ndarray, tables: np.ndarray, block_size: int, group: int, lanes: int
+) -> cpu_kernels.AttentionTiles:
+    """The kernel's tiles: rows whose tables begin alike, side by side, up to ``lanes // group`` a tile
+    (``lanes``: ``cpu_kernels.tile_lanes``).
 
     Rows are ordered by their tables (so a sequence's prefill tokens, and sequences that share
     leading blocks, sit together), then by context length. A tile shares the keys every one
     of its rows has at the same place: the leading blocks all their tables agree on, capped
     at the tile's shortest context.
     """
-    max_rows = max(1, cpu_kernels.MAX_LANES // group)
+    max_rows = max(1, lanes // group)
     num_rows = len(seq_lens)
     # last key first: block 0, block 1, ..., then length. NOTE: by the first _SORT_BLOCKS blocks only (the sort
     # costs a pass per key); rows that agree on those and differ later may interleave, sharing what they agree on.
@@ -85,6 +88,7 @@ class CpuAttentionBackend(AttentionBackend):
 
     def __init__(self, group: int) -> None:
         self.group = group
+        self._lanes: int | None = None  # cpu_kernels.tile_lanes of the cache, on the first step
         self._plan_meta: AttentionMetadata | None = None
         self._plan: _RowPlan | None = None
 
@@ -101,6 +105,8 @@ class CpuAttentionBackend(AttentionBackend):
         # NOTE: every new token's K/V is stored before any row reads the cache, so a row may read
         # keys that another token of this batch writes now (its own chunk, or a prefix being cached).
         cpu_kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if self._lanes is None:
+            self._lanes = cpu_kernels.tile_lanes(k_cache.shape[-1], k_cache.dtype)
         plan = self._get_plan(meta, k_cache.shape[1])
         return cpu_kernels.attention(q, k_cache, v_cache, plan.block_tables, plan.seq_lens, scale, plan.tiles)
 
@@ -108,7 +114,7 @@ class CpuAttentionBackend(AttentionBackend):
         if meta is not self._plan_meta:
             seq_lens, tables = token_rows(meta)
             tables = np.ascontiguousarray(tables, dtype=np.int32)
-            tiles = plan_tiles(seq_lens, tables, block_size, self.group)
+            tiles = plan_tiles(seq_lens, tables, block_size, self.group, self._lanes)
             self._plan = _RowPlan(torch.from_numpy(tables), torch.from_numpy(seq_lens), tiles)
             self._plan_meta = meta
         return self._plan

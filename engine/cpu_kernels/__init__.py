@@ -49,7 +49,7 @@ _SOURCES = (
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 # Fixed-size scratch of the kernels (see MAX_* in the sources).
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 16, 256, 256
-MAX_LANES = 24  # queries (rows x query heads of a KV group) of a multi-row tile
+AMX_TILE_LANES = 24  # queries of a tile whose shared keys take AMX tiles
 LINEAR_PANEL = 16  # output columns of a packed weight's panel (PANEL in linear.h)
 BF16_K_ALIGN = 32  # a packed bfloat16 weight's input features are padded to a multiple of this (linear.h)
 # What linear_bf16 runs, by the C enum's value: widened to float32, AVX512-BF16 dot products, AMX tiles.
@@ -118,6 +118,7 @@ _SIGNATURES = {
     "linear_w8a8_f32": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64],
     "linear_int8_path": [],
     "linear_int8_limit": [ctypes.c_int],
+    "attention_max_lanes": [],
     "linear_bf16_path": [_I64],  # rows
     "linear_bf16_limit": [ctypes.c_int],  # the highest path it may take
     "attention_bf16_path": [_I64],  # head_dim
@@ -130,7 +131,7 @@ _SIGNATURES |= {f"{name}_bf16": _SIGNATURES[f"{name}_f32"] for name in ("paged_a
 # 0, or < 0 on bad arguments
 _RETURN_STATUS = {
     "paged_attention_f32", "paged_attention_bf16", "store_kv_f32", "store_kv_bf16", "rotary_f32", "linear_q8_f32",
-    "linear_q4_f32", "linear_w8a8_f32", "linear_int8_path", "linear_bf16", "linear_bf16_path", "attention_bf16_path",
+    "linear_q4_f32", "linear_w8a8_f32", "linear_int8_path", "linear_bf16", "linear_bf16_path", "attention_bf16_path", "attention_max_lanes",
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -179,6 +180,16 @@ def int8_linear_path() -> str:
     return INT8_LINEAR_PATHS[_lib().linear_int8_path()]
 
 
+def tile_lanes(head_dim: int, dtype: torch.dtype) -> int:
+    """The most queries (rows x query heads of a KV group) a multi-row tile of ``attention`` should hold over a
+    cache of this head_dim and dtype: 48 where the kernels have AVX-512 (three 16-lane vectors), 24 without, and 24
+    where a bfloat16 cache's shared keys take AMX tiles (``AMX_QUERIES`` columns at most, measured no faster
+    at 32)."""
+    if dtype == torch.bfloat16 and bf16_attention_path(head_dim) == "amx":
+        return AMX_TILE_LANES
+    return _lib().attention_max_lanes()
+
+
 def bf16_attention_path(head_dim: int) -> str:
     """What the shared keys of a multi-row tile in a bfloat16 cache run on this CPU: one of ``BF16_ATTENTION_PATHS``."""
     return BF16_ATTENTION_PATHS[_lib().attention_bf16_path(head_dim)]
@@ -210,7 +221,7 @@ def supports(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, 
 
 class AttentionTiles(NamedTuple):
     """Rows of an attention call grouped for the kernel: tile ``t`` is ``rows[starts[t]:starts[t + 1]]``,
-    at most ``MAX_LANES // group`` rows whose block tables agree over their first ``shared[t]``
+    at most ``tile_lanes() // group`` rows whose block tables agree over their first ``shared[t]``
     keys (every row of the tile sees them). A tile of one row has nothing to share."""
 
     rows: torch.Tensor  # [B] int64, every row once
@@ -256,7 +267,8 @@ def attention(
     if status == -1:
         raise ValueError(
             f"invalid tiles: not every one of the {num_rows} rows in exactly one tile, a tile of more than "
-            f"{MAX_LANES // (num_heads // num_kv_heads)} rows, or shared keys beyond a row's context or where "
+            f"{lib.attention_max_lanes() // (num_heads // num_kv_heads)} rows, or shared keys beyond a row's context or "
+            "where "
             "the rows' tables differ"
         )
     if status == -2:

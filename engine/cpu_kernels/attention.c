@@ -44,18 +44,43 @@ typedef float kv_t;
 #endif
 #define KV_LINE (64 / (int)sizeof(kv_t)) /* cache elements a 64-byte line holds */
 
+/* A tile's queries are the lanes of its vectors in the shared phase: 16 a vector where the build has
+ * AVX-512, 8 elsewhere (GCC lowers either to what the target has). */
+#ifdef __AVX512F__
+#define SHARED_W 16
+typedef vf16 vs;
+typedef vi16 vsi;
+#define VEXP_S vexp16
+#else
+#define SHARED_W 8
+typedef vf vs;
+typedef vi vsi;
+#define VEXP_S vexp
+#endif
+
+static inline vs vs_max(vs a, vs b) {
+    const vsi a_larger = a > b;
+    return (vs)(((vsi)a & a_larger) | ((vsi)b & ~a_larger));
+}
+
 /* Cache elements p[0] and p[1], each broadcast to a vector: for bfloat16 one 32-bit broadcast of
  * the pair, split by a shift and a mask (3 operations where two widened scalars take 8). */
-static inline void splat2(const kv_t *p, vf *a, vf *b) {
+static inline void splat2(const kv_t *p, vs *a, vs *b) {
 #if KV_BF16
+#if SHARED_W == 16 /* broadcast from memory: built from a general register, the pair costs a slow transfer */
+    const vsi v = (vsi)_mm512_broadcastd_epi32(_mm_loadu_si32(p));
+#elif defined(__AVX2__)
+    const vsi v = (vsi)_mm256_broadcastd_epi32(_mm_loadu_si32(p));
+#else
     uint32_t pair;
     memcpy(&pair, p, sizeof pair);
-    const vi v = (vi){0} + (int32_t)pair;
-    *a = (vf)(v << 16);
-    *b = (vf)(v & ((vi){0} - 65536)); /* 0xffff0000 */
+    const vsi v = (vsi){0} + (int32_t)pair;
+#endif
+    *a = (vs)(v << 16);
+    *b = (vs)(v & ((vsi){0} - 65536)); /* 0xffff0000 */
 #else
-    *a = splat(p[0]);
-    *b = splat(p[1]);
+    *a = (vs){0} + p[0];
+    *b = (vs){0} + p[1];
 #endif
 }
 
@@ -67,8 +92,8 @@ static inline __attribute__((always_inline)) void prefetch_row(const kv_t *p, co
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK_SIZE 256
-#define MAX_LANES 24 /* queries of a multi-row tile: three vectors */
-#define MAX_LANE_VECTORS (MAX_LANES / VL)
+#define MAX_LANE_VECTORS 3
+#define MAX_LANES (MAX_LANE_VECTORS * SHARED_W) /* queries of a multi-row tile: 48, or 24 without AVX-512 */
 
 #if KV_BF16
 #include "attention_amx.h"
@@ -88,25 +113,27 @@ static inline int64_t chunk_base(const int32_t *table, int64_t pos, int64_t bloc
     return ((int64_t)table[pos / block_size] * block_size + pos % block_size) * token_stride;
 }
 
+#ifdef __AVX512F__
 #define ROW_W 16
 #include "attention_rows.h"
 #undef ROW_W
+#endif
 #define ROW_W 8
 #include "attention_rows.h"
 #undef ROW_W
 
 /* Attention over the shared keys [0, shared) of one table for Q <= MAX_LANES queries held
- * as vector lanes: qt[d * QV + j] holds element d of the queries of lanes j * VL .. j * VL + 7
+ * as vector lanes: qt[d * QV + j] holds element d of the queries of lanes j * SHARED_W .. (j + 1) * SHARED_W - 1
  * (scaled; padding lanes 0). Carries per-lane state: maxima m[QV], sums l[QV] and
  * accumulators ot[d * QV + j]. QV and D are compile-time constants in the callers. */
-static inline __attribute__((always_inline)) void shared_phase(const vf *restrict qt, const int QV,
+static inline __attribute__((always_inline)) void shared_phase(const vs *restrict qt, const int QV,
                                                                const kv_t *restrict k_cache,
                                                                const kv_t *restrict v_cache,
                                                                const int32_t *restrict table, int64_t shared,
                                                                int64_t block_size, int64_t token_stride,
-                                                               int64_t head_offset, const int D, vf *restrict m,
-                                                               vf *restrict l, vf *restrict ot) {
-    vf s[MAX_BLOCK_SIZE * MAX_LANE_VECTORS];
+                                                               int64_t head_offset, const int D, vs *restrict m,
+                                                               vs *restrict l, vs *restrict ot) {
+    vs s[MAX_BLOCK_SIZE * MAX_LANE_VECTORS];
     for (int64_t pos = 0; pos < shared;) {
         const int64_t offset = pos % block_size;
         const int64_t n = (block_size - offset < shared - pos) ? block_size - offset : shared - pos;
@@ -116,11 +143,11 @@ static inline __attribute__((always_inline)) void shared_phase(const vf *restric
         /* scores: four keys at a time against every lane, each key element broadcast once */
         int64_t t = 0;
         for (; t + 4 <= n; t += 4) {
-            vf a[4][MAX_LANE_VECTORS] = {{{0}}};
+            vs a[4][MAX_LANE_VECTORS] = {{{0}}};
             const kv_t *restrict k0 = k + t * token_stride;
             for (int d = 0; d < D; d += 2)
                 for (int u = 0; u < 4; ++u) {
-                    vf kb0, kb1;
+                    vs kb0, kb1;
                     splat2(k0 + u * token_stride + d, &kb0, &kb1);
                     for (int j = 0; j < QV; ++j) a[u][j] += kb0 * qt[d * QV + j];
                     for (int j = 0; j < QV; ++j) a[u][j] += kb1 * qt[(d + 1) * QV + j];
@@ -129,10 +156,10 @@ static inline __attribute__((always_inline)) void shared_phase(const vf *restric
                 for (int j = 0; j < QV; ++j) s[(t + u) * QV + j] = a[u][j];
         }
         for (; t < n; ++t) {
-            vf a[MAX_LANE_VECTORS] = {{0}};
+            vs a[MAX_LANE_VECTORS] = {{0}};
             const kv_t *restrict kt = k + t * token_stride;
             for (int d = 0; d < D; d += 2) {
-                vf kb0, kb1;
+                vs kb0, kb1;
                 splat2(kt + d, &kb0, &kb1);
                 for (int j = 0; j < QV; ++j) a[j] += kb0 * qt[d * QV + j];
                 for (int j = 0; j < QV; ++j) a[j] += kb1 * qt[(d + 1) * QV + j];
@@ -140,15 +167,15 @@ static inline __attribute__((always_inline)) void shared_phase(const vf *restric
             for (int j = 0; j < QV; ++j) s[t * QV + j] = a[j];
         }
         /* online softmax, every lane at once */
-        vf correction[MAX_LANE_VECTORS];
+        vs correction[MAX_LANE_VECTORS];
         for (int j = 0; j < QV; ++j) {
-            vf block_max = s[j];
-            for (int64_t u = 1; u < n; ++u) block_max = vmaxf(block_max, s[u * QV + j]);
-            const vf new_max = vmaxf(block_max, m[j]);
-            correction[j] = vexp(m[j] - new_max); /* 0 while m is -inf */
-            vf sum = {0};
+            vs block_max = s[j];
+            for (int64_t u = 1; u < n; ++u) block_max = vs_max(block_max, s[u * QV + j]);
+            const vs new_max = vs_max(block_max, m[j]);
+            correction[j] = VEXP_S(m[j] - new_max); /* 0 while m is -inf */
+            vs sum = {0};
             for (int64_t u = 0; u < n; ++u) {
-                const vf p = vexp(s[u * QV + j] - new_max);
+                const vs p = VEXP_S(s[u * QV + j] - new_max);
                 s[u * QV + j] = p;
                 sum += p;
             }
@@ -157,13 +184,13 @@ static inline __attribute__((always_inline)) void shared_phase(const vf *restric
         }
         /* values: four head-dim elements at a time, each value element broadcast once */
         for (int d0 = 0; d0 < D; d0 += 4) {
-            vf a[4][MAX_LANE_VECTORS];
+            vs a[4][MAX_LANE_VECTORS];
             for (int e = 0; e < 4; ++e)
                 for (int j = 0; j < QV; ++j) a[e][j] = ot[(d0 + e) * QV + j] * correction[j];
             for (int64_t u = 0; u < n; ++u) {
                 const kv_t *restrict vt = v + u * token_stride + d0;
                 for (int e = 0; e < 4; e += 2) {
-                    vf vb0, vb1;
+                    vs vb0, vb1;
                     splat2(vt + e, &vb0, &vb1);
                     for (int j = 0; j < QV; ++j) a[e][j] += vb0 * s[u * QV + j];
                     for (int j = 0; j < QV; ++j) a[e + 1][j] += vb1 * s[u * QV + j];
@@ -191,7 +218,7 @@ static inline __attribute__((always_inline)) void scaled_queries(const float *re
 }
 
 /* The own keys of one row from its query heads' state: the row-wide pass of attention_rows.h, 16 lanes
- * where D allows. With `specialized` (the head_dim-specific builds), the group sizes up to FUSED_GROUP
+ * where the build has AVX-512 and D allows (split into AVX halves, the 16-lane folds cost 5x). With `specialized` (the head_dim-specific builds), the group sizes up to FUSED_GROUP
  * as constants, so that their accumulators stay in registers. */
 static inline __attribute__((always_inline)) void own_keys(const float *restrict q, const kv_t *restrict k_cache,
                                                            const kv_t *restrict v_cache, const int32_t *restrict table,
@@ -209,11 +236,13 @@ static inline __attribute__((always_inline)) void own_keys(const float *restrict
     case 4: OWN(width, 4); break;                                                                           \
     default: OWN(width, G);                                                                                 \
     }
+#ifdef __AVX512F__
     if (D % 16 == 0) {
         OWN_GROUPS(w16)
-    } else {
-        OWN_GROUPS(w8)
+        return;
     }
+#endif
+    OWN_GROUPS(w8)
 #undef OWN_GROUPS
 #undef OWN
 }
@@ -229,19 +258,19 @@ static inline __attribute__((always_inline)) void attend_tile(
     int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int G, const int D, const int specialized,
     float scale, int amx, float *restrict out) {
     const int64_t token_stride = num_kv_heads * D;
-    const int Q = (int)R * G, QV = (Q + VL - 1) / VL, heads = (int)(h1 - h0) * G; /* a row's query heads here */
+    const int Q = (int)R * G, QV = (Q + SHARED_W - 1) / SHARED_W, heads = (int)(h1 - h0) * G; /* a row's here */
     float ml[MAX_LANES * MAX_GROUP][2]; /* row r's query head j of the item: [r * heads + j] = (max, sum) */
     if (R > 1 && shared > 0) {
         const int32_t *table = block_tables + rows[0] * table_stride;
-        vf qt[MAX_HEAD_DIM * MAX_LANE_VECTORS], ot[MAX_HEAD_DIM * MAX_LANE_VECTORS];
-        vf mt[MAX_LANE_VECTORS], lt[MAX_LANE_VECTORS];
+        vs qt[MAX_HEAD_DIM * MAX_LANE_VECTORS], ot[MAX_HEAD_DIM * MAX_LANE_VECTORS];
+        vs mt[MAX_LANE_VECTORS], lt[MAX_LANE_VECTORS];
         float *restrict qtf = (float *)qt;
         for (int64_t h = h0; h < h1; ++h) {
             const int64_t head_offset = h * D;
             /* the shared phase leaves query lane's element d at ot[lane * lane_step + d * d_step] */
             int64_t lane_step = 0, d_step = 0;
 #if KV_BF16 && defined(HAVE_AMX)
-            if (amx) {
+            if (amx && Q <= AMX_QUERIES) {
                 scaled_queries(q, q_row, q_head, q_col, rows, Q, G, h, D, scale, D, 1, qtf);
                 if (amx_shared_phase(qtf, Q, k_cache, v_cache, table, shared, block_size, token_stride, head_offset,
                                      D, (float *)mt, (float *)lt, (float *)ot) == 0)
@@ -249,13 +278,13 @@ static inline __attribute__((always_inline)) void attend_tile(
             }
 #endif
             if (lane_step == 0) {
-                memset(qt, 0, sizeof(vf) * (size_t)(D * QV));
-                memset(ot, 0, sizeof(vf) * (size_t)(D * QV));
+                memset(qt, 0, sizeof(vs) * (size_t)(D * QV));
+                memset(ot, 0, sizeof(vs) * (size_t)(D * QV));
                 for (int j = 0; j < QV; ++j) {
-                    mt[j] = splat(-INFINITY);
-                    lt[j] = splat(0.0f);
+                    mt[j] = (vs){0} - INFINITY;
+                    lt[j] = (vs){0};
                 }
-                scaled_queries(q, q_row, q_head, q_col, rows, Q, G, h, D, scale, 1, QV * VL, qtf);
+                scaled_queries(q, q_row, q_head, q_col, rows, Q, G, h, D, scale, 1, QV * SHARED_W, qtf);
                 if (QV == 1)
                     shared_phase(qt, 1, k_cache, v_cache, table, shared, block_size, token_stride, head_offset, D, mt,
                                  lt, ot);
@@ -265,7 +294,7 @@ static inline __attribute__((always_inline)) void attend_tile(
                 else
                     shared_phase(qt, 3, k_cache, v_cache, table, shared, block_size, token_stride, head_offset, D, mt,
                                  lt, ot);
-                lane_step = 1, d_step = QV * VL;
+                lane_step = 1, d_step = QV * SHARED_W;
             }
             const float *restrict otf = (const float *)ot, *restrict mtf = (const float *)mt;
             const float *restrict ltf = (const float *)lt;
@@ -316,6 +345,11 @@ static inline __attribute__((always_inline)) void attend_tile(
 static void attend_tile_d64(TILE_ARGS) { TILE_CALL(64, 1); }
 static void attend_tile_d128(TILE_ARGS) { TILE_CALL(128, 1); }
 static void attend_tile_any(TILE_ARGS, int D) { TILE_CALL(D, 0); }
+
+#if !KV_BF16 /* defined once, in the float32 build */
+/* MAX_LANES of this build: the most queries (rows x query heads of a KV group) a multi-row tile holds. */
+int attention_max_lanes(void) { return MAX_LANES; }
+#endif
 
 /* q [B, Hq, D] at strides (q_row, q_head, q_col), caches [num_blocks, block_size, Hkv, D],
  * block_tables [B, table_stride], seq_lens [B]: the number of keys each row attends over

@@ -1,6 +1,6 @@
 /* A row's own keys, the second phase of attention.c's work items, ROW_W float lanes a vector:
- * attention.c includes this file twice, with ROW_W 16 (head_dim a multiple of 16: one AVX-512
- * register, two AVX ones elsewhere) and with ROW_W 8.
+ * attention.c includes this file with ROW_W 8 and, where the build has AVX-512, with ROW_W 16 (one
+ * register; for head_dim a multiple of 16).
  *
  * own_keys continues the online softmax of a row's query heads of KV heads [h0, h1) over its
  * context positions [start, end), in chunks of up to ROW_W keys within one block. The KV heads of

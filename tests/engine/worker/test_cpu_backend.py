@@ -62,7 +62,7 @@ def test_token_rows_give_each_prefill_token_its_causal_context() -> None:
 def test_prefill_tokens_tile_over_their_chunk() -> None:
     """A chunk's tokens tile in order, each tile sharing every key up to its first token (not a block boundary)."""
     _, _, _, _, meta = _step([([5, 6, 7, 8], 20, 30)], 16, (9, 3), seed=1)
-    tiles = plan_tiles(*token_rows(meta), BLOCK_SIZE, group=3)  # 24 lanes / 3 heads: 8 rows a tile
+    tiles = plan_tiles(*token_rows(meta), BLOCK_SIZE, group=3, lanes=24)  # 8 rows a tile
     assert tiles.rows.tolist() == list(range(30))
     assert tiles.starts.tolist() == [0, 8, 16, 24, 30]
     assert tiles.shared.tolist() == [21, 29, 37, 45]
@@ -73,7 +73,7 @@ def test_sequences_behind_one_prefix_share_its_blocks_only() -> None:
     those 32 keys; a sequence with other blocks never joins their tiles."""
     requests = [([1, 2, 10], 40, 1), ([9, 11], 20, 1), ([1, 2, 12, 13], 36, 4), ([1, 2, 14], 33, 1)]
     _, _, _, _, meta = _step(requests, 16, (4, 2), seed=2)
-    tiles = plan_tiles(*token_rows(meta), BLOCK_SIZE, group=2)
+    tiles = plan_tiles(*token_rows(meta), BLOCK_SIZE, group=2, lanes=24)
     starts = tiles.starts.tolist()
     tile_of = {row: t for t in range(len(starts) - 1) for row in tiles.rows[starts[t] : starts[t + 1]].tolist()}
     together = {tile_of[row] for row in (0, 2, 3, 4, 5, 6)}  # rows of the three sequences behind blocks 1, 2

@@ -175,11 +175,12 @@ def test_tiles_over_shared_blocks_match_float64_reference(heads: tuple[int, int]
     q, k_cache, v_cache, block_tables, seq_lens, tables = _paged_case(
         40, num_heads, num_kv_heads, 64, block_size, seed=block_size + num_heads, min_len=48
     )
-    tiles = plan_tiles(seq_lens.numpy(), block_tables.numpy(), block_size, num_heads // num_kv_heads)
+    lanes, group = cpu_kernels.tile_lanes(64, torch.float32), num_heads // num_kv_heads
+    tiles = plan_tiles(seq_lens.numpy(), block_tables.numpy(), block_size, group, lanes)
     sizes = (tiles.starts[1:] - tiles.starts[:-1]).tolist()
-    if cpu_kernels.MAX_LANES // (num_heads // num_kv_heads) > 1:  # else every tile is one row
+    if lanes // group > 1:  # else every tile is one row
         assert max(sizes) > 1 and tiles.shared.max() >= block_size
-    assert sorted(tiles.rows.tolist()) == list(range(40)) and max(sizes) * (num_heads // num_kv_heads) <= 24
+    assert sorted(tiles.rows.tolist()) == list(range(40)) and max(sizes) * group <= lanes
     out = cpu_kernels.attention(q, k_cache, v_cache, block_tables, seq_lens, 0.125, tiles)
     expected = _reference(q, k_cache, v_cache, tables, seq_lens, 0.125)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
@@ -196,7 +197,8 @@ def test_bfloat16_cache_reads_as_its_float32_widening(head_dim: int, heads: tupl
     q, k_cache, v_cache, block_tables, seq_lens, _ = _paged_case(
         24, num_heads, num_kv_heads, head_dim, 16, seed=head_dim + num_heads, min_len=48
     )
-    tiles = plan_tiles(seq_lens.numpy(), block_tables.numpy(), 16, num_heads // num_kv_heads)
+    lanes = cpu_kernels.tile_lanes(head_dim, torch.float32)  # the widened path takes the largest tiles
+    tiles = plan_tiles(seq_lens.numpy(), block_tables.numpy(), 16, num_heads // num_kv_heads, lanes)
     k16, v16 = k_cache.bfloat16(), v_cache.bfloat16()
     with attention_path("widened"):
         out = cpu_kernels.attention(q, k16, v16, block_tables, seq_lens, 0.125, tiles)
@@ -223,7 +225,8 @@ def test_amx_shared_keys_round_as_bfloat16_attention_does(
         shared_len=shared_len, max_len=shared_len + 60,
     )
     k16, v16 = k_cache.bfloat16(), v_cache.bfloat16()
-    tiles = plan_tiles(seq_lens.numpy(), block_tables.numpy(), block_size, num_heads // num_kv_heads)
+    lanes = cpu_kernels.tile_lanes(head_dim, torch.bfloat16)
+    tiles = plan_tiles(seq_lens.numpy(), block_tables.numpy(), block_size, num_heads // num_kv_heads, lanes)
     assert tiles.shared.max() >= shared_len // block_size * block_size
     scale = head_dim**-0.5
     with attention_path("amx", head_dim):
@@ -240,6 +243,27 @@ def test_tiles_that_claim_too_much_are_rejected() -> None:
     tiles = cpu_kernels.AttentionTiles(torch.tensor([0, 3, 1, 2]), torch.tensor([0, 2, 3, 4]), torch.tensor([32, 0, 0]))
     with pytest.raises(ValueError, match="invalid tiles"):
         cpu_kernels.attention(q, k_cache, v_cache, block_tables, seq_lens, 0.125, tiles)
+
+
+def test_tiles_hold_up_to_the_builds_lanes() -> None:
+    """A tile of tile_lanes // G rows behind shared blocks is served (48 lanes with AVX-512, 24 without); one row
+    more is a ValueError naming the limit."""
+    lanes = cpu_kernels.tile_lanes(64, torch.float32)
+    assert lanes in (24, 48)
+    rows, num_seqs = lanes // 3, 2 * (lanes // 3 + 1)  # the first half (rows + 1) share 48 tokens of blocks
+    q, k_cache, v_cache, block_tables, seq_lens, tables = _paged_case(num_seqs, 9, 3, 64, 16, seed=4, min_len=48)
+
+    def first_tile_of(size: int) -> cpu_kernels.AttentionTiles:
+        starts = [0, *range(size, num_seqs + 1)]
+        return cpu_kernels.AttentionTiles(
+            torch.arange(num_seqs), torch.tensor(starts), torch.tensor([48] + [0] * (len(starts) - 2))
+        )
+
+    out = cpu_kernels.attention(q, k_cache, v_cache, block_tables, seq_lens, 0.125, first_tile_of(rows))
+    expected = _reference(q, k_cache, v_cache, tables, seq_lens, 0.125)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match=f"a tile of more than {rows} rows"):
+        cpu_kernels.attention(q, k_cache, v_cache, block_tables, seq_lens, 0.125, first_tile_of(rows + 1))
 
 
 @pytest.mark.parametrize("vocab", [1000, 49152, 49157])

@@ -116,14 +116,6 @@ static inline __attribute__((always_inline)) void rows_times_panel(const float *
     }
 }
 
-/* The bias entries of panel p (zero past N, or all zero without a bias), and the panel's width. */
-static inline int64_t panel_bias(const float *bias, int64_t N, int64_t p, float b[PANEL]) {
-    const int64_t n0 = p * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
-    memset(b, 0, PANEL * sizeof(float));
-    if (bias != NULL) memcpy(b, bias + n0, cols * sizeof(float));
-    return cols;
-}
-
 /* Panel p of y = x W^T + b for every row of x [M, K]; y [M, N] row-major (leading dimension ld_y). */
 static inline __attribute__((always_inline)) void panel_rows(const float *x, int64_t ld_x, int64_t M,
                                                              const void *packed, int bf16, int64_t N, int64_t K,
@@ -153,17 +145,6 @@ static inline int64_t block_rows(int64_t K) {
 }
 
 #ifdef __AVX512F__
-/* The bias entries of panels p0 and p0 + 1 into b (2 PANEL entries, zero past N) and their widths;
- * returns whether N has the second panel. */
-static inline int pair_bias(const float *bias, int64_t N, int64_t p0, float b[2 * PANEL], int64_t *cols0,
-                            int64_t *cols1) {
-    const int two = (p0 + 1) * PANEL < N;
-    *cols0 = panel_bias(bias, N, p0, b);
-    *cols1 = two ? panel_bias(bias, N, p0 + 1, b + PANEL) : 0;
-    if (!two) memset(b + PANEL, 0, PANEL * sizeof(float));
-    return two;
-}
-
 /* Panels 2 pp and 2 pp + 1 (where N has it) of y = x W^T + b for every row of x, on 16-lane tiles. */
 static inline __attribute__((always_inline)) void panel_pair_rows(const float *x, int64_t ld_x, int64_t M,
                                                                   const void *packed, int bf16, int64_t N, int64_t K,

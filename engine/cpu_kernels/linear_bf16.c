@@ -78,40 +78,75 @@ int linear_bf16_path(int64_t M) {
 
 #ifdef __AVX512BF16__
 
-#define DOT_ROWS 12 /* rows of x a dot-product tile: 12 accumulators of 16 columns */
+#define DOT_ROWS 12 /* rows of x a dot-product tile: 12 x 2 accumulators of 16 columns */
 
-/* Rows 0 .. rows - 1 of xb (bfloat16 [., Kp]) times one panel; inlined with a constant `rows`. */
+/* `rows` rows of xb (bfloat16 [., Kp]) times the panels w0 and, with `two`, w1 (bfloat16 pairs
+ * [Kp / 2][PANEL][2]), plus bias (PANEL entries a panel), into columns 0 .. cols0 - 1 and
+ * PANEL .. PANEL + cols1 - 1 of y: each broadcast pair of x feeds both panels' VDPBF16PS, each
+ * weight vector 12 rows. With `ahead` (or NULL), each step also fetches the same line of the next
+ * pair of panels, at ahead and ahead + the gap from w0 to w1. Inlined with constant `rows` and `two`. */
 static inline __attribute__((always_inline)) void dot_tile(const uint16_t *xb, int64_t Kp, int rows,
-                                                           const uint16_t *panel, const float *bias, float *y,
-                                                           int64_t ld_y, int64_t cols) {
-    __m512 acc[DOT_ROWS];
-    for (int i = 0; i < rows; ++i) acc[i] = _mm512_setzero_ps();
+                                                           const uint16_t *w0, const uint16_t *w1, int two,
+                                                           const float *bias, float *y, int64_t ld_y, int64_t cols0,
+                                                           int64_t cols1, const char *ahead) {
+    __m512 acc[DOT_ROWS][2];
+    for (int i = 0; i < rows; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
     const uint32_t *pairs = (const uint32_t *)xb;
+    const int64_t gap = (const char *)w1 - (const char *)w0;
     for (int64_t k2 = 0; k2 < Kp / 2; ++k2) {
-        const __m512bh w = (__m512bh)_mm512_loadu_si512(panel + k2 * 2 * PANEL);
-        for (int i = 0; i < rows; ++i)
-            acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32((int)pairs[i * Kp / 2 + k2]), w);
+        if (ahead != NULL) {
+            _mm_prefetch(ahead + k2 * 2 * PANEL * 2, _MM_HINT_T0);
+            _mm_prefetch(ahead + k2 * 2 * PANEL * 2 + gap, _MM_HINT_T0);
+        }
+        const __m512bh a = (__m512bh)_mm512_loadu_si512(w0 + k2 * 2 * PANEL);
+        const __m512bh b = two ? (__m512bh)_mm512_loadu_si512(w1 + k2 * 2 * PANEL) : a;
+        for (int i = 0; i < rows; ++i) {
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pairs[i * Kp / 2 + k2]);
+            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], xv, a);
+            if (two) acc[i][1] = _mm512_dpbf16_ps(acc[i][1], xv, b);
+        }
     }
-    for (int i = 0; i < rows; ++i) bf16_store_row(acc[i], bias, y + i * ld_y, cols);
+    for (int i = 0; i < rows; ++i) {
+        bf16_store_row(acc[i][0], bias, y + i * ld_y, cols0);
+        if (two) bf16_store_row(acc[i][1], bias + PANEL, y + i * ld_y + PANEL, cols1);
+    }
 }
 
+/* Rows 0 .. M - 1 of xb times a pair of panels (dot_tile's arguments; the first tile fetches ahead), in
+ * tiles of as equal sizes as DOT_ROWS allows, each inlined with its constant row count. */
+static inline __attribute__((always_inline)) void dot_rows(const uint16_t *xb, int64_t Kp, int64_t M,
+                                                           const uint16_t *w0, const uint16_t *w1, int two,
+                                                           const float *bias, float *y, int64_t ld_y, int64_t cols0,
+                                                           int64_t cols1, const char *ahead) {
+    const int64_t tiles = (M + DOT_ROWS - 1) / DOT_ROWS;
+    for (int64_t t = 0, m = 0; t < tiles; ++t) {
+        const int64_t rows = M / tiles + (t < M % tiles);
+        switch (rows) {
+#define ROWS(r) \
+    case r: dot_tile(xb + m * Kp, Kp, r, w0, w1, two, bias, y + m * ld_y, ld_y, cols0, cols1, t ? NULL : ahead); break;
+            ROWS(12) ROWS(11) ROWS(10) ROWS(9) ROWS(8) ROWS(7) ROWS(6) ROWS(5) ROWS(4) ROWS(3) ROWS(2) ROWS(1)
+#undef ROWS
+        }
+        m += rows;
+    }
+}
+
+/* The threads split pairs of panels; the first tile of a pair fetches the next pair. */
 static void linear_dot(const uint16_t *xb, int64_t M, const uint16_t *packed, int64_t N, int64_t Kp,
                        const float *bias, float *y, int64_t ld_y) {
+    const int64_t pairs = ((N + PANEL - 1) / PANEL + 1) / 2;
 #pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < (N + PANEL - 1) / PANEL; ++p) {
-        const int64_t n0 = p * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
-        float b[PANEL] = {0};
-        if (bias != NULL) memcpy(b, bias + n0, cols * sizeof(float));
-        const uint16_t *panel = packed + n0 * Kp;
-        int64_t m = 0;
-        for (; m + DOT_ROWS <= M; m += DOT_ROWS)
-            dot_tile(xb + m * Kp, Kp, DOT_ROWS, panel, b, y + m * ld_y + n0, ld_y, cols);
-        switch (M - m) { /* the remainder with its constant row count, so the accumulators stay in registers */
-#define REST(r) \
-    case r: dot_tile(xb + m * Kp, Kp, r, panel, b, y + m * ld_y + n0, ld_y, cols); break;
-            REST(11) REST(10) REST(9) REST(8) REST(7) REST(6) REST(5) REST(4) REST(3) REST(2) REST(1)
-#undef REST
-        }
+    for (int64_t pp = 0; pp < pairs; ++pp) {
+        const int64_t p0 = 2 * pp, n0 = p0 * PANEL;
+        const uint16_t *w0 = packed + n0 * Kp, *w1 = w0 + PANEL * Kp;
+        float b[2 * PANEL];
+        int64_t cols0, cols1;
+        const int two = pair_bias(bias, N, p0, b, &cols0, &cols1);
+        const char *ahead = n0 + 2 * PANEL < N ? (const char *)(w0 + 2 * PANEL * Kp) : NULL;
+        if (two) /* each call inlined with its constant */
+            dot_rows(xb, Kp, M, w0, w1, 1, b, y + n0, ld_y, cols0, cols1, ahead);
+        else
+            dot_rows(xb, Kp, M, w0, w1, 0, b, y + n0, ld_y, cols0, cols1, ahead);
     }
 }
 

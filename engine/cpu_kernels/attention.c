@@ -3,24 +3,24 @@
  * Each row is one query token attending over its context, read in place from the paged
  * cache (no gather into a contiguous copy): a decode token, or a token of a prefill chunk
  * with its causal context (its position + 1 keys). Rows come in tiles: a tile is one row,
- * or up to 24 / G rows whose tables begin with the same blocks (a shared system prompt,
- * the tokens of one chunk). Work items are (tile, KV head) pairs, split across OpenMP
- * threads in order, a tile's KV heads to one thread where there are tiles for every thread
- * (their elements share the cache's token rows and pages), so tiles that share prefix
- * blocks read them while they are still in cache.
+ * or up to MAX_LANES / G rows whose tables begin with the same blocks (a shared system
+ * prompt, the tokens of one chunk). Work items are a tile and a range of its KV heads (all of
+ * them, up to MAX_GROUP query heads, where there are tiles for every thread; one where there
+ * are fewer), split across OpenMP threads in order, so tiles that share prefix blocks read
+ * them while they are still in cache.
  *
- * A multi-row tile first attends over its shared keys with the tile's R * G queries as
- * the lanes of its vectors (shared_phase): each key and value element is loaded once for
- * all of them and no horizontal sums are needed. Over a bfloat16 cache where the CPU has AMX,
- * the queries are the columns of tiles instead (attention_amx.h). Each row then continues alone
- * over its own keys (attend_range), its G query heads scored together against each key row.
- * Softmax is online per block of the table: running max, running sum, rescaled
- * accumulator, carried from one phase to the next.
+ * A multi-row tile first attends over its shared keys, KV head by KV head, with the tile's
+ * R * G queries as the lanes of its vectors (shared_phase): each key and value element is
+ * loaded once for all of them and no horizontal sums are needed. Over a bfloat16 cache where
+ * the CPU has AMX, the queries are the columns of tiles instead (attention_amx.h). Each row
+ * then continues alone over its own keys for all the item's KV heads in one pass over its
+ * blocks (own_keys, attention_rows.h). Softmax is online: running max, running sum, rescaled
+ * accumulator, carried from one phase to the next in the output row.
  *
- * Built at run time with -O3 -march=native -fopenmp; vectors as in vec.h, so head_dim
- * must be a multiple of 8. This file builds the float32-cache functions; attention_bf16.c
- * includes it with KV_BF16 set for those of a bfloat16 cache, whose elements widen exactly
- * as they load and round to nearest even as they are stored.
+ * Built at run time with -O3 -march=native -fopenmp; vectors as in vec.h (16 lanes where the
+ * build has AVX-512), so head_dim must be a multiple of 8. This file builds the float32-cache
+ * functions; attention_bf16.c includes it with KV_BF16 set for those of a bfloat16 cache, whose
+ * elements widen exactly as they load and round to nearest even as they are stored.
  */
 
 #include <omp.h>

@@ -175,8 +175,13 @@ class ModelRunner:
                 paths = small if small == large else f"{small} below {start} rows, {large} from {start}"
                 self.weights.products = f"bfloat16 ({paths})" if large != "widened" else "float32 (bfloat16 widened)"
             if self.config.quantization == "w8a8":
-                head = self.weights.products
-                self.weights.products = f"int8 ({cpu_kernels.int8_linear_path()}); output head {head}"
+                head, path = self.weights.products, cpu_kernels.int8_linear_path()
+                self.weights.products = f"int8 ({path}); output head {head}"
+                if path == "generic":
+                    logger.warning(
+                        "quantization='w8a8' on a CPU without AVX512-VNNI multiplies int8 in plain C, slower than "
+                        "quantization='int8' (int8 weights, float products) and than the weights in dtype"
+                    )
         return model.eval()
 
     def _attention_layers(self) -> list[Attention]:

@@ -134,3 +134,17 @@ def test_gguf_needs_a_gguf_model_and_float32_compute(tiny_model_factory) -> None
     with pytest.raises(ParameterError, match="float32") as err:
         ModelRunner(EngineConfig(num_blocks=8, quantization="int8", dtype="float16"), path)
     assert err.value.param == "quantization"
+
+
+def test_w8a8_without_vnni_says_it_is_slow(tiny_model_factory, caplog: pytest.LogCaptureFixture) -> None:
+    """Where the int8 products run in plain C (no AVX512-VNNI, here by the cap), the start-up log warns that
+    'int8' is the faster choice, and the weights' summary names the path."""
+    limit = cpu_kernels.library().linear_int8_limit
+    limit(cpu_kernels.INT8_LINEAR_PATHS.index("generic"))
+    try:
+        with caplog.at_level("WARNING", logger="engine.worker.model_runner"):
+            runner = ModelRunner(EngineConfig(num_blocks=8, quantization="w8a8"), tiny_model_factory("llama"))
+    finally:
+        limit(len(cpu_kernels.INT8_LINEAR_PATHS) - 1)
+    assert runner.weights.products == "int8 (generic); output head float32"
+    assert "without AVX512-VNNI" in caplog.text and "quantization='int8'" in caplog.text

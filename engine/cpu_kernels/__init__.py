@@ -51,6 +51,7 @@ _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 16, 256, 256
 AMX_TILE_LANES = 24  # queries of a tile whose shared keys take AMX tiles
 LINEAR_PANEL = 16  # output columns of a packed weight's panel (PANEL in linear.h)
+QUANTIZED_FLOAT_ROWS = 6  # up to this many rows a quantized layer computes in float32 (TILE_ROWS in linear.c)
 BF16_K_ALIGN = 32  # a packed bfloat16 weight's input features are padded to a multiple of this (linear.h)
 # What linear_bf16 runs, by the C enum's value: widened to float32, AVX512-BF16 dot products, AMX tiles.
 BF16_LINEAR_PATHS = ("widened", "avx512-bf16", "amx")
@@ -467,8 +468,9 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
 
 def linear_quantized(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x W^T + b`` for ``x [M, K]`` (float32 CPU, any strides) and a quantized ``W``
-    (``engine.layers.quantization.QuantizedWeight``; with its ``bf16_products``, AMX tiles of x and the
-    weights rounded to bfloat16 where ``bf16_linear_path(M)`` is ``"amx"``; with its ``int8_products``, x
+    (``engine.layers.quantization.QuantizedWeight``; with its ``bf16_products`` and more than
+    ``QUANTIZED_FLOAT_ROWS`` rows, x and the weights rounded to bfloat16 multiplied on ``bf16_linear_path(M)``
+    where that is not ``"widened"``; with its ``int8_products``, x
     quantized to int8 blocks and int8 products, on ``int8_linear_path()``); returns ``[M, N]``, contiguous."""
     lib = _lib()
     for name, t in (("x", x), ("bias", bias if bias is not None else x)):

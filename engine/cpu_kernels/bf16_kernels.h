@@ -1,5 +1,5 @@
 /* The bfloat16 hardware pieces of the linear kernels (linear_bf16.c, and quantized weights in
- * linear.c): x rounded to bfloat16 (AVX512-BF16), and AMX-BF16 tiles.
+ * linear.c): x rounded to bfloat16 and VDPBF16PS tiles (AVX512-BF16), and AMX-BF16 tiles.
  *
  * Every tile register is 16 rows x 64 bytes: an A tile 16 rows x 32 bfloat16 of x, a B tile
  * 16 pairs of input features x 16 columns (linear.h's bfloat16 panel layout, as it lies in
@@ -38,6 +38,59 @@ static inline void bf16_rows(const float *x, int64_t ld_x, int64_t M, int64_t K,
             for (; k < K; ++k) row[k] = f32_to_bf16(src[k]);
         }
         memset(row + k, 0, (Kp - k) * sizeof(uint16_t));
+    }
+}
+
+#define DOT_ROWS 12 /* rows of x a dot-product tile: 12 x 2 accumulators of 16 columns */
+
+/* `rows` rows of xb (bfloat16 [., Kp]) times the panels w0 and, with `two`, w1 (bfloat16 pairs
+ * [Kp / 2][PANEL][2]), plus bias (PANEL entries a panel), into columns 0 .. cols0 - 1 and
+ * PANEL .. PANEL + cols1 - 1 of y: each broadcast pair of x feeds both panels' VDPBF16PS, each
+ * weight vector 12 rows. With `ahead` (or NULL), each step also fetches the same line of the next
+ * pair of panels, at ahead and ahead + the gap from w0 to w1. Inlined with constant `rows` and `two`. */
+static inline __attribute__((always_inline)) void dot_tile(const uint16_t *xb, int64_t Kp, int rows,
+                                                           const uint16_t *w0, const uint16_t *w1, int two,
+                                                           const float *bias, float *y, int64_t ld_y, int64_t cols0,
+                                                           int64_t cols1, const char *ahead) {
+    __m512 acc[DOT_ROWS][2];
+    for (int i = 0; i < rows; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    const uint32_t *pairs = (const uint32_t *)xb;
+    const int64_t gap = (const char *)w1 - (const char *)w0;
+    for (int64_t k2 = 0; k2 < Kp / 2; ++k2) {
+        if (ahead != NULL) {
+            _mm_prefetch(ahead + k2 * 2 * PANEL * 2, _MM_HINT_T0);
+            _mm_prefetch(ahead + k2 * 2 * PANEL * 2 + gap, _MM_HINT_T0);
+        }
+        const __m512bh a = (__m512bh)_mm512_loadu_si512(w0 + k2 * 2 * PANEL);
+        const __m512bh b = two ? (__m512bh)_mm512_loadu_si512(w1 + k2 * 2 * PANEL) : a;
+        for (int i = 0; i < rows; ++i) {
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pairs[i * Kp / 2 + k2]);
+            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], xv, a);
+            if (two) acc[i][1] = _mm512_dpbf16_ps(acc[i][1], xv, b);
+        }
+    }
+    for (int i = 0; i < rows; ++i) {
+        bf16_store_row(acc[i][0], bias, y + i * ld_y, cols0);
+        if (two) bf16_store_row(acc[i][1], bias + PANEL, y + i * ld_y + PANEL, cols1);
+    }
+}
+
+/* Rows 0 .. M - 1 of xb times a pair of panels (dot_tile's arguments; the first tile fetches ahead), in
+ * tiles of as equal sizes as DOT_ROWS allows, each inlined with its constant row count. */
+static inline __attribute__((always_inline)) void dot_rows(const uint16_t *xb, int64_t Kp, int64_t M,
+                                                           const uint16_t *w0, const uint16_t *w1, int two,
+                                                           const float *bias, float *y, int64_t ld_y, int64_t cols0,
+                                                           int64_t cols1, const char *ahead) {
+    const int64_t tiles = (M + DOT_ROWS - 1) / DOT_ROWS;
+    for (int64_t t = 0, m = 0; t < tiles; ++t) {
+        const int64_t rows = M / tiles + (t < M % tiles);
+        switch (rows) {
+#define ROWS(r) \
+    case r: dot_tile(xb + m * Kp, Kp, r, w0, w1, two, bias, y + m * ld_y, ld_y, cols0, cols1, t ? NULL : ahead); break;
+            ROWS(12) ROWS(11) ROWS(10) ROWS(9) ROWS(8) ROWS(7) ROWS(6) ROWS(5) ROWS(4) ROWS(3) ROWS(2) ROWS(1)
+#undef ROWS
+        }
+        m += rows;
     }
 }
 

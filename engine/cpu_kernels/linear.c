@@ -417,7 +417,7 @@ static inline __attribute__((always_inline)) void q_panel_tile(const float *x, i
     }
 }
 
-#ifdef HAVE_AMX
+#ifdef __AVX512BF16__
 #define Q_AHEAD 4096 /* bytes of codes (and of scales) fetched ahead of the dequantization: the stream runs on into the next panel */
 
 /* A quantized panel as bfloat16 pairs [K / 2][PANEL][2] (linear.h's layout), each weight d q + m (one
@@ -462,13 +462,25 @@ static inline __attribute__((always_inline)) void q_dequantize_bf16(const uint8_
     }
 }
 
-/* linear_q with bfloat16 products on AMX tiles: x rounded to bfloat16 once; for each block of rows
- * that stays in cache, each pair of panels dequantized to bfloat16 into a thread's scratch and
- * multiplied by amx_pair. */
-static int linear_q_amx(const float *x, int64_t ld_x, int64_t M, const uint8_t *codes, const float *scales, int q4,
-                        int64_t N, int64_t K, const float *bias, float *y, int64_t ld_y) {
-    const int64_t panels = (N + PANEL - 1) / PANEL, rows = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+/* Panels p0 and p0 + 1 (where N has it) dequantized to bfloat16 pairs into w and w + PANEL * K. */
+static inline void q_pair_bf16(const uint8_t *codes, const float *scales, int q4, int64_t N, int64_t K, int64_t p0,
+                               uint16_t *w) {
     const int64_t panel_codes = K / QBLOCK * q_block_bytes(q4), panel_scales = K / QBLOCK * 2 * PANEL;
+    for (int64_t p = p0; p < p0 + 2 && p * PANEL < N; ++p) {
+        if (q4) /* each call inlined with its constant */
+            q_dequantize_bf16(codes + p * panel_codes, scales + p * panel_scales, 1, K, w + (p - p0) * PANEL * K);
+        else
+            q_dequantize_bf16(codes + p * panel_codes, scales + p * panel_scales, 0, K, w + (p - p0) * PANEL * K);
+    }
+}
+
+/* linear_q with bfloat16 products (`path` PATH_DOT or PATH_AMX): x rounded to bfloat16 once; each pair of
+ * panels dequantized to bfloat16 into a thread's scratch and multiplied by VDPBF16PS tiles (dot_rows),
+ * or on AMX tiles (amx_pair) for each block of rows that stays in cache. */
+static int linear_q_bf16(const float *x, int64_t ld_x, int64_t M, const uint8_t *codes, const float *scales, int q4,
+                         int64_t N, int64_t K, const float *bias, float *y, int64_t ld_y, int path) {
+    const int64_t pairs = ((N + PANEL - 1) / PANEL + 1) / 2;
+    const int64_t rows = path == PATH_AMX ? (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : M;
     uint16_t *xb = aligned_alloc(64, (size_t)(rows * K * sizeof(uint16_t) + 63) / 64 * 64);
     if (xb == NULL) return -3;
     bf16_rows(x, ld_x, M, K, rows, K, xb);
@@ -477,34 +489,36 @@ static int linear_q_amx(const float *x, int64_t ld_x, int64_t M, const uint8_t *
     {
         uint16_t *w = aligned_alloc(64, 2 * PANEL * K * sizeof(uint16_t));
         failed = w == NULL;
-        if (!failed) {
+        if (!failed && path == PATH_DOT) {
+#pragma omp for schedule(static)
+            for (int64_t pp = 0; pp < pairs; ++pp) {
+                float b[2 * PANEL];
+                int64_t cols0, cols1;
+                const int two = pair_bias(bias, N, 2 * pp, b, &cols0, &cols1);
+                q_pair_bf16(codes, scales, q4, N, K, 2 * pp, w);
+                float *yp = y + 2 * pp * PANEL;
+                if (two) /* each call inlined with its constant */
+                    dot_rows(xb, K, M, w, w + PANEL * K, 1, b, yp, ld_y, cols0, cols1, NULL);
+                else
+                    dot_rows(xb, K, M, w, w, 0, b, yp, ld_y, cols0, 0, NULL);
+            }
+        }
+#ifdef HAVE_AMX
+        if (!failed && path == PATH_AMX) {
             amx_configure();
             float c[16 * 16] __attribute__((aligned(64)));
             const int64_t mc = amx_block_rows(K);
             for (int64_t m0 = 0; m0 < M; m0 += mc) {
                 const int64_t block = M - m0 < mc ? M - m0 : mc;
 #pragma omp for schedule(static)
-                for (int64_t pp = 0; pp < (panels + 1) / 2; ++pp) {
-                    const int64_t p0 = 2 * pp, n0 = p0 * PANEL;
-                    int64_t cols1;
-                    amx_pair_cols(N, n0, &cols1);
-                    if (q4)
-                        q_dequantize_bf16(codes + p0 * panel_codes, scales + p0 * panel_scales, 1, K, w);
-                    else
-                        q_dequantize_bf16(codes + p0 * panel_codes, scales + p0 * panel_scales, 0, K, w);
-                    if (cols1 > 0) {
-                        if (q4)
-                            q_dequantize_bf16(codes + (p0 + 1) * panel_codes, scales + (p0 + 1) * panel_scales, 1, K,
-                                              w + PANEL * K);
-                        else
-                            q_dequantize_bf16(codes + (p0 + 1) * panel_codes, scales + (p0 + 1) * panel_scales, 0, K,
-                                              w + PANEL * K);
-                    }
-                    amx_pair(xb + m0 * K, block, K, w, w + PANEL * K, bias, N, n0, y + m0 * ld_y, ld_y, c);
+                for (int64_t pp = 0; pp < pairs; ++pp) {
+                    q_pair_bf16(codes, scales, q4, N, K, 2 * pp, w);
+                    amx_pair(xb + m0 * K, block, K, w, w + PANEL * K, bias, N, 2 * pp * PANEL, y + m0 * ld_y, ld_y, c);
                 }
             }
             _tile_release();
         }
+#endif
         free(w);
     }
     free(xb);
@@ -512,15 +526,16 @@ static int linear_q_amx(const float *x, int64_t ld_x, int64_t M, const uint8_t *
 }
 #endif
 
-/* y = x W^T + b over a quantized packed weight; K a multiple of QBLOCK. With bf16_products, AMX
- * tiles (where the CPU has them, from AMX_MIN_ROWS rows) multiply x and the weights rounded to
- * bfloat16. Returns 0, or -3 when a scratch buffer cannot be allocated. */
+/* y = x W^T + b over a quantized packed weight; K a multiple of QBLOCK. With bf16_products, past
+ * TILE_ROWS rows, x and the weights rounded to bfloat16 are multiplied on the bfloat16 path the CPU
+ * takes for M rows (linear_bf16_path: AMX tiles, or VDPBF16PS where it out-runs the FMAs). Returns 0,
+ * or -3 when a scratch buffer cannot be allocated. */
 static int linear_q(const float *x, int64_t ld_x, int64_t M, const uint8_t *codes, const float *scales, int q4,
                     int64_t N, int64_t K, const float *bias, float *y, int64_t ld_y, int bf16_products) {
     const int64_t panels = (N + PANEL - 1) / PANEL;
-#ifdef HAVE_AMX
-    if (bf16_products && linear_bf16_path(M) == PATH_AMX)
-        return linear_q_amx(x, ld_x, M, codes, scales, q4, N, K, bias, y, ld_y);
+#ifdef __AVX512BF16__
+    const int path = bf16_products && M > TILE_ROWS ? linear_bf16_path(M) : PATH_WIDENED;
+    if (path != PATH_WIDENED) return linear_q_bf16(x, ld_x, M, codes, scales, q4, N, K, bias, y, ld_y, path);
 #else
     (void)bf16_products;
 #endif

@@ -134,8 +134,9 @@ def test_gguf_tensors_read_as_gguf_py_reads_them(tmp_path) -> None:
 @pytest.mark.parametrize("shape", [(576, 200), (64, 13), (96, 48)])  # partial, one and whole panel pairs
 @pytest.mark.parametrize("path", PATHS)
 def test_bf16_products_match_float64(rows: int, type_name: str, shape: tuple[int, int], path: str) -> None:
-    """With bf16_products, AMX (from 16 rows, where the CPU has it) gives float64's product of x and the dequantized
-    weight both rounded to bfloat16; every other row count and path gives the float32 kernel's."""
+    """With bf16_products, past QUANTIZED_FLOAT_ROWS rows on a bfloat16 path (AMX from 16 rows, VDPBF16PS where
+    the CPU has it) the kernel gives float64's product of x and the dequantized weight both rounded to bfloat16;
+    every other row count and path gives the float32 kernel's."""
     in_features, out_features = shape
     rng = np.random.default_rng(rows + in_features + 7)
     weight = rng.standard_normal((out_features, in_features)).astype(np.float32)
@@ -145,7 +146,8 @@ def test_bf16_products_match_float64(rows: int, type_name: str, shape: tuple[int
     x = torch.from_numpy(rng.standard_normal((rows, in_features)).astype(np.float32))
     bias = torch.from_numpy(rng.standard_normal(out_features).astype(np.float32))
     with bf16_path(path):
-        rounded = cpu_kernels.bf16_linear_path(rows) == "amx"
+        taken = cpu_kernels.bf16_linear_path(rows)
+        rounded = taken != "widened" and rows > cpu_kernels.QUANTIZED_FLOAT_ROWS
         out = cpu_kernels.linear_quantized(x, packed, bias).double()
     if rounded:  # the kernel's dequantization is fused (d q + m rounded once), then rounded to bfloat16
         n, k = blocks.codes.shape

@@ -78,9 +78,9 @@ class CpuAttentionBackend(AttentionBackend):
 
     Over a bfloat16 cache the kernel widens each element as it loads it (AMX tiles take a tile's
     shared keys where the CPU has them). Prefill chunks stay in the kernel: on every CPU measured it
-    matched or beat PyTorch's SDPA in bfloat16 per chunk (AMD Zen 5, a step with
-    int8 products: a fresh 512-token prompt 209 against 297 ms, 4 x 100 tokens after 288 cached 227
-    against 293; a Xeon with AMX and one without alike, docs/performance.md).
+    matched or beat PyTorch's SDPA in bfloat16 per chunk (AMD Zen 5, a step with int8 products: a
+    fresh 512-token prompt 209 against 297 ms, 4 x 100 tokens after 288 cached 227 against 293; a
+    Xeon with AMX and one without alike, docs/performance.md).
 
     Args:
         group: query heads per KV head of the layers it serves (sizes the tiles).

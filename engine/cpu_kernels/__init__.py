@@ -268,9 +268,8 @@ def attention(
     if status == -1:
         raise ValueError(
             f"invalid tiles: not every one of the {num_rows} rows in exactly one tile, a tile of more than "
-            f"{lib.attention_max_lanes() // (num_heads // num_kv_heads)} rows, or shared keys beyond a row's context or "
-            "where "
-            "the rows' tables differ"
+            f"{lib.attention_max_lanes() // (num_heads // num_kv_heads)} rows, or shared keys beyond a row's "
+            "context or where the rows' tables differ"
         )
     if status == -2:
         raise IndexError(
@@ -470,8 +469,8 @@ def linear_quantized(x: torch.Tensor, weight, bias: torch.Tensor | None = None) 
     """``x W^T + b`` for ``x [M, K]`` (float32 CPU, any strides) and a quantized ``W``
     (``engine.layers.quantization.QuantizedWeight``; with its ``bf16_products`` and more than
     ``QUANTIZED_FLOAT_ROWS`` rows, x and the weights rounded to bfloat16 multiplied on ``bf16_linear_path(M)``
-    where that is not ``"widened"``; with its ``int8_products``, x
-    quantized to int8 blocks and int8 products, on ``int8_linear_path()``); returns ``[M, N]``, contiguous."""
+    where that is not ``"widened"``; with its ``int8_products``, x quantized to int8 blocks and int8 products,
+    on ``int8_linear_path()``); returns ``[M, N]``, contiguous."""
     lib = _lib()
     for name, t in (("x", x), ("bias", bias if bias is not None else x)):
         _check_float32_cpu(name, t)

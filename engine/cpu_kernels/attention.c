@@ -135,9 +135,8 @@ static inline __attribute__((always_inline)) void shared_phase(const vs *restric
                                                                vs *restrict l, vs *restrict ot) {
     vs s[MAX_BLOCK_SIZE * MAX_LANE_VECTORS];
     for (int64_t pos = 0; pos < shared;) {
-        const int64_t offset = pos % block_size;
-        const int64_t n = (block_size - offset < shared - pos) ? block_size - offset : shared - pos;
-        const int64_t base = ((int64_t)table[pos / block_size] * block_size + offset) * token_stride + head_offset;
+        const int64_t n = chunk_len(pos, shared, block_size, block_size);
+        const int64_t base = chunk_base(table, pos, block_size, token_stride) + head_offset;
         const kv_t *restrict k = k_cache + base;
         const kv_t *restrict v = v_cache + base;
         /* scores: four keys at a time against every lane, each key element broadcast once */
@@ -218,8 +217,9 @@ static inline __attribute__((always_inline)) void scaled_queries(const float *re
 }
 
 /* The own keys of one row from its query heads' state: the row-wide pass of attention_rows.h, 16 lanes
- * where the build has AVX-512 and D allows (split into AVX halves, the 16-lane folds cost 5x). With `specialized` (the head_dim-specific builds), the group sizes up to FUSED_GROUP
- * as constants, so that their accumulators stay in registers. */
+ * where the build has AVX-512 and D allows (split into AVX halves, the 16-lane folds cost 5x). With
+ * `specialized` (the head_dim-specific builds), the group sizes up to FUSED_GROUP as constants, so that
+ * their accumulators stay in registers. */
 static inline __attribute__((always_inline)) void own_keys(const float *restrict q, const kv_t *restrict k_cache,
                                                            const kv_t *restrict v_cache, const int32_t *restrict table,
                                                            int64_t start, int64_t end, int64_t block_size,

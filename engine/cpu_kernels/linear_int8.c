@@ -119,14 +119,12 @@ typedef struct {
 
 static void pair_of(const uint8_t *codes, const float *scales, const float *bias, int64_t N, int64_t K, int64_t p0,
                     pair_t *pair) {
-    const int64_t panels = (N + PANEL - 1) / PANEL, nb = K / QBLOCK;
+    const int64_t nb = K / QBLOCK;
+    const int two = pair_bias(bias, N, p0, pair->bias, &pair->cols[0], &pair->cols[1]);
     for (int h = 0; h < 2; ++h) {
-        const int64_t p = p0 + h < panels ? p0 + h : p0; /* a missing second panel repeats the first, unstored */
+        const int64_t p = h && two ? p0 + 1 : p0; /* a missing second panel repeats the first, unstored */
         pair->codes[h] = codes + p * nb * QBLOCK * PANEL;
         pair->scales[h] = scales + p * nb * 2 * PANEL;
-        pair->cols[h] = p0 + h < panels ? (N - p * PANEL < PANEL ? N - p * PANEL : PANEL) : 0;
-        for (int j = 0; j < PANEL; ++j)
-            pair->bias[h * PANEL + j] = bias != NULL && j < pair->cols[h] ? bias[p * PANEL + j] : 0.0f;
     }
 }
 

@@ -56,29 +56,6 @@ static inline float hsum(vf x) {
     return s;
 }
 
-static inline vf vmaxf(vf a, vf b) {
-    const vi a_larger = a > b;
-    return (vf)(((vi)a & a_larger) | ((vi)b & ~a_larger));
-}
-
-static inline float hmax(vf x) {
-    float m = x[0];
-    for (int i = 1; i < VL; ++i) m = x[i] > m ? x[i] : m;
-    return m;
-}
-
-/* Pairwise sums inside each half, as x86's haddps: [a0+a1, a2+a3, b0+b1, b2+b3 | same for 4..7]. */
-static inline vf hadd(vf a, vf b) {
-    return __builtin_shuffle(a, b, (vi){0, 2, 8, 10, 4, 6, 12, 14}) +
-           __builtin_shuffle(a, b, (vi){1, 3, 9, 11, 5, 7, 13, 15});
-}
-
-/* The four horizontal sums of a0..a3, stored to out[0..3]. */
-static inline void hsum4(vf a0, vf a1, vf a2, vf a3, float *out) {
-    const vf t = hadd(hadd(a0, a1), hadd(a2, a3)); /* [sum0..3 of the low halves | of the high halves] */
-    for (int i = 0; i < 4; ++i) out[i] = t[i] + t[i + 4];
-}
-
 /* exp(x) for x <= 0: 2^n * p(r), r = x - n ln2, |r| <= ln2 / 2, degree-6 Taylor
  * polynomial (relative error under 2e-7). Exactly 0 below -30 (and for -inf): a weight
  * under exp(-30) of the row's maximum is far below float32's resolution of the sum, and

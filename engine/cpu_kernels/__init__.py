@@ -44,7 +44,7 @@ from engine.loader import cache_root
 logger = logging.getLogger(__name__)
 
 _SOURCES = (
-    "vec.h", "linear.h", "linear_tiles16.h", "bf16_kernels.h", "attention_amx.h", "attention_rows.h", "attention.c", "attention_bf16.c", "elementwise.c", "linear.c", "linear_bf16.c", "linear_int8.c", "token_mask.c"
+    "vec.h", "linear.h", "linear_tiles16.h", "bf16_kernels.h", "attention_amx.h", "attention_dot.h", "attention_rows.h", "attention.c", "attention_bf16.c", "elementwise.c", "linear.c", "linear_bf16.c", "linear_int8.c", "token_mask.c"
 )
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 # Fixed-size scratch of the kernels (see MAX_* in the sources).
@@ -56,8 +56,8 @@ BF16_K_ALIGN = 32  # a packed bfloat16 weight's input features are padded to a m
 # What linear_bf16 runs, by the C enum's value: widened to float32, AVX512-BF16 dot products, AMX tiles.
 BF16_LINEAR_PATHS = ("widened", "avx512-bf16", "amx")
 # What a multi-row tile's shared keys in a bfloat16 cache run, by the C enum's value: float32 vectors over the
-# widened cache, AMX tiles (attention_amx.h).
-BF16_ATTENTION_PATHS = ("widened", "amx")
+# widened cache, AVX512-BF16 dot products (attention_dot.h), AMX tiles (attention_amx.h).
+BF16_ATTENTION_PATHS = ("widened", "avx512-bf16", "amx")
 # What linear_w8a8 multiplies on, by the C enum's value: int8 sums in plain C, AVX512-VNNI.
 INT8_LINEAR_PATHS = ("generic", "avx512-vnni")
 

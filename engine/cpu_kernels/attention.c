@@ -12,7 +12,8 @@
  * A multi-row tile first attends over its shared keys, KV head by KV head, with the tile's
  * R * G queries as the lanes of its vectors (shared_phase): each key and value element is
  * loaded once for all of them and no horizontal sums are needed. Over a bfloat16 cache where
- * the CPU has AMX, the queries are the columns of tiles instead (attention_amx.h). Each row
+ * the CPU has AMX, the queries are the columns of tiles instead (attention_amx.h); where it has
+ * AVX512-BF16, VDPBF16PS multiplies pairs of them (attention_dot.h). Each row
  * then continues alone over its own keys for all the item's KV heads in one pass over its
  * blocks (own_keys, attention_rows.h). Softmax is online: running max, running sum, rescaled
  * accumulator, carried from one phase to the next in the output row.
@@ -122,6 +123,27 @@ static inline int64_t chunk_base(const int32_t *table, int64_t pos, int64_t bloc
 #include "attention_rows.h"
 #undef ROW_W
 
+/* Online softmax over a chunk's scores s[u * QV + j] (n keys), every lane at once: the scores become their
+ * weights, the maxima m[QV] and sums l[QV] move on, and correction[QV] rescales what came before. */
+static inline __attribute__((always_inline)) void softmax_chunk(vs *restrict s, int64_t n, const int QV,
+                                                                vs *restrict m, vs *restrict l,
+                                                                vs *restrict correction) {
+    for (int j = 0; j < QV; ++j) {
+        vs block_max = s[j];
+        for (int64_t u = 1; u < n; ++u) block_max = vs_max(block_max, s[u * QV + j]);
+        const vs new_max = vs_max(block_max, m[j]);
+        correction[j] = VEXP_S(m[j] - new_max); /* 0 while m is -inf */
+        vs sum = {0};
+        for (int64_t u = 0; u < n; ++u) {
+            const vs p = VEXP_S(s[u * QV + j] - new_max);
+            s[u * QV + j] = p;
+            sum += p;
+        }
+        l[j] = l[j] * correction[j] + sum;
+        m[j] = new_max;
+    }
+}
+
 /* Attention over the shared keys [0, shared) of one table for Q <= MAX_LANES queries held
  * as vector lanes: qt[d * QV + j] holds element d of the queries of lanes j * SHARED_W .. (j + 1) * SHARED_W - 1
  * (scaled; padding lanes 0). Carries per-lane state: maxima m[QV], sums l[QV] and
@@ -165,22 +187,8 @@ static inline __attribute__((always_inline)) void shared_phase(const vs *restric
             }
             for (int j = 0; j < QV; ++j) s[t * QV + j] = a[j];
         }
-        /* online softmax, every lane at once */
         vs correction[MAX_LANE_VECTORS];
-        for (int j = 0; j < QV; ++j) {
-            vs block_max = s[j];
-            for (int64_t u = 1; u < n; ++u) block_max = vs_max(block_max, s[u * QV + j]);
-            const vs new_max = vs_max(block_max, m[j]);
-            correction[j] = VEXP_S(m[j] - new_max); /* 0 while m is -inf */
-            vs sum = {0};
-            for (int64_t u = 0; u < n; ++u) {
-                const vs p = VEXP_S(s[u * QV + j] - new_max);
-                s[u * QV + j] = p;
-                sum += p;
-            }
-            l[j] = l[j] * correction[j] + sum;
-            m[j] = new_max;
-        }
+        softmax_chunk(s, n, QV, m, l, correction);
         /* values: four head-dim elements at a time, each value element broadcast once */
         for (int d0 = 0; d0 < D; d0 += 4) {
             vs a[4][MAX_LANE_VECTORS];
@@ -201,6 +209,36 @@ static inline __attribute__((always_inline)) void shared_phase(const vs *restric
         pos += n;
     }
 }
+
+#if KV_BF16 && defined(__AVX512BF16__) && SHARED_W == 16
+#define HAVE_DOT_ATTENTION 1
+#include "attention_dot.h"
+#endif
+
+#if KV_BF16
+/* The paths of a tile's shared keys over a bfloat16 cache: widened float32 vectors (shared_phase),
+ * VDPBF16PS (dot_shared_phase), AMX tiles (amx_shared_phase). */
+enum { ATTENTION_WIDENED = 0, ATTENTION_DOT = 1, ATTENTION_AMX = 2 };
+static int attention_limit = ATTENTION_AMX;
+
+/* Caps the shared keys' path at `limit` (an ATTENTION_ value): tests, PAGED_BF16_ATTENTION. */
+void attention_bf16_limit(int limit) { attention_limit = limit; }
+
+/* The path a tile's shared keys take over a bfloat16 cache for head_dim D on this build and CPU: AMX where
+ * permitted, else the dot products where they out-run the widened FMAs (dot_outruns_fma) or the cap names them;
+ * both need D a multiple of 32. */
+int attention_bf16_path(int64_t D) {
+#ifdef HAVE_AMX
+    if (attention_limit >= ATTENTION_AMX && D % 32 == 0 && amx_permitted()) return ATTENTION_AMX;
+#endif
+#ifdef HAVE_DOT_ATTENTION
+    if (D % 32 == 0 && (attention_limit == ATTENTION_DOT || (attention_limit > ATTENTION_DOT && dot_outruns_fma())))
+        return ATTENTION_DOT;
+#endif
+    (void)D;
+    return ATTENTION_WIDENED;
+}
+#endif
 
 /* The Q = R * G scaled queries of KV head h for rows[0..R): lane r * G + g is row r's query head h * G + g,
  * its element d stored at out[lane * lane_step + d * d_step]. */
@@ -256,7 +294,7 @@ static inline __attribute__((always_inline)) void attend_tile(
     const kv_t *restrict v_cache, const int32_t *restrict block_tables, int64_t table_stride,
     const int64_t *restrict seq_lens, const int64_t *restrict rows, int64_t R, int64_t shared, int64_t h0, int64_t h1,
     int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int G, const int D, const int specialized,
-    float scale, int amx, float *restrict out) {
+    float scale, int path, float *restrict out) {
     const int64_t token_stride = num_kv_heads * D;
     const int Q = (int)R * G, QV = (Q + SHARED_W - 1) / SHARED_W, heads = (int)(h1 - h0) * G; /* a row's here */
     float ml[MAX_LANES * MAX_GROUP][2]; /* row r's query head j of the item: [r * heads + j] = (max, sum) */
@@ -270,7 +308,7 @@ static inline __attribute__((always_inline)) void attend_tile(
             /* the shared phase leaves query lane's element d at ot[lane * lane_step + d * d_step] */
             int64_t lane_step = 0, d_step = 0;
 #if KV_BF16 && defined(HAVE_AMX)
-            if (amx && Q <= AMX_QUERIES) {
+            if (path == ATTENTION_AMX && Q <= AMX_QUERIES) {
                 scaled_queries(q, q_row, q_head, q_col, rows, Q, G, h, D, scale, D, 1, qtf);
                 if (amx_shared_phase(qtf, Q, k_cache, v_cache, table, shared, block_size, token_stride, head_offset,
                                      D, (float *)mt, (float *)lt, (float *)ot) == 0)
@@ -285,6 +323,19 @@ static inline __attribute__((always_inline)) void attend_tile(
                     lt[j] = (vs){0};
                 }
                 scaled_queries(q, q_row, q_head, q_col, rows, Q, G, h, D, scale, 1, QV * SHARED_W, qtf);
+#ifdef HAVE_DOT_ATTENTION
+                if (path == ATTENTION_DOT) {
+                    if (QV == 1)
+                        dot_shared_phase(qt, 1, k_cache, v_cache, table, shared, block_size, token_stride, head_offset,
+                                         D, mt, lt, ot);
+                    else if (QV == 2)
+                        dot_shared_phase(qt, 2, k_cache, v_cache, table, shared, block_size, token_stride, head_offset,
+                                         D, mt, lt, ot);
+                    else
+                        dot_shared_phase(qt, 3, k_cache, v_cache, table, shared, block_size, token_stride, head_offset,
+                                         D, mt, lt, ot);
+                } else
+#endif
                 if (QV == 1)
                     shared_phase(qt, 1, k_cache, v_cache, table, shared, block_size, token_stride, head_offset, D, mt,
                                  lt, ot);
@@ -338,10 +389,10 @@ static inline __attribute__((always_inline)) void attend_tile(
     const float *q, int64_t q_row, int64_t q_head, int64_t q_col, const kv_t *k_cache, const kv_t *v_cache,       \
         const int32_t *block_tables, int64_t table_stride, const int64_t *seq_lens, const int64_t *rows, int64_t R, \
         int64_t shared, int64_t h0, int64_t h1, int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int G, \
-        float scale, int amx, float *out
+        float scale, int path, float *out
 #define TILE_CALL(D, S)                                                                                            \
     attend_tile(q, q_row, q_head, q_col, k_cache, v_cache, block_tables, table_stride, seq_lens, rows, R, shared, \
-                h0, h1, num_heads, num_kv_heads, block_size, G, D, S, scale, amx, out)
+                h0, h1, num_heads, num_kv_heads, block_size, G, D, S, scale, path, out)
 static void attend_tile_d64(TILE_ARGS) { TILE_CALL(64, 1); }
 static void attend_tile_d128(TILE_ARGS) { TILE_CALL(128, 1); }
 static void attend_tile_any(TILE_ARGS, int D) { TILE_CALL(D, 0); }
@@ -401,9 +452,9 @@ int KV_NAME(paged_attention)(const float *q, int64_t q_row, int64_t q_head, int6
     free(seen);
     if (status != 0) return status;
 #if KV_BF16
-    const int amx = attention_bf16_path(D) == ATTENTION_AMX;
+    const int path = attention_bf16_path(D);
 #else
-    const int amx = 0;
+    const int path = 0; /* float32 cache: shared_phase */
 #endif
     /* a tile's KV heads (up to MAX_GROUP query heads) to one item, once there are tiles enough for every thread:
      * a row's own keys then come front to back, and the heads' elements share the cache's lines and pages */
@@ -418,13 +469,13 @@ int KV_NAME(paged_attention)(const float *q, int64_t q_row, int64_t q_head, int6
         const int64_t R = tile_starts[t + 1] - tile_starts[t];
         if (D == 64)
             attend_tile_d64(q, q_row, q_head, q_col, k_cache, v_cache, block_tables, table_stride, seq_lens, rows, R,
-                            tile_shared[t], h0, h1, num_heads, num_kv_heads, block_size, G, scale, amx, out);
+                            tile_shared[t], h0, h1, num_heads, num_kv_heads, block_size, G, scale, path, out);
         else if (D == 128)
             attend_tile_d128(q, q_row, q_head, q_col, k_cache, v_cache, block_tables, table_stride, seq_lens, rows, R,
-                             tile_shared[t], h0, h1, num_heads, num_kv_heads, block_size, G, scale, amx, out);
+                             tile_shared[t], h0, h1, num_heads, num_kv_heads, block_size, G, scale, path, out);
         else
             attend_tile_any(q, q_row, q_head, q_col, k_cache, v_cache, block_tables, table_stride, seq_lens, rows, R,
-                            tile_shared[t], h0, h1, num_heads, num_kv_heads, block_size, G, scale, amx, out, D);
+                            tile_shared[t], h0, h1, num_heads, num_kv_heads, block_size, G, scale, path, out, D);
     }
     return 0;
 }

@@ -11,28 +11,12 @@
  *
  * Against shared_phase it rounds the scaled queries and the softmax weights to bfloat16 (a
  * relative 2^-9 each, as any bfloat16 attention does); the products and sums are float32.
- * attention_bf16_limit caps the kernel at shared_phase (tests, PAGED_BF16_ATTENTION).
  */
 
 #ifndef PAGED_ATTENTION_AMX_H
 #define PAGED_ATTENTION_AMX_H
 
 #include "bf16_kernels.h"
-
-enum { ATTENTION_WIDENED = 0, ATTENTION_AMX = 1 };
-static int attention_limit = ATTENTION_AMX;
-
-/* Caps the shared keys' path at `limit` (0 widened float32 vectors, 1 AMX). */
-void attention_bf16_limit(int limit) { attention_limit = limit; }
-
-/* The path a tile's shared keys take over a bfloat16 cache for head_dim D on this build and CPU. */
-int attention_bf16_path(int64_t D) {
-#ifdef HAVE_AMX
-    if (attention_limit >= ATTENTION_AMX && D % 32 == 0 && amx_permitted()) return ATTENTION_AMX;
-#endif
-    (void)D;
-    return ATTENTION_WIDENED;
-}
 
 #ifdef HAVE_AMX
 

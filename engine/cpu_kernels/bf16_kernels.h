@@ -19,6 +19,8 @@
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 
+int dot_outruns_fma(void); /* linear_bf16.c: whether VDPBF16PS out-runs FMAs on the widened values here */
+
 /* Columns 0 .. cols - 1 plus bias of one row of y. */
 static inline void bf16_store_row(__m512 acc, const float *bias, float *y, int64_t cols) {
     _mm512_mask_storeu_ps(y, (__mmask16)((1u << cols) - 1), _mm512_add_ps(acc, _mm512_loadu_ps(bias)));

@@ -47,8 +47,8 @@ static uint64_t chain_cycles(int dot) {
 /* Whether VDPBF16PS multiplies bfloat16 faster than FMAs multiply the widened weights: it does twice an
  * FMA's products, but some CPUs issue it at a quarter of FMA's rate (an Intel Xeon without AMX: 1.26
  * against 5.1 G instructions/s a core), where the widened path is twice as fast. Measured once, the
- * best of three short runs of each. */
-static int dot_outruns_fma(void) {
+ * best of three short runs of each; the attention kernel asks too (bf16_kernels.h). */
+int dot_outruns_fma(void) {
     static int outruns = -1;
     if (__atomic_load_n(&outruns, __ATOMIC_ACQUIRE) < 0) {
         uint64_t dot = UINT64_MAX, fma = UINT64_MAX;

@@ -208,15 +208,17 @@ def test_bfloat16_cache_reads_as_its_float32_widening(head_dim: int, heads: tupl
         cpu_kernels.attention(q, k16, v_cache, block_tables, seq_lens, 0.125)
 
 
+@pytest.mark.parametrize("path", ["avx512-bf16", "amx"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads", [(9, 3), (8, 1)])  # tiles of 8 rows (and a last one of 4), and of 3
 @pytest.mark.parametrize(("block_size", "shared_len"), [(16, 48), (5, 300), (16, 304)])
-def test_amx_shared_keys_round_as_bfloat16_attention_does(
-    head_dim: int, heads: tuple[int, int], block_size: int, shared_len: int
+def test_bf16_shared_keys_round_as_bfloat16_attention_does(
+    path: str, head_dim: int, heads: tuple[int, int], block_size: int, shared_len: int
 ) -> None:
-    """With AMX, attention over a tile's shared keys in a bfloat16 cache (chunks of 256, key groups across
-    blocks and past the prefix) matches the float64 reference within bfloat16's rounding of the scaled
-    queries and of the softmax weights (2^-9 of the largest value; measured: under a third of it)."""
+    """With VDPBF16PS or AMX, attention over a tile's shared keys in a bfloat16 cache (AMX's chunks of 256, blocks
+    of an odd number of keys, key groups across blocks and past the prefix) matches the float64 reference within
+    bfloat16's rounding of the scaled queries and of the softmax weights (2^-9 of the largest value; measured:
+    under a third of it)."""
     from engine.attention.cpu_backend import plan_tiles
 
     num_heads, num_kv_heads = heads
@@ -229,7 +231,7 @@ def test_amx_shared_keys_round_as_bfloat16_attention_does(
     tiles = plan_tiles(seq_lens.numpy(), block_tables.numpy(), block_size, num_heads // num_kv_heads, lanes)
     assert tiles.shared.max() >= shared_len // block_size * block_size
     scale = head_dim**-0.5
-    with attention_path("amx", head_dim):
+    with attention_path(path, head_dim):
         out = cpu_kernels.attention(q, k16, v16, block_tables, seq_lens, scale, tiles)
     expected = _reference(q, k16.float(), v16.float(), tables, seq_lens, scale)
     bound = 2.0**-9 * v16.float().abs().max().item()

@@ -505,8 +505,10 @@ class Engine:
             "generation_tokens_per_second": (
                 processor.num_generation_tokens / self._busy_seconds if self._busy_seconds else 0.0
             ),
-            # what the linear weights run as: {"quantization", "modules": {kind: count}, "bytes"}
+            # what the linear weights run as: {"quantization", "modules": {kind: count}, "bytes", "products"}
             "weights": self.runner.weights.as_dict(),
+            # what serves attention, e.g. "cpu (bfloat16 cache; tiles of 48 queries, their shared keys on avx512-bf16)"
+            "attention": self.runner.attention,
         }
 
 

@@ -32,6 +32,12 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """Stores new K/V into the paged cache, then attends causally over each sequence's context."""
 
+    name: str  # the name ``EngineConfig.attention_backend`` takes
+
+    def describe(self, cache_dtype: torch.dtype, head_dim: int) -> str:
+        """What serves attention over a cache of this dtype and head_dim (the start-up log, ``Engine.stats()``)."""
+        return self.name
+
     @abstractmethod
     def forward(
         self,

@@ -86,6 +86,8 @@ class CpuAttentionBackend(AttentionBackend):
         group: query heads per KV head of the layers it serves (sizes the tiles).
     """
 
+    name = "cpu"
+
     def __init__(self, group: int) -> None:
         self.group = group
         self._lanes: int | None = None  # cpu_kernels.tile_lanes of the cache, on the first step
@@ -109,6 +111,13 @@ class CpuAttentionBackend(AttentionBackend):
             self._lanes = cpu_kernels.tile_lanes(k_cache.shape[-1], k_cache.dtype)
         plan = self._get_plan(meta, k_cache.shape[1])
         return cpu_kernels.attention(q, k_cache, v_cache, plan.block_tables, plan.seq_lens, scale, plan.tiles)
+
+    def describe(self, cache_dtype: torch.dtype, head_dim: int) -> str:
+        """E.g. ``cpu (bfloat16 cache; tiles of 48 queries, their shared keys on avx512-bf16)``."""
+        on = cpu_kernels.bf16_attention_path(head_dim) if cache_dtype == torch.bfloat16 else "float32 vectors"
+        lanes = cpu_kernels.tile_lanes(head_dim, cache_dtype)
+        dtype = str(cache_dtype).removeprefix("torch.")
+        return f"cpu ({dtype} cache; tiles of {lanes} queries, their shared keys on {on})"
 
     def _get_plan(self, meta: AttentionMetadata, block_size: int) -> _RowPlan:
         if meta is not self._plan_meta:

@@ -57,6 +57,8 @@ class TorchAttentionBackend(AttentionBackend):
             its dozen extra small ops per layer cost more than the copies they save.
     """
 
+    name = "torch"
+
     def __init__(self, cascade: bool = True, min_shared_keys: int = 256) -> None:
         self.cascade = cascade
         self.min_shared_keys = min_shared_keys

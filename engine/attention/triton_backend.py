@@ -25,6 +25,8 @@ class TritonAttentionBackend(AttentionBackend):
             by occupancy and context length. A fixed value keeps the decode grid fixed.
     """
 
+    name = "triton"
+
     def __init__(self, decode_num_splits: int | None = None) -> None:
         if decode_num_splits is not None and decode_num_splits < 1:
             raise ValueError(f"decode_num_splits must be >= 1, got {decode_num_splits}")

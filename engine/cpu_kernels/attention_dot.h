@@ -32,7 +32,8 @@ static inline __m512bh pair_lanes(__m512 lo, __m512 hi) {
 /* Words 0 .. 15 of a and b interleaved (a in the low halves): pairs of elements 0 .. 15; `from` 16 for 16 .. 31. */
 static inline __m512i interleave_words(__m512i a, __m512i b, int from) {
     static const uint16_t order[2][32] = {
-        {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
+        {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+         8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
         {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
          24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63},
     };
@@ -69,7 +70,8 @@ static inline __attribute__((always_inline)) void dot_shared_phase(const vs *res
                                                                    vs *restrict l, vs *restrict ot) {
     __m512bh qp[MAX_HEAD_DIM / 2 * MAX_LANE_VECTORS];
     for (int d = 0; d < D; d += 2)
-        for (int j = 0; j < QV; ++j) qp[d / 2 * QV + j] = pair_lanes((__m512)qt[d * QV + j], (__m512)qt[(d + 1) * QV + j]);
+        for (int j = 0; j < QV; ++j)
+            qp[d / 2 * QV + j] = pair_lanes((__m512)qt[d * QV + j], (__m512)qt[(d + 1) * QV + j]);
     vs s[DOT_CHUNK * MAX_LANE_VECTORS];
     int64_t rows[DOT_CHUNK]; /* the chunk's token rows in the cache, at this head */
     uint32_t vp[DOT_CHUNK / 2][MAX_HEAD_DIM] __attribute__((aligned(64))); /* [pair][d]: values of keys 2p, 2p + 1 */
@@ -86,12 +88,14 @@ static inline __attribute__((always_inline)) void dot_shared_phase(const vs *res
             const int u = 2 * p, odd = u + 1 < n; /* else the pair's second key is zero, past the chunk */
             const uint16_t *restrict v0 = v_cache + rows[u], *restrict v1 = odd ? v_cache + rows[u + 1] : NULL;
             for (int c = 0; c < D; c += 32) {
-                const __m512i a = _mm512_loadu_si512(v0 + c), b = odd ? _mm512_loadu_si512(v1 + c) : _mm512_setzero_si512();
+                const __m512i a = _mm512_loadu_si512(v0 + c);
+                const __m512i b = odd ? _mm512_loadu_si512(v1 + c) : _mm512_setzero_si512();
                 _mm512_store_si512(vp[p] + c, interleave_words(a, b, 0));
                 _mm512_store_si512(vp[p] + c + 16, interleave_words(a, b, 16));
             }
             for (int j = 0; j < QV; ++j)
-                pp[p * QV + j] = pair_lanes((__m512)s[u * QV + j], odd ? (__m512)s[(u + 1) * QV + j] : _mm512_setzero_ps());
+                pp[p * QV + j] =
+                    pair_lanes((__m512)s[u * QV + j], odd ? (__m512)s[(u + 1) * QV + j] : _mm512_setzero_ps());
         }
         for (int d0 = 0; d0 < D; d0 += DOT_DIMS) {
             __m512 a[DOT_DIMS][MAX_LANE_VECTORS];

@@ -85,20 +85,23 @@ class ModelRunner:
         self.vocab_size: int = self.hf_config.vocab_size
         self.max_model_len = self._max_model_len()
         self.model = self._load_model(Path(model_dir))
+        layer = self._attention_layers()[0]
         self.attn_backend = get_attention_backend(
-            config.attention_backend, self.device, self.dtype, self._attention_layers()[0], self.block_size
+            config.attention_backend, self.device, self.dtype, layer, self.block_size
         )
         # bfloat16 weights computed in float32 keep a bfloat16 KV cache too where the C kernel reads it
         cpu_backend = isinstance(self.attn_backend, CpuAttentionBackend)
         self.kv_cache_dtype = self.weight_dtype if cpu_backend else self.dtype
+        self.attention: str = self.attn_backend.describe(self.kv_cache_dtype, layer.head_dim)  # what runs it
         self.num_blocks = self._num_blocks()
         self.kv_cache = self._allocate_kv_cache()
         for attn, kv_cache in zip(self._attention_layers(), self.kv_cache):
             attn.kv_cache, attn.backend = kv_cache, self.attn_backend
         logger.info(
-            "model %s on %s (%s, weights and KV cache in %s and %s; linear weights: %s): %d KV blocks of %d tokens",
+            "model %s on %s (%s, weights and KV cache in %s and %s; linear weights: %s; attention: %s): "
+            "%d KV blocks of %d tokens",
             self.hf_config.model_type, self.device, self.dtype, self.weight_dtype, self.kv_cache_dtype,
-            self.weights, self.num_blocks, self.block_size,
+            self.weights, self.attention, self.num_blocks, self.block_size,
         )
 
     @torch.inference_mode()

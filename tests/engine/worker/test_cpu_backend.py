@@ -103,7 +103,7 @@ def test_backend_matches_reference_over_prefill_and_decode(heads: tuple[int, int
 @pytest.mark.parametrize("attention", cpu_kernels.BF16_ATTENTION_PATHS)
 def test_bfloat16_cache_chunks_match_reference(attention: str) -> None:
     """Over a bfloat16 cache: a fresh prompt's chunk, long and short chunks over a cached prefix and decode rows all
-    equal causal attention over the widened cache (the tiles' shared keys on AMX round the queries and weights to
+    equal causal attention over the widened cache (the tiles' shared keys on AMX or the dot products round the queries and weights to
     bfloat16), and the new tokens' keys and values are stored rounded to bfloat16."""
     rng = random.Random(5)
     free = list(range(6, 64))
@@ -120,4 +120,19 @@ def test_bfloat16_cache_chunks_match_reference(attention: str) -> None:
     flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
     assert torch.equal(flat[0, meta.slot_mapping], k.bfloat16()) and torch.equal(flat[1, meta.slot_mapping], v.bfloat16())
     expected = _reference(q, kv_cache.float(), meta, 0.125)
-    torch.testing.assert_close(out.double(), expected, atol=2e-2 if attention != "widened" else 1e-5, rtol=0)
+    tolerance = 1e-5 if attention == "widened" else 2e-2
+    torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=0)
+
+
+@pytest.mark.parametrize("attention", cpu_kernels.BF16_ATTENTION_PATHS)
+def test_describe_names_the_path_that_runs(attention: str) -> None:
+    """The start-up log's and Engine.stats()'s account of the backend names the cache's dtype, the tiles' queries
+    and the path of their shared keys as the kernel takes it."""
+    backend = CpuAttentionBackend(3)
+    with attention_path(attention):
+        text = backend.describe(torch.bfloat16, 64)
+        lanes = cpu_kernels.tile_lanes(64, torch.bfloat16)
+    assert text == f"cpu (bfloat16 cache; tiles of {lanes} queries, their shared keys on {attention})"
+    lanes = cpu_kernels.tile_lanes(64, torch.float32)
+    expected = f"cpu (float32 cache; tiles of {lanes} queries, their shared keys on float32 vectors)"
+    assert backend.describe(torch.float32, 64) == expected

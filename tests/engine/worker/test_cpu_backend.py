@@ -103,8 +103,8 @@ def test_backend_matches_reference_over_prefill_and_decode(heads: tuple[int, int
 @pytest.mark.parametrize("attention", cpu_kernels.BF16_ATTENTION_PATHS)
 def test_bfloat16_cache_chunks_match_reference(attention: str) -> None:
     """Over a bfloat16 cache: a fresh prompt's chunk, long and short chunks over a cached prefix and decode rows all
-    equal causal attention over the widened cache (the tiles' shared keys on AMX or the dot products round the queries and weights to
-    bfloat16), and the new tokens' keys and values are stored rounded to bfloat16."""
+    equal causal attention over the widened cache (the tiles' shared keys on AMX or the dot products round the queries
+    and weights to bfloat16), and the new tokens' keys and values are stored rounded to bfloat16."""
     rng = random.Random(5)
     free = list(range(6, 64))
     rng.shuffle(free)

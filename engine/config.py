@@ -57,6 +57,12 @@ class EngineConfig:
         ge=1, le=1 << 50, unit="bytes",
     )  # fmt: skip
     num_blocks: int | None = knob(None, "KV cache size in blocks, instead of kv_cache_memory.", ge=1, le=1 << 32)
+    kv_cache_prefault: bool = knob(
+        False,
+        "Commit the whole CPU KV cache at start-up, as vLLM allocates its cache: no page faults when a block is "
+        "first written, for start-up time and the whole cache's memory at once (False: pages are committed as "
+        "blocks fill).",
+    )
     max_num_seqs: int = knob(128, "Most requests running in one step.", ge=1, le=1 << 16)
     max_num_batched_tokens: int | None = knob(
         None,

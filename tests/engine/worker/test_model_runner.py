@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import os
+import sys
+
 import pytest
 import torch
 
@@ -46,6 +50,34 @@ def test_default_budget_floor_cap_and_lazy_commit(tiny_model_factory, monkeypatc
     assert resident() - before < 256 << 20
     runner.kv_cache[:, :, :2].fill_(1.0)  # the first blocks written: committed, the rest still zero
     assert runner.kv_cache[:, :, 2:4].abs().sum() == 0
+
+
+def _resident_pages(t: torch.Tensor) -> tuple[int, int]:
+    """Pages of ``t``'s memory the OS backs now (mincore), and all its pages."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    page = os.sysconf("SC_PAGE_SIZE")
+    first = t.data_ptr() // page * page
+    length = t.data_ptr() + t.numel() * t.element_size() - first
+    vec = (ctypes.c_ubyte * -(-length // page))()
+    assert libc.mincore(first, length, vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec), len(vec)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore's residency, as Linux reports it")
+def test_kv_cache_prefault_commits_every_page(tiny_model_factory, monkeypatch) -> None:
+    """kv_cache_prefault has every page of the cache backed at start-up, its values still zero (by madvise, and by
+    writes where that is not Linux's); without it a fresh cache's pages are backed only as blocks are written."""
+    path = tiny_model_factory("llama")
+    lazy = ModelRunner(EngineConfig(kv_cache_memory=64 << 20), path)
+    resident, pages = _resident_pages(lazy.kv_cache)
+    assert resident < pages // 4
+    eager = ModelRunner(EngineConfig(kv_cache_memory=64 << 20, kv_cache_prefault=True), path)
+    assert _resident_pages(eager.kv_cache) == (pages, pages)
+    assert not eager.kv_cache.any()
+    monkeypatch.setattr(model_runner.sys, "platform", "darwin")
+    written = ModelRunner(EngineConfig(kv_cache_memory=64 << 20, kv_cache_prefault=True), path)
+    assert _resident_pages(written.kv_cache) == (pages, pages) and not written.kv_cache.any()
 
 
 def test_kv_cache_budget_and_dtype(tiny_model_factory) -> None:

@@ -2,7 +2,7 @@
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.errors import EngineError, EngineOverloaded, ModelLoadError, RequestRejected
+from engine.errors import EngineError, EngineOverloaded, EngineRestarting, ModelLoadError, RequestRejected
 from engine.llm_engine import Engine
 from engine.outputs import CompletionOutput, Logprob, PinnedPrefix, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -14,6 +14,7 @@ __all__ = [
     "EngineConfig",
     "EngineError",
     "EngineOverloaded",
+    "EngineRestarting",
     "Logprob",
     "ModelLoadError",
     "PinnedPrefix",

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -52,32 +54,41 @@ def test_default_budget_floor_cap_and_lazy_commit(tiny_model_factory, monkeypatc
     assert runner.kv_cache[:, :, 2:4].abs().sum() == 0
 
 
-def _resident_pages(t: torch.Tensor) -> tuple[int, int]:
-    """Pages of ``t``'s memory the OS backs now (mincore), and all its pages."""
+def _resident_pages(address: int, nbytes: int) -> tuple[int, int]:
+    """Pages of the memory at ``address`` the OS backs now (mincore), and all its pages."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     page = os.sysconf("SC_PAGE_SIZE")
-    first = t.data_ptr() // page * page
-    length = t.data_ptr() + t.numel() * t.element_size() - first
+    first = address // page * page
+    length = address + nbytes - first
     vec = (ctypes.c_ubyte * -(-length // page))()
     assert libc.mincore(first, length, vec) == 0, ctypes.get_errno()
     return sum(b & 1 for b in vec), len(vec)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore's residency, as Linux reports it")
-def test_kv_cache_prefault_commits_every_page(tiny_model_factory, monkeypatch) -> None:
-    """kv_cache_prefault has every page of the cache backed at start-up, its values still zero (by madvise, and by
-    writes where that is not Linux's); without it a fresh cache's pages are backed only as blocks are written."""
-    path = tiny_model_factory("llama")
-    lazy = ModelRunner(EngineConfig(kv_cache_memory=64 << 20), path)
-    resident, pages = _resident_pages(lazy.kv_cache)
-    assert resident < pages // 4
-    eager = ModelRunner(EngineConfig(kv_cache_memory=64 << 20, kv_cache_prefault=True), path)
-    assert _resident_pages(eager.kv_cache) == (pages, pages)
-    assert not eager.kv_cache.any()
-    monkeypatch.setattr(model_runner.sys, "platform", "darwin")
-    written = ModelRunner(EngineConfig(kv_cache_memory=64 << 20, kv_cache_prefault=True), path)
-    assert _resident_pages(written.kv_cache) == (pages, pages) and not written.kv_cache.any()
+@pytest.mark.parametrize("platform", ["linux", "darwin"])  # madvise, and the writes elsewhere
+def test_commit_pages_backs_every_page_and_keeps_zeros(platform: str, monkeypatch) -> None:
+    """commit_pages has the OS back every page of fresh anonymous memory (none backed before), the bytes still zero,
+    with the buffer starting mid-page."""
+    region = mmap.mmap(-1, 8 << 20)
+    buffer = np.frombuffer(region, dtype=np.uint8)[100:]
+    assert _resident_pages(buffer.ctypes.data, buffer.nbytes)[0] == 0
+    monkeypatch.setattr(model_runner.sys, "platform", platform)
+    model_runner.commit_pages(buffer, threads=2)
+    resident, pages = _resident_pages(buffer.ctypes.data, buffer.nbytes)
+    assert resident == pages and not buffer.any()
+    del buffer
+    region.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore's residency, as Linux reports it")
+def test_kv_cache_prefault_commits_the_cache(tiny_model_factory) -> None:
+    """With kv_cache_prefault the runner's whole cache is backed at start-up and still zero."""
+    runner = ModelRunner(EngineConfig(kv_cache_memory=16 << 20, kv_cache_prefault=True), tiny_model_factory("llama"))
+    cache = runner.kv_cache
+    resident, pages = _resident_pages(cache.data_ptr(), cache.numel() * cache.element_size())
+    assert resident == pages and not cache.any()
 
 
 def test_kv_cache_budget_and_dtype(tiny_model_factory) -> None:

@@ -144,17 +144,30 @@ static inline __attribute__((always_inline)) void softmax_chunk(vs *restrict s, 
     }
 }
 
+#if KV_BF16 && defined(__AVX512BF16__) && SHARED_W == 16
+#define HAVE_DOT_ATTENTION 1
+#include "attention_dot.h"
+#endif
+
 /* Attention over the shared keys [0, shared) of one table for Q <= MAX_LANES queries held
  * as vector lanes: qt[d * QV + j] holds element d of the queries of lanes j * SHARED_W .. (j + 1) * SHARED_W - 1
  * (scaled; padding lanes 0). Carries per-lane state: maxima m[QV], sums l[QV] and
- * accumulators ot[d * QV + j]. QV and D are compile-time constants in the callers. */
+ * accumulators ot[d * QV + j]. QV and D are compile-time constants in the callers. With `dot` (a bfloat16
+ * cache where the build has AVX512-BF16) VDPBF16PS multiplies, dot_shared_phase; else float32 FMAs. */
 static inline __attribute__((always_inline)) void shared_phase(const vs *restrict qt, const int QV,
                                                                const kv_t *restrict k_cache,
                                                                const kv_t *restrict v_cache,
                                                                const int32_t *restrict table, int64_t shared,
                                                                int64_t block_size, int64_t token_stride,
-                                                               int64_t head_offset, const int D, vs *restrict m,
-                                                               vs *restrict l, vs *restrict ot) {
+                                                               int64_t head_offset, const int D, int dot,
+                                                               vs *restrict m, vs *restrict l, vs *restrict ot) {
+#ifdef HAVE_DOT_ATTENTION
+    if (dot) {
+        dot_shared_phase(qt, QV, k_cache, v_cache, table, shared, block_size, token_stride, head_offset, D, m, l, ot);
+        return;
+    }
+#endif
+    (void)dot;
     vs s[MAX_BLOCK_SIZE * MAX_LANE_VECTORS];
     for (int64_t pos = 0; pos < shared;) {
         const int64_t n = chunk_len(pos, shared, block_size, block_size);
@@ -210,15 +223,11 @@ static inline __attribute__((always_inline)) void shared_phase(const vs *restric
     }
 }
 
-#if KV_BF16 && defined(__AVX512BF16__) && SHARED_W == 16
-#define HAVE_DOT_ATTENTION 1
-#include "attention_dot.h"
-#endif
+/* The paths of a tile's shared keys: widened float32 vectors (shared_phase; every path over a float32
+ * cache), VDPBF16PS (dot_shared_phase), AMX tiles (amx_shared_phase). */
+enum { ATTENTION_WIDENED = 0, ATTENTION_DOT = 1, ATTENTION_AMX = 2 };
 
 #if KV_BF16
-/* The paths of a tile's shared keys over a bfloat16 cache: widened float32 vectors (shared_phase),
- * VDPBF16PS (dot_shared_phase), AMX tiles (amx_shared_phase). */
-enum { ATTENTION_WIDENED = 0, ATTENTION_DOT = 1, ATTENTION_AMX = 2 };
 static int attention_limit = ATTENTION_AMX;
 
 /* Caps the shared keys' path at `limit` (an ATTENTION_ value): tests, PAGED_BF16_ATTENTION. */
@@ -323,28 +332,16 @@ static inline __attribute__((always_inline)) void attend_tile(
                     lt[j] = (vs){0};
                 }
                 scaled_queries(q, q_row, q_head, q_col, rows, Q, G, h, D, scale, 1, QV * SHARED_W, qtf);
-#ifdef HAVE_DOT_ATTENTION
-                if (path == ATTENTION_DOT) {
-                    if (QV == 1)
-                        dot_shared_phase(qt, 1, k_cache, v_cache, table, shared, block_size, token_stride, head_offset,
-                                         D, mt, lt, ot);
-                    else if (QV == 2)
-                        dot_shared_phase(qt, 2, k_cache, v_cache, table, shared, block_size, token_stride, head_offset,
-                                         D, mt, lt, ot);
-                    else
-                        dot_shared_phase(qt, 3, k_cache, v_cache, table, shared, block_size, token_stride, head_offset,
-                                         D, mt, lt, ot);
-                } else
-#endif
+                const int dot = path == ATTENTION_DOT;
                 if (QV == 1)
-                    shared_phase(qt, 1, k_cache, v_cache, table, shared, block_size, token_stride, head_offset, D, mt,
-                                 lt, ot);
+                    shared_phase(qt, 1, k_cache, v_cache, table, shared, block_size, token_stride, head_offset, D, dot,
+                                 mt, lt, ot);
                 else if (QV == 2)
-                    shared_phase(qt, 2, k_cache, v_cache, table, shared, block_size, token_stride, head_offset, D, mt,
-                                 lt, ot);
+                    shared_phase(qt, 2, k_cache, v_cache, table, shared, block_size, token_stride, head_offset, D, dot,
+                                 mt, lt, ot);
                 else
-                    shared_phase(qt, 3, k_cache, v_cache, table, shared, block_size, token_stride, head_offset, D, mt,
-                                 lt, ot);
+                    shared_phase(qt, 3, k_cache, v_cache, table, shared, block_size, token_stride, head_offset, D, dot,
+                                 mt, lt, ot);
                 lane_step = 1, d_step = QV * SHARED_W;
             }
             const float *restrict otf = (const float *)ot, *restrict mtf = (const float *)mt;
@@ -454,7 +451,7 @@ int KV_NAME(paged_attention)(const float *q, int64_t q_row, int64_t q_head, int6
 #if KV_BF16
     const int path = attention_bf16_path(D);
 #else
-    const int path = 0; /* float32 cache: shared_phase */
+    const int path = ATTENTION_WIDENED;
 #endif
     /* a tile's KV heads (up to MAX_GROUP query heads) to one item, once there are tiles enough for every thread:
      * a row's own keys then come front to back, and the heads' elements share the cache's lines and pages */

@@ -60,7 +60,7 @@ static inline __attribute__((always_inline)) void dot_scores(const __m512bh *res
         for (int j = 0; j < QV; ++j) s[u * QV + j] = (vs)a[u][j];
 }
 
-/* shared_phase's arguments and state, the queries qt as it takes them; D a multiple of 32. */
+/* shared_phase with `dot`: its arguments and state, the queries qt as it takes them; D a multiple of 32. */
 static inline __attribute__((always_inline)) void dot_shared_phase(const vs *restrict qt, const int QV,
                                                                    const uint16_t *restrict k_cache,
                                                                    const uint16_t *restrict v_cache,

@@ -162,10 +162,6 @@ static void tile_generic(const int8_t *xq, const float *scale, const float *xsum
 }
 
 #ifdef __AVX512VNNI__
-/* sum += VPDPBUSD(w, x). As an intrinsic in these tiles, GCC copies or spills the sums around each one,
- * and the tile runs at 60% of the instruction's rate; as an instruction the sums stay in place. */
-#define DPBUSD(sum, w, x) __asm__("vpdpbusd %2, %1, %0" : "+v"(sum) : "v"(w), "v"(x))
-
 /* tile_generic's sums and steps on AVX512-VNNI; inlined with a constant `rows`. */
 static inline __attribute__((always_inline)) void tile_vnni(const int8_t *xq, const float *scale, const float *xsum,
                                                             int rows, int64_t K, const pair_t *pair, float *y,
@@ -183,8 +179,8 @@ static inline __attribute__((always_inline)) void tile_vnni(const int8_t *xq, co
                 int32_t four;
                 memcpy(&four, xq + i * K + b * QBLOCK + 4 * g, sizeof four);
                 const __m512i xb = _mm512_set1_epi32(four);
-                DPBUSD(sum[i][0], w0, xb);
-                DPBUSD(sum[i][1], w1, xb);
+                sum[i][0] = _mm512_dpbusd_epi32(sum[i][0], w0, xb);
+                sum[i][1] = _mm512_dpbusd_epi32(sum[i][1], w1, xb);
             }
         }
         const float *s0 = pair->scales[0] + b * 2 * PANEL, *s1 = pair->scales[1] + b * 2 * PANEL;

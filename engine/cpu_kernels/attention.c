@@ -129,17 +129,20 @@ static inline __attribute__((always_inline)) void softmax_chunk(vs *restrict s, 
                                                                 vs *restrict m, vs *restrict l,
                                                                 vs *restrict correction) {
     for (int j = 0; j < QV; ++j) {
-        vs block_max = s[j];
-        for (int64_t u = 1; u < n; ++u) block_max = vs_max(block_max, s[u * QV + j]);
-        const vs new_max = vs_max(block_max, m[j]);
+        vs top[4] = {s[j], s[j], s[j], s[j]}; /* four chains of maxima, not one n long */
+        int64_t u = 1;
+        for (; u + 4 <= n; u += 4)
+            for (int c = 0; c < 4; ++c) top[c] = vs_max(top[c], s[(u + c) * QV + j]);
+        for (; u < n; ++u) top[0] = vs_max(top[0], s[u * QV + j]);
+        const vs new_max = vs_max(vs_max(vs_max(top[0], top[1]), vs_max(top[2], top[3])), m[j]);
         correction[j] = VEXP_S(m[j] - new_max); /* 0 while m is -inf */
-        vs sum = {0};
-        for (int64_t u = 0; u < n; ++u) {
+        vs sum[2] = {{0}, {0}};
+        for (u = 0; u < n; ++u) {
             const vs p = VEXP_S(s[u * QV + j] - new_max);
             s[u * QV + j] = p;
-            sum += p;
+            sum[u & 1] += p;
         }
-        l[j] = l[j] * correction[j] + sum;
+        l[j] = l[j] * correction[j] + (sum[0] + sum[1]);
         m[j] = new_max;
     }
 }
@@ -294,6 +297,21 @@ static inline __attribute__((always_inline)) void own_keys(const float *restrict
 #undef OWN
 }
 
+/* Fetches the cache lines of one row's first chunk of keys and values at context position pos (up to 16 keys,
+ * within a block, before end) for KV heads [h0, h1), ahead of the row. */
+static inline __attribute__((always_inline)) void prefetch_chunk(const kv_t *k_cache, const kv_t *v_cache,
+                                                                 const int32_t *table, int64_t pos, int64_t end,
+                                                                 int64_t block_size, int64_t token_stride, int64_t h0,
+                                                                 int64_t h1, const int D) {
+    if (pos >= end) return;
+    const int64_t n = chunk_len(pos, end, block_size, 16);
+    const int64_t base = chunk_base(table, pos, block_size, token_stride) + h0 * D;
+    for (int64_t t = 0; t < n; ++t) {
+        prefetch_row(k_cache + base + t * token_stride, (int)(h1 - h0) * D);
+        prefetch_row(v_cache + base + t * token_stride, (int)(h1 - h0) * D);
+    }
+}
+
 /* One work item: the rows[0..R) of a tile (their shared keys: [0, shared)) for KV heads [h0, h1), at most
  * MAX_GROUP query heads. A multi-row tile's shared phase runs head by head, leaving each row's
  * accumulators in out (unnormalized) and its maxima and sums in ml; each row then takes its own keys
@@ -308,6 +326,8 @@ static inline __attribute__((always_inline)) void attend_tile(
     const int Q = (int)R * G, QV = (Q + SHARED_W - 1) / SHARED_W, heads = (int)(h1 - h0) * G; /* a row's here */
     float ml[MAX_LANES * MAX_GROUP][2]; /* row r's query head j of the item: [r * heads + j] = (max, sum) */
     if (R > 1 && shared > 0) {
+        prefetch_chunk(k_cache, v_cache, block_tables + rows[0] * table_stride, shared, seq_lens[rows[0]], block_size,
+                       token_stride, h0, h1, D);
         const int32_t *table = block_tables + rows[0] * table_stride;
         vs qt[MAX_HEAD_DIM * MAX_LANE_VECTORS], ot[MAX_HEAD_DIM * MAX_LANE_VECTORS];
         vs mt[MAX_LANE_VECTORS], lt[MAX_LANE_VECTORS];
@@ -359,6 +379,9 @@ static inline __attribute__((always_inline)) void attend_tile(
     }
     for (int64_t r = 0; r < R; ++r) {
         const int64_t i = rows[r];
+        if (r + 1 < R)
+            prefetch_chunk(k_cache, v_cache, block_tables + rows[r + 1] * table_stride, shared, seq_lens[rows[r + 1]],
+                           block_size, token_stride, h0, h1, D);
         float qs[MAX_GROUP * MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP];
         float *restrict acc = out + (i * num_heads + h0 * G) * D;
         for (int64_t h = h0; h < h1; ++h)

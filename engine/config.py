@@ -78,6 +78,12 @@ class EngineConfig:
         "and head shapes, else torch.",
         choices=("auto", "torch", "cpu", "triton"),
     )
+    enforce_eager: bool = knob(
+        False,
+        "Run the model module by module in Python, as vLLM's flag of this name keeps eager mode (False: on CPU "
+        "with the C kernels, a Llama-family model's decoder layers run as one C call a step, the same kernels "
+        "without the Python between them).",
+    )
     max_queued_requests: int = knob(4096, "Admission limit: waiting requests (beyond it, EngineOverloaded).", ge=1, le=1 << 30)
     max_queued_tokens: int = knob(
         4_000_000, "Admission limit: prompt tokens of waiting requests (beyond it, EngineOverloaded).", ge=1, le=1 << 40

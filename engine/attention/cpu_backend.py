@@ -14,7 +14,7 @@ from engine.attention.prefix import common_prefix
 _SORT_BLOCKS = 64  # leading blocks of the tables that order the rows for tiling
 
 
-class _RowPlan(NamedTuple):
+class RowPlan(NamedTuple):
     """One step's query tokens as the kernel's rows; built once per step, shared by every layer."""
 
     block_tables: torch.Tensor  # [T, max_blocks] int32: each row's sequence's table
@@ -92,7 +92,7 @@ class CpuAttentionBackend(AttentionBackend):
         self.group = group
         self._lanes: int | None = None  # cpu_kernels.tile_lanes of the cache, on the first step
         self._plan_meta: AttentionMetadata | None = None
-        self._plan: _RowPlan | None = None
+        self._plan: RowPlan | None = None
 
     def forward(
         self,
@@ -107,9 +107,7 @@ class CpuAttentionBackend(AttentionBackend):
         # NOTE: every new token's K/V is stored before any row reads the cache, so a row may read
         # keys that another token of this batch writes now (its own chunk, or a prefix being cached).
         cpu_kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        if self._lanes is None:
-            self._lanes = cpu_kernels.tile_lanes(k_cache.shape[-1], k_cache.dtype)
-        plan = self._get_plan(meta, k_cache.shape[1])
+        plan = self.row_plan(meta, k_cache)
         return cpu_kernels.attention(q, k_cache, v_cache, plan.block_tables, plan.seq_lens, scale, plan.tiles)
 
     def describe(self, cache_dtype: torch.dtype, head_dim: int) -> str:
@@ -119,11 +117,15 @@ class CpuAttentionBackend(AttentionBackend):
         dtype = str(cache_dtype).removeprefix("torch.")
         return f"cpu ({dtype} cache; tiles of {lanes} queries, their shared keys on {on})"
 
-    def _get_plan(self, meta: AttentionMetadata, block_size: int) -> _RowPlan:
+    def row_plan(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> RowPlan:
+        """The step's query tokens as the kernel's rows and tiles over caches like ``k_cache``; built on a
+        step's first call, then the same for every layer."""
+        if self._lanes is None:
+            self._lanes = cpu_kernels.tile_lanes(k_cache.shape[-1], k_cache.dtype)
         if meta is not self._plan_meta:
             seq_lens, tables = token_rows(meta)
             tables = np.ascontiguousarray(tables, dtype=np.int32)
-            tiles = plan_tiles(seq_lens, tables, block_size, self.group, self._lanes)
-            self._plan = _RowPlan(torch.from_numpy(tables), torch.from_numpy(seq_lens), tiles)
+            tiles = plan_tiles(seq_lens, tables, k_cache.shape[1], self.group, self._lanes)
+            self._plan = RowPlan(torch.from_numpy(tables), torch.from_numpy(seq_lens), tiles)
             self._plan_meta = meta
         return self._plan

@@ -44,7 +44,9 @@ from engine.loader import cache_root
 logger = logging.getLogger(__name__)
 
 _SOURCES = (
-    "vec.h", "linear.h", "linear_tiles16.h", "bf16_kernels.h", "attention_amx.h", "attention_dot.h", "attention_rows.h", "attention.c", "attention_bf16.c", "elementwise.c", "linear.c", "linear_bf16.c", "linear_int8.c", "token_mask.c"
+    "vec.h", "kernels.h", "linear.h", "linear_tiles16.h", "bf16_kernels.h", "attention_amx.h", "attention_dot.h",
+    "attention_rows.h", "attention.c", "attention_bf16.c", "elementwise.c", "linear.c", "linear_bf16.c",
+    "linear_int8.c", "token_mask.c", "decoder.c",
 )
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 # Fixed-size scratch of the kernels (see MAX_* in the sources).
@@ -126,6 +128,10 @@ _SIGNATURES = {
     "attention_bf16_limit": [ctypes.c_int],
     # logits, ld, bitmask, words per row, rows, number of rows, vocabulary size
     "apply_token_bitmask_f32": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64],
+    # plan, tokens (decoder.c)
+    "decoder_scratch": [_PTR, _I64],
+    # plan, step, x, out, scratch, the failing kernel (out)
+    "decoder_forward": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR],
 }
 # The kernels built for a bfloat16 cache or weight take the float32 ones' arguments.
 _SIGNATURES |= {f"{name}_bf16": _SIGNATURES[f"{name}_f32"] for name in ("paged_attention", "store_kv", "linear")}
@@ -133,6 +139,7 @@ _SIGNATURES |= {f"{name}_bf16": _SIGNATURES[f"{name}_f32"] for name in ("paged_a
 _RETURN_STATUS = {
     "paged_attention_f32", "paged_attention_bf16", "store_kv_f32", "store_kv_bf16", "rotary_f32", "linear_q8_f32",
     "linear_q4_f32", "linear_w8a8_f32", "linear_int8_path", "linear_bf16", "linear_bf16_path", "attention_bf16_path", "attention_max_lanes",
+    "decoder_forward",
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -158,7 +165,8 @@ def library() -> ctypes.CDLL | None:
         return None
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.restype, fn.argtypes = (ctypes.c_int if name in _RETURN_STATUS else None), argtypes
+        fn.restype = ctypes.c_int64 if name == "decoder_scratch" else ctypes.c_int if name in _RETURN_STATUS else None
+        fn.argtypes = argtypes
     for variable, paths, cap in (
         ("PAGED_BF16_LINEAR", BF16_LINEAR_PATHS, lib.linear_bf16_limit),
         ("PAGED_BF16_ATTENTION", BF16_ATTENTION_PATHS, lib.attention_bf16_limit),
@@ -265,20 +273,35 @@ def attention(
         tiles.shared.data_ptr(), len(tiles.shared), out.data_ptr(), num_heads, num_kv_heads, head_dim, block_size,
         k_cache.shape[0], scale,
     )
+    if status:
+        raise attention_error(status, num_rows, num_heads // num_kv_heads, k_cache.shape[0], block_tables.shape[1])
+    return out
+
+
+def attention_error(status: int, num_rows: int, group: int, num_blocks: int, table_width: int) -> Exception:
+    """The error of ``paged_attention``'s status (-1, -2 or -3) for ``num_rows`` rows of ``group`` query heads
+    per KV head, ``num_blocks`` cache blocks and tables of ``table_width`` entries."""
     if status == -1:
-        raise ValueError(
+        return ValueError(
             f"invalid tiles: not every one of the {num_rows} rows in exactly one tile, a tile of more than "
-            f"{lib.attention_max_lanes() // (num_heads // num_kv_heads)} rows, or shared keys beyond a row's "
-            "context or where the rows' tables differ"
+            f"{_lib().attention_max_lanes() // group} rows, or shared keys beyond a row's context or where the "
+            "rows' tables differ"
         )
     if status == -2:
-        raise IndexError(
-            f"a row's context needs a block id outside [0, {k_cache.shape[0]}) or past its table's "
-            f"{block_tables.shape[1]} entries"
+        return IndexError(
+            f"a row's context needs a block id outside [0, {num_blocks}) or past its table's {table_width} entries"
         )
-    if status == -3:
-        raise MemoryError("the CPU attention kernel could not allocate its scratch")
-    return out
+    return MemoryError("the CPU attention kernel could not allocate its scratch")
+
+
+def slot_error(num_slots: int) -> IndexError:
+    """The error of ``store_kv``'s status: a slot outside the cache."""
+    return IndexError(f"a slot of slot_mapping is outside the cache's {num_slots} slots")
+
+
+def position_error(num_positions: int) -> IndexError:
+    """The error of ``rotary``'s status: a position outside its table."""
+    return IndexError(f"a position is outside the rotary table's {num_positions} positions")
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -297,7 +320,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                     slots.data_ptr(), k2.shape[0], k2.shape[1] * k2.shape[2], k_cache.data_ptr(), v_cache.data_ptr(),
                     num_slots)
     if status:
-        raise IndexError(f"a slot of slot_mapping is outside the cache's {num_slots} slots")
+        raise slot_error(num_slots)
 
 
 def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -384,7 +407,7 @@ def rotary(
         q_out.data_ptr(), num_heads * head_dim, k_out.data_ptr(), num_kv_heads * head_dim,
     )
     if status:
-        raise IndexError(f"a position is outside the rotary table's {cos_sin.shape[0]} positions")
+        raise position_error(cos_sin.shape[0])
     return q_out, k_out
 
 

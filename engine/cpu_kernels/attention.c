@@ -28,6 +28,7 @@
 #include <stdlib.h>
 
 #include "vec.h"
+#include "kernels.h"
 
 #ifndef KV_BF16
 #define KV_BF16 0

@@ -9,6 +9,7 @@
  */
 
 #include "vec.h"
+#include "kernels.h"
 
 /* residual_out = x + residual (when residual is not NULL); out = rms_norm(that) * weight.
  * x, residual, out, residual_out: [T, n], leading dimensions ld_x, ld_r, ld_out. */

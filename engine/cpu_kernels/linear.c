@@ -19,6 +19,7 @@
 #include <stdlib.h>
 
 #include "vec.h"
+#include "kernels.h"
 #include "linear.h"
 #include "bf16_kernels.h"
 

@@ -20,6 +20,7 @@
 #include <stdlib.h>
 
 #include "bf16_kernels.h"
+#include "kernels.h"
 
 static int path_limit = PATH_AMX;
 

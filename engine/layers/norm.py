@@ -23,10 +23,11 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """``norm(x)``, or ``(norm(x + residual), x + residual)``; float32 CPU rows take the C kernel."""
-        if x.dim() == 2 and cpu_kernels.serves(x):
-            out, residual_out = cpu_kernels.rms_norm(x, self.weight, self.eps, residual)
-            return out if residual is None else (out, residual_out)
+        """``norm(x)``, or ``(norm(x + residual), x + residual)``; float32 CPU rows take the C kernel, and so do
+        the heads of ``[T, H, D]`` (a per-head norm, as ``DecoderPlan`` runs it)."""
+        if cpu_kernels.serves(x) and (x.dim() == 2 or (x.dim() == 3 and residual is None)):
+            out, residual_out = cpu_kernels.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps, residual)
+            return out.view(x.shape) if residual is None else (out, residual_out)
         if residual is None:
             return self._norm(x)
         residual = x + residual

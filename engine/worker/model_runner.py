@@ -31,6 +31,7 @@ from engine.layers.rotary import RotaryEmbedding
 from engine.loader import gguf_source
 from engine.models.registry import get_model_class
 from engine.worker.forward_context import ForwardContext, set_forward_context
+from engine.worker.decoder_plan import DecoderPlan
 from engine.worker.input_batch import prepare_inputs
 from engine.worker.weight_formats import WeightsSummary, quantize_linears
 
@@ -102,11 +103,14 @@ class ModelRunner:
         self.kv_cache = self._allocate_kv_cache()
         for attn, kv_cache in zip(self._attention_layers(), self.kv_cache):
             attn.kv_cache, attn.backend = kv_cache, self.attn_backend
+        # the decoder layers in one C call a step where the CPU kernels run them all (else None: the modules do)
+        self.decoder_plan = None if config.enforce_eager else DecoderPlan.build(self.model, self.attn_backend, self.dtype)
         logger.info(
-            "model %s on %s (%s, weights and KV cache in %s and %s; linear weights: %s; attention: %s): "
+            "model %s on %s (%s, weights and KV cache in %s and %s; linear weights: %s; attention: %s; layers: %s): "
             "%d KV blocks of %d tokens",
             self.hf_config.model_type, self.device, self.dtype, self.weight_dtype, self.kv_cache_dtype,
-            self.weights, self.attention, self.num_blocks, self.block_size,
+            self.weights, self.attention, "modules" if self.decoder_plan is None else "one C call a step",
+            self.num_blocks, self.block_size,
         )
 
     @torch.inference_mode()
@@ -116,8 +120,11 @@ class ModelRunner:
         if not scheduled:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         inputs = prepare_inputs(scheduled, self.block_size, self.device)
-        with set_forward_context(ForwardContext(inputs.attn_metadata)):
-            hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
+        if self.decoder_plan is not None:
+            hidden = self.decoder_plan.forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        else:
+            with set_forward_context(ForwardContext(inputs.attn_metadata)):
+                hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
         # NOTE: the LM head runs only on the rows whose next token is sampled.
         return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices)).float()
 

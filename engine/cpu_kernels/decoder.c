@@ -1,0 +1,175 @@
+/* A Llama-family decoder's step in one call: every layer's
+ *   rms_norm (+ residual) -> qkv -> [q/k head norms] -> rotary -> store_kv -> attention -> o
+ *   -> rms_norm (+ residual) -> gate_up -> silu_and_mul -> down,
+ * then the final norm. Each step is the kernel the Python module calls, with the same arguments, so the
+ * outputs are the same bits; what goes is the Python between them (about 100 us a layer: a module call,
+ * argument checks and a ctypes call per operator), a twelfth of a 64-row decode step and a third of a
+ * one-row step of the bundled model.
+ *
+ * The plan (weights, caches, sizes) is built once per model; a step passes its tokens' positions and
+ * cache slots, the rows' block tables and the attention tiles. Intermediates live in one scratch of
+ * decoder_scratch() floats.
+ */
+
+#include <stddef.h>
+
+#include "kernels.h"
+
+/* A linear layer as the kernels take it; kind picks the kernel. */
+enum { LINEAR_F32 = 0, LINEAR_BF16 = 1, LINEAR_Q8 = 2, LINEAR_Q4 = 3, LINEAR_W8A8 = 4 };
+
+typedef struct {
+    const void *weight;  /* packed panels (float32, bfloat16) or codes */
+    const float *scales; /* the quantized kinds' */
+    const float *bias;   /* or NULL */
+    int64_t out_features, in_features;
+    int32_t kind, bf16_products;
+} linear_plan;
+
+typedef struct {
+    const float *input_norm, *post_norm; /* [hidden] */
+    const float *q_norm, *k_norm;        /* [head_dim] each, or NULL */
+    void *k_cache, *v_cache;             /* [num_blocks, block_size, Hkv, D], float32 or bfloat16 */
+    linear_plan qkv, o, gate_up, down;
+} layer_plan;
+
+typedef struct {
+    const layer_plan *layers;
+    const float *final_norm; /* [hidden] */
+    const float *cos_sin;    /* [max_positions, rotary_dim] */
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, rotary_dim, max_positions;
+    int64_t block_size, num_blocks;
+    float eps, scale;
+    int32_t kv_bf16;
+} decoder_plan;
+
+typedef struct {
+    const int64_t *positions, *slots;                        /* [tokens] */
+    const int32_t *block_tables;                             /* [tokens, table_stride]: each token row's table */
+    const int64_t *seq_lens;                                 /* [tokens] */
+    const int64_t *tile_rows, *tile_starts, *tile_shared;    /* paged_attention's tiles */
+    int64_t tokens, table_stride, num_tiles;
+} decoder_step;
+
+/* Which kernel a failing status came from (decoder_forward's *failed). */
+enum { FAILED_LINEAR = 1, FAILED_ROTARY = 2, FAILED_STORE_KV = 3, FAILED_ATTENTION = 4 };
+
+static int run_linear(const linear_plan *w, const float *x, int64_t ld_x, int64_t M, float *y) {
+    const int64_t N = w->out_features, K = w->in_features;
+    switch (w->kind) {
+    case LINEAR_F32: linear_f32(x, ld_x, M, w->weight, N, K, w->bias, y, N); return 0;
+    case LINEAR_BF16: return linear_bf16(x, ld_x, M, w->weight, N, K, w->bias, y, N);
+    case LINEAR_Q8: return linear_q8_f32(x, ld_x, M, w->weight, w->scales, N, K, w->bias, y, N, w->bf16_products);
+    case LINEAR_Q4: return linear_q4_f32(x, ld_x, M, w->weight, w->scales, N, K, w->bias, y, N, w->bf16_products);
+    case LINEAR_W8A8: return linear_w8a8_f32(x, ld_x, M, w->weight, w->scales, N, K, w->bias, y, N);
+    default: return -1;
+    }
+}
+
+/* The scratch's parts for T tokens, in floats, laid out one after another. */
+typedef struct {
+    float *residual[2], *normed, *out, *qkv, *q_normed, *k_normed, *q, *k, *attn, *gate_up, *act;
+} scratch_parts;
+
+static int64_t layout(const decoder_plan *p, int64_t T, float *base, scratch_parts *s) {
+    const int64_t q_width = p->num_heads * p->head_dim, kv_width = p->num_kv_heads * p->head_dim;
+    const int has_qk_norm = p->num_layers > 0 && p->layers[0].q_norm != NULL;
+    const int64_t sizes[] = {
+        T * p->hidden, T * p->hidden, T * p->hidden, T * p->hidden, T * (q_width + 2 * kv_width),
+        has_qk_norm ? T * q_width : 0, has_qk_norm ? T * kv_width : 0, T * q_width, T * kv_width, T * q_width,
+        T * 2 * p->intermediate, T * p->intermediate,
+    };
+    float **parts[] = {&s->residual[0], &s->residual[1], &s->normed, &s->out, &s->qkv, &s->q_normed,
+                       &s->k_normed, &s->q, &s->k, &s->attn, &s->gate_up, &s->act};
+    int64_t used = 0;
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; ++i) {
+        *parts[i] = base == NULL ? NULL : base + used;
+        used += (sizes[i] + 15) / 16 * 16; /* each part on its own 64-byte lines */
+    }
+    return used;
+}
+
+/* The floats of scratch decoder_forward needs for T tokens. */
+int64_t decoder_scratch(const decoder_plan *p, int64_t T) {
+    scratch_parts s;
+    return layout(p, T, NULL, &s);
+}
+
+/* One layer's attention half: x normed -> qkv -> rotary -> the cache -> attention -> o into s->out. */
+static int attention_half(const decoder_plan *p, const layer_plan *L, const decoder_step *st, scratch_parts *s,
+                          int *failed) {
+    const int64_t T = st->tokens, H = p->num_heads, Hkv = p->num_kv_heads, D = p->head_dim;
+    const int64_t q_width = H * D, kv_width = Hkv * D, qkv_width = q_width + 2 * kv_width;
+    int status = run_linear(&L->qkv, s->normed, p->hidden, T, s->qkv);
+    if (status) return *failed = FAILED_LINEAR, status;
+    const float *q = s->qkv, *k = s->qkv + q_width, *v = s->qkv + q_width + kv_width;
+    int64_t ld_q = qkv_width, ld_k = qkv_width;
+    if (L->q_norm != NULL) { /* per head, as RMSNorm over [T * H, D] rows */
+        for (int64_t t = 0; t < T; ++t) {
+            rms_norm_f32(q + t * qkv_width, D, NULL, 0, L->q_norm, H, D, p->eps, s->q_normed + t * q_width, NULL, D);
+            rms_norm_f32(k + t * qkv_width, D, NULL, 0, L->k_norm, Hkv, D, p->eps, s->k_normed + t * kv_width, NULL,
+                         D);
+        }
+        q = s->q_normed, k = s->k_normed, ld_q = q_width, ld_k = kv_width;
+    }
+    status = rotary_f32(q, ld_q, k, ld_k, st->positions, p->cos_sin, p->max_positions, T, H, Hkv, D, p->rotary_dim,
+                        s->q, q_width, s->k, kv_width);
+    if (status) return *failed = FAILED_ROTARY, status;
+    const int64_t num_slots = p->num_blocks * p->block_size;
+    status = p->kv_bf16 ? store_kv_bf16(s->k, kv_width, 1, v, qkv_width, 1, st->slots, T, kv_width, L->k_cache,
+                                        L->v_cache, num_slots)
+                        : store_kv_f32(s->k, kv_width, 1, v, qkv_width, 1, st->slots, T, kv_width, L->k_cache,
+                                       L->v_cache, num_slots);
+    if (status) return *failed = FAILED_STORE_KV, status;
+    status = p->kv_bf16
+                 ? paged_attention_bf16(s->q, q_width, D, 1, L->k_cache, L->v_cache, st->block_tables, st->table_stride,
+                                        st->seq_lens, T, st->tile_rows, st->tile_starts, st->tile_shared, st->num_tiles,
+                                        s->attn, H, Hkv, D, p->block_size, p->num_blocks, p->scale)
+                 : paged_attention_f32(s->q, q_width, D, 1, L->k_cache, L->v_cache, st->block_tables, st->table_stride,
+                                       st->seq_lens, T, st->tile_rows, st->tile_starts, st->tile_shared, st->num_tiles,
+                                       s->attn, H, Hkv, D, p->block_size, p->num_blocks, p->scale);
+    if (status) return *failed = FAILED_ATTENTION, status;
+    status = run_linear(&L->o, s->attn, q_width, T, s->out);
+    if (status) return *failed = FAILED_LINEAR, status;
+    return 0;
+}
+
+/* The residual buffer that is not `residual`, for the next sum (a norm never writes the residual it reads). */
+static float *spare(const scratch_parts *s, const float *residual) {
+    return residual == s->residual[0] ? s->residual[1] : s->residual[0];
+}
+
+/* x [T, hidden]: the tokens' embeddings; out [T, hidden]: the final norm of the last layer's output.
+ * num_layers >= 1. Returns 0, or the status of the first kernel that failed, which *failed names (a FAILED_
+ * value); the caches of the layers before it then hold this step's keys and values. */
+int decoder_forward(const decoder_plan *p, const decoder_step *st, const float *x, float *out, float *scratch,
+                    int32_t *failed) {
+    const int64_t T = st->tokens, n = p->hidden;
+    scratch_parts s;
+    layout(p, T, scratch, &s);
+    int which = 0;
+    const float *residual = x; /* the first layer's residual is its input */
+    for (int64_t i = 0; i < p->num_layers; ++i) {
+        const layer_plan *L = &p->layers[i];
+        if (i == 0)
+            rms_norm_f32(x, n, NULL, 0, L->input_norm, T, n, p->eps, s.normed, NULL, n);
+        else { /* the previous layer's output in s.out, plus its residual */
+            float *sum = spare(&s, residual);
+            rms_norm_f32(s.out, n, residual, n, L->input_norm, T, n, p->eps, s.normed, sum, n);
+            residual = sum;
+        }
+        int status = attention_half(p, L, st, &s, &which);
+        if (status) return *failed = which, status;
+        float *sum = spare(&s, residual);
+        rms_norm_f32(s.out, n, residual, n, L->post_norm, T, n, p->eps, s.normed, sum, n);
+        residual = sum;
+        status = run_linear(&L->gate_up, s.normed, n, T, s.gate_up);
+        if (status == 0) {
+            silu_and_mul_f32(s.gate_up, 2 * p->intermediate, T, p->intermediate, s.act, p->intermediate);
+            status = run_linear(&L->down, s.act, p->intermediate, T, s.out);
+        }
+        if (status) return *failed = FAILED_LINEAR, status;
+    }
+    rms_norm_f32(s.out, n, residual, n, p->final_norm, T, n, p->eps, out, spare(&s, residual), n);
+    return 0;
+}

@@ -1,0 +1,42 @@
+/* The library's entry points that decoder.c calls, declared once: each defining file includes this
+ * header too, so a signature that drifts fails the build. */
+
+#ifndef PAGED_KERNELS_H
+#define PAGED_KERNELS_H
+
+#include <stdint.h>
+
+void rms_norm_f32(const float *x, int64_t ld_x, const float *residual, int64_t ld_r, const float *weight,
+                  int64_t num_rows, int64_t n, float eps, float *out, float *residual_out, int64_t ld_out);
+void silu_and_mul_f32(const float *x, int64_t ld_x, int64_t num_rows, int64_t inter, float *out, int64_t ld_out);
+int rotary_f32(const float *q, int64_t ld_q, const float *k, int64_t ld_k, const int64_t *positions,
+               const float *cos_sin, int64_t num_positions, int64_t num_rows, int64_t num_heads,
+               int64_t num_kv_heads, int64_t head_dim, int64_t rot, float *q_out, int64_t ld_q_out, float *k_out,
+               int64_t ld_k_out);
+
+void linear_f32(const float *x, int64_t ld_x, int64_t M, const float *packed, int64_t N, int64_t K,
+                const float *bias, float *y, int64_t ld_y);
+int linear_bf16(const float *x, int64_t ld_x, int64_t M, const uint16_t *packed, int64_t N, int64_t K,
+                const float *bias, float *y, int64_t ld_y);
+int linear_q8_f32(const float *x, int64_t ld_x, int64_t M, const uint8_t *codes, const float *scales, int64_t N,
+                  int64_t K, const float *bias, float *y, int64_t ld_y, int bf16_products);
+int linear_q4_f32(const float *x, int64_t ld_x, int64_t M, const uint8_t *codes, const float *scales, int64_t N,
+                  int64_t K, const float *bias, float *y, int64_t ld_y, int bf16_products);
+int linear_w8a8_f32(const float *x, int64_t ld_x, int64_t M, const uint8_t *codes, const float *scales, int64_t N,
+                    int64_t K, const float *bias, float *y, int64_t ld_y);
+
+#define PAGED_ATTENTION_ARGS(kv_t)                                                                                   \
+    const float *q, int64_t q_row, int64_t q_head, int64_t q_col, const kv_t *k_cache, const kv_t *v_cache,          \
+        const int32_t *block_tables, int64_t table_stride, const int64_t *seq_lens, int64_t num_rows,                \
+        const int64_t *tile_rows, const int64_t *tile_starts, const int64_t *tile_shared, int64_t num_tiles,         \
+        float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks, \
+        float scale
+#define STORE_KV_ARGS(kv_t)                                                                                           \
+    const float *k, int64_t k_row, int64_t k_col, const float *v, int64_t v_row, int64_t v_col, const int64_t *slots, \
+        int64_t num_rows, int64_t width, kv_t *k_cache, kv_t *v_cache, int64_t num_slots
+int paged_attention_f32(PAGED_ATTENTION_ARGS(float));
+int paged_attention_bf16(PAGED_ATTENTION_ARGS(uint16_t));
+int store_kv_f32(STORE_KV_ARGS(float));
+int store_kv_bf16(STORE_KV_ARGS(uint16_t));
+
+#endif

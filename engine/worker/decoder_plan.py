@@ -1,0 +1,179 @@
+"""DecoderPlan: a Llama-family model's decoder layers as one C call a step (``cpu_kernels/decoder.c``).
+
+The model's modules stay the definition of the forward pass; the plan is read from them once, after the
+weights are packed and the KV cache bound: each layer's norms, projections and cache, as the pointers and
+kinds the kernels take. A step then runs every layer in C, the same kernels with the same arguments as
+the modules would call, so the hidden states and the cache are the same bits; the Python between the
+kernels (a module call, the argument checks and a ctypes call per operator, about 100 us a layer) is
+gone. ``EngineConfig.enforce_eager`` keeps the module path, as vLLM's flag of that name keeps eager mode.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+from torch import nn
+
+from engine import cpu_kernels
+from engine.attention import AttentionMetadata, CpuAttentionBackend
+from engine.layers.linear import Linear
+from engine.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+# decoder.c's linear kinds
+_LINEAR_F32, _LINEAR_BF16, _LINEAR_Q8, _LINEAR_Q4, _LINEAR_W8A8 = range(5)
+_QUANTIZED_KINDS = {"q8": _LINEAR_Q8, "q4": _LINEAR_Q4}
+# decoder.c's FAILED_ values
+_FAILED_LINEAR, _FAILED_ROTARY, _FAILED_STORE_KV, _FAILED_ATTENTION = range(1, 5)
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [
+        ("weight", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+        ("out_features", ctypes.c_int64), ("in_features", ctypes.c_int64),
+        ("kind", ctypes.c_int32), ("bf16_products", ctypes.c_int32),
+    ]  # fmt: skip
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+        ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
+        ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+        ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+    ]  # fmt: skip
+
+
+class _Plan(ctypes.Structure):
+    _fields_ = [
+        ("layers", ctypes.c_void_p), ("final_norm", ctypes.c_void_p), ("cos_sin", ctypes.c_void_p),
+        *[(name, ctypes.c_int64) for name in (
+            "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate", "rotary_dim",
+            "max_positions", "block_size", "num_blocks",
+        )],
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kv_bf16", ctypes.c_int32),
+    ]  # fmt: skip
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        ("positions", ctypes.c_void_p), ("slots", ctypes.c_void_p), ("block_tables", ctypes.c_void_p),
+        ("seq_lens", ctypes.c_void_p), ("tile_rows", ctypes.c_void_p), ("tile_starts", ctypes.c_void_p),
+        ("tile_shared", ctypes.c_void_p),
+        ("tokens", ctypes.c_int64), ("table_stride", ctypes.c_int64), ("num_tiles", ctypes.c_int64),
+    ]  # fmt: skip
+
+
+def _linear(module: Linear) -> _Linear | None:
+    """The kernels' view of a packed or quantized ``Linear``; None for one that is neither."""
+    bias = module.bias.data_ptr() if module.bias is not None else None
+    q = module.quantized
+    if q is not None:
+        kind = _LINEAR_W8A8 if q.int8_products else _QUANTIZED_KINDS[q.kind]
+        return _Linear(
+            q.codes.data_ptr(), q.scales.data_ptr(), bias, q.out_features, q.in_features, kind, int(q.bf16_products)
+        )
+    if module.packed is None or not module.packed.is_contiguous():
+        return None
+    kind = _LINEAR_F32 if module.packed.dtype == torch.float32 else _LINEAR_BF16
+    return _Linear(module.packed.data_ptr(), None, bias, module.out_features, module.in_features, kind, 0)
+
+
+class DecoderPlan:
+    """A loaded Llama-family model's decoder layers, ready to run a step in one C call.
+
+    ``build`` returns None where the plan cannot run the model (not the CPU kernels' path: another
+    device or attention backend, a weight left unpacked); the modules then run it.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, plan: _Plan, layers: ctypes.Array, backend: CpuAttentionBackend,
+                 k_cache: torch.Tensor) -> None:
+        self._model = model
+        self._plan, self._layers = plan, layers  # the layers array lives as long as the plan points at it
+        self._backend = backend
+        self._k_cache = k_cache  # the first layer's: its shape and dtype size the attention tiles
+        self._lib = cpu_kernels.library()
+
+    @classmethod
+    def build(cls, model: nn.Module, backend: object, dtype: torch.dtype) -> DecoderPlan | None:
+        """The plan of ``model`` (its caches bound, weights packed), or None where it cannot run it."""
+        if not isinstance(model, LlamaForCausalLM) or not isinstance(backend, CpuAttentionBackend):
+            return None
+        if dtype != torch.float32 or cpu_kernels.library() is None:
+            return None
+        body = model.model
+        first = body.layers[0].self_attn
+        norms = [body.norm] + [n for layer in body.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        if len({n.eps for n in norms}) != 1 or first.attn.kv_cache is None:
+            return None
+        if first.q_norm is not None and {layer.self_attn.q_norm.eps for layer in body.layers} != {norms[0].eps}:
+            return None
+        layers = (_Layer * len(body.layers))()
+        for entry, layer in zip(layers, body.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            if any(w is None for w in linears):
+                return None
+            kv = attn.attn.kv_cache
+            entry.input_norm = layer.input_layernorm.weight.data_ptr()
+            entry.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+            if attn.q_norm is not None:
+                entry.q_norm, entry.k_norm = attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()
+            entry.k_cache, entry.v_cache = kv[0].data_ptr(), kv[1].data_ptr()
+            entry.qkv, entry.o, entry.gate_up, entry.down = linears
+        k_cache = first.attn.kv_cache[0]  # [num_blocks, block_size, Hkv, D]
+        rotary = body.rotary
+        plan = _Plan(
+            ctypes.addressof(layers), body.norm.weight.data_ptr(), rotary.cos_sin_cache.data_ptr(),
+            len(body.layers), body.norm.weight.shape[0], first.num_heads, first.num_kv_heads, first.head_dim,
+            body.layers[0].mlp.down_proj.in_features, rotary.cos_sin_cache.shape[1], rotary.cos_sin_cache.shape[0],
+            k_cache.shape[1], k_cache.shape[0], norms[0].eps, first.attn.scale, int(k_cache.dtype == torch.bfloat16),
+        )
+        tensors = [n.weight for n in norms] + [rotary.cos_sin_cache]
+        if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
+            return None
+        return cls(model, plan, layers, backend, k_cache)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The final norm's output ``[T, hidden]`` of the step's tokens, their keys and values written to the cache.
+
+        Raises:
+            IndexError: a position outside the rotary table, a slot or a block outside the cache.
+            MemoryError: a kernel could not allocate its scratch.
+        """
+        plan = self._plan
+        x = self._model.model.embed_tokens(input_ids).to(torch.float32).contiguous()
+        rows = self._backend.row_plan(meta, self._k_cache)
+        positions = positions.contiguous()
+        slots = meta.slot_mapping.to(torch.int64).contiguous()
+        tokens = x.shape[0]
+        tiles = rows.tiles
+        step = _Step(
+            positions.data_ptr(), slots.data_ptr(), rows.block_tables.data_ptr(), rows.seq_lens.data_ptr(),
+            tiles.rows.data_ptr(), tiles.starts.data_ptr(), tiles.shared.data_ptr(),
+            tokens, rows.block_tables.shape[1], len(tiles.shared),
+        )  # fmt: skip
+        out = torch.empty(tokens, plan.hidden)
+        scratch = torch.empty(self._lib.decoder_scratch(ctypes.byref(plan), tokens))
+        failed = ctypes.c_int32(0)
+        status = self._lib.decoder_forward(
+            ctypes.byref(plan), ctypes.byref(step), x.data_ptr(), out.data_ptr(), scratch.data_ptr(),
+            ctypes.byref(failed),
+        )
+        if status:
+            raise self._error(failed.value, status, rows.block_tables.shape[1], tokens)
+        return out
+
+    def _error(self, failed: int, status: int, table_width: int, tokens: int) -> Exception:
+        plan = self._plan
+        if failed == _FAILED_ROTARY:
+            return cpu_kernels.position_error(plan.max_positions)
+        if failed == _FAILED_STORE_KV:
+            return cpu_kernels.slot_error(plan.num_blocks * plan.block_size)
+        if failed == _FAILED_ATTENTION:
+            group = plan.num_heads // plan.num_kv_heads
+            return cpu_kernels.attention_error(status, tokens, group, plan.num_blocks, table_width)
+        return MemoryError("a linear kernel could not allocate its scratch")

@@ -509,6 +509,8 @@ class Engine:
             "weights": self.runner.weights.as_dict(),
             # what serves attention, e.g. "cpu (bfloat16 cache; tiles of 48 queries, their shared keys on avx512-bf16)"
             "attention": self.runner.attention,
+            # what runs the decoder layers: "one C call a step" (DecoderPlan) or "modules" (enforce_eager, GPU, ...)
+            "layers": self.runner.layers,
         }
 
 

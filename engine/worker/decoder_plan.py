@@ -107,9 +107,12 @@ class DecoderPlan:
         body = model.model
         first = body.layers[0].self_attn
         norms = [body.norm] + [n for layer in body.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        if first.q_norm is not None:
+            norms += [n for layer in body.layers for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)]
+        tensors = [n.weight for n in norms] + [body.rotary.cos_sin_cache]
         if len({n.eps for n in norms}) != 1 or first.attn.kv_cache is None:
-            return None
-        if first.q_norm is not None and {layer.self_attn.q_norm.eps for layer in body.layers} != {norms[0].eps}:
+            return None  # one eps for every norm in decoder.c; the cache bound by the runner
+        if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
             return None
         layers = (_Layer * len(body.layers))()
         for entry, layer in zip(layers, body.layers):
@@ -132,9 +135,6 @@ class DecoderPlan:
             body.layers[0].mlp.down_proj.in_features, rotary.cos_sin_cache.shape[1], rotary.cos_sin_cache.shape[0],
             k_cache.shape[1], k_cache.shape[0], norms[0].eps, first.attn.scale, int(k_cache.dtype == torch.bfloat16),
         )
-        tensors = [n.weight for n in norms] + [rotary.cos_sin_cache]
-        if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
-            return None
         return cls(model, plan, layers, backend, k_cache)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from engine import Engine, EngineError, RequestRejected, SamplingParams
+from engine import Engine, EngineError, RequestRejected, SamplingParams, cpu_kernels
 from engine.request import RequestStatus
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 STATS_KEYS = {
     "num_requests_running", "num_requests_waiting", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached",
     "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens_computed", "generation_tokens", "num_preemptions",
-    "ttft_seconds", "itl_seconds", "generation_tokens_per_second", "weights", "attention",
+    "ttft_seconds", "itl_seconds", "generation_tokens_per_second", "weights", "attention", "layers",
     "requests_received", "requests_rejected", "requests_aborted", "request_success", "e2e_request_latency_seconds",
     "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds", "kv_token_usage",
     "kv_evictions", "tenant_requests", "tenant_computed_tokens",
@@ -278,6 +278,7 @@ def test_stats_keys(engine: Engine) -> None:
     assert s["kv_blocks_total"] == 128 and s["num_requests_running"] == 0
     assert s["weights"]["quantization"] is None and s["weights"]["bytes"] > 0
     assert s["attention"].startswith(engine.runner.attn_backend.name)
+    assert s["layers"] == ("one C call a step" if cpu_kernels.library() is not None else "modules")
 
 
 def test_request_status_is_ordered() -> None:

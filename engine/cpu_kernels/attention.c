@@ -137,13 +137,20 @@ static inline __attribute__((always_inline)) void softmax_chunk(vs *restrict s, 
         for (; u < n; ++u) top[0] = vs_max(top[0], s[u * QV + j]);
         const vs new_max = vs_max(vs_max(vs_max(top[0], top[1]), vs_max(top[2], top[3])), m[j]);
         correction[j] = VEXP_S(m[j] - new_max); /* 0 while m is -inf */
-        vs sum[2] = {{0}, {0}};
-        for (u = 0; u < n; ++u) {
+        vs even = {0}, odd = {0}; /* two chains of sums, in registers */
+        for (u = 0; u + 2 <= n; u += 2) {
+            const vs p0 = VEXP_S(s[u * QV + j] - new_max), p1 = VEXP_S(s[(u + 1) * QV + j] - new_max);
+            s[u * QV + j] = p0;
+            s[(u + 1) * QV + j] = p1;
+            even += p0;
+            odd += p1;
+        }
+        if (u < n) {
             const vs p = VEXP_S(s[u * QV + j] - new_max);
             s[u * QV + j] = p;
-            sum[u & 1] += p;
+            even += p;
         }
-        l[j] = l[j] * correction[j] + (sum[0] + sum[1]);
+        l[j] = l[j] * correction[j] + (even + odd);
         m[j] = new_max;
     }
 }

@@ -81,7 +81,10 @@ static inline __attribute__((always_inline)) void dot_shared_phase(const vs *res
         for (int t = 0; t < n; ++t) rows[t] = chunk_base(table, pos + t, block_size, token_stride) + head_offset;
         int t = 0;
         for (; t + DOT_KEYS <= n; t += DOT_KEYS) {
-            for (int u = 0; u < DOT_KEYS; ++u) prefetch_row(v_cache + rows[t + u], D); /* ahead of the values */
+            for (int u = 0; u < DOT_KEYS; ++u) {
+                prefetch_row(v_cache + rows[t + u], D); /* ahead of the values */
+                if (t + DOT_KEYS + u < n) prefetch_row(k_cache + rows[t + DOT_KEYS + u], D); /* the next keys */
+            }
             dot_scores(qp, QV, k_cache, rows + t, DOT_KEYS, D, s + t * QV);
         }
         for (; t < n; ++t) dot_scores(qp, QV, k_cache, rows + t, 1, D, s + t * QV);

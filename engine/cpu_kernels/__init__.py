@@ -10,7 +10,9 @@
   a bfloat16 weight runs with the CPU's bfloat16 dot products or AMX tiles where it has them
   (``linear_bf16.c``, ``bf16_linear_path``);
   ``linear_quantized`` over int8 or 4-bit blocks packed by ``engine.layers.quantization.pack``;
-- ``apply_token_bitmask``: structured output's token masks on a step's logits (``token_mask.c``).
+- ``apply_token_bitmask``: structured output's token masks on a step's logits (``token_mask.c``);
+- ``decoder_forward``: a Llama-family model's decoder layers in one call, chaining the kernels above
+  (``decoder.c``), for ``engine.worker.decoder_plan``.
 
 The sources ship with the package; the first process that needs a kernel compiles them
 into one library with the system C compiler (``$CC``, else ``cc``) for this machine

@@ -143,6 +143,7 @@ _RETURN_STATUS = {
     "linear_q4_f32", "linear_w8a8_f32", "linear_int8_path", "linear_bf16", "linear_bf16_path", "attention_bf16_path", "attention_max_lanes",
     "decoder_forward",
 }
+_RESTYPES = {name: ctypes.c_int for name in _RETURN_STATUS} | {"decoder_scratch": ctypes.c_int64}  # else void
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
@@ -167,8 +168,7 @@ def library() -> ctypes.CDLL | None:
         return None
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.restype = ctypes.c_int64 if name == "decoder_scratch" else ctypes.c_int if name in _RETURN_STATUS else None
-        fn.argtypes = argtypes
+        fn.restype, fn.argtypes = _RESTYPES.get(name), argtypes
     for variable, paths, cap in (
         ("PAGED_BF16_LINEAR", BF16_LINEAR_PATHS, lib.linear_bf16_limit),
         ("PAGED_BF16_ATTENTION", BF16_ATTENTION_PATHS, lib.attention_bf16_limit),

@@ -97,9 +97,13 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings ``[T, hidden]`` in the activations' dtype (the table may be stored narrower:
+        bfloat16 weights on a CPU computing in float32)."""
+        return self.embed_tokens(input_ids).to(self.norm.weight.dtype)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # the table may be stored narrower than the activations (bfloat16 weights on a CPU computing in float32)
-        x, residual = self.embed_tokens(input_ids).to(self.norm.weight.dtype), None  # [T, hidden]
+        x, residual = self.embed(input_ids), None  # [T, hidden]
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
         x, _ = self.norm(x, residual)

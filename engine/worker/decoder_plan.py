@@ -11,17 +11,14 @@ gone. ``EngineConfig.enforce_eager`` keeps the module path, as vLLM's flag of th
 from __future__ import annotations
 
 import ctypes
-import logging
 
 import torch
 from torch import nn
 
 from engine import cpu_kernels
-from engine.attention import AttentionMetadata, CpuAttentionBackend
+from engine.attention import AttentionBackend, AttentionMetadata, CpuAttentionBackend
 from engine.layers.linear import Linear
 from engine.models.llama import LlamaForCausalLM
-
-logger = logging.getLogger(__name__)
 
 # decoder.c's linear kinds
 _LINEAR_F32, _LINEAR_BF16, _LINEAR_Q8, _LINEAR_Q4, _LINEAR_W8A8 = range(5)
@@ -98,7 +95,7 @@ class DecoderPlan:
         self._lib = cpu_kernels.library()
 
     @classmethod
-    def build(cls, model: nn.Module, backend: object, dtype: torch.dtype) -> DecoderPlan | None:
+    def build(cls, model: nn.Module, backend: AttentionBackend, dtype: torch.dtype) -> DecoderPlan | None:
         """The plan of ``model`` (its caches bound, weights packed), or None where it cannot run it."""
         if not isinstance(model, LlamaForCausalLM) or not isinstance(backend, CpuAttentionBackend):
             return None
@@ -145,7 +142,7 @@ class DecoderPlan:
             MemoryError: a kernel could not allocate its scratch.
         """
         plan = self._plan
-        x = self._model.model.embed_tokens(input_ids).to(torch.float32).contiguous()
+        x = self._model.model.embed(input_ids).contiguous()  # float32: build checked the norms' dtype
         rows = self._backend.row_plan(meta, self._k_cache)
         positions = positions.contiguous()
         slots = meta.slot_mapping.to(torch.int64).contiguous()
@@ -176,4 +173,5 @@ class DecoderPlan:
         if failed == _FAILED_ATTENTION:
             group = plan.num_heads // plan.num_kv_heads
             return cpu_kernels.attention_error(status, tokens, group, plan.num_blocks, table_width)
+        assert failed == _FAILED_LINEAR, failed
         return MemoryError("a linear kernel could not allocate its scratch")

@@ -105,13 +105,17 @@ class ModelRunner:
             attn.kv_cache, attn.backend = kv_cache, self.attn_backend
         # the decoder layers in one C call a step where the CPU kernels run them all (else None: the modules do)
         self.decoder_plan = None if config.enforce_eager else DecoderPlan.build(self.model, self.attn_backend, self.dtype)
-        self.layers: str = "modules" if self.decoder_plan is None else "one C call a step"  # what runs the layers
         logger.info(
             "model %s on %s (%s, weights and KV cache in %s and %s; linear weights: %s; attention: %s; layers: %s): "
             "%d KV blocks of %d tokens",
             self.hf_config.model_type, self.device, self.dtype, self.weight_dtype, self.kv_cache_dtype,
             self.weights, self.attention, self.layers, self.num_blocks, self.block_size,
         )
+
+    @property
+    def layers(self) -> str:
+        """What runs the decoder layers: "one C call a step" (``decoder_plan``) or "modules"."""
+        return "modules" if self.decoder_plan is None else "one C call a step"
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> torch.Tensor:

@@ -35,24 +35,35 @@ void rms_norm_f32(const float *x, int64_t ld_x, const float *residual, int64_t l
     }
 }
 
-/* silu(g) * u with silu(g) = g * sigmoid(g), the sigmoid from exp(-|g|) so that it never overflows. */
-static inline vf silu_mul(vf g, vf u) {
-    const vi negative = g < 0.0f;
-    const vf e = vexp((vf)((vi)g | ((vi){0} + INT32_MIN))); /* exp(-|g|): the sign bit set */
-    const vf numerator = (vf)(((vi)e & negative) | ((vi)splat(1.0f) & ~negative));
-    return g * (numerator / (1.0f + e)) * u;
-}
+/* silu(g) * u with silu(g) = g * sigmoid(g), the sigmoid from exp(-|g|) so that it never overflows; for a float
+ * vector type F, its int32 twin I and their exp. Each lane's arithmetic is the same at any width, so are its bits. */
+#define DEFINE_SILU_MUL(name, F, I, EXP)                                                   \
+    static inline void name(const float *gate, const float *up, float *out) {             \
+        F g, u;                                                                            \
+        memcpy(&g, gate, sizeof g);                                                        \
+        memcpy(&u, up, sizeof u);                                                          \
+        const I negative = g < 0.0f;                                                       \
+        const F e = EXP((F)((I)g | ((I){0} + INT32_MIN))); /* exp(-|g|): the sign bit set */ \
+        const F numerator = (F)(((I)e & negative) | ((I)((F){0} + 1.0f) & ~negative));    \
+        const F y = g * (numerator / (1.0f + e)) * u;                                      \
+        memcpy(out, &y, sizeof y);                                                         \
+    }
+DEFINE_SILU_MUL(silu_mul8, vf, vi, vexp)
+DEFINE_SILU_MUL(silu_mul16, vf16, vi16, vexp16)
 
 static inline float silu_mul_scalar(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
-/* x: [T, 2I] = [gate | up]; out: [T, I] = silu(gate) * up. */
+/* x: [T, 2I] = [gate | up]; out: [T, I] = silu(gate) * up: 16 lanes a step where the build has AVX-512, then 8. */
 void silu_and_mul_f32(const float *x, int64_t ld_x, int64_t num_rows, int64_t inter, float *out, int64_t ld_out) {
 #pragma omp parallel for schedule(static) if (num_rows * inter >= PARALLEL_MIN)
     for (int64_t t = 0; t < num_rows; ++t) {
         const float *restrict gate = x + t * ld_x, *restrict up = gate + inter;
         float *restrict o = out + t * ld_out;
         int64_t i = 0;
-        for (; i + VL <= inter; i += VL) store(o + i, silu_mul(load(gate + i), load(up + i)));
+#ifdef __AVX512F__
+        for (; i + 16 <= inter; i += 16) silu_mul16(gate + i, up + i, o + i);
+#endif
+        for (; i + VL <= inter; i += VL) silu_mul8(gate + i, up + i, o + i);
         for (; i < inter; ++i) o[i] = silu_mul_scalar(gate[i], up[i]);
     }
 }

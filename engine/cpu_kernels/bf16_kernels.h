@@ -48,20 +48,28 @@ static inline void bf16_rows(const float *x, int64_t ld_x, int64_t M, int64_t K,
 /* `rows` rows of xb (bfloat16 [., Kp]) times the panels w0 and, with `two`, w1 (bfloat16 pairs
  * [Kp / 2][PANEL][2]), plus bias (PANEL entries a panel), into columns 0 .. cols0 - 1 and
  * PANEL .. PANEL + cols1 - 1 of y: each broadcast pair of x feeds both panels' VDPBF16PS, each
- * weight vector 12 rows. With `ahead` (or NULL), each step also fetches the same line of the next
- * pair of panels, at ahead and ahead + the gap from w0 to w1. Inlined with constant `rows` and `two`. */
+ * weight vector 12 rows. With `ahead` (or NULL), the tile also fetches part `part` of `parts` of the
+ * next pair of panels (each step's line of a panel at ahead and ahead + the gap from w0 to w1),
+ * one line of each every `parts` steps: a pair's tiles spread the next pair's stream from memory
+ * over their work rather than the first tile asking for all of it at once. Inlined with constant
+ * `rows` and `two`. */
 static inline __attribute__((always_inline)) void dot_tile(const uint16_t *xb, int64_t Kp, int rows,
                                                            const uint16_t *w0, const uint16_t *w1, int two,
                                                            const float *bias, float *y, int64_t ld_y, int64_t cols0,
-                                                           int64_t cols1, const char *ahead) {
+                                                           int64_t cols1, const char *ahead, int64_t part,
+                                                           int64_t parts) {
     __m512 acc[DOT_ROWS][2];
     for (int i = 0; i < rows; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
     const uint32_t *pairs = (const uint32_t *)xb;
-    const int64_t gap = (const char *)w1 - (const char *)w0;
-    for (int64_t k2 = 0; k2 < Kp / 2; ++k2) {
-        if (ahead != NULL) {
-            _mm_prefetch(ahead + k2 * 2 * PANEL * 2, _MM_HINT_T0);
-            _mm_prefetch(ahead + k2 * 2 * PANEL * 2 + gap, _MM_HINT_T0);
+    const int64_t gap = (const char *)w1 - (const char *)w0, line = 2 * PANEL * 2; /* a step's bytes of a panel */
+    const char *fetch = ahead != NULL ? ahead + part * (Kp / 2) / parts * line : NULL;
+    const char *fetch_end = ahead != NULL ? ahead + (part + 1) * (Kp / 2) / parts * line : NULL;
+    for (int64_t k2 = 0, wait = 0; k2 < Kp / 2; ++k2) {
+        if (fetch < fetch_end && wait-- == 0) {
+            _mm_prefetch(fetch, _MM_HINT_T0);
+            _mm_prefetch(fetch + gap, _MM_HINT_T0);
+            fetch += line;
+            wait = parts - 1;
         }
         const __m512bh a = (__m512bh)_mm512_loadu_si512(w0 + k2 * 2 * PANEL);
         const __m512bh b = two ? (__m512bh)_mm512_loadu_si512(w1 + k2 * 2 * PANEL) : a;
@@ -77,7 +85,7 @@ static inline __attribute__((always_inline)) void dot_tile(const uint16_t *xb, i
     }
 }
 
-/* Rows 0 .. M - 1 of xb times a pair of panels (dot_tile's arguments; the first tile fetches ahead), in
+/* Rows 0 .. M - 1 of xb times a pair of panels (dot_tile's arguments; its tiles share the fetch ahead), in
  * tiles of as equal sizes as DOT_ROWS allows, each inlined with its constant row count. */
 static inline __attribute__((always_inline)) void dot_rows(const uint16_t *xb, int64_t Kp, int64_t M,
                                                            const uint16_t *w0, const uint16_t *w1, int two,
@@ -88,7 +96,7 @@ static inline __attribute__((always_inline)) void dot_rows(const uint16_t *xb, i
         const int64_t rows = M / tiles + (t < M % tiles);
         switch (rows) {
 #define ROWS(r) \
-    case r: dot_tile(xb + m * Kp, Kp, r, w0, w1, two, bias, y + m * ld_y, ld_y, cols0, cols1, t ? NULL : ahead); break;
+    case r: dot_tile(xb + m * Kp, Kp, r, w0, w1, two, bias, y + m * ld_y, ld_y, cols0, cols1, ahead, t, tiles); break;
             ROWS(12) ROWS(11) ROWS(10) ROWS(9) ROWS(8) ROWS(7) ROWS(6) ROWS(5) ROWS(4) ROWS(3) ROWS(2) ROWS(1)
 #undef ROWS
         }

@@ -79,7 +79,7 @@ int linear_bf16_path(int64_t M) {
 
 #ifdef __AVX512BF16__
 
-/* The threads split pairs of panels; the first tile of a pair fetches the next pair. */
+/* The threads split pairs of panels; a pair's tiles fetch the next pair between them. */
 static void linear_dot(const uint16_t *xb, int64_t M, const uint16_t *packed, int64_t N, int64_t Kp,
                        const float *bias, float *y, int64_t ld_y) {
     const int64_t pairs = ((N + PANEL - 1) / PANEL + 1) / 2;

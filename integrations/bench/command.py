@@ -18,7 +18,7 @@ from typing import Any
 from integrations.bench import http_command, vllm_runs
 from integrations.bench.machine import machine_info
 from integrations.bench.workloads import WORKLOADS
-from integrations.engine_flags import add_engine_arguments, engine_config, engine_kwargs
+from integrations.engine_flags import FlagError, add_engine_arguments, engine_config, engine_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the dtype vLLM runs in (default: the engine's weights' dtype); each one's fastest dtype on a CPU can "
         "differ, e.g. the engine's bfloat16 against vLLM's float32 where the CPU's bfloat16 products are slow",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=_positive_int,
+        default=1,
+        help="shared-prefix, distinct, rag: run every contender this many times, taking turns (the engine, then each "
+        "baseline, then the engine again); each row is the contender's median round, and every round's rates and "
+        "ratios to the engine's in the same round follow the table (for a machine whose speed drifts)",
     )
     parser.add_argument(
         "--baseline-requests",
@@ -116,11 +124,14 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by ``args``; prints the tables, writes JSON and plots.
 
     Raises:
-        FlagError: an engine flag the config refuses, or ``VllmEnvMissing`` for ``--baselines vllm``
+        FlagError: an engine flag the config refuses, ``--rounds`` beyond the offline workloads, or
+            ``VllmEnvMissing`` for ``--baselines vllm``
             without vLLM's environment (``paged`` reports both as usage errors), before anything loads.
         VllmRunFailed: the vLLM run failed (``paged`` prints the message, which names its log).
         ServerUnusable: with ``--base-url``, the server cannot be benchmarked (``http_command.run``).
     """
+    if args.rounds > 1 and (args.base_url is not None or args.workload not in OFFLINE_WORKLOADS):
+        raise FlagError(f"--rounds applies to the {', '.join(OFFLINE_WORKLOADS)} workloads, in process")
     if args.base_url is not None:
         return http_command.run(args)
     http_command.refuse_http_flags(args)
@@ -139,7 +150,8 @@ def run(args: argparse.Namespace) -> int:
     from integrations.bench import baselines, engine_runs, profiling
     from integrations.bench.ceiling import measure_ceiling
     from integrations.bench.report import (
-        build_report, format_poisson, format_profile, format_structured, format_sweep, format_table,
+        build_report, format_poisson, format_profile, format_structured, format_sweep, format_table, median_round,
+        round_rates,
     )
     from integrations.bench.workloads import build_workload
 
@@ -165,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
     )
     engine_fields = engine_kwargs(args)
     model = engine_fields.pop("model")
-    results, poisson, sweep, structured, profile = [], None, None, None, None
+    results, poisson, sweep, structured, profile, rounds = [], None, None, None, None, None
 
     if args.workload == "poisson":
         poisson = engine_runs.poisson_search(
@@ -183,27 +195,35 @@ def run(args: argparse.Namespace) -> int:
 
         results, structured = structured_compare(model, engine_fields, workload.prompts, args.max_tokens, bar.update)
     else:
-        results.append(engine_runs.run_offline(model, engine_fields, workload.prompts, args.max_tokens, bar.update))
         hf_names = [n for n in baseline_names if n != vllm_runs.VLLM]
-        if hf_names:
-            hf_model = baselines.load_hf_model(model_dir, weight_dtype, device)
-            baselines.warm_up(hf_model, pad_token_id)
-            # NOTE: generate_batch switches the model's attention to its paged variant, so it runs last.
-            for name in sorted(hf_names, key=lambda n: n == "continuous"):
-                bar.set_postfix_str(name)
-                results.append(
-                    baselines.run_baseline(
-                        name, hf_model, workload.prompts, args.max_tokens, pad_token_id,
-                        args.baseline_requests, bar.update,
+        each_round = []
+        for number in range(1, args.rounds + 1):
+            one = [engine_runs.run_offline(model, engine_fields, workload.prompts, args.max_tokens, bar.update)]
+            if hf_names:
+                # NOTE: a model of its own each round: generate_batch switches the model's attention to its
+                # paged variant, so it runs last.
+                hf_model = baselines.load_hf_model(model_dir, weight_dtype, device)
+                baselines.warm_up(hf_model, pad_token_id)
+                for name in sorted(hf_names, key=lambda n: n == "continuous"):
+                    bar.set_postfix_str(name)
+                    one.append(
+                        baselines.run_baseline(
+                            name, hf_model, workload.prompts, args.max_tokens, pad_token_id,
+                            args.baseline_requests, bar.update,
+                        )
                     )
+            if vllm_python is not None:
+                bar.set_postfix_str("vllm (start-up takes minutes)")
+                vllm_result = vllm_runs.run_vllm(
+                    vllm_python, model_dir, workload.prompts, args.max_tokens, args.vllm_dtype or dtype_name,
+                    engine_fields,
                 )
-        if vllm_python is not None:
-            bar.set_postfix_str("vllm (start-up takes minutes)")
-            vllm_result = vllm_runs.run_vllm(
-                vllm_python, model_dir, workload.prompts, args.max_tokens, args.vllm_dtype or dtype_name, engine_fields
-            )
-            results.append(vllm_result)
-            bar.update(vllm_result.num_new_tokens)
+                one.append(vllm_result)
+                bar.update(vllm_result.num_new_tokens)
+            each_round.append(one)
+            bar.set_postfix_str(f"round {number} of {args.rounds}")
+        results = [median_round([one[i] for one in each_round]) for i in range(len(each_round[0]))]
+        rounds = round_rates(each_round) if args.rounds > 1 else None
     if args.profile:
         bar.set_postfix_str("profile")
         profile = profiling.profile_steps(
@@ -240,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
         sweep=sweep,
         structured=structured,
         profile=profile,
+        rounds=rounds,
     )
     print(_render(report, format_table, format_poisson, format_sweep, format_structured, format_profile))  # noqa: T201
     if args.json:
@@ -282,4 +303,4 @@ def _expected_tokens(args: argparse.Namespace, workload: Any, baseline_names: li
         if name == "one-by-one" and args.baseline_requests is not None:
             count = min(count, args.baseline_requests)
         total += count * args.max_tokens
-    return total
+    return total * args.rounds

@@ -13,6 +13,7 @@ JSON layout (``paged bench --json PATH``), stable so that later runs can be comp
                     "mask_share_of_step", "mask_share_from_ratio", "valid_fraction",
                     "output_tokens": {"mean", "max"}} | null,
      "profile": {...} | null,
+     "rounds": [{"name", "tokens_per_s": [...], "ratio_to_engine": [...]}, ...] | null,
      "http": {"base_url", "model", "slo": {"ttft_s", "itl_s", "e2e_s"}, "in_process_ratio",
               "runs": [{"load", "rate", "concurrency", "num_requests", "num_failed", "wall_s", "tokens_per_s",
                         "requests_per_s", "ttft_s", "itl_s", "e2e_s", "slo_fraction", "goodput_rps"}, ...]} | null}
@@ -130,6 +131,25 @@ def result_to_dict(result: RunResult, engine: RunResult | None) -> dict[str, Any
     }
 
 
+def median_round(runs: list[RunResult]) -> RunResult:
+    """One contender's round of median rate (of an even number, the lower middle one)."""
+    return sorted(runs, key=lambda r: r.tokens_per_s)[(len(runs) - 1) // 2]
+
+
+def round_rates(rounds: list[list[RunResult]]) -> list[dict[str, Any]]:
+    """Each contender's rate in every round (``rounds[i]``: round i's results, the engine's first), and its ratio
+    to the engine's rate of the same round."""
+    engine_rates = [one[0].tokens_per_s for one in rounds]
+    return [
+        {
+            "name": rounds[0][i].name,
+            "tokens_per_s": [one[i].tokens_per_s for one in rounds],
+            "ratio_to_engine": [one[i].tokens_per_s / e if e > 0 else None for one, e in zip(rounds, engine_rates)],
+        }
+        for i in range(len(rounds[0]))
+    ]
+
+
 def find_engine(results: list[RunResult]) -> RunResult | None:
     return next((r for r in results if r.name == ENGINE), None)
 
@@ -146,6 +166,7 @@ def build_report(
     structured: dict[str, Any] | None = None,
     profile: dict[str, Any] | None = None,
     http: dict[str, Any] | None = None,
+    rounds: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The JSON document of one run (see the module docstring for its layout)."""
     engine = find_engine(results)
@@ -163,6 +184,7 @@ def build_report(
         "structured": structured,
         "profile": profile,
         "http": http,
+        "rounds": rounds,
     }
 
 
@@ -189,6 +211,10 @@ def format_table(report: dict[str, Any]) -> str:
             f"| {_fmt(r['matches_engine'], '.0%')} | {_fmt(r['mean_common_prefix'], '.1f')} |"
         )
     notes = [f"- {r['name']}: {r['notes']}" for r in report["results"] if r["notes"]]
+    for r in report.get("rounds") or []:
+        rates = " / ".join(f"{v:.1f}" for v in r["tokens_per_s"])
+        ratios = "" if r["name"] == ENGINE else "; x engine " + " / ".join(_fmt(v, ".2f") for v in r["ratio_to_engine"])
+        notes.append(f"- {r['name']}, each round (the row: its median): {rates} tok/s{ratios}")
     ceiling = report.get("ceiling")
     if ceiling:
         frac = ceiling.get("engine_fraction")

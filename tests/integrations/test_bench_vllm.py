@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from integrations.bench import report, vllm_runs
+from integrations.bench import engine_runs, report, vllm_runs
 from integrations.bench.report import ENGINE, RunResult
 from integrations.cli import main
 
@@ -167,6 +167,43 @@ def test_vllm_dtype_sets_vllms_dtype_alone(fake_python: Path, tiny_dir: Path, tm
     report = json.loads(out.read_text())
     assert report["protocol"]["dtype"] == "bfloat16"
     assert "offline LLM.generate in float32" in report["results"][1]["notes"]
+
+
+def test_rounds_take_turns_and_report_each_contenders_median(
+    fake_python: Path, tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """--rounds 3: the engine and vLLM run three times each, taking turns; each row is its contender's median
+    round, and every round's rate, with its ratio to the same round's engine rate, follows the table."""
+    order: list[str] = []
+    for module, name, label in ((engine_runs, "run_offline", "engine"), (vllm_runs, "run_vllm", "vllm")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _f=original, _l=label, **k: order.append(_l) or _f(*a, **k))
+    out = tmp_path / "bench.json"
+    rc = main([
+        "bench", "--model", str(tiny_dir), "--num-blocks", "256", "--num-requests", "2", "--max-tokens", "3",
+        "--rounds", "3", "--compare", "--baselines", "vllm", "--vllm-python", str(fake_python), "--no-ceiling",
+        "--no-progress", "--json", str(out),
+    ])  # fmt: skip
+    assert rc == 0
+    assert order == ["engine", "vllm"] * 3
+    assert sum(event[0] == "init" for event in _record(tmp_path)) == 3  # a vLLM process a round
+    doc = json.loads(out.read_text())
+    rounds = doc["rounds"]
+    assert [r["name"] for r in rounds] == [ENGINE, "vLLM 0.0-fake"]
+    for row, each in zip(doc["results"], rounds):
+        assert len(each["tokens_per_s"]) == 3 and row["tokens_per_s"] == sorted(each["tokens_per_s"])[1]
+    engine_rates, vllm_rates = rounds[0]["tokens_per_s"], rounds[1]["tokens_per_s"]
+    assert rounds[1]["ratio_to_engine"] == pytest.approx([v / e for v, e in zip(vllm_rates, engine_rates)])
+    table = capsys.readouterr().out
+    assert "- vLLM 0.0-fake, each round (the row: its median): " + " / ".join(f"{v:.1f}" for v in vllm_rates) in table
+
+
+def test_rounds_beyond_the_offline_workloads_are_a_usage_error(tiny_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    """--rounds with a workload it does not repeat is refused before anything loads, naming the flag."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--model", str(tiny_dir), "--workload", "poisson", "--rounds", "2", "--no-progress"])
+    assert exit_info.value.code == 2
+    assert "--rounds applies to the shared-prefix, distinct, rag workloads" in capsys.readouterr().err
 
 
 def test_failed_vllm_run_is_one_error_naming_its_log(

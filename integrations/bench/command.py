@@ -221,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
                 one.append(vllm_result)
                 bar.update(vllm_result.num_new_tokens)
             each_round.append(one)
-            bar.set_postfix_str(f"round {number} of {args.rounds}")
+            bar.set_postfix_str(f"round {number} of {args.rounds} done")
         results = [median_round([one[i] for one in each_round]) for i in range(len(each_round[0]))]
         rounds = round_rates(each_round) if args.rounds > 1 else None
     if args.profile:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -127,8 +128,7 @@ def _load(server, stop: threading.Event) -> None:
 
 
 def test_live_screen_under_load_in_a_pty(server):
-    """Under load the live screen shows the KV total and fill, running requests, output tok/s, TTFT and e2e, a tenant;
-    once the load ends, Ctrl-C exits 0 within 5 s."""
+    """Under load the live screen shows the KV total and fill, running requests, output tok/s, TTFT and e2e, a tenant; Ctrl-C exits 0."""
     pexpect = pytest.importorskip("pexpect")
     pyte = pytest.importorskip("pyte")
     stop = threading.Event()
@@ -138,9 +138,12 @@ def test_live_screen_under_load_in_a_pty(server):
     screen = pyte.Screen(150, 40)
     stream = pyte.ByteStream(screen)
     env = {**os.environ, "PAGED_API_KEY": KEY, "PYTHONPATH": str(ROOT), "TERM": "xterm-256color"}
+    # NOTE: Ctrl-C's default action restored in the child: a runner started in the background by a shell without
+    # job control ignores SIGINT, which the monitor would inherit (and Python then leaves ignored).
     child = pexpect.spawn(
         sys.executable, ["-m", "integrations.cli", "top", "--url", server.root, "--interval", "0.3"],
         cwd=str(ROOT), env=env, dimensions=(40, 150),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     total = int(_metric(server, "paged_kv_blocks_total"))
     try:
@@ -169,10 +172,6 @@ def test_live_screen_under_load_in_a_pty(server):
         assert {"kv", "tok/s", "running", "TTFT", "e2e", "fill", "tenant"} <= seen.keys(), "\n".join(screen.display)
         assert 0 < seen["fill"] <= 100
         assert 0 <= seen["kv"] <= total and seen["running"] <= 8  # max_num_seqs
-        # NOTE: the load ends first: on 2 cores the server's steps under it could hold the monitor's exit past 5 s.
-        stop.set()
-        for w in workers:
-            w.join(30)
         start = time.monotonic()
         child.sendintr()
         child.expect(pexpect.EOF, timeout=5)

@@ -54,8 +54,8 @@ def main() -> None:
     packed = cpu_kernels.pack_linear_weight(weight)
     packed16 = cpu_kernels.pack_linear_weight(weight.bfloat16())
     weight16 = weight.bfloat16()
-    blocks = quantization.quantize_int8(weight)
-    int8, w8a8 = quantization.pack(blocks), quantization.pack(blocks, int8_products=True)
+    int8 = quantization.pack(quantization.quantize_int8(weight))
+    w8a8 = quantization.pack(quantization.quantize_symmetric_int8(quantization.hadamard_blocks(weight)), int8_products=True)
     paths = cpu_kernels.BF16_LINEAR_PATHS
     print(
         "| rows | float32 | " + " | ".join(f"bfloat16 {p}" for p in paths)

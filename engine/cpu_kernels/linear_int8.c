@@ -1,14 +1,17 @@
 /* Linear layers with int8 products (quantization="w8a8"): y = x W^T (+ bias) for a weight in
- * 8-bit min/max blocks (w = d q + m, q in 0..255, a block being QBLOCK input features of one
+ * symmetric 8-bit blocks (w = d q, q in -127..127, a block being QBLOCK input features of one
  * output column) and activations quantized as they come: each row's blocks of QBLOCK features
  * as symmetric int8, x ~ s xq with s = max |x| / 127 and xq = round(x / s) in -127..127.
  *
- * A block's share of y[r][n] is then s (d sum(q xq) + m sum(xq)). The sums are int32 and exact,
- * so the products run in 8 bits: 64 a VPDPBUSD (AVX512-VNNI) against 16 an FMA, each block
- * scaling its sums in float once. The weight is packed for that instruction:
- *   codes uint8 [P][K / QBLOCK][QBLOCK / 4][PANEL][4]: four consecutive input features of a
- *         column in its 32-bit lane;
- *   scales float [P][K / QBLOCK][2][PANEL]: d, then m (as linear.c's quantized panels).
+ * A block's share of y[r][n] is then d s sum(q xq). The sums are int32 and exact, so the
+ * products run in 8 bits: 64 a VPDPBUSD (AVX512-VNNI) against 16 an FMA, each block scaling its
+ * sum in float once. VPDPBUSD multiplies unsigned bytes by signed ones, so the codes are stored
+ * as q + 128 and each sum starts from -128 sum(xq), which the row's quantization computes once
+ * per block: sum(q xq) = sum((q + 128) xq) - 128 sum(xq), in int32. The weight is packed for that
+ * instruction:
+ *   codes uint8 [P][K / QBLOCK][QBLOCK / 4][PANEL][4]: q + 128 of four consecutive input features
+ *         of a column in its 32-bit lane;
+ *   scales float [P][K / QBLOCK][PANEL]: d.
  * A tile is up to W8A8_TILE_ROWS rows times a pair of panels: 12 int32 sums and 12 float
  * accumulators in registers. Threads split the pairs of panels.
  *
@@ -97,8 +100,9 @@ static inline int quantize_block(const float *x, int8_t *q, float *scale) {
 }
 
 /* x [M, K] (leading dimension ld_x) quantized by blocks: xq [M][K], scale [M][K / QBLOCK] = s and
- * xsum [M][K / QBLOCK] = s * sum(xq). */
-static void quantize_rows(const float *x, int64_t ld_x, int64_t M, int64_t K, int8_t *xq, float *scale, float *xsum) {
+ * start [M][K / QBLOCK] = -128 sum(xq), where a block's int32 sum starts. */
+static void quantize_rows(const float *x, int64_t ld_x, int64_t M, int64_t K, int8_t *xq, float *scale,
+                          int32_t *start) {
     const int64_t nb = K / QBLOCK;
 #pragma omp parallel for schedule(static) if (M * K >= PARALLEL_MIN)
     for (int64_t r = 0; r < M; ++r)
@@ -106,7 +110,7 @@ static void quantize_rows(const float *x, int64_t ld_x, int64_t M, int64_t K, in
             float s;
             const int sum = quantize_block(x + r * ld_x + b * QBLOCK, xq + r * K + b * QBLOCK, &s);
             scale[r * nb + b] = s;
-            xsum[r * nb + b] = s * (float)sum;
+            start[r * nb + b] = -128 * sum;
         }
 }
 
@@ -125,35 +129,32 @@ static void pair_of(const uint8_t *codes, const float *scales, const float *bias
     for (int h = 0; h < 2; ++h) {
         const int64_t p = h && two ? p0 + 1 : p0; /* a missing second panel repeats the first, unstored */
         pair->codes[h] = codes + p * nb * QBLOCK * PANEL;
-        pair->scales[h] = scales + p * nb * 2 * PANEL;
+        pair->scales[h] = scales + p * nb * PANEL;
     }
 }
 
-typedef void tile_fn(const int8_t *xq, const float *scale, const float *xsum, int rows, int64_t K, const pair_t *pair,
-                     float *y, int64_t ld_y);
+typedef void tile_fn(const int8_t *xq, const float *scale, const int32_t *start, int rows, int64_t K,
+                     const pair_t *pair, float *y, int64_t ld_y);
 
-/* Rows 0 .. rows - 1 of the quantized x (xq [., K], scale and xsum [., K / QBLOCK]) times a pair of
+/* Rows 0 .. rows - 1 of the quantized x (xq [., K], scale and start [., K / QBLOCK]) times a pair of
  * panels, plus bias, into y (leading dimension ld_y). */
-static void tile_generic(const int8_t *xq, const float *scale, const float *xsum, int rows, int64_t K,
+static void tile_generic(const int8_t *xq, const float *scale, const int32_t *start, int rows, int64_t K,
                          const pair_t *pair, float *y, int64_t ld_y) {
     const int64_t nb = K / QBLOCK;
     float acc[W8A8_TILE_ROWS][2 * PANEL] = {{0}};
     for (int64_t b = 0; b < nb; ++b)
         for (int i = 0; i < rows; ++i) {
             const int8_t *xb = xq + i * K + b * QBLOCK;
-            const float s = scale[i * nb + b], t = xsum[i * nb + b];
+            const float s = scale[i * nb + b];
             for (int h = 0; h < 2; ++h) {
                 const uint8_t *c = pair->codes[h] + b * QBLOCK * PANEL;
-                const float *d = pair->scales[h] + b * 2 * PANEL, *m = d + PANEL;
-                int32_t sum[PANEL] = {0};
+                const float *d = pair->scales[h] + b * PANEL;
+                int32_t sum[PANEL];
+                for (int j = 0; j < PANEL; ++j) sum[j] = start[i * nb + b];
                 for (int g = 0; g < GROUPS; ++g)
                     for (int j = 0; j < PANEL; ++j)
                         for (int u = 0; u < 4; ++u) sum[j] += c[(g * PANEL + j) * 4 + u] * xb[4 * g + u];
-                for (int j = 0; j < PANEL; ++j) {
-                    float *a = &acc[i][h * PANEL + j];
-                    *a = fmaf((float)sum[j], d[j] * s, *a);
-                    *a = fmaf(m[j], t, *a);
-                }
+                for (int j = 0; j < PANEL; ++j) acc[i][h * PANEL + j] = fmaf((float)sum[j], d[j] * s, acc[i][h * PANEL + j]);
             }
         }
     for (int i = 0; i < rows; ++i)
@@ -164,16 +165,16 @@ static void tile_generic(const int8_t *xq, const float *scale, const float *xsum
 
 #ifdef __AVX512VNNI__
 /* tile_generic's sums and steps on AVX512-VNNI; inlined with a constant `rows`. */
-static inline __attribute__((always_inline)) void tile_vnni(const int8_t *xq, const float *scale, const float *xsum,
-                                                            int rows, int64_t K, const pair_t *pair, float *y,
-                                                            int64_t ld_y) {
+static inline __attribute__((always_inline)) void tile_vnni(const int8_t *xq, const float *scale,
+                                                            const int32_t *start, int rows, int64_t K,
+                                                            const pair_t *pair, float *y, int64_t ld_y) {
     const int64_t nb = K / QBLOCK;
     __m512 acc[W8A8_TILE_ROWS][2];
     for (int i = 0; i < rows; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t *c0 = pair->codes[0] + b * QBLOCK * PANEL, *c1 = pair->codes[1] + b * QBLOCK * PANEL;
         __m512i sum[W8A8_TILE_ROWS][2];
-        for (int i = 0; i < rows; ++i) sum[i][0] = sum[i][1] = _mm512_setzero_si512();
+        for (int i = 0; i < rows; ++i) sum[i][0] = sum[i][1] = _mm512_set1_epi32(start[i * nb + b]);
         for (int g = 0; g < GROUPS; ++g) {
             const __m512i w0 = _mm512_loadu_si512(c0 + g * 4 * PANEL), w1 = _mm512_loadu_si512(c1 + g * 4 * PANEL);
             for (int i = 0; i < rows; ++i) {
@@ -184,15 +185,11 @@ static inline __attribute__((always_inline)) void tile_vnni(const int8_t *xq, co
                 sum[i][1] = _mm512_dpbusd_epi32(sum[i][1], w1, xb);
             }
         }
-        const float *s0 = pair->scales[0] + b * 2 * PANEL, *s1 = pair->scales[1] + b * 2 * PANEL;
-        const __m512 d0 = _mm512_loadu_ps(s0), m0 = _mm512_loadu_ps(s0 + PANEL);
-        const __m512 d1 = _mm512_loadu_ps(s1), m1 = _mm512_loadu_ps(s1 + PANEL);
+        const __m512 d0 = _mm512_loadu_ps(pair->scales[0] + b * PANEL), d1 = _mm512_loadu_ps(pair->scales[1] + b * PANEL);
         for (int i = 0; i < rows; ++i) {
-            const __m512 s = _mm512_set1_ps(scale[i * nb + b]), t = _mm512_set1_ps(xsum[i * nb + b]);
+            const __m512 s = _mm512_set1_ps(scale[i * nb + b]);
             acc[i][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i][0]), _mm512_mul_ps(d0, s), acc[i][0]);
-            acc[i][0] = _mm512_fmadd_ps(m0, t, acc[i][0]);
             acc[i][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i][1]), _mm512_mul_ps(d1, s), acc[i][1]);
-            acc[i][1] = _mm512_fmadd_ps(m1, t, acc[i][1]);
         }
     }
     const __m512 b0 = _mm512_loadu_ps(pair->bias), b1 = _mm512_loadu_ps(pair->bias + PANEL);
@@ -203,15 +200,15 @@ static inline __attribute__((always_inline)) void tile_vnni(const int8_t *xq, co
     }
 }
 
-static void tile_vnni_rows(const int8_t *xq, const float *scale, const float *xsum, int rows, int64_t K,
+static void tile_vnni_rows(const int8_t *xq, const float *scale, const int32_t *start, int rows, int64_t K,
                            const pair_t *pair, float *y, int64_t ld_y) {
     switch (rows) { /* each inlined with its constant */
-    case 1: tile_vnni(xq, scale, xsum, 1, K, pair, y, ld_y); break;
-    case 2: tile_vnni(xq, scale, xsum, 2, K, pair, y, ld_y); break;
-    case 3: tile_vnni(xq, scale, xsum, 3, K, pair, y, ld_y); break;
-    case 4: tile_vnni(xq, scale, xsum, 4, K, pair, y, ld_y); break;
-    case 5: tile_vnni(xq, scale, xsum, 5, K, pair, y, ld_y); break;
-    default: tile_vnni(xq, scale, xsum, W8A8_TILE_ROWS, K, pair, y, ld_y); break;
+    case 1: tile_vnni(xq, scale, start, 1, K, pair, y, ld_y); break;
+    case 2: tile_vnni(xq, scale, start, 2, K, pair, y, ld_y); break;
+    case 3: tile_vnni(xq, scale, start, 3, K, pair, y, ld_y); break;
+    case 4: tile_vnni(xq, scale, start, 4, K, pair, y, ld_y); break;
+    case 5: tile_vnni(xq, scale, start, 5, K, pair, y, ld_y); break;
+    default: tile_vnni(xq, scale, start, W8A8_TILE_ROWS, K, pair, y, ld_y); break;
     }
 }
 #endif
@@ -229,8 +226,8 @@ int linear_w8a8_f32(const float *x, int64_t ld_x, int64_t M, const uint8_t *code
         free(scale);
         return -3;
     }
-    float *xsum = scale + M * nb;
-    quantize_rows(x, ld_x, M, K, xq, scale, xsum);
+    int32_t *start = (int32_t *)(scale + M * nb);
+    quantize_rows(x, ld_x, M, K, xq, scale, start);
     /* rows in tiles of equal size: 64 rows are 9 tiles of 6 and 2 of 5 */
     const int64_t tiles = (M + W8A8_TILE_ROWS - 1) / W8A8_TILE_ROWS, small = M / tiles, larger = M % tiles;
     tile_fn *tile = tile_generic;
@@ -244,7 +241,7 @@ int linear_w8a8_f32(const float *x, int64_t ld_x, int64_t M, const uint8_t *code
         float *yp = y + 2 * pp * PANEL;
         for (int64_t t = 0, m0 = 0; t < tiles; ++t) {
             const int rows = (int)(small + (t < larger));
-            tile(xq + m0 * K, scale + m0 * nb, xsum + m0 * nb, rows, K, &pair, yp + m0 * ld_y, ld_y);
+            tile(xq + m0 * K, scale + m0 * nb, start + m0 * nb, rows, K, &pair, yp + m0 * ld_y, ld_y);
             m0 += rows;
         }
     }

@@ -4,8 +4,9 @@ A block's weights are ``w = d * q + m``. Two kinds of code serve every format th
 natively, each exactly as its source defines it:
 
 - ``q8``: ``q`` in 0..255. ``quantization="int8"`` quantizes float weights into min/max blocks
-  (``m`` the block's least weight, ``d`` its range / 255). GGUF's Q8_0 (``d * q``, ``q`` int8) is
-  stored as ``q + 128`` with ``m = -128 d``.
+  (``m`` the block's least weight, ``d`` its range / 255). Symmetric blocks (``d * q``, ``q`` int8:
+  GGUF's Q8_0, and ``quantize_symmetric_int8``'s for int8 products) are stored as ``q + 128`` with
+  ``m = -128 d``.
 - ``q4``: ``q`` in 0..15: GGUF's Q4_1, and Q4_0 (``d * (q - 8)``) with ``m = -8 d``.
 
 ``QuantBlocks`` hold a weight row by row, as checkpoints store it; shards of a fused layer
@@ -50,11 +51,11 @@ class QuantizedWeight(NamedTuple):
     ``[P, K / QBLOCK, QBLOCK, LINEAR_PANEL / 2]`` (q4, columns ``j`` and ``j + LINEAR_PANEL / 2`` in the low
     and high nibbles of byte ``j``), and float32 ``scales`` ``[P, K / QBLOCK, 2, LINEAR_PANEL]``: d, then m.
     With ``bf16_products``, the kernel multiplies x and the weights rounded to bfloat16 on AMX tiles where
-    the CPU has them (from 16 rows; a bfloat16 model's quantized layers). With ``int8_products`` (q8 only),
-    the kernel rotates x's blocks (``hadamard``), quantizes them to int8 and multiplies in int8
-    (``linear_int8.c``): the blocks are then those of ``hadamard_blocks(W)``, and ``codes``
+    the CPU has them (from 16 rows; a bfloat16 model's quantized layers). With ``int8_products`` (symmetric q8
+    blocks only), the kernel rotates x's blocks (``hadamard``), quantizes them to int8 and multiplies in int8
+    (``linear_int8.c``): the blocks are then those of ``hadamard_blocks(W)``, ``codes``
     ``[P, K / QBLOCK, QBLOCK / INT8_GROUP, LINEAR_PANEL, INT8_GROUP]``, a column's consecutive features side by
-    side."""
+    side, and ``scales`` ``[P, K / QBLOCK, LINEAR_PANEL]``: d alone (m is -128 d)."""
 
     kind: str
     codes: torch.Tensor
@@ -74,7 +75,7 @@ class QuantizedWeight(NamedTuple):
         blocks = self.in_features // QBLOCK
         if self.int8_products:  # rotated blocks: rotating once more gives W back (H H = QBLOCK I)
             q = self.codes[p, :, :, j, :].reshape(len(index), blocks, QBLOCK)
-            w = q.float() * self.scales[p, :, 0, j].unsqueeze(-1) + self.scales[p, :, 1, j].unsqueeze(-1)
+            w = (q.float() - 128.0) * self.scales[p, :, j].unsqueeze(-1)
             return (w @ hadamard()).reshape(len(index), blocks * QBLOCK)
         if self.kind == "q8":
             q = self.codes[p, :, :, j]  # [R, blocks, QBLOCK]
@@ -131,6 +132,26 @@ def quantize_int8(weight: torch.Tensor) -> QuantBlocks:
     return QuantBlocks("q8", q.to(torch.uint8).view(n, k), d, m)
 
 
+def quantize_symmetric_int8(weight: torch.Tensor) -> QuantBlocks:
+    """Symmetric 8-bit blocks of a float ``[N, K]`` weight: per block ``d = max |w| / 127``,
+    ``q = round(w / d)`` in -127..127 (stored as ``q + 128``, ``m = -128 d``); every weight within ``d / 2``
+    of its code's value.
+
+    The int8-products kernel takes these: without an offset a block's share of an output is one float step
+    where min/max blocks need two (6-8% faster linears). Their coarser steps cost little where the
+    activations' rounding dominates (the bundled model with ``w8a8``, 32 prompts x 64 tokens teacher-forced, the
+    products in float64: mean KL to float32 0.00121 against min/max blocks' 0.00106, float32's top token in
+    98.1% of steps with either).
+    """
+    n, k = weight.shape
+    if k % QBLOCK:
+        raise ValueError(f"int8 quantization needs in_features divisible by {QBLOCK}; got {k}")
+    w = weight.float().view(n, k // QBLOCK, QBLOCK)
+    d = w.abs().amax(-1) / 127.0
+    q = torch.round(w / torch.where(d > 0, d, 1.0).unsqueeze(-1)).clamp(-127, 127)
+    return QuantBlocks("q8", (q + 128).to(torch.uint8).view(n, k), d, -128.0 * d)
+
+
 # GGUF block formats: type name -> bytes per block of QBLOCK weights
 GGUF_BLOCK_BYTES = {"Q8_0": 2 + QBLOCK, "Q4_0": 2 + QBLOCK // 2, "Q4_1": 4 + QBLOCK // 2}
 
@@ -164,6 +185,8 @@ def pack(blocks: QuantBlocks, int8_products: bool = False) -> QuantizedWeight:
         raise ValueError(f"quantized weights need in_features divisible by {QBLOCK}; got {k}")
     if int8_products and blocks.kind != "q8":
         raise ValueError(f"int8 products take q8 blocks; got {blocks.kind}")
+    if int8_products and not torch.equal(blocks.m, -128.0 * blocks.d):
+        raise ValueError("int8 products take symmetric blocks (m = -128 d, as quantize_symmetric_int8 makes)")
     panels, nb = -(-n // LINEAR_PANEL), k // QBLOCK
     rows = panels * LINEAR_PANEL
 
@@ -181,5 +204,5 @@ def pack(blocks: QuantBlocks, int8_products: bool = False) -> QuantizedWeight:
         half = LINEAR_PANEL // 2
         codes = codes[..., :half] | (codes[..., half:] << 4)
     d, m = (padded(t).view(panels, LINEAR_PANEL, nb).permute(0, 2, 1) for t in (blocks.d, blocks.m))
-    scales = torch.stack([d, m], dim=2).contiguous()
+    scales = d.contiguous() if int8_products else torch.stack([d, m], dim=2).contiguous()
     return QuantizedWeight(blocks.kind, codes.contiguous(), scales, n, k, int8_products=int8_products)

@@ -8,9 +8,10 @@ embedding among them) by packed quantized blocks (``engine.layers.quantization``
   the tied embedding): it stays in dtype, as vLLM's weight-only methods keep it, because its
   error goes straight into the logits (on the bundled model it was all of int8's: 5 of 8
   prompts kept float32's greedy tokens with it quantized, 8 of 8 without);
-- ``"w8a8"``: int8's blocks of the weights rotated by ``hadamard_blocks``, packed for int8 products:
-  each matmul rotates its input's blocks the same way, quantizes them to int8 and multiplies in int8
-  (``engine/cpu_kernels/linear_int8.c``); the output head again in dtype;
+- ``"w8a8"``: symmetric 8-bit blocks (``quantize_symmetric_int8``) of the weights rotated by
+  ``hadamard_blocks``, packed for int8 products: each matmul rotates its input's blocks the same way,
+  quantizes them to int8 and multiplies in int8 (``engine/cpu_kernels/linear_int8.c``); the output head
+  again in dtype;
 - ``"gguf"``: the weights of a GGUF model are read from the file in their own formats
   (Q8_0, Q4_0, Q4_1) without passing through float32; weights of other GGUF types keep the
   float values the conversion cache holds.
@@ -35,6 +36,7 @@ from torch import nn
 from engine.layers.linear import Linear, MergedLinear
 from engine.layers.quantization import (
     GGUF_BLOCK_BYTES, QBLOCK, QuantBlocks, concat, from_gguf, hadamard_blocks, pack, quantize_int8,
+    quantize_symmetric_int8,
 )
 from engine.models.llama import FUSED_SHARDS
 
@@ -99,7 +101,7 @@ def quantize_linears(
         blocks = None
         if method in ("int8", "w8a8") and module is not head and module.in_features % QBLOCK == 0:
             weight = module.weight.data
-            blocks = quantize_int8(hadamard_blocks(weight) if method == "w8a8" else weight)
+            blocks = quantize_symmetric_int8(hadamard_blocks(weight)) if method == "w8a8" else quantize_int8(weight)
         elif blocks_of is not None:
             blocks = blocks_of(name, module)
         if blocks is not None:

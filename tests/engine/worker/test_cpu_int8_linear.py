@@ -68,7 +68,7 @@ def test_pack_layout_for_int8_products() -> None:
     """Four consecutive input features of a column sit side by side (one 32-bit lane); rows() rotates the blocks
     back, giving the weight within int8's rounding."""
     weight = torch.randn(cpu_kernels.LINEAR_PANEL + 5, 64)
-    blocks = q.quantize_int8(q.hadamard_blocks(weight))
+    blocks = q.quantize_symmetric_int8(q.hadamard_blocks(weight))
     packed = q.pack(blocks, int8_products=True)
     assert packed.int8_products and packed.codes.shape == (2, 2, q.QBLOCK // q.INT8_GROUP, cpu_kernels.LINEAR_PANEL, 4)
     # column 19 = panel 1, lane 3; feature 45 = block 1, group 3, entry 1
@@ -76,14 +76,32 @@ def test_pack_layout_for_int8_products() -> None:
     rows = packed.rows(torch.arange(weight.shape[0]))
     assert torch.allclose(rows, (blocks.dequantize().view(-1, 2, q.QBLOCK) @ q.hadamard()).view_as(weight), atol=1e-6)
     assert (rows - weight).abs().max() < 0.1
-    assert torch.equal(packed.scales, q.pack(blocks).scales)
+    assert packed.scales.shape == (2, 2, cpu_kernels.LINEAR_PANEL)  # d alone
+    assert torch.equal(packed.scales, q.pack(blocks).scales[:, :, 0])
 
 
-def test_int8_products_take_q8_blocks() -> None:
-    """4-bit blocks have no int8-products layout: a ValueError names the kind."""
+def test_symmetric_blocks() -> None:
+    """Each block's d is max |w| / 127, its codes q + 128 with q in -127..127 (the largest weight's at +-127),
+    m = -128 d, and every weight within d / 2 of its code's value; a block of zeros stays exact."""
+    weight = torch.randn(7, 96) * torch.linspace(0.1, 3.0, 96)
+    weight[2, 32:64] = 0.0
+    blocks = q.quantize_symmetric_int8(weight)
+    amax = weight.view(7, 3, q.QBLOCK).abs().amax(-1)
+    assert torch.equal(blocks.d, amax / 127) and torch.equal(blocks.m, -128 * blocks.d)
+    codes = blocks.codes.view(7, 3, q.QBLOCK).int() - 128
+    assert codes.abs().max() == 127 and codes.min() >= -127
+    assert ((blocks.dequantize() - weight).view(7, 3, q.QBLOCK).abs() <= blocks.d.unsqueeze(-1) / 2 + 1e-7).all()
+    assert torch.equal(blocks.dequantize()[2, 32:64], torch.zeros(32))
+
+
+def test_int8_products_take_symmetric_q8_blocks() -> None:
+    """4-bit blocks and 8-bit min/max blocks (an offset of their own) have no int8-products layout: a ValueError
+    says what it takes."""
     raw = np.zeros((4, 2 * q.GGUF_BLOCK_BYTES["Q4_1"]), dtype=np.uint8)
     with pytest.raises(ValueError, match="q8 blocks; got q4"):
         q.pack(q.from_gguf("Q4_1", raw), int8_products=True)
+    with pytest.raises(ValueError, match="symmetric blocks"):
+        q.pack(q.quantize_int8(torch.randn(4, 64)), int8_products=True)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -95,7 +113,7 @@ def test_kernel_matches_float64(path: str, rows: int, shape: tuple[int, int]) ->
     in_features, out_features = shape
     rng = np.random.default_rng(rows + in_features)
     weight = torch.from_numpy(rng.standard_normal((out_features, in_features)).astype(np.float32))
-    blocks = q.quantize_int8(q.hadamard_blocks(weight))
+    blocks = q.quantize_symmetric_int8(q.hadamard_blocks(weight))
     packed = q.pack(blocks, int8_products=True)
     x = torch.from_numpy(rng.standard_normal((rows, in_features)).astype(np.float32)) * 4
     if rows:
@@ -112,7 +130,7 @@ def test_kernel_matches_float64(path: str, rows: int, shape: tuple[int, int]) ->
 @pytest.mark.parametrize("rows", [1, 6, 64])
 def test_paths_give_the_same_bits(rows: int) -> None:
     """The int32 sums are exact and the float steps the same, so AVX512-VNNI and plain C agree to the bit."""
-    blocks = q.quantize_int8(torch.randn(200, 576))
+    blocks = q.quantize_symmetric_int8(torch.randn(200, 576))
     packed, x, bias = q.pack(blocks, int8_products=True), torch.randn(rows, 576), torch.randn(200)
     outputs = []
     for path in PATHS:
@@ -123,7 +141,7 @@ def test_paths_give_the_same_bits(rows: int) -> None:
 
 def test_strided_input_reads_its_rows() -> None:
     """x given as a column slice of a wider tensor (a fused projection's output) reads only its own features."""
-    blocks = q.quantize_int8(torch.randn(48, 64))
+    blocks = q.quantize_symmetric_int8(torch.randn(48, 64))
     packed, wide = q.pack(blocks, int8_products=True), torch.randn(9, 160)
     x = wide[:, 32:96]
     assert torch.equal(cpu_kernels.linear_quantized(x, packed), cpu_kernels.linear_quantized(x.contiguous(), packed))

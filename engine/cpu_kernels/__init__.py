@@ -11,6 +11,7 @@
   (``linear_bf16.c``, ``bf16_linear_path``);
   ``linear_quantized`` over int8 or 4-bit blocks packed by ``engine.layers.quantization.pack``;
 - ``apply_token_bitmask``: structured output's token masks on a step's logits (``token_mask.c``);
+- ``argmax_rows``: greedy sampling's argmax of each row of a step's logits (``argmax.c``);
 - ``decoder_forward``: a Llama-family model's decoder layers in one call, chaining the kernels above
   (``decoder.c``), for ``engine.worker.decoder_plan``.
 
@@ -48,7 +49,7 @@ logger = logging.getLogger(__name__)
 _SOURCES = (
     "vec.h", "kernels.h", "linear.h", "linear_tiles16.h", "bf16_kernels.h", "attention_amx.h", "attention_dot.h",
     "attention_rows.h", "attention.c", "attention_bf16.c", "elementwise.c", "linear.c", "linear_bf16.c",
-    "linear_int8.c", "token_mask.c", "decoder.c",
+    "linear_int8.c", "token_mask.c", "argmax.c", "decoder.c",
 )
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 # Fixed-size scratch of the kernels (see MAX_* in the sources).
@@ -130,6 +131,8 @@ _SIGNATURES = {
     "attention_bf16_limit": [ctypes.c_int],
     # logits, ld, bitmask, words per row, rows, number of rows, vocabulary size
     "apply_token_bitmask_f32": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64],
+    # logits, ld, rows, vocabulary size, out
+    "argmax_rows_f32": [_PTR, _I64, _I64, _I64, _PTR],
     # plan, tokens (decoder.c)
     "decoder_scratch": [_PTR, _I64],
     # plan, step, x, out, scratch, the failing kernel (out)
@@ -518,6 +521,18 @@ def linear_quantized(x: torch.Tensor, weight, bias: torch.Tensor | None = None) 
     if status:
         raise MemoryError("the quantized linear kernel could not allocate its scratch")
     return y
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """The int64 index of each row's first largest value (a NaN counting as the largest, as in
+    ``torch.argmax``) of ``logits`` ``[R, V]``: float32 CPU rows, any leading dimension, ``V >= 1``."""
+    _check_float32_cpu("logits", logits)
+    if logits.dim() != 2 or logits.shape[1] == 0:
+        raise ValueError(f"logits must be [rows, vocab] with vocab >= 1; got {list(logits.shape)}")
+    logits, ld = _rows(logits)
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    _lib().argmax_rows_f32(logits.data_ptr(), ld, logits.shape[0], logits.shape[1], out.data_ptr())
+    return out
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 
+from engine import cpu_kernels
+from engine.layers import sampler as sampler_module
 from engine.layers.sampler import Sampler, argmax_rows
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -233,11 +236,34 @@ def test_sampling_never_picks_a_zero_probability_token() -> None:
     assert set(tokens.tolist()) == {3, 5}
 
 
-def test_argmax_rows_equals_argmax() -> None:
-    """The blocked search agrees with argmax, ties included, and strided logits take argmax itself."""
+@pytest.mark.parametrize("kernels", [True, False], ids=["c", "torch"])
+def test_argmax_rows_equals_argmax(kernels: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C pass (where the kernels are built) and the blocked search agree with argmax, ties included;
+    column-strided logits, and rows of a wider tensor, give argmax too."""
+    if kernels and cpu_kernels.library() is None:
+        pytest.skip("no C compiler for the CPU kernels")
+    if not kernels:
+        monkeypatch.setattr(sampler_module.cpu_kernels, "library", lambda: None)
     gen = torch.Generator().manual_seed(0)
     for vocab in (49152, 1000, 997, 7):  # many blocks, an uneven divisor, a prime (blocks of 1), tiny
         logits = torch.randint(0, 5, (6, vocab), generator=gen).float()  # few values: ties within and across blocks
         assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
         strided = logits.t().contiguous().t()
         assert torch.equal(argmax_rows(strided), logits.argmax(dim=-1))
+        wider = torch.zeros(6, vocab + 40)
+        wider[:, 3 : 3 + vocab] = logits - 10  # the rows' other entries, zeros, are larger: they must stay unread
+        assert torch.equal(argmax_rows(wider[:, 3 : 3 + vocab]), logits.argmax(dim=-1))
+
+
+def test_argmax_rows_in_c_takes_nan_and_infinities_as_argmax_does() -> None:
+    """A row's first NaN is its argmax, as in torch.argmax; +inf beats finite values, an all -inf row gives 0."""
+    if cpu_kernels.library() is None:
+        pytest.skip("no C compiler for the CPU kernels")
+    logits = torch.randn(5, 100)
+    logits[0, [17, 60]] = float("nan")
+    logits[1, [5, 90]] = float("inf")
+    logits[2] = -float("inf")
+    logits[3, 99] = float("nan")  # in the scalar tail of a 16-lane pass
+    logits[4, 40] = float("inf")
+    logits[4, 70] = float("nan")
+    assert argmax_rows(logits).tolist() == logits.argmax(dim=-1).tolist() == [17, 5, 0, 99, 70]

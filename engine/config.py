@@ -42,8 +42,9 @@ class EngineConfig:
     quantization: str | None = knob(
         None,
         "Linear weights quantized on CPU: int8 = 8-bit min/max blocks of 32 weights (weight-only; the output head "
-        "stays in dtype); w8a8 = int8's weights, and each matmul's input quantized to symmetric int8 blocks of 32 "
-        "(Hadamard-rotated) as it comes, the products in int8 (AVX512-VNNI where the CPU has it); gguf = a .gguf "
+        "stays in dtype); w8a8 = symmetric 8-bit blocks of 32 weights, and each matmul's input quantized to symmetric "
+        "int8 blocks of 32 (both Hadamard-rotated) as it comes, the products in int8 (AVX512-VNNI where the CPU has "
+        "it; the output head in dtype); gguf = a .gguf "
         "model's own Q8_0 / Q4_0 / Q4_1 blocks, read without dequantizing; None = weights in dtype.",
         choices=("int8", "w8a8", "gguf"),
     )

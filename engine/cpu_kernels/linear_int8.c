@@ -220,7 +220,7 @@ int linear_w8a8_f32(const float *x, int64_t ld_x, int64_t M, const uint8_t *code
     if (M == 0) return 0;
     const int64_t nb = K / QBLOCK, pairs = ((N + PANEL - 1) / PANEL + 1) / 2;
     int8_t *xq = malloc(M * K);
-    float *scale = malloc(2 * M * nb * sizeof(float));
+    float *scale = malloc(2 * M * nb * sizeof(float)); /* scale [M][nb], then start [M][nb] (int32) */
     if (xq == NULL || scale == NULL) {
         free(xq);
         free(scale);

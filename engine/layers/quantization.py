@@ -116,6 +116,18 @@ def concat(parts: list[QuantBlocks]) -> QuantBlocks:
     return QuantBlocks(parts[0].kind, *(torch.cat([part[i] for part in parts]) for i in (1, 2, 3)))
 
 
+def _float_blocks(weight: torch.Tensor) -> torch.Tensor:
+    """A float ``[N, K]`` weight as float32 blocks ``[N, K / QBLOCK, QBLOCK]``.
+
+    Raises:
+        ValueError: ``K`` is not a multiple of ``QBLOCK``.
+    """
+    n, k = weight.shape
+    if k % QBLOCK:
+        raise ValueError(f"int8 quantization needs in_features divisible by {QBLOCK}; got {k}")
+    return weight.float().view(n, k // QBLOCK, QBLOCK)
+
+
 def quantize_int8(weight: torch.Tensor) -> QuantBlocks:
     """8-bit min/max blocks of a float ``[N, K]`` weight: per block ``m = min w``, ``d = (max w - m) / 255``,
     ``q = round((w - m) / d)``; every weight within ``d / 2`` of its code's value.
@@ -123,9 +135,7 @@ def quantize_int8(weight: torch.Tensor) -> QuantBlocks:
     (Against symmetric ``max|w| / 127`` blocks, a third of the log-probability error on the bundled model.)
     """
     n, k = weight.shape
-    if k % QBLOCK:
-        raise ValueError(f"int8 quantization needs in_features divisible by {QBLOCK}; got {k}")
-    w = weight.float().view(n, k // QBLOCK, QBLOCK)
+    w = _float_blocks(weight)
     m = w.amin(-1)
     d = (w.amax(-1) - m) / 255.0
     q = torch.round((w - m.unsqueeze(-1)) / torch.where(d > 0, d, 1.0).unsqueeze(-1)).clamp(0, 255)
@@ -144,9 +154,7 @@ def quantize_symmetric_int8(weight: torch.Tensor) -> QuantBlocks:
     98.1% of steps with either).
     """
     n, k = weight.shape
-    if k % QBLOCK:
-        raise ValueError(f"int8 quantization needs in_features divisible by {QBLOCK}; got {k}")
-    w = weight.float().view(n, k // QBLOCK, QBLOCK)
+    w = _float_blocks(weight)
     d = w.abs().amax(-1) / 127.0
     q = torch.round(w / torch.where(d > 0, d, 1.0).unsqueeze(-1)).clamp(-127, 127)
     return QuantBlocks("q8", (q + 128).to(torch.uint8).view(n, k), d, -128.0 * d)

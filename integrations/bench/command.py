@@ -125,8 +125,8 @@ def run(args: argparse.Namespace) -> int:
 
     Raises:
         FlagError: an engine flag the config refuses, ``--rounds`` beyond the offline workloads, or
-            ``VllmEnvMissing`` for ``--baselines vllm``
-            without vLLM's environment (``paged`` reports each as a usage error), before anything loads.
+            ``VllmEnvMissing`` for ``--baselines vllm`` without vLLM's environment (``paged`` reports each as a
+            usage error), before anything loads.
         VllmRunFailed: the vLLM run failed (``paged`` prints the message, which names its log).
         ServerUnusable: with ``--base-url``, the server cannot be benchmarked (``http_command.run``).
     """

@@ -78,7 +78,12 @@ static inline __attribute__((always_inline)) void dot_shared_phase(const vs *res
     __m512bh pp[DOT_CHUNK / 2 * MAX_LANE_VECTORS];                         /* [pair][j]: their weights */
     for (int64_t pos = 0; pos < shared;) {
         const int n = shared - pos < DOT_CHUNK ? (int)(shared - pos) : DOT_CHUNK, pairs = (n + 1) / 2;
-        for (int t = 0; t < n; ++t) rows[t] = chunk_base(table, pos + t, block_size, token_stride) + head_offset;
+        for (int t = 0; t < n;) { /* one table lookup and division a block, not a key */
+            const int run = (int)chunk_len(pos + t, shared, block_size, n - t);
+            const int64_t first = chunk_base(table, pos + t, block_size, token_stride) + head_offset;
+            for (int u = 0; u < run; ++u) rows[t + u] = first + u * token_stride;
+            t += run;
+        }
         int t = 0;
         for (; t + DOT_KEYS <= n; t += DOT_KEYS) {
             for (int u = 0; u < DOT_KEYS; ++u) {

@@ -65,6 +65,9 @@ BF16_LINEAR_PATHS = ("widened", "avx512-bf16", "amx")
 BF16_ATTENTION_PATHS = ("widened", "avx512-bf16", "amx")
 # What linear_w8a8 multiplies on, by the C enum's value: int8 sums in plain C, AVX512-VNNI.
 INT8_LINEAR_PATHS = ("generic", "avx512-vnni")
+# Where attention fetches the cache lines of the next chunk, by attention_fetch_into's level: the machine's
+# default (L2 where the L1 data cache holds under 48 KiB, else L1), L1, L2 only.
+ATTENTION_FETCH = ("auto", "l1", "l2")
 
 
 def _cpu_flags() -> str:
@@ -129,6 +132,8 @@ _SIGNATURES = {
     "linear_bf16_limit": [ctypes.c_int],  # the highest path it may take
     "attention_bf16_path": [_I64],  # head_dim
     "attention_bf16_limit": [ctypes.c_int],
+    "attention_fetch_into": [ctypes.c_int],  # 0 the machine's default, 1 into L1, 2 into L2 only
+    "attention_fetch_level": [],
     # logits, ld, bitmask, words per row, rows, number of rows, vocabulary size
     "apply_token_bitmask_f32": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64],
     # logits, ld, rows, vocabulary size, out
@@ -144,7 +149,7 @@ _SIGNATURES |= {f"{name}_bf16": _SIGNATURES[f"{name}_f32"] for name in ("paged_a
 _RETURN_STATUS = {
     "paged_attention_f32", "paged_attention_bf16", "store_kv_f32", "store_kv_bf16", "rotary_f32", "linear_q8_f32",
     "linear_q4_f32", "linear_w8a8_f32", "linear_int8_path", "linear_bf16", "linear_bf16_path", "attention_bf16_path", "attention_max_lanes",
-    "decoder_forward",
+    "attention_fetch_level", "decoder_forward",
 }
 _RESTYPES = {name: ctypes.c_int for name in _RETURN_STATUS} | {"decoder_scratch": ctypes.c_int64}  # else void
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -157,7 +162,8 @@ def library() -> ctypes.CDLL | None:
     ``PAGED_BF16_LINEAR`` (one of ``BF16_LINEAR_PATHS``) caps the bfloat16 linear path, e.g.
     ``widened`` to compute bfloat16 weights in float32 on a CPU with bfloat16 arithmetic;
     ``PAGED_BF16_ATTENTION`` (one of ``BF16_ATTENTION_PATHS``) the path of shared keys in a bfloat16 cache;
-    ``PAGED_INT8_LINEAR`` (one of ``INT8_LINEAR_PATHS``) the path of int8 products.
+    ``PAGED_INT8_LINEAR`` (one of ``INT8_LINEAR_PATHS``) the path of int8 products;
+    ``PAGED_ATTENTION_FETCH`` (one of ``ATTENTION_FETCH``) the cache level attention fetches ahead into.
     """
     if os.environ.get("PAGED_CPU_KERNELS", "1") == "0":
         return None
@@ -181,7 +187,16 @@ def library() -> ctypes.CDLL | None:
         if limit not in paths:
             raise ValueError(f"{variable} must be one of {', '.join(paths)}; got {limit!r}")
         cap(paths.index(limit))
+    fetch = os.environ.get("PAGED_ATTENTION_FETCH", ATTENTION_FETCH[0])
+    if fetch not in ATTENTION_FETCH:
+        raise ValueError(f"PAGED_ATTENTION_FETCH must be one of {', '.join(ATTENTION_FETCH)}; got {fetch!r}")
+    lib.attention_fetch_into(ATTENTION_FETCH.index(fetch))
     return lib
+
+
+def attention_fetch() -> str:
+    """The cache level the attention kernels fetch keys and values ahead into on this CPU: ``l1`` or ``l2``."""
+    return ATTENTION_FETCH[_lib().attention_fetch_level()]
 
 
 def bf16_linear_path(rows: int) -> str:

@@ -26,6 +26,7 @@
 
 #include <omp.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #include "vec.h"
 #include "kernels.h"
@@ -86,10 +87,37 @@ static inline void splat2(const kv_t *p, vs *a, vs *b) {
 #endif
 }
 
-/* Fetches the cache lines of one token's head (D elements) ahead of their use. */
+/* Fetches the cache lines of one token's head (D elements) ahead of their use: into every cache level, or
+ * into L2 and below where attention_fetch_l2 says so (attention_fetch_into). */
 static inline __attribute__((always_inline)) void prefetch_row(const kv_t *p, const int D) {
-    for (int c = 0; c < D; c += KV_LINE) __builtin_prefetch(p + c);
+    if (attention_fetch_l2)
+        for (int c = 0; c < D; c += KV_LINE) __builtin_prefetch(p + c, 0, 2); /* prefetcht1 */
+    else
+        for (int c = 0; c < D; c += KV_LINE) __builtin_prefetch(p + c);
 }
+
+#if !KV_BF16 /* once in the library: the float32-cache build defines what both builds read */
+int attention_fetch_l2;
+
+/* Where the attention kernels fetch cache lines ahead: level 1 into L1 (and below), 2 into L2 only, 0 the
+ * machine's default: L2 where the L1 data cache holds under 48 KiB. A chunk fetched ahead is 12 KiB of a
+ * bfloat16 cache at the bundled model's shapes; into a 32 KiB L1 it displaced what the chunk before still
+ * used (a Zen 4 EPYC: a 64-row decode step without sharing 1.15-1.20x faster fetching into L2 only), where
+ * a 48 KiB L1 held both (a Zen 5 EPYC: into L2 only was 1.14-1.24x slower). docs/performance.md. */
+void attention_fetch_into(int level) {
+#ifdef _SC_LEVEL1_DCACHE_SIZE
+    const long l1 = sysconf(_SC_LEVEL1_DCACHE_SIZE);
+#else
+    const long l1 = 0; /* not known here: into L1 */
+#endif
+    attention_fetch_l2 = level == 2 || (level == 0 && l1 > 0 && l1 < 48 * 1024);
+}
+
+/* The level attention_fetch_into chose: 1 or 2. */
+int attention_fetch_level(void) { return attention_fetch_l2 ? 2 : 1; }
+
+__attribute__((constructor)) static void attention_fetch_default(void) { attention_fetch_into(0); }
+#endif
 
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256

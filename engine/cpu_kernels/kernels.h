@@ -34,6 +34,9 @@ int linear_w8a8_f32(const float *x, int64_t ld_x, int64_t M, const uint8_t *code
 #define STORE_KV_ARGS(kv_t)                                                                                           \
     const float *k, int64_t k_row, int64_t k_col, const float *v, int64_t v_row, int64_t v_col, const int64_t *slots, \
         int64_t num_rows, int64_t width, kv_t *k_cache, kv_t *v_cache, int64_t num_slots
+extern int attention_fetch_l2; /* attention.c: whether its kernels fetch ahead into L2 only */
+void attention_fetch_into(int level);
+int attention_fetch_level(void);
 int paged_attention_f32(PAGED_ATTENTION_ARGS(float));
 int paged_attention_bf16(PAGED_ATTENTION_ARGS(uint16_t));
 int store_kv_f32(STORE_KV_ARGS(float));

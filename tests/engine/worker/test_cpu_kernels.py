@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -117,6 +119,37 @@ def test_compiled_once_then_loaded(fresh_build) -> None:
     assert cpu_kernels.library() is not None
     assert sum("-shared" in line for line in log.read_text().splitlines()) == 1
     assert list((tmp_path / "cache" / "cpu_kernels").glob("*.so")) == built
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_fetching_into_l2_or_l1_changes_no_bit(kv_dtype: torch.dtype) -> None:
+    """Where attention fetches ahead is the machine's choice (L2 under a 48 KiB L1 data cache) or
+    PAGED_ATTENTION_FETCH's; tiles, own keys and both caches give the same bits either way."""
+    from engine.attention.cpu_backend import plan_tiles
+
+    lib, default = cpu_kernels.library(), cpu_kernels.attention_fetch()
+    getconf = subprocess.run(["getconf", "LEVEL1_DCACHE_SIZE"], capture_output=True, text=True)
+    if os.environ.get("PAGED_ATTENTION_FETCH", "auto") == "auto" and getconf.returncode == 0:
+        l1 = int(getconf.stdout.strip()) if getconf.stdout.strip().isdigit() else 0  # or "undefined"
+        assert default == ("l2" if 0 < l1 < 48 * 1024 else "l1")
+    q, k_cache, v_cache, block_tables, seq_lens, _ = _paged_case(24, 9, 3, 64, 16, seed=11, min_len=48)
+    tiles = plan_tiles(seq_lens.numpy(), block_tables.numpy(), 16, 3, cpu_kernels.tile_lanes(64, kv_dtype))
+    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
+    outs = {}
+    try:
+        for level, name in enumerate(cpu_kernels.ATTENTION_FETCH):
+            lib.attention_fetch_into(level)
+            outs[name] = cpu_kernels.attention(q, k_cache, v_cache, block_tables, seq_lens, 0.125, tiles)
+            assert cpu_kernels.attention_fetch() == (default if name == "auto" else name)
+    finally:
+        lib.attention_fetch_into(cpu_kernels.ATTENTION_FETCH.index(default))
+    assert torch.equal(outs["l1"], outs["l2"]) and torch.equal(outs["auto"], outs["l1"])
+
+
+def test_an_unknown_fetch_level_is_named(fresh_build, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGED_ATTENTION_FETCH", "l3")
+    with pytest.raises(ValueError, match="PAGED_ATTENTION_FETCH must be one of auto, l1, l2; got 'l3'"):
+        cpu_kernels.library()
 
 
 @pytest.mark.parametrize("compiler", ["missing", "failing"])

@@ -102,8 +102,9 @@ int attention_fetch_l2;
 /* Where the attention kernels fetch cache lines ahead: level 1 into L1 (and below), 2 into L2 only, 0 the
  * machine's default: L2 where the L1 data cache holds under 48 KiB. A chunk fetched ahead is 12 KiB of a
  * bfloat16 cache at the bundled model's shapes; into a 32 KiB L1 it displaced what the chunk before still
- * used (a Zen 4 EPYC: a 64-row decode step without sharing 1.15-1.20x faster fetching into L2 only), where
- * a 48 KiB L1 held both (a Zen 5 EPYC: into L2 only was 1.14-1.24x slower). docs/performance.md. */
+ * used (a Zen 4 EPYC: a 64-row decode step 1.15x faster without sharing, 1.08x behind a shared prompt,
+ * fetching into L2 only), where a 48 KiB L1 held both (a Zen 5 EPYC: into L2 only was 1.14-1.24x slower).
+ * docs/performance.md. */
 void attention_fetch_into(int level) {
 #ifdef _SC_LEVEL1_DCACHE_SIZE
     const long l1 = sysconf(_SC_LEVEL1_DCACHE_SIZE);

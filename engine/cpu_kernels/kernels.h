@@ -1,5 +1,5 @@
-/* The library's entry points that decoder.c calls, declared once: each defining file includes this
- * header too, so a signature that drifts fails the build. */
+/* The library's entry points that decoder.c calls, and the fetch setting both attention builds read,
+ * declared once: each defining file includes this header too, so a signature that drifts fails the build. */
 
 #ifndef PAGED_KERNELS_H
 #define PAGED_KERNELS_H

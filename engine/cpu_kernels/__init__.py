@@ -178,19 +178,16 @@ def library() -> ctypes.CDLL | None:
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = _RESTYPES.get(name), argtypes
-    for variable, paths, cap in (
-        ("PAGED_BF16_LINEAR", BF16_LINEAR_PATHS, lib.linear_bf16_limit),
-        ("PAGED_BF16_ATTENTION", BF16_ATTENTION_PATHS, lib.attention_bf16_limit),
-        ("PAGED_INT8_LINEAR", INT8_LINEAR_PATHS, lib.linear_int8_limit),
+    for variable, paths, choose, default in (
+        ("PAGED_BF16_LINEAR", BF16_LINEAR_PATHS, lib.linear_bf16_limit, BF16_LINEAR_PATHS[-1]),
+        ("PAGED_BF16_ATTENTION", BF16_ATTENTION_PATHS, lib.attention_bf16_limit, BF16_ATTENTION_PATHS[-1]),
+        ("PAGED_INT8_LINEAR", INT8_LINEAR_PATHS, lib.linear_int8_limit, INT8_LINEAR_PATHS[-1]),
+        ("PAGED_ATTENTION_FETCH", ATTENTION_FETCH, lib.attention_fetch_into, "auto"),
     ):
-        limit = os.environ.get(variable, paths[-1])
-        if limit not in paths:
-            raise ValueError(f"{variable} must be one of {', '.join(paths)}; got {limit!r}")
-        cap(paths.index(limit))
-    fetch = os.environ.get("PAGED_ATTENTION_FETCH", ATTENTION_FETCH[0])
-    if fetch not in ATTENTION_FETCH:
-        raise ValueError(f"PAGED_ATTENTION_FETCH must be one of {', '.join(ATTENTION_FETCH)}; got {fetch!r}")
-    lib.attention_fetch_into(ATTENTION_FETCH.index(fetch))
+        value = os.environ.get(variable, default)
+        if value not in paths:
+            raise ValueError(f"{variable} must be one of {', '.join(paths)}; got {value!r}")
+        choose(paths.index(value))
     return lib
 
 

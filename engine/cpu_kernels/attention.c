@@ -97,7 +97,7 @@ static inline __attribute__((always_inline)) void prefetch_row(const kv_t *p, co
 }
 
 #if !KV_BF16 /* once in the library: the float32-cache build defines what both builds read */
-int attention_fetch_l2;
+int attention_fetch_l2; /* into L1 until library() calls attention_fetch_into */
 
 /* Where the attention kernels fetch cache lines ahead: level 1 into L1 (and below), 2 into L2 only, 0 the
  * machine's default: L2 where the L1 data cache holds under 48 KiB. A chunk fetched ahead is 12 KiB of a
@@ -116,8 +116,6 @@ void attention_fetch_into(int level) {
 
 /* The level attention_fetch_into chose: 1 or 2. */
 int attention_fetch_level(void) { return attention_fetch_l2 ? 2 : 1; }
-
-__attribute__((constructor)) static void attention_fetch_default(void) { attention_fetch_into(0); }
 #endif
 
 #define MAX_GROUP 16

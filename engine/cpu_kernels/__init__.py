@@ -10,6 +10,8 @@
   a bfloat16 weight runs with the CPU's bfloat16 dot products or AMX tiles where it has them
   (``linear_bf16.c``, ``bf16_linear_path``);
   ``linear_quantized`` over int8 or 4-bit blocks packed by ``engine.layers.quantization.pack``;
+- ``linear_ggml``: linear layers over weights in GGUF's own types (ggml's blocks, ``engine.layers.ggml_weight``),
+  x quantized to int8 blocks and integer products (``linear_ggml.c``); ``ggml_rows`` dequantizes rows of them;
 - ``apply_token_bitmask``: structured output's token masks on a step's logits (``token_mask.c``);
 - ``argmax_rows``: greedy sampling's argmax of each row of a step's logits (``argmax.c``);
 - ``decoder_forward``: a Llama-family model's decoder layers in one call, chaining the kernels above
@@ -19,7 +21,8 @@ The sources ship with the package; the first process that needs a kernel compile
 into one library with the system C compiler (``$CC``, else ``cc``) for this machine
 (``-march=native``) into ``$PAGED_CACHE/cpu_kernels/``, keyed by a digest of the sources,
 the flags, the compiler's version and the CPU's feature flags, so a later process only
-loads it. The library is linked against OpenMP and shares torch's thread pool (torch
+loads it. A cached library that does not load, or whose struct layout, ABI version or instruction
+sets do not match (``abi.mismatch``), is rebuilt once, with one log line. The library is linked against OpenMP and shares torch's thread pool (torch
 ships the same ``libgomp.so.1``), so ``torch.set_num_threads`` governs it too.
 
 Without a working compiler, or with ``PAGED_CPU_KERNELS=0``, ``library()`` returns None
@@ -42,6 +45,7 @@ from typing import NamedTuple
 
 import torch
 
+from engine.cpu_kernels import abi
 from engine.loader import cache_root
 
 logger = logging.getLogger(__name__)
@@ -49,7 +53,8 @@ logger = logging.getLogger(__name__)
 _SOURCES = (
     "vec.h", "kernels.h", "linear.h", "linear_tiles16.h", "bf16_kernels.h", "attention_amx.h", "attention_dot.h",
     "attention_rows.h", "attention.c", "attention_bf16.c", "elementwise.c", "linear.c", "linear_bf16.c",
-    "linear_int8.c", "token_mask.c", "argmax.c", "decoder.c",
+    "linear_int8.c", "token_mask.c", "argmax.c", "decoder.c", "ggml_blocks.h", "ggml_generic.h", "ggml_avx2.h",
+    "linear_ggml.c",
 )
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 # Fixed-size scratch of the kernels (see MAX_* in the sources).
@@ -65,29 +70,45 @@ BF16_LINEAR_PATHS = ("widened", "avx512-bf16", "amx")
 BF16_ATTENTION_PATHS = ("widened", "avx512-bf16", "amx")
 # What linear_w8a8 multiplies on, by the C enum's value: int8 sums in plain C, AVX512-VNNI.
 INT8_LINEAR_PATHS = ("generic", "avx512-vnni")
+# What linear_ggml runs on, by the C enum's value: plain C, AVX2.
+GGML_LINEAR_PATHS = ("generic", "avx2")
 # Where attention fetches the cache lines of the next chunk, by attention_fetch_into's level: the machine's
 # default (L2 where the L1 data cache holds under 48 KiB, else L1), L1, L2 only.
 ATTENTION_FETCH = ("auto", "l1", "l2")
 
 
 def _cpu_flags() -> str:
+    """This CPU's features as the OS lists them (Linux's /proc/cpuinfo flags, macOS's sysctl), for the cache key."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
                 return line
     except OSError:
         pass
-    return platform.processor()
+    if platform.system() == "Darwin":
+        try:
+            return subprocess.run(
+                ["sysctl", "machdep.cpu", "hw.optional"], capture_output=True, text=True, timeout=10
+            ).stdout
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return f"{platform.machine()} {platform.processor()}"
 
 
-def _build(sources: dict[str, bytes], compiler: str) -> Path:
+def _cpu_flag_set() -> set[str] | None:
+    """The feature names of /proc/cpuinfo (which ``abi.build_features`` uses), or None where there is none."""
+    line = _cpu_flags()
+    return set(line.partition(":")[2].split()) if line.startswith(("flags", "Features")) else None
+
+
+def _build(sources: dict[str, bytes], compiler: str, rebuild: bool = False) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True, timeout=30).stdout
     key = hashlib.blake2b(
         b"\0".join([*sources.values(), " ".join(_FLAGS).encode(), version.encode(), _cpu_flags().encode()]),
         digest_size=12,
     ).hexdigest()
     target = cache_root() / "cpu_kernels" / f"paged_cpu-{key}.so"
-    if target.exists():
+    if target.exists() and not rebuild:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
@@ -101,6 +122,22 @@ def _build(sources: dict[str, bytes], compiler: str) -> Path:
         os.replace(out, target)  # atomic: a concurrent builder's identical file may be replaced, never torn
     logger.info("compiled %s", target)
     return target
+
+
+def _load(path: Path) -> tuple[ctypes.CDLL | None, str | None]:
+    """The library at ``path`` and None, or None and why it cannot be used (it does not load, or its ABI or
+    instruction sets do not match: ``abi.mismatch``); a library that loaded but does not match is unloaded."""
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        return None, f"it does not load ({exc})"
+    why = abi.mismatch(lib, _cpu_flag_set())
+    if why is not None:
+        import _ctypes
+
+        _ctypes.dlclose(lib._handle)  # so that the rebuilt file at the same path is loaded afresh
+        return None, why
+    return lib, None
 
 
 _PTR, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -122,7 +159,6 @@ _SIGNATURES = {
     "rotary_f32": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, *[_I64] * 6, _PTR, _I64, _PTR, _I64],
     # x, ld, rows, codes, scales, out features, in features, bias (or NULL), y, ld, bfloat16 products
     "linear_q8_f32": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, ctypes.c_int],
-    "linear_q4_f32": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, ctypes.c_int],
     # x, ld, rows, codes (int8-products layout), scales, out features, in features, bias (or NULL), y, ld
     "linear_w8a8_f32": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64],
     "linear_int8_path": [],
@@ -138,6 +174,13 @@ _SIGNATURES = {
     "apply_token_bitmask_f32": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64],
     # logits, ld, rows, vocabulary size, out
     "argmax_rows_f32": [_PTR, _I64, _I64, _I64, _PTR],
+    # x, ld, rows, parts, number of parts, in features, bias (or NULL), y, ld
+    "linear_ggml_f32": [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64],
+    # ggml type, data, in features, index, number of rows, out
+    "ggml_dequantize_rows": [ctypes.c_int32, _PTR, _I64, _PTR, _I64, _PTR],
+    "ggml_type_row_bytes": [ctypes.c_int32, _I64],
+    "ggml_linear_path": [],
+    "ggml_linear_limit": [ctypes.c_int],
     # plan, tokens (decoder.c)
     "decoder_scratch": [_PTR, _I64],
     # plan, step, x, out, scratch, the failing kernel (out)
@@ -148,10 +191,12 @@ _SIGNATURES |= {f"{name}_bf16": _SIGNATURES[f"{name}_f32"] for name in ("paged_a
 # 0, or < 0 on bad arguments
 _RETURN_STATUS = {
     "paged_attention_f32", "paged_attention_bf16", "store_kv_f32", "store_kv_bf16", "rotary_f32", "linear_q8_f32",
-    "linear_q4_f32", "linear_w8a8_f32", "linear_int8_path", "linear_bf16", "linear_bf16_path", "attention_bf16_path", "attention_max_lanes",
-    "attention_fetch_level", "decoder_forward",
+    "linear_w8a8_f32", "linear_int8_path", "linear_bf16", "linear_bf16_path", "attention_bf16_path", "attention_max_lanes",
+    "attention_fetch_level", "decoder_forward", "linear_ggml_f32", "ggml_dequantize_rows", "ggml_linear_path",
 }
-_RESTYPES = {name: ctypes.c_int for name in _RETURN_STATUS} | {"decoder_scratch": ctypes.c_int64}  # else void
+_RESTYPES = {name: ctypes.c_int for name in _RETURN_STATUS} | {
+    "decoder_scratch": ctypes.c_int64, "ggml_type_row_bytes": ctypes.c_int64,
+}  # else void
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
@@ -163,6 +208,7 @@ def library() -> ctypes.CDLL | None:
     ``widened`` to compute bfloat16 weights in float32 on a CPU with bfloat16 arithmetic;
     ``PAGED_BF16_ATTENTION`` (one of ``BF16_ATTENTION_PATHS``) the path of shared keys in a bfloat16 cache;
     ``PAGED_INT8_LINEAR`` (one of ``INT8_LINEAR_PATHS``) the path of int8 products;
+    ``PAGED_GGML_LINEAR`` (one of ``GGML_LINEAR_PATHS``) the path of GGUF-type weights;
     ``PAGED_ATTENTION_FETCH`` (one of ``ATTENTION_FETCH``) the cache level attention fetches ahead into.
     """
     if os.environ.get("PAGED_CPU_KERNELS", "1") == "0":
@@ -170,7 +216,13 @@ def library() -> ctypes.CDLL | None:
     sources = {name: resources.files(__package__).joinpath(name).read_bytes() for name in _SOURCES}
     compiler = os.environ.get("CC", "cc")
     try:
-        lib = ctypes.CDLL(str(_build(sources, compiler)))
+        path = _build(sources, compiler)
+        lib, why = _load(path)
+        if why is not None:  # a stale, foreign or damaged file in the cache: build it again, once
+            logger.warning("the cached CPU kernel library %s cannot be used (%s); rebuilding it", path.name, why)
+            lib, why = _load(_build(sources, compiler, rebuild=True))
+            if why is not None:
+                raise OSError(f"the rebuilt library cannot be used: {why}")
     except (OSError, subprocess.SubprocessError) as exc:  # no compiler, a failed or hung build, a bad library
         detail = getattr(exc, "stderr", None) or exc
         logger.warning("CPU kernels unavailable (%s); using the PyTorch path", str(detail).strip()[:500])
@@ -182,6 +234,7 @@ def library() -> ctypes.CDLL | None:
         ("PAGED_BF16_LINEAR", BF16_LINEAR_PATHS, lib.linear_bf16_limit, BF16_LINEAR_PATHS[-1]),
         ("PAGED_BF16_ATTENTION", BF16_ATTENTION_PATHS, lib.attention_bf16_limit, BF16_ATTENTION_PATHS[-1]),
         ("PAGED_INT8_LINEAR", INT8_LINEAR_PATHS, lib.linear_int8_limit, INT8_LINEAR_PATHS[-1]),
+        ("PAGED_GGML_LINEAR", GGML_LINEAR_PATHS, lib.ggml_linear_limit, GGML_LINEAR_PATHS[-1]),
         ("PAGED_ATTENTION_FETCH", ATTENTION_FETCH, lib.attention_fetch_into, "auto"),
     ):
         value = os.environ.get(variable, default)
@@ -204,6 +257,11 @@ def bf16_linear_path(rows: int) -> str:
 def int8_linear_path() -> str:
     """What a linear with int8 products (``quantization="w8a8"``) runs on this CPU: one of ``INT8_LINEAR_PATHS``."""
     return INT8_LINEAR_PATHS[_lib().linear_int8_path()]
+
+
+def ggml_linear_path() -> str:
+    """What a linear over GGUF-type weights (``linear_ggml``) runs on this CPU: one of ``GGML_LINEAR_PATHS``."""
+    return GGML_LINEAR_PATHS[_lib().ggml_linear_path()]
 
 
 def tile_lanes(head_dim: int, dtype: torch.dtype) -> int:
@@ -568,3 +626,49 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
     _lib().apply_token_bitmask_f32(
         logits.data_ptr(), logits.stride(0), bitmask.data_ptr(), words, index.data_ptr(), len(rows), vocab
     )
+
+
+def ggml_parts(parts: list[tuple[int, torch.Tensor]]) -> ctypes.Array:
+    """The C view of a weight's parts, each ``(ggml type id, uint8 rows [rows, row bytes])``; the tensors must
+    outlive it."""
+    array = (abi.GGMLPart * len(parts))()
+    for entry, (type_id, data) in zip(array, parts):
+        entry.data, entry.rows, entry.type = data.data_ptr(), data.shape[0], type_id
+    return array
+
+
+def linear_ggml(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x W^T + b`` for ``x [M, K]`` (float32 CPU, any strides) and ``W`` in ggml types
+    (``engine.layers.ggml_weight.GGMLWeight``); returns ``[M, N]``, contiguous."""
+    lib = _lib()
+    for name, t in (("x", x), ("bias", bias if bias is not None else x)):
+        _check_float32_cpu(name, t)
+    rows, in_features = x.shape
+    if in_features != weight.in_features:
+        raise ValueError(f"x [{rows}, {in_features}] for a weight of {weight.in_features} in_features")
+    if bias is not None and bias.shape != (weight.out_features,):
+        raise ValueError(f"bias must have shape [{weight.out_features}]; got {list(bias.shape)}")
+    x, ld_x = _rows(x)
+    bias = bias.contiguous() if bias is not None else None
+    y = torch.empty(rows, weight.out_features)
+    status = lib.linear_ggml_f32(
+        x.data_ptr(), ld_x, rows, ctypes.addressof(weight.c_parts), len(weight.c_parts), in_features,
+        bias.data_ptr() if bias is not None else None, y.data_ptr(), weight.out_features,
+    )
+    if status == -1:
+        raise ValueError(f"a weight part's type does not divide {in_features} features into its blocks")
+    if status:
+        raise MemoryError("the ggml linear kernel could not allocate its activations' scratch")
+    return y
+
+
+def ggml_rows(type_id: int, data: torch.Tensor, index: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Rows ``index`` of a weight of ggml type ``type_id`` (``data`` uint8 ``[rows, row bytes]``, contiguous),
+    dequantized to float32 ``[len(index), in_features]``."""
+    index = _int64(index)
+    if len(index) and not 0 <= int(index.min()) <= int(index.max()) < data.shape[0]:
+        raise IndexError(f"a row index outside [0, {data.shape[0]})")
+    out = torch.empty(len(index), in_features)
+    if _lib().ggml_dequantize_rows(type_id, data.data_ptr(), in_features, index.data_ptr(), len(index), out.data_ptr()):
+        raise ValueError(f"ggml type {type_id} with {in_features} features is not served by the kernels")
+    return out

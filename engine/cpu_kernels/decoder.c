@@ -16,14 +16,15 @@
 #include "kernels.h"
 
 /* A linear layer as the kernels take it; kind picks the kernel. */
-enum { LINEAR_F32 = 0, LINEAR_BF16 = 1, LINEAR_Q8 = 2, LINEAR_Q4 = 3, LINEAR_W8A8 = 4 };
+enum { LINEAR_F32 = 0, LINEAR_BF16 = 1, LINEAR_Q8 = 2, LINEAR_W8A8 = 3, LINEAR_GGML = 4 };
 
 typedef struct {
-    const void *weight;  /* packed panels (float32, bfloat16) or codes */
-    const float *scales; /* the quantized kinds' */
+    const void *weight;  /* packed panels (float32, bfloat16), codes, or LINEAR_GGML's ggml_part array */
+    const float *scales; /* the int8 kinds' */
     const float *bias;   /* or NULL */
     int64_t out_features, in_features;
     int32_t kind, bf16_products;
+    int64_t num_parts; /* LINEAR_GGML's */
 } linear_plan;
 
 typedef struct {
@@ -60,8 +61,8 @@ static int run_linear(const linear_plan *w, const float *x, int64_t ld_x, int64_
     case LINEAR_F32: linear_f32(x, ld_x, M, w->weight, N, K, w->bias, y, N); return 0;
     case LINEAR_BF16: return linear_bf16(x, ld_x, M, w->weight, N, K, w->bias, y, N);
     case LINEAR_Q8: return linear_q8_f32(x, ld_x, M, w->weight, w->scales, N, K, w->bias, y, N, w->bf16_products);
-    case LINEAR_Q4: return linear_q4_f32(x, ld_x, M, w->weight, w->scales, N, K, w->bias, y, N, w->bf16_products);
     case LINEAR_W8A8: return linear_w8a8_f32(x, ld_x, M, w->weight, w->scales, N, K, w->bias, y, N);
+    case LINEAR_GGML: return linear_ggml_f32(x, ld_x, M, w->weight, w->num_parts, K, w->bias, y, N);
     default: return -1;
     }
 }
@@ -172,4 +173,91 @@ int decoder_forward(const decoder_plan *p, const decoder_step *st, const float *
     }
     rms_norm_f32(s.out, n, residual, n, p->final_norm, T, n, p->eps, out, spare(&s, residual), n);
     return 0;
+}
+
+/* ------------------------------------------------------------------------------------------ the ABI
+ *
+ * The structs above and ggml_part are mirrored in Python (engine/cpu_kernels/abi.py), which checks its copy
+ * against these sizes and offsets, and the features this library was compiled for against the CPU's, when it
+ * loads the library. */
+
+#define ABI_VERSION 1
+#define ABI_SIZE(T) {#T, (int64_t)sizeof(T)}
+#define ABI_FIELD(T, f) {#T "." #f, (int64_t)offsetof(T, f)}
+
+typedef struct {
+    const char *name;
+    int64_t value;
+} abi_entry;
+
+static const abi_entry abi_entries[] = {
+    ABI_SIZE(linear_plan), ABI_FIELD(linear_plan, weight), ABI_FIELD(linear_plan, scales),
+    ABI_FIELD(linear_plan, bias), ABI_FIELD(linear_plan, out_features), ABI_FIELD(linear_plan, in_features),
+    ABI_FIELD(linear_plan, kind), ABI_FIELD(linear_plan, bf16_products), ABI_FIELD(linear_plan, num_parts),
+    ABI_SIZE(layer_plan), ABI_FIELD(layer_plan, input_norm), ABI_FIELD(layer_plan, post_norm),
+    ABI_FIELD(layer_plan, q_norm), ABI_FIELD(layer_plan, k_norm), ABI_FIELD(layer_plan, k_cache),
+    ABI_FIELD(layer_plan, v_cache), ABI_FIELD(layer_plan, qkv), ABI_FIELD(layer_plan, o),
+    ABI_FIELD(layer_plan, gate_up), ABI_FIELD(layer_plan, down),
+    ABI_SIZE(decoder_plan), ABI_FIELD(decoder_plan, layers), ABI_FIELD(decoder_plan, final_norm),
+    ABI_FIELD(decoder_plan, cos_sin), ABI_FIELD(decoder_plan, num_layers), ABI_FIELD(decoder_plan, hidden),
+    ABI_FIELD(decoder_plan, num_heads), ABI_FIELD(decoder_plan, num_kv_heads), ABI_FIELD(decoder_plan, head_dim),
+    ABI_FIELD(decoder_plan, intermediate), ABI_FIELD(decoder_plan, rotary_dim),
+    ABI_FIELD(decoder_plan, max_positions), ABI_FIELD(decoder_plan, block_size),
+    ABI_FIELD(decoder_plan, num_blocks), ABI_FIELD(decoder_plan, eps), ABI_FIELD(decoder_plan, scale),
+    ABI_FIELD(decoder_plan, kv_bf16),
+    ABI_SIZE(decoder_step), ABI_FIELD(decoder_step, positions), ABI_FIELD(decoder_step, slots),
+    ABI_FIELD(decoder_step, block_tables), ABI_FIELD(decoder_step, seq_lens), ABI_FIELD(decoder_step, tile_rows),
+    ABI_FIELD(decoder_step, tile_starts), ABI_FIELD(decoder_step, tile_shared), ABI_FIELD(decoder_step, tokens),
+    ABI_FIELD(decoder_step, table_stride), ABI_FIELD(decoder_step, num_tiles),
+    ABI_SIZE(ggml_part), ABI_FIELD(ggml_part, data), ABI_FIELD(ggml_part, rows), ABI_FIELD(ggml_part, type),
+};
+
+int paged_abi_version(void) { return ABI_VERSION; }
+
+/* The struct sizes and field offsets ("struct" and "struct.field" names); returns how many. */
+int64_t paged_abi_layout(const abi_entry **entries) {
+    *entries = abi_entries;
+    return (int64_t)(sizeof abi_entries / sizeof abi_entries[0]);
+}
+
+/* The instruction sets this library was compiled for, as /proc/cpuinfo names them, space-separated. */
+const char *paged_build_features(void) {
+    return ""
+#ifdef __AVX2__
+           " avx2"
+#endif
+#ifdef __FMA__
+           " fma"
+#endif
+#ifdef __F16C__
+           " f16c"
+#endif
+#ifdef __AVX512F__
+           " avx512f"
+#endif
+#ifdef __AVX512BW__
+           " avx512bw"
+#endif
+#ifdef __AVX512VL__
+           " avx512vl"
+#endif
+#ifdef __AVX512VNNI__
+           " avx512_vnni"
+#endif
+#ifdef __AVX512BF16__
+           " avx512_bf16"
+#endif
+#ifdef __AVXVNNI__
+           " avx_vnni"
+#endif
+#ifdef __AMX_TILE__
+           " amx_tile"
+#endif
+#ifdef __AMX_BF16__
+           " amx_bf16"
+#endif
+#ifdef __ARM_NEON
+           " neon"
+#endif
+        ;
 }

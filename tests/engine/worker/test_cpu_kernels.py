@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import random
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from engine import cpu_kernels
+from engine.cpu_kernels import abi
 from tests.support.bf16_paths import attention_path
 
 pytestmark = pytest.mark.skipif(
@@ -119,6 +122,55 @@ def test_compiled_once_then_loaded(fresh_build) -> None:
     assert cpu_kernels.library() is not None
     assert sum("-shared" in line for line in log.read_text().splitlines()) == 1
     assert list((tmp_path / "cache" / "cpu_kernels").glob("*.so")) == built
+
+    # A stale library under the same name (an older ABI): the next process rebuilds it, once, with one warning.
+    _compile_stub(tmp_path, "int paged_abi_version(void) { return 0; }", built[0])
+    run = subprocess.run(
+        [sys.executable, "-c", "from engine import cpu_kernels; from engine.cpu_kernels import abi; "
+         "lib = cpu_kernels.library(); assert lib is not None and abi.mismatch(lib, None) is None"],
+        capture_output=True, text=True, check=True, timeout=600,
+    )
+    assert f"ABI version 0, expected {abi.ABI_VERSION}); rebuilding it" in run.stderr
+    assert run.stderr.count("\n") == 1, run.stderr
+    assert sum("-shared" in line for line in log.read_text().splitlines()) == 2
+
+
+def _compile_stub(tmp_path: Path, source: str, out: Path) -> ctypes.CDLL:
+    c = tmp_path / "stub.c"
+    c.write_text("#include <stdint.h>\n" + source + "\n")
+    subprocess.run(["cc", "-shared", "-fPIC", str(c), "-o", str(out)], check=True, capture_output=True)
+    return ctypes.CDLL(str(out))
+
+
+_STUB_LAYOUT = """
+typedef struct { const char *name; int64_t value; } entry;
+static const entry entries[] = {%s};
+int paged_abi_version(void) { return %d; }
+int64_t paged_abi_layout(const entry **out) { *out = entries; return sizeof entries / sizeof entries[0]; }
+const char *paged_build_features(void) { return "%s"; }
+"""
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({"version": 7}, "ABI version 7, expected"),
+        ({"layout": "linear_plan.num_parts"}, "struct layout differs at linear_plan.num_parts (library"),
+        ({"features": " avx2 avx512f"}, "built for avx512f, which this CPU lacks"),
+        ({}, None),
+    ],
+)
+def test_a_library_is_checked_against_the_mirrors(tmp_path: Path, change: dict, why: str | None) -> None:
+    """The loader compares the library's ABI version, every mirrored struct's size and offsets, and the
+    instruction sets it was built for with its own: each difference is named."""
+    layout = abi.expected_layout()
+    if "layout" in change:
+        layout[change["layout"]] += 8  # a field the C side moved
+    entries = ", ".join(f'{{"{name}", {value}}}' for name, value in layout.items())
+    source = _STUB_LAYOUT % (entries, change.get("version", abi.ABI_VERSION), change.get("features", " avx2"))
+    lib = _compile_stub(tmp_path, source, tmp_path / "stub.so")
+    found = abi.mismatch(lib, {"avx2", "fma"})
+    assert found is None if why is None else why in found
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])

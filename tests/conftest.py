@@ -36,7 +36,18 @@ def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
 
 @pytest.fixture(scope="session")
 def bundled_model_dir() -> Path:
-    """The bundled SmolLM2-135M-Instruct as a Hugging Face directory (converted once)."""
+    """The bundled SmolLM2-135M-Instruct as a float32 Hugging Face directory: transformers' dequantization of the
+    GGUF file, the tests' reference (made once)."""
+    from engine.loader import bundled_gguf_path
+    from tests.support.reference_models import dequantized_hf_directory
+
+    return dequantized_hf_directory(bundled_gguf_path())
+
+
+@pytest.fixture(scope="session")
+def bundled_gguf_dir() -> Path:
+    """The bundled model as the engine reads it by default: its GGUF file's metadata directory (the weights stay
+    in the file: ``engine.loader.gguf_source``)."""
     from engine.loader import resolve_model
 
     return resolve_model(None)

@@ -20,8 +20,16 @@ int linear_bf16(const float *x, int64_t ld_x, int64_t M, const uint16_t *packed,
                 const float *bias, float *y, int64_t ld_y);
 int linear_q8_f32(const float *x, int64_t ld_x, int64_t M, const uint8_t *codes, const float *scales, int64_t N,
                   int64_t K, const float *bias, float *y, int64_t ld_y, int bf16_products);
-int linear_q4_f32(const float *x, int64_t ld_x, int64_t M, const uint8_t *codes, const float *scales, int64_t N,
-                  int64_t K, const float *bias, float *y, int64_t ld_y, int bf16_products);
+/* One part of a weight in a ggml type (linear_ggml.c): `rows` consecutive output columns, each a row of K
+ * features as the GGUF file stores it. */
+typedef struct {
+    const uint8_t *data;
+    int64_t rows;
+    int32_t type;
+    int32_t reserved;
+} ggml_part;
+int linear_ggml_f32(const float *x, int64_t ld_x, int64_t M, const ggml_part *parts, int64_t num_parts, int64_t K,
+                    const float *bias, float *y, int64_t ld_y);
 int linear_w8a8_f32(const float *x, int64_t ld_x, int64_t M, const uint8_t *codes, const float *scales, int64_t N,
                     int64_t K, const float *bias, float *y, int64_t ld_y);
 

@@ -213,15 +213,13 @@ void linear_bf16_widened(const float *x, int64_t ld_x, int64_t M, const uint16_t
 /* ------------------------------------------------------------------------------ quantized weights
  *
  * Blocks of QBLOCK consecutive input features share a scale d and an offset m per output
- * column: w = d * q + m, with 8-bit codes (q8: GGUF's Q8_0 as q + 128 with m = -128 d, and
- * int8 quantization's min/max blocks) or 4-bit ones (q4: GGUF's Q4_1, and Q4_0 with m = -8 d).
- * The panels interleave the PANEL columns of each input feature, as the float layout does, and
- * keep the scales of a block beside it:
- *   codes uint8 [P][K / QBLOCK][QBLOCK][PANEL] (q8), or [P][K / QBLOCK][QBLOCK][PANEL / 2] (q4: byte
- *         j holds column j in its low nibble, column j + VL in its high one);
+ * column: w = d * q + m, with 8-bit codes q (quantization="int8"'s min/max blocks). The panels
+ * interleave the PANEL columns of each input feature, as the float layout does, and keep the
+ * scales of a block beside it:
+ *   codes uint8 [P][K / QBLOCK][QBLOCK][PANEL];
  *   scales float [P][K / QBLOCK][2][PANEL]: d, then m.
- * A weight takes 8 or 4 bits and its scales 2 more, against float32's 32: decoding few rows,
- * the step reads that much less memory.
+ * A weight takes 8 bits and its scales 2 more, against float32's 32: decoding few rows, the step
+ * reads that much less memory. (A GGUF file's blocks run in their own layout: linear_ggml.c.)
  *
  * One tile of rows widens each code as it loads it, computing the products of the float32
  * kernel on the dequantized weight. More rows dequantize the panel (a pair of panels with AVX-512)
@@ -233,44 +231,28 @@ void linear_bf16_widened(const float *x, int64_t ld_x, int64_t M, const uint16_t
 
 typedef uint8_t vb __attribute__((vector_size(VL)));
 
-/* The two code vectors (columns 0..7, 8..15) of input feature kk of a block, as float32. A 4-bit
- * byte widens whole and splits after: its high nibble is a shift, its low one a mask. */
-static inline __attribute__((always_inline)) void q_codes(const uint8_t *codes, int q4, int64_t kk, vf *q0, vf *q1) {
-    if (q4) {
-        const uint8_t *c = codes + kk * (PANEL / 2);
+/* The two code vectors (columns 0..7, 8..15) of input feature kk of a block, as float32. */
+static inline __attribute__((always_inline)) void q_codes(const uint8_t *codes, int64_t kk, vf *q0, vf *q1) {
+    const uint8_t *c = codes + kk * PANEL;
 #ifdef __AVX2__ /* a zero-extending load; GCC's lowering of generic 8-byte vectors goes through general registers */
-        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c));
-        *q0 = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
-        *q1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+    *q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c)));
+    *q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + VL))));
 #else
-        vb b;
-        memcpy(&b, c, sizeof b);
-        const vi w = __builtin_convertvector(b, vi);
-        *q0 = __builtin_convertvector(w & 15, vf);
-        *q1 = __builtin_convertvector(w >> 4, vf);
+    vb lo, hi;
+    memcpy(&lo, c, sizeof lo);
+    memcpy(&hi, c + VL, sizeof hi);
+    *q0 = __builtin_convertvector(__builtin_convertvector(lo, vi), vf);
+    *q1 = __builtin_convertvector(__builtin_convertvector(hi, vi), vf);
 #endif
-    } else {
-        const uint8_t *c = codes + kk * PANEL;
-#ifdef __AVX2__
-        *q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c)));
-        *q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + VL))));
-#else
-        vb lo, hi;
-        memcpy(&lo, c, sizeof lo);
-        memcpy(&hi, c + VL, sizeof hi);
-        *q0 = __builtin_convertvector(__builtin_convertvector(lo, vi), vf);
-        *q1 = __builtin_convertvector(__builtin_convertvector(hi, vi), vf);
-#endif
-    }
 }
 
-static inline int64_t q_block_bytes(int q4) { return q4 ? QBLOCK * PANEL / 2 : QBLOCK * PANEL; }
+#define Q_BLOCK_BYTES (QBLOCK * PANEL) /* codes of one block of a panel */
 
 /* The two weight vectors (columns 0..7, 8..15) of input feature kk of a block. */
-static inline __attribute__((always_inline)) void q_load(const uint8_t *codes, int q4, int64_t kk, vf d0, vf d1,
+static inline __attribute__((always_inline)) void q_load(const uint8_t *codes, int64_t kk, vf d0, vf d1,
                                                          vf m0, vf m1, vf *w0, vf *w1) {
     vf q0, q1;
-    q_codes(codes, q4, kk, &q0, &q1);
+    q_codes(codes, kk, &q0, &q1);
     *w0 = q0 * d0 + m0;
     *w1 = q1 * d1 + m1;
 }
@@ -290,17 +272,17 @@ static inline __attribute__((always_inline)) void q_block_scaled(vf s0, vf s1, c
  * sum_k x_k (d q_k + m) = d sum_k x_k q_k + m sum_k x_k. Fewer operations a code than dequantizing
  * each weight, which is what bounds a decode step at one row. */
 static inline __attribute__((always_inline)) void q_tile_factored(const float *x, int64_t ld_x, int rows,
-                                                                  const uint8_t *codes, const float *scales, int q4,
+                                                                  const uint8_t *codes, const float *scales,
                                                                   int64_t K, const float *bias, float *y,
                                                                   int64_t ld_y, int64_t cols) {
     vf acc[FACTORED_ROWS][2] = {{{0}}};
     for (int64_t kb = 0; kb < K / QBLOCK; ++kb) {
-        const uint8_t *c = codes + kb * q_block_bytes(q4);
+        const uint8_t *c = codes + kb * Q_BLOCK_BYTES;
         const float *xk = x + kb * QBLOCK;
         vf sum[FACTORED_ROWS][2] = {{{0}}};
         for (int64_t kk = 0; kk < QBLOCK; ++kk) {
             vf q0, q1;
-            q_codes(c, q4, kk, &q0, &q1);
+            q_codes(c, kk, &q0, &q1);
             for (int i = 0; i < rows; ++i) {
                 const vf xv = splat(xk[i * ld_x + kk]);
                 sum[i][0] += xv * q0;
@@ -315,17 +297,17 @@ static inline __attribute__((always_inline)) void q_tile_factored(const float *x
 
 /* `rows` (at most TILE_ROWS) rows of x times one quantized panel, codes widened as they load. */
 static inline __attribute__((always_inline)) void q_tile(const float *x, int64_t ld_x, int rows, const uint8_t *codes,
-                                                         const float *scales, int q4, int64_t K, const float *bias,
+                                                         const float *scales, int64_t K, const float *bias,
                                                          float *y, int64_t ld_y, int64_t cols) {
     vf acc[TILE_ROWS][2] = {{{0}}};
     for (int64_t kb = 0; kb < K / QBLOCK; ++kb) {
         const float *s = scales + kb * 2 * PANEL;
-        const uint8_t *c = codes + kb * q_block_bytes(q4);
+        const uint8_t *c = codes + kb * Q_BLOCK_BYTES;
         const vf d0 = load(s), d1 = load(s + VL), m0 = load(s + PANEL), m1 = load(s + PANEL + VL);
         const float *xk = x + kb * QBLOCK;
         for (int64_t kk = 0; kk < QBLOCK; ++kk) {
             vf w0, w1;
-            q_load(c, q4, kk, d0, d1, m0, m1, &w0, &w1);
+            q_load(c, kk, d0, d1, m0, m1, &w0, &w1);
             for (int i = 0; i < rows; ++i) {
                 const vf xv = splat(xk[i * ld_x + kk]);
                 acc[i][0] += xv * w0;
@@ -337,15 +319,15 @@ static inline __attribute__((always_inline)) void q_tile(const float *x, int64_t
 }
 
 /* A quantized panel as float32 [K][PANEL], the layout the float32 tiles read. */
-static inline __attribute__((always_inline)) void q_dequantize(const uint8_t *codes, const float *scales, int q4,
+static inline __attribute__((always_inline)) void q_dequantize(const uint8_t *codes, const float *scales,
                                                                int64_t K, float *out) {
     for (int64_t kb = 0; kb < K / QBLOCK; ++kb) {
         const float *s = scales + kb * 2 * PANEL;
-        const uint8_t *c = codes + kb * q_block_bytes(q4);
+        const uint8_t *c = codes + kb * Q_BLOCK_BYTES;
         const vf d0 = load(s), d1 = load(s + VL), m0 = load(s + PANEL), m1 = load(s + PANEL + VL);
         for (int64_t kk = 0; kk < QBLOCK; ++kk) {
             vf w0, w1;
-            q_load(c, q4, kk, d0, d1, m0, m1, &w0, &w1);
+            q_load(c, kk, d0, d1, m0, m1, &w0, &w1);
             store(out + (kb * QBLOCK + kk) * PANEL, w0);
             store(out + (kb * QBLOCK + kk) * PANEL + VL, w1);
         }
@@ -353,42 +335,22 @@ static inline __attribute__((always_inline)) void q_dequantize(const uint8_t *co
 }
 
 #ifdef __AVX512F__
-/* q_tile_factored for one row with 16-lane vectors, twice the codes an operation: a 4-bit block's
- * two input features kk, kk + 1 widen together (their 16 bytes: lanes 0..7 and 8..15), their x
- * broadcast to each half, and the halves are summed once a block; an 8-bit feature's 16 columns
- * fill one vector. The products are those of the 8-lane path, summed in another order. */
+/* q_tile_factored for one row with 16-lane vectors: a feature's 16 columns fill one vector, twice the codes an
+ * operation. The products are those of the 8-lane path, summed in another order. */
 static inline __attribute__((always_inline)) void q_row_factored16(const float *x, const uint8_t *codes,
-                                                                   const float *scales, int q4, int64_t K,
+                                                                   const float *scales, int64_t K,
                                                                    const float *bias, float *y, int64_t cols) {
     vf acc[1][2] = {{{0}}};
-    const __m512i nibble = _mm512_set1_epi32(15);
     for (int64_t kb = 0; kb < K / QBLOCK; ++kb) {
-        const uint8_t *c = codes + kb * q_block_bytes(q4);
+        const uint8_t *c = codes + kb * Q_BLOCK_BYTES;
         const float *xk = x + kb * QBLOCK;
-        vf s0, s1;
-        if (q4) {
-            __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
-            const __m512 x0 = _mm512_loadu_ps(xk), x1 = _mm512_loadu_ps(xk + 16);
-            const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-#pragma GCC unroll 16
-            for (int kk = 0; kk < QBLOCK; kk += 2) {
-                const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + kk * (PANEL / 2))));
-                const __m512 xv = _mm512_permutexvar_ps(_mm512_add_epi32(pair, _mm512_set1_epi32(kk % 16)), kk < 16 ? x0 : x1);
-                lo = _mm512_fmadd_ps(xv, _mm512_cvtepi32_ps(_mm512_and_si512(b, nibble)), lo);
-                hi = _mm512_fmadd_ps(xv, _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), hi);
-            }
-            s0 = (vf)_mm256_add_ps(_mm512_castps512_ps256(lo), _mm512_extractf32x8_ps(lo, 1));
-            s1 = (vf)_mm256_add_ps(_mm512_castps512_ps256(hi), _mm512_extractf32x8_ps(hi, 1));
-        } else {
-            __m512 sum = _mm512_setzero_ps();
-            for (int64_t kk = 0; kk < QBLOCK; ++kk)
-                sum = _mm512_fmadd_ps(_mm512_set1_ps(xk[kk]),
-                                      _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + kk * PANEL)))),
-                                      sum);
-            s0 = (vf)_mm512_castps512_ps256(sum);
-            s1 = (vf)_mm512_extractf32x8_ps(sum, 1);
-        }
-        q_block_scaled(s0, s1, xk, scales + kb * 2 * PANEL, acc[0]);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t kk = 0; kk < QBLOCK; ++kk)
+            sum = _mm512_fmadd_ps(_mm512_set1_ps(xk[kk]),
+                                  _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + kk * PANEL)))),
+                                  sum);
+        q_block_scaled((vf)_mm512_castps512_ps256(sum), (vf)_mm512_extractf32x8_ps(sum, 1), xk,
+                       scales + kb * 2 * PANEL, acc[0]);
     }
     store_tile((const vf (*)[2])acc, 1, bias, y, 0, cols);
 }
@@ -396,24 +358,24 @@ static inline __attribute__((always_inline)) void q_row_factored16(const float *
 
 /* Panel p for rows of x that fit one tile (M <= TILE_ROWS), the codes widened in the tile. */
 static inline __attribute__((always_inline)) void q_panel_tile(const float *x, int64_t ld_x, int64_t M,
-                                                               const uint8_t *codes, const float *scales, int q4,
+                                                               const uint8_t *codes, const float *scales,
                                                                int64_t N, int64_t K, const float *bias, float *y,
                                                                int64_t ld_y, int64_t p) {
     float b[PANEL];
     const int64_t cols = panel_bias(bias, N, p, b);
-    const uint8_t *c = codes + p * (K / QBLOCK * q_block_bytes(q4));
+    const uint8_t *c = codes + p * (K / QBLOCK * Q_BLOCK_BYTES);
     const float *s = scales + p * (K / QBLOCK * 2 * PANEL);
     float *yp = y + p * PANEL;
     switch (M) { /* constant row counts, so that the accumulators stay in registers */
-    case 6: q_tile(x, ld_x, 6, c, s, q4, K, b, yp, ld_y, cols); break;
-    case 5: q_tile(x, ld_x, 5, c, s, q4, K, b, yp, ld_y, cols); break;
-    case 4: q_tile(x, ld_x, 4, c, s, q4, K, b, yp, ld_y, cols); break;
-    case 3: q_tile_factored(x, ld_x, 3, c, s, q4, K, b, yp, ld_y, cols); break;
-    case 2: q_tile_factored(x, ld_x, 2, c, s, q4, K, b, yp, ld_y, cols); break;
+    case 6: q_tile(x, ld_x, 6, c, s, K, b, yp, ld_y, cols); break;
+    case 5: q_tile(x, ld_x, 5, c, s, K, b, yp, ld_y, cols); break;
+    case 4: q_tile(x, ld_x, 4, c, s, K, b, yp, ld_y, cols); break;
+    case 3: q_tile_factored(x, ld_x, 3, c, s, K, b, yp, ld_y, cols); break;
+    case 2: q_tile_factored(x, ld_x, 2, c, s, K, b, yp, ld_y, cols); break;
 #ifdef __AVX512F__
-    case 1: q_row_factored16(x, c, s, q4, K, b, yp, cols); break;
+    case 1: q_row_factored16(x, c, s, K, b, yp, cols); break;
 #else
-    case 1: q_tile_factored(x, ld_x, 1, c, s, q4, K, b, yp, ld_y, cols); break;
+    case 1: q_tile_factored(x, ld_x, 1, c, s, K, b, yp, ld_y, cols); break;
 #endif
     }
 }
@@ -424,39 +386,24 @@ static inline __attribute__((always_inline)) void q_panel_tile(const float *x, i
 /* A quantized panel as bfloat16 pairs [K / 2][PANEL][2] (linear.h's layout), each weight d q + m (one
  * rounding) rounded to nearest even: a pair of input features' 16 columns at a time, two 16-lane vectors
  * of weights converted together and put in place by one permutation. */
-static inline __attribute__((always_inline)) void q_dequantize_bf16(const uint8_t *codes, const float *scales, int q4,
+static inline __attribute__((always_inline)) void q_dequantize_bf16(const uint8_t *codes, const float *scales,
                                                                     int64_t K, uint16_t *out) {
-    /* the converted pair's element i goes to out[2j] (feature kk) or out[2j + 1] (kk + 1) of column j. 8-bit:
-     * vector 0 is feature kk's columns, vector 1 kk + 1's. 4-bit (q_codes' layout, 8 bytes a feature, low
-     * nibbles columns 0-7): vector 0 holds columns 0-7 of kk, then of kk + 1; vector 1 columns 8-15 alike. */
+    /* the converted pair's element i goes to out[2j] (feature kk) or out[2j + 1] (kk + 1) of column j: vector 0
+     * is feature kk's columns, vector 1 kk + 1's. */
     static const uint16_t place8[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                         8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    static const uint16_t place4[32] = {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
-                                        16, 24, 17, 25, 18, 26, 19, 27, 20, 28, 21, 29, 22, 30, 23, 31};
-    const __m512i place = _mm512_loadu_si512(q4 ? place4 : place8), nibble = _mm512_set1_epi32(15);
+    const __m512i place = _mm512_loadu_si512(place8);
     for (int64_t kb = 0; kb < K / QBLOCK; ++kb) {
-        __m512 d0 = _mm512_loadu_ps(scales + kb * 2 * PANEL), m0 = _mm512_loadu_ps(scales + kb * 2 * PANEL + PANEL);
-        __m512 d1 = d0, m1 = m0;
-        if (q4) { /* each vector's lanes are columns 0-7 (or 8-15) twice */
-            d1 = _mm512_shuffle_f32x4(d0, d0, 0xee), m1 = _mm512_shuffle_f32x4(m0, m0, 0xee);
-            d0 = _mm512_shuffle_f32x4(d0, d0, 0x44), m0 = _mm512_shuffle_f32x4(m0, m0, 0x44);
-        }
-        const uint8_t *c = codes + kb * q_block_bytes(q4);
-        for (int64_t i = 0; i < q_block_bytes(q4); i += 64) _mm_prefetch((const char *)(c + Q_AHEAD + i), _MM_HINT_T0);
+        const __m512 d = _mm512_loadu_ps(scales + kb * 2 * PANEL), m = _mm512_loadu_ps(scales + kb * 2 * PANEL + PANEL);
+        const uint8_t *c = codes + kb * Q_BLOCK_BYTES;
+        for (int64_t i = 0; i < Q_BLOCK_BYTES; i += 64) _mm_prefetch((const char *)(c + Q_AHEAD + i), _MM_HINT_T0);
         _mm_prefetch((const char *)(scales + kb * 2 * PANEL) + Q_AHEAD, _MM_HINT_T0);
         _mm_prefetch((const char *)(scales + kb * 2 * PANEL + PANEL) + Q_AHEAD, _MM_HINT_T0);
         for (int64_t kk = 0; kk < QBLOCK; kk += 2) {
-            __m512i v0, v1;
-            if (q4) {
-                const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + kk * (PANEL / 2))));
-                v0 = _mm512_and_si512(b, nibble);
-                v1 = _mm512_srli_epi32(b, 4);
-            } else {
-                v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + kk * PANEL)));
-                v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + (kk + 1) * PANEL)));
-            }
-            const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v0), d0, m0);
-            const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v1), d1, m1);
+            const __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + kk * PANEL)));
+            const __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + (kk + 1) * PANEL)));
+            const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v0), d, m);
+            const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v1), d, m);
             _mm512_storeu_si512(out + (kb * QBLOCK + kk) * PANEL,
                                 _mm512_permutexvar_epi16(place, (__m512i)_mm512_cvtne2ps_pbh(w1, w0)));
         }
@@ -464,21 +411,17 @@ static inline __attribute__((always_inline)) void q_dequantize_bf16(const uint8_
 }
 
 /* Panels p0 and p0 + 1 (where N has it) dequantized to bfloat16 pairs into w and w + PANEL * K. */
-static inline void q_pair_bf16(const uint8_t *codes, const float *scales, int q4, int64_t N, int64_t K, int64_t p0,
+static inline void q_pair_bf16(const uint8_t *codes, const float *scales, int64_t N, int64_t K, int64_t p0,
                                uint16_t *w) {
-    const int64_t panel_codes = K / QBLOCK * q_block_bytes(q4), panel_scales = K / QBLOCK * 2 * PANEL;
-    for (int64_t p = p0; p < p0 + 2 && p * PANEL < N; ++p) {
-        if (q4) /* each call inlined with its constant */
-            q_dequantize_bf16(codes + p * panel_codes, scales + p * panel_scales, 1, K, w + (p - p0) * PANEL * K);
-        else
-            q_dequantize_bf16(codes + p * panel_codes, scales + p * panel_scales, 0, K, w + (p - p0) * PANEL * K);
-    }
+    const int64_t panel_codes = K / QBLOCK * Q_BLOCK_BYTES, panel_scales = K / QBLOCK * 2 * PANEL;
+    for (int64_t p = p0; p < p0 + 2 && p * PANEL < N; ++p)
+        q_dequantize_bf16(codes + p * panel_codes, scales + p * panel_scales, K, w + (p - p0) * PANEL * K);
 }
 
 /* linear_q with bfloat16 products (`path` PATH_DOT or PATH_AMX): x rounded to bfloat16 once; each pair of
  * panels dequantized to bfloat16 into a thread's scratch and multiplied by VDPBF16PS tiles (dot_rows),
  * or on AMX tiles (amx_pair) for each block of rows that stays in cache. */
-static int linear_q_bf16(const float *x, int64_t ld_x, int64_t M, const uint8_t *codes, const float *scales, int q4,
+static int linear_q_bf16(const float *x, int64_t ld_x, int64_t M, const uint8_t *codes, const float *scales,
                          int64_t N, int64_t K, const float *bias, float *y, int64_t ld_y, int path) {
     const int64_t pairs = ((N + PANEL - 1) / PANEL + 1) / 2;
     const int64_t rows = path == PATH_AMX ? (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : M;
@@ -496,7 +439,7 @@ static int linear_q_bf16(const float *x, int64_t ld_x, int64_t M, const uint8_t 
                 float b[2 * PANEL];
                 int64_t cols0, cols1;
                 const int two = pair_bias(bias, N, 2 * pp, b, &cols0, &cols1);
-                q_pair_bf16(codes, scales, q4, N, K, 2 * pp, w);
+                q_pair_bf16(codes, scales, N, K, 2 * pp, w);
                 float *yp = y + 2 * pp * PANEL;
                 if (two) /* each call inlined with its constant */
                     dot_rows(xb, K, M, w, w + PANEL * K, 1, b, yp, ld_y, cols0, cols1, NULL);
@@ -513,7 +456,7 @@ static int linear_q_bf16(const float *x, int64_t ld_x, int64_t M, const uint8_t 
                 const int64_t block = M - m0 < mc ? M - m0 : mc;
 #pragma omp for schedule(static)
                 for (int64_t pp = 0; pp < pairs; ++pp) {
-                    q_pair_bf16(codes, scales, q4, N, K, 2 * pp, w);
+                    q_pair_bf16(codes, scales, N, K, 2 * pp, w);
                     amx_pair(xb + m0 * K, block, K, w, w + PANEL * K, bias, N, 2 * pp * PANEL, y + m0 * ld_y, ld_y, c);
                 }
             }
@@ -531,26 +474,23 @@ static int linear_q_bf16(const float *x, int64_t ld_x, int64_t M, const uint8_t 
  * TILE_ROWS rows, x and the weights rounded to bfloat16 are multiplied on the bfloat16 path the CPU
  * takes for M rows (linear_bf16_path: AMX tiles, or VDPBF16PS where it out-runs the FMAs). Returns 0,
  * or -3 when a scratch buffer cannot be allocated. */
-static int linear_q(const float *x, int64_t ld_x, int64_t M, const uint8_t *codes, const float *scales, int q4,
+static int linear_q(const float *x, int64_t ld_x, int64_t M, const uint8_t *codes, const float *scales,
                     int64_t N, int64_t K, const float *bias, float *y, int64_t ld_y, int bf16_products) {
     const int64_t panels = (N + PANEL - 1) / PANEL;
 #ifdef __AVX512BF16__
     const int path = bf16_products && M > TILE_ROWS ? linear_bf16_path(M) : PATH_WIDENED;
-    if (path != PATH_WIDENED) return linear_q_bf16(x, ld_x, M, codes, scales, q4, N, K, bias, y, ld_y, path);
+    if (path != PATH_WIDENED) return linear_q_bf16(x, ld_x, M, codes, scales, N, K, bias, y, ld_y, path);
 #else
     (void)bf16_products;
 #endif
     if (M <= TILE_ROWS) { /* decoding: read each panel once */
 #pragma omp parallel for schedule(static)
         for (int64_t p = 0; p < panels; ++p) {
-            if (q4) /* each call inlined with its constant */
-                q_panel_tile(x, ld_x, M, codes, scales, 1, N, K, bias, y, ld_y, p);
-            else
-                q_panel_tile(x, ld_x, M, codes, scales, 0, N, K, bias, y, ld_y, p);
+            q_panel_tile(x, ld_x, M, codes, scales, N, K, bias, y, ld_y, p);
         }
         return 0;
     }
-    const int64_t mc = block_rows(K), panel_codes = K / QBLOCK * q_block_bytes(q4), panel_scales = K / QBLOCK * 2 * PANEL;
+    const int64_t mc = block_rows(K), panel_codes = K / QBLOCK * Q_BLOCK_BYTES, panel_scales = K / QBLOCK * 2 * PANEL;
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
     {
@@ -564,13 +504,8 @@ static int linear_q(const float *x, int64_t ld_x, int64_t M, const uint8_t *code
                 float b[2 * PANEL];
                 int64_t cols0, cols1;
                 const int two = pair_bias(bias, N, p0, b, &cols0, &cols1);
-                for (int64_t p = p0; p < p0 + 1 + two; ++p) {
-                    float *out = scratch + (p - p0) * K * PANEL;
-                    if (q4) /* each call inlined with its constant */
-                        q_dequantize(codes + p * panel_codes, scales + p * panel_scales, 1, K, out);
-                    else
-                        q_dequantize(codes + p * panel_codes, scales + p * panel_scales, 0, K, out);
-                }
+                for (int64_t p = p0; p < p0 + 1 + two; ++p)
+                    q_dequantize(codes + p * panel_codes, scales + p * panel_scales, K, scratch + (p - p0) * K * PANEL);
                 for (int64_t m0 = 0; m0 < M; m0 += mc) {
                     const int64_t rows = M - m0 < mc ? M - m0 : mc;
                     float *yp = y + m0 * ld_y + p0 * PANEL;
@@ -585,10 +520,7 @@ static int linear_q(const float *x, int64_t ld_x, int64_t M, const uint8_t *code
 #else
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < panels; ++p) {
-                if (q4)
-                    q_dequantize(codes + p * panel_codes, scales + p * panel_scales, 1, K, scratch);
-                else
-                    q_dequantize(codes + p * panel_codes, scales + p * panel_scales, 0, K, scratch);
+                q_dequantize(codes + p * panel_codes, scales + p * panel_scales, K, scratch);
                 float b[PANEL];
                 const int64_t cols = panel_bias(bias, N, p, b);
                 for (int64_t m0 = 0; m0 < M; m0 += mc)
@@ -604,10 +536,5 @@ static int linear_q(const float *x, int64_t ld_x, int64_t M, const uint8_t *code
 
 int linear_q8_f32(const float *x, int64_t ld_x, int64_t M, const uint8_t *codes, const float *scales, int64_t N,
                   int64_t K, const float *bias, float *y, int64_t ld_y, int bf16_products) {
-    return linear_q(x, ld_x, M, codes, scales, 0, N, K, bias, y, ld_y, bf16_products);
-}
-
-int linear_q4_f32(const float *x, int64_t ld_x, int64_t M, const uint8_t *codes, const float *scales, int64_t N,
-                  int64_t K, const float *bias, float *y, int64_t ld_y, int bf16_products) {
-    return linear_q(x, ld_x, M, codes, scales, 1, N, K, bias, y, ld_y, bf16_products);
+    return linear_q(x, ld_x, M, codes, scales, N, K, bias, y, ld_y, bf16_products);
 }

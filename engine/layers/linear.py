@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import cpu_kernels
+from engine.layers.ggml_weight import GGMLWeight
 from engine.layers.quantization import QuantizedWeight
 
 
@@ -22,7 +23,8 @@ class Linear(nn.Module):
     After loading, ``pack()`` moves the weight into the panel layout of the C kernel
     (``cpu_kernels.linear``), which computes every batch size on CPU for float32 input, the
     weight in float32 or bfloat16 (widened exactly); ``weight`` is then None and ``packed``
-    holds it. ``quantize(q)`` serves quantized blocks instead (``cpu_kernels.linear_quantized``).
+    holds it. ``quantize(q)`` serves quantized blocks instead: int8 panels (``QuantizedWeight``) or a GGUF
+    file's own blocks (``GGMLWeight``), each multiplying through its ``matmul``.
     Unpacked (on GPU, or without the CPU kernels), it is ``F.linear``.
     """
 
@@ -32,15 +34,15 @@ class Linear(nn.Module):
         self.weight: nn.Parameter | None = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.register_buffer("packed", None)
-        self.quantized: QuantizedWeight | None = None
+        self.quantized: QuantizedWeight | GGMLWeight | None = None
 
     def pack(self) -> None:
         """Replace ``weight`` by its packed panels (``cpu_kernels.pack_linear_weight``)."""
         self.packed = cpu_kernels.pack_linear_weight(self.weight.data)
         self.weight = None
 
-    def quantize(self, weight: QuantizedWeight) -> None:
-        """Serve ``weight`` (packed quantized blocks of this layer's weight) instead of the float weight."""
+    def quantize(self, weight: QuantizedWeight | GGMLWeight) -> None:
+        """Serve ``weight`` (this layer's weight as quantized blocks) instead of the float weight."""
         if (weight.out_features, weight.in_features) != (self.out_features, self.in_features):
             raise ValueError(
                 f"a quantized weight of [{weight.out_features}, {weight.in_features}] for a layer of "
@@ -50,7 +52,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
-            return cpu_kernels.linear_quantized(x, self.quantized, self.bias)
+            return self.quantized.matmul(x, self.bias)
         if self.packed is not None:
             return cpu_kernels.linear(x, self.packed, self.out_features, self.bias)
         return F.linear(x, self.weight, self.bias)

@@ -16,60 +16,29 @@ import torch
 from torch import nn
 
 from engine import cpu_kernels
+from engine.cpu_kernels import abi
 from engine.attention import AttentionBackend, AttentionMetadata, CpuAttentionBackend
+from engine.layers.ggml_weight import GGMLWeight
 from engine.layers.linear import Linear
 from engine.models.llama import LlamaForCausalLM
 
 # decoder.c's linear kinds
-_LINEAR_F32, _LINEAR_BF16, _LINEAR_Q8, _LINEAR_Q4, _LINEAR_W8A8 = range(5)
-_QUANTIZED_KINDS = {"q8": _LINEAR_Q8, "q4": _LINEAR_Q4}
+_LINEAR_F32, _LINEAR_BF16, _LINEAR_Q8, _LINEAR_W8A8, _LINEAR_GGML = range(5)
 # decoder.c's FAILED_ values
 _FAILED_LINEAR, _FAILED_ROTARY, _FAILED_STORE_KV, _FAILED_ATTENTION = range(1, 5)
-
-
-class _Linear(ctypes.Structure):
-    _fields_ = [
-        ("weight", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-        ("out_features", ctypes.c_int64), ("in_features", ctypes.c_int64),
-        ("kind", ctypes.c_int32), ("bf16_products", ctypes.c_int32),
-    ]  # fmt: skip
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [
-        ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
-        ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
-        ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
-        ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
-    ]  # fmt: skip
-
-
-class _Plan(ctypes.Structure):
-    _fields_ = [
-        ("layers", ctypes.c_void_p), ("final_norm", ctypes.c_void_p), ("cos_sin", ctypes.c_void_p),
-        *[(name, ctypes.c_int64) for name in (
-            "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate", "rotary_dim",
-            "max_positions", "block_size", "num_blocks",
-        )],
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kv_bf16", ctypes.c_int32),
-    ]  # fmt: skip
-
-
-class _Step(ctypes.Structure):
-    _fields_ = [
-        ("positions", ctypes.c_void_p), ("slots", ctypes.c_void_p), ("block_tables", ctypes.c_void_p),
-        ("seq_lens", ctypes.c_void_p), ("tile_rows", ctypes.c_void_p), ("tile_starts", ctypes.c_void_p),
-        ("tile_shared", ctypes.c_void_p),
-        ("tokens", ctypes.c_int64), ("table_stride", ctypes.c_int64), ("num_tiles", ctypes.c_int64),
-    ]  # fmt: skip
+_Linear, _Layer, _Plan, _Step = abi.LinearPlan, abi.LayerPlan, abi.DecoderPlan, abi.DecoderStep
 
 
 def _linear(module: Linear) -> _Linear | None:
     """The kernels' view of a packed or quantized ``Linear``; None for one that is neither."""
     bias = module.bias.data_ptr() if module.bias is not None else None
     q = module.quantized
+    if isinstance(q, GGMLWeight):
+        return _Linear(
+            ctypes.addressof(q.c_parts), None, bias, q.out_features, q.in_features, _LINEAR_GGML, 0, len(q.c_parts)
+        )
     if q is not None:
-        kind = _LINEAR_W8A8 if q.int8_products else _QUANTIZED_KINDS[q.kind]
+        kind = _LINEAR_W8A8 if q.int8_products else _LINEAR_Q8
         return _Linear(
             q.codes.data_ptr(), q.scales.data_ptr(), bias, q.out_features, q.in_features, kind, int(q.bf16_products)
         )

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
 
 from engine import cpu_kernels
 from engine.attention import CpuAttentionBackend, get_attention_backend
@@ -26,14 +25,17 @@ from engine.config import (
 from engine.core.scheduler_output import SchedulerOutput
 from engine.errors import ModelLoadError, ParameterError
 from engine.layers.attention import Attention
+from engine.layers.ggml_weight import GGMLWeight
 from engine.layers.linear import Linear
 from engine.layers.rotary import RotaryEmbedding
 from engine.loader import gguf_source
+from engine.model_files.checkpoint import Checkpoint, GGUFCheckpoint, SafetensorsCheckpoint
+from engine.model_files.gguf import GGUFError, GGUFFile
 from engine.models.registry import get_model_class
 from engine.worker.forward_context import ForwardContext, set_forward_context
 from engine.worker.decoder_plan import DecoderPlan
 from engine.worker.input_batch import prepare_inputs
-from engine.worker.weight_formats import WeightsSummary, quantize_linears
+from engine.worker.weight_formats import LoadPlan, WeightsSummary, load_weights
 
 logger = logging.getLogger(__name__)
 _MADV_POPULATE_WRITE = 23  # linux/mman.h
@@ -50,8 +52,12 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtypes(name: str, device: torch.device) -> tuple[torch.dtype, torch.dtype]:
-    """The (compute, weight) dtypes of a ``dtype`` setting on ``device``; "auto" is float32 on CPU.
+def resolve_dtypes(name: str, device: torch.device, checkpoint_dtype: torch.dtype | None = None) -> tuple[torch.dtype, torch.dtype]:
+    """The (compute, weight) dtypes of a ``dtype`` setting on ``device``.
+
+    "auto" is bfloat16 on CUDA; on CPU it is the checkpoint's dtype where that is bfloat16 (``checkpoint_dtype``,
+    a Hugging Face config's), else float32: a bfloat16 checkpoint keeps its size, a float32 or float16 one, and a
+    GGUF file's non-quantized tensors, compute in float32.
 
     On CPU with the C kernels built, "bfloat16" keeps the linear and embedding weights (and, with
     the CPU attention backend, the KV cache) in bfloat16 and the element-wise parts in float32: the
@@ -60,10 +66,21 @@ def resolve_dtypes(name: str, device: torch.device) -> tuple[torch.dtype, torch.
     bfloat16 where the CPU has them, else every product the float32 one of the stored bfloat16
     values, widened as they load (docs/performance.md).
     """
-    dtype = _AUTO_DTYPE[device.type] if name == "auto" else _DTYPES[name]
+    if name == "auto":
+        dtype = torch.bfloat16 if device.type == "cuda" or checkpoint_dtype == torch.bfloat16 else torch.float32
+    else:
+        dtype = _DTYPES[name]
     if device.type == "cpu" and dtype == torch.bfloat16 and cpu_kernels.library() is not None:
         return torch.float32, torch.bfloat16
     return dtype, dtype
+
+
+def checkpoint_dtype(hf_config) -> torch.dtype | None:
+    """The dtype a Hugging Face config says its weights are stored in, or None."""
+    value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(value, str):
+        value = _DTYPES.get(value)
+    return value if isinstance(value, torch.dtype) else None
 
 
 class ModelRunner:
@@ -86,7 +103,9 @@ class ModelRunner:
         self.config = config
         self.hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         self.device = resolve_device(config.device)
-        self.dtype, self.weight_dtype = resolve_dtypes(config.dtype, self.device)  # compute, weights
+        self.gguf = gguf_source(model_dir)
+        stored = None if self.gguf is not None else checkpoint_dtype(self.hf_config)
+        self.dtype, self.weight_dtype = resolve_dtypes(config.dtype, self.device, stored)  # compute, weights
         self.block_size = config.block_size
         self.vocab_size: int = self.hf_config.vocab_size
         self.max_model_len = self._max_model_len()
@@ -150,22 +169,7 @@ class ModelRunner:
     def _load_model(self, model_dir: Path) -> torch.nn.Module:
         model_class = get_model_class(self.hf_config)
         with torch.device("meta"):
-            model = model_class(self.hf_config)
-        model = model.to(dtype=self.dtype).to_empty(device=self.device)
-        linears = [m for m in model.modules() if isinstance(m, Linear)]  # the embedding too
-        if self.weight_dtype != self.dtype:
-            for module in linears:  # checkpoint tensors round into these as they are copied in
-                module.weight.data = torch.empty_like(module.weight, dtype=self.weight_dtype)
-        files = sorted(model_dir.glob("*.safetensors"))
-        if not files:
-            raise ModelLoadError(f"{str(model_dir)!r} has no *.safetensors weights")
-        try:
-            model.load_weights(_iter_safetensors(files))
-        except (ValueError, KeyError) as e:
-            raise ModelLoadError(f"cannot load weights from {str(model_dir)!r}: {e}") from None
-        for module in model.modules():
-            if isinstance(module, RotaryEmbedding):
-                module.materialize(self.device, self.dtype)
+            model = model_class(self.hf_config).to(dtype=self.dtype)
         cpu_kernels_serve = (
             self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.library() is not None
         )
@@ -176,19 +180,25 @@ class ModelRunner:
                 f"this engine computes in {self.dtype} on {self.device.type}"
                 + ("" if cpu_kernels.library() is not None else " without the C kernels"),
             )
-        try:
-            self.weights: WeightsSummary = quantize_linears(
-                model, self.config.quantization, gguf_source(model_dir), self.hf_config.num_attention_heads,
-                getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads,
-                bf16_products=self.weight_dtype == torch.bfloat16,
+        if self.config.quantization == "gguf" and self.gguf is None:
+            raise ParameterError(
+                "quantization", "quantization='gguf' serves the blocks of a .gguf model; this model is not a GGUF file"
             )
-        except ValueError as e:
-            raise ParameterError("quantization", str(e)) from None
+        plan = LoadPlan(
+            self.config.quantization, self.dtype, self.weight_dtype, self.device, packed=cpu_kernels_serve,
+            bf16_products=self.weight_dtype == torch.bfloat16,
+        )
+        try:
+            self.weights: WeightsSummary = load_weights(model, self._checkpoint(model_dir), plan)
+        except (ValueError, KeyError, OSError) as e:
+            raise ModelLoadError(f"cannot load weights from {str(self.gguf or model_dir)!r}: {e}") from None
+        for module in model.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.materialize(self.device, self.dtype)
         if cpu_kernels_serve:
-            for module in linears:
-                if module.quantized is None:
-                    module.pack()
-            if self.weight_dtype == torch.bfloat16:
+            if any(isinstance(m, Linear) and isinstance(m.quantized, GGMLWeight) for m in model.modules()):
+                self.weights.products = f"int8 blocks of x ({cpu_kernels.ggml_linear_path()})"
+            elif self.weight_dtype == torch.bfloat16:
                 small, large = cpu_kernels.bf16_linear_path(1), cpu_kernels.bf16_linear_path(1 << 16)
                 start = next(rows for rows in range(1, 1 << 16) if cpu_kernels.bf16_linear_path(rows) == large)
                 paths = small if small == large else f"{small} below {start} rows, {large} from {start}"
@@ -202,6 +212,19 @@ class ModelRunner:
                         "quantization='int8' (int8 weights, float products) and than the weights in dtype"
                     )
         return model.eval()
+
+    def _checkpoint(self, model_dir: Path) -> Checkpoint:
+        """The weights' source: the GGUF file the metadata came from, else the directory's safetensors."""
+        if self.gguf is None:
+            if not any(model_dir.glob("*.safetensors")):
+                raise ModelLoadError(f"{str(model_dir)!r} has no *.safetensors weights")
+            return SafetensorsCheckpoint(model_dir)
+        try:
+            gguf = GGUFFile(self.gguf)
+        except (GGUFError, OSError) as e:
+            raise ModelLoadError(f"{str(self.gguf)!r} is not a readable GGUF file: {e}") from None
+        num_heads = self.hf_config.num_attention_heads
+        return GGUFCheckpoint(gguf, num_heads, getattr(self.hf_config, "num_key_value_heads", None) or num_heads)
 
     def _attention_layers(self) -> list[Attention]:
         return [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -295,9 +318,3 @@ def available_cpu_memory() -> int:
         pass
     return available
 
-
-def _iter_safetensors(files: list[Path]):
-    for file in files:
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)

@@ -1,20 +1,21 @@
-"""The formats a model's linear weights are served in: float as loaded, ``int8`` or GGUF-native blocks.
+"""A model's weights from its checkpoint, each linear layer in the format it is served in.
 
-``quantize_linears`` replaces the weights of a loaded model's ``Linear`` modules (the tied
-embedding among them) by packed quantized blocks (``engine.layers.quantization``):
+``load_weights`` fills a model built on the meta device, module by module, so that no more than one layer's
+weight exists twice at any moment (peak memory about the model's own size). A ``Linear`` (the embedding among
+them) is served:
 
-- ``"int8"``: every weight whose ``in_features`` is a multiple of 32 is quantized into
-  8-bit min/max blocks from its loaded float values, except the output head's (``lm_head``, or
-  the tied embedding): it stays in dtype, as vLLM's weight-only methods keep it, because its
-  error goes straight into the logits (on the bundled model it was all of int8's: 5 of 8
-  prompts kept float32's greedy tokens with it quantized, 8 of 8 without);
-- ``"w8a8"``: symmetric 8-bit blocks (``quantize_symmetric_int8``) of the weights rotated by
-  ``hadamard_blocks``, packed for int8 products: each matmul rotates its input's blocks the same way,
-  quantizes them to int8 and multiplies in int8 (``engine/cpu_kernels/linear_int8.c``); the output head
-  again in dtype;
-- ``"gguf"``: the weights of a GGUF model are read from the file in their own formats
-  (Q8_0, Q4_0, Q4_1) without passing through float32; weights of other GGUF types keep the
-  float values the conversion cache holds.
+- from a GGUF file (``quantization`` None or ``"gguf"``, on the CPU kernels): in the file's own types, read as
+  the file stores them (``GGMLWeight``: Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, F16, BF16, F32); a
+  tensor of another type (Q2_K, Q3_K, the IQ types) is dequantized to the weights' dtype, and the start-up log
+  names those tensors and the memory they take;
+- ``"int8"``: 8-bit min/max blocks of 32 weights quantized from the float values (weight-only), the output head
+  (``lm_head``, or the tied embedding) kept in dtype because its error goes straight into the logits (on the
+  bundled model it was all of int8's: 5 of 8 prompts kept float32's greedy tokens with it quantized, 8 of 8
+  without);
+- ``"w8a8"``: symmetric 8-bit blocks of the weights rotated by ``hadamard_blocks``, packed for int8 products
+  (``engine/cpu_kernels/linear_int8.c``); the output head again in dtype;
+- otherwise in the weights' dtype (a Hugging Face checkpoint's bfloat16 stays bfloat16 where the engine keeps
+  bfloat16 weights), packed into the C kernels' panels on CPU.
 
 The returned ``WeightsSummary`` says what runs; ``Engine.stats()`` and the start-up log show it.
 """
@@ -22,51 +23,38 @@ The returned ``WeightsSummary`` says what runs; ``Engine.stats()`` and the start
 from __future__ import annotations
 
 import logging
-import re
-import struct
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
-import numpy as np
+import torch
 from torch import nn
 
-from engine.layers.linear import Linear, MergedLinear
-from engine.layers.quantization import (
-    GGUF_BLOCK_BYTES, QBLOCK, QuantBlocks, concat, from_gguf, hadamard_blocks, pack, quantize_int8,
-    quantize_symmetric_int8,
-)
+from engine import cpu_kernels
+from engine.layers.ggml_weight import GGML_NATIVE, GGMLWeight
+from engine.layers.linear import Linear, MergedLinear, default_weight_loader
+from engine.layers.quantization import QBLOCK, hadamard_blocks, pack, quantize_int8, quantize_symmetric_int8
+from engine.model_files.checkpoint import Checkpoint, GGUFCheckpoint, SafetensorsCheckpoint
 from engine.models.llama import FUSED_SHARDS
 
 logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("int8", "w8a8", "gguf")
 
-# Hugging Face checkpoint names of a decoder layer's projections -> GGUF's
-_GGUF_LAYER_NAMES = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}  # fmt: skip
-_GGUF_TOP_NAMES = {"model.embed_tokens": "token_embd", "lm_head": "output"}
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # a fused module's name fragment and shard -> the checkpoint's name fragment of that shard
 _SHARD_NAMES = {(fused, shard): fragment for fragment, (fused, shard) in FUSED_SHARDS.items()}
-
-BlocksOf = Callable[[str, Linear], "QuantBlocks | None"]
 
 
 @dataclass
 class WeightsSummary:
-    """What the linear weights run as: modules per block kind (``q4``, ``q8``) or float dtype, and the
-    bytes all linear weights take."""
+    """What the linear weights run as: modules per kind (a ggml type such as ``Q4_K``, ``q8`` for the int8
+    blocks, or a float dtype), the bytes all linear weights take, and what was dequantized at load."""
 
     quantization: str | None
     modules: Counter[str] = field(default_factory=Counter)
     nbytes: int = 0
     products: str = "float32"  # what the CPU kernels multiply in (the model runner sets it)
+    dequantized: list[str] = field(default_factory=list)  # GGUF tensors of a type not served natively
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -79,40 +67,111 @@ class WeightsSummary:
         return f"quantization {self.quantization} ({kinds}; {self.nbytes / 2**20:.1f} MiB; {self.products} products)"
 
 
-def quantize_linears(
-    model: nn.Module, method: str | None, gguf_path: Path | None, num_heads: int, num_kv_heads: int,
-    bf16_products: bool = False,
-) -> WeightsSummary:
-    """Quantize ``model``'s linear weights in place as ``method`` says (module docstring); ``num_heads``
-    and ``num_kv_heads`` undo llama.cpp's reordering of the query and key rows; ``bf16_products``: the
-    quantized layers multiply in bfloat16 where the CPU can (``QuantizedWeight``).
+@dataclass(frozen=True)
+class LoadPlan:
+    """How ``load_weights`` serves the linear weights: ``quantization`` (None, or one of ``QUANTIZATIONS``),
+    ``dtype`` the activations' and norms', ``weight_dtype`` the float weights', ``packed`` whether the CPU kernels
+    serve them (else ``F.linear`` over plain parameters), ``bf16_products`` whether quantized layers may multiply
+    in bfloat16 (``QuantizedWeight``)."""
+
+    quantization: str | None
+    dtype: torch.dtype
+    weight_dtype: torch.dtype
+    device: torch.device
+    packed: bool
+    bf16_products: bool = False
+
+
+def load_weights(model: nn.Module, checkpoint: Checkpoint, plan: LoadPlan) -> WeightsSummary:
+    """Materialize ``model`` (built on the meta device) from ``checkpoint`` as ``plan`` says (module docstring).
 
     Raises:
-        ValueError: ``"gguf"`` without a GGUF source file.
+        ValueError: a parameter the checkpoint lacks or holds in another shape; ``"gguf"`` for a checkpoint that
+            is not a GGUF file.
     """
-    if method == "gguf" and gguf_path is None:
+    gguf = checkpoint if isinstance(checkpoint, GGUFCheckpoint) else None
+    if plan.quantization == "gguf" and gguf is None:
         raise ValueError("quantization='gguf' serves the blocks of a .gguf model; this model is not a GGUF file")
-    blocks_of = _gguf_blocks(gguf_path, num_heads, num_kv_heads) if method == "gguf" else None
-    summary = WeightsSummary(method)
+    linears = {name: module for name, module in model.named_modules() if isinstance(module, Linear)}
+    for module in linears.values():  # allocated by their format below, not here
+        module.weight = None
+    model.to_empty(device=plan.device)
+    for name, param in model.named_parameters():
+        if name.endswith(".bias") and name.rpartition(".")[0] in linears:
+            continue  # with its layer
+        _copy(param.data, checkpoint, name)
+    summary = WeightsSummary(plan.quantization)
     head = getattr(model, "lm_head", None)
-    for name, module in model.named_modules():
-        if not isinstance(module, Linear):
-            continue
-        blocks = None
-        if method in ("int8", "w8a8") and module is not head and module.in_features % QBLOCK == 0:
-            weight = module.weight.data
-            blocks = quantize_symmetric_int8(hadamard_blocks(weight)) if method == "w8a8" else quantize_int8(weight)
-        elif blocks_of is not None:
-            blocks = blocks_of(name, module)
-        if blocks is not None:
-            packed = pack(blocks, int8_products=method == "w8a8")
-            module.quantize(packed._replace(bf16_products=bf16_products and not packed.int8_products))
-            summary.modules[blocks.kind] += 1
-            summary.nbytes += module.quantized.nbytes
-        else:
-            summary.modules[str(module.weight.dtype).removeprefix("torch.")] += 1
-            summary.nbytes += module.weight.nbytes
+    for name, module in linears.items():
+        shards = _checkpoint_names(name, module)
+        if module.bias is not None:
+            _fill(module.bias.data, module, [f"{shard}.bias" for shard in shards], checkpoint)
+        kind = _serve(module, [f"{shard}.weight" for shard in shards], checkpoint, plan, module is head, summary)
+        summary.modules[kind] += 1
+    if summary.dequantized:
+        why = "the CPU kernels do not serve their types" if plan.packed else "GGUF types run natively on the CPU kernels only"
+        logger.warning(
+            "%d GGUF tensors dequantized to %s (%s; the linear weights take %.1f MiB): %s",
+            len(summary.dequantized), plan.weight_dtype, why, summary.nbytes / 2**20, ", ".join(summary.dequantized),
+        )
     return summary
+
+
+def _serve(module: Linear, names: list[str], checkpoint: Checkpoint, plan: LoadPlan, is_head: bool,
+           summary: WeightsSummary) -> str:
+    """Loads ``module``'s weight from the checkpoint tensors ``names`` (its shards, in row order) in the format
+    the plan gives it; returns the format's kind and adds its bytes to the summary."""
+    if isinstance(checkpoint, GGUFCheckpoint) and plan.quantization in (None, "gguf"):
+        types = [checkpoint.type_name(name) for name in names]
+        if plan.packed and all(t in GGML_NATIVE for t in types):
+            weight = GGMLWeight.from_numpy([(t, checkpoint.blocks(n)) for t, n in zip(types, names)], module.in_features)
+            module.quantize(weight)
+            summary.nbytes += weight.nbytes
+            return weight.kind
+        summary.dequantized += [f"{checkpoint.gguf_name(n)} ({t})" for n, t in zip(names, types)]
+    if plan.quantization in ("int8", "w8a8") and not is_head and module.in_features % QBLOCK == 0:
+        weight = _float_weight(module, names, checkpoint, torch.float32)
+        blocks = quantize_symmetric_int8(hadamard_blocks(weight)) if plan.quantization == "w8a8" else quantize_int8(weight)
+        del weight
+        packed = pack(blocks, int8_products=plan.quantization == "w8a8")
+        module.quantize(packed._replace(bf16_products=plan.bf16_products and not packed.int8_products))
+        summary.nbytes += module.quantized.nbytes
+        return blocks.kind
+    weight = _float_weight(module, names, checkpoint, plan.weight_dtype)
+    if plan.packed:
+        module.packed = cpu_kernels.pack_linear_weight(weight)
+        summary.nbytes += module.packed.nbytes
+    else:
+        module.weight = nn.Parameter(weight.to(plan.device), requires_grad=False)
+        summary.nbytes += weight.nbytes
+    return str(plan.weight_dtype).removeprefix("torch.")
+
+
+def _float_weight(module: Linear, names: list[str], checkpoint: Checkpoint, dtype: torch.dtype) -> torch.Tensor:
+    """The module's float weight ``[out, in]`` in ``dtype``, its shards read in turn into their rows."""
+    weight = torch.empty(module.out_features, module.in_features, dtype=dtype)
+    _fill(weight, module, names, checkpoint)
+    return weight
+
+
+def _fill(target: torch.Tensor, module: Linear, names: list[str], checkpoint: Checkpoint) -> None:
+    """Copies the checkpoint tensors ``names`` (a module's shards in row order) into ``target``'s rows."""
+    if isinstance(module, MergedLinear):
+        for shard, name in zip(module.shard_offsets, names):
+            offset, size = module.shard_offsets[shard]
+            _copy(target.narrow(0, offset, size), checkpoint, name)
+    else:
+        _copy(target, checkpoint, names[0])
+
+
+def _copy(target: torch.Tensor, checkpoint: Checkpoint, name: str) -> None:
+    if name not in checkpoint:
+        raise ValueError(f"checkpoint lacks {name!r}")
+    if isinstance(checkpoint, SafetensorsCheckpoint) and checkpoint.dtype(name) == target.dtype \
+            and tuple(target.shape) == checkpoint.shape(name) and target.is_contiguous() and target.is_cpu:
+        checkpoint.tensor(name, out=target)  # read in place: no copy of the tensor in between
+    else:
+        default_weight_loader(target, checkpoint.tensor(name))
 
 
 def _checkpoint_names(name: str, module: Linear) -> list[str]:
@@ -126,137 +185,3 @@ def _checkpoint_names(name: str, module: Linear) -> list[str]:
             if shard_name == shard and fused in dotted:
                 names.append(dotted.replace(fused, fragment)[:-1])
     return names
-
-
-def _gguf_blocks(gguf_path: Path, num_heads: int, num_kv_heads: int) -> BlocksOf:
-    """A lookup of each module's blocks in the GGUF file: None where a tensor is absent or of a type
-    not served natively."""
-    architecture, tensors = read_gguf_tensors(gguf_path)
-    permuted = architecture == "llama"
-
-    def one(checkpoint: str) -> QuantBlocks | None:
-        if match := _LAYER.fullmatch(checkpoint):
-            gguf_name = f"blk.{match[1]}.{_GGUF_LAYER_NAMES.get(match[2], match[2])}.weight"
-        else:
-            gguf_name = f"{_GGUF_TOP_NAMES.get(checkpoint, checkpoint)}.weight"
-        tensor = tensors.get(gguf_name)
-        if tensor is None or tensor.type_name not in GGUF_BLOCK_BYTES:
-            return None
-        blocks = from_gguf(tensor.type_name, tensor.data)
-        if permuted and checkpoint.endswith(("self_attn.q_proj", "self_attn.k_proj")):
-            heads = num_heads if checkpoint.endswith("q_proj") else num_kv_heads
-            blocks = QuantBlocks(blocks.kind, *(_unpermute_rows(t, heads) for t in blocks[1:]))
-        return blocks
-
-    def blocks_of(name: str, module: Linear) -> QuantBlocks | None:
-        parts = [one(checkpoint) for checkpoint in _checkpoint_names(name, module)]
-        if not parts or any(part is None for part in parts) or len({part.kind for part in parts}) != 1:
-            logger.info("%s keeps its float weight (no GGUF block of a native type for every shard)", name)
-            return None
-        return concat(parts)
-
-    return blocks_of
-
-
-class GGUFTensor(NamedTuple):
-    """A tensor of a GGUF file: its type's name (``Q4_1``, ``F32``, ...) and its rows of raw bytes, mapped."""
-
-    type_name: str
-    data: np.ndarray  # uint8 [rows, bytes per row]
-
-
-# GGUF metadata value types: fixed sizes (struct formats), 8 = string, 9 = array
-_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-
-
-def read_gguf_tensors(path: Path) -> tuple[str, dict[str, GGUFTensor]]:
-    """The architecture and the tensors of a GGUF file (version 2 or 3), the data memory-mapped.
-
-    Reads the header only as far as it must: the metadata is skipped but for the architecture
-    and the alignment (gguf-py's reader decodes every value, the whole vocabulary included,
-    which takes seconds).
-
-    Raises:
-        ValueError: not a GGUF file of a version read here.
-    """
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    with open(path, "rb") as f:
-        head = f.read(1 << 20)
-        buf, pos = bytearray(head), 0
-
-        def need(size: int) -> None:
-            nonlocal buf
-            while pos + size > len(buf):
-                more = f.read(max(size, 1 << 20))
-                if not more:
-                    raise ValueError(f"{path}: truncated GGUF header")
-                buf += more
-
-        def take(fmt: str):
-            nonlocal pos
-            size = struct.calcsize(fmt)
-            need(size)
-            value = struct.unpack_from("<" + fmt, buf, pos)
-            pos += size
-            return value[0] if len(value) == 1 else value
-
-        def string() -> bytes:
-            nonlocal pos
-            size = take("Q")
-            need(size)
-            pos += size
-            return bytes(buf[pos - size : pos])
-
-        def skip(value_type: int) -> None:
-            nonlocal pos
-            if value_type == 8:
-                string()
-            elif value_type == 9:
-                item_type, count = take("I"), take("Q")
-                if item_type in _GGUF_SCALARS:
-                    size = struct.calcsize(_GGUF_SCALARS[item_type]) * count
-                    need(size)
-                    pos += size
-                else:
-                    for _ in range(count):
-                        skip(item_type)
-            else:
-                take(_GGUF_SCALARS[value_type])
-
-        magic, version = take("4s"), take("I")
-        if magic != b"GGUF" or version not in (2, 3):
-            raise ValueError(f"{path}: not a GGUF file of version 2 or 3")
-        num_tensors, num_fields = take("Q"), take("Q")
-        architecture, alignment = "", 32
-        for _ in range(num_fields):
-            key, value_type = string(), take("I")
-            if key == b"general.architecture" and value_type == 8:
-                architecture = string().decode()
-            elif key == b"general.alignment" and value_type in _GGUF_SCALARS:
-                alignment = int(take(_GGUF_SCALARS[value_type]))
-            else:
-                skip(value_type)
-        infos = []
-        for _ in range(num_tensors):
-            name = string().decode()
-            dims = [take("Q") for _ in range(take("I"))]
-            infos.append((name, dims, take("I"), take("Q")))
-        data_start = -(-pos // alignment) * alignment
-    mapped = np.memmap(path, dtype=np.uint8, mode="r")
-    tensors = {}
-    for name, dims, type_id, offset in infos:
-        kind = GGMLQuantizationType(type_id)
-        block, block_bytes = GGML_QUANT_SIZES[kind]
-        row_bytes = dims[0] // block * block_bytes  # dims[0]: the contiguous (input) dimension
-        rows = int(np.prod(dims[1:], dtype=np.int64)) if len(dims) > 1 else 1
-        start = data_start + offset
-        tensors[name] = GGUFTensor(kind.name, mapped[start : start + rows * row_bytes].reshape(rows, row_bytes))
-    return architecture, tensors
-
-
-def _unpermute_rows(t: Any, num_heads: int) -> Any:
-    """Rows of a query or key projection back in Hugging Face's order: llama.cpp interleaves the two
-    rotary halves of each head."""
-    rows = t.shape[0]
-    return t.reshape(num_heads, rows // num_heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)

@@ -1,4 +1,4 @@
-"""Model files: the bundled GGUF, HF directories, the conversion cache and its errors."""
+"""Model files: the bundled GGUF, HF directories, the GGUF metadata cache and its errors."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from engine.errors import ModelLoadError
-from engine.loader import MANIFEST, bundled_gguf_path, is_valid_entry, resolve_model
+from engine.loader import MANIFEST, bundled_gguf_path, gguf_source, is_valid_entry, resolve_model
 
 
 @pytest.fixture()
 def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """An empty conversion cache, so a test sees the first load."""
+    """An empty metadata cache, so a test sees the first load."""
     cache = tmp_path / "cache"
     monkeypatch.setenv("PAGED_CACHE", str(cache))
     return cache
@@ -23,7 +23,7 @@ def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.fixture(scope="module")
 def small_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Llama GGUF (random weights) written with the gguf package, so conversions take a second."""
+    """A tiny Llama GGUF (random float32 weights) written with the gguf package."""
     import numpy as np
     from gguf import GGUFWriter
 
@@ -81,8 +81,9 @@ def test_bundled_model_is_found_through_package_metadata() -> None:
     assert "SmolLM2-135M-Instruct" in path.name
 
 
-def test_bundled_model_config_matches_the_gguf(bundled_model_dir: Path) -> None:
-    """The converted config carries the GGUF's hyper-parameters (SmolLM2-135M) and its tokenizer."""
+def test_bundled_model_config_matches_the_gguf(bundled_gguf_dir: Path) -> None:
+    """The metadata's config carries the GGUF's hyper-parameters (SmolLM2-135M) and its tokenizer; the weights stay
+    in the file."""
     from gguf import GGUFReader
     from transformers import AutoConfig, AutoTokenizer
 
@@ -92,7 +93,8 @@ def test_bundled_model_config_matches_the_gguf(bundled_model_dir: Path) -> None:
         f = reader.fields[name]
         return f.parts[f.data[0]][0].item()
 
-    config = AutoConfig.from_pretrained(bundled_model_dir)
+    assert not any(bundled_gguf_dir.glob("*.safetensors")) and gguf_source(bundled_gguf_dir) == bundled_gguf_path()
+    config = AutoConfig.from_pretrained(bundled_gguf_dir)
     assert config.model_type == "llama"
     assert config.num_hidden_layers == field("llama.block_count") == 30
     assert config.hidden_size == field("llama.embedding_length") == 576
@@ -101,22 +103,22 @@ def test_bundled_model_config_matches_the_gguf(bundled_model_dir: Path) -> None:
     assert config.intermediate_size == field("llama.feed_forward_length")
     assert config.max_position_embeddings == field("llama.context_length")
     assert config.tie_word_embeddings
-    tokenizer = AutoTokenizer.from_pretrained(bundled_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(bundled_gguf_dir)
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.chat_template
 
 
 def test_cache_hit_on_second_load_is_fast(small_gguf: Path, private_cache: Path) -> None:
-    """A GGUF converts once; the second load reads the same cache entry without converting."""
+    """A GGUF's metadata is read once; the second load reads the same cache entry."""
     start = time.perf_counter()
     first = resolve_model(small_gguf)
     convert_s = time.perf_counter() - start
     assert first.is_relative_to(private_cache) and is_valid_entry(first)
-    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    stamp = (first / "config.json").stat().st_mtime_ns
     start = time.perf_counter()
     second = resolve_model(small_gguf)
     hit_s = time.perf_counter() - start
     assert second == first
-    assert (second / "model.safetensors").stat().st_mtime_ns == stamp  # not rewritten
+    assert (second / "config.json").stat().st_mtime_ns == stamp  # not rewritten
     assert hit_s < max(convert_s, 2.0)
 
 
@@ -124,7 +126,7 @@ def test_cache_hit_on_second_load_is_fast(small_gguf: Path, private_cache: Path)
 def test_corrupt_cache_entry_is_rebuilt(small_gguf: Path, private_cache: Path, damage: str) -> None:
     """A partial or corrupt entry is detected and rebuilt, never half-loaded."""
     entry = resolve_model(small_gguf)
-    weights = entry / "model.safetensors"
+    weights = entry / "tokenizer.json"
     if damage == "truncate":
         weights.write_bytes(weights.read_bytes()[:100])
     elif damage == "flip":
@@ -140,12 +142,26 @@ def test_corrupt_cache_entry_is_rebuilt(small_gguf: Path, private_cache: Path, d
     assert rebuilt == entry and is_valid_entry(rebuilt)
 
 
-def test_converted_tiny_gguf_loads_in_transformers(small_gguf: Path, private_cache: Path) -> None:
-    """The cache entry is a complete HF directory: transformers loads it offline."""
+def test_tiny_gguf_runs_as_transformers_reads_it(small_gguf: Path, private_cache: Path) -> None:
+    """The engine reads the file's float32 tensors in place (llama.cpp's order of query and key rows undone) and
+    its logits equal transformers' on the same file; only the config and tokenizer are cached."""
+    import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(small_gguf))
-    assert model.config.num_hidden_layers == 2 and model.config.hidden_size == 32
+    from engine.config import EngineConfig
+    from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+    from engine.worker.model_runner import ModelRunner
+
+    entry = resolve_model(small_gguf)
+    assert gguf_source(entry) == small_gguf.resolve() and not any(entry.glob("*.safetensors"))
+    runner = ModelRunner(EngineConfig(num_blocks=8), entry)
+    assert runner.weights.modules == {"F32": 10}  # per layer qkv, o, gate_up, down; the embedding; the head
+    prompt = [5, 9, 77, 120, 3, 200]
+    logits = runner.execute_model(SchedulerOutput(scheduled=[ScheduledRequest("r", prompt, 0, [0], True)]))
+    hf = AutoModelForCausalLM.from_pretrained(small_gguf.parent, gguf_file=small_gguf.name, dtype=torch.float32)
+    with torch.inference_mode():
+        expected = hf(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=1e-4)
 
 
 def test_missing_path_names_the_path(tmp_path: Path) -> None:
@@ -183,7 +199,7 @@ def test_corrupt_gguf_file_is_refused(tmp_path: Path, private_cache: Path) -> No
     bogus.write_bytes(b"not a gguf at all" * 100)
     with pytest.raises(ModelLoadError, match="broken.gguf.*not a readable GGUF"):
         resolve_model(bogus)
-    assert not any((private_cache / "models").glob("broken*/config.json"))
+    assert not any((private_cache / "gguf-metadata").glob("broken*/config.json"))
 
 
 def test_non_gguf_file_is_refused(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """The bundled SmolLM2 (a Q4_1 GGUF with a Q8_0 embedding) served in its own blocks, int8-quantized, and with
-int8 products (w8a8), against the dequantized float32 model: weights, logits and greedy decoding on the eight prompts of
-test_bundled_greedy."""
+int8 products (w8a8), against the dequantized float32 model (transformers' reading of the same file): weights,
+logits and greedy decoding on the eight prompts of test_bundled_greedy."""
 
 from __future__ import annotations
 
@@ -25,8 +25,10 @@ def _runner(model_dir, quantization: str | None) -> ModelRunner:
 
 
 @pytest.fixture(scope="module")
-def runners(bundled_model_dir) -> dict[str | None, ModelRunner]:
-    return {method: _runner(bundled_model_dir, method) for method in (None, "gguf", "int8", "w8a8")}
+def runners(bundled_model_dir, bundled_gguf_dir) -> dict[str | None, ModelRunner]:
+    """float32 (None), the GGUF file's own blocks, and the two quantizations of the float32 weights."""
+    built = {method: _runner(bundled_model_dir, method) for method in (None, "int8", "w8a8")}
+    return built | {"gguf": _runner(bundled_gguf_dir, None)}
 
 
 @pytest.fixture(scope="module")
@@ -75,11 +77,12 @@ def reference(runners, prompts):
 
 
 def test_gguf_blocks_are_the_dequantized_weights(runners) -> None:
-    """Every projection and the tied embedding run from the file's blocks (120 Q4_1, one Q8_0), which
-    dequantize to exactly the float32 weights the conversion cache holds; they take under a fourth of
-    the memory."""
+    """By default a GGUF model runs from the file's blocks (120 Q4_1, one Q8_0), which dequantize to exactly the
+    float32 weights transformers reads from the same file (llama.cpp's order of query and key rows undone); they
+    take under a fourth of the memory."""
     gguf, dense = runners["gguf"], dict(runners[None].model.named_modules())
-    assert gguf.weights.modules == {"q4": 120, "q8": 1}
+    assert gguf.weights.modules == {"Q4_1": 120, "Q8_0": 1}
+    assert gguf.weights.products == f"int8 blocks of x ({cpu_kernels.ggml_linear_path()})"
     for name, module in gguf.model.named_modules():
         if isinstance(module, Linear):
             rows = torch.arange(module.out_features)
@@ -87,12 +90,22 @@ def test_gguf_blocks_are_the_dequantized_weights(runners) -> None:
     assert gguf.weights.nbytes < runners[None].weights.nbytes / 4
 
 
-def test_gguf_logits_and_greedy_match_float32(runners, prompts, reference) -> None:
-    """Over prefill and 64 greedy steps of the 8 prompts, at least 7 prompts give float32's tokens, and while
-    the inputs agree the logits stay within 1e-3 of float32's."""
-    agree, worst_logit, _ = _compare(reference, _decode(runners["gguf"], prompts))
-    assert agree >= 7
-    assert worst_logit < 1e-3
+def test_gguf_blocks_stay_near_float32(runners, prompts, reference) -> None:
+    """The file's blocks times int8 blocks of x (as llama.cpp multiplies them) against the dequantized float32
+    model: over prefill and 64 greedy steps of the 8 prompts, the tokens agree for a quarter of the steps or more,
+    prefill's logits stay within 1.5 of float32's, and while the inputs agree the log-probability of float32's token
+    moves by less than 0.6 (measured: 222 of 512 steps, 1 prompt whole, prefill's logits 0.87 apart,
+    log-probabilities 0.36; with the output head in float32 too, 159 steps and 0.37: the layers' activations, not
+    the head, set the error)."""
+    got = _decode(runners["gguf"], prompts)
+    _, _, worst_logprob = _compare(reference, got)
+    kept = sum(
+        next((i for i, (a, b) in enumerate(zip(ref, ours)) if a != b), MAX_NEW_TOKENS)
+        for ref, ours in zip(reference[0], got[0])
+    )
+    prefill_logit = max((ref[0] - ours[0]).abs().max().item() for ref, ours in zip(reference[1], got[1]))
+    assert kept >= len(prompts) * MAX_NEW_TOKENS // 4
+    assert prefill_logit < 1.5 and worst_logprob < 0.6
 
 
 def test_int8_agrees_with_float32(runners, prompts, reference) -> None:

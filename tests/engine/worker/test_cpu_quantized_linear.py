@@ -1,12 +1,11 @@
-"""Quantized weights: GGUF's block formats read as llama.cpp's reference writes them, the panel layout, and
-the C kernel over it against a float64 matmul of the dequantized weight."""
+"""int8 weights (``quantization="int8"``): min/max blocks, the panel layout, and the C kernel over it against a
+float64 matmul of the dequantized weight. (A GGUF file's own blocks: test_cpu_ggml_linear.py.)"""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, quants
 
 from engine import cpu_kernels
 from engine.layers import quantization as q
@@ -14,62 +13,30 @@ from tests.support.bf16_paths import PATHS, bf16_path
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler for the CPU kernels")
 
-GGUF_TYPES = ["Q8_0", "Q4_0", "Q4_1"]
-
-
-def _gguf_blocks(type_name: str, weight: np.ndarray) -> tuple[q.QuantBlocks, torch.Tensor]:
-    """The engine's reading of a weight quantized by gguf-py, and gguf-py's own dequantization."""
-    kind = getattr(GGMLQuantizationType, type_name)
-    raw = quants.quantize(weight, kind)
-    return q.from_gguf(type_name, raw), torch.from_numpy(quants.dequantize(raw, kind))
-
-
-@pytest.mark.parametrize("type_name", GGUF_TYPES)
-def test_gguf_blocks_dequantize_as_gguf_py(type_name: str) -> None:
-    """Codes and float16 scales read from the raw bytes give gguf-py's float32 weight exactly."""
-    weight = np.random.default_rng(1).standard_normal((19, 96)).astype(np.float32)
-    blocks, reference = _gguf_blocks(type_name, weight)
-    assert blocks.kind == ("q8" if type_name == "Q8_0" else "q4")
-    assert torch.equal(blocks.dequantize(), reference)
-    assert blocks.codes.dtype == torch.uint8
-    if blocks.kind == "q4":
-        assert int(blocks.codes.max()) <= 15
-
-
 def test_pack_layout_and_rows() -> None:
-    """Panels interleave 16 columns per input feature (4-bit: columns j and j + 8 share a byte); rows()
-    reads any row back, the last panel's padding included nowhere."""
-    weight = np.random.default_rng(2).standard_normal((cpu_kernels.LINEAR_PANEL + 5, 64)).astype(np.float32)
-    for type_name in GGUF_TYPES:
-        blocks, reference = _gguf_blocks(type_name, weight)
-        packed = q.pack(blocks)
-        panels = 2
-        half = cpu_kernels.LINEAR_PANEL // 2
-        width = half if packed.kind == "q4" else cpu_kernels.LINEAR_PANEL
-        assert packed.codes.shape == (panels, 2, q.QBLOCK, width)
-        if packed.kind == "q4":  # column 3 (low nibble) and 11 (high nibble) of feature 40 = block 1, entry 8
-            byte = int(packed.codes[0, 1, 8, 3])
-            assert (byte & 15, byte >> 4) == (int(blocks.codes[3, 40]), int(blocks.codes[11, 40]))
-        index = torch.arange(weight.shape[0])
-        assert torch.equal(packed.rows(index), reference)
-        assert packed.nbytes == packed.codes.nbytes + packed.scales.nbytes
+    """Panels interleave 16 columns per input feature; rows() reads any row back, the last panel's padding
+    included nowhere."""
+    weight = torch.from_numpy(np.random.default_rng(2).standard_normal((cpu_kernels.LINEAR_PANEL + 5, 64)).astype(np.float32))
+    blocks = q.quantize_int8(weight)
+    packed = q.pack(blocks)
+    assert packed.codes.shape == (2, 2, q.QBLOCK, cpu_kernels.LINEAR_PANEL)
+    assert int(packed.codes[1, 1, 8, 3]) == int(blocks.codes[cpu_kernels.LINEAR_PANEL + 3, 40])
+    index = torch.arange(weight.shape[0])
+    assert torch.equal(packed.rows(index), blocks.dequantize())
+    assert packed.nbytes == packed.codes.nbytes + packed.scales.nbytes
 
 
 # Rows: the factored tile (1..3), the widening tile (4..6), the dequantized-panel path (7+), past one block
 # of x rows at K=576.
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 6, 7, 40, 250])
-@pytest.mark.parametrize("type_name", GGUF_TYPES + ["int8"])
 @pytest.mark.parametrize("shape", [(576, 200), (64, 13)])  # (in, out): a partial last panel in both
-def test_kernel_matches_float64(rows: int, type_name: str, shape: tuple[int, int]) -> None:
+def test_kernel_matches_float64(rows: int, shape: tuple[int, int]) -> None:
     """x W^T + b over packed blocks equals float64's of the dequantized weight, with and without bias."""
     in_features, out_features = shape
     rng = np.random.default_rng(rows + in_features)
     weight = rng.standard_normal((out_features, in_features)).astype(np.float32)
-    if type_name == "int8":
-        blocks = q.quantize_int8(torch.from_numpy(weight))
-        reference = blocks.dequantize()
-    else:
-        blocks, reference = _gguf_blocks(type_name, weight)
+    blocks = q.quantize_int8(torch.from_numpy(weight))
+    reference = blocks.dequantize()
     packed = q.pack(blocks)
     x = torch.from_numpy(rng.standard_normal((rows, in_features)).astype(np.float32))
     bias = torch.from_numpy(rng.standard_normal(out_features).astype(np.float32))
@@ -103,44 +70,19 @@ def test_bad_shapes_are_named() -> None:
         cpu_kernels.linear_quantized(torch.randn(2, 32), packed)
     with pytest.raises(ValueError, match=r"bias must have shape \[4\]"):
         cpu_kernels.linear_quantized(torch.randn(2, 64), packed, torch.randn(5))
-    with pytest.raises(ValueError, match="not served natively"):
-        q.from_gguf("Q6_K", np.zeros((1, 210), dtype=np.uint8))
-
-
-def test_gguf_tensors_read_as_gguf_py_reads_them(tmp_path) -> None:
-    """The header reader finds every tensor of the bundled file with gguf-py's type and bytes; a file that
-    is not GGUF is refused by name."""
-    from gguf import GGUFReader
-
-    from engine.loader import bundled_gguf_path
-    from engine.worker.weight_formats import read_gguf_tensors
-
-    architecture, tensors = read_gguf_tensors(bundled_gguf_path())
-    assert architecture == "llama"
-    reader = GGUFReader(bundled_gguf_path())
-    assert set(tensors) == {t.name for t in reader.tensors}
-    for t in reader.tensors[:12]:
-        ours = tensors[t.name]
-        assert ours.type_name == t.tensor_type.name
-        assert np.array_equal(np.asarray(t.data).view(np.uint8).reshape(ours.data.shape), ours.data)
-    bad = tmp_path / "model.gguf"
-    bad.write_bytes(b"GGML" + bytes(64))
-    with pytest.raises(ValueError, match="not a GGUF file"):
-        read_gguf_tensors(bad)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 16, 17, 40, 250, 500])  # 500: past AMX's 224-row block at K=576
-@pytest.mark.parametrize("type_name", GGUF_TYPES + ["int8"])
 @pytest.mark.parametrize("shape", [(576, 200), (64, 13), (96, 48)])  # partial, one and whole panel pairs
 @pytest.mark.parametrize("path", PATHS)
-def test_bf16_products_match_float64(rows: int, type_name: str, shape: tuple[int, int], path: str) -> None:
+def test_bf16_products_match_float64(rows: int, shape: tuple[int, int], path: str) -> None:
     """With bf16_products, past QUANTIZED_FLOAT_ROWS rows on a bfloat16 path (AMX from 16 rows, VDPBF16PS where
     the CPU has it) the kernel gives float64's product of x and the dequantized weight both rounded to bfloat16;
     every other row count and path gives the float32 kernel's."""
     in_features, out_features = shape
     rng = np.random.default_rng(rows + in_features + 7)
     weight = rng.standard_normal((out_features, in_features)).astype(np.float32)
-    blocks = q.quantize_int8(torch.from_numpy(weight)) if type_name == "int8" else _gguf_blocks(type_name, weight)[0]
+    blocks = q.quantize_int8(torch.from_numpy(weight))
     reference = blocks.dequantize()
     packed = q.pack(blocks)._replace(bf16_products=True)
     x = torch.from_numpy(rng.standard_normal((rows, in_features)).astype(np.float32))

@@ -63,10 +63,10 @@ def test_plan_matches_the_modules_with_quantized_weights(tiny_model_factory, qua
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_plan_matches_the_modules_on_the_bundled_gguf_blocks(bundled_model_dir, dtype: str) -> None:
-    """The bundled model served in its GGUF file's own blocks (Q4_1 and Q8_0 kinds), 30 layers."""
-    runner = ModelRunner(EngineConfig(dtype=dtype, num_blocks=40, quantization="gguf"), bundled_model_dir)
-    assert runner.decoder_plan is not None and {"q4", "q8"} <= set(runner.weights.modules)
+def test_plan_matches_the_modules_on_the_bundled_gguf_blocks(bundled_gguf_dir, dtype: str) -> None:
+    """The bundled model served in its GGUF file's own blocks (Q4_1 and Q8_0), 30 layers."""
+    runner = ModelRunner(EngineConfig(dtype=dtype, num_blocks=40), bundled_gguf_dir)
+    assert runner.decoder_plan is not None and {"Q4_1", "Q8_0"} <= set(runner.weights.modules)
     planned, planned_cache, eager, eager_cache = _both_paths(runner, STEP)
     assert torch.equal(planned, eager) and torch.equal(planned_cache, eager_cache)
 

@@ -1,0 +1,224 @@
+/* Linear layers over weights in GGUF's own types: y = x W^T (+ bias), float32 x and y, W's rows as the
+ * file stores them (ggml_blocks.h), in one or more parts of consecutive output columns (a fused
+ * projection whose shards differ in type, e.g. a Q4_K_M file's Q4_K query and Q6_K value rows).
+ *
+ * As llama.cpp multiplies them: each row of x is quantized once per call into int8 blocks of the kind
+ * the weight's type pairs with (act_q8 for the legacy types, act_q8_K for the K-quants; the float types
+ * take x as it is), and a block's products are integer sums scaled in float once. A row's quantization
+ * depends on that row alone and every output is computed by the same steps whatever the number of rows,
+ * so a request's results do not depend on what it is batched with.
+ *
+ * Threads split the output columns in groups of GROUP_COLS; a group's weight rows stay in cache while
+ * every tile of up to GGML_TILE_ROWS rows of x passes over them, the weight codes of a block unpacked
+ * once a tile.
+ */
+
+#include <stdlib.h>
+
+#include "ggml_blocks.h"
+#include "ggml_generic.h"
+#include "ggml_avx2.h"
+#include "kernels.h"
+
+#ifndef GGML_TILE_ROWS
+#define GGML_TILE_ROWS 4
+#endif
+#define GROUP_COLS 8
+
+enum { GGML_PATH_GENERIC = 0, GGML_PATH_AVX2 = 1 };
+static int ggml_limit = GGML_PATH_AVX2;
+
+/* Caps the path linear_ggml_f32 may take at `limit` (0 generic, 1 avx2). */
+void ggml_linear_limit(int limit) { ggml_limit = limit; }
+
+/* What linear_ggml_f32 runs on this CPU: GGML_PATH_AVX2 or GGML_PATH_GENERIC. */
+int ggml_linear_path(void) {
+#ifdef GGML_AVX2
+    if (ggml_limit >= GGML_PATH_AVX2) return GGML_PATH_AVX2;
+#endif
+    return GGML_PATH_GENERIC;
+}
+
+/* Bytes of a row of K features of `type`, or 0 where the type is not served (or K does not fit its blocks). */
+int64_t ggml_type_row_bytes(int32_t type, int64_t K) { return ggml_row_bytes(type, K); }
+
+/* ------------------------------------------------------------------------- activation quantization */
+
+static inline float absmax(const float *x, int n) {
+    float m = 0.0f;
+    for (int i = 0; i < n; ++i) m = fmaxf(m, fabsf(x[i]));
+    return m;
+}
+
+/* n values as int8 q = round(x / d), d = max |x| / 127 (ties to even); returns d. */
+static inline float quantize_int8(const float *x, int n, int8_t *q) {
+    const float d = absmax(x, n) / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+    for (int i = 0; i < n; ++i) q[i] = (int8_t)nearbyintf(x[i] * id);
+    return d;
+}
+
+static void quantize_row_q8(const float *x, int64_t K, act_q8 *out) {
+    for (int64_t i = 0; i < K / QK; ++i) {
+        out[i].d = quantize_int8(x + i * QK, QK, out[i].qs);
+        int32_t sum = 0;
+        for (int l = 0; l < QK; ++l) sum += out[i].qs[l];
+        out[i].s = out[i].d * (float)sum;
+    }
+}
+
+static void quantize_row_q8_K(const float *x, int64_t K, act_q8_K *out) {
+    for (int64_t i = 0; i < K / QK_K; ++i) {
+        act_q8_K *b = out + i;
+        b->d = quantize_int8(x + i * QK_K, QK_K, b->qs);
+        for (int s = 0; s < QK_K / 16; ++s) {
+            int32_t sum = 0;
+            for (int l = 0; l < 16; ++l) sum += b->qs[16 * s + l];
+            b->bsums[s] = (int16_t)sum;
+        }
+        for (int s = 0; s < QK_K / 32; ++s) b->dsums[s] = b->d * (float)(b->bsums[2 * s] + b->bsums[2 * s + 1]);
+        memset(b->pad, 0, sizeof b->pad);
+    }
+}
+
+/* ------------------------------------------------------------------------------------- the tiles */
+
+typedef struct {
+    const float *x;
+    int64_t ld_x;
+    const act_q8 *q8;     /* [M][K / QK] */
+    const act_q8_K *q8_K; /* [M][K / QK_K] */
+    int64_t K;
+} activations;
+
+/* Weight row w of `type` times rows m0 .. m0 + R - 1 of the activations, into out[0 .. R - 1]. */
+static void tile_generic(int type, const uint8_t *w, const activations *a, int64_t m0, int R, float *out) {
+    const int64_t K = a->K;
+    for (int r = 0; r < R; ++r) {
+        const int64_t m = m0 + r;
+        switch (ggml_act(type)) {
+        case ACT_FLOAT: out[r] = dot_float_generic(type, w, a->x + m * a->ld_x, K); break;
+        case ACT_Q8: out[r] = dot_q8_generic(type, w, a->q8 + m * (K / QK), K); break;
+        default: out[r] = dot_q8_K_generic(type, w, a->q8_K + m * (K / QK_K), K); break;
+        }
+    }
+}
+
+#ifdef GGML_AVX2
+/* tile_generic's results on AVX2, each (type, R) inlined with its constants. */
+static inline __attribute__((always_inline)) void tile_avx2_rows(int type, const uint8_t *w, const activations *a,
+                                                                 int64_t m0, int R, float *out) {
+    const int64_t K = a->K;
+    switch (type) {
+    case GGML_F32: case GGML_F16: case GGML_BF16:
+        for (int r = 0; r < R; r += FLOAT_TILE_ROWS) {
+            const float *x = a->x + (m0 + r) * a->ld_x;
+            if (R - r >= FLOAT_TILE_ROWS) tile_float_avx2(type, w, x, a->ld_x, FLOAT_TILE_ROWS, K, out + r);
+            else tile_float_avx2(type, w, x, a->ld_x, 1, K, out + r);
+        }
+        return;
+    case GGML_Q4_K: tile_k4_avx2(0, w, a->q8_K + m0 * (K / QK_K), K / QK_K, R, K, out); return;
+    case GGML_Q5_K: tile_k4_avx2(1, w, a->q8_K + m0 * (K / QK_K), K / QK_K, R, K, out); return;
+    case GGML_Q6_K: tile_q6_K_avx2(w, a->q8_K + m0 * (K / QK_K), K / QK_K, R, K, out); return;
+    default: tile_q8_avx2(type, w, a->q8 + m0 * (K / QK), K / QK, R, K, out); return;
+    }
+}
+
+#define TYPE_CASE(T)                                                            \
+    case T:                                                                     \
+        switch (R) {                                                            \
+        case 1: tile_avx2_rows(T, w, a, m0, 1, out); return;                    \
+        case 2: tile_avx2_rows(T, w, a, m0, 2, out); return;                    \
+        case 3: tile_avx2_rows(T, w, a, m0, 3, out); return;                    \
+        default: tile_avx2_rows(T, w, a, m0, GGML_TILE_ROWS, out); return;      \
+        }
+
+static void tile_avx2(int type, const uint8_t *w, const activations *a, int64_t m0, int R, float *out) {
+    switch (type) {
+        TYPE_CASE(GGML_F32)
+        TYPE_CASE(GGML_F16)
+        TYPE_CASE(GGML_BF16)
+        TYPE_CASE(GGML_Q8_0)
+        TYPE_CASE(GGML_Q4_0)
+        TYPE_CASE(GGML_Q4_1)
+        TYPE_CASE(GGML_Q5_0)
+        TYPE_CASE(GGML_Q5_1)
+        TYPE_CASE(GGML_Q4_K)
+        TYPE_CASE(GGML_Q5_K)
+        TYPE_CASE(GGML_Q6_K)
+    }
+}
+#undef TYPE_CASE
+#endif
+
+/* ------------------------------------------------------------------------------------- the layer */
+
+/* x [M, K] (leading dimension ld_x) times the parts' rows (their output columns one after another),
+ * plus bias (or NULL), into y [M, N] (leading dimension ld_y). Returns 0; -1 for a type not served or a K
+ * its blocks do not divide; -3 when the activations' scratch cannot be allocated. */
+int linear_ggml_f32(const float *x, int64_t ld_x, int64_t M, const ggml_part *parts, int64_t num_parts, int64_t K,
+                    const float *bias, float *y, int64_t ld_y) {
+    int needs_q8 = 0, needs_q8_K = 0;
+    int64_t N = 0;
+    for (int64_t p = 0; p < num_parts; ++p) {
+        if (ggml_row_bytes(parts[p].type, K) == 0) return -1;
+        needs_q8 |= ggml_act(parts[p].type) == ACT_Q8;
+        needs_q8_K |= ggml_act(parts[p].type) == ACT_Q8_K;
+        N += parts[p].rows;
+    }
+    if (M == 0 || N == 0) return 0;
+    activations a = {x, ld_x, NULL, NULL, K};
+    act_q8 *q8 = NULL;
+    act_q8_K *q8_K = NULL;
+    if (needs_q8 && (q8 = aligned_alloc(64, (size_t)(M * (K / QK) * sizeof(act_q8) + 63) / 64 * 64)) == NULL) return -3;
+    if (needs_q8_K && (q8_K = aligned_alloc(64, (size_t)(M * (K / QK_K) * sizeof(act_q8_K)))) == NULL) {
+        free(q8);
+        return -3;
+    }
+    a.q8 = q8, a.q8_K = q8_K;
+    const int avx2 = ggml_linear_path() == GGML_PATH_AVX2;
+    const int64_t groups = (N + GROUP_COLS - 1) / GROUP_COLS;
+#pragma omp parallel if (M * N * K > PARALLEL_MIN)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; ++m) {
+            if (needs_q8) quantize_row_q8(x + m * ld_x, K, q8 + m * (K / QK));
+            if (needs_q8_K) quantize_row_q8_K(x + m * ld_x, K, q8_K + m * (K / QK_K));
+        }
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; ++g) {
+            const int64_t n0 = g * GROUP_COLS, n1 = n0 + GROUP_COLS < N ? n0 + GROUP_COLS : N;
+            for (int64_t m0 = 0; m0 < M; m0 += GGML_TILE_ROWS) {
+                const int R = M - m0 < GGML_TILE_ROWS ? (int)(M - m0) : GGML_TILE_ROWS;
+                int64_t p = 0, first = 0; /* the part of column n0, and its first column */
+                while (n0 >= first + parts[p].rows) first += parts[p++].rows;
+                for (int64_t n = n0; n < n1; ++n) {
+                    if (n >= first + parts[p].rows) first += parts[p++].rows;
+                    const int type = parts[p].type;
+                    const uint8_t *w = parts[p].data + (n - first) * ggml_row_bytes(type, K);
+                    float out[GGML_TILE_ROWS];
+#ifdef GGML_AVX2
+                    if (avx2) tile_avx2(type, w, &a, m0, R, out);
+                    else
+#endif
+                        tile_generic(type, w, &a, m0, R, out);
+                    const float b = bias != NULL ? bias[n] : 0.0f;
+                    for (int r = 0; r < R; ++r) y[(m0 + r) * ld_y + n] = out[r] + b;
+                }
+            }
+        }
+    }
+    (void)avx2;
+    free(q8);
+    free(q8_K);
+    return 0;
+}
+
+/* Rows index[0 .. n - 1] of a [rows, K] weight of `type`, dequantized to float32 into out [n, K]: an embedding
+ * lookup. Returns 0, or -1 for a type not served. */
+int ggml_dequantize_rows(int32_t type, const uint8_t *data, int64_t K, const int64_t *index, int64_t n, float *out) {
+    const int64_t row_bytes = ggml_row_bytes(type, K);
+    if (row_bytes == 0) return -1;
+#pragma omp parallel for schedule(static) if (n * K > PARALLEL_MIN)
+    for (int64_t i = 0; i < n; ++i) dequantize_row(type, data + index[i] * row_bytes, K, out + i * K);
+    return 0;
+}

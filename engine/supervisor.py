@@ -24,8 +24,6 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
-
 from engine.config import EngineConfig
 from engine.knobs import check_knobs, knob
 
@@ -119,6 +117,8 @@ def forget_frames(exc: BaseException | None) -> None:
 
 def release_memory() -> None:
     """Frees what a dropped engine held (reference cycles included) before a fresh one allocates its own."""
+    import torch  # NOTE: here, not at the top: the policy and health types import without torch
+
     gc.collect()
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()  # NOTE: the caching allocator keeps freed blocks; the fresh engine needs them

@@ -7,24 +7,21 @@ so a check fails with the line to fix rather than an ImportError somewhere downs
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 from integrations.openai_server.app import create_app
 from integrations.openai_server.serving import Serving
 from tests.integrations.fake_engine import FakeEngine
+from tests.support.fresh_interpreter import run_fresh
 
-ROOT = Path(__file__).resolve().parents[2]
 KEY = "sk-edges"
 
 _RECORD_TORCH = """
 import importlib.abc
 import json
+import os
 import sys
 import traceback
 
+ROOT = os.getcwd()  # the repository root
 attempts = []
 
 
@@ -71,15 +68,7 @@ ChatRequest(messages=[ChatMessage(role="user", content="hi")], max_tokens=2)
 
 def _run(body: str, *args: str) -> dict:
     """Run ``body`` after the recorder in a fresh interpreter at the repository root; its last stdout line is JSON."""
-    proc = subprocess.run(
-        [sys.executable, "-c", f"ROOT = {str(ROOT)!r}\n" + _RECORD_TORCH + body, *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.splitlines()[-1])
+    return run_fresh(_RECORD_TORCH + body, *args)
 
 
 def test_edges_import_without_torch() -> None:

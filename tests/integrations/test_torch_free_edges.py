@@ -106,7 +106,7 @@ print(json.dumps({"early": loaded_early, "same": AsyncEngine is Async and Engine
 
 
 def test_remote_clients_run_without_torch(live_server, tokenizer) -> None:
-    """AsyncClient, Client and PagedChat over ``base_url`` chat and stream against a live server; torch never loads."""
+    """AsyncClient, Client and both adapters over ``base_url`` chat and stream against a live server; torch never loads."""
     engine = FakeEngine(tokenizer)
     server = live_server(create_app(api_key=KEY, serving_factory=lambda: Serving(engine)))
     result = _run(
@@ -115,6 +115,7 @@ import asyncio
 
 from sdk import AsyncClient, Client
 from sdk.integrations.langchain import PagedChat
+from sdk.integrations.llamaindex import PagedLLM
 
 url, key = sys.argv[1], sys.argv[2]
 
@@ -129,15 +130,17 @@ async def remote_async():
 texts = asyncio.run(remote_async())
 with Client(base_url=url, api_key=key) as client:
     texts.append(client.complete("hello", max_tokens=1).text)
-chat = PagedChat(base_url=url, api_key=key, max_tokens=2)
-try:
-    texts.append(chat.invoke([("human", "hi")]).content)
-finally:
-    chat.client.close()
+for adapter, run in ((PagedChat, lambda chat: chat.invoke([("human", "hi")]).content),
+                     (PagedLLM, lambda llm: llm.complete("hi").text)):
+    model = adapter(base_url=url, api_key=key, max_tokens=2)
+    try:
+        texts.append(run(model))
+    finally:
+        model.client.close()
 print(json.dumps({"attempts": attempts, "torch": "torch" in sys.modules, "texts": texts}))
 """,
         server.base_url,
         KEY,
     )
     assert result["attempts"] == [] and result["torch"] is False
-    assert result["texts"] == [" ok ok ok", " ok ok", " ok", " ok ok"]
+    assert result["texts"] == [" ok ok ok", " ok ok", " ok", " ok ok", " ok ok"]

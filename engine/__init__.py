@@ -31,8 +31,8 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """``Engine`` and ``AsyncEngine`` load torch: they are imported on first use, so that
-    ``engine.config``, ``engine.knobs`` and the other plain modules import without it."""
+    """``Engine`` and ``AsyncEngine`` on first use: the engine's core (and through it the model
+    code, torch) stays out of ``engine.config``, ``engine.knobs`` and the other plain modules."""
     if name == "Engine":
         from engine.llm_engine import Engine
 

@@ -87,7 +87,7 @@ def model_source(transport: Transport) -> ModelSource | None:
     """
     if not isinstance(transport, InProcessTransport):
         return None
-    from engine.async_engine import AsyncEngine  # NOTE: loads torch; an in-process transport has it already
+    from engine.async_engine import AsyncEngine  # NOTE: here: a remote client never loads the engine's core
 
     if not isinstance(transport.engine, AsyncEngine):
         return None

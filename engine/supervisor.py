@@ -1,10 +1,12 @@
-"""Self-healing: when to start a fresh engine after the driver died, and when to give up.
+"""Self-healing: the driver thread that restarts a dead engine, when it does, and when it gives up.
 
-``AsyncEngine`` supervises its own driver thread. A driver that dies (an exception outside
-the per-step isolation: the scheduler, the driver loop itself, a ``BaseException`` from the
-model) fails every request in flight with ``EngineRestarting``, drops the dead ``Engine``
-(its KV cache and weights are freed) and starts a fresh one from the same configuration;
-requests that arrive meanwhile fail fast with the same retryable error. Each death, and each
+``AsyncEngine`` supervises its own driver thread (``Supervisor``). A driver that dies (an
+exception outside the per-step isolation: the scheduler, the driver loop itself, a
+``BaseException`` from the model) fails every request in flight with ``EngineRestarting``,
+drops the dead ``Engine`` (its KV cache and weights are freed) and starts a fresh one from the
+same configuration; requests that arrive meanwhile fail fast with the same retryable error.
+Each engine is one generation; a command posted to an older generation than the one serving
+is answered with ``EngineRestarting``, never run on the fresh engine. Each death, and each
 fresh start that fails, is a failure: the delay before the next start doubles with the
 failures of the last ``window_s`` seconds, and one failure past ``max_restarts`` within the
 window leaves the engine dead (every call then raises ``EngineError``).
@@ -19,15 +21,29 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import logging
+import queue
+import threading
+import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-
+from engine.admission import Admission
+from engine.commands import Command, Stop, refuse
 from engine.config import EngineConfig
+from engine.driver import Driver
+from engine.errors import EngineError, EngineRestarting
 from engine.knobs import check_knobs, knob
+
+if TYPE_CHECKING:
+    from engine.llm_engine import Engine
+
+logger = logging.getLogger(__name__)
+
+_MIN_RETRY_AFTER_S = 0.1  # the shortest wait EngineRestarting advises
 
 Status = Literal["running", "restarting", "dead", "stopped"]
 
@@ -119,6 +135,8 @@ def forget_frames(exc: BaseException | None) -> None:
 
 def release_memory() -> None:
     """Frees what a dropped engine held (reference cycles included) before a fresh one allocates its own."""
+    import torch  # NOTE: here, not at the top: the policy and health types import without torch
+
     gc.collect()
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()  # NOTE: the caching allocator keeps freed blocks; the fresh engine needs them
@@ -128,3 +146,211 @@ def describe(exc: BaseException) -> str:
     """``Type: message`` of an exception, at most 200 characters (what ``EngineHealth.last_error`` holds)."""
     text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     return text if len(text) <= 200 else text[:199] + "…"
+
+
+class Supervisor:
+    """The driver thread: drives the serving engine; when driving dies, fails its requests and starts a fresh one.
+
+    Callers on any thread post commands into ``driver.inbox`` and read where the engine
+    stands (``check_alive``, ``failure``, ``health``); the rest runs on its thread.
+
+    Args:
+        engine: the first engine, started.
+        start: builds a fresh engine (from ``restart_config``).
+        policy: when to start one, and when to give up.
+        inbox: the commands callers post.
+        admission: what the driver releases as requests leave the waiting queue.
+        load_s: how long the first engine took to start.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        start: Callable[[], Engine],
+        policy: RestartPolicy,
+        inbox: queue.SimpleQueue[Command],
+        admission: Admission,
+        load_s: float,
+    ) -> None:
+        self._start = start
+        self._load_s = load_s  # how long the latest engine took to start
+        self._engine: Engine | None = engine  # None while a fresh one starts, and once dead
+        self._generation = 0  # which engine serves: 0 for the first, +1 per fresh one
+        self._crashes = CrashLoop(policy)
+        self._restarting = False
+        self._ready_by = 0.0  # monotonic time the engine being started should serve by
+        self._restarts = 0
+        self._last_error: str | None = None
+        self._stats: dict[str, Any] = {}
+        self._publish(engine)
+        self._dead: EngineError | None = None
+        self._stopping = False
+        self.driver = Driver(inbox, admission, self._publish, self.restart_error)
+        self._thread = threading.Thread(target=self._run, name="paged-engine-driver", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------------------- callers' side
+
+    @property
+    def engine(self) -> Engine:
+        """The engine serving now.
+
+        Raises:
+            EngineRestarting: a fresh engine is starting.
+            EngineError: the engine is dead.
+        """
+        engine = self._engine
+        if engine is None:
+            raise self._dead if self._dead is not None else self.restart_error()
+        return engine
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """The serving engine's ``stats()`` after its latest step, and ``engine_restarts``."""
+        return self._stats
+
+    @property
+    def is_running(self) -> bool:
+        """True while an engine serves: not while a fresh one starts, once dead or shut down."""
+        return self._dead is None and not self._restarting and self._thread.is_alive()
+
+    def health(self) -> EngineHealth:
+        """Running, restarting, dead or stopped; the restarts so far and the last fatal error."""
+        if self._stopping:
+            status = "stopped"
+        elif self._dead is not None or not self._thread.is_alive():
+            status = "dead"
+        elif self._restarting:
+            status = "restarting"
+        else:
+            status = "running"
+        return EngineHealth(status, self._restarts, self._last_error)
+
+    def check_alive(self) -> int:
+        """The generation of the engine serving now.
+
+        Raises:
+            EngineRestarting: a fresh engine is starting.
+            EngineError: the engine is dead or shut down.
+        """
+        if self._dead is not None:
+            raise self._dead
+        if self._stopping:
+            raise EngineError("the engine is shut down")
+        if self._restarting:
+            raise self.restart_error()
+        return self._generation
+
+    def failure(self, generation: int) -> EngineError | None:
+        """Why the engine of ``generation`` will not answer any more; None while it serves."""
+        if self._dead is not None:
+            return self._dead
+        if self._restarting or generation != self._generation:
+            return self.restart_error()
+        return None
+
+    def restart_error(self) -> EngineRestarting:
+        """The retryable error of a request the dead engine will not answer, with the time a fresh one should serve by."""
+        retry_after = max(_MIN_RETRY_AFTER_S, self._ready_by - time.monotonic())
+        return EngineRestarting(
+            f"the engine driver died ({self._last_error}) and a fresh engine is starting: retry the request",
+            retry_after,
+        )
+
+    def stop(self) -> None:
+        """Asks the thread to abort every request and end (a restart in progress ends first); idempotent."""
+        if not self._stopping:
+            self._stopping = True
+            self.driver.inbox.put(Stop())
+
+    def join(self) -> None:
+        """Waits for the thread to end."""
+        self._thread.join()
+
+    # ---------------------------------------------------------------------------- driver thread
+
+    def _run(self) -> None:
+        """Drives the engine; when driving dies, fails its requests and starts a fresh engine."""
+        try:
+            while True:
+                try:
+                    self.driver.drive(self.engine, self._generation)
+                    return  # shut down
+                except BaseException as exc:  # noqa: BLE001 - whatever killed the drive, a fresh engine takes over
+                    self._record(exc, "the engine driver died")
+                if not self._recover():
+                    return
+        except BaseException as exc:  # noqa: BLE001 - the supervisor itself failed: nothing restarts
+            self._record(exc, "the engine supervisor died")
+            self._dead = EngineError(f"the engine supervisor died ({self._last_error})")
+        finally:
+            if self._dead is None:
+                self._dead = EngineError("the engine is shut down")
+            dead = self._dead
+            self.driver.fail(lambda: dead)
+
+    def _record(self, exc: BaseException, what: str) -> None:
+        self._last_error = describe(exc)
+        logger.error("%s: %s", what, self._last_error, exc_info=exc)
+        forget_frames(exc)
+
+    def _recover(self) -> bool:
+        """After driving died: fail its requests, drop the dead engine, start a fresh one.
+
+        Returns:
+            True once a fresh engine serves; False to stop (shut down, or dead: ``_dead`` set).
+        """
+        self._restarting = True  # NOTE: first, so callers fail fast from here on
+        self._engine = None  # the dead engine's KV cache and weights go with its last reference
+        while True:
+            delay = None if self._stopping else self._crashes.next_delay(time.monotonic())
+            if delay is None:
+                if not self._stopping:
+                    policy = self._crashes.policy
+                    why = "restarts are off" if policy.max_restarts == 0 else (
+                        f"more than {policy.max_restarts} failures within {policy.window_s:g} s"
+                    )  # fmt: skip
+                    self._dead = EngineError(f"the engine driver died ({self._last_error}); not restarted: {why}")
+                    logger.error("the engine is dead: %s", why)
+                return False
+            self._ready_by = time.monotonic() + delay + self._load_s
+            self.driver.fail(self.restart_error)
+            logger.warning("starting a fresh engine in %.2f s", delay)
+            if not self._wait_out(delay):
+                return False
+            self._restarts += 1
+            self._stats = {**self._stats, "engine_restarts": self._restarts}
+            release_memory()  # the dead engine's, or a failed start's
+            started = time.monotonic()
+            try:
+                engine = self._start()
+            except BaseException as exc:  # noqa: BLE001 - a failed start counts as one more failure
+                self._record(exc, "a fresh engine failed to start")
+                continue
+            self._load_s = time.monotonic() - started
+            self._publish(engine)
+            self._engine = engine
+            self._generation += 1
+            self._restarting = False
+            logger.warning("a fresh engine serves (restart %d, started in %.2f s)", self._restarts, self._load_s)
+            return not self._stopping
+
+    def _wait_out(self, delay: float) -> bool:
+        """Waits ``delay`` seconds on the inbox, answering what arrives with ``EngineRestarting``; False on shutdown."""
+        inbox = self.driver.inbox
+        until = time.monotonic() + delay
+        while not self._stopping:
+            remaining = until - time.monotonic()
+            if remaining <= 0:
+                return True
+            try:
+                command = inbox.get(timeout=remaining)
+            except queue.Empty:
+                return True
+            refuse(command, self.restart_error())
+        return False
+
+    def _publish(self, engine: Engine) -> None:
+        stats = engine.stats()
+        stats["engine_restarts"] = self._restarts
+        self._stats = stats

@@ -6,13 +6,10 @@ they were not installed, and records every attempt to import one.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Callable
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.fresh_interpreter import run_fresh
 
 _BLOCK_OPTIONAL = """
 import importlib.abc
@@ -37,15 +34,7 @@ sys.meta_path.insert(0, BlockOptional())
 
 def _run(body: str, *args: str) -> dict:
     """Run ``body`` after the blocker in a fresh interpreter at the repository root; its last stdout line is JSON."""
-    proc = subprocess.run(
-        [sys.executable, "-c", _BLOCK_OPTIONAL + body, *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.splitlines()[-1])
+    return run_fresh(_BLOCK_OPTIONAL + body, *args)
 
 
 def test_core_packages_import_without_extras() -> None:

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from engine.async_engine import AsyncEngine
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutput
 from sdk.hooks.base import ModelSource, RequestContext
@@ -86,7 +85,11 @@ def model_source(transport: Transport) -> ModelSource | None:
     None over a remote transport, or an in-process one driving something other than an
     ``engine.AsyncEngine`` (a test double): nothing then says which weights served.
     """
-    if not isinstance(transport, InProcessTransport) or not isinstance(transport.engine, AsyncEngine):
+    if not isinstance(transport, InProcessTransport):
+        return None
+    from engine.async_engine import AsyncEngine  # NOTE: here: a remote client never loads the engine's core
+
+    if not isinstance(transport.engine, AsyncEngine):
         return None
     engine = transport.engine.engine
     config, runner = engine.config, engine.runner

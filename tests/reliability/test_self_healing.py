@@ -175,7 +175,7 @@ async def test_a_crash_loop_backs_off_then_reports_dead(model_dir, monkeypatch, 
     body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     try:
         async with aiohttp.ClientSession() as http:
-            with caplog.at_level(logging.WARNING, logger=async_engine_module.__name__):
+            with caplog.at_level(logging.WARNING, logger="engine.supervisor"):
                 with inject_fault(engine, "schedule", after=2):
                     start = time.monotonic()
                     async with http.post(f"{server.base_url}/completions", json=body) as resp:

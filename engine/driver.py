@@ -1,0 +1,149 @@
+"""The driver loop: one ``Engine`` stepped between the commands of the inbox, outputs sent to their channels.
+
+The driver thread drains the inbox between steps, steps while there is work and sleeps on
+the inbox when there is none. It is the only code that touches the ``Engine`` it drives.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from engine.admission import Admission
+from engine.commands import Abort, Add, Call, Channel, Command, Pin, Stop, posted_to, public_pin_id, refuse, resolve
+from engine.errors import EngineError
+from engine.outputs import PinnedPrefix, RequestOutput
+
+if TYPE_CHECKING:
+    from engine.llm_engine import Engine
+
+
+class Driver:
+    """Runs the inbox's commands on an ``Engine`` and steps it; driver thread only.
+
+    It outlives the engines it drives: after one dies, ``fail`` answers the requests, pins and
+    queued commands it leaves behind, and the next ``drive`` takes the fresh engine.
+
+    Args:
+        inbox: the commands callers post.
+        admission: released as each request leaves the waiting queue.
+        publish: called with the engine after each step (and when it idles), before outputs go out.
+        stale: the error for a command posted to an engine that is gone.
+    """
+
+    def __init__(
+        self,
+        inbox: queue.SimpleQueue[Command],
+        admission: Admission,
+        publish: Callable[[Engine], None],
+        stale: Callable[[], EngineError],
+    ) -> None:
+        self.inbox = inbox
+        self._admission = admission
+        self._publish = publish
+        self._stale = stale
+        self._channels: dict[str, Channel] = {}  # requests in the engine
+        self._pins: dict[str, Pin] = {}  # pins still computing
+
+    def drive(self, engine: Engine, generation: int) -> None:
+        """Steps ``engine`` while there is work, between the commands of the inbox; returns on ``Stop``.
+
+        Raises:
+            BaseException: whatever killed the drive (a fault outside the per-step isolation).
+        """
+        pins = self._pins
+        while True:
+            idle = not engine.has_unfinished_requests()
+            commands = [self.inbox.get()] if idle else []
+            while True:
+                try:
+                    commands.append(self.inbox.get_nowait())
+                except queue.Empty:
+                    break
+            for command in commands:
+                if isinstance(command, Stop):
+                    for output in engine.abort_request(list(self._channels)):
+                        self._dispatch(output, None)
+                    return
+                self._handle(engine, generation, command)
+            if engine.has_unfinished_requests():
+                outputs = engine.step()
+                failures = engine.pop_failures()
+                self._publish(engine)
+                for output in outputs:
+                    if output.request_id in pins:
+                        pin = pins.pop(output.request_id)
+                        error = failures.get(output.request_id)
+                        pin_id = public_pin_id(output.request_id, generation)
+                        result = PinnedPrefix(pin_id, len(pin.prompt_token_ids), output.num_cached_tokens)
+                        resolve(pin.loop, pin.future, result, error)
+                    else:
+                        self._dispatch(output, failures.get(output.request_id))
+            else:
+                self._publish(engine)
+
+    def unpin(self, engine: Engine, pin_id: str) -> None:
+        """Releases ``engine``'s pin ``pin_id``; one still computing fails its waiter."""
+        engine.unpin_prefix(pin_id)
+        waiter = self._pins.pop(pin_id, None)
+        if waiter is not None:  # unpinned before it finished computing
+            resolve(waiter.loop, waiter.future, error=EngineError(f"prefix {pin_id} was unpinned while pinning"))
+
+    def fail(self, error: Callable[[], EngineError]) -> None:
+        """Answers every request, pin and queued command of an engine that is gone with ``error()``."""
+        for channel in self._channels.values():
+            channel.send(error())
+        self._channels.clear()
+        for pin in self._pins.values():
+            resolve(pin.loop, pin.future, error=error())
+        self._pins.clear()
+        while True:  # NOTE: commands posted before the failure was visible are answered here
+            try:
+                command = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            refuse(command, error())
+
+    def _handle(self, engine: Engine, generation: int, command: Command) -> None:
+        if posted_to(command, generation) != generation:  # NOTE: posted to an engine that died: never run on this one
+            refuse(command, self._stale())
+            return
+        if isinstance(command, Add):
+            try:
+                engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                   command.priority, command.cache_salt, tenant=command.tenant,
+                                   weight=command.weight, grammar=command.grammar)
+            except Exception as exc:  # noqa: BLE001 - the caller gets it
+                command.channel.send(exc)
+                return
+            self._channels[command.request_id] = command.channel
+        elif isinstance(command, Abort):
+            if command.request_id in self._pins:
+                self.unpin(engine, command.request_id)
+                return
+            for output in engine.abort_request(command.request_id):
+                self._dispatch(output, None)
+        elif isinstance(command, Pin):
+            try:
+                pin_id = engine.pin_prefix(command.prompt_token_ids, command.cache_salt)
+            except Exception as exc:  # noqa: BLE001
+                resolve(command.loop, command.future, error=exc)
+                return
+            self._pins[pin_id] = command
+        elif isinstance(command, Call):
+            try:
+                result = command.fn(engine)
+            except Exception as exc:  # noqa: BLE001
+                resolve(command.loop, command.future, error=exc)
+                return
+            resolve(command.loop, command.future, result)
+
+    def _dispatch(self, output: RequestOutput, error: EngineError | None) -> None:
+        channel = self._channels.get(output.request_id)
+        if channel is None:
+            return
+        self._admission.release(channel)  # the request left the waiting queue (or finished)
+        if output.finished:
+            del self._channels[output.request_id]
+        channel.send(error if error is not None else output)

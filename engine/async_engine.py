@@ -2,8 +2,9 @@
 
 Callers never touch the Engine: they post commands (Add, Abort, Pin, ...) into a
 thread-safe inbox; the driver thread drains it between steps, steps while there is work
-and sleeps on the inbox when there is none. Each request's outputs go to an asyncio
-queue on the caller's loop through ``loop.call_soon_threadsafe``.
+and sleeps on the inbox when there is none. Each request's deltas of a step go to an
+asyncio queue on the caller's loop through ``loop.call_soon_threadsafe``: ``stream()``
+yields them, ``generate()`` builds cumulative outputs from them.
 
 The driver thread also supervises: when driving dies (an exception outside a step), every
 request of that engine fails with ``EngineRestarting`` and a fresh ``Engine`` is started
@@ -30,7 +31,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.errors import EngineError, EngineOverloaded, EngineRestarting, ParameterError
 from engine.llm_engine import Engine, Prompt, check_params, tokenize
-from engine.outputs import PinnedPrefix, RequestOutput
+from engine.outputs import Delta, OutputAccumulator, PinnedPrefix, RequestOutput
 from engine.request_options import RequestOptions, TenantOptions
 from engine.sampling_params import SamplingParams
 from engine.structured_output.compiler import MAX_COMPILE_SECONDS, too_slow
@@ -52,13 +53,13 @@ class _Channel:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, num_tokens: int, generation: int) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.queue: asyncio.Queue[list[Delta] | BaseException] = asyncio.Queue()  # a step's deltas, or the error
         self.num_tokens = num_tokens
         self.generation = generation  # the engine it was admitted to
         self.reserved = True  # holds an admission slot until it leaves the queue
         self.finished = False
 
-    def send(self, item: RequestOutput | BaseException) -> None:
+    def send(self, item: list[Delta] | BaseException) -> None:
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the consumer's loop is closed: nobody is listening
@@ -249,16 +250,29 @@ class AsyncEngine:
     # ---------------------------------------------------------------------------- requests
 
     async def generate(
-        self,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        tenant: str | None = None,
-        weight: float = 1.0,
-    ) -> AsyncIterator[RequestOutput]:
-        """Streams one request's cumulative outputs; the last has ``finished=True``.
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None, priority: int = 0,
+        cache_salt: str | None = None, tenant: str | None = None, weight: float = 1.0,
+    ) -> AsyncIterator[RequestOutput]:  # fmt: skip
+        """Streams one request's cumulative outputs, one per step; the last has ``finished=True``.
+
+        Each output is built from ``stream()``'s deltas and copies the output so far; its
+        ``metrics`` is None (the latency breakdown is the last delta's ``usage.latency``).
+        Arguments, errors and cancellation as ``stream()``.
+        """
+        shape = params if isinstance(params, SamplingParams) else SamplingParams()  # NOTE: _steps refuses the rest
+        accumulator = OutputAccumulator(shape.n, shape.logprobs is not None)
+        steps = self._steps(prompt, params, request_id, priority, cache_salt, tenant, weight)
+        async with contextlib.aclosing(steps):
+            async for deltas in steps:
+                for delta in deltas:
+                    accumulator.add(delta)
+                yield accumulator.output()
+
+    async def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None, priority: int = 0,
+        cache_salt: str | None = None, tenant: str | None = None, weight: float = 1.0,
+    ) -> AsyncIterator[Delta]:  # fmt: skip
+        """Streams one request's deltas: per step, one per completion that progressed; the last has ``usage``.
 
         Closing or cancelling the iterator aborts the request and frees its blocks.
         ``tenant`` and ``weight`` are the fair share's (``Engine.add_request``).
@@ -274,6 +288,17 @@ class AsyncEngine:
                 fresh engine is starting: retry it.
             EngineError: The engine failed this request, or is dead / shut down.
         """
+        steps = self._steps(prompt, params, request_id, priority, cache_salt, tenant, weight)
+        async with contextlib.aclosing(steps):
+            async for deltas in steps:
+                for delta in deltas:
+                    yield delta
+
+    async def _steps(
+        self, prompt: Prompt, params: SamplingParams | None, request_id: str | None, priority: int,
+        cache_salt: str | None, tenant: str | None, weight: float,
+    ) -> AsyncIterator[list[Delta]]:  # fmt: skip
+        """The request's deltas, a step's at a time (see ``stream``)."""
         generation = self._check_alive()
         try:
             params = check_params(params)
@@ -301,7 +326,7 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     channel.finished = True
                     raise item
-                if item.finished:
+                if item[-1].usage is not None:  # the request's last delta
                     channel.finished = True
                 yield item
                 if channel.finished:
@@ -579,7 +604,6 @@ class AsyncEngine:
 
     def _drive(self, engine: Engine, generation: int, channels: dict[str, _Channel]) -> None:
         """Steps ``engine`` while there is work, between the commands of the inbox; returns on ``_Stop``."""
-        pins = self._pin_waiters
         while True:
             idle = not engine.has_unfinished_requests()
             commands = [self._inbox.get()] if idle else []
@@ -590,25 +614,41 @@ class AsyncEngine:
                     break
             for command in commands:
                 if isinstance(command, _Stop):
-                    for output in engine.abort_request(list(channels)):
-                        self._dispatch(channels, output, None)
+                    engine.abort_request(list(channels))
+                    self._emit(generation, channels, engine.pop_deltas(), {})
                     return
-                self._handle(engine, generation, command, channels, pins)
-            if engine.has_unfinished_requests():
-                outputs = engine.step()
-                failures = engine.pop_failures()
-                self._publish(engine)
-                for output in outputs:
-                    if output.request_id in pins:
-                        pin = pins.pop(output.request_id)
-                        error = failures.get(output.request_id)
-                        pin_id = _public_pin_id(output.request_id, generation)
-                        result = PinnedPrefix(pin_id, len(pin.prompt_token_ids), output.num_cached_tokens)
-                        _resolve(pin.loop, pin.future, result, error)
-                    else:
-                        self._dispatch(channels, output, failures.get(output.request_id))
-            else:
-                self._publish(engine)
+                self._handle(engine, generation, command, channels, self._pin_waiters)
+            deltas = engine.step_deltas()
+            failures = engine.pop_failures()
+            self._publish(engine)
+            self._emit(generation, channels, deltas, failures)
+
+    def _emit(
+        self, generation: int, channels: dict[str, _Channel], deltas: list[Delta], failures: dict[str, EngineError]
+    ) -> None:
+        """Sends each request's deltas (consecutive in ``deltas``) to its channel, or settles its pin."""
+        pins = self._pin_waiters
+        start = 0
+        for end, delta in enumerate(deltas, 1):
+            # NOTE: a request's deltas end at the one with usage: should an aborted request's id
+            # be reused before its last delta is sent, the two requests' deltas stay apart.
+            if end < len(deltas) and deltas[end].request_id == delta.request_id and delta.usage is None:
+                continue
+            request_id, usage, group, start = delta.request_id, delta.usage, deltas[start:end], end
+            if request_id in pins:
+                if usage is not None:
+                    pin = pins.pop(request_id)
+                    result = PinnedPrefix(_public_pin_id(request_id, generation), len(pin.prompt_token_ids), usage.cached_tokens)
+                    _resolve(pin.loop, pin.future, result, failures.get(request_id))
+                continue
+            channel = channels.get(request_id)
+            if channel is None:
+                continue
+            self._release(channel)  # the request left the waiting queue (or finished)
+            if usage is not None:
+                del channels[request_id]
+            error = failures.get(request_id)
+            channel.send(error if error is not None else group)
 
     def _handle(
         self, engine: Engine, generation: int, command: Any, channels: dict[str, _Channel], pins: dict[str, _Pin]
@@ -635,8 +675,9 @@ class AsyncEngine:
             if command.request_id in pins:
                 self._unpin(engine, command.request_id)
                 return
-            for output in engine.abort_request(command.request_id):
-                self._dispatch(channels, output, None)
+            engine.abort_request(command.request_id)
+            # NOTE: sent now, before a later command may reuse the id
+            self._emit(generation, channels, engine.pop_deltas(), {})
         elif isinstance(command, _Pin):
             try:
                 pin_id = engine.pin_prefix(command.prompt_token_ids, command.cache_salt)
@@ -651,12 +692,3 @@ class AsyncEngine:
                 _resolve(command.loop, command.future, error=exc)
                 return
             _resolve(command.loop, command.future, result)
-
-    def _dispatch(self, channels: dict[str, _Channel], output: RequestOutput, error: EngineError | None) -> None:
-        channel = channels.get(output.request_id)
-        if channel is None:
-            return
-        self._release(channel)  # the request left the waiting queue (or finished)
-        if output.finished:
-            del channels[output.request_id]
-        channel.send(error if error is not None else output)

@@ -89,15 +89,16 @@ def sdk_requests(body: Any, route: Route) -> tuple[list[ChatRequest | Completion
     fields["cache_salt"] = body.cache_salt
     format_field = None
     try:
+        if route == "chat":
+            fields["messages"] = [_message(i, m.model_dump(exclude_none=True)) for i, m in enumerate(body.messages)]
         fmt, format_field = format_from_wire(data)
         fields["response_format"] = to_response_format(fmt)
         if route == "completion":
             first, *rest = body.prompts()
             request = WireCompletionRequest(prompt=first, **fields)
             return [request, *(request.model_copy(update={"prompt": prompt}) for prompt in rest)], format_field
-        messages = [_message(i, m.model_dump(exclude_none=True)) for i, m in enumerate(body.messages)]
         tools = {"tools": body.tools, "tool_choice": body.tool_choice, "parallel_tool_calls": body.parallel_tool_calls}
-        return [ChatRequest(messages=messages, **fields, **tools)], format_field
+        return [ChatRequest(**fields, **tools)], format_field
     except ValidationError as exc:
         raise from_sdk(invalid_request(exc), route, format_field) from None
     except PagedError as exc:

@@ -13,13 +13,9 @@ PROMPTS = [list(range(300, 320)), list(range(400, 407)), list(range(300, 320)) +
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model_factory):
-    return tiny_model_factory("llama")
-
-
-@pytest.fixture(scope="module")
-def engine(model_dir) -> Engine:
-    return Engine(str(model_dir), num_blocks=128, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+def engine(tiny_model_factory) -> Engine:
+    """A tiny llama whose steps hold a few requests at once (prefills in chunks of 32 tokens)."""
+    return Engine(str(tiny_model_factory("llama")), num_blocks=96, block_size=4, max_num_seqs=4, max_num_batched_tokens=32)
 
 
 @pytest.fixture(scope="module")
@@ -99,11 +95,11 @@ def test_an_aborted_request_ends_with_its_last_delta(engine: Engine) -> None:
     assert engine.step_deltas() == []
 
 
-async def test_stream_joins_into_generate(model_dir, params: list[SamplingParams]) -> None:
+async def test_stream_joins_into_generate(engine: Engine, params: list[SamplingParams]) -> None:
     """AsyncEngine.stream's deltas of an n=2 request with logprobs join into AsyncEngine.generate's last output."""
-    async with AsyncEngine(str(model_dir), num_blocks=64, block_size=4) as engine:
-        deltas = [d async for d in engine.stream(PROMPTS[0], params[1], cache_salt="stream")]
-        outputs = [o async for o in engine.generate(PROMPTS[0], params[1], cache_salt="generate")]
+    async with AsyncEngine(str(engine.model_dir), num_blocks=64, block_size=4) as async_engine:
+        deltas = [d async for d in async_engine.stream(PROMPTS[0], params[1], cache_salt="stream")]
+        outputs = [o async for o in async_engine.generate(PROMPTS[0], params[1], cache_salt="generate")]
     _assert_one_request(deltas, PROMPTS[0], 2)
     assert all(not o.finished for o in outputs[:-1]) and outputs[-1].finished
     joined, last = _joined(deltas, params[1]), outputs[-1]

@@ -2,8 +2,9 @@
 
 Callers never touch the Engine: they post commands (Add, Abort, Pin, ...) into a
 thread-safe inbox (``engine.commands``) that the driver thread drains between steps
-(``engine.driver``). Each request's outputs go to an asyncio queue on the caller's loop
-through ``loop.call_soon_threadsafe``. Admission limits refuse a request before it queues
+(``engine.driver``). Each request's deltas of a step go to an asyncio queue on the caller's
+loop through ``loop.call_soon_threadsafe``: ``stream()`` yields them, ``generate()`` builds
+cumulative outputs from them. Admission limits refuse a request before it queues
 (``engine.admission``); the driver thread restarts an engine that died
 (``engine.supervisor``).
 """
@@ -25,7 +26,7 @@ from engine.commands import Abort, Add, Call, Channel, Command, Pin, engine_pin_
 from engine.config import EngineConfig
 from engine.errors import EngineOverloaded, EngineRestarting, ParameterError
 from engine.llm_engine import Engine, Prompt, check_params, tokenize
-from engine.outputs import PinnedPrefix, RequestOutput
+from engine.outputs import Delta, OutputAccumulator, PinnedPrefix, RequestOutput
 from engine.request_options import RequestOptions, TenantOptions
 from engine.sampling_params import SamplingParams
 from engine.structured_output.compiler import MAX_COMPILE_SECONDS, too_slow
@@ -133,16 +134,29 @@ class AsyncEngine:
     # ---------------------------------------------------------------------------- requests
 
     async def generate(
-        self,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        tenant: str | None = None,
-        weight: float = 1.0,
-    ) -> AsyncIterator[RequestOutput]:
-        """Streams one request's cumulative outputs; the last has ``finished=True``.
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None, priority: int = 0,
+        cache_salt: str | None = None, tenant: str | None = None, weight: float = 1.0,
+    ) -> AsyncIterator[RequestOutput]:  # fmt: skip
+        """Streams one request's cumulative outputs, one per step; the last has ``finished=True``.
+
+        Each output is built from ``stream()``'s deltas and copies the output so far; its
+        ``metrics`` is None (the latency breakdown is the last delta's ``usage.latency``).
+        Arguments, errors and cancellation as ``stream()``.
+        """
+        shape = params if isinstance(params, SamplingParams) else SamplingParams()  # NOTE: _steps refuses the rest
+        accumulator = OutputAccumulator(shape.n, shape.logprobs is not None)
+        steps = self._steps(prompt, params, request_id, priority, cache_salt, tenant, weight)
+        async with contextlib.aclosing(steps):
+            async for deltas in steps:
+                for delta in deltas:
+                    accumulator.add(delta)
+                yield accumulator.output()
+
+    async def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None, priority: int = 0,
+        cache_salt: str | None = None, tenant: str | None = None, weight: float = 1.0,
+    ) -> AsyncIterator[Delta]:  # fmt: skip
+        """Streams one request's deltas: per step, one per completion that progressed; the last has ``usage``.
 
         Closing or cancelling the iterator aborts the request and frees its blocks.
         ``tenant`` and ``weight`` are the fair share's (``Engine.add_request``).
@@ -158,6 +172,17 @@ class AsyncEngine:
                 fresh engine is starting: retry it.
             EngineError: The engine failed this request, or is dead / shut down.
         """
+        steps = self._steps(prompt, params, request_id, priority, cache_salt, tenant, weight)
+        async with contextlib.aclosing(steps):
+            async for deltas in steps:
+                for delta in deltas:
+                    yield delta
+
+    async def _steps(
+        self, prompt: Prompt, params: SamplingParams | None, request_id: str | None, priority: int,
+        cache_salt: str | None, tenant: str | None, weight: float,
+    ) -> AsyncIterator[list[Delta]]:  # fmt: skip
+        """The request's deltas, a step's at a time (see ``stream``)."""
         supervisor = self._supervisor
         generation = supervisor.check_alive()
         try:
@@ -185,7 +210,7 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     channel.finished = True
                     raise item
-                if item.finished:
+                if item[-1].usage is not None:  # the request's last delta
                     channel.finished = True
                 yield item
                 if channel.finished:
@@ -271,7 +296,7 @@ class AsyncEngine:
     # the result and drops the caller's cancellation when both land in one loop iteration, so
     # a cancelled consumer would go on reading (and its request would never be aborted).
 
-    async def _next(self, channel: Channel) -> RequestOutput | BaseException:
+    async def _next(self, channel: Channel) -> list[Delta] | BaseException:
         while True:
             if not channel.queue.empty():
                 return channel.queue.get_nowait()

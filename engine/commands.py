@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from engine.outputs import RequestOutput
+from engine.outputs import Delta
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -29,13 +29,13 @@ class Channel:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, num_tokens: int, generation: int) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.queue: asyncio.Queue[list[Delta] | BaseException] = asyncio.Queue()  # a step's deltas, or the error
         self.num_tokens = num_tokens
         self.generation = generation  # the engine it was admitted to
         self.reserved = True  # holds an admission slot until it leaves the queue
         self.finished = False
 
-    def send(self, item: RequestOutput | BaseException) -> None:
+    def send(self, item: list[Delta] | BaseException) -> None:
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the consumer's loop is closed: nobody is listening

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from engine.core.block_pool import BlockPool
     from engine.core.scheduler_output import SchedulerOutput
-    from engine.outputs import RequestOutput
+    from engine.outputs import RequestMetrics
     from engine.request import Request
 
 logger = logging.getLogger("engine.debug")
@@ -119,12 +119,10 @@ class StepLog:
         )  # fmt: skip
 
     @staticmethod
-    def finished(output: RequestOutput, reason: str) -> None:
-        metrics = output.metrics
-        assert metrics is not None
+    def finished(request_id: str, num_output_tokens: int, reason: str, metrics: RequestMetrics) -> None:
         logger.debug(
             "request %s finished: reason=%s output=%d e2e=%s queue=%s prefill=%s decode=%s preempted=%.3fs",
-            output.request_id, reason, sum(len(o.token_ids) for o in output.outputs),
+            request_id, reason, num_output_tokens,
             _seconds(metrics.e2e_latency), _seconds(metrics.time_in_queue), _seconds(metrics.prefill_time),
             _seconds(metrics.decode_time), metrics.preempted_seconds,
         )  # fmt: skip

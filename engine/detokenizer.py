@@ -14,6 +14,7 @@ from typing import Any
 
 _REPLACEMENT_CHAR = "\ufffd"
 _PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded with the output so leading spaces come out right
+_SETTLE_CHARS = 64  # the tail grows this far past what a stop string needs before it is settled
 
 
 def make_decode_fn(tokenizer: Any) -> Callable[[list[int]], str]:
@@ -27,13 +28,16 @@ def make_decode_fn(tokenizer: Any) -> Callable[[list[int]], str]:
 class IncrementalDetokenizer:
     """Turns one request's growing token list into text, cut at the first stop string.
 
+    The text is kept as the pieces already taken (``take``) and a tail not yet taken, so no
+    step copies the text so far.
+
     Args:
         decode: ``ids -> text`` (see ``make_decode_fn``).
         prompt_token_ids: the prompt; its last few tokens give the first output tokens context.
         stop: stop strings; the text ends right before the first one found.
     """
 
-    __slots__ = ("_decode", "_window", "_num_read", "_stop", "_max_stop_len", "text")
+    __slots__ = ("_decode", "_window", "_num_read", "_stop", "_max_stop_len", "_pieces", "_num_taken", "_tail")
 
     def __init__(
         self,
@@ -48,13 +52,23 @@ class IncrementalDetokenizer:
         self._num_read = len(self._window)
         self._stop = stop
         self._max_stop_len = max((len(s) for s in stop), default=0)
-        self.text = ""
+        # NOTE: text = "".join(_pieces) + _tail, and _pieces[:_num_taken] is what take() returned.
+        # Text moves into _pieces once no stop string can begin in it: _tail keeps the last
+        # max_stop_len - 1 characters, where a match (and a withheld stop prefix) can begin.
+        self._pieces: list[str] = []
+        self._num_taken = 0
+        self._tail = ""
+
+    @property
+    def text(self) -> str:
+        """All the text so far (cut before a stop string found), the withheld tail included."""
+        return "".join(self._pieces) + self._tail
 
     def update(self, new_token_ids: Sequence[int], check_stop: bool = True) -> bool:
         """Decode the tokens generated since the last call.
 
         Returns:
-            True when a stop string was found; ``text`` then ends right before it.
+            True when a stop string was found; the text then ends right before it.
         """
         window = self._window
         window.extend(new_token_ids)
@@ -65,42 +79,61 @@ class IncrementalDetokenizer:
         delta = new_text[len(prefix_text) :]
         self._window = window[self._num_read :]
         self._num_read = len(self._window)
-        old_len = len(self.text)
-        self.text += delta
-        if not (check_stop and self._stop):
-            return False
-        return self._find_stop(max(0, old_len - self._max_stop_len + 1))
+        old_len = len(self._tail)
+        self._tail += delta
+        if check_stop and self._stop and self._find_stop(max(0, old_len - self._max_stop_len + 1)):
+            return True
+        keep = max(self._max_stop_len - 1, 0)
+        if len(self._tail) > keep + _SETTLE_CHARS:
+            cut = len(self._tail) - keep
+            self._pieces.append(self._tail[:cut])
+            self._tail = self._tail[cut:]
+        return False
 
     def _find_stop(self, start: int) -> bool:
         first = -1
         for s in self._stop:
-            i = self.text.find(s, start)
+            i = self._tail.find(s, start)
             if i != -1 and (first == -1 or i < first):
                 first = i
         if first == -1:
             return False
-        self.text = self.text[:first]
+        self._tail = self._tail[:first]
         return True
 
-    def visible_text(self, finished: bool) -> str:
-        """The text safe to show: while running, withhold a tail that may begin a stop string."""
-        if finished or not self._stop:
-            return self.text
-        return self.text[: len(self.text) - self._held_back()]
+    def take(self, finished: bool) -> str:
+        """The text safe to show that no earlier ``take`` returned.
 
-    def _held_back(self) -> int:
-        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
-        text = self.text
-        if not text:
-            return 0
-        last = text[-1]
-        best = 0
-        for s in self._stop:
-            # candidate prefix lengths k end with the text's last character: s[k - 1] == last
-            j = s.rfind(last, 0, min(len(s) - 1, len(text)))
-            while j >= 0 and j + 1 > best:
-                if text.endswith(s[: j + 1]):
-                    best = j + 1
-                    break
-                j = s.rfind(last, 0, j)
-        return best
+        While running, a tail that may begin a stop string is withheld; once finished, nothing is.
+        """
+        visible = len(self._tail) - self._num_held_back(finished)
+        if visible:
+            self._pieces.append(self._tail[:visible])
+            self._tail = self._tail[visible:]
+        new = self._pieces[self._num_taken :]
+        self._num_taken = len(self._pieces)
+        return new[0] if len(new) == 1 else "".join(new)
+
+    def visible_text(self, finished: bool) -> str:
+        """All the text safe to show so far (what every ``take`` would have returned), without taking it."""
+        return "".join(self._pieces) + self._tail[: len(self._tail) - self._num_held_back(finished)]
+
+    def _num_held_back(self, finished: bool) -> int:
+        return 0 if finished or not self._stop else held_back(self._tail, self._stop)
+
+
+def held_back(text: str, stop: tuple[str, ...]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+    if not text:
+        return 0
+    last = text[-1]
+    best = 0
+    for s in stop:
+        # candidate prefix lengths k end with the text's last character: s[k - 1] == last
+        j = s.rfind(last, 0, min(len(s) - 1, len(text)))
+        while j >= 0 and j + 1 > best:
+            if text.endswith(s[: j + 1]):
+                best = j + 1
+                break
+            j = s.rfind(last, 0, j)
+    return best

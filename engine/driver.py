@@ -1,4 +1,4 @@
-"""The driver loop: one ``Engine`` stepped between the commands of the inbox, outputs sent to their channels.
+"""The driver loop: one ``Engine`` stepped between the commands of the inbox, each step's deltas sent to their channels.
 
 The driver thread drains the inbox between steps, steps while there is work and sleeps on
 the inbox when there is none. It is the only code that touches the ``Engine`` it drives.
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from engine.admission import Admission
 from engine.commands import Abort, Add, Call, Channel, Command, Pin, Stop, posted_to, public_pin_id, refuse, resolve
 from engine.errors import EngineError
-from engine.outputs import PinnedPrefix, RequestOutput
+from engine.outputs import Delta, PinnedPrefix
 
 if TYPE_CHECKING:
     from engine.llm_engine import Engine
@@ -52,7 +52,6 @@ class Driver:
         Raises:
             BaseException: whatever killed the drive (a fault outside the per-step isolation).
         """
-        pins = self._pins
         while True:
             idle = not engine.has_unfinished_requests()
             commands = [self.inbox.get()] if idle else []
@@ -63,25 +62,14 @@ class Driver:
                     break
             for command in commands:
                 if isinstance(command, Stop):
-                    for output in engine.abort_request(list(self._channels)):
-                        self._dispatch(output, None)
+                    engine.abort_request(list(self._channels))
+                    self._emit(generation, engine.pop_deltas(), {})
                     return
                 self._handle(engine, generation, command)
-            if engine.has_unfinished_requests():
-                outputs = engine.step()
-                failures = engine.pop_failures()
-                self._publish(engine)
-                for output in outputs:
-                    if output.request_id in pins:
-                        pin = pins.pop(output.request_id)
-                        error = failures.get(output.request_id)
-                        pin_id = public_pin_id(output.request_id, generation)
-                        result = PinnedPrefix(pin_id, len(pin.prompt_token_ids), output.num_cached_tokens)
-                        resolve(pin.loop, pin.future, result, error)
-                    else:
-                        self._dispatch(output, failures.get(output.request_id))
-            else:
-                self._publish(engine)
+            deltas = engine.step_deltas()
+            failures = engine.pop_failures()
+            self._publish(engine)
+            self._emit(generation, deltas, failures)
 
     def unpin(self, engine: Engine, pin_id: str) -> None:
         """Releases ``engine``'s pin ``pin_id``; one still computing fails its waiter."""
@@ -122,8 +110,9 @@ class Driver:
             if command.request_id in self._pins:
                 self.unpin(engine, command.request_id)
                 return
-            for output in engine.abort_request(command.request_id):
-                self._dispatch(output, None)
+            engine.abort_request(command.request_id)
+            # NOTE: sent now, before a later command may reuse the id
+            self._emit(generation, engine.pop_deltas(), {})
         elif isinstance(command, Pin):
             try:
                 pin_id = engine.pin_prefix(command.prompt_token_ids, command.cache_salt)
@@ -139,11 +128,26 @@ class Driver:
                 return
             resolve(command.loop, command.future, result)
 
-    def _dispatch(self, output: RequestOutput, error: EngineError | None) -> None:
-        channel = self._channels.get(output.request_id)
-        if channel is None:
-            return
-        self._admission.release(channel)  # the request left the waiting queue (or finished)
-        if output.finished:
-            del self._channels[output.request_id]
-        channel.send(error if error is not None else output)
+    def _emit(self, generation: int, deltas: list[Delta], failures: dict[str, EngineError]) -> None:
+        """Sends each request's deltas (consecutive in ``deltas``) to its channel, or settles its pin."""
+        start = 0
+        for end, delta in enumerate(deltas, 1):
+            # NOTE: a request's deltas end at the one with usage: should an aborted request's id
+            # be reused before its last delta is sent, the two requests' deltas stay apart.
+            if end < len(deltas) and deltas[end].request_id == delta.request_id and delta.usage is None:
+                continue
+            request_id, usage, group, start = delta.request_id, delta.usage, deltas[start:end], end
+            if request_id in self._pins:
+                if usage is not None:
+                    pin = self._pins.pop(request_id)
+                    result = PinnedPrefix(public_pin_id(request_id, generation), len(pin.prompt_token_ids), usage.cached_tokens)
+                    resolve(pin.loop, pin.future, result, failures.get(request_id))
+                continue
+            channel = self._channels.get(request_id)
+            if channel is None:
+                continue
+            self._admission.release(channel)  # the request left the waiting queue (or finished)
+            if usage is not None:
+                del self._channels[request_id]
+            error = failures.get(request_id)
+            channel.send(error if error is not None else group)

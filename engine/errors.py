@@ -31,11 +31,20 @@ class ParameterError(ValueError):
 
     Attributes:
         param: the offending field, as the engine names it (``temperature``, ``prompt``, ...).
+        reason: the message after the field's name (``message == param + reason``), when it
+            begins with it: a caller that names the field otherwise (the SDK, a wire format)
+            says the same of its own name. None when the message is not built that way.
     """
 
-    def __init__(self, param: str, message: str) -> None:
+    def __init__(self, param: str, message: str, *, reason: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.reason = reason
+
+    @classmethod
+    def about(cls, param: str, reason: str) -> ParameterError:
+        """The error ``f"{param} {reason}"``, its parts kept."""
+        return cls(param, f"{param} {reason}", reason=f" {reason}")
 
 
 class RequestRejected(ParameterError):

@@ -1,8 +1,10 @@
 """Engine: requests in, outputs out. One step = schedule -> run -> sample -> process -> update.
 
 The engine owns request intake, the step loop and the request lifecycle (abort, failure,
-pins); ``OutputProcessor`` turns the sampled tokens into text and outputs, and the
-scheduler appends them and decides which requests finish.
+pins); ``OutputProcessor`` turns the sampled tokens into text, ``Delta``s and outputs, and
+the scheduler appends them and decides which requests finish. ``step_deltas()`` streams
+(each step's new output only); ``step()`` and ``generate()`` give cumulative
+``RequestOutput``s built from what the processor recorded.
 
 Its ``runner``, ``scheduler``, ``sampler`` and ``kv`` attributes are public: benchmarks
 read them, and tests swap ``runner``/``sampler``/``scheduler`` methods to inject faults.
@@ -27,7 +29,7 @@ from engine.errors import EngineError, ParameterError, RequestRejected
 from engine.metrics import RequestStats
 from engine.model_info import eos_token_ids, model_name
 from engine.output_processor import OutputProcessor, ParentRequest
-from engine.outputs import RequestOutput
+from engine.outputs import Delta, RequestMetrics, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.request_options import RequestOptions, TenantOptions
 from engine.sampling_params import SamplingParams
@@ -104,6 +106,7 @@ class Engine:
         self.step_log = debug_log.StepLog(self.kv.block_pool)
         self._parents: dict[str, ParentRequest] = {}  # unfinished user requests (pins computing included)
         self._failures: dict[str, EngineError] = {}
+        self._aborted_deltas: list[Delta] = []  # the last deltas of requests aborted since the latest step
         self._pins: set[str] = set()  # pinned prefixes, computing or held
         self._arrivals = itertools.count()
         self._ids = itertools.count()
@@ -202,6 +205,8 @@ class Engine:
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Finishes requests now (finish_reason "abort") and frees their blocks; unknown ids are skipped.
 
+        Their last deltas wait for ``pop_deltas()`` or the next ``step_deltas()`` (``step()`` drops them).
+
         Returns:
             The final output of each request aborted.
         """
@@ -216,7 +221,10 @@ class Engine:
                 continue
             self.scheduler.finish_requests([c.req_id for c in parent.children], RequestStatus.FINISHED_ABORTED)
             # NOTE: its final output is this one: no later step emits it.
-            outputs.append(self._final_output(parent))
+            metrics = self.output_processor.metrics(parent)
+            self._aborted_deltas += self.output_processor.deltas(parent, metrics)
+            outputs.append(self.output_processor.make_output(parent, metrics))
+            self._retire(parent, metrics)
         return outputs
 
     def pin_prefix(self, prompt: Prompt, cache_salt: str | None = None) -> str:
@@ -305,15 +313,48 @@ class Engine:
         Returns:
             The cumulative output of every request that progressed or finished in it;
             failed requests finish with reason "abort" and their errors are in ``pop_failures()``.
+            Each output copies its request's output so far: to stream, use ``step_deltas()``.
         """
-        return self._step(emit_unfinished=True)
+        self._aborted_deltas.clear()
+        outputs = []
+        for parent in self._step():
+            metrics = self.output_processor.metrics(parent)
+            outputs.append(self.output_processor.make_output(parent, metrics))
+            if parent.finished:
+                self._retire(parent, metrics)
+        return outputs
+
+    def step_deltas(self) -> list[Delta]:
+        """Runs one step (none when no request is unfinished).
+
+        Returns:
+            What each request gained in it, one ``Delta`` per completion that progressed or
+            finished, after those ``pop_deltas()`` would return; a request's deltas are
+            consecutive, and its last one has ``usage``. Failed requests finish with reason
+            "abort" and their errors are in ``pop_failures()``.
+        """
+        deltas = self.pop_deltas()
+        if not self.has_unfinished_requests():
+            return deltas
+        for parent in self._step():
+            metrics = self.output_processor.metrics(parent) if parent.finished else None
+            deltas += self.output_processor.deltas(parent, metrics)
+            if metrics is not None:
+                self._retire(parent, metrics)
+        return deltas
+
+    def pop_deltas(self) -> list[Delta]:
+        """The last deltas of the requests ``abort_request`` finished since the latest step or call."""
+        deltas, self._aborted_deltas = self._aborted_deltas, []
+        return deltas
 
     def pop_failures(self) -> dict[str, EngineError]:
         """The errors of requests failed since the last call, by request id."""
         failures, self._failures = self._failures, {}
         return failures
 
-    def _step(self, emit_unfinished: bool) -> list[RequestOutput]:
+    def _step(self) -> list[ParentRequest]:
+        """Schedules, runs, samples and records one step; returns the user requests it changed (finished ones too)."""
         start = time.perf_counter()
         # NOTE: the one check of the step log per step; off, nothing below formats or times for it.
         debug = debug_log.is_enabled()
@@ -349,19 +390,11 @@ class Engine:
                 self._sample_and_process(logits, rows, touched)
         computed_at = time.perf_counter()
         self._busy_seconds += computed_at - start
-        outputs = []
-        for parent_id in touched:
-            parent = self._parents.get(parent_id)
-            if parent is None:
-                continue
-            if parent.finished:
-                outputs.append(self._final_output(parent))
-            elif emit_unfinished:
-                outputs.append(self.output_processor.make_output(parent))
+        parents = [parent for parent_id in touched if (parent := self._parents.get(parent_id)) is not None]
         if debug:
             times = (start, scheduled_at, computed_at, time.perf_counter())
             self.step_log.step(scheduler_output, requests_after_schedule, self.scheduler.events or [], times)
-        return outputs
+        return parents
 
     def _sample_and_process(self, logits: Any, rows: list[Request], touched: dict[str, None]) -> None:
         def fail(parent_id: str, error: EngineError) -> None:
@@ -400,20 +433,17 @@ class Engine:
         self._pins.discard(parent_id)
         touched[parent_id] = None
 
-    def _final_output(self, parent: ParentRequest) -> RequestOutput:
-        """A finished request's last output; the engine forgets it (its id is free again)."""
+    def _retire(self, parent: ParentRequest, metrics: RequestMetrics) -> None:
+        """A finished request's last output was made: count it, and forget it (its id is free again)."""
         del self._parents[parent.request_id]
-        output = self.output_processor.make_output(parent)
         self.output_processor.free(parent)
-        reasons = [o.finish_reason for o in output.outputs]
+        reasons = [c.status.finish_reason for c in parent.children]
         reason = "abort" if "abort" in reasons else reasons[0]
         assert reason is not None  # every completion of a finished request has its reason
         if not parent.children[0].keep_blocks:
-            assert output.metrics is not None
-            self.request_stats.finished(reason, output.metrics)
+            self.request_stats.finished(reason, metrics)
         if self._debug:
-            self.step_log.finished(output, reason)
-        return output
+            self.step_log.finished(parent.request_id, sum(c.num_output_tokens for c in parent.children), reason, metrics)
 
     # ---------------------------------------------------------------------------- batch API
 
@@ -456,11 +486,16 @@ class Engine:
         bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm or len(ids) < 2)
         try:
             while pending:
-                for output in self._step(emit_unfinished=False):
-                    if output.request_id in pending:
-                        pending.discard(output.request_id)
-                        results[output.request_id] = output
+                self._aborted_deltas.clear()
+                for parent in self._step():
+                    if not parent.finished:
+                        continue
+                    metrics = self.output_processor.metrics(parent)
+                    if parent.request_id in pending:  # NOTE: its output is built once, when it finished
+                        pending.discard(parent.request_id)
+                        results[parent.request_id] = self.output_processor.make_output(parent, metrics)
                         bar.update(1)
+                    self._retire(parent, metrics)
                 failures = self.pop_failures()
                 if failed := [i for i in ids if i in failures]:
                     raise failures[failed[0]]

@@ -4,26 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-import uuid
 import weakref
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any, TypeVar, Union
 
 from pydantic import ValidationError
 
-from engine.knobs import short
-
-from sdk.errors import EngineRestarting, InvalidRequestError, OverloadedError, RequestTimeout
-from sdk.fields import SAMPLING_KNOBS, invalid_request
-from sdk.hooks import Hook, HookChain, ModelSource, RequestContext, RequestOrigin
+from sdk.fields import invalid_request
+from sdk.hooks import Hook, HookChain, ModelSource, RequestOrigin
 from sdk.hooks.replay import model_source
-from sdk.policy import TenantPolicy, isolated_salt
-from sdk.rate_limit import Lease, RateLimiter
+from sdk.policy import TenantPolicy, engine_salt
+from sdk.rate_limit import RateLimiter
+from sdk.request_run import RequestRun
 from sdk.response_format import parse
 from sdk.runtime import Runtime
-from sdk.tools import collect_calls, to_tool_choice
-from sdk.transport import EngineRequest, InProcessTransport, PrefixPin, Transport, TransportOutput
+from sdk.tools import collect_calls
+from sdk.transport import InProcessTransport, PrefixPin, Transport
 from sdk.types import (
     ChatMessage,
     ChatRequest,
@@ -32,7 +28,6 @@ from sdk.types import (
     CompletionRequest,
     CompletionResult,
     Delta,
-    Usage,
 )
 
 logger = logging.getLogger(__name__)
@@ -42,8 +37,6 @@ PromptLike = Union[str, list[int], CompletionRequest]
 RequestT = TypeVar("RequestT", ChatRequest, CompletionRequest)
 ResultT = TypeVar("ResultT", ChatResult, CompletionResult)
 
-_RETRY_BACKOFF = 0.05  # seconds, doubled per retry of an overloaded or restarting engine
-_DEFAULT_MAX_TOKENS: int = SAMPLING_KNOBS["max_tokens"].default
 
 
 def to_messages(messages: str | Sequence[ChatMessage | dict[str, Any] | tuple[str, str]]) -> list[ChatMessage]:
@@ -313,7 +306,8 @@ class AsyncClient:
         await self.start()
         messages = [ChatMessage(role="system", content=prefix)] if isinstance(prefix, str) else to_messages(prefix)
         token_ids = self._transport.render_chat(messages, add_generation_prompt=False)
-        handle = PrefixHandle(self, await self._transport.pin_prefix(token_ids, self._salt(cache_salt)), messages)
+        salt = engine_salt(self.policy, self.tenant, cache_salt)
+        handle = PrefixHandle(self, await self._transport.pin_prefix(token_ids, salt), messages)
         self._prefixes.add(handle)
         return handle
 
@@ -388,208 +382,14 @@ class AsyncClient:
             usage=last.usage,
         )
 
-    async def _run(self, request: ChatRequest | CompletionRequest, origin: RequestOrigin | None) -> AsyncIterator[Delta]:
-        await self.start()
-        is_chat = isinstance(request, ChatRequest)
-        num_choices = request.n or 1
-        origin = origin or RequestOrigin()
-        ctx = RequestContext(
-            request_id=request.request_id or f"{'chat' if is_chat else 'cmpl'}-{uuid.uuid4().hex}",
-            model=self.model_name,
-            route=self.route,
-            kind="chat" if is_chat else "completion",
-            params=request.sampling_kwargs(),
-            tenant=self.tenant,
-            client_address=origin.client_address,
-            headers=origin.headers,
-            messages=list(request.messages) if is_chat else None,  # type: ignore[union-attr]
-            prompt=None if is_chat else request.prompt,  # type: ignore[union-attr]
-            output_texts=[""] * num_choices,
-            tool_call_deltas=[[] for _ in range(num_choices)],
-            model_source=self._model_source,
-            output_token_ids=[[] for _ in range(num_choices)],
-        )
-        prompt_token_ids: Sequence[int] | None = None  # None until the first delta carried them
-        num_completion_tokens = 0
-        num_finished = 0
-        in_engine = False  # the engine holds the request: abort it unless it finished
-        # NOTE: refused here, a request reaches no hook (as with invalid options): the checks are
-        # cheap and come first, so a flood or a huge prompt costs no filter and no audit write.
-        priority = self._priority(request)
-        self._cap_max_tokens(ctx.params)
-        await self._transport.check_prompt_size(_num_chars(request))
-        lease: Lease | None = self.limiter.enter() if self.limiter is not None else None
-        try:
-            await self.hooks.on_request(ctx)
-            tools = request.tools if is_chat else None  # type: ignore[union-attr]
-            prompt = await self._transport.prepare_prompt(self.tenant, ctx.messages, ctx.prompt, tools)
-            if lease is not None:
-                lease.take_tokens(_num_reserved_tokens(prompt, ctx.params))
-            engine_request = EngineRequest(
-                ctx.request_id, prompt, ctx.params, priority, self._salt(request.cache_salt),
-                tenant=self.tenant, weight=self.policy.weight if self.policy is not None else 1.0,
-                response_format=request.response_format, tools=tools, tool_choice=_tool_choice(request),
-                parallel_tool_calls=getattr(request, "parallel_tool_calls", None) is not False,
-            )  # fmt: skip
-            ctx.engine_request = engine_request
-            deadline = None if request.timeout is None else time.monotonic() + request.timeout
-            stream = await self._open(engine_request, deadline)
-            in_engine = True
-            try:
-                while (out := await _next(stream, deadline)) is not None:
-                    # NOTE: the first delta yielded (whichever it is) carries the prompt ids, once.
-                    first_prompt_ids = list(out.prompt_token_ids) if prompt_token_ids is None else None
-                    prompt_token_ids = out.prompt_token_ids
-                    if first_prompt_ids is not None:
-                        ctx.prompt_token_ids = first_prompt_ids
-                    num_completion_tokens += len(out.token_ids)
-                    ctx.usage = Usage(
-                        prompt_tokens=len(out.prompt_token_ids),
-                        completion_tokens=num_completion_tokens,
-                        cached_tokens=out.num_cached_tokens,
-                        latency=out.latency,
-                    )
-                    delta = Delta(
-                        request_id=ctx.request_id,
-                        index=out.index,
-                        text=out.text,
-                        token_ids=out.token_ids,
-                        tool_calls=out.tool_calls,
-                        logprobs=out.logprobs,
-                        prompt_token_ids=first_prompt_ids,
-                    )
-                    if (delta.text or delta.token_ids or delta.tool_calls) and await self.hooks.on_chunk(ctx, delta) is not None:
-                        ctx.finish_reason = "content_filter"
-                        yield Delta(
-                            request_id=ctx.request_id,
-                            index=out.index,
-                            prompt_token_ids=first_prompt_ids,
-                            finish_reason="content_filter",
-                            usage=ctx.usage,
-                        )
-                        return
-                    if ctx.first_token_monotonic is None:
-                        ctx.first_token_monotonic = time.monotonic()
-                    ctx.output_texts[out.index] += delta.text
-                    ctx.output_token_ids[out.index].extend(delta.token_ids)
-                    ctx.tool_call_deltas[out.index].extend(delta.tool_calls or ())
-                    if out.finish_reason is not None:
-                        num_finished += 1
-                        ctx.finish_reason = delta.finish_reason = out.finish_reason  # type: ignore[assignment]
-                        if num_finished == num_choices:
-                            in_engine = False
-                            delta.usage = ctx.usage
-                    yield delta
-            finally:
-                await stream.aclose()
-        except TimeoutError as exc:
-            ctx.error = exc
-            raise RequestTimeout(f"request {ctx.request_id} timed out after {request.timeout}s") from exc
-        except BaseException as exc:  # also GeneratorExit / CancelledError: the caller went away
-            ctx.error = exc
-            raise
-        finally:
-            if lease is not None:
-                lease.release(ctx.usage.total_tokens)
-            if in_engine:
-                await self._transport.abort(ctx.request_id)
-            if ctx.finish_reason is None and (in_engine and ctx.error is not None or _abandoned(ctx.error)):
-                ctx.finish_reason = "abort"  # NOTE: wherever it was: queued, rendering or in the engine
-            ctx.end_monotonic = time.monotonic()
-            self._count_prefix_hits(prompt_token_ids or (), ctx.usage.cached_tokens)
-            await self.hooks.on_finish(ctx)
-
-    async def _open(self, request: EngineRequest, deadline: float | None) -> AsyncIterator[TransportOutput]:
-        """Start the request in the engine and wait for its first output.
-
-        Up to ``max_retries`` times, with doubling backoff, it retries a request the engine
-        refused as overloaded or rate-limited, or lost to a restart (``EngineRestarting``),
-        waiting at least the ``retry_after`` of the latter two: nothing was streamed to the caller yet, so a retry is invisible to
-        it. A retry that could not start before ``deadline`` is not tried.
-        """
-        for attempt in range(self.max_retries + 1):
-            stream = self._transport.generate(request)
-            try:
-                first = await _next(stream, deadline)
-            except (OverloadedError, EngineRestarting) as exc:
-                await stream.aclose()
-                # NOTE: a rate limit (remote) or a restart says how long to wait: never retry sooner
-                delay = max(_RETRY_BACKOFF * 2**attempt, getattr(exc, "retry_after", 0.0))
-                if attempt == self.max_retries or (deadline is not None and time.monotonic() + delay >= deadline):
-                    raise
-                await asyncio.sleep(delay)
-                continue
-            return _prepend(first, stream)
-        raise AssertionError("unreachable")
-
-    def _priority(self, request: ChatRequest | CompletionRequest) -> int:
-        """The request's priority under the policy: the tenant's own unless it asked for a later one."""
-        if self.policy is None:
-            return request.priority
-        cap = self.policy.priority
-        if "priority" not in request.model_fields_set:
-            return cap
-        if request.priority < cap:
-            raise InvalidRequestError(
-                f"priority: this tenant's requests may ask for {cap} or later (larger); got {short(request.priority)}",
-                param="priority",
-            )
-        return request.priority
-
-    def _cap_max_tokens(self, params: dict[str, Any]) -> None:
-        """Holds ``params`` to the policy's ``max_tokens``: the default when unset, refused when past it."""
-        cap = self.policy.max_tokens if self.policy is not None else None
-        if cap is None:
-            return
-        asked = params.get("max_tokens")
-        if asked is None:
-            params["max_tokens"] = min(cap, _DEFAULT_MAX_TOKENS)
-        elif asked > cap:
-            raise InvalidRequestError(f"max_tokens: this tenant's requests may ask for at most {cap}; got {asked}", param="max_tokens")
-
-    def _salt(self, cache_salt: str | None) -> str | None:
-        """The engine cache salt of a request: the tenant's own namespace when its policy isolates the cache."""
-        if self.policy is not None and self.policy.isolate_cache:
-            assert self.tenant is not None
-            return isolated_salt(self.tenant, cache_salt)
-        return cache_salt
+    def _run(self, request: ChatRequest | CompletionRequest, origin: RequestOrigin | None) -> AsyncIterator[Delta]:
+        return RequestRun(self, request, origin).deltas()
 
     def _count_prefix_hits(self, prompt_token_ids: Sequence[int], num_cached_tokens: int) -> None:
         for handle in list(self._prefixes):
             if not handle.closed and handle.matches(prompt_token_ids):
                 handle.num_requests += 1
                 handle.num_hit_tokens += min(num_cached_tokens, handle.num_tokens)
-
-
-def _abandoned(error: BaseException | None) -> bool:
-    """Whether ``error`` means the caller gave the request up: cancelled, timed out, or its stream closed."""
-    return isinstance(error, (asyncio.CancelledError, GeneratorExit, TimeoutError))
-
-
-def _num_chars(request: ChatRequest | CompletionRequest) -> int:
-    """Characters of a request's text: its messages' contents, or its prompt string (0 for token ids)."""
-    if isinstance(request, ChatRequest):
-        return sum(len(m.content or "") for m in request.messages)
-    return len(request.prompt) if isinstance(request.prompt, str) else 0
-
-
-def _num_reserved_tokens(prompt: str | list[int], params: dict[str, Any]) -> int:
-    """Tokens a request reserves from a tokens-per-minute limit: its prompt plus what its completions may add.
-
-    A prompt still in text (a remote transport renders it) counts a token per four characters.
-    """
-    num_prompt = len(prompt) if isinstance(prompt, list) else len(prompt) // 4 + 1
-    return num_prompt + (params.get("n") or 1) * (params.get("max_tokens") or _DEFAULT_MAX_TOKENS)
-
-
-def _tool_choice(request: ChatRequest | CompletionRequest) -> str | None:
-    """The request's normalized tool choice (``sdk.tools.to_tool_choice``); None without tools."""
-    if not isinstance(request, ChatRequest):
-        return None
-    choice = to_tool_choice(request.tool_choice, request.tools)
-    if choice not in (None, "none") and request.response_format is not None:
-        raise InvalidRequestError("response_format and tool calls cannot constrain one reply; set tool_choice to none", param="response_format")
-    return choice
 
 
 def _with_options(request: RequestT, options: dict[str, Any]) -> RequestT:
@@ -641,23 +441,3 @@ def _refuse(setting: str, named: dict[str, Any], engine_config: dict[str, Any], 
     given = [name for name, value in named.items() if value is not None] + sorted(engine_config)
     if given:
         raise ValueError(f"{setting} and {', '.join(given)} both given: {reason}")
-
-
-async def _next(stream: AsyncIterator[TransportOutput], deadline: float | None) -> TransportOutput | None:
-    """The next output, or None at the end; raises TimeoutError past ``deadline``."""
-    try:
-        if deadline is None:
-            return await anext(stream)
-        return await asyncio.wait_for(anext(stream), max(deadline - time.monotonic(), 0.0))
-    except StopAsyncIteration:
-        return None
-
-
-async def _prepend(first: TransportOutput | None, stream: AsyncIterator[TransportOutput]) -> AsyncIterator[TransportOutput]:
-    try:
-        if first is not None:
-            yield first
-            async for out in stream:
-                yield out
-    finally:
-        await stream.aclose()  # type: ignore[attr-defined]

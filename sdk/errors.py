@@ -58,9 +58,33 @@ class PagedError(Exception):
 
 
 class InvalidRequestError(PagedError, ValueError):
-    """The request can never be served as asked: bad parameters, prompt too long, unknown option."""
+    """The request can never be served as asked: bad parameters, prompt too long, unknown option.
+
+    Attributes:
+        reason: the message after the field's name (``message == param + reason``), when it
+            begins with it; ``at()`` says the same of another name for the field. None otherwise.
+    """
 
     status_code = 400
+
+    def __init__(self, message: str, *, param: str | None = None, reason: str | None = None) -> None:
+        super().__init__(message, param=param)
+        self.reason = reason
+
+    @classmethod
+    def about(cls, param: str, reason: str) -> InvalidRequestError:
+        """The error ``f"{param}: {reason}"`` about the field ``param`` (a dotted path), its parts kept."""
+        return cls(f"{param}: {reason}", param=param, reason=f": {reason}")
+
+    def at(self, param: str | None) -> InvalidRequestError:
+        """This error about the same field under the name ``param`` (a wire name, a path inside a list).
+
+        The message names ``param`` when it named the field (``reason`` is known); else it is kept.
+        """
+        if param == self.param:
+            return self
+        message = str(self) if self.reason is None or param is None else param + self.reason
+        return InvalidRequestError(message, param=param, reason=None if param is None else self.reason)
 
 
 class AuthenticationError(PagedError):

@@ -4,6 +4,8 @@ The SDK's request types, the server's wire models and the framework adapters tak
 sampling fields (and ``priority`` / ``cache_salt``) from here, so each bound and help text is
 the one declared in ``engine.SamplingParams`` / ``engine.request_options.RequestOptions``.
 Types are strict, as the engine's own checks are: an int field takes no bool, float or str.
+The SDK's errors about these fields come from here too: a pydantic error (``invalid_request``)
+or an engine ``ParameterError`` (``from_engine``), each naming the field as the SDK does.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field, StringConstraints, ValidationError
 from pydantic.fields import FieldInfo
 
+from engine.errors import ParameterError
 from engine.knobs import Kind, Knob, knobs_of
 from engine.request_options import RequestOptions
 from engine.sampling_params import SamplingParams
@@ -76,5 +79,24 @@ def invalid_request(exc: ValidationError) -> InvalidRequestError:
         if isinstance(part, str) and not part.isidentifier():
             break  # a union member's tag (``constrained-str``, ``list[...]``), not a field
         loc.append(str(part))
-    param = ".".join(loc) or None
-    return InvalidRequestError(f"{param}: {first['msg']}" if param else first["msg"], param=param)
+    param = ".".join(loc)
+    return InvalidRequestError.about(param, first["msg"]) if param else InvalidRequestError(first["msg"])
+
+
+# where each engine constraint form lies in an SDK request (SDK errors about a constraint name these)
+CONSTRAINT_FIELDS = {
+    "json_schema": "response_format.json_schema.schema", "json_object": "response_format", "regex": "response_format.regex",
+    "choice": "response_format.choice", "grammar": "response_format.grammar", "structural_tag": "tools",
+}  # fmt: skip
+
+
+def from_engine(exc: ParameterError) -> InvalidRequestError:
+    """An engine ``ParameterError`` as the SDK's error, its field under the SDK's name.
+
+    The engine's ``structured_output.<form>`` is the request field that set the constraint
+    (``CONSTRAINT_FIELDS``); other fields keep their names.
+    """
+    param = exc.param
+    if param == "structured_output" or param.startswith("structured_output."):
+        param = CONSTRAINT_FIELDS.get(param.removeprefix("structured_output."), "response_format")
+    return InvalidRequestError(str(exc), param=exc.param, reason=exc.reason).at(param)

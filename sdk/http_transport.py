@@ -20,8 +20,8 @@ from typing import Any
 import aiohttp
 
 from sdk.errors import EngineFailure, InvalidRequestError, from_wire
-from sdk.transport import EngineRequest, PrefixPin, Transport, TransportOutput
-from sdk.types import ChatMessage, RequestLatency, TokenLogprob, TopLogprob
+from sdk.transport import EngineRequest, PrefixPin, Transport
+from sdk.types import ChatMessage, Delta, RequestLatency, SamplingOptions, TokenLogprob, TopLogprob, Usage
 from sdk.tools import ToolSpec
 from sdk.wire import Route, format_to_wire, message_to_wire, to_wire, tool_call_delta_from_wire
 
@@ -129,15 +129,16 @@ class HttpTransport(Transport):
     ) -> str:
         return ChatPrompt(messages, add_generation_prompt)
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[TransportOutput]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[Delta]:
         if isinstance(request.prompt, ChatPrompt) and not request.prompt.add_generation_prompt:
             raise InvalidRequestError("a chat prefix (no generation prompt) cannot be generated from")
         async for out in self._generate(request):
             yield out
 
-    async def _generate(self, request: EngineRequest) -> AsyncIterator[TransportOutput]:
+    async def _generate(self, request: EngineRequest) -> AsyncIterator[Delta]:
         route: Route = "chat" if isinstance(request.prompt, ChatPrompt) else "completion"
-        body = to_wire(route, request.sampling)
+        sampling = request.sampling.sampling_kwargs()
+        body = to_wire(route, sampling)
         body.update(model=self.model_name, stream=True, return_token_ids=True)
         body["stream_options"] = {"include_usage": True}
         if request.priority:
@@ -161,8 +162,8 @@ class HttpTransport(Transport):
                 await _json_or_raise(resp)
             self._open[request.request_id] = resp
             try:
-                async for out in _read_stream(resp, request.sampling.get("n") or 1):
-                    yield out
+                async for delta in _read_stream(resp, request.request_id, sampling.get("n") or 1):
+                    yield delta
             finally:
                 self._open.pop(request.request_id, None)
 
@@ -179,12 +180,12 @@ class HttpTransport(Transport):
         server's prefix cache keeps the blocks while they are reused. A chat prefix is sent
         with the server's generation prompt, so the pin's ``token_ids`` end with it.
         """
-        request = EngineRequest(f"pin-{uuid.uuid4().hex}", prompt, {"max_tokens": 1}, cache_salt=cache_salt)
+        request = EngineRequest(f"pin-{uuid.uuid4().hex}", prompt, SamplingOptions(max_tokens=1), cache_salt=cache_salt)
         prompt_ids: list[int] = []
         num_cached = 0
-        async for out in self._generate(request):
-            prompt_ids = list(out.prompt_token_ids) or prompt_ids
-            num_cached = out.num_cached_tokens
+        async for delta in self._generate(request):
+            prompt_ids = delta.prompt_token_ids or prompt_ids
+            num_cached = delta.usage.cached_tokens if delta.usage is not None else num_cached
         return PrefixPin(pin_id=request.request_id, token_ids=prompt_ids, num_cached_tokens=num_cached)
 
     async def unpin_prefix(self, pin_id: str) -> None:
@@ -207,25 +208,27 @@ async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, An
         yield json.loads(data)
 
 
-async def _read_stream(resp: aiohttp.ClientResponse, num_choices: int) -> AsyncIterator[TransportOutput]:
+async def _read_stream(resp: aiohttp.ClientResponse, request_id: str, num_choices: int) -> AsyncIterator[Delta]:
     """SSE events -> deltas of each choice; a choice's ``finish_reason`` closes it.
 
-    The request's last delta waits for the usage event (it carries the cached-token count).
+    The request's last delta waits for the usage event (it carries the cached-token count) and
+    has the request's usage: its prompt's tokens and the tokens the deltas carried.
     """
     prompt_ids: list[int] = []
-    num_cached = 0
+    sent_prompt = False
+    num_tokens = num_cached = 0
     latency: RequestLatency | None = None
     finished: set[int] = set()
-    last: TransportOutput | None = None
+    last: Delta | None = None
     async for event in sse_events(resp):
         if "error" in event:
             raise from_wire(resp.status, event["error"])
-        prompt_ids = event.get("prompt_token_ids") or prompt_ids
         usage = event.get("usage")
         if usage:
             num_cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
             if usage.get("latency"):  # ``paged serve``'s extension; other servers have none
-                latency = RequestLatency.model_validate(usage["latency"])
+                latency = RequestLatency(**usage["latency"])
+        prompt_ids = event.get("prompt_token_ids") or prompt_ids
         for choice in event.get("choices") or ():
             text = choice.get("text")
             if text is None:
@@ -240,14 +243,19 @@ async def _read_stream(resp: aiohttp.ClientResponse, num_choices: int) -> AsyncI
                 finished.add(index)
             if not (text or token_ids or logprobs or finish_reason or calls):
                 continue
-            out = TransportOutput(text, token_ids, finish_reason, prompt_ids, num_cached, logprobs, index, calls)
+            delta = Delta(request_id, index, text, token_ids, logprobs, finish_reason, tool_calls=calls)
+            if prompt_ids and not sent_prompt:
+                delta.prompt_token_ids, sent_prompt = list(prompt_ids), True
+            num_tokens += len(token_ids)
             if len(finished) == num_choices and finish_reason is not None:
-                last = out
+                last = delta
             else:
-                yield out
+                yield delta
     if last is None:
         raise EngineFailure("the server closed the stream before the request finished")
-    last.prompt_token_ids, last.num_cached_tokens, last.latency = prompt_ids, num_cached, latency
+    if not sent_prompt and prompt_ids:
+        last.prompt_token_ids = list(prompt_ids)
+    last.usage = Usage(len(prompt_ids), num_tokens, num_cached, latency)
     yield last
 
 

@@ -14,6 +14,8 @@ HTTP a tenant meets the same rules:
 - ``isolate_cache``: the tenant's prompts are salted with a key no client knows, so its KV
   blocks are never shared with another tenant's (no prefix-cache timing signal between
   tenants); its own requests still share them.
+
+``request_terms`` applies the caps and defaults to a request: the one place they are applied.
 """
 
 from __future__ import annotations
@@ -23,12 +25,19 @@ import hmac
 import json
 import secrets
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
-from engine.knobs import check_knobs, knob
+from engine.knobs import check_knobs, knob, short
 from engine.request_options import MAX_PRIORITY, MAX_WEIGHT
 from engine.sampling_params import MAX_TOKENS_LIMIT
+from sdk.errors import InvalidRequestError
+from sdk.fields import SAMPLING_KNOBS
+
+if TYPE_CHECKING:
+    from sdk.types import ChatRequest, CompletionRequest
 
 MAX_RATE = 1 << 40  # requests or tokens per minute
+ENGINE_MAX_TOKENS: int = SAMPLING_KNOBS["max_tokens"].default  # a request's max_tokens when nothing sets it
 
 # NOTE: one key per process: a salt derived from it cannot be guessed, so no client can send the
 # cache_salt of an isolated tenant and share (or time) its blocks.
@@ -73,3 +82,50 @@ def isolated_salt(tenant: str, cache_salt: str | None) -> str:
     """The engine cache salt of an isolated tenant's request: keyed on the tenant and the request's own salt."""
     message = json.dumps([tenant, cache_salt]).encode()
     return "tenant-" + hmac.new(_SALT_KEY, message, hashlib.sha256).hexdigest()
+
+
+class Terms(NamedTuple):
+    """What a request runs with, its tenant's policy applied."""
+
+    priority: int
+    max_tokens: int | None  # None = the engine's default
+    cache_salt: str | None  # the engine's salt
+    weight: float
+
+
+def request_terms(policy: TenantPolicy | None, tenant: str | None, request: ChatRequest | CompletionRequest) -> Terms:
+    """The priority, ``max_tokens``, cache salt and fair-share weight of ``request`` under ``policy`` (None = none).
+
+    A request without ``max_tokens`` gets its type's ``default_max_tokens``, and under a cap
+    the smaller of that (or the engine's default) and the cap.
+
+    Raises:
+        InvalidRequestError: it asked for a priority earlier than the tenant's, or more
+            ``max_tokens`` than its cap; ``param`` names the field.
+    """
+    max_tokens = request.max_tokens
+    if policy is None:
+        return Terms(request.priority, type(request).default_max_tokens if max_tokens is None else max_tokens, request.cache_salt, 1.0)
+    priority = policy.priority
+    if "priority" in request.model_fields_set:
+        if request.priority < priority:
+            raise InvalidRequestError.about(
+                "priority", f"this tenant's requests may ask for {priority} or later (larger); got {short(request.priority)}"
+            )
+        priority = request.priority
+    cap = policy.max_tokens
+    if max_tokens is None:
+        max_tokens = type(request).default_max_tokens
+        if cap is not None:
+            max_tokens = min(cap, max_tokens or ENGINE_MAX_TOKENS)
+    elif cap is not None and max_tokens > cap:
+        raise InvalidRequestError.about("max_tokens", f"this tenant's requests may ask for at most {cap}; got {max_tokens}")
+    return Terms(priority, max_tokens, engine_salt(policy, tenant, request.cache_salt), policy.weight)
+
+
+def engine_salt(policy: TenantPolicy | None, tenant: str | None, cache_salt: str | None) -> str | None:
+    """The engine cache salt of a request: the tenant's own namespace when its policy isolates the cache."""
+    if policy is not None and policy.isolate_cache:
+        assert tenant is not None
+        return isolated_salt(tenant, cache_salt)
+    return cache_salt

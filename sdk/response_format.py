@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, Val
 from engine.errors import ParameterError
 from engine.structured_output import StructuredOutput
 from sdk.errors import InvalidRequestError
+from sdk.fields import from_engine
 
 PARAM = "response_format"
 TYPES = ("text", "json_object", "json_schema", "regex", "choice", "grammar")
@@ -128,8 +129,7 @@ def to_response_format(value: Any) -> Any:
     except ValidationError as exc:
         first = exc.errors(include_url=False, include_input=False)[0]
         where = ".".join(str(p) for p in first["loc"][1:])  # loc[0] is the union member's tag
-        param = f"{PARAM}.{where}" if where else PARAM
-        raise InvalidRequestError(f"{param}: {first['msg']}", param=param) from None
+        raise InvalidRequestError.about(f"{PARAM}.{where}" if where else PARAM, first["msg"]) from None
 
 
 def to_structured_output(response_format: Any) -> StructuredOutput | None:
@@ -151,20 +151,7 @@ def to_structured_output(response_format: Any) -> StructuredOutput | None:
             return StructuredOutput(choice=tuple(response_format.choice))
         return StructuredOutput(grammar=response_format.grammar)
     except ParameterError as exc:
-        raise InvalidRequestError(str(exc).replace("structured_output", PARAM), param=PARAM) from None
-
-
-# engine constraint form -> the request field that set it
-_FIELDS = {
-    "json_schema": f"{PARAM}.json_schema.schema", "json_object": PARAM, "regex": f"{PARAM}.regex",
-    "choice": f"{PARAM}.choice", "grammar": f"{PARAM}.grammar", "structural_tag": "tools",
-}  # fmt: skip
-
-
-def request_param(engine_param: str) -> str:
-    """The request field behind an engine error about its constraint (``structured_output.<form>``):
-    the response format's, or ``tools`` for a tool choice's constraint."""
-    return _FIELDS.get(engine_param.removeprefix("structured_output."), PARAM)
+        raise from_engine(exc).at(PARAM) from None  # NOTE: a limit of the whole constraint
 
 
 def parse(response_format: Any, text: str) -> Any:

@@ -1,9 +1,10 @@
 """Transports: where a client's engine-level requests run.
 
 The client builds an ``EngineRequest`` (prompt + sampling knobs, after the hooks ran),
-a ``Transport`` executes it and yields ``TransportOutput`` deltas. ``InProcessTransport``
-drives the ``engine.AsyncEngine`` of a ``sdk.runtime.Runtime`` in this process; it renders
-and tokenizes prompts on the ``sdk.prompt_worker`` threads, never on the event loop, after
+a ``Transport`` executes it and yields the engine's ``Delta``s. ``InProcessTransport``
+drives the ``engine.AsyncEngine`` of a ``sdk.runtime.Runtime`` in this process and passes
+its deltas on as they come (it only moves tool calls out of their text); it renders and
+tokenizes prompts on the ``sdk.prompt_worker`` threads, never on the event loop, after
 checking that their characters can fit ``max_model_len``.
 """
 
@@ -12,20 +13,20 @@ from __future__ import annotations
 import abc
 import asyncio
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sdk.chat_template import check_prompt_chars, render_chat
-from sdk.errors import EngineFailure, EngineRestarting, InvalidRequestError, OverloadedError
+from sdk.errors import EngineFailure, EngineRestarting, OverloadedError
+from sdk.fields import from_engine
 from sdk.prompt_worker import PROMPT_WORKER
-from sdk.response_format import request_param, to_structured_output
+from sdk.response_format import to_structured_output
 from sdk.runtime import Runtime
-from sdk.tools import ToolCallDelta, ToolCallParser, ToolSpec, tool_constraint
-from sdk.types import ChatMessage, RequestLatency, TokenLogprob, TopLogprob
+from sdk.tools import ToolCallParser, ToolSpec, tool_constraint
+from sdk.types import ChatMessage, Delta, SamplingOptions
 
 if TYPE_CHECKING:
     from engine import AsyncEngine
-    from engine.outputs import Logprob, RequestMetrics
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +35,7 @@ class EngineRequest:
 
     request_id: str
     prompt: str | list[int]
-    sampling: dict[str, Any]  # engine.SamplingParams keyword arguments
+    sampling: SamplingOptions  # the knobs set (None = the engine's default), the tenant's caps applied
     priority: int = 0
     cache_salt: str | None = None
     tenant: str | None = None  # the engine's fair share (engine.core.fair_share)
@@ -43,21 +44,6 @@ class EngineRequest:
     tools: list[ToolSpec] | None = None  # rendered into the prompt already; the output is parsed for calls
     tool_choice: str | None = None  # "auto" | "none" | "required" | a tool's name (sdk.tools.to_tool_choice)
     parallel_tool_calls: bool = True
-
-
-@dataclass(slots=True)
-class TransportOutput:
-    """New output of completion ``index`` since its previous one; ``finish_reason`` is set on its last."""
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    prompt_token_ids: Sequence[int] = field(default_factory=list)
-    num_cached_tokens: int = 0
-    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when asked for
-    index: int = 0  # which of the request's n completions
-    tool_calls: list[ToolCallDelta] | None = None  # new output of the completion's tool calls
-    latency: RequestLatency | None = None  # the engine's breakdown, on the outputs of a finished request
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,8 +100,8 @@ class Transport(abc.ABC):
         return prompt
 
     @abc.abstractmethod
-    def generate(self, request: EngineRequest) -> AsyncIterator[TransportOutput]:
-        """Run ``request``, yielding deltas; closing the iterator early aborts the request.
+    def generate(self, request: EngineRequest) -> AsyncIterator[Delta]:
+        """Run ``request``, yielding its deltas (``usage`` on the last); closing the iterator early aborts the request.
 
         Raises:
             InvalidRequestError: bad sampling knobs or a prompt the engine cannot serve.
@@ -194,62 +180,26 @@ class InProcessTransport(Transport):
         assert prompt is not None
         return prompt
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[TransportOutput]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[Delta]:
         from engine import errors as engine_errors
         from engine.sampling_params import SamplingParams
 
         stream = None
         try:
-            params = SamplingParams(**request.sampling, structured_output=engine_constraint(request))
-            stream = self.engine.generate(
+            params = SamplingParams(**request.sampling.sampling_kwargs(), structured_output=engine_constraint(request))
+            stream = self.engine.stream(
                 request.prompt, params, request_id=request.request_id, priority=request.priority,
                 cache_salt=request.cache_salt, tenant=request.tenant, weight=request.weight,
             )  # fmt: skip
-            # per completion: characters and tokens sent so far, and whether it finished
-            sent = [[0, 0, False] for _ in range(params.n)]
-            parses_calls = request.tools is not None and request.tool_choice != "none"
-            parsers = [ToolCallParser(request.tools) for _ in range(params.n)] if parses_calls else None  # type: ignore[arg-type]
-            async for out in stream:
-                latency = _latency(out.metrics) if out.finished and out.metrics is not None else None
-                for completion in out.outputs:
-                    progress = sent[completion.index]
-                    num_text, num_tokens, done = progress
-                    if done:
-                        continue
-                    token_ids = completion.token_ids[num_tokens:]
-                    finish_reason = completion.finish_reason
-                    if not (token_ids or finish_reason):
-                        continue
-                    logprobs = None
-                    if params.logprobs is not None and completion.logprobs is not None:
-                        # NOTE: entries align with token_ids by position; a trailing stop token may have one too.
-                        entries = completion.logprobs[num_tokens:]
-                        logprobs = [_token_logprob(e, t, params.logprobs) for t, e in zip(token_ids, entries)]
-                    progress[:] = [len(completion.text), len(completion.token_ids), finish_reason is not None]
-                    text, calls = completion.text[num_text:], None
-                    if parsers is not None:
-                        parser = parsers[completion.index]
-                        text, calls = parser.feed(text)
-                        if finish_reason is not None:
-                            text += parser.finish()
-                        if finish_reason == "stop" and parser.num_complete_calls:
-                            finish_reason = "tool_calls"
-                    yield TransportOutput(
-                        text=text,
-                        token_ids=token_ids,
-                        finish_reason=finish_reason,
-                        prompt_token_ids=out.prompt_token_ids,
-                        num_cached_tokens=out.num_cached_tokens,
-                        logprobs=logprobs,
-                        index=completion.index,
-                        tool_calls=calls or None,
-                        latency=latency,
-                    )
+            if request.tools is None or request.tool_choice == "none":
+                async for delta in stream:
+                    yield delta
+                return
+            parsers = [ToolCallParser(request.tools) for _ in range(params.n)]
+            async for delta in stream:
+                yield _with_calls(delta, parsers[delta.index])
         except engine_errors.ParameterError as exc:  # bad knobs, a prompt that can never be served, an id in use
-            if exc.param.startswith("structured_output"):  # a constraint the engine could not compile
-                param = request_param(exc.param)
-                raise InvalidRequestError(str(exc).replace(exc.param, param), param=param) from exc
-            raise InvalidRequestError(str(exc), param=exc.param) from exc
+            raise from_engine(exc) from exc
         except engine_errors.EngineOverloaded as exc:
             raise OverloadedError(str(exc)) from exc
         except engine_errors.EngineRestarting as exc:
@@ -270,7 +220,7 @@ class InProcessTransport(Transport):
         try:
             pinned = await self.engine.pin_prefix(token_ids, cache_salt=cache_salt)
         except ParameterError as exc:
-            raise InvalidRequestError(str(exc), param=exc.param) from exc
+            raise from_engine(exc) from exc
         return PrefixPin(str(pinned.pin_id), list(token_ids), pinned.num_cached_tokens)
 
     async def unpin_prefix(self, pin_id: str) -> None:
@@ -287,25 +237,12 @@ def engine_constraint(request: EngineRequest) -> Any:
     return to_structured_output(request.response_format)
 
 
-def _latency(metrics: RequestMetrics) -> RequestLatency:
-    """The engine's timing of a finished request, as the SDK reports it."""
-    return RequestLatency(
-        e2e_s=metrics.e2e_latency,
-        queue_s=metrics.time_in_queue,
-        prefill_s=metrics.prefill_time,
-        decode_s=metrics.decode_time,
-        preempted_s=metrics.preempted_seconds,
-        computed_prompt_tokens=metrics.num_computed_prompt_tokens,
-        cached_prompt_tokens=metrics.num_cached_prompt_tokens,
-    )
-
-
-def _token_logprob(entry: dict[int, Logprob], token_id: int, top_k: int) -> TokenLogprob:
-    """The sampled token's logprob and the ``top_k`` most likely candidates of one engine entry."""
-    sampled = entry.get(token_id)
-    top = sorted(entry.values(), key=lambda lp: lp.rank)[:top_k]
-    return TokenLogprob(
-        token=sampled.decoded_token if sampled is not None else "",
-        logprob=sampled.logprob if sampled is not None else float("-inf"),
-        top_logprobs=[TopLogprob(token=lp.decoded_token, logprob=lp.logprob) for lp in top],
-    )
+def _with_calls(delta: Delta, parser: ToolCallParser) -> Delta:
+    """``delta`` with its completion's tool calls moved out of its text (``finish_reason`` "tool_calls" once it made one)."""
+    delta.text, calls = parser.feed(delta.text)
+    delta.tool_calls = calls or None
+    if delta.finish_reason is not None:
+        delta.text += parser.finish()
+        if delta.finish_reason == "stop" and parser.num_complete_calls:
+            delta.finish_reason = "tool_calls"
+    return delta

@@ -1,14 +1,25 @@
-"""Pydantic models of the SDK's requests and results, shared by the clients, adapters and the HTTP server."""
+"""The SDK's requests and results, shared by the clients, adapters and the HTTP server.
+
+Requests and results are pydantic models. What streams is the engine's own ``Delta`` (with
+its ``TokenLogprob``s and, on a request's last delta, its ``Usage``): the one delta type from
+the engine to the wire, re-exported here.
+"""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, computed_field, create_model, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, create_model, field_validator
 
+from engine.outputs import Delta, RequestLatency, TokenLogprob, TopLogprob, Usage
 from sdk.fields import REQUEST_KNOBS, SAMPLING_FIELDS, field, sampling_fields
 from sdk.response_format import ResponseFormat, to_response_format
-from sdk.tools import ToolCall, ToolCallDelta, ToolChoice, ToolSpec, to_tools
+from sdk.tools import ToolCall, ToolChoice, ToolSpec, to_tools
+
+__all__ = [
+    "ChatMessage", "ChatRequest", "ChatResult", "Choice", "CompletionRequest", "CompletionResult", "Delta",
+    "FinishReason", "RequestLatency", "Role", "SamplingOptions", "TokenLogprob", "TopLogprob", "Usage",
+]  # fmt: skip
 
 Role = Literal["system", "user", "assistant", "tool"]
 FinishReason = Literal["stop", "length", "abort", "content_filter", "tool_calls"]
@@ -63,6 +74,10 @@ class _SamplingBase(BaseModel):
         """The sampling fields set on this request, as ``engine.SamplingParams`` keyword arguments."""
         return self.model_dump(include=set(SAMPLING_FIELDS), exclude_none=True)
 
+    def sampling(self, max_tokens: int | None) -> SamplingOptions:
+        """This request's sampling knobs alone, ``max_tokens`` as given (already checked: not validated again)."""
+        return SamplingOptions.model_construct(**{**self.sampling_kwargs(), "max_tokens": max_tokens})
+
 
 # NOTE: the fields, bounds and help are engine.SamplingParams' (sdk.fields); None = the engine's default.
 SamplingOptions = create_model(
@@ -81,6 +96,9 @@ _RequestOptions = create_model(
 
 
 class _RequestBase(_RequestOptions):  # type: ignore[misc, valid-type]
+    default_max_tokens: ClassVar[int | None] = None
+    """``max_tokens`` of a request that sets none (a tenant's cap still bounds it); None = the engine's default."""
+
     timeout: float | None = Field(default=None, gt=0)
     """Seconds before the request is aborted with ``RequestTimeout``."""
     response_format: Annotated[ResponseFormat | None, BeforeValidator(to_response_format)] = None
@@ -103,87 +121,6 @@ class CompletionRequest(_RequestBase):
     """A raw completion request: the prompt is text or token ids, used as given."""
 
     prompt: str | list[int]
-
-
-class RequestLatency(BaseModel):
-    """Where one request's time went, by the engine's clock, and where its prompt's KV came from.
-
-    ``queue_s + prefill_s + decode_s == e2e_s``; ``preempted_s`` is the part of prefill and
-    decode the request spent preempted. A phase the request never reached is None.
-    """
-
-    e2e_s: float | None = None
-    """Arrival in the engine to finish."""
-    queue_s: float | None = None
-    """Arrival to first scheduled."""
-    prefill_s: float | None = None
-    """First scheduled to first token."""
-    decode_s: float | None = None
-    """First token to finish."""
-    preempted_s: float = 0.0
-    computed_prompt_tokens: int = 0
-    """Prompt tokens the model computed."""
-    cached_prompt_tokens: int = 0
-    """Prompt tokens served from the prefix cache instead."""
-
-
-class Usage(BaseModel):
-    """Token counts of one request."""
-
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    """Prompt tokens served from the prefix cache (not recomputed)."""
-    latency: RequestLatency | None = None
-    """The engine's breakdown of the request's time, once it finished there; None before, or
-    over a transport whose server does not report it."""
-
-    @computed_field  # type: ignore[prop-decorator]
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-
-class TopLogprob(BaseModel):
-    """One candidate token and its log probability."""
-
-    model_config = ConfigDict(frozen=True)
-
-    token: str
-    logprob: float
-
-
-class TokenLogprob(BaseModel):
-    """A generated token's log probability and the most likely candidates at its position."""
-
-    model_config = ConfigDict(frozen=True)
-
-    token: str
-    logprob: float
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-    """Most likely first; as many as the request's ``logprobs`` asked for."""
-
-
-class Delta(BaseModel):
-    """New output of one completion of a streaming request.
-
-    Each completion's last delta has its ``finish_reason``; the request's very last delta
-    also has ``usage`` (totals over its ``n`` completions).
-    """
-
-    request_id: str
-    index: int = 0
-    """Which of the request's ``n`` completions this continues."""
-    text: str = ""
-    token_ids: list[int] = Field(default_factory=list)
-    tool_calls: list[ToolCallDelta] | None = None
-    """New output of the reply's tool calls (a call's id and name first, then argument fragments)."""
-    logprobs: list[TokenLogprob] | None = None
-    """One per token of ``token_ids``, when the request set ``logprobs``."""
-    prompt_token_ids: list[int] | None = None
-    """The prompt as the engine tokenized it; set on a request's first delta only."""
-    finish_reason: FinishReason | None = None
-    usage: Usage | None = None
 
 
 class Choice(BaseModel):

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from sdk.errors import InvalidRequestError
-from sdk.fields import SAMPLING_FIELDS, invalid_request
+from sdk.fields import CONSTRAINT_FIELDS, SAMPLING_FIELDS, invalid_request
 from sdk.tools import ToolCallDelta
 from sdk.types import ChatMessage
 
@@ -56,8 +56,6 @@ GUIDED_FIELDS = {f"guided_{key}": key for key in ("json", "regex", "choice", "gr
 # fallback, and JSON is always written as json.dumps writes it. Any other key is refused.
 STRUCTURED_OUTPUTS_IGNORED = ("backend", "disable_fallback", "disable_any_whitespace")
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")  # OpenAI's
-# where each form's constraint lies in the SDK's response_format (SDK errors name these paths)
-_SDK_PATHS = {"json_schema": "response_format.json_schema.schema", "json_object": "response_format"}
 
 
 def format_to_wire(response_format: Any) -> dict[str, Any]:
@@ -126,21 +124,27 @@ def _format_of(kind: str, value: Any) -> Any:
     return {"type": kind, kind: value}
 
 
-def format_param(field: str, param: str) -> str:
-    """The wire name of an SDK error's ``param`` about a constraint that the body's ``field`` set.
+def wire_param(route: Route, param: str | None, format_field: str | None = None) -> str | None:
+    """The wire name of the field an SDK error names (``param``, a dotted path): the one place they are renamed.
 
-    ``field`` is ``format_from_wire``'s second value; ``param`` is ``response_format`` or
-    ``response_format.<path>``, the SDK's names. A ``response_format`` field keeps them; under
-    the vLLM fields the path below the constraint follows the field (``guided_choice.2``), and
-    an error about the whole constraint (it does not compile, or is past a limit) names the field.
+    A chat's ``prompt`` is its ``messages``; a sampling knob takes its wire name (``WIRE_NAMES``).
+    ``format_field`` is ``format_from_wire``'s second value: under a ``response_format`` field
+    the SDK's paths are the wire's; under the vLLM fields, the path below the constraint
+    follows the field (``guided_choice.2``), and an error about the whole constraint (it does
+    not compile, or is past a limit) names the field.
     """
-    if field == "response_format":
+    if param is None:
+        return None
+    if route == "chat" and param == "prompt":
+        return "messages"  # a chat's prompt is its rendered messages
+    if format_field is None or param.split(".")[0] != "response_format":
+        return WIRE_NAMES[route].get(param, param)
+    if format_field == "response_format":
         return param
-    kind = STRUCTURED_OUTPUTS_KEYS[field.removeprefix("structured_outputs.").removeprefix("guided_")]
-    path = _SDK_PATHS.get(kind, f"response_format.{kind}")
+    path = CONSTRAINT_FIELDS[STRUCTURED_OUTPUTS_KEYS[format_field.removeprefix("structured_outputs.").removeprefix("guided_")]]
     if param.startswith(path + "."):
-        return field + param[len(path) :]
-    return field
+        return format_field + param[len(path) :]
+    return format_field
 
 
 def message_to_wire(message: Any) -> dict[str, Any]:
@@ -168,7 +172,7 @@ def message_from_wire(body: dict[str, Any]) -> Any:
     content = body.get("content")
     if isinstance(content, list):
         if any(part.get("type") != "text" or not isinstance(part.get("text"), str) for part in content):
-            raise InvalidRequestError("content: only text parts are supported", param="content")
+            raise InvalidRequestError.about("content", "only text parts are supported")
         content = "".join(part["text"] for part in content)
     calls = []
     for m, raw in enumerate(body.get("tool_calls") or ()):
@@ -177,9 +181,9 @@ def message_from_wire(body: dict[str, Any]) -> Any:
         try:
             arguments = json.loads(function.get("arguments") or "")
         except (json.JSONDecodeError, TypeError):
-            raise InvalidRequestError(f"{where}: not valid JSON", param=where) from None
+            raise InvalidRequestError.about(where, "not valid JSON") from None
         if not isinstance(arguments, dict):
-            raise InvalidRequestError(f"{where}: must be a JSON object", param=where)
+            raise InvalidRequestError.about(where, "must be a JSON object")
         calls.append({"id": raw.get("id"), "name": function.get("name"), "arguments": arguments})
     role = "system" if body.get("role") == "developer" else body.get("role")
     try:

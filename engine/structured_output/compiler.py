@@ -75,7 +75,7 @@ class GrammarCompiler:
                 return compiler.compile_structural_tag(constraint.structural_tag)
             return compiler.compile_grammar(constraint.grammar)
         except (RuntimeError, ValueError) as exc:  # xgrammar reports every parse or conversion error so
-            raise ParameterError(constraint.param, f"{constraint.param} is invalid: {_first_line(exc)}") from None
+            raise ParameterError.about(constraint.param, f"is invalid: {_first_line(exc)}") from None
 
     def _get_compiler(self) -> Any:
         with self._lock:
@@ -116,14 +116,12 @@ def json_grammar(schema: str) -> str:
     try:
         return str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
     except (RuntimeError, ValueError) as exc:
-        raise ParameterError(param, f"{param}: a schema is invalid: {_first_line(exc)}") from None
+        raise ParameterError.about(param, f"holds a schema that is invalid: {_first_line(exc)}") from None
 
 
 def too_slow(constraint: StructuredOutput) -> ParameterError:
     """The error of a constraint that did not compile within ``MAX_COMPILE_SECONDS``."""
-    return ParameterError(
-        constraint.param, f"{constraint.param} did not compile within {MAX_COMPILE_SECONDS:g} s; simplify it"
-    )
+    return ParameterError.about(constraint.param, f"did not compile within {MAX_COMPILE_SECONDS:g} s; simplify it")
 
 
 def _first_line(exc: BaseException) -> str:

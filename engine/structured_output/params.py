@@ -51,7 +51,7 @@ class StructuredOutput:
                 "structured_output", f"structured_output takes exactly one of {', '.join(FORMS)}; got {len(given)}"
             )
         if not isinstance(self.json_object, bool):
-            raise ParameterError("structured_output.json_object", "structured_output.json_object must be a bool")
+            raise ParameterError.about("structured_output.json_object", "must be a bool")
         for name in ("json_schema", "structural_tag"):
             value = getattr(self, name)
             if value is not None:
@@ -76,9 +76,9 @@ class StructuredOutput:
 
 def _check_text(param: str, value: Any) -> None:
     if not isinstance(value, str) or not value:
-        raise ParameterError(param, f"{param} must be a non-empty str")
+        raise ParameterError.about(param, "must be a non-empty str")
     if len(value) > MAX_CONSTRAINT_CHARS:
-        raise ParameterError(param, f"{param} has {len(value)} characters; the limit is {MAX_CONSTRAINT_CHARS}")
+        raise ParameterError.about(param, f"has {len(value)} characters; the limit is {MAX_CONSTRAINT_CHARS}")
 
 
 def _object_text(param: str, schema: Any) -> str:
@@ -87,13 +87,13 @@ def _object_text(param: str, schema: Any) -> str:
         try:
             schema = json.loads(schema)
         except json.JSONDecodeError as exc:
-            raise ParameterError(param, f"{param} is not valid JSON: {exc.msg}") from None
+            raise ParameterError.about(param, f"is not valid JSON: {exc.msg}") from None
     if not isinstance(schema, dict):
-        raise ParameterError(param, f"{param} must be a JSON object (a dict); got {type(schema).__name__}")
+        raise ParameterError.about(param, f"must be a JSON object (a dict); got {type(schema).__name__}")
     try:
         text = json.dumps(schema, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
-        raise ParameterError(param, f"{param} is not JSON-serialisable: {exc}") from None
+        raise ParameterError.about(param, f"is not JSON-serialisable: {exc}") from None
     _check_text(param, text)
     return text
 
@@ -101,10 +101,10 @@ def _object_text(param: str, schema: Any) -> str:
 def _check_choice(choice: Any) -> tuple[str, ...]:
     param = "structured_output.choice"
     if not isinstance(choice, (list, tuple)) or not choice:
-        raise ParameterError(param, f"{param} must be a non-empty list of str")
+        raise ParameterError.about(param, "must be a non-empty list of str")
     if len(choice) > MAX_CHOICES:
-        raise ParameterError(param, f"{param} holds at most {MAX_CHOICES} strings; got {len(choice)}")
+        raise ParameterError.about(param, f"holds at most {MAX_CHOICES} strings; got {len(choice)}")
     for c in choice:
         if not isinstance(c, str) or not 1 <= len(c) <= MAX_CHOICE_CHARS:
-            raise ParameterError(param, f"{param} must hold strs of 1 to {MAX_CHOICE_CHARS} characters")
+            raise ParameterError.about(param, f"must hold strs of 1 to {MAX_CHOICE_CHARS} characters")
     return tuple(choice)

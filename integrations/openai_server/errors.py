@@ -9,10 +9,9 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from integrations.openai_server.protocol import ErrorInfo, ErrorResponse
-from sdk.errors import PagedError, RateLimited, error_type
+from sdk.errors import InvalidRequestError, PagedError, RateLimited, error_type
 from sdk.fields import invalid_request
-from sdk.response_format import PARAM
-from sdk.wire import WIRE_NAMES, Route, format_param
+from sdk.wire import Route, wire_param
 
 logger = logging.getLogger(__name__)
 
@@ -72,19 +71,16 @@ def from_validation(exc: ValidationError) -> ApiError:
 def from_sdk(exc: PagedError, route: Route, format_field: str | None = None) -> ApiError:
     """The HTTP answer to an SDK error, from its type's status, code and param; never a traceback.
 
-    ``format_field`` is the wire field that set the request's constraint: the SDK's
-    ``response_format`` params are renamed after it.
+    The field it names takes its wire name (``sdk.wire.wire_param``; ``format_field`` is the
+    wire field that set the request's constraint), and so does the message of an error about
+    one field.
     """
     headers = {"Retry-After": RETRY_AFTER} if exc.status_code in (429, 503) else None
     if isinstance(exc, RateLimited):
         headers = {"Retry-After": retry_after(exc.retry_after)}
-    param = exc.param
-    if route == "chat" and param == "prompt":
-        param = "messages"  # a chat's prompt is its rendered messages
-    elif format_field is not None and param is not None and param.split(".")[0] == PARAM:
-        param = format_param(format_field, param)
-    elif param is not None:
-        param = WIRE_NAMES[route].get(param, param)
+    param = wire_param(route, exc.param, format_field)
+    if isinstance(exc, InvalidRequestError):
+        exc = exc.at(param)
     return ApiError(exc.status_code, exc.public_message, param=param, code=exc.code, headers=headers)
 
 

@@ -1,13 +1,15 @@
-"""What a request body becomes before the SDK sees it: parsed strictly, checked for the tenant, SDK options and origin.
+"""What a request body becomes before the SDK sees it: parsed strictly, checked for the tenant, the SDK's typed request, origin.
 
 Bodies are validated from JSON in pydantic's strict mode (a string is not an integer, nor
-``1`` a bool), off the event loop past ``THREAD_PARSE_BYTES``.
+``1`` a bool), off the event loop past ``THREAD_PARSE_BYTES``, then turned once into the
+SDK's ``ChatRequest`` / ``CompletionRequest`` (one per prompt). The tenant's caps are not
+applied here: its SDK client applies them (``sdk.policy.request_terms``).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, ClassVar
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
@@ -15,11 +17,13 @@ from pydantic import BaseModel, ValidationError
 from integrations.openai_server.errors import ApiError, bad_request, from_sdk, from_validation
 from integrations.openai_server.policy import Tenant
 from integrations.openai_server.serving import Serving
-from sdk.errors import PagedError
+from sdk.errors import InvalidRequestError, PagedError
+from sdk.fields import invalid_request
 from sdk.hooks import RequestOrigin
 from sdk.prompt_worker import PROMPT_WORKER
 from sdk.response_format import to_response_format
-from sdk.wire import Route, format_from_wire
+from sdk.types import ChatRequest, CompletionRequest
+from sdk.wire import Route, format_from_wire, message_from_wire
 from sdk.wire import from_wire as sampling_from_wire
 
 THREAD_PARSE_BYTES = 64 << 10  # bodies past this are parsed off the event loop
@@ -60,35 +64,53 @@ def check_common(body: Any, serving: Serving, tenant: Tenant) -> None:
         )  # fmt: skip
 
 
-def sdk_options(body: Any, route: Route, tenant: Tenant) -> tuple[dict[str, Any], str | None]:
-    """The SDK request options a body sets, and the wire field that set its constraint (None without one).
+class WireCompletionRequest(CompletionRequest):
+    """A request to ``/v1/completions``: without ``max_tokens``, OpenAI's 16 (or the tenant's cap, if smaller)."""
 
-    The options are its sampling knobs under the engine's names, priority (when set: else the
-    tenant's), cache_salt, response_format (any wire spelling, as an SDK format) and a chat's
-    tools, tool_choice and parallel_tool_calls (the SDK validates them). A completion that sets
-    no ``max_tokens`` gets OpenAI's 16, or the tenant's cap if smaller.
+    default_max_tokens: ClassVar[int | None] = COMPLETION_MAX_TOKENS
+
+
+def sdk_requests(body: Any, route: Route) -> tuple[list[ChatRequest | CompletionRequest], str | None]:
+    """The body as the SDK's typed requests (a chat's one, or one per prompt), and the wire field that set its constraint.
+
+    The requests carry its sampling knobs under the engine's names, priority (when set: else
+    the tenant's), cache_salt, response_format (any wire spelling) and a chat's messages,
+    tools, tool_choice and parallel_tool_calls.
 
     Raises:
-        ApiError: a 400 for a constraint the SDK refuses, ``param`` naming the wire field.
+        ApiError: a 400 for a field the SDK refuses, ``param`` naming the wire field.
     """
     data = body.model_dump()
-    options = sampling_from_wire(route, data)
+    fields = sampling_from_wire(route, data)
     if route == "chat" and body.max_completion_tokens is not None:
-        options["max_tokens"] = body.max_completion_tokens
-    if route == "completion" and body.max_tokens is None:
-        options["max_tokens"] = min(COMPLETION_MAX_TOKENS, tenant.policy.max_tokens or COMPLETION_MAX_TOKENS)
+        fields["max_tokens"] = body.max_completion_tokens
     if body.priority is not None:
-        options["priority"] = body.priority
-    options["cache_salt"] = body.cache_salt
-    if route == "chat":
-        options.update(tools=body.tools, tool_choice=body.tool_choice, parallel_tool_calls=body.parallel_tool_calls)
-    field = None
+        fields["priority"] = body.priority
+    fields["cache_salt"] = body.cache_salt
+    format_field = None
     try:
-        fmt, field = format_from_wire(data)
-        options["response_format"] = to_response_format(fmt)
+        if route == "chat":
+            fields["messages"] = [_message(i, m.model_dump(exclude_none=True)) for i, m in enumerate(body.messages)]
+        fmt, format_field = format_from_wire(data)
+        fields["response_format"] = to_response_format(fmt)
+        if route == "completion":
+            first, *rest = body.prompts()
+            request = WireCompletionRequest(prompt=first, **fields)
+            return [request, *(request.model_copy(update={"prompt": prompt}) for prompt in rest)], format_field
+        tools = {"tools": body.tools, "tool_choice": body.tool_choice, "parallel_tool_calls": body.parallel_tool_calls}
+        return [ChatRequest(**fields, **tools)], format_field
+    except ValidationError as exc:
+        raise from_sdk(invalid_request(exc), route, format_field) from None
     except PagedError as exc:
-        raise from_sdk(exc, route, field) from None
-    return options, field
+        raise from_sdk(exc, route, format_field) from None
+
+
+def _message(index: int, body: dict[str, Any]) -> Any:
+    """Message ``index`` of a chat body as an SDK message; its errors name their path under ``messages``."""
+    try:
+        return message_from_wire(body)
+    except InvalidRequestError as exc:
+        raise exc.at(f"messages.{index}" + (f".{exc.param}" if exc.param else "")) from None
 
 
 def origin(request: web.Request) -> RequestOrigin:

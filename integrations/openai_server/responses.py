@@ -1,16 +1,15 @@
-"""Wire pieces built from the serving chunks (logprobs in both OpenAI formats, token ids, usage) and rate-limit headers."""
+"""Wire pieces built from the SDK's deltas (logprobs in both OpenAI formats, token ids, usage) and rate-limit headers."""
 
 from __future__ import annotations
 
 import math
 
 from integrations.openai_server import protocol as p
-from integrations.openai_server.serving import Chunk
 from sdk.rate_limit import RateLimitState
-from sdk.types import RequestLatency, TokenLogprob
+from sdk.types import Delta, RequestLatency, TokenLogprob
 
 
-def chat_logprobs(chunks: list[Chunk]) -> p.ChatLogprobs:
+def chat_logprobs(deltas: list[Delta]) -> p.ChatLogprobs:
     """Chat format: per token its string, logprob, UTF-8 bytes and top candidates."""
     return p.ChatLogprobs(
         content=[
@@ -22,14 +21,14 @@ def chat_logprobs(chunks: list[Chunk]) -> p.ChatLogprobs:
                     p.TopLogprob(token=c.token, logprob=c.logprob, bytes=list(c.token.encode())) for c in t.top_logprobs
                 ],
             )
-            for t in _infos(chunks)
+            for t in _infos(deltas)
         ]
     )
 
 
-def completion_logprobs(chunks: list[Chunk], offset: int = 0) -> p.CompletionLogprobs:
+def completion_logprobs(deltas: list[Delta], offset: int = 0) -> p.CompletionLogprobs:
     """Legacy completions format: parallel lists, top candidates as {token: logprob}."""
-    infos = _infos(chunks)
+    infos = _infos(deltas)
     offsets = []
     for t in infos:
         offsets.append(offset)
@@ -42,26 +41,26 @@ def completion_logprobs(chunks: list[Chunk], offset: int = 0) -> p.CompletionLog
     )
 
 
-def token_ids(chunks: list[Chunk]) -> list[int]:
-    return [t for c in chunks for t in c.token_ids]
+def token_ids(deltas: list[Delta]) -> list[int]:
+    return [t for c in deltas for t in c.token_ids]
 
 
-def usage(finals: list[Chunk]) -> p.Usage:
-    """Usage over the request's prompts: each SDK request's totals (on its last chunk) summed.
+def usage(finals: list[Delta]) -> p.Usage:
+    """Usage over the request's prompts: each SDK request's totals (on its last delta) summed.
 
     The ``latency`` extension is the request's breakdown; over several prompts, each phase is
     the longest of theirs (they ran side by side) and the prompt token counts are summed.
     """
     prompt = cached = completion = 0
     latencies: list[RequestLatency] = []
-    for chunk in finals:
-        if chunk.usage is None:
+    for delta in finals:
+        if delta.usage is None:
             continue
-        prompt += chunk.usage.prompt_tokens
-        cached += chunk.usage.cached_tokens
-        completion += chunk.usage.completion_tokens
-        if chunk.usage.latency is not None:
-            latencies.append(chunk.usage.latency)
+        prompt += delta.usage.prompt_tokens
+        cached += delta.usage.cached_tokens
+        completion += delta.usage.completion_tokens
+        if delta.usage.latency is not None:
+            latencies.append(delta.usage.latency)
     return p.Usage(
         prompt_tokens=prompt,
         completion_tokens=completion,
@@ -90,8 +89,8 @@ def _combined(latencies: list[RequestLatency]) -> RequestLatency:
     )
 
 
-def _infos(chunks: list[Chunk]) -> list[TokenLogprob]:
-    return [info for c in chunks for info in (c.logprobs or ())]
+def _infos(deltas: list[Delta]) -> list[TokenLogprob]:
+    return [info for c in deltas for info in (c.logprobs or ())]
 
 
 def rate_limit_headers(state: RateLimitState) -> dict[str, str]:

@@ -12,16 +12,17 @@ from pydantic import BaseModel
 
 from integrations.openai_server import protocol as p
 from integrations.openai_server.errors import RETRY_AFTER, ApiError, bad_request, from_sdk
-from integrations.openai_server.intake import check_common, origin, parse_body, sdk_options
+from integrations.openai_server.intake import check_common, origin, parse_body, sdk_requests
 from integrations.openai_server.metrics import CONTENT_TYPE
 from integrations.openai_server.policy import Tenant
 from integrations.openai_server.responses import chat_logprobs, completion_logprobs, token_ids, usage
-from integrations.openai_server.serving import Chunk, Serving
+from integrations.openai_server.serving import Serving
 from integrations.openai_server.sse import EventStream
 from integrations.openai_server.state import STATE, TENANT, Phase, ServerState
-from sdk.errors import EngineRestarting, InvalidRequestError, PagedError
+from sdk.errors import EngineRestarting, PagedError
 from sdk.tools import collect_calls
-from sdk.wire import Route, message_from_wire, tool_call_delta_to_wire, tool_call_to_wire
+from sdk.types import Delta
+from sdk.wire import Route, tool_call_delta_to_wire, tool_call_to_wire
 
 DISCONNECT_POLL = 0.2  # seconds between checks that the client is still connected
 
@@ -83,14 +84,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     serving = _serving(state)
     body = await parse_body(request, p.ChatCompletionRequest, _tenant(request))
     check_common(body, serving, _tenant(request))
-    messages = []
-    for i, m in enumerate(body.messages):
-        try:
-            messages.append(message_from_wire(m.model_dump(exclude_none=True)))
-        except InvalidRequestError as exc:
-            raise bad_request(f"messages.{i}.{exc}", param=f"messages.{i}.{exc.param}") from None
-    run = _Run(request, state, serving, body, "chat")
-    return await run.execute(messages=messages)
+    return await _Run(request, state, serving, body, "chat").execute()
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -101,14 +95,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompts = body.prompts()
     if not prompts or any(len(x) == 0 for x in prompts):
         raise bad_request("prompt must not be empty", param="prompt")
-    run = _Run(request, state, serving, body, "completion")
-    return await run.execute(prompts=prompts)
+    return await _Run(request, state, serving, body, "completion").execute()
 
 
-def _message(chunks: list[Chunk]) -> p.ChatMessage:
+def _message(deltas: list[Delta]) -> p.ChatMessage:
     """A chat choice's reply: its text, and its complete tool calls (content null when only calls)."""
-    text = "".join(c.text for c in chunks)
-    calls = collect_calls([d for c in chunks for d in c.tool_calls or ()])
+    text = "".join(d.text for d in deltas)
+    calls = collect_calls([c for d in deltas for c in d.tool_calls or ()])
     if not calls:
         return p.ChatMessage(content=text)
     return p.ChatMessage(content=text or None, tool_calls=[tool_call_to_wire(call) for call in calls])
@@ -158,27 +151,27 @@ class _Run:
         self.created = p.now()
         self.events = EventStream(request)
         self.text_offsets: dict[int, int] = {}  # choice index -> chars streamed (completion logprobs)
+        self.num_choices = body.n or 1  # per SDK request: choice i is completion i % n of request i // n
+        self.prompt_ids: dict[int, list[int]] = {}  # SDK request -> its prompt's ids (on its first delta)
         tenant = _tenant(request)
         self.client = serving.client(tenant.name, tenant.policy)
-        self.options, self.format_field = sdk_options(body, route, tenant)
+        self.requests, self.format_field = sdk_requests(body, route)
 
-    async def execute(self, **inputs: Any) -> web.StreamResponse:
+    async def execute(self) -> web.StreamResponse:
         task = asyncio.current_task()
         assert task is not None
         with self.state.track(self.request_id, task) as shutdown, _cancel_on_disconnect(self.request, task):
             try:
-                return await self._execute(inputs)
+                return await self._execute()
             except asyncio.CancelledError:
                 if not shutdown.is_set():
                     raise  # the client went away: nothing to answer
                 task.uncancel()
                 return await self._shutdown_answer()
 
-    async def _execute(self, inputs: dict[str, Any]) -> web.StreamResponse:
+    async def _execute(self) -> web.StreamResponse:
         try:
-            stream = await self.serving.open(
-                self.client, self.request_id, options=self.options, origin=origin(self.request), **inputs
-            )
+            stream = await self.serving.open(self.client, self.request_id, self.requests, origin(self.request))
         except PagedError as exc:
             raise from_sdk(exc, self.route, self.format_field) from None
         async with contextlib.aclosing(stream):
@@ -204,10 +197,18 @@ class _Run:
 
     # ------------------------------------------------------------------ non-streaming
 
-    async def _collect(self, stream: AsyncIterator[Chunk]) -> web.Response:
-        choices: dict[int, list[Chunk]] = {}
-        async for chunk in stream:
-            choices.setdefault(chunk.index, []).append(chunk)
+    def _prompt_ids(self, delta: Delta) -> list[int]:
+        """The prompt ids of the SDK request ``delta`` belongs to; a request's first delta carries them."""
+        request = delta.index // self.num_choices
+        if delta.prompt_token_ids is not None:
+            self.prompt_ids[request] = delta.prompt_token_ids
+        return self.prompt_ids.get(request, [])
+
+    async def _collect(self, stream: AsyncIterator[Delta]) -> web.Response:
+        choices: dict[int, list[Delta]] = {}
+        async for delta in stream:
+            self._prompt_ids(delta)
+            choices.setdefault(delta.index, []).append(delta)
         totals = usage([c[-1] for c in choices.values()])
         ordered = [choices[i] for i in sorted(choices)]
         want_ids = self.body.return_token_ids
@@ -227,7 +228,7 @@ class _Run:
                     for c in ordered
                 ],
                 usage=totals,
-                prompt_token_ids=list(ordered[0][-1].prompt_token_ids or ()) if want_ids else None,
+                prompt_token_ids=list(self._prompt_ids(ordered[0][-1])) if want_ids else None,
             )
             return _json(chat)
         completion = p.CompletionResponse(
@@ -237,11 +238,11 @@ class _Run:
             choices=[
                 p.CompletionChoice(
                     index=c[0].index,
-                    text="".join(x.text for x in c),
+                    text="".join(d.text for d in c),
                     logprobs=completion_logprobs(c) if self.want_logprobs else None,
                     finish_reason=c[-1].finish_reason,
                     token_ids=token_ids(c) if want_ids else None,
-                    prompt_token_ids=list(c[-1].prompt_token_ids or ()) if want_ids else None,
+                    prompt_token_ids=list(self._prompt_ids(c[-1])) if want_ids else None,
                 )
                 for c in ordered
             ],
@@ -251,24 +252,23 @@ class _Run:
 
     # ------------------------------------------------------------------ streaming
 
-    async def _stream(self, stream: AsyncIterator[Chunk]) -> web.StreamResponse:
+    async def _stream(self, stream: AsyncIterator[Delta]) -> web.StreamResponse:
         started: set[int] = set()
-        finals: list[Chunk] = []
+        finals: list[Delta] = []
         want_ids = self.body.return_token_ids
         first = True
-        async for chunk in stream:
-            prompt_ids = None
-            if want_ids and (first or not self.is_chat):
-                prompt_ids = list(chunk.prompt_token_ids or ())
+        async for delta in stream:
+            prompt_ids = self._prompt_ids(delta)
+            event_prompt_ids = list(prompt_ids) if want_ids and (first or not self.is_chat) else None
             first = False
-            if self.is_chat and chunk.index not in started:
-                started.add(chunk.index)
+            if self.is_chat and delta.index not in started:
+                started.add(delta.index)
                 opening = p.DeltaMessage(role="assistant", content="")
-                await self.events.send(self._chat_chunk(chunk.index, opening))
-            if chunk.text or chunk.token_ids or chunk.tool_calls or chunk.finish_reason is not None:
-                await self.events.send(self._event(chunk, prompt_ids))
-            if chunk.finish_reason is not None:
-                finals.append(chunk)
+                await self.events.send(self._chat_chunk(delta.index, opening))
+            if delta.text or delta.token_ids or delta.tool_calls or delta.finish_reason is not None:
+                await self.events.send(self._event(delta, event_prompt_ids))
+            if delta.finish_reason is not None:
+                finals.append(delta)
         if self.body.include_usage():
             totals = usage(finals)
             if self.is_chat:
@@ -284,35 +284,35 @@ class _Run:
             await self.events.send(event)
         return await self.events.done()
 
-    def _event(self, chunk: Chunk, prompt_ids: list[int] | None) -> BaseModel:
-        ids = chunk.token_ids if self.body.return_token_ids else None
+    def _event(self, delta: Delta, prompt_ids: list[int] | None) -> BaseModel:
+        ids = delta.token_ids if self.body.return_token_ids else None
         if self.is_chat:
-            calls = [tool_call_delta_to_wire(d) for d in chunk.tool_calls] if chunk.tool_calls else None
+            calls = [tool_call_delta_to_wire(c) for c in delta.tool_calls] if delta.tool_calls else None
             event = self._chat_chunk(
-                chunk.index,
-                p.DeltaMessage(content=chunk.text or None, tool_calls=calls),
-                logprobs=chat_logprobs([chunk]) if self.want_logprobs else None,
-                finish_reason=chunk.finish_reason,
+                delta.index,
+                p.DeltaMessage(content=delta.text or None, tool_calls=calls),
+                logprobs=chat_logprobs([delta]) if self.want_logprobs else None,
+                finish_reason=delta.finish_reason,
                 token_ids=ids,
             )
             event.prompt_token_ids = prompt_ids
             return event
         logprobs = None
         if self.want_logprobs:
-            # NOTE: text_offset counts from the start of the choice's text, across chunks.
-            offset = self.text_offsets.get(chunk.index, 0)
-            logprobs = completion_logprobs([chunk], offset)
-            self.text_offsets[chunk.index] = offset + sum(map(len, logprobs.tokens))
+            # NOTE: text_offset counts from the start of the choice's text, across deltas.
+            offset = self.text_offsets.get(delta.index, 0)
+            logprobs = completion_logprobs([delta], offset)
+            self.text_offsets[delta.index] = offset + sum(map(len, logprobs.tokens))
         return p.CompletionResponse(
             id=self.request_id,
             created=self.created,
             model=self.serving.model_name,
             choices=[
                 p.CompletionChoice(
-                    index=chunk.index,
-                    text=chunk.text,
+                    index=delta.index,
+                    text=delta.text,
                     logprobs=logprobs,
-                    finish_reason=chunk.finish_reason,
+                    finish_reason=delta.finish_reason,
                     token_ids=ids,
                     prompt_token_ids=prompt_ids,
                 )

@@ -2,9 +2,10 @@
 
 One engine per server; one SDK client per tenant over a shared in-process transport, so the
 SDK hooks (filters, audit) see every HTTP request with its tenant id, and the tenant's policy
-(priority cap, fair-share weight, rate limits, cache isolation) holds as it does in process. Tool-call deltas, logprobs,
-prompt token ids and the completion index (``n`` > 1 is the engine's) come on the SDK's deltas; a
-completions request with several prompts runs one SDK request per prompt.
+(priority cap, fair-share weight, rate limits, cache isolation) holds as it does in process.
+The routes read the engine's own ``Delta``s as the SDK passes them on (tool calls, logprobs,
+prompt token ids, the completion index: ``n`` > 1 is the engine's); a completions request with
+several prompts runs one SDK request per prompt, its deltas' indexes shifted to the choice's.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from engine.supervisor import EngineHealth, RestartPolicy
@@ -21,23 +21,8 @@ from sdk.client import AsyncClient
 from sdk.hooks import Hook, RequestOrigin
 from sdk.policy import TenantPolicy
 from sdk.rate_limit import RateLimiter
-from sdk.tools import ToolCallDelta
 from sdk.transport import InProcessTransport
-from sdk.types import ChatMessage, TokenLogprob, Usage
-
-
-@dataclass(slots=True)
-class Chunk:
-    """New output of one choice; ``finish_reason`` and ``usage`` are set on its last chunk."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    tool_calls: list[ToolCallDelta] | None = None
-    logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None
-    usage: Usage | None = None
-    prompt_token_ids: Sequence[int] | None = None
+from sdk.types import ChatRequest, CompletionRequest, Delta
 
 
 class Serving:
@@ -131,58 +116,42 @@ class Serving:
         self,
         client: AsyncClient,
         request_id: str,
-        *,
-        messages: list[ChatMessage] | None = None,
-        prompts: Sequence[str | list[int]] = (),
-        options: dict[str, Any],
+        requests: Sequence[ChatRequest | CompletionRequest],
         origin: RequestOrigin | None = None,
-    ) -> AsyncIterator[Chunk]:
-        """Start a chat (``messages``) or one request per prompt, and merge their chunks.
+    ) -> AsyncIterator[Delta]:
+        """Start ``requests`` (a chat, or one per prompt of a completion) and merge their deltas.
 
-        Completion ``i`` of prompt ``p`` is choice ``p * n + i``. Every request's first output
-        is awaited here, so validation, filter and admission errors raise from this call
-        (before any response is sent). Closing the returned iterator aborts what still runs.
+        Completion ``i`` of request ``p`` is choice ``p * n + i``, the deltas' ``index``. Every
+        request's first delta is awaited here, so validation, filter and admission errors raise
+        from this call (before any response is sent). Closing the returned iterator aborts what
+        still runs.
 
         Raises:
             sdk.errors.PagedError: as ``sdk.AsyncClient.stream``.
         """
-        inputs: list[Any] = [messages] if messages is not None else list(prompts)
-        n = options.get("n") or 1
-        streams: list[AsyncIterator[Chunk]] = []
-        for p, payload in enumerate(inputs):
-            rid = request_id if len(inputs) == 1 else f"{request_id}/{p}"
-            opts = dict(options, request_id=rid, origin=origin)
-            streams.append(self._choices(client, p * n, messages is not None, payload, opts))
+        streams: list[AsyncIterator[Delta]] = []
+        for p, request in enumerate(requests):
+            rid = request_id if len(requests) == 1 else f"{request_id}/{p}"
+            streams.append(self._choices(client, p * (request.n or 1), request.model_copy(update={"request_id": rid}), origin))
         firsts = await _first_outputs(streams)
         streams = [_prepend(first, stream) for first, stream in zip(firsts, streams)]
         return streams[0] if len(streams) == 1 else _merge(streams)
 
     async def _choices(
-        self, client: AsyncClient, first_index: int, is_chat: bool, payload: Any, options: dict[str, Any]
-    ) -> AsyncIterator[Chunk]:
-        if is_chat:
-            deltas = client.stream(payload, **options)
+        self, client: AsyncClient, first_index: int, request: ChatRequest | CompletionRequest, origin: RequestOrigin | None
+    ) -> AsyncIterator[Delta]:
+        if isinstance(request, ChatRequest):
+            deltas = client.stream(request, origin=origin)
         else:
-            deltas = client.stream(prompt=payload, **options)
-        prompt_token_ids: Sequence[int] | None = None
+            deltas = client.stream(prompt=request, origin=origin)
         async with contextlib.aclosing(deltas):
             async for delta in deltas:
-                # NOTE: the SDK sends the prompt ids on the first delta; every chunk carries them.
-                prompt_token_ids = delta.prompt_token_ids if delta.prompt_token_ids is not None else prompt_token_ids
-                yield Chunk(
-                    index=first_index + delta.index,
-                    text=delta.text,
-                    token_ids=delta.token_ids,
-                    tool_calls=delta.tool_calls,
-                    logprobs=delta.logprobs,
-                    finish_reason=delta.finish_reason,
-                    usage=delta.usage,
-                    prompt_token_ids=prompt_token_ids,
-                )
+                delta.index += first_index
+                yield delta
 
 
-async def _first_outputs(streams: list[AsyncIterator[Chunk]]) -> list[Chunk]:
-    """Every stream's first chunk, awaited together (choices start in the same engine step).
+async def _first_outputs(streams: list[AsyncIterator[Delta]]) -> list[Delta]:
+    """Every stream's first delta, awaited together (choices start in the same engine step).
 
     On any error or cancellation every stream is closed (aborting its request) and the
     first error is raised.
@@ -209,16 +178,16 @@ async def _first_outputs(streams: list[AsyncIterator[Chunk]]) -> list[Chunk]:
     return [task.result() for task in tasks]
 
 
-async def _prepend(first: Chunk, rest: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
+async def _prepend(first: Delta, rest: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
     async with contextlib.aclosing(rest):
         yield first
-        async for chunk in rest:
-            yield chunk
+        async for delta in rest:
+            yield delta
 
 
-async def _merge(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[Chunk]:
-    """Chunks of several streams as they come; closing it cancels and closes them all."""
-    pending: dict[asyncio.Future, AsyncIterator[Chunk]] = {
+async def _merge(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[Delta]:
+    """Deltas of several streams as they come; closing it cancels and closes them all."""
+    pending: dict[asyncio.Future, AsyncIterator[Delta]] = {
         asyncio.ensure_future(anext(s)): s for s in streams
     }
     try:
@@ -227,11 +196,11 @@ async def _merge(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[Chunk]:
             for future in done:
                 stream = pending.pop(future)
                 try:
-                    chunk = future.result()
+                    delta = future.result()
                 except StopAsyncIteration:
                     continue
                 pending[asyncio.ensure_future(anext(stream))] = stream
-                yield chunk
+                yield delta
     finally:
         for future in pending:
             future.cancel()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import hashlib
 import json
@@ -116,7 +117,7 @@ class AuditLog(Hook):
             "cached_tokens": ctx.usage.cached_tokens,
             # the engine's split of the request's time (queue, prefill, decode, preempted) and
             # of its prompt (computed, cached); None when it did not finish in the engine
-            "latency_breakdown": None if ctx.usage.latency is None else ctx.usage.latency.model_dump(),
+            "latency_breakdown": None if ctx.usage.latency is None else dataclasses.asdict(ctx.usage.latency),
             "finish_reason": ctx.finish_reason,
             "error": None if ctx.error is None else type(ctx.error).__name__,
             "decisions": [

@@ -96,8 +96,8 @@ class RequestContext:
     start_monotonic: float = field(default_factory=time.monotonic)
     first_token_monotonic: float | None = None
     end_monotonic: float | None = None
-    # per completion (n of them), the text emitted so far; during on_chunk, before the current delta
-    output_texts: list[str] = field(default_factory=lambda: [""])
+    # per completion (n of them), the text emitted so far in pieces (``output_texts`` joins them)
+    output_pieces: list[list[str]] = field(default_factory=lambda: [[]])
     # per completion, the tool-call deltas emitted so far (``tool_calls`` assembles them)
     tool_call_deltas: list[list[ToolCallDelta]] = field(default_factory=lambda: [[]])
     finish_reason: FinishReason | None = None
@@ -112,9 +112,14 @@ class RequestContext:
     output_token_ids: list[list[int]] = field(default_factory=lambda: [[]])
 
     @property
+    def output_texts(self) -> list[str]:
+        """Per completion (n of them), the text emitted so far; during on_chunk, before the current delta."""
+        return ["".join(pieces) for pieces in self.output_pieces]
+
+    @property
     def output_text(self) -> str:
         """The first completion's text emitted so far (the only one unless ``n`` was set)."""
-        return self.output_texts[0]
+        return "".join(self.output_pieces[0])
 
     @property
     def tool_calls(self) -> list[list[ToolCall]]:

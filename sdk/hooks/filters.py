@@ -86,7 +86,7 @@ class RegexFilter(Hook):
     async def on_chunk(self, ctx: RequestContext, delta: Delta) -> Stop | None:
         if self.on != "output" or not (delta.text or delta.tool_calls):
             return None
-        if delta.text and self.pattern.search(ctx.output_texts[delta.index] + delta.text):
+        if delta.text and self.pattern.search("".join(ctx.output_pieces[delta.index]) + delta.text):
             return Stop(f"output matched the {self.name} filter")
         if delta.tool_calls:  # the arguments' JSON text so far
             sent = "".join(d.arguments for d in ctx.tool_call_deltas[delta.index])

@@ -173,7 +173,7 @@ def replay_part(ctx: RequestContext, mode: ReplayMode, store: TokenStore | None,
     request = ctx.engine_request
     if request is None or ctx.prompt_token_ids is None:
         return None
-    params = SamplingParams(**request.sampling)
+    params = SamplingParams(**request.sampling.sampling_kwargs())
     constraint = engine_constraint(request)
     source = ctx.model_source
     part: dict[str, Any] = {

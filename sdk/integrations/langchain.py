@@ -12,6 +12,7 @@ Multimodal inputs are not supported.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import aclosing
 from operator import itemgetter
@@ -44,7 +45,7 @@ from sdk.policy import TenantPolicy
 from sdk.runtime import Runtime
 from sdk.sync import Client
 from sdk.tools import ToolCall, new_call_id
-from sdk.types import ChatMessage, Delta
+from sdk.types import ChatMessage, Delta, TokenLogprob
 
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
 PROVIDER = "paged"
@@ -189,6 +190,12 @@ def to_sdk_messages(messages: Sequence[BaseMessage]) -> list[ChatMessage]:
     return out
 
 
+def _logprob_dict(logprob: TokenLogprob) -> dict[str, Any]:
+    """A token's logprob as ChatOpenAI's ``response_metadata`` spells it (without bytes)."""
+    top = [{"token": c.token, "logprob": c.logprob} for c in logprob.top_logprobs]
+    return {"token": logprob.token, "logprob": logprob.logprob, "top_logprobs": top}
+
+
 def _relay(
     stream: Any, to_chunk: Callable[[Delta], _Chunk], run_manager: CallbackManagerForLLMRun | None
 ) -> Iterator[_Chunk]:
@@ -291,7 +298,7 @@ class PagedChat(_PagedParams, BaseChatModel):
 
     def _to_chunk(self, delta: Delta) -> ChatGenerationChunk:
         # NOTE: as ChatOpenAI does, logprobs ride in response_metadata; merging chunks concatenates them.
-        logprobs = {"logprobs": {"content": [t.model_dump() for t in delta.logprobs]}} if delta.logprobs else {}
+        logprobs = {"logprobs": {"content": [_logprob_dict(t) for t in delta.logprobs]}} if delta.logprobs else {}
         # NOTE: merging chunks joins the fragments of each call index into the message's tool_calls.
         calls = [tool_call_chunk(name=c.name, args=c.arguments, id=c.id, index=c.index) for c in delta.tool_calls or ()]
         if delta.finish_reason is None:
@@ -480,7 +487,7 @@ class PagedLLM(_PagedParams, LLM):
         if delta.finish_reason is None:
             return GenerationChunk(text=delta.text)
         assert delta.usage is not None
-        info = {"finish_reason": delta.finish_reason, "usage": delta.usage.model_dump()}
+        info = {"finish_reason": delta.finish_reason, "usage": dataclasses.asdict(delta.usage)}
         return GenerationChunk(text=delta.text, generation_info=info)
 
     def _stream(

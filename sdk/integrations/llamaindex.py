@@ -18,6 +18,7 @@ Every call goes through an SDK client, so hooks and audit apply.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import AsyncGenerator, Generator, Sequence
 from typing import TYPE_CHECKING, Any, Optional, Union
@@ -229,7 +230,7 @@ class PagedLLM(_SamplingKnobs):  # type: ignore[misc, valid-type]
     def _extra(delta: Delta | CompletionResult) -> dict[str, Any]:
         if delta.finish_reason is None or delta.usage is None:
             return {}
-        return {"finish_reason": delta.finish_reason, "usage": delta.usage.model_dump()}
+        return {"finish_reason": delta.finish_reason, "usage": dataclasses.asdict(delta.usage)}
 
     def _response(self, result: ChatResult) -> ChatResponse:
         message = _assistant(result.text, result.tool_calls)

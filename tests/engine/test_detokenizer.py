@@ -60,18 +60,36 @@ def test_held_back_tail_is_released_when_it_stops_matching(tokenizer) -> None:
     assert "<EN" in seen[-1] and detok.visible_text(False) == detok.text
 
 
+def _holding(text: str, stop: tuple[str, ...]) -> IncrementalDetokenizer:
+    """A detokenizer whose text is ``text`` (one token per character), stop strings not searched."""
+    detok = IncrementalDetokenizer(lambda ids: "".join(map(chr, ids)), [], stop)
+    detok.update([ord(c) for c in text], check_stop=False)
+    return detok
+
+
 def test_visible_text_withholds_partial_stop_prefix() -> None:
     """Only the longest suffix that is a proper prefix of a stop string is withheld."""
-    detok = IncrementalDetokenizer(lambda ids: "", [], ("abcab", "zz"))
-    detok.text = "xxabca"
-    assert detok.visible_text(False) == "xx"  # "abca" could begin "abcab"
-    detok.text = "qabcb"
-    assert detok.visible_text(False) == "qabcb"  # no suffix begins a stop string
-    detok.text = "qcab"
-    assert detok.visible_text(False) == "qc"
-    detok.text = "qz"
+    stop = ("abcab", "zz")
+    assert _holding("xxabca", stop).visible_text(False) == "xx"  # "abca" could begin "abcab"
+    assert _holding("qabcb", stop).visible_text(False) == "qabcb"  # no suffix begins a stop string
+    assert _holding("qcab", stop).visible_text(False) == "qc"
+    detok = _holding("qz", stop)
     assert detok.visible_text(False) == "q"
     assert detok.visible_text(True) == "qz"
+
+
+def test_taken_pieces_add_up_to_the_visible_text(tokenizer) -> None:
+    """What ``take`` hands out, step by step, is the visible text: nothing repeated, nothing withheld at the end."""
+    detok = IncrementalDetokenizer(make_decode_fn(tokenizer), tokenizer.encode("x"), ("<END>",))
+    taken = []
+    text = " 你好 a<EN" + " and then" * 20  # longer than what a stop string needs: the start is settled
+    for t in tokenizer.encode(text + " <END> more"):
+        stopped = detok.update([t])
+        taken.append(detok.take(stopped))
+        assert "".join(taken) == detok.visible_text(stopped)
+        if stopped:
+            break
+    assert stopped and "".join(taken) == detok.text == text + " "
 
 
 def test_stop_found_only_after_check_enabled(tokenizer) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 from engine.errors import EngineError, EngineOverloaded, RequestRejected
 from engine.metrics import Histogram
-from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from engine.outputs import Delta, TokenLogprob, TopLogprob, Usage
 
 
 class FakeEngine:
@@ -37,7 +37,7 @@ class FakeEngine:
         self.is_running = True
         self.token_id = tokenizer.encode(" ok", add_special_tokens=False)[0]
 
-    async def generate(
+    async def stream(
         self, prompt: Any, params: Any, request_id: str | None = None, priority: int = 0, cache_salt: str | None = None,
         tenant: str | None = None, weight: float = 1.0,
     ):  # fmt: skip
@@ -47,36 +47,38 @@ class FakeEngine:
         if self.overloaded:
             raise EngineOverloaded("admission queue is full (max_queued_requests)")
         aborted = self.running[request_id] = asyncio.Event()
-        tokens: list[int] = []
-        logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        top = [TopLogprob(" ok", -0.5, self.token_id, 1), TopLogprob("<x>", -1.5, 0, 2)]
         try:
             for i in range(params.max_tokens):
                 if self.delay:
                     await asyncio.sleep(self.delay)
                 if aborted.is_set():
-                    yield self._output(request_id, ids, tokens, logprobs, "abort", params.n)
+                    for delta in self._deltas(request_id, ids, i == 0, i, [], None, "abort", params.n):
+                        yield delta
                     return
                 if self.fail_after is not None and i >= self.fail_after:
                     raise EngineError("the step failed")
-                tokens.append(self.token_id)
-                if logprobs is not None:
-                    top = {self.token_id: Logprob(-0.5, 1, " ok"), 0: Logprob(-1.5, 2, "<x>")}
-                    logprobs.append(dict(list(top.items())[: max(params.logprobs, 1)]))
+                logprobs = None
+                if params.logprobs is not None:
+                    logprobs = [TokenLogprob(" ok", -0.5, top[: params.logprobs], self.token_id, 1)]
                 finish = "length" if i == params.max_tokens - 1 else None
-                yield self._output(request_id, ids, tokens, logprobs, finish, params.n)
+                for delta in self._deltas(request_id, ids, i == 0, i + 1, [self.token_id], logprobs, finish, params.n):
+                    yield delta
         finally:
             del self.running[request_id]
             self.num_finished += 1
 
-    def _output(
-        self, request_id: str, ids: list[int], tokens: list[int], logprobs: Any, finish: str | None, n: int
-    ) -> RequestOutput:
-        text = " ok" * len(tokens)
-        completions = [
-            CompletionOutput(i, text, list(tokens), finish, list(logprobs) if logprobs is not None else None)
-            for i in range(n)
-        ]
-        return RequestOutput(request_id, ids, completions, finish is not None, num_cached_tokens=0)
+    def _deltas(
+        self, request_id: str, prompt_ids: list[int], first: bool, num_tokens: int, new: list[int], logprobs: Any,
+        finish: str | None, n: int,
+    ) -> list[Delta]:  # fmt: skip
+        """One step's delta per completion: the new " ok", the prompt on the request's first, usage on its last."""
+        deltas = [Delta(request_id, i, " ok" * len(new), list(new), logprobs, finish) for i in range(n)]
+        if first:
+            deltas[0].prompt_token_ids, deltas[0].num_cached_tokens = prompt_ids, 0
+        if finish is not None:
+            deltas[-1].usage = Usage(len(prompt_ids), n * num_tokens, 0)
+        return deltas
 
     async def abort(self, request_id: str) -> None:
         if request_id in self.running:

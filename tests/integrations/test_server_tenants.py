@@ -75,8 +75,8 @@ class GatedEngine(FakeEngine):
         self.gate = asyncio.Event()
         self.max_running = 0
 
-    async def generate(self, *args: Any, **kwargs: Any):  # type: ignore[override]
-        stream = super().generate(*args, **kwargs)
+    async def stream(self, *args: Any, **kwargs: Any):  # type: ignore[override]
+        stream = super().stream(*args, **kwargs)
         first = await anext(stream)
         self.max_running = max(self.max_running, len(self.running))
         await self.gate.wait()

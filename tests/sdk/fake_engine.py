@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import EngineOverloaded, RequestRejected
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import Delta, Usage
 from engine.sampling_params import SamplingParams
 
 SCRIPT = " The quick brown fox jumps over the lazy dog. It was a sunny day and the secret code is 42."
@@ -51,10 +51,10 @@ class FakeAsyncEngine:
         for end in range(self.block_size, len(ids) + 1, self.block_size):
             self.cached.add(tuple(ids[:end]))
 
-    async def generate(
+    async def stream(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
         priority: int = 0, cache_salt: str | None = None, tenant: str | None = None, weight: float = 1.0,
-    ) -> AsyncIterator[RequestOutput]:  # fmt: skip
+    ) -> AsyncIterator[Delta]:  # fmt: skip
         request_id = request_id or f"fake-{len(self.requests_seen)}"
         ids = list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt, add_special_tokens=False)
         if len(ids) >= self.max_model_len:
@@ -72,6 +72,7 @@ class FakeAsyncEngine:
         out_ids: list[int] = []
         max_tokens = params.max_tokens or self.max_model_len - len(ids)
         finish = None
+        num_sent_chars = 0
         try:
             while True:
                 await asyncio.sleep(self.step_delay)
@@ -88,9 +89,13 @@ class FakeAsyncEngine:
                         break
                 if finish is None and len(out_ids) >= max_tokens:
                     finish = "length"
-                yield RequestOutput(
-                    request_id, ids, [CompletionOutput(0, text, list(out_ids), finish)], finish is not None, num_cached
-                )
+                delta = Delta(request_id, 0, text[num_sent_chars:], out_ids[-1:], finish_reason=finish)
+                num_sent_chars = max(num_sent_chars, len(text))
+                if len(out_ids) == 1:
+                    delta.prompt_token_ids, delta.num_cached_tokens = ids, num_cached
+                if finish is not None:
+                    delta.usage = Usage(len(ids), len(out_ids), num_cached)
+                yield delta
                 if finish is not None:
                     return
         finally:

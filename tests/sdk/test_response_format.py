@@ -13,12 +13,14 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
+from engine.errors import ParameterError
 from engine.structured_output import StructuredOutput
 from sdk import AsyncClient, InvalidRequestError
+from sdk.fields import from_engine
 from sdk.hooks import Hook, RequestContext
 from sdk.response_format import JsonSchemaFormat, TextFormat, to_response_format, to_structured_output
 from sdk.types import ChatRequest
-from sdk.wire import format_from_wire, format_param, format_to_wire
+from sdk.wire import format_from_wire, format_to_wire, wire_param
 
 
 class Address(BaseModel):
@@ -216,4 +218,15 @@ def test_the_wire_refuses_what_it_cannot_honour():
     ],
 )
 def test_sdk_params_follow_the_wire_field(field, param, wire):
-    assert format_param(field, param) == wire
+    assert wire_param("chat", param, field) == wire
+
+
+def test_an_error_renamed_for_the_wire_names_the_wire_field_in_its_message():
+    """An engine error about a constraint names the SDK's field in the SDK, the body's field on the wire; its reason stays."""
+    engine_error = ParameterError.about("structured_output.regex", "is invalid: unterminated [")
+    sdk_error = from_engine(engine_error)
+    assert (sdk_error.param, str(sdk_error)) == ("response_format.regex", "response_format.regex is invalid: unterminated [")
+    wire_error = sdk_error.at(wire_param("chat", sdk_error.param, "guided_regex"))
+    assert (wire_error.param, str(wire_error)) == ("guided_regex", "guided_regex is invalid: unterminated [")
+    untold = InvalidRequestError("prompt has 900 tokens; max_model_len is 512", param="prompt")
+    assert str(untold.at(wire_param("chat", "prompt"))) == str(untold)  # no reason: the message is kept

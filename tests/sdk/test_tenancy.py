@@ -11,8 +11,9 @@ import pytest
 
 from engine import AsyncEngine
 from engine.errors import ParameterError
-from sdk import AsyncClient, InvalidRequestError, RateLimited, Runtime, TenantPolicy
+from sdk import AsyncClient, CompletionRequest, InvalidRequestError, RateLimited, Runtime, TenantPolicy
 from sdk.hooks import Hook, RequestContext, RequestOrigin
+from sdk.policy import ENGINE_MAX_TOKENS, request_terms
 from sdk.prompt_worker import PromptWorker
 from sdk.rate_limit import RateLimiter
 from tests.support import fairness
@@ -33,6 +34,26 @@ class Clock:
 @pytest.fixture(scope="module")
 def tiny_model(tiny_model_factory) -> str:
     return str(tiny_model_factory("llama"))
+
+
+# --------------------------------------------------------------------------- the terms
+
+
+class _SixteenByDefault(CompletionRequest):
+    default_max_tokens = 16
+
+
+def test_terms_give_a_request_types_default_held_to_the_cap() -> None:
+    """Without max_tokens: the request type's default (None = the engine's), under a cap the smaller; asked: as asked."""
+    capped = TenantPolicy(max_tokens=8)
+    assert request_terms(None, None, CompletionRequest(prompt="x")).max_tokens is None
+    assert request_terms(None, None, _SixteenByDefault(prompt="x")).max_tokens == 16
+    assert request_terms(capped, None, _SixteenByDefault(prompt="x")).max_tokens == 8
+    assert request_terms(TenantPolicy(max_tokens=1000), None, CompletionRequest(prompt="x")).max_tokens == ENGINE_MAX_TOKENS
+    assert request_terms(capped, None, _SixteenByDefault(prompt="x", max_tokens=5)).max_tokens == 5
+    with pytest.raises(InvalidRequestError, match="at most 8") as err:
+        request_terms(capped, None, CompletionRequest(prompt="x", max_tokens=9))
+    assert err.value.param == "max_tokens"
 
 
 # --------------------------------------------------------------------------- the limiter

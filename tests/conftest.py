@@ -46,22 +46,25 @@ def bundled_model_dir() -> Path:
 def tiny_model_factory(
     tmp_path_factory: pytest.TempPathFactory, bundled_model_dir: Path
 ) -> Callable[..., Path]:
-    """``factory(arch="llama", **config_overrides) -> Path``: a tiny random-weight HF model directory.
+    """``factory(arch="llama", tokenizer_dir=None, **config_overrides) -> Path``: a tiny random-weight HF
+    model directory.
 
     Weights are seeded, so the same arguments give the same model; the tokenizer is the
-    bundled model's, so prompts and detokenization are real.
+    bundled model's (or ``tokenizer_dir``'s, and the vocab its size), so prompts and
+    detokenization are real.
     """
     import torch
     import transformers
 
     built: dict[tuple, Path] = {}
 
-    def factory(arch: str = "llama", **overrides: object) -> Path:
-        key = (arch, tuple(sorted(overrides.items(), key=lambda kv: kv[0])))
+    def factory(arch: str = "llama", tokenizer_dir: Path | None = None, **overrides: object) -> Path:
+        key = (arch, tokenizer_dir, tuple(sorted(overrides.items(), key=lambda kv: kv[0])))
         if key in built:
             return built[key]
         config_cls, arch_kwargs = TINY_ARCHS[arch]
-        tokenizer = transformers.AutoTokenizer.from_pretrained(bundled_model_dir)
+        source = tokenizer_dir or bundled_model_dir
+        tokenizer = transformers.AutoTokenizer.from_pretrained(source)
         config = getattr(transformers, config_cls)(
             vocab_size=len(tokenizer),
             bos_token_id=tokenizer.bos_token_id,
@@ -73,8 +76,8 @@ def tiny_model_factory(
         out = tmp_path_factory.mktemp(f"tiny-{arch}")
         model.save_pretrained(out)
         for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-            if (bundled_model_dir / name).exists():
-                shutil.copy(bundled_model_dir / name, out / name)
+            if (source / name).exists():
+                shutil.copy(source / name, out / name)
         built[key] = out
         return out
 

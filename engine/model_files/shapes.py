@@ -27,7 +27,12 @@ logger = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 MAX_SHARD_BYTES = 2 << 30
-WEIGHT_STD = 0.02  # transformers' initializer_range: logits of a few units, a softmax far from one-hot
+# Matrices N(0, 1 / fan_in): each projection keeps its input's scale at any width. The embedding (the head
+# when tied) and the head N(0, (LOGIT_STD / hidden)^2 * hidden): logits of about LOGIT_STD units whatever the
+# width, a softmax whose top token holds a few percent (transformers' N(0, 0.02) gives nearly flat logits
+# on small widths and a different spread on every shape).
+LOGIT_STD = 3.0
+BIAS_STD = 0.02
 _CHUNK_ELEMENTS = 1 << 22
 
 _CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
@@ -136,8 +141,8 @@ def make_random_model(
 ) -> Path:
     """Write a Hugging Face directory of ``shape`` with seeded random weights.
 
-    Matrices are N(0, 0.02) (transformers' initialisation), norm weights 1 + N(0, 0.1); each tensor
-    has its own stream (seeded by ``seed`` and its name), is generated in row chunks and written into
+    Projections are N(0, 1 / fan_in), the embedding and head scaled for logits of about ``LOGIT_STD``,
+    norm weights 1 + N(0, 0.1), biases N(0, 0.02^2); each tensor has its own stream (seeded by ``seed`` and its name), is generated in row chunks and written into
     safetensors shards of at most ``MAX_SHARD_BYTES``, so memory stays a few MB whatever the model.
     The tokenizer is the bundled SmolLM2's, padded to the shape's vocab size, with its chat template.
 
@@ -188,12 +193,14 @@ def _random_values(spec: TensorSpec, seed: int) -> Iterator[np.ndarray]:
         if spec.name.endswith("norm.weight"):
             yield 1.0 + 0.1 * rng.standard_normal(spec.shape, dtype=np.float32)
         else:
-            yield WEIGHT_STD * rng.standard_normal(spec.shape, dtype=np.float32)
+            yield BIAS_STD * rng.standard_normal(spec.shape, dtype=np.float32)
         return
     rows, length = spec.shape
+    vocab_side = spec.name in ("model.embed_tokens.weight", "lm_head.weight")
+    std = np.float32((LOGIT_STD if vocab_side else 1.0) / math.sqrt(length))
     step = max(1, _CHUNK_ELEMENTS // length)
     for first in range(0, rows, step):
-        yield WEIGHT_STD * rng.standard_normal((min(step, rows - first), length), dtype=np.float32)
+        yield std * rng.standard_normal((min(step, rows - first), length), dtype=np.float32)
 
 
 def _write_config(shape: ModelShape, out: Path, dtype: str, special_ids: dict[str, int]) -> None:

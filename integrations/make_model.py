@@ -2,7 +2,7 @@
 
 ``paged make-model --shape SmolLM2-1.7B --out DIR [--dtype bfloat16] [--gguf Q4_K_M]`` writes DIR
 (config, seeded random weights in safetensors shards, tokenizer, chat template) and, with
-``--gguf``, ``DIR/<DIR name>-<FILE_TYPE>.gguf`` converted from it tensor by tensor. ``--list``
+``--gguf``, ``DIR-<FILE_TYPE>.gguf`` beside it, converted from it tensor by tensor. ``--list``
 prints the shapes with their parameter counts.
 """
 
@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="the weights' seed (the same seed, the same weights)")
     parser.add_argument(
         "--gguf", choices=list(FILE_TYPES), default=None, metavar="FILE_TYPE",
-        help=f"also write a GGUF of this llama.cpp file type into DIR ({', '.join(FILE_TYPES)})",
+        help=f"also write DIR-FILE_TYPE.gguf, a GGUF of this llama.cpp file type ({', '.join(FILE_TYPES)})",
     )  # fmt: skip
     parser.add_argument("--list", action="store_true", help="print the shapes and their parameter counts")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -52,7 +52,9 @@ def run(args: argparse.Namespace) -> int:
     make_random_model(shape, args.out, dtype=args.dtype, seed=args.seed)
     print(f"{args.out}: random {shape.name} in {args.dtype} ({time.perf_counter() - start:.1f} s)")  # noqa: T201
     if args.gguf:
-        path = args.out / f"{args.out.name}-{args.gguf}.gguf"
+        # NOTE: beside the directory, not in it: transformers reads a GGUF's tokenizer from the directory's
+        # tokenizer files when it finds them there, and loses the GGUF's chat template.
+        path = args.out.with_name(f"{args.out.name}-{args.gguf}.gguf")
         start = time.perf_counter()
         with tqdm(total=shape.num_parameters, unit="param", unit_scale=True, desc=path.name,
                   disable=args.no_progress) as bar:  # fmt: skip

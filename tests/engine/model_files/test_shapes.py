@@ -145,11 +145,11 @@ def test_cli_lists_shapes(capsys: pytest.CaptureFixture) -> None:
 
 
 def test_cli_writes_the_directory_and_its_gguf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """--shape --out --gguf: the HF directory and a GGUF of the file type inside it."""
+    """--shape --out --gguf: the HF directory and a GGUF of the file type beside it."""
     monkeypatch.setitem(SHAPES, "tiny-qwen2", _tiny("qwen2"))
     out = tmp_path / "tq"
     assert main(["make-model", "--shape", "tiny-qwen2", "--out", str(out), "--gguf", "Q8_0", "--no-progress"]) == 0
-    reader = GGUFReader(out / "tq-Q8_0.gguf")
+    reader = GGUFReader(tmp_path / "tq-Q8_0.gguf")
     assert reader.fields["general.file_type"].contents() == 7 and reader.fields["general.architecture"].contents() == "qwen2"
     assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
 

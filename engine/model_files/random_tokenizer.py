@@ -1,7 +1,8 @@
 """The tokenizer of random-weight models: the bundled SmolLM2's, padded to any vocab size.
 
 The bundled model's tokenizer (49152 ids, byte-level BPE, a ChatML chat template) is built once
-from its GGUF with transformers and kept in the cache. A model of a larger vocab gets it with
+from its GGUF with transformers and kept in the cache; transformers drops the GGUF's pre-tokenizer
+(``smollm``: digits split one by one), so it is put back, and the tokenizer is SmolLM2's own. A model of a larger vocab gets it with
 ``<|reserved_N|>`` entries appended to the BPE vocab up to the size: every id the model can emit
 decodes, prompts tokenize as before, and the files stay the size of a real tokenizer's.
 """
@@ -25,8 +26,16 @@ def base_tokenizer_dir() -> Path:
     if all((target / name).is_file() for name in TOKENIZER_FILES):
         return target
     import transformers
+    from gguf import GGUFReader
+    from tokenizers import pre_tokenizers
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    pre = GGUFReader(gguf_path).fields["tokenizer.ggml.pre"].contents()
+    if pre != "smollm":
+        raise ValueError(f"{str(gguf_path)!r}: tokenizer.ggml.pre is {pre!r}; the random models' tokenizer expects smollm")
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
     staging = target.with_name(f"{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     tokenizer.save_pretrained(staging)

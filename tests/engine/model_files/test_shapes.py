@@ -80,6 +80,7 @@ def test_random_model_loads_with_sensible_logits(tiny_llama: Path) -> None:
     assert torch.isfinite(logits).all() and 1 < logits.std() < 6
     assert 0.005 < probs.max() < 0.9
     assert tokenizer.decode([BASE_VOCAB + 36]) == f"<|reserved_{BASE_VOCAB + 36}|>"
+    assert tokenizer.tokenize("x 2024") == ["x", "Ġ", "2", "0", "2", "4"]  # SmolLM2's digit split, one by one
     assert tokenizer.encode("Hi there") == transformers.AutoTokenizer.from_pretrained(
         base_tokenizer_dir()).encode("Hi there")  # fmt: skip
     weights = SafetensorsReader(tiny_llama)
@@ -151,6 +152,7 @@ def test_cli_writes_the_directory_and_its_gguf(tmp_path: Path, monkeypatch: pyte
     assert main(["make-model", "--shape", "tiny-qwen2", "--out", str(out), "--gguf", "Q8_0", "--no-progress"]) == 0
     reader = GGUFReader(tmp_path / "tq-Q8_0.gguf")
     assert reader.fields["general.file_type"].contents() == 7 and reader.fields["general.architecture"].contents() == "qwen2"
+    assert reader.fields["tokenizer.ggml.pre"].contents() == "smollm"  # llama.cpp splits digits as the HF tokenizer does
     assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
 
 

@@ -152,6 +152,8 @@ def run(args: argparse.Namespace) -> int:
     """
     if args.rounds > 1 and (args.base_url is not None or args.workload not in (*OFFLINE_WORKLOADS, BATCH1)):
         raise FlagError(f"--rounds applies to the {', '.join((*OFFLINE_WORKLOADS, BATCH1))} workloads, in process")
+    if args.workload == BATCH1 and args.compare and args.baselines != [llamacpp_runs.LLAMACPP]:
+        raise FlagError(f"--workload {BATCH1} compares the engine with llama.cpp alone: pass --baselines llamacpp")
     if args.base_url is not None:
         return http_command.run(args)
     http_command.refuse_http_flags(args)

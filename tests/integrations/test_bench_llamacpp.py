@@ -237,6 +237,13 @@ def test_an_hf_directory_skips_llamacpp_with_the_reason(
     assert "llama.cpp skipped: llama.cpp runs GGUF files and --model is a Hugging Face directory" in capsys.readouterr().out
 
 
+def test_batch1_compares_with_llamacpp_alone(tiny_gguf: Path, capsys: pytest.CaptureFixture) -> None:
+    """--workload batch1 --compare with Hugging Face baselines (the default list) is a usage error naming the fix."""
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--model", str(tiny_gguf), "--workload", "batch1", "--compare", "--no-progress"])
+    assert exc.value.code == 2 and "pass --baselines llamacpp" in capsys.readouterr().err
+
+
 def test_llamacpp_without_binaries_is_a_usage_error(tiny_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """Missing binaries stop the run before anything loads, exit status 2, the message naming --llamacpp-dir."""
     with pytest.raises(SystemExit) as exc:

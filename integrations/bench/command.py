@@ -151,7 +151,10 @@ def run(args: argparse.Namespace) -> int:
         ServerUnusable: with ``--base-url``, the server cannot be benchmarked (``http_command.run``).
     """
     if args.rounds > 1 and (args.base_url is not None or args.workload not in (*OFFLINE_WORKLOADS, BATCH1)):
-        raise FlagError(f"--rounds applies to the {', '.join((*OFFLINE_WORKLOADS, BATCH1))} workloads, in process")
+        raise FlagError(
+            f"--rounds applies to the {', '.join(OFFLINE_WORKLOADS)} workloads, in process (and to {BATCH1}, "
+            "as its repetitions)"
+        )
     if args.workload == BATCH1 and args.compare and args.baselines != [llamacpp_runs.LLAMACPP]:
         raise FlagError(f"--workload {BATCH1} compares the engine with llama.cpp alone: pass --baselines llamacpp")
     if args.base_url is not None:

@@ -153,9 +153,9 @@ def write_gguf(
     try:
         _add_metadata(writer, hparams, hf_dir, file_type)
         for p in plan:
-            nbytes = row_bytes(types[p.name], p.shape[-1]) * (p.shape[0] if len(p.shape) == 2 else 1)
-            writer.add_tensor_info(p.name, _byte_shape(p, types[p.name]), np.dtype(np.uint8), nbytes,
-                                   raw_dtype=ggml_type(types[p.name]))
+            byte_shape = (*p.shape[:-1], row_bytes(types[p.name], p.shape[-1]))
+            writer.add_tensor_info(p.name, byte_shape, np.dtype(np.uint8), math.prod(byte_shape),
+                                   raw_dtype=ggml_type(types[p.name]))  # fmt: skip
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
@@ -170,10 +170,6 @@ def write_gguf(
         staging.unlink(missing_ok=True)
     logger.info("wrote %s (%s, %d tensors)", out_path, file_type, len(plan))
     return out_path
-
-
-def _byte_shape(p: _Planned, type_name: str) -> tuple[int, ...]:
-    return (*p.shape[:-1], row_bytes(type_name, p.shape[-1]))
 
 
 def _plan(hparams: HParams, reader: SafetensorsReader) -> list[_Planned]:

@@ -2,9 +2,10 @@
 
 The bundled model's tokenizer (49152 ids, byte-level BPE, a ChatML chat template) is built once
 from its GGUF with transformers and kept in the cache; transformers drops the GGUF's pre-tokenizer
-(``smollm``: digits split one by one), so it is put back, and the tokenizer is SmolLM2's own. A model of a larger vocab gets it with
-``<|reserved_N|>`` entries appended to the BPE vocab up to the size: every id the model can emit
-decodes, prompts tokenize as before, and the files stay the size of a real tokenizer's.
+(``smollm``: digits split one by one), so it is put back, and the tokenizer is SmolLM2's own. A
+model of a larger vocab gets it with ``<|reserved_N|>`` entries appended to the BPE vocab up to the
+size: every id the model can emit decodes, prompts tokenize as before, and the files stay the size
+of a real tokenizer's (as added tokens, 100k of them would take transformers seconds to load).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def base_tokenizer_dir() -> Path:
     tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     pre = GGUFReader(gguf_path).fields["tokenizer.ggml.pre"].contents()
     if pre != "smollm":
-        raise ValueError(f"{str(gguf_path)!r}: tokenizer.ggml.pre is {pre!r}; the random models' tokenizer expects smollm")
+        raise ValueError(f"{str(gguf_path)!r}: tokenizer.ggml.pre is {pre!r}; random models expect smollm")
     tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )

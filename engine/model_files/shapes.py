@@ -142,8 +142,9 @@ def make_random_model(
     """Write a Hugging Face directory of ``shape`` with seeded random weights.
 
     Projections are N(0, 1 / fan_in), the embedding and head scaled for logits of about ``LOGIT_STD``,
-    norm weights 1 + N(0, 0.1), biases N(0, 0.02^2); each tensor has its own stream (seeded by ``seed`` and its name), is generated in row chunks and written into
-    safetensors shards of at most ``MAX_SHARD_BYTES``, so memory stays a few MB whatever the model.
+    norm weights 1 + N(0, 0.1), biases N(0, 0.02^2). Each tensor has its own stream (seeded by ``seed``
+    and its name), is generated in row chunks and written into safetensors shards of at most
+    ``MAX_SHARD_BYTES``, so memory stays a few MB whatever the model.
     The tokenizer is the bundled SmolLM2's, padded to the shape's vocab size, with its chat template.
 
     Returns:

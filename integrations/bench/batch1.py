@@ -99,5 +99,5 @@ def format_batch1(batch1: dict[str, Any]) -> str:
     )
     for r in batch1["results"]:
         samples = " / ".join(f"{v:.1f}" for v in r["decode_samples"])
-        lines.append(f"- {r['name']}: decode each repetition {samples} tok/s" + (f"; {r['notes']}" if r.get("notes") else ""))
+        lines.append(f"- {r['name']}: decode each repetition {samples} tok/s")
     return "\n".join(lines)

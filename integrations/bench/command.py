@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"(default: ${llamacpp_runs.DIR_ENV_VAR}, else {llamacpp_runs.DEFAULT_DIR})",
     )
     parser.add_argument(
-        "--llamacpp-slots", type=_positive_int, default=16, help="llama-server's parallel slots (-np) for --baselines llamacpp"
+        "--llamacpp-slots", type=_positive_int, default=16, help="llama-server's parallel slots (-np), --baselines llamacpp"
     )
     parser.add_argument(
         "--prompt-tokens", type=_positive_int, default=512, help="batch1: the prompt length whose prefill is timed"

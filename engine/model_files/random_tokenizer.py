@@ -15,7 +15,22 @@ import os
 import shutil
 from pathlib import Path
 
+from engine.model_files.gguf_tokenizer import QWEN2_SPLIT
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+# NOTE: transformers loads a qwen2 model's tokenizer as its Qwen2Tokenizer, which replaces tokenizer.json's
+# pre-tokenizer with Qwen2's split (and adds NFC). A qwen2 random model's tokenizer.json says so itself, so
+# that its GGUF (tokenizer.ggml.pre = qwen2) and llama.cpp split text as transformers does.
+_PRE_TOKENIZERS = {
+    "qwen2": {
+        "type": "Sequence",
+        "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": QWEN2_SPLIT}, "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+        ],
+    }
+}
+_NORMALIZERS = {"qwen2": {"type": "NFC"}}
 
 
 def base_tokenizer_dir() -> Path:
@@ -48,8 +63,8 @@ def base_tokenizer_dir() -> Path:
     return target
 
 
-def write_tokenizer(out_dir: Path, vocab_size: int) -> dict[str, int]:
-    """Write the base tokenizer, padded to ``vocab_size`` ids, into ``out_dir``.
+def write_tokenizer(out_dir: Path, vocab_size: int, model_type: str) -> dict[str, int]:
+    """Write the base tokenizer, padded to ``vocab_size`` ids, into ``out_dir`` for a model of ``model_type``.
 
     Returns:
         The ids of its ``bos``, ``eos`` and ``pad`` tokens.
@@ -66,6 +81,9 @@ def write_tokenizer(out_dir: Path, vocab_size: int) -> dict[str, int]:
         raise ValueError(f"vocab_size {vocab_size} is below the base tokenizer's {base_size} ids")
     for token_id in range(base_size, vocab_size):
         vocab[f"<|reserved_{token_id}|>"] = token_id
+    if model_type in _PRE_TOKENIZERS:
+        tokenizer["pre_tokenizer"] = _PRE_TOKENIZERS[model_type]
+        tokenizer["normalizer"] = _NORMALIZERS[model_type]
     (out_dir / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False), encoding="utf-8")
     for name in TOKENIZER_FILES[1:]:
         shutil.copy(base / name, out_dir / name)

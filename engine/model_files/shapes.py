@@ -158,7 +158,7 @@ def make_random_model(
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    special_ids = write_tokenizer(out, shape.config["vocab_size"])
+    special_ids = write_tokenizer(out, shape.config["vocab_size"], shape.model_type)
     _write_config(shape, out, dtype, special_ids)
     specs = [TensorSpec(name, dims, DTYPES[dtype]) for name, dims in shape.tensor_shapes().items()]
     shards = _shards(specs)

@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers
 from gguf import GGUFReader
+from tokenizers import Tokenizer
 
 from engine.model_files import shapes
 from engine.model_files.gguf_writer import write_gguf
@@ -118,6 +119,10 @@ def test_qwen_shapes_load(model_type: str, tmp_path: Path) -> None:
     model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert model.config.model_type == model_type
+    # tokenizer.json splits text as transformers' tokenizer for the architecture does (Qwen2Tokenizer for qwen2)
+    text = "Order 12345 shipped ,  twice!\n\nÉté"
+    assert transformers.AutoTokenizer.from_pretrained(out).encode(text) == Tokenizer.from_file(
+        str(out / "tokenizer.json")).encode(text).ids  # fmt: skip
 
 
 def test_gguf_of_a_random_model_holds_its_weights(tmp_path: Path) -> None:
@@ -126,6 +131,8 @@ def test_gguf_of_a_random_model_holds_its_weights(tmp_path: Path) -> None:
     source = make_random_model(_tiny("llama", rope_scaling=None), tmp_path / "plain")
     path = write_gguf(source, source / "plain-F32.gguf", "F32")
     assert torch.equal(_logits(source, [1, 5, 9], gguf_file=path.name), _logits(source, [1, 5, 9]))
+    # SmolLM2's digit split, which llama.cpp (and its convert_hf_to_gguf.py) know as smollm
+    assert GGUFReader(path).fields["tokenizer.ggml.pre"].contents() == "smollm"
 
 
 def test_bad_requests_are_refused(tmp_path: Path) -> None:
@@ -152,7 +159,7 @@ def test_cli_writes_the_directory_and_its_gguf(tmp_path: Path, monkeypatch: pyte
     assert main(["make-model", "--shape", "tiny-qwen2", "--out", str(out), "--gguf", "Q8_0", "--no-progress"]) == 0
     reader = GGUFReader(tmp_path / "tq-Q8_0.gguf")
     assert reader.fields["general.file_type"].contents() == 7 and reader.fields["general.architecture"].contents() == "qwen2"
-    assert reader.fields["tokenizer.ggml.pre"].contents() == "smollm"  # llama.cpp splits digits as the HF tokenizer does
+    assert reader.fields["tokenizer.ggml.pre"].contents() == "qwen2"  # llama.cpp splits text as transformers does
     assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
 
 

@@ -1,4 +1,5 @@
-"""The ``paged`` command: ``paged serve``, ``paged bench``, ``paged chat``, ``paged top``, ``paged replay``."""
+"""The ``paged`` command: ``paged serve``, ``paged bench``, ``paged chat``, ``paged top``, ``paged replay``,
+``paged make-model``."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ _COMMANDS = {
     "chat": ("integrations.chat_command", "an interactive chat in the terminal"),
     "top": ("integrations.top", "a live terminal monitor of a running server's /metrics"),
     "replay": ("integrations.replay", "re-run audited greedy and seeded requests and compare their tokens"),
+    "make-model": ("integrations.make_model", "write a random-weight model of a real shape (HF directory, GGUF)"),
 }
 
 

@@ -1,7 +1,9 @@
-"""Shared fixtures: tiny random-weight models of each architecture, and the bundled model."""
+"""Shared fixtures: tiny random-weight models of each architecture, the bundled model, and a small-vocabulary
+tokenizer (GGUF files of tiny models that carry it parse in milliseconds)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -57,22 +59,25 @@ def bundled_gguf_dir() -> Path:
 def tiny_model_factory(
     tmp_path_factory: pytest.TempPathFactory, bundled_model_dir: Path
 ) -> Callable[..., Path]:
-    """``factory(arch="llama", **config_overrides) -> Path``: a tiny random-weight HF model directory.
+    """``factory(arch="llama", tokenizer_dir=None, **config_overrides) -> Path``: a tiny random-weight HF
+    model directory.
 
     Weights are seeded, so the same arguments give the same model; the tokenizer is the
-    bundled model's, so prompts and detokenization are real.
+    bundled model's (or ``tokenizer_dir``'s, and the vocab its size), so prompts and
+    detokenization are real.
     """
     import torch
     import transformers
 
     built: dict[tuple, Path] = {}
 
-    def factory(arch: str = "llama", **overrides: object) -> Path:
-        key = (arch, tuple(sorted(overrides.items(), key=lambda kv: kv[0])))
+    def factory(arch: str = "llama", tokenizer_dir: Path | None = None, **overrides: object) -> Path:
+        key = (arch, tokenizer_dir, tuple(sorted(overrides.items(), key=lambda kv: kv[0])))
         if key in built:
             return built[key]
         config_cls, arch_kwargs = TINY_ARCHS[arch]
-        tokenizer = transformers.AutoTokenizer.from_pretrained(bundled_model_dir)
+        source = tokenizer_dir or bundled_model_dir
+        tokenizer = transformers.AutoTokenizer.from_pretrained(source)
         config = getattr(transformers, config_cls)(
             vocab_size=len(tokenizer),
             bos_token_id=tokenizer.bos_token_id,
@@ -84,9 +89,29 @@ def tiny_model_factory(
         out = tmp_path_factory.mktemp(f"tiny-{arch}")
         model.save_pretrained(out)
         for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-            if (bundled_model_dir / name).exists():
-                shutil.copy(bundled_model_dir / name, out / name)
+            if (source / name).exists():
+                shutil.copy(source / name, out / name)
         built[key] = out
         return out
 
     return factory
+
+
+SMALL_VOCAB = 1024
+
+
+@pytest.fixture(scope="session")
+def small_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory, bundled_model_dir: Path) -> Path:
+    """The bundled tokenizer cut to its first ``SMALL_VOCAB`` ids and the merges among them (a real
+    byte-level BPE, its special tokens and chat template kept)."""
+    out = tmp_path_factory.mktemp("small-tokenizer")
+    tokenizer = json.loads((bundled_model_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    model = tokenizer["model"]
+    model["vocab"] = {token: i for token, i in model["vocab"].items() if i < SMALL_VOCAB}
+    kept = set(model["vocab"])
+    model["merges"] = [m for m in model["merges"] if m[0] in kept and m[1] in kept and m[0] + m[1] in kept]
+    tokenizer["added_tokens"] = [t for t in tokenizer["added_tokens"] if t["id"] < SMALL_VOCAB]
+    (out / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False), encoding="utf-8")
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(bundled_model_dir / name, out / name)
+    return out

@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from integrations.bench import http_command, vllm_runs
+from integrations.bench import http_command, llamacpp_runs, vllm_runs
 from integrations.bench.machine import machine_info
 from integrations.bench.workloads import WORKLOADS
 from integrations.engine_flags import FlagError, add_engine_arguments, engine_config, engine_kwargs
@@ -23,6 +23,7 @@ from integrations.engine_flags import FlagError, add_engine_arguments, engine_co
 logger = logging.getLogger(__name__)
 
 OFFLINE_WORKLOADS = ("shared-prefix", "distinct", "rag")  # those --compare runs the baselines on
+BATCH1 = "batch1"  # one request at a time, against llama-bench
 SWEEP_LEVELS = [1, 2, 4, 8, 16, 32, 64, 128]  # --workload sweep without --concurrency
 
 
@@ -37,7 +38,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_baseline_list,
         default=["one-by-one", "static-16", "continuous"],
         help="comma-separated baselines for --compare: one-by-one, static-N (e.g. static-64), continuous "
-        "(Hugging Face), vllm (vLLM's CPU build, see --vllm-python)",
+        "(Hugging Face), vllm (vLLM's CPU build, see --vllm-python), llamacpp (llama.cpp on the same GGUF: "
+        "llama-server for the offline workloads, llama-bench for batch1; see --llamacpp-dir)",
+    )
+    parser.add_argument(
+        "--llamacpp-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="the llama.cpp build whose bin/llama-bench and bin/llama-server --baselines llamacpp runs "
+        f"(default: ${llamacpp_runs.DIR_ENV_VAR}, else {llamacpp_runs.DEFAULT_DIR})",
+    )
+    parser.add_argument(
+        "--llamacpp-slots", type=_positive_int, default=16, help="llama-server's parallel slots (-np), --baselines llamacpp"
+    )
+    parser.add_argument(
+        "--prompt-tokens", type=_positive_int, default=512, help="batch1: the prompt length whose prefill is timed"
     )
     parser.add_argument(
         "--vllm-python",
@@ -60,7 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="shared-prefix, distinct, rag: run every contender this many times, taking turns (the engine, then each "
         "baseline, then the engine again); each row is the contender's median round, and every round's rates and "
-        "ratios to the engine's in the same round follow the table (for a machine whose speed drifts)",
+        "ratios to the engine's in the same round follow the table (for a machine whose speed drifts); batch1: "
+        "repetitions of each measurement (their mean is the rate)",
     )
     parser.add_argument(
         "--baseline-requests",
@@ -111,9 +128,10 @@ def _int_list(text: str) -> list[int]:
 def _baseline_list(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     for name in names:
-        if name not in ("one-by-one", "continuous", vllm_runs.VLLM) and not re.fullmatch(r"static-[1-9][0-9]*", name):
+        known = ("one-by-one", "continuous", vllm_runs.VLLM, llamacpp_runs.LLAMACPP)
+        if name not in known and not re.fullmatch(r"static-[1-9][0-9]*", name):
             raise argparse.ArgumentTypeError(
-                f"unknown baseline {name!r}; expected one-by-one, static-N (e.g. static-16), continuous or vllm"
+                f"unknown baseline {name!r}; expected one-by-one, static-N (e.g. static-16), continuous, vllm or llamacpp"
             )
     if not names:
         raise argparse.ArgumentTypeError("expected at least one baseline")
@@ -124,14 +142,21 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by ``args``; prints the tables, writes JSON and plots.
 
     Raises:
-        FlagError: an engine flag the config refuses, ``--rounds`` beyond the offline workloads, or
-            ``VllmEnvMissing`` for ``--baselines vllm`` without vLLM's environment (``paged`` reports each as a
-            usage error), before anything loads.
-        VllmRunFailed: the vLLM run failed (``paged`` prints the message, which names its log).
+        FlagError: an engine flag the config refuses, ``--rounds`` beyond the offline workloads and batch1,
+            ``VllmEnvMissing`` for ``--baselines vllm`` without vLLM's environment, or ``LlamaCppMissing`` for
+            ``--baselines llamacpp`` without llama.cpp's binaries (``paged`` reports each as a usage error),
+            before anything loads.
+        VllmRunFailed, LlamaCppRunFailed: that contender's run failed (``paged`` prints the message, which
+            names its log).
         ServerUnusable: with ``--base-url``, the server cannot be benchmarked (``http_command.run``).
     """
-    if args.rounds > 1 and (args.base_url is not None or args.workload not in OFFLINE_WORKLOADS):
-        raise FlagError(f"--rounds applies to the {', '.join(OFFLINE_WORKLOADS)} workloads, in process")
+    if args.rounds > 1 and (args.base_url is not None or args.workload not in (*OFFLINE_WORKLOADS, BATCH1)):
+        raise FlagError(
+            f"--rounds applies to the {', '.join(OFFLINE_WORKLOADS)} workloads, in process (and to {BATCH1}, "
+            "as its repetitions)"
+        )
+    if args.workload == BATCH1 and args.compare and args.baselines != [llamacpp_runs.LLAMACPP]:
+        raise FlagError(f"--workload {BATCH1} compares the engine with llama.cpp alone: pass --baselines llamacpp")
     if args.base_url is not None:
         return http_command.run(args)
     http_command.refuse_http_flags(args)
@@ -140,6 +165,14 @@ def run(args: argparse.Namespace) -> int:
     vllm_python = None
     if vllm_runs.VLLM in baseline_names and args.workload in OFFLINE_WORKLOADS:
         vllm_python = vllm_runs.vllm_python(args.vllm_python)
+    llamacpp, gguf, skipped = None, None, {}
+    if llamacpp_runs.LLAMACPP in baseline_names and args.workload in (*OFFLINE_WORKLOADS, BATCH1):
+        gguf = llamacpp_runs.gguf_of(config.model)
+        if gguf is None:
+            skipped["llama.cpp"] = llamacpp_runs.SKIP_HF_DIR
+            logger.warning("llama.cpp skipped: %s", llamacpp_runs.SKIP_HF_DIR)
+        else:
+            llamacpp = llamacpp_runs.find_llamacpp(args.llamacpp_dir)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     import transformers
@@ -168,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
     levels = args.concurrency or SWEEP_LEVELS
     num_requests = max(args.num_requests, max(levels)) if args.workload == "sweep" else args.num_requests
     workload = build_workload(args.workload, tokenizer, num_requests)
+    threads = torch.get_num_threads()
 
     bar = tqdm(
         total=_expected_tokens(args, workload, baseline_names),
@@ -177,9 +211,20 @@ def run(args: argparse.Namespace) -> int:
     )
     engine_fields = engine_kwargs(args)
     model = engine_fields.pop("model")
-    results, poisson, sweep, structured, profile, rounds = [], None, None, None, None, None
+    results, poisson, sweep, structured, profile, rounds, batch1 = [], None, None, None, None, None, None
 
-    if args.workload == "poisson":
+    if args.workload == BATCH1:
+        from integrations.bench.batch1 import batch1_report, engine_batch1
+
+        bar.set_postfix_str("engine")
+        rows = [engine_batch1(model, engine_fields, args.prompt_tokens, args.max_tokens, args.rounds)]
+        if llamacpp is not None:
+            bar.set_postfix_str("llama-bench")
+            rows.append(
+                llamacpp_runs.run_llama_bench(llamacpp, gguf, threads, args.prompt_tokens, args.max_tokens, args.rounds)
+            )
+        batch1 = batch1_report(rows, args.prompt_tokens, args.max_tokens, threads, args.rounds)
+    elif args.workload == "poisson":
         poisson = engine_runs.poisson_search(
             model, engine_fields, workload.prompts, args.max_tokens, args.rate, args.itl_bound,
             args.rate_trials, bar.update,
@@ -195,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
 
         results, structured = structured_compare(model, engine_fields, workload.prompts, args.max_tokens, bar.update)
     else:
-        hf_names = [n for n in baseline_names if n != vllm_runs.VLLM]
+        hf_names = [n for n in baseline_names if n not in (vllm_runs.VLLM, llamacpp_runs.LLAMACPP)]
         each_round = []
         for number in range(1, args.rounds + 1):
             one = [engine_runs.run_offline(model, engine_fields, workload.prompts, args.max_tokens, bar.update)]
@@ -220,6 +265,13 @@ def run(args: argparse.Namespace) -> int:
                 )
                 one.append(vllm_result)
                 bar.update(vllm_result.num_new_tokens)
+            if llamacpp is not None:
+                bar.set_postfix_str(f"llama-server, {args.llamacpp_slots} slots")
+                one.append(
+                    llamacpp_runs.run_llama_server(
+                        llamacpp, gguf, workload.prompts, args.max_tokens, args.llamacpp_slots, threads, bar.update
+                    )
+                )
             each_round.append(one)
             bar.set_postfix_str(f"round {number} of {args.rounds} done")
         results = [median_round([one[i] for one in each_round]) for i in range(len(each_round[0]))]
@@ -261,6 +313,8 @@ def run(args: argparse.Namespace) -> int:
         structured=structured,
         profile=profile,
         rounds=rounds,
+        batch1=batch1,
+        skipped=skipped,
     )
     print(_render(report, format_table, format_poisson, format_sweep, format_structured, format_profile))  # noqa: T201
     if args.json:
@@ -278,7 +332,9 @@ def _render(report: dict[str, Any], table: Any, poisson: Any, sweep: Any, struct
     w = report["workload"]
     p = report["protocol"]
     parts = [
-        f"\n{w['description']}: {w['num_requests']} requests, {w['num_prompt_tokens']} prompt tokens, "
+        f"\n{w['description']}, {p['dtype']}\n"
+        if w["name"] == BATCH1
+        else f"\n{w['description']}: {w['num_requests']} requests, {w['num_prompt_tokens']} prompt tokens, "
         f"{'' if p['ignore_eos'] else 'at most '}{p['max_tokens']} new tokens each, {p['dtype']}\n"
     ]
     if report["results"] or report["ceiling"]:
@@ -291,11 +347,16 @@ def _render(report: dict[str, Any], table: Any, poisson: Any, sweep: Any, struct
         parts.append("\n" + structured(report["structured"]))
     if report["profile"]:
         parts.append("\n" + profile(report["profile"]))
+    if report["batch1"]:
+        from integrations.bench.batch1 import format_batch1
+
+        parts.append("\n" + format_batch1(report["batch1"]))
+    parts += [f"- {name} skipped: {reason}" for name, reason in report["skipped"].items()]
     return "\n".join(parts)
 
 
 def _expected_tokens(args: argparse.Namespace, workload: Any, baseline_names: list[str]) -> int | None:
-    if args.workload in ("poisson", "sweep", "structured"):
+    if args.workload in ("poisson", "sweep", "structured", BATCH1):
         return None
     total = len(workload.prompts) * args.max_tokens
     for name in baseline_names:

@@ -14,6 +14,10 @@ JSON layout (``paged bench --json PATH``), stable so that later runs can be comp
                     "output_tokens": {"mean", "max"}} | null,
      "profile": {...} | null,
      "rounds": [{"name", "tokens_per_s": [...], "ratio_to_engine": [...]}, ...] | null,
+     "batch1": {"prompt_tokens", "gen_tokens", "threads", "repetitions",
+                "results": [{"name", "decode_tok_s", "prefill_tok_s", "decode_samples", "prefill_samples",
+                             "decode_ratio_to_engine", "prefill_ratio_to_engine"}, ...]} | null,
+     "skipped": {contender: reason, ...},
      "http": {"base_url", "model", "slo": {"ttft_s", "itl_s", "e2e_s"}, "in_process_ratio",
               "runs": [{"load", "rate", "concurrency", "num_requests", "num_failed", "wall_s", "tokens_per_s",
                         "requests_per_s", "ttft_s", "itl_s", "e2e_s", "slo_fraction", "goodput_rps"}, ...]} | null}
@@ -167,6 +171,8 @@ def build_report(
     profile: dict[str, Any] | None = None,
     http: dict[str, Any] | None = None,
     rounds: list[dict[str, Any]] | None = None,
+    batch1: dict[str, Any] | None = None,
+    skipped: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """The JSON document of one run (see the module docstring for its layout)."""
     engine = find_engine(results)
@@ -185,6 +191,8 @@ def build_report(
         "profile": profile,
         "http": http,
         "rounds": rounds,
+        "batch1": batch1,
+        "skipped": skipped or {},
     }
 
 

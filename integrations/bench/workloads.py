@@ -6,6 +6,7 @@
 - ``structured``: short extraction messages behind one instruction, decoded with and without the
   extraction JSON schema (``integrations.bench.extraction``).
 - ``poisson`` and ``sweep`` reuse the shared-prefix prompts with a different arrival pattern.
+- ``batch1`` has no prompts of its own: one request at a time, random token ids (``integrations.bench.batch1``).
 
 Every prompt goes through the model's chat template once, here, so the engine and the
 Hugging Face baselines see the same token ids.
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-WORKLOADS = ("shared-prefix", "distinct", "rag", "structured", "poisson", "sweep")
+WORKLOADS = ("shared-prefix", "distinct", "rag", "structured", "poisson", "sweep", "batch1")
 _FILES = {"shared-prefix": "shared_prefix.json", "distinct": "distinct.json"}
 
 
@@ -66,6 +67,8 @@ def workload_turns(name: str, num_requests: int) -> tuple[list[dict[str, str]], 
         raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}; got {name!r}")
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
+    if name == "batch1":
+        return [], "batch1: one request at a time, decode and prefill as llama-bench times them"
     if name == "rag":
         turns = rag_turns(num_requests)
         description = "RAG: 4 shared ~600-token documents, distinct questions over them"

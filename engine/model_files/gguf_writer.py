@@ -1,0 +1,299 @@
+"""Hugging Face directories written as GGUF files, with llama.cpp's conventions, one tensor at a time.
+
+``write_gguf(hf_dir, out_path, "Q4_K_M")`` writes what ``convert_hf_to_gguf.py`` followed by
+``llama-quantize`` would for the llama (SmolLM2 included), mistral, qwen2 and qwen3 architectures:
+tensors named ``token_embd``, ``blk.N.attn_q`` ... ``output_norm``, ``output``; the llama
+architecture's q/k rows permuted into GGML's rotary layout; qwen2's q/k/v biases and qwen3's q/k
+norms; llama3 rope scaling as a ``rope_freqs`` tensor; the ``<arch>.*`` hyperparameters,
+``general.file_type`` and the tokenizer. Each tensor is read from the safetensors files in row
+chunks, quantized and written before the next one is read, so memory is about the largest output
+tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_VERSION, GGUFWriter, RopeScalingType
+
+from engine.model_files.gguf_file_types import FILE_TYPES, check_file_type, tensor_types
+from engine.model_files.gguf_quants import ggml_type, quantize, row_bytes
+from engine.model_files.gguf_tokenizer import add_tokenizer
+from engine.model_files.safetensors_io import SafetensorsReader
+
+logger = logging.getLogger(__name__)
+
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_CHUNK_ELEMENTS = 1 << 22  # rows read and quantized per step: about 16 MB of float32
+
+_LAYER_TENSORS = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_MODEL_TENSORS = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                  "lm_head.weight": "output.weight"}
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_BLOCK = re.compile(r"^blk\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class HParams:
+    """The hyperparameters a GGUF records, read from a Hugging Face ``config.json``."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_positions: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any]  # {} when none; else its rope_type and parameters
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> HParams:
+        """Raises:
+            ValueError: an architecture other than ``GGUF_ARCHITECTURES``.
+        """
+        model_type = config.get("model_type")
+        if model_type not in GGUF_ARCHITECTURES:
+            raise ValueError(f"model_type {model_type!r} cannot be written; supported: {', '.join(GGUF_ARCHITECTURES)}")
+        rope = dict(config.get("rope_parameters") or {})
+        scaling = dict(config.get("rope_scaling") or {})
+        rope_theta = config.get("rope_theta") or rope.get("rope_theta") or 10000.0
+        rope_type = scaling.get("rope_type", scaling.get("type")) or rope.get("rope_type", "default")
+        if rope_type not in (None, "default"):
+            scaling = {**rope, **scaling, "rope_type": rope_type}
+        else:
+            scaling = {}
+        heads = config["num_attention_heads"]
+        return cls(
+            model_type=model_type,
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            max_positions=config.get("max_position_embeddings", 2048),
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        )
+
+    @property
+    def arch(self) -> str:
+        return GGUF_ARCHITECTURES[self.model_type]
+
+
+@dataclass(frozen=True)
+class _Planned:
+    name: str  # GGUF name
+    source: str | None  # the safetensors tensor; None for rope_freqs, computed here
+    shape: tuple[int, ...]  # numpy order: [rows, row length] or [length]
+    permute_heads: int = 0  # llama q/k: the head count to permute rows by (0: no permutation)
+
+
+def write_gguf(
+    hf_dir: str | os.PathLike[str],
+    out_path: str | os.PathLike[str],
+    file_type: str,
+    progress: Callable[[int], None] | None = None,
+) -> Path:
+    """Write the model in ``hf_dir`` as a GGUF file of ``file_type`` (``Q4_K_M``, ``Q8_0``, ``F16``, ...).
+
+    Args:
+        hf_dir: a Hugging Face directory (config.json, *.safetensors in F32/F16/BF16, tokenizer.json).
+        out_path: the file to write; it appears complete or not at all.
+        file_type: one of ``gguf_file_types.FILE_TYPES``.
+        progress: called with the number of values of each tensor once it is written.
+
+    Returns:
+        ``out_path``.
+
+    Raises:
+        ValueError: an unknown file type or architecture, a tensor with no GGUF name, or a tokenizer
+            that cannot be written.
+    """
+    check_file_type(file_type)
+    hf_dir, out_path = Path(hf_dir), Path(out_path)
+    hparams = HParams.from_config(json.loads((hf_dir / "config.json").read_text()))
+    reader = SafetensorsReader(hf_dir)
+    plan = _plan(hparams, reader)
+    types = tensor_types([(p.name, p.shape) for p in plan], file_type, hparams.num_layers)
+    staging = out_path.with_name(out_path.name + ".partial")
+    writer = GGUFWriter(staging, hparams.arch)
+    try:
+        _add_metadata(writer, hparams, hf_dir, file_type)
+        for p in plan:
+            byte_shape = (*p.shape[:-1], row_bytes(types[p.name], p.shape[-1]))
+            writer.add_tensor_info(p.name, byte_shape, np.dtype(np.uint8), math.prod(byte_shape),
+                                   raw_dtype=ggml_type(types[p.name]))  # fmt: skip
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for p in plan:
+            writer.write_tensor_data(_encoded(p, types[p.name], reader, hparams))
+            if progress is not None:
+                progress(math.prod(p.shape))
+        writer.close()
+        os.replace(staging, out_path)
+    finally:
+        writer.close()
+        staging.unlink(missing_ok=True)
+    logger.info("wrote %s (%s, %d tensors)", out_path, file_type, len(plan))
+    return out_path
+
+
+def _plan(hparams: HParams, reader: SafetensorsReader) -> list[_Planned]:
+    """Every tensor of the GGUF in llama-quantize's order (layer, then name; model-wide tensors first)."""
+    plan = []
+    for source in reader.names():
+        name = _gguf_name(source)
+        if name is None:
+            continue
+        if name == "output.weight" and hparams.tie_word_embeddings:
+            continue
+        heads = 0
+        if hparams.arch == "llama" and name.endswith(("attn_q.weight", "attn_q.bias")):
+            heads = hparams.num_heads
+        elif hparams.arch == "llama" and name.endswith(("attn_k.weight", "attn_k.bias")):
+            heads = hparams.num_kv_heads
+        plan.append(_Planned(name, source, reader.entries[source].shape, heads))
+    if hparams.rope_scaling.get("rope_type") == "llama3":
+        plan.append(_Planned("rope_freqs.weight", None, (hparams.head_dim // 2,)))
+    names = [p.name for p in plan]
+    if len(set(names)) != len(names):
+        raise ValueError(f"two tensors map to the same GGUF name in {sorted(names)}")
+
+    def order(p: _Planned) -> tuple[int, str]:
+        match = _BLOCK.match(p.name)
+        return (int(match.group(1)) if match else -1, p.name)
+
+    return sorted(plan, key=order)
+
+
+def _gguf_name(source: str) -> str | None:
+    """The GGUF name of a Hugging Face tensor (None for rotary buffers, which GGUF does not store).
+
+    Raises:
+        ValueError: a tensor this writer has no name for.
+    """
+    if source.endswith("rotary_emb.inv_freq"):
+        return None
+    if source in _MODEL_TENSORS:
+        return _MODEL_TENSORS[source]
+    match = _LAYER_NAME.match(source)
+    if match and match.group(2) in _LAYER_TENSORS:
+        return f"blk.{match.group(1)}.{_LAYER_TENSORS[match.group(2)]}"
+    raise ValueError(f"tensor {source!r} has no GGUF name; expected a Llama/Mistral/Qwen2/Qwen3 checkpoint")
+
+
+def permute_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """Each head's rows from Hugging Face's rotary layout (halves) into GGML's (interleaved pairs), as
+    convert_hf_to_gguf.py's ``permute`` does; works on a weight [rows, K] or a bias [rows]."""
+    rows = weights.shape[0]
+    return (
+        weights.reshape(num_heads, 2, rows // num_heads // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
+
+
+def llama3_rope_factors(hparams: HParams) -> np.ndarray:
+    """The ``rope_freqs`` tensor llama.cpp divides each rotary frequency by, for llama3 rope scaling."""
+    s = hparams.rope_scaling
+    factor = s.get("factor", 8.0)
+    low, high = s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_context = s.get("original_max_position_embeddings", 8192)
+    dim = hparams.head_dim
+    freqs = 1.0 / (hparams.rope_theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_context / high:
+            factors.append(1.0)
+        elif wavelen > old_context / low:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(factors, dtype=np.float32)
+
+
+def _encoded(p: _Planned, type_name: str, reader: SafetensorsReader, hparams: HParams) -> np.ndarray:
+    """The bytes of one tensor as the GGUF stores them."""
+    if p.source is None:
+        return llama3_rope_factors(hparams).view(np.uint8)
+    if len(p.shape) == 1:
+        values = reader.read(p.source)
+        if p.permute_heads:
+            values = permute_rows(values, p.permute_heads)
+        return quantize(values.reshape(1, -1), type_name).reshape(-1)
+    rows, length = p.shape
+    if p.permute_heads:
+        return quantize(permute_rows(reader.read(p.source), p.permute_heads), type_name)
+    out = np.empty((rows, row_bytes(type_name, length)), dtype=np.uint8)
+    step = max(1, _CHUNK_ELEMENTS // length)
+    for first in range(0, rows, step):
+        out[first : first + step] = quantize(reader.read_rows(p.source, first, first + step), type_name)
+    return out
+
+
+def _add_metadata(writer: GGUFWriter, hp: HParams, hf_dir: Path, file_type: str) -> None:
+    writer.add_type("model")
+    writer.add_name(hf_dir.name)
+    writer.add_vocab_size(hp.vocab_size)
+    writer.add_context_length(hp.max_positions)
+    writer.add_embedding_length(hp.hidden_size)
+    writer.add_block_count(hp.num_layers)
+    writer.add_feed_forward_length(hp.intermediate_size)
+    writer.add_head_count(hp.num_heads)
+    writer.add_head_count_kv(hp.num_kv_heads)
+    writer.add_rope_freq_base(hp.rope_theta)
+    writer.add_layer_norm_rms_eps(hp.rms_norm_eps)
+    if hp.head_dim != hp.hidden_size // hp.num_heads:
+        writer.add_key_length(hp.head_dim)
+        writer.add_value_length(hp.head_dim)
+    if hp.arch == "llama":
+        writer.add_rope_dimension_count(hp.head_dim)
+    rope_type = hp.rope_scaling.get("rope_type")
+    if rope_type == "linear":
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(hp.rope_scaling["factor"])
+    elif rope_type == "yarn":
+        writer.add_rope_scaling_type(RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(hp.rope_scaling["factor"])
+        writer.add_rope_scaling_orig_ctx_len(hp.rope_scaling["original_max_position_embeddings"])
+    elif rope_type not in (None, "llama3"):
+        raise ValueError(f"rope scaling {rope_type!r} cannot be written; supported: llama3, linear, yarn")
+    writer.add_file_type(FILE_TYPES[file_type][0])
+    writer.add_quantization_version(GGML_QUANT_VERSION)
+    add_tokenizer(writer, hf_dir, hp.vocab_size)

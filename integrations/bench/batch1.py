@@ -1,0 +1,103 @@
+"""``paged bench --workload batch1``: one request at a time, the engine beside llama.cpp's ``llama-bench``.
+
+What llama-bench measures, measured on the engine the same way:
+
+- decode (llama-bench's ``tg N``): a one-token prompt and exactly N new tokens, EOS ignored; the rate is
+  N / the request's wall time;
+- prefill (``pp N``): a prompt of N random token ids and one new token; the rate is N / the time to that
+  token.
+
+Each is repeated ``--rounds`` times after an untimed warm-up of both, every prompt fresh (nothing comes
+from the prefix cache); the rate is the mean of the repetitions' rates, as llama-bench reports it.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from integrations.bench.engine_runs import greedy_params, make_engine, run_batch
+from integrations.bench.report import ENGINE
+
+WARM_UP_TOKENS = 8
+
+
+def engine_batch1(
+    model: str | None, engine_kwargs: dict[str, Any], prompt_tokens: int, gen_tokens: int, repetitions: int
+) -> dict[str, Any]:
+    """The engine's batch-1 decode and prefill rates.
+
+    Returns:
+        ``{"name", "decode_tok_s", "prefill_tok_s", "decode_samples", "prefill_samples"}``.
+    """
+    engine = make_engine(model, engine_kwargs)
+    rng = random.Random(engine_kwargs.get("seed") or 0)
+
+    def fresh(length: int) -> list[int]:
+        return [rng.randrange(engine.vocab_size) for _ in range(length)]
+
+    def prefill_rate() -> float:
+        result = run_batch(engine, [fresh(prompt_tokens)], [greedy_params(1)], lambda n: None)
+        return prompt_tokens / result.ttft_s[0]
+
+    def decode_rate(num_tokens: int) -> float:
+        result = run_batch(engine, [fresh(1)], [greedy_params(num_tokens)], lambda n: None)
+        return result.num_new_tokens / result.wall_s
+
+    prefill_rate()
+    decode_rate(WARM_UP_TOKENS)
+    prefill = [prefill_rate() for _ in range(repetitions)]
+    decode = [decode_rate(gen_tokens) for _ in range(repetitions)]
+    return {
+        "name": ENGINE,
+        "decode_tok_s": sum(decode) / len(decode),
+        "prefill_tok_s": sum(prefill) / len(prefill),
+        "decode_samples": decode,
+        "prefill_samples": prefill,
+    }
+
+
+def batch1_report(
+    results: list[dict[str, Any]], prompt_tokens: int, gen_tokens: int, threads: int, repetitions: int
+) -> dict[str, Any]:
+    """The report's ``batch1`` part: each contender's rates and their ratio to the engine's (the first)."""
+    engine = results[0]
+    rows = []
+    for r in results:
+        rows.append(
+            {
+                **r,
+                "decode_ratio_to_engine": r["decode_tok_s"] / engine["decode_tok_s"],
+                "prefill_ratio_to_engine": r["prefill_tok_s"] / engine["prefill_tok_s"],
+            }
+        )
+    return {
+        "prompt_tokens": prompt_tokens,
+        "gen_tokens": gen_tokens,
+        "threads": threads,
+        "repetitions": repetitions,
+        "results": rows,
+    }
+
+
+def format_batch1(batch1: dict[str, Any]) -> str:
+    """The batch-1 table: each contender's decode and prefill rate and its ratio to the engine's."""
+    tg, pp = f"tg{batch1['gen_tokens']}", f"pp{batch1['prompt_tokens']}"
+    lines = [
+        f"| contender | decode tok/s ({tg}) | x engine | prefill tok/s ({pp}) | x engine |",
+        "|" + " --- |" * 5,
+    ]
+    for r in batch1["results"]:
+        lines.append(
+            f"| {r['name']} | {r['decode_tok_s']:.1f} | {r['decode_ratio_to_engine']:.2f} "
+            f"| {r['prefill_tok_s']:.1f} | {r['prefill_ratio_to_engine']:.2f} |"
+        )
+    lines.append("")
+    lines.append(
+        f"- one request at a time, {batch1['threads']} threads, mean of {batch1['repetitions']} repetitions "
+        f"(decode: each one's {tg}; prefill: each one's {pp} of random token ids)"
+    )
+    for r in batch1["results"]:
+        samples = " / ".join(f"{v:.1f}" for v in r["decode_samples"])
+        lines.append(f"- {r['name']}: decode each repetition {samples} tok/s")
+    return "\n".join(lines)

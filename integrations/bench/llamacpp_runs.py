@@ -1,0 +1,307 @@
+"""llama.cpp as a contender (``--baselines llamacpp``): ``llama-bench`` at batch 1, ``llama-server`` batched.
+
+Both run the GGUF file the engine runs, with the engine's thread count. ``llama-bench`` measures
+prefill (``pp N``) and decode (``tg N``) of one sequence. ``llama-server`` with ``--llamacpp-slots``
+slots gets the workload's token ids (the engine's chat-templated prompts, so both see the same
+input) on its ``/completion`` endpoint, all at once, greedy, exactly ``max_tokens`` new tokens each
+with EOS ignored, streamed so that TTFT and inter-token gaps are the client's; its start-up and a
+warm-up request are not timed. Binaries come from ``--llamacpp-dir`` (``bin/llama-bench``,
+``bin/llama-server``), else ``$PAGED_LLAMACPP_DIR``, else ``DEFAULT_DIR``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from integrations.bench.report import RunResult
+from integrations.engine_flags import FlagError
+from integrations.errors import CommandError
+from sdk.http_transport import sse_events
+
+LLAMACPP = "llamacpp"  # its name in --baselines
+DIR_ENV_VAR = "PAGED_LLAMACPP_DIR"
+DEFAULT_DIR = Path("~/.cache/paged-peers/llama.cpp")
+BUILD_HINT = (
+    "build llama.cpp's tools (cmake -S llama.cpp -B build -DGGML_NATIVE=ON && cmake --build build --target "
+    "llama-bench llama-server), then pass --llamacpp-dir to the folder holding bin/, or set $" + DIR_ENV_VAR
+)
+SERVER_START_TIMEOUT_S = 900.0
+WARM_UP_PROMPT = [1, 2, 3, 4]
+
+Progress = Callable[[int], None]
+
+
+class LlamaCppMissing(FlagError):
+    """No llama.cpp binaries where ``--llamacpp-dir`` (or its default) points; the message says how to build them."""
+
+
+class LlamaCppRunFailed(CommandError):
+    """llama-bench or llama-server failed; the message has its last output lines and its log's path."""
+
+
+@dataclass(frozen=True)
+class LlamaCpp:
+    """A llama.cpp build: its ``bin`` folder."""
+
+    bin_dir: Path
+
+    @property
+    def bench(self) -> Path:
+        return self.bin_dir / "llama-bench"
+
+    @property
+    def server(self) -> Path:
+        return self.bin_dir / "llama-server"
+
+    def version(self) -> str:
+        """The build's ``--version`` line (``version: 1234 (abcdef0)``), or ``unknown``."""
+        try:
+            proc = subprocess.run([str(self.server), "--version"], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return "unknown"
+        lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("version:")]
+        return lines[0].removeprefix("version:").strip() if lines else "unknown"
+
+
+def find_llamacpp(path: Path | None) -> LlamaCpp:
+    """llama.cpp's build under ``path``, else ``$PAGED_LLAMACPP_DIR``, else ``DEFAULT_DIR``.
+
+    Raises:
+        LlamaCppMissing: no executable ``bin/llama-bench`` and ``bin/llama-server`` there.
+    """
+    source = "--llamacpp-dir"
+    if path is None:
+        env = os.environ.get(DIR_ENV_VAR)
+        path, source = (Path(env), f"${DIR_ENV_VAR}") if env else (DEFAULT_DIR, "the default")
+    build = LlamaCpp(path.expanduser() / "bin")
+    missing = [p.name for p in (build.bench, build.server) if not (p.is_file() and os.access(p, os.X_OK))]
+    if missing:
+        raise LlamaCppMissing(
+            f"--llamacpp-dir: no {' or '.join(missing)} in {str(build.bin_dir)!r} ({source}); {BUILD_HINT}"
+        )
+    return build
+
+
+def gguf_of(model: str | None) -> Path | None:
+    """The GGUF file llama.cpp runs for the engine's ``--model``: the bundled one for None, the file itself for a
+    ``.gguf``, None for a Hugging Face directory (llama.cpp reads GGUF only)."""
+    if model is None:
+        from engine.loader import bundled_gguf_path
+
+        return bundled_gguf_path()
+    path = Path(model).expanduser()
+    return path if path.suffix.lower() == ".gguf" else None
+
+
+SKIP_HF_DIR = (
+    "llama.cpp runs GGUF files and --model is a Hugging Face directory: bench a GGUF of it "
+    "(paged make-model --gguf, or llama.cpp's convert_hf_to_gguf.py) to compare with llama.cpp"
+)
+
+
+# ------------------------------------------------------------------------------------------- llama-bench
+
+
+def run_llama_bench(
+    build: LlamaCpp, gguf: Path, threads: int, prompt_tokens: int, gen_tokens: int, repetitions: int
+) -> dict[str, Any]:
+    """``llama-bench -p prompt_tokens -n gen_tokens -t threads -r repetitions -o json`` on ``gguf``.
+
+    Returns:
+        ``{"name", "prefill_tok_s", "decode_tok_s", "prefill_samples", "decode_samples", "build"}``: llama-bench's
+        mean rates of ``pp`` and ``tg`` and each repetition's.
+
+    Raises:
+        LlamaCppRunFailed: it exited with an error or printed no result for pp or tg.
+    """
+    command = [str(build.bench), "-m", str(gguf), "-p", str(prompt_tokens), "-n", str(gen_tokens),
+               "-t", str(threads), "-r", str(repetitions), "-o", "json"]  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, check=False)
+    try:
+        entries = json.loads(proc.stdout) if proc.returncode == 0 else []
+    except ValueError:
+        entries = []
+    prefill = next((e for e in entries if e.get("n_prompt") == prompt_tokens and not e.get("n_gen")), None)
+    decode = next((e for e in entries if e.get("n_gen") == gen_tokens and not e.get("n_prompt")), None)
+    if prefill is None or decode is None:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
+        raise LlamaCppRunFailed(f"llama-bench exited with status {proc.returncode} without pp/tg results:\n{tail}")
+    return {
+        "name": "llama.cpp llama-bench",
+        "prefill_tok_s": float(prefill["avg_ts"]),
+        "decode_tok_s": float(decode["avg_ts"]),
+        "prefill_samples": [float(v) for v in prefill.get("samples_ts") or [prefill["avg_ts"]]],
+        "decode_samples": [float(v) for v in decode.get("samples_ts") or [decode["avg_ts"]]],
+        "build": f"{decode.get('build_number', '?')} ({decode.get('build_commit', '?')})",
+    }
+
+
+# ------------------------------------------------------------------------------------------- llama-server
+
+
+@dataclass
+class _Request:
+    tokens: list[int]
+    ttft_s: float | None = None
+    itl_s: list[float] | None = None
+    num_evaluated: int | None = None  # prompt tokens the server computed (the rest came from its slot's cache)
+    error: str | None = None
+
+
+def run_llama_server(
+    build: LlamaCpp,
+    gguf: Path,
+    prompts: list[list[int]],
+    max_tokens: int,
+    slots: int,
+    threads: int,
+    progress: Progress = lambda n: None,
+) -> RunResult:
+    """The workload through ``llama-server`` with ``slots`` parallel slots, every request submitted at once.
+
+    Raises:
+        LlamaCppRunFailed: the server did not start, or a request failed; its log is kept and named.
+    """
+    per_slot = max(len(p) for p in prompts) + max_tokens + 16
+    workdir = Path(tempfile.mkdtemp(prefix="paged-bench-llamacpp-"))
+    log = workdir / "llama-server.log"
+    port = _free_port()
+    command = [str(build.server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
+               "-c", str(per_slot * slots), "-t", str(threads)]  # fmt: skip
+    start = time.perf_counter()
+    with log.open("w") as out:
+        server = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        asyncio.run(_wait_healthy(base, server, log))
+        startup_s = time.perf_counter() - start
+        requests, wall_s = asyncio.run(_run_all(base, prompts, max_tokens, progress))
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+    failed = [r for r in requests if r.error is not None]
+    if failed:
+        raise LlamaCppRunFailed(
+            f"llama-server: {len(failed)} of {len(requests)} requests failed, first: {failed[0].error}; its log: {log}"
+        )
+    shutil.rmtree(workdir)
+    return _to_run_result(requests, prompts, wall_s, startup_s, slots, threads, build.version(), gguf)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _wait_healthy(base: str, server: subprocess.Popen, log: Path) -> None:
+    deadline = time.perf_counter() + SERVER_START_TIMEOUT_S
+    async with aiohttp.ClientSession() as client:
+        while time.perf_counter() < deadline:
+            if server.poll() is not None:
+                tail = "\n".join(log.read_text(errors="replace").strip().splitlines()[-5:])
+                raise LlamaCppRunFailed(f"llama-server exited with status {server.returncode}:\n{tail}\nits log: {log}")
+            try:
+                async with client.get(base + "/health") as resp:
+                    if resp.status == 200:
+                        return
+            except (aiohttp.ClientError, OSError):
+                pass
+            await asyncio.sleep(0.2)
+    raise LlamaCppRunFailed(f"llama-server did not answer /health within {SERVER_START_TIMEOUT_S:.0f} s; its log: {log}")
+
+
+async def _run_all(
+    base: str, prompts: list[list[int]], max_tokens: int, progress: Progress
+) -> tuple[list[_Request], float]:
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=3600)
+    connector = aiohttp.TCPConnector(limit=len(prompts) + 1)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
+        warm = await _complete(client, base, WARM_UP_PROMPT, 2, lambda n: None)
+        if warm.error is not None:
+            raise LlamaCppRunFailed(f"llama-server: the warm-up request failed: {warm.error}")
+        start = time.perf_counter()
+        requests = await asyncio.gather(*(_complete(client, base, p, max_tokens, progress) for p in prompts))
+        return list(requests), time.perf_counter() - start
+
+
+async def _complete(
+    client: aiohttp.ClientSession, base: str, prompt: list[int], max_tokens: int, progress: Progress
+) -> _Request:
+    """One streamed ``/completion`` request, timed from just before it is sent; a failure is recorded."""
+    body = {"prompt": prompt, "n_predict": max_tokens, "ignore_eos": True, "temperature": 0.0, "top_k": 1,
+            "stream": True, "return_tokens": True, "cache_prompt": True}  # fmt: skip
+    request = _Request(tokens=[], itl_s=[])
+    start = last = time.perf_counter()
+    try:
+        async with client.post(base + "/completion", json=body) as resp:
+            if resp.status != 200:
+                request.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return request
+            async for event in sse_events(resp):
+                if "error" in event:
+                    request.error = f"error event: {str(event['error'])[:200]}"
+                    return request
+                new = [int(t) for t in event.get("tokens") or ()]
+                if new:
+                    now = time.perf_counter()
+                    if request.ttft_s is None:
+                        request.ttft_s = now - start
+                    else:
+                        request.itl_s.append(now - last)  # type: ignore[union-attr]
+                    last = now
+                    request.tokens.extend(new)
+                    progress(len(new))
+                if event.get("stop"):
+                    request.num_evaluated = (event.get("timings") or {}).get("prompt_n")
+                    break
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as exc:
+        request.error = f"{type(exc).__name__}: {exc}"
+        return request
+    if len(request.tokens) != max_tokens:
+        request.error = f"{len(request.tokens)} new tokens where {max_tokens} were asked for"
+    return request
+
+
+def _to_run_result(
+    requests: list[_Request], prompts: list[list[int]], wall_s: float, startup_s: float, slots: int, threads: int,
+    version: str, gguf: Path,
+) -> RunResult:  # fmt: skip
+    num_prompt = sum(len(p) for p in prompts)
+    evaluated = [r.num_evaluated for r in requests]
+    computed = None if None in evaluated else sum(evaluated)  # type: ignore[arg-type]
+    return RunResult(
+        name=f"llama.cpp llama-server, {slots} slots",
+        num_requests=len(requests),
+        num_new_tokens=sum(len(r.tokens) for r in requests),
+        wall_s=wall_s,
+        num_prompt_tokens=num_prompt,
+        ttft_s=[r.ttft_s for r in requests if r.ttft_s is not None],
+        itl_s=[gap for r in requests for gap in r.itl_s or ()],
+        prompt_tokens_computed=computed,
+        prefix_cache_hit_rate=None if computed is None else 1 - computed / num_prompt,
+        startup_s=startup_s,
+        notes=(
+            f"build {version}, {gguf.name}, {threads} threads, /completion with the engine's token ids; "
+            f"start-up {startup_s:.0f} s (not timed)"
+        ),
+        output_token_ids=[r.tokens for r in requests],
+        prompt_indices=list(range(len(prompts))),
+    )

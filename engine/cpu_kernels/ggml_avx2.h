@@ -44,8 +44,8 @@ static inline __m256 sum_pairs_f(__m256i p16) { return _mm256_cvtepi32_ps(_mm256
 
 /* ------------------------------------------------------------------------- legacy types x act_q8 */
 
-/* Block i of a legacy-type row: its codes as unsigned bytes (Q8_0: their magnitudes, *sign the codes for their
- * signs), its d and its offset m (w = d q + m). */
+/* Block i of a legacy-type row: its codes as unsigned bytes (Q8_0: their magnitudes, *sign the signed codes
+ * for their signs), its d and its offset m (w = d q + m). */
 static inline __attribute__((always_inline)) __m256i legacy_block(int type, const uint8_t *w, int64_t i, __m256i *sign,
                                                                   float *d, float *m) {
     switch (type) {
@@ -82,27 +82,47 @@ static inline __attribute__((always_inline)) __m256i legacy_block(int type, cons
     }
 }
 
-/* Legacy types: each block's integer sums scaled in float once. Even and odd blocks go to two accumulators, so
- * that a row's chain of FMAs is not one long dependency (every row the same way, whatever R). */
+/* Block i of a legacy row against activation block x: its integer sums (8 lanes) and its scales. */
+static inline __attribute__((always_inline)) __m256 legacy_dot(int type, __m256i q, __m256i sign, const act_q8 *x) {
+    __m256i xq = _mm256_loadu_si256((const __m256i *)x->qs);
+    if (type == GGML_Q8_0) xq = _mm256_sign_epi8(xq, sign);
+    return sum_pairs_f(_mm256_maddubs_epi16(q, xq));
+}
+
+/* Legacy types: each block's integer sums scaled in float once. Blocks go in pairs to two accumulators, so that a
+ * row's chain of FMAs is not one long dependency (every row the same way, whatever R); the accumulators are named
+ * per block of the pair (not indexed by the block's parity) so that they stay in registers. */
 static inline __attribute__((always_inline)) void tile_q8_avx2(int type, const uint8_t *w, const act_q8 *a,
                                                                int64_t a_row, int R, int64_t K, float *out) {
-    __m256 acc[GGML_TILE_ROWS][2];
-    float off[GGML_TILE_ROWS][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps(), off[r][0] = off[r][1] = 0.0f;
-    for (int64_t i = 0; i < K / QK; ++i) {
-        const int j = (int)(i & 1);
-        __m256i sign = _mm256_setzero_si256();
-        float d, m;
-        const __m256i q = legacy_block(type, w, i, &sign, &d, &m);
+    const int offset = type != GGML_Q8_0; /* w = d q + m with m != 0 */
+    __m256 even[GGML_TILE_ROWS], odd[GGML_TILE_ROWS];
+    float off[GGML_TILE_ROWS];
+    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps(), off[r] = 0.0f;
+    const int64_t nb = K / QK;
+    int64_t i = 0;
+    for (; i + 2 <= nb; i += 2) {
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+        float d0, m0, d1, m1;
+        const __m256i q0 = legacy_block(type, w, i, &s0, &d0, &m0);
+        const __m256i q1 = legacy_block(type, w, i + 1, &s1, &d1, &m1);
         for (int r = 0; r < R; ++r) {
             const act_q8 *x = a + r * a_row + i;
-            __m256i xq = _mm256_loadu_si256((const __m256i *)x->qs);
-            if (type == GGML_Q8_0) xq = _mm256_sign_epi8(xq, sign);
-            acc[r][j] = _mm256_fmadd_ps(_mm256_set1_ps(d * x->d), sum_pairs_f(_mm256_maddubs_epi16(q, xq)), acc[r][j]);
-            if (type != GGML_Q8_0) off[r][j] += m * x->s;
+            even[r] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * x[0].d), legacy_dot(type, q0, s0, x), even[r]);
+            odd[r] = _mm256_fmadd_ps(_mm256_set1_ps(d1 * x[1].d), legacy_dot(type, q1, s1, x + 1), odd[r]);
+            if (offset) off[r] += m0 * x[0].s + m1 * x[1].s;
         }
     }
-    for (int r = 0; r < R; ++r) out[r] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1])) + (off[r][0] + off[r][1]);
+    if (i < nb) {
+        __m256i s0 = _mm256_setzero_si256();
+        float d0, m0;
+        const __m256i q0 = legacy_block(type, w, i, &s0, &d0, &m0);
+        for (int r = 0; r < R; ++r) {
+            const act_q8 *x = a + r * a_row + i;
+            even[r] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * x->d), legacy_dot(type, q0, s0, x), even[r]);
+            if (offset) off[r] += m0 * x->s;
+        }
+    }
+    for (int r = 0; r < R; ++r) out[r] = hsum8(_mm256_add_ps(even[r], odd[r])) + off[r];
 }
 
 /* ------------------------------------------------------------------------ K-quants x act_q8_K */

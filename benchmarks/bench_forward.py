@@ -1,6 +1,7 @@
 """Forward time of one engine step on the model runner: decode batches and a prefill, per weight format.
 
-Each format is a dtype, optionally with a quantization (``float32:gguf``, ``float32:int8``). All
+Each format is a dtype, optionally with a quantization (``float32:gguf``, ``float32:int8``); on a GGUF model
+(the default, the bundled one) the formats without ``:gguf`` run on the file's float32 dequantization. All
 formats' runners are loaded first, and each step is timed on them in turn, round after round,
 so that the ratios to the first format (the ``vs first`` column) compare them under the same load.
 
@@ -29,7 +30,8 @@ import torch
 from engine.config import EngineConfig
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.layers.linear import Linear
-from engine.loader import resolve_model
+from engine.loader import gguf_source, resolve_model
+from engine.model_files.dequantized import dequantized_hf_directory
 from engine.worker.input_batch import prepare_inputs
 from engine.worker.model_runner import ModelRunner
 
@@ -188,7 +190,10 @@ def main() -> None:
             dtype=dtype, device=args.device, block_size=block_size, num_blocks=needed,
             attention_backend=args.attention_backend, quantization=quantization or None,
         )
-        runners.append(ModelRunner(config, model_dir))
+        # A GGUF's float formats run on its float32 dequantization; ``:gguf`` on the file's own blocks.
+        gguf = gguf_source(model_dir)
+        float_twin = gguf is not None and quantization != "gguf"
+        runners.append(ModelRunner(config, dequantized_hf_directory(gguf) if float_twin else model_dir))
     for batch in batches:
         step = _decode_step(batch, args.context, block_size, args.shared)
         times = _time_formats(runners, step, args.repeats)

@@ -34,8 +34,8 @@ class EngineConfig:
     )
     dtype: str = knob(
         "auto",
-        "Weights and compute dtype. auto = the fastest that keeps outputs correct on the device (float32 on CPU); "
-        "on CPU, bfloat16 keeps bfloat16 weights and KV cache and float32 element-wise parts; its matmuls run on "
+        "Weights and compute dtype. auto = bfloat16 on CUDA; on CPU the checkpoint's dtype where it is bfloat16, "
+        "else float32 (a float32 or float16 checkpoint, a GGUF's float tensors); on CPU, bfloat16 keeps bfloat16 weights and KV cache and float32 element-wise parts; its matmuls run on "
         "AMX or AVX512-BF16 where the CPU has them, else widened to float32.",
         choices=("auto", "float32", "bfloat16", "float16"),
     )
@@ -44,8 +44,9 @@ class EngineConfig:
         "Linear weights quantized on CPU: int8 = 8-bit min/max blocks of 32 weights (weight-only; the output head "
         "stays in dtype); w8a8 = symmetric 8-bit blocks of 32 weights, and each matmul's input quantized to symmetric "
         "int8 blocks of 32 (both Hadamard-rotated) as it comes, the products in int8 (AVX512-VNNI where the CPU has "
-        "it; the output head in dtype); gguf = a .gguf "
-        "model's own Q8_0 / Q4_0 / Q4_1 blocks, read without dequantizing; None = weights in dtype.",
+        "it; the output head in dtype); gguf = a .gguf file's own blocks (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q4_1, "
+        "Q5_0, Q5_1, F16, BF16, F32) times int8 blocks of x, read from the file without dequantizing, the same as "
+        "None for a .gguf; None = weights in dtype (a .gguf: its own blocks).",
         choices=("int8", "w8a8", "gguf"),
     )
     device: str = knob("auto", "auto = cuda when available, else cpu.", choices=("auto", "cpu", "cuda"))

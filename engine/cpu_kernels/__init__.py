@@ -563,13 +563,9 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     return y
 
 
-def linear_quantized(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x W^T + b`` for ``x [M, K]`` (float32 CPU, any strides) and a quantized ``W``
-    (``engine.layers.quantization.QuantizedWeight``; with its ``bf16_products`` and more than
-    ``QUANTIZED_FLOAT_ROWS`` rows, x and the weights rounded to bfloat16 multiplied on ``bf16_linear_path(M)``
-    where that is not ``"widened"``; with its ``int8_products``, x quantized to int8 blocks and int8 products,
-    on ``int8_linear_path()``); returns ``[M, N]``, contiguous."""
-    lib = _lib()
+def _linear_operands(x: torch.Tensor, weight, bias: torch.Tensor | None):
+    """A linear kernel's checked operands: x's rows and leading dimension, bias contiguous (or None), and the
+    output ``[M, weight.out_features]``."""
     for name, t in (("x", x), ("bias", bias if bias is not None else x)):
         _check_float32_cpu(name, t)
     rows, in_features = x.shape
@@ -578,8 +574,18 @@ def linear_quantized(x: torch.Tensor, weight, bias: torch.Tensor | None = None) 
     if bias is not None and bias.shape != (weight.out_features,):
         raise ValueError(f"bias must have shape [{weight.out_features}]; got {list(bias.shape)}")
     x, ld_x = _rows(x)
-    bias = bias.contiguous() if bias is not None else None
-    y = torch.empty(rows, weight.out_features)
+    return x, ld_x, bias.contiguous() if bias is not None else None, torch.empty(rows, weight.out_features)
+
+
+def linear_quantized(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x W^T + b`` for ``x [M, K]`` (float32 CPU, any strides) and a quantized ``W``
+    (``engine.layers.quantization.QuantizedWeight``; with its ``bf16_products`` and more than
+    ``QUANTIZED_FLOAT_ROWS`` rows, x and the weights rounded to bfloat16 multiplied on ``bf16_linear_path(M)``
+    where that is not ``"widened"``; with its ``int8_products``, x quantized to int8 blocks and int8 products,
+    on ``int8_linear_path()``); returns ``[M, N]``, contiguous."""
+    lib = _lib()
+    x, ld_x, bias, y = _linear_operands(x, weight, bias)
+    rows, in_features = x.shape
     args = (
         x.data_ptr(), ld_x, rows, weight.codes.data_ptr(), weight.scales.data_ptr(), weight.out_features,
         in_features, bias.data_ptr() if bias is not None else None, y.data_ptr(), weight.out_features,
@@ -641,16 +647,8 @@ def linear_ggml(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> to
     """``x W^T + b`` for ``x [M, K]`` (float32 CPU, any strides) and ``W`` in ggml types
     (``engine.layers.ggml_weight.GGMLWeight``); returns ``[M, N]``, contiguous."""
     lib = _lib()
-    for name, t in (("x", x), ("bias", bias if bias is not None else x)):
-        _check_float32_cpu(name, t)
+    x, ld_x, bias, y = _linear_operands(x, weight, bias)
     rows, in_features = x.shape
-    if in_features != weight.in_features:
-        raise ValueError(f"x [{rows}, {in_features}] for a weight of {weight.in_features} in_features")
-    if bias is not None and bias.shape != (weight.out_features,):
-        raise ValueError(f"bias must have shape [{weight.out_features}]; got {list(bias.shape)}")
-    x, ld_x = _rows(x)
-    bias = bias.contiguous() if bias is not None else None
-    y = torch.empty(rows, weight.out_features)
     status = lib.linear_ggml_f32(
         x.data_ptr(), ld_x, rows, ctypes.addressof(weight.c_parts), len(weight.c_parts), in_features,
         bias.data_ptr() if bias is not None else None, y.data_ptr(), weight.out_features,

@@ -64,6 +64,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: $PAGED_VLLM_PYTHON, else ~/.cache/paged-peers/vllm/bin/python)",
     )
     parser.add_argument(
+        "--vllm-model",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="the Hugging Face directory vLLM serves (default: the engine's model); with a .gguf --model, the "
+        "directory the file was made from, so that the engine's own blocks race vLLM's dense weights",
+    )
+    parser.add_argument(
         "--vllm-dtype",
         choices=("float32", "bfloat16"),
         default=None,
@@ -260,7 +268,8 @@ def run(args: argparse.Namespace) -> int:
             if vllm_python is not None:
                 bar.set_postfix_str("vllm (start-up takes minutes)")
                 vllm_result = vllm_runs.run_vllm(
-                    vllm_python, model_dir, workload.prompts, args.max_tokens, args.vllm_dtype or dtype_name,
+                    vllm_python, args.vllm_model or model_dir, workload.prompts, args.max_tokens,
+                    args.vllm_dtype or dtype_name,
                     engine_fields,
                 )
                 one.append(vllm_result)

@@ -23,7 +23,7 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -176,6 +176,27 @@ async def resolve_target(
     return Target(base=base, model=model, headers=headers)
 
 
+class StreamFailed(Exception):
+    """A streamed request answered with an HTTP error status or an error event (the message says which)."""
+
+
+async def stream_events(
+    client: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> AsyncIterator[dict[str, Any]]:
+    """The server-sent events of one streamed POST.
+
+    Raises:
+        StreamFailed: a status other than 200, or an event carrying ``error``.
+    """
+    async with client.post(url, json=body, headers=headers) as resp:
+        if resp.status != 200:
+            raise StreamFailed(f"HTTP {resp.status}: {(await resp.text())[:200]}")
+        async for event in sse_events(resp):
+            if "error" in event:
+                raise StreamFailed(f"error event: {str(event['error'])[:200]}")
+            yield event
+
+
 async def send(
     client: aiohttp.ClientSession, target: Target, turn: Turn, max_tokens: int, progress: Progress = lambda n: None
 ) -> RequestRecord:
@@ -194,25 +215,21 @@ async def send(
     usage: dict[str, Any] | None = None
     start = last = time.perf_counter()
     try:
-        async with client.post(target.base + "/chat/completions", json=body, headers=target.headers) as resp:
-            if resp.status != 200:
-                record.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-                return record
-            async for event in sse_events(resp):
-                if "error" in event:
-                    record.error = f"error event: {str(event['error'])[:200]}"
-                    return record
-                usage = event.get("usage") or usage
-                if not any((c.get("delta") or {}).get("content") for c in event.get("choices") or ()):
-                    continue
-                now = time.perf_counter()
-                if record.ttft_s is None:
-                    record.ttft_s = now - start
-                else:
-                    record.itl_s.append(now - last)
-                last = now
-                num_events += 1
-                progress(1)
+        async for event in stream_events(client, target.base + "/chat/completions", body, target.headers):
+            usage = event.get("usage") or usage
+            if not any((c.get("delta") or {}).get("content") for c in event.get("choices") or ()):
+                continue
+            now = time.perf_counter()
+            if record.ttft_s is None:
+                record.ttft_s = now - start
+            else:
+                record.itl_s.append(now - last)
+            last = now
+            num_events += 1
+            progress(1)
+    except StreamFailed as exc:
+        record.error = str(exc)
+        return record
     except (aiohttp.ClientError, OSError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"
         return record

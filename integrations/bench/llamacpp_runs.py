@@ -26,10 +26,10 @@ from typing import Any
 
 import aiohttp
 
+from integrations.bench.http_runs import StreamFailed, stream_events
 from integrations.bench.report import RunResult
 from integrations.engine_flags import FlagError
 from integrations.errors import CommandError
-from sdk.http_transport import sse_events
 
 LLAMACPP = "llamacpp"  # its name in --baselines
 DIR_ENV_VAR = "PAGED_LLAMACPP_DIR"
@@ -251,27 +251,22 @@ async def _complete(
     request = _Request(tokens=[], itl_s=[])
     start = last = time.perf_counter()
     try:
-        async with client.post(base + "/completion", json=body) as resp:
-            if resp.status != 200:
-                request.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-                return request
-            async for event in sse_events(resp):
-                if "error" in event:
-                    request.error = f"error event: {str(event['error'])[:200]}"
-                    return request
-                new = [int(t) for t in event.get("tokens") or ()]
-                if new:
-                    now = time.perf_counter()
-                    if request.ttft_s is None:
-                        request.ttft_s = now - start
-                    else:
-                        request.itl_s.append(now - last)  # type: ignore[union-attr]
-                    last = now
-                    request.tokens.extend(new)
-                    progress(len(new))
-                if event.get("stop"):
-                    request.num_evaluated = (event.get("timings") or {}).get("prompt_n")
-                    break
+        async for event in stream_events(client, base + "/completion", body):
+            new = [int(t) for t in event.get("tokens") or ()]
+            if new:
+                now = time.perf_counter()
+                if request.ttft_s is None:
+                    request.ttft_s = now - start
+                else:
+                    request.itl_s.append(now - last)  # type: ignore[union-attr]
+                last = now
+                request.tokens.extend(new)
+                progress(len(new))
+            if event.get("stop"):
+                request.num_evaluated = (event.get("timings") or {}).get("prompt_n")  # the stream's last event
+    except StreamFailed as exc:
+        request.error = str(exc)
+        return request
     except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as exc:
         request.error = f"{type(exc).__name__}: {exc}"
         return request

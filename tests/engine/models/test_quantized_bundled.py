@@ -90,6 +90,19 @@ def test_gguf_blocks_are_the_dequantized_weights(runners) -> None:
     assert gguf.weights.nbytes < runners[None].weights.nbytes / 4
 
 
+def _steps_kept(reference, got) -> int:
+    """The greedy steps, over all prompts, before each prompt's first token that differs from the reference's."""
+    return sum(
+        next((i for i, (a, b) in enumerate(zip(ref, ours)) if a != b), MAX_NEW_TOKENS)
+        for ref, ours in zip(reference[0], got[0])
+    )
+
+
+def _prefill_gap(reference, got) -> float:
+    """The largest difference of any prompt's prefill logits from the reference's."""
+    return max((ref[0] - ours[0]).abs().max().item() for ref, ours in zip(reference[1], got[1]))
+
+
 def test_gguf_blocks_stay_near_float32(runners, prompts, reference) -> None:
     """The file's blocks times int8 blocks of x (as llama.cpp multiplies them) against the dequantized float32
     model: over prefill and 64 greedy steps of the 8 prompts, the tokens agree for a quarter of the steps or more,
@@ -99,11 +112,7 @@ def test_gguf_blocks_stay_near_float32(runners, prompts, reference) -> None:
     the head, set the error)."""
     got = _decode(runners["gguf"], prompts)
     _, _, worst_logprob = _compare(reference, got)
-    kept = sum(
-        next((i for i, (a, b) in enumerate(zip(ref, ours)) if a != b), MAX_NEW_TOKENS)
-        for ref, ours in zip(reference[0], got[0])
-    )
-    prefill_logit = max((ref[0] - ours[0]).abs().max().item() for ref, ours in zip(reference[1], got[1]))
+    kept, prefill_logit = _steps_kept(reference, got), _prefill_gap(reference, got)
     assert kept >= len(prompts) * MAX_NEW_TOKENS // 4
     assert prefill_logit < 1.5 and worst_logprob < 0.6
 
@@ -127,11 +136,7 @@ def test_w8a8_stays_near_float32(runners, prompts, reference) -> None:
     whole, 0.64-0.68, 0.17-0.19; without the rotation 225 steps, 1 prompt whole, 0.39)."""
     got = _decode(runners["w8a8"], prompts)
     _, worst_logit, worst_logprob = _compare(reference, got)
-    kept = sum(
-        next((i for i, (a, b) in enumerate(zip(ref, ours)) if a != b), MAX_NEW_TOKENS)
-        for ref, ours in zip(reference[0], got[0])
-    )
-    prefill_logit = max((ref[0] - ours[0]).abs().max().item() for ref, ours in zip(reference[1], got[1]))
+    kept, prefill_logit = _steps_kept(reference, got), _prefill_gap(reference, got)
     assert kept >= len(prompts) * MAX_NEW_TOKENS // 2
     assert prefill_logit < 1.0 and worst_logprob < 0.3
     assert runners["w8a8"].weights.modules == {"q8": 120, "float32": 1}

@@ -1,8 +1,7 @@
-"""Reference copies of GGUF models for the tests: transformers' own reading of a GGUF file, dequantized to float32
-and saved as a Hugging Face directory once (the engine itself never converts a GGUF).
-
-Tests load it with transformers as the ground truth, and with the engine as a float32 checkpoint, against which
-the engine's run of the GGUF file's own blocks is compared.
+"""A GGUF file's float32 twin: transformers' own reading of the file, dequantized to float32 and saved as a
+Hugging Face directory once. The engine serves a GGUF in its own blocks and never loads through this; it is the
+reference the tests compare those blocks with, and what ``benchmarks/bench_forward.py`` times as the file's float
+formats.
 """
 
 from __future__ import annotations
@@ -18,10 +17,10 @@ from engine.loader import cache_root
 
 def dequantized_hf_directory(gguf: Path) -> Path:
     """The float32 Hugging Face directory of ``gguf`` (weights, config, tokenizer), made once under
-    ``$PAGED_CACHE/test-reference``."""
+    ``$PAGED_CACHE/gguf-dequantized``."""
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    entry = cache_root() / "test-reference" / f"{gguf.stem}-{key}"
+    entry = cache_root() / "gguf-dequantized" / f"{gguf.stem}-{key}"
     done = entry / ".complete"
     if done.exists():
         return entry

@@ -176,7 +176,7 @@ class Delta:
 
     The engine makes them, one per completion that progressed in a step; the SDK's transports,
     client and hooks, the server and the framework adapters pass the same objects on (the SDK
-    fills ``tool_calls``, parsed out of the text). Each completion's last delta has its
+    fills ``reasoning`` and ``tool_calls``, parsed out of the text). Each completion's last delta has its
     ``finish_reason``; the request's very last delta, and only that one, has ``usage``.
     """
 
@@ -198,6 +198,9 @@ class Delta:
     tool_calls: list[Any] | None = None
     """New output of the reply's tool calls (``sdk.tools.ToolCallDelta``s: a call's id and name
     first, then argument fragments); the SDK sets it, never the engine."""
+    reasoning: str = ""
+    """New reasoning text of a thinking model's reply, apart from ``text`` (``sdk.reasoning``);
+    the SDK sets it, never the engine."""
 
 
 @dataclass(slots=True)

@@ -74,8 +74,12 @@ def render_chat(
     add_generation_prompt: bool = True,
     tools: Sequence[ToolSpec] | None = None,
     max_model_len: int | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """Token ids of ``messages`` (and ``tools``) rendered with the tokenizer's chat template.
+
+    ``chat_template_kwargs`` are extra template variables (Qwen3's ``enable_thinking``); a
+    template that does not read one ignores it.
 
     The template is rendered to text, then tokenized without adding special tokens (the
     template writes its own), so a conversation's ids start with the ids of any prefix of
@@ -89,7 +93,7 @@ def render_chat(
     template = getattr(tokenizer, "chat_template", None)
     if not template:
         raise InvalidRequestError("the model's tokenizer has no chat template; use complete() with a raw prompt")
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = dict(chat_template_kwargs or {})
     if renders_tools(template):
         conversation = [_native(m) for m in messages]
         if tools:

@@ -15,6 +15,7 @@ from sdk.hooks import Hook, HookChain, ModelSource, RequestOrigin
 from sdk.hooks.replay import model_source
 from sdk.policy import TenantPolicy, engine_salt
 from sdk.rate_limit import RateLimiter
+from sdk.reasoning import check_parser_name
 from sdk.request_run import RequestRun
 from sdk.response_format import parse
 from sdk.runtime import Runtime
@@ -155,12 +156,17 @@ class AsyncClient:
         route: names the surface in hook contexts and audit records (adapters set theirs).
         max_retries: times to retry a request the engine refused as overloaded, or lost to a restart
             before its first output (with backoff).
+        reasoning_parser: how a thinking model's reasoning is split from its replies' text
+            (``sdk.reasoning``): ``"auto"`` (from the chat template), ``"none"``, ``"qwen3"`` or
+            ``"deepseek_r1"``. In-process only: a remote server parses with its own.
         **engine_config: ``engine.EngineConfig`` fields for the in-process engine.
 
     Raises:
         ValueError: ``runtime`` or ``transport`` with any of model/base_url/api_key/engine_config
             (or each other), ``base_url`` with engine_config, ``api_key`` without ``base_url``,
-            or a policy that isolates the cache without a ``tenant``.
+            ``reasoning_parser`` with ``base_url`` or ``transport``, or a policy that isolates
+            the cache without a ``tenant``.
+        InvalidRequestError: an unknown ``reasoning_parser``.
     """
 
     def __init__(
@@ -176,13 +182,16 @@ class AsyncClient:
         transport: Transport | None = None,
         route: str = "client",
         max_retries: int = 0,
+        reasoning_parser: str = "auto",
         **engine_config: Any,
     ) -> None:
         if policy is not None and policy.isolate_cache and tenant is None:
             raise ValueError("a policy with isolate_cache needs a tenant: the salt is the tenant's")
         self._owns_transport = transport is None
         self._owns_runtime = runtime is None
-        self._transport, self._runtime = _make_transport(transport, runtime, model, base_url, api_key, engine_config)
+        self._transport, self._runtime = _make_transport(
+            transport, runtime, model, base_url, api_key, engine_config, check_parser_name(reasoning_parser)
+        )
         self.hooks = HookChain(hooks)
         self.tenant = tenant
         self.policy = policy
@@ -355,8 +364,9 @@ class AsyncClient:
         choices: dict[int, dict[str, Any]] = {}
         last: Delta | None = None
         async for last in self._run(request, origin):
-            choice = choices.setdefault(last.index, {"text": [], "token_ids": [], "logprobs": [], "tool_calls": []})
+            choice = choices.setdefault(last.index, {"text": [], "reasoning": [], "token_ids": [], "logprobs": [], "tool_calls": []})
             choice["text"].append(last.text)
+            choice["reasoning"].append(last.reasoning)
             choice["token_ids"].extend(last.token_ids)
             choice["logprobs"].extend(last.logprobs or ())
             choice["tool_calls"].extend(last.tool_calls or ())
@@ -370,6 +380,7 @@ class AsyncClient:
                 Choice(
                     index=index,
                     text="".join(c["text"]),
+                    reasoning="".join(c["reasoning"]) or None,
                     token_ids=c["token_ids"],
                     # NOTE: a content filter that stops the stream ends every completion
                     finish_reason=c.get("finish_reason", last.finish_reason),
@@ -406,6 +417,7 @@ def _make_transport(
     base_url: str | None,
     api_key: str | None,
     engine_config: dict[str, Any],
+    reasoning_parser: str,
 ) -> tuple[Transport, Runtime]:
     """Where requests run, and the runtime they belong to.
 
@@ -419,7 +431,10 @@ def _make_transport(
     named = {"model": model, "base_url": base_url, "api_key": api_key}
     if runtime is not None:
         _refuse("runtime", {**named, "transport": transport}, engine_config, "the runtime's engine serves the requests")
-        return InProcessTransport(runtime), runtime
+        return InProcessTransport(runtime, reasoning_parser), runtime
+    if reasoning_parser != "auto" and (transport is not None or base_url is not None):
+        where = "transport" if transport is not None else "base_url"
+        raise ValueError(f"reasoning_parser and {where} both given: the {where} parses replies with its own")
     if transport is not None:
         _refuse("transport", named, engine_config, "the transport fixes where requests run")
         return transport, Runtime()
@@ -427,7 +442,7 @@ def _make_transport(
         if api_key is not None:
             raise ValueError("api_key given without base_url: the in-process engine takes no key")
         runtime = Runtime(model, **engine_config)
-        return InProcessTransport(runtime), runtime
+        return InProcessTransport(runtime, reasoning_parser), runtime
     if engine_config:
         fields = ", ".join(sorted(engine_config))
         raise ValueError(f"base_url and engine fields ({fields}) both given: a remote engine is set up by its server")

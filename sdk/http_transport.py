@@ -125,8 +125,9 @@ class HttpTransport(Transport):
                 asyncio.run_coroutine_threadsafe(session.close(), loop)
 
     def render_chat(
-        self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True, tools: Sequence[ToolSpec] | None = None
-    ) -> str:
+        self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True, tools: Sequence[ToolSpec] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> str:  # fmt: skip
         return ChatPrompt(messages, add_generation_prompt)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[Delta]:
@@ -153,6 +154,8 @@ class HttpTransport(Transport):
                 body["tools"] = [t.model_dump(exclude_none=True) for t in request.tools]
                 body["tool_choice"] = _tool_choice_to_wire(request.tool_choice)
                 body["parallel_tool_calls"] = request.parallel_tool_calls
+            if request.chat_template_kwargs:
+                body["chat_template_kwargs"] = request.chat_template_kwargs
         else:
             url = self._base + "/completions"
             body["prompt"] = request.prompt if isinstance(request.prompt, list) else str(request.prompt)
@@ -231,19 +234,22 @@ async def _read_stream(resp: aiohttp.ClientResponse, request_id: str, num_choice
         prompt_ids = event.get("prompt_token_ids") or prompt_ids
         for choice in event.get("choices") or ():
             text = choice.get("text")
+            message = choice.get("delta") or {}
             if text is None:
-                text = (choice.get("delta") or {}).get("content") or ""
+                text = message.get("content") or ""
+            # NOTE: vLLM and paged serve send reasoning_content; newer servers name it reasoning
+            reasoning = message.get("reasoning_content") or message.get("reasoning") or ""
             token_ids = list(choice.get("token_ids") or ())
             prompt_ids = choice.get("prompt_token_ids") or prompt_ids  # completions: per choice
             index = int(choice.get("index") or 0)
             finish_reason = choice.get("finish_reason")
             logprobs = _logprobs(choice.get("logprobs"))
-            calls = [tool_call_delta_from_wire(c) for c in (choice.get("delta") or {}).get("tool_calls") or ()] or None
+            calls = [tool_call_delta_from_wire(c) for c in message.get("tool_calls") or ()] or None
             if finish_reason is not None:
                 finished.add(index)
-            if not (text or token_ids or logprobs or finish_reason or calls):
+            if not (text or reasoning or token_ids or logprobs or finish_reason or calls):
                 continue
-            delta = Delta(request_id, index, text, token_ids, logprobs, finish_reason, tool_calls=calls)
+            delta = Delta(request_id, index, text, token_ids, logprobs, finish_reason, tool_calls=calls, reasoning=reasoning)
             if prompt_ids and not sent_prompt:
                 delta.prompt_token_ids, sent_prompt = list(prompt_ids), True
             num_tokens += len(token_ids)

@@ -106,14 +106,17 @@ class RequestRun:
         """Runs the input hooks, renders the prompt they leave and takes its tokens from the rate limit."""
         client, request = self.client, self.request
         await client.hooks.on_request(ctx)
-        tools = request.tools if isinstance(request, ChatRequest) else None
-        prompt = await client.transport.prepare_prompt(client.tenant, ctx.messages, ctx.prompt, tools)
+        is_chat = isinstance(request, ChatRequest)
+        tools = request.tools if is_chat else None  # type: ignore[union-attr]
+        template_kwargs = request.chat_template_kwargs if is_chat else None  # type: ignore[union-attr]
+        prompt = await client.transport.prepare_prompt(client.tenant, ctx.messages, ctx.prompt, tools, template_kwargs)
         if lease is not None:
             lease.take_tokens(_num_reserved_tokens(prompt, request.n, terms.max_tokens))
         ctx.engine_request = EngineRequest(
             ctx.request_id, prompt, sampling, terms.priority, terms.cache_salt,
             tenant=client.tenant, weight=terms.weight, response_format=request.response_format, tools=tools,
             tool_choice=_tool_choice(request), parallel_tool_calls=getattr(request, "parallel_tool_calls", None) is not False,
+            chat_template_kwargs=template_kwargs, reasoning=client.transport.prompt_reasoning(prompt) if is_chat else None,
         )  # fmt: skip
         return ctx.engine_request
 
@@ -151,7 +154,7 @@ class RequestRun:
             self.num_completion_tokens += len(delta.token_ids)
             # NOTE: the engine's usage comes on the last delta; until then the hooks see the counts so far
             ctx.usage = delta.usage or Usage(self.num_prompt_tokens, self.num_completion_tokens, self.num_cached_tokens)
-            if (delta.text or delta.token_ids or delta.tool_calls) and await self.client.hooks.on_chunk(ctx, delta) is not None:
+            if (delta.text or delta.reasoning or delta.token_ids or delta.tool_calls) and await self.client.hooks.on_chunk(ctx, delta) is not None:
                 ctx.finish_reason = "content_filter"
                 yield Delta(ctx.request_id, delta.index, prompt_token_ids=delta.prompt_token_ids,
                             finish_reason="content_filter", usage=ctx.usage)  # fmt: skip

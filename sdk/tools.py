@@ -303,7 +303,7 @@ class ToolCallParser:
             if self._num_sent is None:
                 start = self._buffer.find(CALL_BEGIN)
                 if start < 0:
-                    keep = len(self._buffer) - _partial_suffix(self._buffer, CALL_BEGIN)
+                    keep = len(self._buffer) - partial_suffix(self._buffer, CALL_BEGIN)
                     out_text.append(self._buffer[:keep])
                     self._buffer = self._buffer[keep:]
                     break
@@ -366,7 +366,7 @@ def _tail_start(text: str) -> int:
     return i if i >= 0 and CALL_END.startswith(text[i + 1 :].lstrip()) else len(text)
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """The length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-n:]):

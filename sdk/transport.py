@@ -3,7 +3,8 @@
 The client builds an ``EngineRequest`` (prompt + sampling knobs, after the hooks ran),
 a ``Transport`` executes it and yields the engine's ``Delta``s. ``InProcessTransport``
 drives the ``engine.AsyncEngine`` of a ``sdk.runtime.Runtime`` in this process and passes
-its deltas on as they come (it only moves tool calls out of their text); it renders and
+its deltas on as they come (it only moves a chat reply's reasoning and tool calls out of
+its text, ``sdk.reasoning`` and ``sdk.tools``); it renders and
 tokenizes prompts on the ``sdk.prompt_worker`` threads, never on the event loop, after
 checking that their characters can fit ``max_model_len``.
 """
@@ -20,6 +21,7 @@ from sdk.chat_template import check_prompt_chars, render_chat
 from sdk.errors import EngineFailure, EngineRestarting, OverloadedError
 from sdk.fields import from_engine
 from sdk.prompt_worker import PROMPT_WORKER
+from sdk.reasoning import PromptReasoning, ReasoningParser, after_reasoning, check_parser_name, reasoning_format
 from sdk.response_format import to_structured_output
 from sdk.runtime import Runtime
 from sdk.tools import ToolCallParser, ToolSpec, tool_constraint
@@ -44,6 +46,8 @@ class EngineRequest:
     tools: list[ToolSpec] | None = None  # rendered into the prompt already; the output is parsed for calls
     tool_choice: str | None = None  # "auto" | "none" | "required" | a tool's name (sdk.tools.to_tool_choice)
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # rendered into the prompt already (sent to a remote server)
+    reasoning: PromptReasoning | None = None  # parse the reply's reasoning; constraints apply after it
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,9 +78,14 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def render_chat(
-        self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True, tools: Sequence[ToolSpec] | None = None
-    ) -> str | list[int]:
-        """The prompt for ``messages`` (and ``tools``) under the model's chat template."""
+        self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True, tools: Sequence[ToolSpec] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> str | list[int]:  # fmt: skip
+        """The prompt for ``messages`` (and ``tools``, template variables) under the model's chat template."""
+
+    def prompt_reasoning(self, prompt: str | list[int]) -> PromptReasoning | None:
+        """The reasoning of a chat ``prompt``'s reply, to parse here; None = none (or parsed by a remote server)."""
+        return None
 
     async def check_prompt_size(self, num_chars: int) -> None:
         """Refuse a prompt of ``num_chars`` characters that cannot fit ``max_model_len`` (before any work).
@@ -87,15 +96,15 @@ class Transport(abc.ABC):
 
     async def prepare_prompt(
         self, tenant: str | None, messages: Sequence[ChatMessage] | None, prompt: str | list[int] | None,
-        tools: Sequence[ToolSpec] | None = None,
+        tools: Sequence[ToolSpec] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
     ) -> str | list[int]:  # fmt: skip
-        """The engine prompt of a chat (``messages``, ``tools``) or of a raw ``prompt``.
+        """The engine prompt of a chat (``messages``, ``tools``, template variables) or of a raw ``prompt``.
 
         Raises:
             InvalidRequestError: as ``render_chat``, or past ``check_prompt_size``'s bound.
         """
         if messages is not None:
-            return self.render_chat(messages, tools=tools)
+            return self.render_chat(messages, tools=tools, chat_template_kwargs=chat_template_kwargs)
         assert prompt is not None
         return prompt
 
@@ -135,10 +144,16 @@ class InProcessTransport(Transport):
     Args:
         runtime: whose engine to drive (loaded on ``start()`` if need be); an engine is
             served through a ``Runtime(engine=...)``, which leaves it running when closed.
+        reasoning_parser: how chat replies' reasoning is split from their text: ``"auto"``
+            (from the chat template), ``"none"``, or a family (``sdk.reasoning.REASONING_PARSERS``).
+
+    Raises:
+        InvalidRequestError: an unknown ``reasoning_parser``.
     """
 
-    def __init__(self, runtime: Runtime | AsyncEngine) -> None:
+    def __init__(self, runtime: Runtime | AsyncEngine, reasoning_parser: str = "auto") -> None:
         self.runtime = runtime if isinstance(runtime, Runtime) else Runtime(engine=runtime)
+        self.reasoning_parser = check_parser_name(reasoning_parser)
 
     @property
     def engine(self) -> AsyncEngine:
@@ -156,9 +171,18 @@ class InProcessTransport(Transport):
         await self.runtime.start()
 
     def render_chat(
-        self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True, tools: Sequence[ToolSpec] | None = None
-    ) -> list[int]:
-        return render_chat(self.engine.tokenizer, messages, add_generation_prompt, tools, self.engine.max_model_len)
+        self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True, tools: Sequence[ToolSpec] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:  # fmt: skip
+        engine = self.engine
+        return render_chat(engine.tokenizer, messages, add_generation_prompt, tools, engine.max_model_len, chat_template_kwargs)
+
+    def prompt_reasoning(self, prompt: str | list[int]) -> PromptReasoning | None:
+        tokenizer = self.engine.tokenizer
+        fmt = reasoning_format(self.reasoning_parser, getattr(tokenizer, "chat_template", None))
+        if fmt is None or not isinstance(prompt, list):  # NOTE: chat prompts are token ids here
+            return None
+        return PromptReasoning(fmt, fmt.start_of(tokenizer.decode(prompt[-_TAIL_TOKENS:])))
 
     async def check_prompt_size(self, num_chars: int) -> None:
         engine = self.engine
@@ -167,11 +191,13 @@ class InProcessTransport(Transport):
 
     async def prepare_prompt(
         self, tenant: str | None, messages: Sequence[ChatMessage] | None, prompt: str | list[int] | None,
-        tools: Sequence[ToolSpec] | None = None,
+        tools: Sequence[ToolSpec] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
     ) -> str | list[int]:  # fmt: skip
         tokenizer = self.engine.tokenizer
         if messages is not None:
-            return await PROMPT_WORKER.run(tenant, render_chat, tokenizer, messages, True, tools, self.engine.max_model_len)
+            return await PROMPT_WORKER.run(
+                tenant, render_chat, tokenizer, messages, True, tools, self.engine.max_model_len, chat_template_kwargs
+            )
         if isinstance(prompt, str):
             await self.check_prompt_size(len(prompt))
             from engine.llm_engine import tokenize
@@ -191,13 +217,20 @@ class InProcessTransport(Transport):
                 request.prompt, params, request_id=request.request_id, priority=request.priority,
                 cache_salt=request.cache_salt, tenant=request.tenant, weight=request.weight,
             )  # fmt: skip
-            if request.tools is None or request.tool_choice == "none":
+            parse_calls = request.tools is not None and request.tool_choice != "none"
+            if request.reasoning is None and not parse_calls:
                 async for delta in stream:
                     yield delta
                 return
-            parsers = [ToolCallParser(request.tools) for _ in range(params.n)]
+            parsers = [
+                _ReplyParser(
+                    request.reasoning.parser() if request.reasoning is not None else None,
+                    ToolCallParser(request.tools) if parse_calls and request.tools is not None else None,
+                )
+                for _ in range(params.n)
+            ]
             async for delta in stream:
-                yield _with_calls(delta, parsers[delta.index])
+                yield parsers[delta.index].split(delta)
         except engine_errors.ParameterError as exc:  # bad knobs, a prompt that can never be served, an id in use
             raise from_engine(exc) from exc
         except engine_errors.EngineOverloaded as exc:
@@ -231,18 +264,41 @@ class InProcessTransport(Transport):
 
 
 def engine_constraint(request: EngineRequest) -> Any:
-    """The engine constraint of a request: its response format's, or its tool choice's."""
+    """The engine constraint of a request: its response format's, or its tool choice's, after its reasoning."""
     if request.tools is not None and request.tool_choice is not None:
-        return tool_constraint(request.tools, request.tool_choice, request.parallel_tool_calls)
-    return to_structured_output(request.response_format)
+        constraint = tool_constraint(request.tools, request.tool_choice, request.parallel_tool_calls)
+    else:
+        constraint = to_structured_output(request.response_format)
+    if request.reasoning is None:
+        return constraint
+    return after_reasoning(constraint, request.reasoning.format, request.reasoning.start)
 
 
-def _with_calls(delta: Delta, parser: ToolCallParser) -> Delta:
-    """``delta`` with its completion's tool calls moved out of its text (``finish_reason`` "tool_calls" once it made one)."""
-    delta.text, calls = parser.feed(delta.text)
-    delta.tool_calls = calls or None
-    if delta.finish_reason is not None:
-        delta.text += parser.finish()
-        if delta.finish_reason == "stop" and parser.num_complete_calls:
-            delta.finish_reason = "tool_calls"
-    return delta
+class _ReplyParser:
+    """Moves one completion's reasoning, then its tool calls, out of its text: the tool-call
+    parser reads only the answer."""
+
+    def __init__(self, reasoning: ReasoningParser | None, calls: ToolCallParser | None) -> None:
+        self._reasoning = reasoning
+        self._calls = calls
+
+    def split(self, delta: Delta) -> Delta:
+        """``delta`` with ``reasoning`` and ``tool_calls`` set (``finish_reason`` "tool_calls" once it made one)."""
+        last = delta.finish_reason is not None
+        if self._reasoning is not None:
+            delta.reasoning, delta.text = self._reasoning.feed(delta.text)
+            if last:
+                reasoning, answer = self._reasoning.finish()
+                delta.reasoning += reasoning
+                delta.text += answer
+        if self._calls is not None:
+            delta.text, calls = self._calls.feed(delta.text)
+            delta.tool_calls = calls or None
+            if last:
+                delta.text += self._calls.finish()
+                if delta.finish_reason == "stop" and self._calls.num_complete_calls:
+                    delta.finish_reason = "tool_calls"
+        return delta
+
+
+_TAIL_TOKENS = 8  # a prompt's last tokens, whose text shows whether its template opened or closed the reasoning

@@ -115,6 +115,24 @@ class ChatRequest(_RequestBase):
     """``"auto"`` (the default with tools), ``"none"``, ``"required"`` or a named tool."""
     parallel_tool_calls: bool | None = None
     """Whether one reply may make several calls (default: yes)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra chat-template variables, e.g. ``{"enable_thinking": False}`` for Qwen3; a template ignores those it does not read."""
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _only_template_variables(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(kwargs or ()) & _RENDER_ARGUMENTS)
+        if taken:
+            raise ValueError(f"{', '.join(taken)} {'is' if len(taken) == 1 else 'are'} set by the SDK, not by template variables")
+        return kwargs
+
+
+# NOTE: apply_chat_template's own arguments and the variables the SDK renders: never template variables
+_RENDER_ARGUMENTS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})  # fmt: skip
 
 
 class CompletionRequest(_RequestBase):
@@ -128,7 +146,9 @@ class Choice(BaseModel):
 
     index: int
     text: str
-    """The reply's text, without its tool calls."""
+    """The reply's text, without its reasoning and tool calls."""
+    reasoning: str | None = None
+    """A thinking model's reasoning, apart from the text (``sdk.reasoning``); None when the reply had none."""
     token_ids: list[int]
     finish_reason: FinishReason
     """``tool_calls`` when the reply made calls."""
@@ -182,6 +202,11 @@ class ChatResult(CompletionResult):
     def tool_calls(self) -> list[ToolCall] | None:
         """The first reply's tool calls."""
         return self.choices[0].tool_calls
+
+    @property
+    def reasoning(self) -> str | None:
+        """The first reply's reasoning (thinking models); None when it had none."""
+        return self.choices[0].reasoning
 
     @property
     def message(self) -> ChatMessage:

@@ -50,6 +50,7 @@ def create_app(
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
     serving_factory: Callable[[], Serving] | None = None,
     restart: RestartPolicy | None = None,
+    reasoning_parser: str = "auto",
     **engine_config: Any,
 ) -> web.Application:
     """Build the OpenAI-compatible application; the engine starts with the app and stops with it.
@@ -69,6 +70,9 @@ def create_app(
             by default an in-process engine is built from ``model`` and ``engine_config``.
         restart: how that engine replaces a driver that died (``engine.supervisor.RestartPolicy``);
             None = the default policy.
+        reasoning_parser: how chat replies' reasoning is split from their content, sent as
+            ``reasoning_content``: ``"auto"`` (from the chat template), ``"none"`` or a family
+            (``sdk.reasoning.REASONING_PARSERS``).
         **engine_config: ``EngineConfig`` fields (block_size, num_blocks, max_num_seqs, ...).
 
     Returns:
@@ -85,8 +89,9 @@ def create_app(
 
     def default_factory() -> Serving:
         return Serving.create(
-            model, served_model_name=served_model_name, hooks=hooks, restart=restart, **engine_config
-        )
+            model, served_model_name=served_model_name, hooks=hooks, restart=restart,
+            reasoning_parser=reasoning_parser, **engine_config,
+        )  # fmt: skip
 
     factory = serving_factory or default_factory
 

@@ -22,6 +22,7 @@ from integrations.engine_flags import (
     restart_policy,
 )
 from integrations.openai_server.app import DEFAULT_CLIENT_MAX_SIZE, DEFAULT_DRAIN_TIMEOUT, create_app
+from sdk.reasoning import REASONING_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument(
         "--served-model-name", default=None,
         help="model id clients send and /v1/models lists (default: the model's name)",
+    )
+    server.add_argument(
+        "--reasoning-parser", default="auto", choices=REASONING_PARSERS,
+        help="split a thinking model's reasoning into reasoning_content: auto (from the chat template), "
+        "none, or a model family (default: %(default)s)",
     )
     server.add_argument(
         "--host", default="127.0.0.1",
@@ -191,6 +197,7 @@ def make_app(args: argparse.Namespace) -> web.Application:
         api_key=keys,
         policy=policy,
         served_model_name=args.served_model_name,
+        reasoning_parser=args.reasoning_parser,
         hooks=hooks,
         client_max_size=args.max_body_size,
         drain_timeout=args.drain_timeout,

@@ -75,7 +75,7 @@ def sdk_requests(body: Any, route: Route) -> tuple[list[ChatRequest | Completion
 
     The requests carry its sampling knobs under the engine's names, priority (when set: else
     the tenant's), cache_salt, response_format (any wire spelling) and a chat's messages,
-    tools, tool_choice and parallel_tool_calls.
+    tools, tool_choice, parallel_tool_calls and chat_template_kwargs.
 
     Raises:
         ApiError: a 400 for a field the SDK refuses, ``param`` naming the wire field.
@@ -97,8 +97,11 @@ def sdk_requests(body: Any, route: Route) -> tuple[list[ChatRequest | Completion
             first, *rest = body.prompts()
             request = WireCompletionRequest(prompt=first, **fields)
             return [request, *(request.model_copy(update={"prompt": prompt}) for prompt in rest)], format_field
-        tools = {"tools": body.tools, "tool_choice": body.tool_choice, "parallel_tool_calls": body.parallel_tool_calls}
-        return [ChatRequest(**fields, **tools)], format_field
+        chat = {
+            "tools": body.tools, "tool_choice": body.tool_choice, "parallel_tool_calls": body.parallel_tool_calls,
+            "chat_template_kwargs": body.chat_template_kwargs,
+        }  # fmt: skip
+        return [ChatRequest(**fields, **chat)], format_field
     except ValidationError as exc:
         raise from_sdk(invalid_request(exc), route, format_field) from None
     except PagedError as exc:

@@ -126,6 +126,7 @@ class _ChatFields(_RequestFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra template variables (enable_thinking)
 
 
 class _CompletionFields(_RequestFields):
@@ -198,6 +199,7 @@ class CompletionLogprobs(BaseModel):
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # vLLM's: a thinking model's reasoning, apart from content
     tool_calls: list[dict[str, Any]] | None = None  # sdk.wire.tool_call_to_wire
 
     @model_serializer(mode="wrap")
@@ -210,13 +212,15 @@ class ChatMessage(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # sdk.wire.tool_call_delta_to_wire
 
     @model_serializer(mode="wrap")
-    def _drop_no_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+    def _drop_absent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data = handler(self)
-        if self.tool_calls is None:
-            data.pop("tool_calls", None)  # absent, not null, from chunks without calls (as OpenAI's)
+        for name in ("tool_calls", "reasoning_content"):
+            if getattr(self, name) is None:
+                data.pop(name, None)  # absent, not null, from chunks without them (as OpenAI's)
         return data
 
 

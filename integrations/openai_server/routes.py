@@ -99,12 +99,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 def _message(deltas: list[Delta]) -> p.ChatMessage:
-    """A chat choice's reply: its text, and its complete tool calls (content null when only calls)."""
+    """A chat choice's reply: its text, its reasoning (absent when none) and its complete tool
+    calls (content null when only calls)."""
     text = "".join(d.text for d in deltas)
+    reasoning = "".join(d.reasoning for d in deltas) or None
     calls = collect_calls([c for d in deltas for c in d.tool_calls or ()])
     if not calls:
-        return p.ChatMessage(content=text)
-    return p.ChatMessage(content=text or None, tool_calls=[tool_call_to_wire(call) for call in calls])
+        return p.ChatMessage(content=text, reasoning_content=reasoning)
+    return p.ChatMessage(content=text or None, reasoning_content=reasoning, tool_calls=[tool_call_to_wire(call) for call in calls])
 
 
 def _json(model: BaseModel, status: int = 200) -> web.Response:
@@ -265,7 +267,7 @@ class _Run:
                 started.add(delta.index)
                 opening = p.DeltaMessage(role="assistant", content="")
                 await self.events.send(self._chat_chunk(delta.index, opening))
-            if delta.text or delta.token_ids or delta.tool_calls or delta.finish_reason is not None:
+            if delta.text or delta.reasoning or delta.token_ids or delta.tool_calls or delta.finish_reason is not None:
                 await self.events.send(self._event(delta, event_prompt_ids))
             if delta.finish_reason is not None:
                 finals.append(delta)
@@ -290,7 +292,7 @@ class _Run:
             calls = [tool_call_delta_to_wire(c) for c in delta.tool_calls] if delta.tool_calls else None
             event = self._chat_chunk(
                 delta.index,
-                p.DeltaMessage(content=delta.text or None, tool_calls=calls),
+                p.DeltaMessage(content=delta.text or None, reasoning_content=delta.reasoning or None, tool_calls=calls),
                 logprobs=chat_logprobs([delta]) if self.want_logprobs else None,
                 finish_reason=delta.finish_reason,
                 token_ids=ids,

@@ -32,6 +32,8 @@ class Serving:
         engine: a started ``engine.AsyncEngine``; owned (shut down by ``close()``) when ``owns_engine``.
         hooks: SDK hooks run on every request.
         served_model_name: the model id clients use; defaults to the engine's model name.
+        reasoning_parser: how chat replies' reasoning is split from their content
+            (``sdk.reasoning.REASONING_PARSERS``; ``"auto"`` reads the chat template).
     """
 
     def __init__(
@@ -41,9 +43,10 @@ class Serving:
         hooks: Sequence[Hook] = (),
         served_model_name: str | None = None,
         owns_engine: bool = True,
+        reasoning_parser: str = "auto",
     ) -> None:
         self.engine = engine
-        self._transport = InProcessTransport(engine)
+        self._transport = InProcessTransport(engine, reasoning_parser)
         self._hooks = tuple(hooks)
         self._served_name = served_model_name
         self._owns_engine = owns_engine
@@ -57,13 +60,14 @@ class Serving:
         hooks: Sequence[Hook] = (),
         served_model_name: str | None = None,
         restart: RestartPolicy | None = None,
+        reasoning_parser: str = "auto",
         **engine_config: Any,
     ) -> Serving:
         """Load a new engine (blocks while the weights load; call from a thread); ``restart``: its self-healing."""
         from engine import AsyncEngine
 
         engine = AsyncEngine(model, restart=restart, **engine_config)
-        return cls(engine, hooks=hooks, served_model_name=served_model_name)
+        return cls(engine, hooks=hooks, served_model_name=served_model_name, reasoning_parser=reasoning_parser)
 
     async def start(self) -> None:
         """Start the transport and read the vocabulary's longest token, while /health still says starting.

@@ -53,7 +53,7 @@ PROVIDER = "paged"
 _UNSUPPORTED = {"n"}
 _KNOBS = [name for name in SAMPLING_FIELDS if name not in _UNSUPPORTED]
 _PER_CALL = frozenset({*_KNOBS, "request_id", "priority", "cache_salt", "timeout", "response_format"})
-_TOOL_OPTIONS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
+_CHAT_OPTIONS = frozenset({"tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs"})
 _Chunk = TypeVar("_Chunk", ChatGenerationChunk, GenerationChunk)
 _CALL_BLOCKS = {"tool_use", "tool_call"}  # an AI message's calls as content blocks (Anthropic's, LangChain's)
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool", "user": "user", "assistant": "assistant"}
@@ -278,7 +278,7 @@ class PagedChat(_PagedParams, BaseChatModel):
     streaming: bool = False
     """Stream tokens to callbacks during ``invoke`` (LangChain's convention)."""
 
-    _per_call: ClassVar[frozenset[str]] = _PER_CALL | _TOOL_OPTIONS
+    _per_call: ClassVar[frozenset[str]] = _PER_CALL | _CHAT_OPTIONS
 
     @property
     def _llm_type(self) -> str:
@@ -301,8 +301,13 @@ class PagedChat(_PagedParams, BaseChatModel):
         logprobs = {"logprobs": {"content": [_logprob_dict(t) for t in delta.logprobs]}} if delta.logprobs else {}
         # NOTE: merging chunks joins the fragments of each call index into the message's tool_calls.
         calls = [tool_call_chunk(name=c.name, args=c.arguments, id=c.id, index=c.index) for c in delta.tool_calls or ()]
+        # NOTE: where langchain-core reads a reasoning block from (content_blocks), as ChatDeepSeek sends it
+        reasoning = {"reasoning_content": delta.reasoning} if delta.reasoning else {}
         if delta.finish_reason is None:
-            message = AIMessageChunk(content=delta.text, id=delta.request_id, tool_call_chunks=calls, response_metadata=logprobs)
+            message = AIMessageChunk(
+                content=delta.text, id=delta.request_id, tool_call_chunks=calls, response_metadata=logprobs,
+                additional_kwargs=reasoning,
+            )  # fmt: skip
             return ChatGenerationChunk(message=message)
         assert delta.usage is not None
         usage = UsageMetadata(
@@ -315,7 +320,7 @@ class PagedChat(_PagedParams, BaseChatModel):
                     "model_provider": PROVIDER, **logprobs}  # fmt: skip
         message = AIMessageChunk(
             content=delta.text, id=delta.request_id, tool_call_chunks=calls, usage_metadata=usage,
-            response_metadata=metadata, chunk_position="last",
+            response_metadata=metadata, chunk_position="last", additional_kwargs=reasoning,
         )  # fmt: skip
         return ChatGenerationChunk(message=message, generation_info={"finish_reason": delta.finish_reason})
 

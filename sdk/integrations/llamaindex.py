@@ -8,7 +8,9 @@ schema in the engine; any call also takes ``response_format`` (``sdk.response_fo
 ``PagedLLM`` is a ``FunctionCallingLLM``: ``chat_with_tools`` and its async and streaming
 forms, ``predict_and_call`` and ``FunctionAgent`` run on the SDK's tools (``sdk.tools``), whose
 calls the engine holds to the tools' schemas; calls travel as ``ToolCallBlock``s and tool
-results as ``tool`` messages with ``additional_kwargs["tool_call_id"]``.
+results as ``tool`` messages with ``additional_kwargs["tool_call_id"]``. A thinking model's
+reasoning (``sdk.reasoning``) comes as the reply's ``ThinkingBlock``, and while streaming as
+each response's ``additional_kwargs["thinking_delta"]`` (where LlamaIndex's agents read it).
 Every call goes through an SDK client, so hooks and audit apply.
 
     from sdk.integrations.llamaindex import PagedLLM
@@ -43,6 +45,7 @@ try:
         LLMMetadata,
         MessageRole,
         TextBlock,
+        ThinkingBlock,
         ToolCallBlock,
     )
     from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
@@ -107,28 +110,33 @@ def _arguments(tool_kwargs: dict[str, Any] | str) -> dict[str, Any]:
     return json.loads(tool_kwargs) if isinstance(tool_kwargs, str) else tool_kwargs
 
 
-def _assistant(text: str, calls: Sequence[ToolCall] | None) -> LIChatMessage:
-    """A reply as a LlamaIndex message: its text, then a ``ToolCallBlock`` per call."""
-    blocks: list[Any] = [TextBlock(text=text)]
+def _assistant(text: str, calls: Sequence[ToolCall] | None, reasoning: str | None = None) -> LIChatMessage:
+    """A reply as a LlamaIndex message: its reasoning's ``ThinkingBlock`` (if any), its text, then a ``ToolCallBlock`` per call."""
+    blocks: list[Any] = [ThinkingBlock(content=reasoning)] if reasoning else []
+    blocks.append(TextBlock(text=text))
     blocks += [ToolCallBlock(tool_call_id=c.id, tool_name=c.name, tool_kwargs=c.arguments) for c in calls or ()]
     return LIChatMessage(role=MessageRole.ASSISTANT, blocks=blocks)
 
 
 class _StreamedReply:
-    """A streamed reply so far, as the ``ChatResponse`` of each new delta: the text so far and
-    the calls complete so far (a call shows once its arguments are whole)."""
+    """A streamed reply so far, as the ``ChatResponse`` of each new delta: the reasoning and text
+    so far and the calls complete so far (a call shows once its arguments are whole)."""
 
     def __init__(self) -> None:
         self._text = ""
+        self._reasoning = ""
         self._deltas: list[ToolCallDelta] = []
         self._calls: list[ToolCall] = []
 
     def add(self, delta: Delta, additional_kwargs: dict[str, Any]) -> ChatResponse:
         self._text += delta.text
+        self._reasoning += delta.reasoning
         if delta.tool_calls:
             self._deltas += delta.tool_calls
             self._calls = collect_calls(self._deltas)
-        message = _assistant(self._text, self._calls)
+        if delta.reasoning:
+            additional_kwargs = {**additional_kwargs, "thinking_delta": delta.reasoning}
+        message = _assistant(self._text, self._calls, self._reasoning)
         return ChatResponse(message=message, delta=delta.text, additional_kwargs=additional_kwargs)
 
 
@@ -233,7 +241,7 @@ class PagedLLM(_SamplingKnobs):  # type: ignore[misc, valid-type]
         return {"finish_reason": delta.finish_reason, "usage": dataclasses.asdict(delta.usage)}
 
     def _response(self, result: ChatResult) -> ChatResponse:
-        message = _assistant(result.text, result.tool_calls)
+        message = _assistant(result.text, result.tool_calls, result.reasoning)
         return ChatResponse(message=message, raw=result.model_dump(), additional_kwargs=self._extra(result))
 
     # --- chat: the native path ----------------------------------------------------------

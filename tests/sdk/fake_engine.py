@@ -133,33 +133,3 @@ class FakeAsyncEngine:
     async def shutdown(self) -> None:
         pass
 
-
-class ScriptedReplyEngine(FakeAsyncEngine):
-    """Replies ``reply`` token by token (markers split across deltas as the tokenizer splits them),
-    then stops; keeps each request's prompt and sampling params."""
-
-    def __init__(self, tokenizer: Any, reply: str) -> None:
-        super().__init__(tokenizer)
-        self.reply_ids = tokenizer.encode(reply, add_special_tokens=False)
-        self.prompts: list[list[int]] = []
-        self.params: list[SamplingParams] = []
-
-    async def stream(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-        priority: int = 0, cache_salt: str | None = None, tenant: str | None = None, weight: float = 1.0,
-    ) -> AsyncIterator[Delta]:  # fmt: skip
-        ids = list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt, add_special_tokens=False)
-        self.prompts.append(ids)
-        self.params.append(params)
-        num_sent_chars = 0
-        for n in range(1, len(self.reply_ids) + 1):
-            text = self.tokenizer.decode(self.reply_ids[:n])
-            last = n == len(self.reply_ids)
-            delta = Delta(request_id or "scripted", 0, text[num_sent_chars:], self.reply_ids[n - 1 : n],
-                          finish_reason="stop" if last else None)  # fmt: skip
-            num_sent_chars = len(text)
-            if n == 1:
-                delta.prompt_token_ids, delta.num_cached_tokens = ids, 0
-            if last:
-                delta.usage = Usage(len(ids), n, 0)
-            yield delta

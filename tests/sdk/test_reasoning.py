@@ -8,31 +8,16 @@ import random
 from typing import Any
 
 import pytest
-from fake_engine import ScriptedReplyEngine
 from pydantic import BaseModel
 
 from engine.structured_output import StructuredOutput
 from sdk import AsyncClient, Runtime
 from sdk.errors import InvalidRequestError
 from sdk.reasoning import REASONING_FORMATS, ReasoningParser, Start, after_reasoning, reasoning_format
-from sdk.tools import to_tools, tool_constraint
+from sdk.tools import tool_constraint
+from tests.support.thinking import CALL, R1_TEMPLATE, REPLY, SCHEMA, THINKING_TEMPLATE, TOOLS, ScriptedReplyEngine
 
 QWEN3, R1 = REASONING_FORMATS["qwen3"], REASONING_FORMATS["deepseek_r1"]
-# A Qwen3-style template: earlier turns lose their thinking, enable_thinking=False closes it in the prompt.
-THINKING_TEMPLATE = (
-    "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
-    "{%- if m.role == 'assistant' %}{{ (m.content or '').split('</think>')[-1].lstrip('\\n') }}"
-    "{%- else %}{{ m.content }}{%- endif %}<|im_end|>\n{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
-    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{%- endif %}{%- endif %}"
-)
-# DeepSeek-R1 distills' shape: the generation prompt opens the thinking.
-R1_TEMPLATE = (
-    "{%- for m in messages %}{%- if m.role == 'user' %}<｜User｜>{{ m.content }}"
-    "{%- else %}<｜Assistant｜>{{ (m.content or '').split('</think>')[-1] }}<｜end▁of▁sentence｜>{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}<｜Assistant｜><think>\n{%- endif %}"
-)
-REPLY = "<think>\nThe user greets me. I greet back.\n</think>\n\nHello there!"
 
 
 def _chunked(text: str, rng: random.Random) -> list[str]:
@@ -96,11 +81,6 @@ def test_the_prompt_says_where_the_output_starts():
     assert QWEN3.start_of("<|im_start|>assistant\n<think>\n") is Start.THINKING
     assert QWEN3.start_of("assistant\n<think>\n\n</think>\n\n") is Start.ANSWER
     assert R1.start_of("<｜Assistant｜>") is Start.THINKING
-
-
-SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-TOOLS = to_tools([{"name": "add", "parameters": SCHEMA}])
-CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
 
 
 @pytest.mark.parametrize(

@@ -237,3 +237,33 @@ def test_paged_llm_gives_a_thinking_block(scripted):
     assert "".join(r.additional_kwargs.get("thinking_delta", "") for r in streamed) == thinking[0]
     assert "".join(r.delta or "" for r in streamed) == "Hello there!"
     assert [b.content for b in streamed[-1].message.blocks if isinstance(b, ThinkingBlock)] == thinking
+
+
+# --------------------------------------------------------------------------- the real engine
+
+
+async def test_a_real_engine_holds_only_the_answer_to_the_schema(tiny_model_factory, bundled_model_dir, tmp_path):
+    """A tiny random model under a thinking template either thinks or answers straight away (the
+    engine masks everything else): a completion is thinking cut short by ``max_tokens`` (no text)
+    or a stopped, schema-valid answer; the markers never reach the text."""
+    import jsonschema
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(bundled_model_dir)
+    tokenizer.chat_template = THINKING_TEMPLATE
+    tokenizer.save_pretrained(tmp_path / "thinking-tokenizer")
+    client = AsyncClient(str(tiny_model_factory("llama", tokenizer_dir=tmp_path / "thinking-tokenizer")), num_blocks=256)
+    try:
+        results = await client.batch(
+            [f"Question {i}" for i in range(8)], response_format=SCHEMA, max_tokens=48, temperature=1.0, seed=3
+        )
+    finally:
+        await client.aclose()
+    for result in results:
+        if result.finish_reason == "length":
+            assert result.reasoning and result.text == ""
+        else:
+            assert result.finish_reason == "stop"
+            jsonschema.validate(json.loads(result.text), SCHEMA)
+        assert "</think>" not in (result.reasoning or "")
+    assert any(r.reasoning for r in results)  # the constraint let the model think first

@@ -95,6 +95,7 @@ class RequestRun:
             messages=list(request.messages) if is_chat else None,  # type: ignore[union-attr]
             prompt=None if is_chat else request.prompt,  # type: ignore[union-attr]
             output_pieces=[[] for _ in range(num_choices)],
+            reasoning_pieces=[[] for _ in range(num_choices)],
             tool_call_deltas=[[] for _ in range(num_choices)],
             model_source=client._model_source,
             output_token_ids=[[] for _ in range(num_choices)],
@@ -162,6 +163,7 @@ class RequestRun:
             if ctx.first_token_monotonic is None:
                 ctx.first_token_monotonic = time.monotonic()
             ctx.output_pieces[delta.index].append(delta.text)
+            ctx.reasoning_pieces[delta.index].append(delta.reasoning)
             ctx.output_token_ids[delta.index] += delta.token_ids
             ctx.tool_call_deltas[delta.index] += delta.tool_calls or ()
             if delta.finish_reason is not None:

@@ -124,6 +124,7 @@ class AuditLog(Hook):
                 {"hook": d.hook, "stage": d.stage, "action": d.action, "detail": d.detail} for d in ctx.decisions
             ],
             "completion_chars": sum(map(len, ctx.output_texts)),
+            "reasoning_chars": sum(map(len, ctx.reasoning_texts)),
             "tool_calls": [c.name for calls in ctx.tool_calls for c in calls],
         }
         if self.include_text:
@@ -131,6 +132,7 @@ class AuditLog(Hook):
             record["prompt"] = ctx.prompt
             # one completion (the usual case) as a str, n > 1 of them as a list
             record["completion"] = ctx.output_text if len(ctx.output_texts) == 1 else list(ctx.output_texts)
+            record["reasoning"] = ctx.reasoning_texts[0] if len(ctx.reasoning_texts) == 1 else ctx.reasoning_texts
             record["tool_call_arguments"] = [
                 {"id": c.id, "name": c.name, "arguments": c.arguments} for calls in ctx.tool_calls for c in calls
             ]

@@ -98,6 +98,8 @@ class RequestContext:
     end_monotonic: float | None = None
     # per completion (n of them), the text emitted so far in pieces (``output_texts`` joins them)
     output_pieces: list[list[str]] = field(default_factory=lambda: [[]])
+    # per completion, a thinking model's reasoning emitted so far in pieces (sdk.reasoning)
+    reasoning_pieces: list[list[str]] = field(default_factory=lambda: [[]])
     # per completion, the tool-call deltas emitted so far (``tool_calls`` assembles them)
     tool_call_deltas: list[list[ToolCallDelta]] = field(default_factory=lambda: [[]])
     finish_reason: FinishReason | None = None
@@ -115,6 +117,11 @@ class RequestContext:
     def output_texts(self) -> list[str]:
         """Per completion (n of them), the text emitted so far; during on_chunk, before the current delta."""
         return ["".join(pieces) for pieces in self.output_pieces]
+
+    @property
+    def reasoning_texts(self) -> list[str]:
+        """Per completion, the reasoning emitted so far (empty for models without reasoning)."""
+        return ["".join(pieces) for pieces in self.reasoning_pieces]
 
     @property
     def output_text(self) -> str:

@@ -84,10 +84,12 @@ class RegexFilter(Hook):
         ctx.record(self.name, "input", "redact", f"{num_matches} match(es)")
 
     async def on_chunk(self, ctx: RequestContext, delta: Delta) -> Stop | None:
-        if self.on != "output" or not (delta.text or delta.tool_calls):
+        if self.on != "output" or not (delta.text or delta.reasoning or delta.tool_calls):
             return None
         if delta.text and self.pattern.search("".join(ctx.output_pieces[delta.index]) + delta.text):
             return Stop(f"output matched the {self.name} filter")
+        if delta.reasoning and self.pattern.search("".join(ctx.reasoning_pieces[delta.index]) + delta.reasoning):
+            return Stop(f"the reasoning matched the {self.name} filter")
         if delta.tool_calls:  # the arguments' JSON text so far
             sent = "".join(d.arguments for d in ctx.tool_call_deltas[delta.index])
             if self.pattern.search(sent + "".join(d.arguments for d in delta.tool_calls)):

@@ -267,3 +267,16 @@ async def test_a_real_engine_holds_only_the_answer_to_the_schema(tiny_model_fact
             jsonschema.validate(json.loads(result.text), SCHEMA)
         assert "</think>" not in (result.reasoning or "")
     assert any(r.reasoning for r in results)  # the constraint let the model think first
+
+
+async def test_output_filters_and_audit_see_the_reasoning(scripted, tmp_path):
+    from sdk.hooks import AuditLog, RegexFilter
+
+    _, client = scripted(REPLY, hooks=[RegexFilter("greet back", on="output"), AuditLog(tmp_path / "audit.jsonl", include_text=True)])
+    result = await client.chat("Hi")
+    assert result.finish_reason == "content_filter" and result.text == ""
+    _, client = scripted(REPLY, hooks=[AuditLog(tmp_path / "audit2.jsonl", include_text=True)])
+    await client.chat("Hi")
+    record = json.loads((tmp_path / "audit2.jsonl").read_text().splitlines()[-1])
+    assert (record["reasoning"], record["completion"]) == ("The user greets me. I greet back.\n", "Hello there!")
+    assert record["reasoning_chars"] == len(record["reasoning"])

@@ -164,9 +164,9 @@ class ReasoningParser:
         return "".join(reasoning), "".join(answer)
 
     def finish(self) -> tuple[str, str]:
-        """What is held back at the end: a partial end marker is reasoning, a partial start marker answer."""
+        """What is held back at the end (a partial marker), in the section the output ended in."""
         rest, self._buffer = self._buffer, ""
-        if self._thinking and not self._at_head:
+        if self._thinking:
             return self._section(rest), ""
         return "", self._section(rest)
 

@@ -48,6 +48,7 @@ def _split(fmt, start: Start, pieces: list[str]) -> tuple[str, str, int]:
         (R1, Start.THINKING, "<think>Hmm.</think>Done.", "Hmm.", "Done."),  # an old template: the model opens it
         (R1, Start.THINKING, "cut short </thi", "cut short </thi", ""),  # no end: all reasoning
         (QWEN3, Start.EITHER, "  <thin", "", "<thin"),  # a partial start marker at the end is text
+        (R1, Start.THINKING, " <thin", "<thin", ""),  # ... or reasoning, where the output starts in it
     ],
 )
 def test_the_parser_splits_reasoning_at_any_chunking(seed, fmt, start, text, reasoning, answer):

@@ -44,11 +44,13 @@ class Client:
         transport: Transport | None = None,
         route: str = "client",
         max_retries: int = 0,
+        reasoning_parser: str = "auto",
         **engine_config: Any,
     ) -> None:
         self.aclient = AsyncClient(
             model, runtime=runtime, base_url=base_url, api_key=api_key, hooks=list(hooks), tenant=tenant,
-            policy=policy, transport=transport, route=route, max_retries=max_retries, **engine_config,
+            policy=policy, transport=transport, route=route, max_retries=max_retries,
+            reasoning_parser=reasoning_parser, **engine_config,
         )  # fmt: skip
 
     @property

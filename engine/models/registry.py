@@ -6,13 +6,17 @@ from torch import nn
 
 from engine.errors import ModelLoadError
 from engine.models.llama import LlamaForCausalLM
+from engine.models.mixtral import MixtralForCausalLM
 from engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
 _BY_MODEL_TYPE: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,  # Llama 2/3 and SmolLM2
     "mistral": LlamaForCausalLM,
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
+    "mixtral": MixtralForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
 }
 
 

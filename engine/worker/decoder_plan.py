@@ -20,7 +20,7 @@ from engine.cpu_kernels import abi
 from engine.attention import AttentionBackend, AttentionMetadata, CpuAttentionBackend
 from engine.layers.ggml_weight import GGMLWeight
 from engine.layers.linear import Linear
-from engine.models.llama import LlamaForCausalLM
+from engine.models.llama import LlamaForCausalLM, LlamaMLP
 
 # decoder.c's linear kinds
 _LINEAR_F32, _LINEAR_BF16, _LINEAR_Q8, _LINEAR_W8A8, _LINEAR_GGML = range(5)
@@ -52,7 +52,8 @@ class DecoderPlan:
     """A loaded Llama-family model's decoder layers, ready to run a step in one C call.
 
     ``build`` returns None where the plan cannot run the model (not the CPU kernels' path: another
-    device or attention backend, a weight left unpacked); the modules then run it.
+    device or attention backend, a weight left unpacked; a layer whose MLP is not the dense one); the modules
+    then run it.
     """
 
     def __init__(self, model: LlamaForCausalLM, plan: _Plan, layers: ctypes.Array, backend: CpuAttentionBackend,
@@ -71,6 +72,8 @@ class DecoderPlan:
         if dtype != torch.float32 or cpu_kernels.library() is None:
             return None
         body = model.model
+        if not all(isinstance(layer.mlp, LlamaMLP) for layer in body.layers):
+            return None  # decoder.c runs the dense MLP only (a mixture of experts runs on the modules)
         first = body.layers[0].self_attn
         norms = [body.norm] + [n for layer in body.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         if first.q_norm is not None:

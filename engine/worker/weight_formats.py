@@ -1,7 +1,8 @@
 """A model's weights from its checkpoint, each linear layer in the format it is served in.
 
 ``load_weights`` fills a model built on the meta device, module by module, so that no more than one layer's
-weight exists twice at any moment (peak memory about the model's own size). A ``Linear`` (the embedding among
+weight exists twice at any moment (peak memory about the model's own size); a model's ``checkpoint_renames``
+(pairs of name fragments) map its module names to its checkpoint's. A ``Linear`` (the embedding among
 them) is served:
 
 - from a GGUF file (``quantization`` None or ``"gguf"``, on the CPU kernels): in the file's own types, read as
@@ -14,6 +15,8 @@ them) is served:
   without);
 - ``"w8a8"``: symmetric 8-bit blocks of the weights rotated by ``hadamard_blocks``, packed for int8 products
   (``engine/cpu_kernels/linear_int8.c``); the output head again in dtype;
+- a mixture of experts' experts are ``Linear`` layers like any other (each expert its own, served as above); the
+  router's weight is a plain parameter in dtype, so quantization never changes which experts a token takes;
 - otherwise in the weights' dtype (a Hugging Face checkpoint's bfloat16 stays bfloat16 where the engine keeps
   bfloat16 weights), packed into the C kernels' panels on CPU.
 
@@ -96,14 +99,15 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint, plan: LoadPlan) -> We
     for module in linears.values():  # allocated by their format below, not here
         module.weight = None
     model.to_empty(device=plan.device)
+    renames = getattr(model, "checkpoint_renames", ())
     for name, param in model.named_parameters():
         if name.endswith(".bias") and name.rpartition(".")[0] in linears:
             continue  # with its layer
-        _copy(param.data, checkpoint, name)
+        _copy(param.data, checkpoint, _renamed(name, renames))
     summary = WeightsSummary(plan.quantization)
     head = getattr(model, "lm_head", None)
     for name, module in linears.items():
-        shards = _checkpoint_names(name, module)
+        shards = [_renamed(shard, renames) for shard in _checkpoint_names(name, module)]
         if module.bias is not None:
             _fill(module.bias.data, module, [f"{shard}.bias" for shard in shards], checkpoint)
         kind = _serve(module, [f"{shard}.weight" for shard in shards], checkpoint, plan, module is head, summary)
@@ -172,6 +176,15 @@ def _copy(target: torch.Tensor, checkpoint: Checkpoint, name: str) -> None:
         checkpoint.tensor(name, out=target)  # read in place: no copy of the tensor in between
     else:
         default_weight_loader(target, checkpoint.tensor(name))
+
+
+def _renamed(name: str, renames: tuple[tuple[str, str], ...]) -> str:
+    """``name`` with each ``(ours, checkpoint's)`` fragment of a model's ``checkpoint_renames`` replaced in turn
+    (fragments are dot-delimited: ``.gate_proj.`` matches a name's last component too)."""
+    dotted = f"{name}."
+    for ours, theirs in renames:
+        dotted = dotted.replace(ours, theirs)
+    return dotted[:-1]
 
 
 def _checkpoint_names(name: str, module: Linear) -> list[str]:

@@ -1,0 +1,100 @@
+"""Forward time of a random Mixtral-shaped model against a dense Llama of the same active size.
+
+Both are random-weight models of ``--layers`` layers and ``--hidden`` features: the MoE one has ``--experts``
+experts of ``--expert-intermediate`` a layer, ``--top-k`` a token; the dense one an MLP of ``top_k x
+expert-intermediate``, so a token multiplies as many weights in each. The dense model runs twice: on the
+one-C-call decoder plan (as it serves) and on the modules (``enforce_eager``, the path the MoE layers take).
+All runners are loaded first and each step is timed on them in turn, round after round (``bench_forward``'s
+protocol), so the ``vs dense`` ratios compare them under the same load.
+
+    python benchmarks/bench_moe.py                       # hidden 1024, 8 experts top-2 of 1024, 8 layers
+    python benchmarks/bench_moe.py --batches 1,16,64 --formats float32,bfloat16,float32:int8
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import torch
+from bench_forward import _decode_step, _prefill_step, _time_formats
+
+from engine.config import EngineConfig
+from engine.worker.model_runner import ModelRunner
+
+
+def _save_random(config, out: Path) -> Path:
+    import transformers
+
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--expert-intermediate", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--formats", default="float32", help="comma-separated dtype[:quantization]")
+    parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--context", type=int, default=256, help="context length of every decode sequence")
+    parser.add_argument("--prefill", type=int, default=256, help="tokens of the prefill step (0: skip)")
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    import transformers
+
+    shape = dict(
+        vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=16,
+        num_key_value_heads=4, max_position_embeddings=4096, tie_word_embeddings=False,
+    )  # fmt: skip
+    batches = [int(b) for b in args.batches.split(",")]
+    block_size = 16
+    needed = max(batches) * -(-args.context // block_size) + -(-args.prefill // block_size)
+    print(
+        f"threads={torch.get_num_threads()} hidden={args.hidden} layers={args.layers} experts={args.experts} "
+        f"top_k={args.top_k} expert_intermediate={args.expert_intermediate} vocab={args.vocab} "
+        f"context={args.context} repeats={args.repeats}"
+    )
+    print("| format | model | step | forward ms | tokens/s | vs dense |")
+    print("| --- | --- | --- | ---: | ---: | ---: |")
+    with tempfile.TemporaryDirectory() as tmp:
+        moe_dir = _save_random(
+            transformers.MixtralConfig(
+                **shape, intermediate_size=args.expert_intermediate, num_local_experts=args.experts,
+                num_experts_per_tok=args.top_k, sliding_window=None,
+            ),
+            Path(tmp) / "moe",
+        )  # fmt: skip
+        dense_dir = _save_random(
+            transformers.LlamaConfig(**shape, intermediate_size=args.top_k * args.expert_intermediate),
+            Path(tmp) / "dense",
+        )
+        names, runners = [], []
+        for fmt in args.formats.split(","):
+            dtype, _, quantization = fmt.partition(":")
+            for model, path, eager in (("dense", dense_dir, False), ("dense modules", dense_dir, True),
+                                       ("moe", moe_dir, False)):
+                config = EngineConfig(
+                    dtype=dtype, block_size=block_size, num_blocks=needed, quantization=quantization or None,
+                    enforce_eager=eager,
+                )  # fmt: skip
+                names.append((fmt, model))
+                runners.append(ModelRunner(config, path))
+        steps = [(f"decode x{b}", b, _decode_step(b, args.context, block_size, 0)) for b in batches]
+        if args.prefill:
+            steps.append((f"prefill {args.prefill}", args.prefill, _prefill_step(args.prefill, block_size)))
+        for label, tokens, step in steps:
+            times = _time_formats(runners, step, args.repeats)
+            for i, ((fmt, model), seconds) in enumerate(zip(names, times)):
+                dense = times[i - i % 3]  # the format's dense runner on the decoder plan
+                print(f"| {fmt} | {model} | {label} | {seconds * 1e3:.1f} | {tokens / seconds:.0f} "
+                      f"| {dense / seconds:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

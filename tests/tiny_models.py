@@ -28,6 +28,8 @@ TINY_ARCHS: dict[str, tuple[str, dict]] = {
         ),
     ),
     "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=None)),
+    # a window of 6 blocks of 4: the equivalence tests' prompts and decodes run past it
+    "mistral_sliding": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=24)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=False)),
     "qwen3": ("Qwen3Config", dict(tie_word_embeddings=False, head_dim=16)),
     "smollm2": ("LlamaConfig", dict(tie_word_embeddings=True)),

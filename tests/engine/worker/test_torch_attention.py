@@ -128,6 +128,21 @@ def test_sliding_window_and_softcap_match_reference(name: str, heads, softcap, w
         torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
 
 
+@needs_cpu_kernel
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_cpu_kernel_windows_and_caps_over_a_bfloat16_cache(softcap) -> None:
+    """The C kernel's bfloat16 cache path: the same window and soft cap over keys rounded as they are stored."""
+    query_lens, ctx_lens = WINDOW_CASES[5]
+    q, k, v, kv_cache, meta, full_k, full_v = _case(query_lens, ctx_lens, 6, 2, torch.float32, seed=5)
+    rounded_k = [t.bfloat16().float() for t in full_k]
+    rounded_v = [t.bfloat16().float() for t in full_v]
+    out = CpuAttentionBackend(3).forward(
+        q, k, v, kv_cache.bfloat16(), meta, 0.7, sliding_window=5, logit_softcap=softcap
+    )
+    expected = _reference(q, rounded_k, rounded_v, query_lens, ctx_lens, 0.7, 5, softcap)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
+
+
 def test_windowed_and_full_layers_share_a_backend() -> None:
     """Layers of one step with and without a window, through one backend, each get their own masks."""
     query_lens, ctx_lens = WINDOW_CASES[5]

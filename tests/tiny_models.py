@@ -32,6 +32,8 @@ TINY_ARCHS: dict[str, tuple[str, dict]] = {
         "MixtralConfig",
         dict(tie_word_embeddings=False, sliding_window=None, num_local_experts=4, num_experts_per_tok=2),
     ),
+    # a window of 6 blocks of 4: the equivalence tests' prompts and decodes run past it
+    "mistral_sliding": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=24)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=False)),
     "qwen3": ("Qwen3Config", dict(tie_word_embeddings=False, head_dim=16)),
     # layer 0 sparse, layer 1 dense (mlp_only_layers); the top-k weights not renormalized (norm_topk_prob)

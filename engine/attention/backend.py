@@ -47,5 +47,12 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:  # [T, Hq, D]
-        """Write ``k``/``v`` at ``meta.slot_mapping``, then return attention outputs for ``q``."""
+        """Write ``k``/``v`` at ``meta.slot_mapping``, then return attention outputs for ``q``.
+
+        ``sliding_window`` W limits a query at position p to the keys at p - W + 1 .. p;
+        ``logit_softcap`` c turns each scaled score s into ``c * tanh(s / c)`` (``Attention``).
+        """

@@ -36,10 +36,17 @@ def token_rows(meta: AttentionMetadata) -> tuple[np.ndarray, np.ndarray]:
 
 
 def plan_tiles(
-    seq_lens: np.ndarray, tables: np.ndarray, block_size: int, group: int, lanes: int
+    seq_lens: np.ndarray,
+    tables: np.ndarray,
+    block_size: int,
+    group: int,
+    lanes: int,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> cpu_kernels.AttentionTiles:
     """The kernel's tiles: rows whose tables begin alike, side by side, up to ``lanes // group`` a tile
-    (``lanes``: ``cpu_kernels.tile_lanes``).
+    (``lanes``: ``cpu_kernels.tile_lanes``). A tile shares no keys where a row's ``window`` starts past
+    the first key, nor with a ``softcap`` (the kernel scores shared keys uncapped).
 
     Rows are ordered by their tables (so a sequence's prefill tokens, and sequences that share
     leading blocks, sit together), then by context length. A tile shares the keys every one
@@ -58,6 +65,10 @@ def plan_tiles(
     starts = np.flatnonzero((index - group_start) % max_rows == 0)
     shared = common_prefix(seq_lens, tables, starts, block_size)
     shared[np.diff(np.r_[starts, num_rows]) == 1] = 0  # a row alone has nothing to share
+    if softcap is not None:
+        shared[:] = 0
+    elif window is not None:
+        shared[np.maximum.reduceat(seq_lens, starts) > window] = 0
     return cpu_kernels.AttentionTiles(
         torch.from_numpy(order.astype(np.int64)),
         torch.from_numpy(np.r_[starts, num_rows].astype(np.int64)),
@@ -92,7 +103,7 @@ class CpuAttentionBackend(AttentionBackend):
         self.group = group
         self._lanes: int | None = None  # cpu_kernels.tile_lanes of the cache, on the first step
         self._plan_meta: AttentionMetadata | None = None
-        self._plan: RowPlan | None = None
+        self._plans: dict[tuple[int | None, float | None], RowPlan] = {}  # by (window, softcap), for _plan_meta
 
     def forward(
         self,
@@ -102,13 +113,18 @@ class CpuAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         # NOTE: every new token's K/V is stored before any row reads the cache, so a row may read
         # keys that another token of this batch writes now (its own chunk, or a prefix being cached).
         cpu_kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        plan = self.row_plan(meta, k_cache)
-        return cpu_kernels.attention(q, k_cache, v_cache, plan.block_tables, plan.seq_lens, scale, plan.tiles)
+        plan = self.row_plan(meta, k_cache, sliding_window, logit_softcap)
+        return cpu_kernels.attention(
+            q, k_cache, v_cache, plan.block_tables, plan.seq_lens, scale, plan.tiles, sliding_window, logit_softcap
+        )
 
     def describe(self, cache_dtype: torch.dtype, head_dim: int) -> str:
         """E.g. ``cpu (bfloat16 cache; tiles of 48 queries, their shared keys on avx512-bf16)``."""
@@ -117,15 +133,19 @@ class CpuAttentionBackend(AttentionBackend):
         dtype = str(cache_dtype).removeprefix("torch.")
         return f"cpu ({dtype} cache; tiles of {lanes} queries, their shared keys on {on})"
 
-    def row_plan(self, meta: AttentionMetadata, k_cache: torch.Tensor) -> RowPlan:
-        """The step's query tokens as the kernel's rows and tiles over caches like ``k_cache``; built on a
-        step's first call, then the same for every layer."""
+    def row_plan(
+        self, meta: AttentionMetadata, k_cache: torch.Tensor, window: int | None = None, softcap: float | None = None
+    ) -> RowPlan:
+        """The step's query tokens as the kernel's rows and tiles over caches like ``k_cache`` for layers of
+        this window and soft cap; built on a step's first such call, then the same for every such layer."""
         if self._lanes is None:
             self._lanes = cpu_kernels.tile_lanes(k_cache.shape[-1], k_cache.dtype)
         if meta is not self._plan_meta:
+            self._plans, self._plan_meta = {}, meta
+        plan = self._plans.get((window, softcap))
+        if plan is None:
             seq_lens, tables = token_rows(meta)
             tables = np.ascontiguousarray(tables, dtype=np.int32)
-            tiles = plan_tiles(seq_lens, tables, k_cache.shape[1], self.group, self._lanes)
-            self._plan = RowPlan(torch.from_numpy(tables), torch.from_numpy(seq_lens), tiles)
-            self._plan_meta = meta
-        return self._plan
+            tiles = plan_tiles(seq_lens, tables, k_cache.shape[1], self.group, self._lanes, window, softcap)
+            plan = self._plans[window, softcap] = RowPlan(torch.from_numpy(tables), torch.from_numpy(seq_lens), tiles)
+        return plan

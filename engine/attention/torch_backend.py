@@ -50,6 +50,10 @@ class TorchAttentionBackend(AttentionBackend):
     each: straight over the new K/V when nothing is cached before them, else over their
     context gathered from the cache with a causal mask.
 
+    A sliding-window layer gathers and attends over the blocks of each query's window only
+    (the mask bounds it to the exact keys) and shares no prefix. A soft-capped layer scores
+    with matmuls rather than SDPA, which has no soft cap.
+
     Args:
         cascade: share the gather and the scores of common prefixes between decode rows.
         min_shared_keys: a group of rows takes the cascade path only when it saves at least
@@ -63,7 +67,7 @@ class TorchAttentionBackend(AttentionBackend):
         self.cascade = cascade
         self.min_shared_keys = min_shared_keys
         self._plan_meta: AttentionMetadata | None = None
-        self._plan: _TorchPlan | None = None
+        self._plans: dict[tuple[int | None, bool], _TorchPlan] = {}  # by (window, cascade), for _plan_meta
         self._workspace: torch.Tensor | None = None
 
     def forward(
@@ -74,6 +78,9 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:
         block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
         k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -82,13 +89,14 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
 
-        plan = self._get_plan(meta, block_size, q.dtype)
+        plan = self._get_plan(meta, block_size, q.dtype, sliding_window, logit_softcap is None)
         dec = plan.decode
         if dec is not None and dec.tokens is None:  # a pure decode step: no copy in or out
-            return self._decode(q, kv_cache, dec, scale)
+            return self._decode(q, kv_cache, dec, scale, logit_softcap)
         out = torch.empty_like(q)
         if dec is not None:
-            out.index_copy_(0, dec.tokens, self._decode(q.index_select(0, dec.tokens), kv_cache, dec, scale))
+            o_dec = self._decode(q.index_select(0, dec.tokens), kv_cache, dec, scale, logit_softcap)
+            out.index_copy_(0, dec.tokens, o_dec)
         group = q.shape[1] // num_kv_heads
         for start, end, ctx_slots, mask in plan.prefills:
             if ctx_slots is None:  # nothing cached before this chunk: its own K/V are the context
@@ -98,19 +106,21 @@ class TorchAttentionBackend(AttentionBackend):
                 v_seq = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, ctx_slots)
             # NOTE: 4-D [1, H, S, D]: on CPU only batched inputs reach SDPA's flash kernel; 3-D ones take
             # the unfused math path, 2-3.5x slower on prefill chunks.
-            o = F.scaled_dot_product_attention(
+            o = _attend(
                 q[start:end].transpose(0, 1).unsqueeze(0),
                 k_seq.transpose(0, 1).unsqueeze(0),
                 v_seq.transpose(0, 1).unsqueeze(0),
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=scale,
-                enable_gqa=group > 1,
+                mask,
+                scale,
+                logit_softcap,
+                group,
             )
             out[start:end] = o[0].transpose(0, 1)
         return out
 
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan, scale: float) -> torch.Tensor:
+    def _decode(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan, scale: float, softcap: float | None
+    ) -> torch.Tensor:
         """Attention of the decode rows ``q`` [Bd, Hq, D] (plan order) over their contexts."""
         num_dec, num_heads, head_dim = q.shape
         num_kv_heads = kv_cache.shape[3]
@@ -121,7 +131,7 @@ class TorchAttentionBackend(AttentionBackend):
             k_ctx = k_ctx.view(num_dec, ctx, num_kv_heads, head_dim).transpose(1, 2)  # [Bd, Hkv, L, D]
             v_ctx = v_ctx.view(num_dec, ctx, num_kv_heads, head_dim).transpose(1, 2)
             q = q.view(num_dec, num_kv_heads, num_heads // num_kv_heads, head_dim)  # a KV group's heads as its queries
-            o = F.scaled_dot_product_attention(q, k_ctx, v_ctx, attn_mask=plan.bias, scale=scale)
+            o = _attend(q, k_ctx, v_ctx, plan.bias, scale, softcap, 1)
             return o.view(num_dec, num_heads, head_dim)
         return _cascade(q, kv_blocks, k_ctx.view(num_dec, ctx, -1), v_ctx.view(num_dec, ctx, -1), plan, scale)
 
@@ -138,11 +148,44 @@ class TorchAttentionBackend(AttentionBackend):
         torch.index_select(kv_blocks[1], 0, block_ids, out=v_ctx)
         return k_ctx, v_ctx
 
-    def _get_plan(self, meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> _TorchPlan:
+    def _get_plan(
+        self, meta: AttentionMetadata, block_size: int, dtype: torch.dtype, window: int | None, cascade: bool
+    ) -> _TorchPlan:
+        """The step's plan for layers of this window; the cascade only without a window and where ``cascade``."""
         if meta is not self._plan_meta:
-            min_keys = self.min_shared_keys if self.cascade else None
-            self._plan, self._plan_meta = _make_plan(meta, block_size, dtype, min_keys), meta
-        return self._plan
+            self._plans, self._plan_meta = {}, meta
+        key = (window, cascade and self.cascade and window is None)
+        if key not in self._plans:
+            min_keys = self.min_shared_keys if key[1] else None
+            self._plans[key] = _make_plan(meta, block_size, dtype, min_keys, window)
+        return self._plans[key]
+
+
+def _attend(
+    q: torch.Tensor,  # [N, Hq, S, D]
+    k: torch.Tensor,  # [N, Hkv, L, D]
+    v: torch.Tensor,  # [N, Hkv, L, D]
+    mask: torch.Tensor | None,  # [S, L] bool (True: attend) or an additive bias; None: causal, S == L
+    scale: float,
+    softcap: float | None,
+    group: int,  # query heads per KV head (Hq // Hkv)
+) -> torch.Tensor:  # [N, Hq, S, D]
+    """Masked attention: SDPA, or without it where scores are soft-capped, which SDPA cannot do."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=group > 1
+        )
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    else:
+        scores = scores + mask.float()
+    return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
 
 
 def _cascade(
@@ -197,9 +240,14 @@ def _host(t: torch.Tensor) -> np.ndarray:
 
 
 def _make_plan(
-    meta: AttentionMetadata, block_size: int, dtype: torch.dtype, min_shared_keys: int | None
+    meta: AttentionMetadata,
+    block_size: int,
+    dtype: torch.dtype,
+    min_shared_keys: int | None,
+    window: int | None = None,
 ) -> _TorchPlan:
-    """Split one step's batch into its single-token rows (planned together) and its prefill chunks."""
+    """Split one step's batch into its single-token rows (planned together) and its prefill chunks; with a
+    ``window``, each attends over the blocks that hold its queries' windows."""
     device = meta.block_tables.device
     starts = _host(meta.query_start_loc).astype(np.int64)
     seq_lens = _host(meta.seq_lens).astype(np.int64)
@@ -208,17 +256,28 @@ def _make_plan(
     decode_rows = np.flatnonzero(query_lens == 1)
     decode = None
     if len(decode_rows):
-        decode = _plan_decode(decode_rows, starts, seq_lens, block_tables, block_size, min_shared_keys, dtype, device)
+        decode = _plan_decode(
+            decode_rows, starts, seq_lens, block_tables, block_size, min_shared_keys, window, dtype, device
+        )
     prefills = []
     for i in np.flatnonzero(query_lens > 1).tolist():
         start, end, ctx_len = int(starts[i]), int(starts[i + 1]), int(seq_lens[i])
+        first_q = ctx_len - (end - start)  # position of the chunk's first query
+        # keys from the first block any query of the chunk sees
+        first_key = 0 if window is None else max(0, first_q - window + 1) // block_size * block_size
         ctx_slots = mask = None
-        if ctx_len > end - start:  # a cached prefix precedes the chunk: attend over the whole context
-            blocks = torch.from_numpy(block_tables[i, : -(-ctx_len // block_size)].astype(np.int64)).to(device)
+        if first_q > first_key:  # keys cached before the chunk: attend over its context gathered from the cache
+            num_blocks = -(-ctx_len // block_size) - first_key // block_size
+            blocks = block_tables[i, first_key // block_size :][:num_blocks]
+            blocks = torch.from_numpy(blocks.astype(np.int64)).to(device)
             offsets = torch.arange(block_size, device=device)
-            ctx_slots = (blocks[:, None] * block_size + offsets).reshape(-1)[:ctx_len]
-            q_pos = torch.arange(ctx_len - (end - start), ctx_len, device=device)
-            mask = torch.arange(ctx_len, device=device)[None, :] <= q_pos[:, None]  # [S, ctx]
+            ctx_slots = (blocks[:, None] * block_size + offsets).reshape(-1)[: ctx_len - first_key]
+        if first_q > first_key or (window is not None and end - start > window):
+            q_pos = torch.arange(first_q, ctx_len, device=device)[:, None]
+            k_pos = torch.arange(first_key if ctx_slots is not None else first_q, ctx_len, device=device)[None, :]
+            mask = k_pos <= q_pos  # [S, ctx]
+            if window is not None:
+                mask &= k_pos > q_pos - window
         prefills.append((start, end, ctx_slots, mask))
     return _TorchPlan(decode, prefills)
 
@@ -245,6 +304,7 @@ def _plan_decode(
     block_tables: np.ndarray,
     block_size: int,
     min_shared_keys: int | None,
+    window: int | None,
     dtype: torch.dtype,
     device: torch.device,
 ) -> _DecodePlan:
@@ -262,6 +322,9 @@ def _plan_decode(
     #   keys of row i:  | shared prefix (group) | own suffix: blocks first .. last       |
     #   gathered:                  | block first | ... | block last | padding blocks    |
     #   bias 0 where shared[i] <= position < seq_lens[i], -inf elsewhere
+    # (with a window there is no shared prefix, and the row's keys start at seq_lens[i] - window)
+    if window is not None:
+        shared = np.maximum(seq_lens - window, 0)
     first = shared // block_size
     num_own = -(-seq_lens // block_size) - first
     width = max(int(num_own.max()), 1)  # at least one (masked) block, so shapes stay well defined

@@ -40,6 +40,9 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:  # [T, Hq, D]
         if kv_cache.ndim != 5 or kv_cache.shape[0] != 2:
             raise ValueError(
@@ -60,6 +63,8 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.max_seq_len,
                 scale,
                 num_splits=self.decode_num_splits,
+                sliding_window=sliding_window,
+                logit_softcap=logit_softcap,
             )
         return prefill_attention(
             q,
@@ -70,4 +75,6 @@ class TritonAttentionBackend(AttentionBackend):
             meta.seq_lens,
             meta.max_query_len,
             scale,
+            sliding_window,
+            logit_softcap,
         )

@@ -143,9 +143,10 @@ def _load(path: Path) -> tuple[ctypes.CDLL | None, str | None]:
 _PTR, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     # q and its three strides, k_cache, v_cache, block_tables, table_stride, seq_lens, rows, tile rows,
-    # tile starts, tile shared keys, number of tiles, out, five sizes, scale
+    # tile starts, tile shared keys, number of tiles, out, five sizes, scale, window (or 0), soft cap (or 0)
     "paged_attention_f32": [
-        _PTR, *[_I64] * 3, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, *[_I64] * 5, _F32
+        _PTR, *[_I64] * 3, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, *[_I64] * 5, _F32, _I64,
+        _F32,
     ],
     # k and its two strides, v and its two strides, slots, rows, width, k_cache, v_cache, number of slots
     "store_kv_f32": [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64],
@@ -321,9 +322,15 @@ def attention(
     seq_lens: torch.Tensor,  # [B] int64: keys each row attends over (a token at position p: p + 1)
     scale: float,
     tiles: AttentionTiles | None = None,  # None: each row alone
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [B, Hq, D]
     """Attention of one query token per row over the first ``seq_lens`` keys of its table, read in place
-    from the paged cache; the rows of a multi-row tile attend over their shared keys together."""
+    from the paged cache; the rows of a multi-row tile attend over their shared keys together.
+
+    With a ``window`` each row attends over the last ``window`` of its keys only (the blocks before are not
+    read); ``softcap`` c turns each scaled score s into ``c * tanh(s / c)``. Tiles then share no keys
+    past a row's window, and none at all with a soft cap."""
     lib = _lib()
     num_rows, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -346,7 +353,7 @@ def attention(
         q.data_ptr(), *q.stride(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.stride(0), seq_lens.data_ptr(), num_rows, tiles.rows.data_ptr(), tiles.starts.data_ptr(),
         tiles.shared.data_ptr(), len(tiles.shared), out.data_ptr(), num_heads, num_kv_heads, head_dim, block_size,
-        k_cache.shape[0], scale,
+        k_cache.shape[0], scale, window or 0, softcap or 0.0,
     )
     if status:
         raise attention_error(status, num_rows, num_heads // num_kv_heads, k_cache.shape[0], block_tables.shape[1])
@@ -359,8 +366,8 @@ def attention_error(status: int, num_rows: int, group: int, num_blocks: int, tab
     if status == -1:
         return ValueError(
             f"invalid tiles: not every one of the {num_rows} rows in exactly one tile, a tile of more than "
-            f"{_lib().attention_max_lanes() // group} rows, or shared keys beyond a row's context or where the "
-            "rows' tables differ"
+            f"{_lib().attention_max_lanes() // group} rows, or shared keys beyond a row's context or window, where "
+            "the rows' tables differ, or with a soft cap"
         )
     if status == -2:
         return IndexError(

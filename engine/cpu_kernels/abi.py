@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ctypes
 
-ABI_VERSION = 1  # decoder.c's ABI_VERSION
+ABI_VERSION = 2  # decoder.c's ABI_VERSION
 
 
 class LinearPlan(ctypes.Structure):
@@ -41,7 +41,7 @@ class DecoderPlan(ctypes.Structure):
         ("layers", ctypes.c_void_p), ("final_norm", ctypes.c_void_p), ("cos_sin", ctypes.c_void_p),
         *[(name, ctypes.c_int64) for name in (
             "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate", "rotary_dim",
-            "max_positions", "block_size", "num_blocks",
+            "max_positions", "block_size", "num_blocks", "window",
         )],
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kv_bf16", ctypes.c_int32),
     ]  # fmt: skip

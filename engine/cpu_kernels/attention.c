@@ -309,10 +309,10 @@ static inline __attribute__((always_inline)) void own_keys(const float *restrict
                                                            const kv_t *restrict v_cache, const int32_t *restrict table,
                                                            int64_t start, int64_t end, int64_t block_size,
                                                            int64_t token_stride, int64_t h0, int64_t h1, int G,
-                                                           const int D, const int specialized, float *restrict m,
-                                                           float *restrict l, float *restrict acc) {
+                                                           const int D, const int specialized, float softcap,
+                                                           float *restrict m, float *restrict l, float *restrict acc) {
 #define OWN(width, g) \
-    own_keys_##width(q, k_cache, v_cache, table, start, end, block_size, token_stride, h0, h1, g, D, m, l, acc)
+    own_keys_##width(q, k_cache, v_cache, table, start, end, block_size, token_stride, h0, h1, g, D, softcap, m, l, acc)
 #define OWN_GROUPS(width)                                                                                   \
     switch (specialized ? G : 0) {                                                                          \
     case 1: OWN(width, 1); break;                                                                           \
@@ -350,13 +350,14 @@ static inline __attribute__((always_inline)) void prefetch_chunk(const kv_t *k_c
 /* One work item: the rows[0..R) of a tile (their shared keys: [0, shared)) for KV heads [h0, h1), at most
  * MAX_GROUP query heads. A multi-row tile's shared phase runs head by head, leaving each row's
  * accumulators in out (unnormalized) and its maxima and sums in ml; each row then takes its own keys
- * for all the item's heads in one pass (own_keys) and normalizes its outputs in place. */
+ * for all the item's heads in one pass (own_keys) and normalizes its outputs in place. With a window,
+ * a row's own keys start at seq_lens - window (its tile then shares none past it, paged_attention checks). */
 static inline __attribute__((always_inline)) void attend_tile(
     const float *restrict q, int64_t q_row, int64_t q_head, int64_t q_col, const kv_t *restrict k_cache,
     const kv_t *restrict v_cache, const int32_t *restrict block_tables, int64_t table_stride,
     const int64_t *restrict seq_lens, const int64_t *restrict rows, int64_t R, int64_t shared, int64_t h0, int64_t h1,
     int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int G, const int D, const int specialized,
-    float scale, int path, float *restrict out) {
+    float scale, int64_t window, float softcap, int path, float *restrict out) {
     const int64_t token_stride = num_kv_heads * D;
     const int Q = (int)R * G, QV = (Q + SHARED_W - 1) / SHARED_W, heads = (int)(h1 - h0) * G; /* a row's here */
     float ml[MAX_LANES * MAX_GROUP][2]; /* row r's query head j of the item: [r * heads + j] = (max, sum) */
@@ -412,11 +413,12 @@ static inline __attribute__((always_inline)) void attend_tile(
     } else {
         shared = 0;
     }
+#define ROW_START(i) (window > 0 && seq_lens[i] - window > shared ? seq_lens[i] - window : shared)
     for (int64_t r = 0; r < R; ++r) {
         const int64_t i = rows[r];
         if (r + 1 < R)
-            prefetch_chunk(k_cache, v_cache, block_tables + rows[r + 1] * table_stride, shared, seq_lens[rows[r + 1]],
-                           block_size, token_stride, h0, h1, D);
+            prefetch_chunk(k_cache, v_cache, block_tables + rows[r + 1] * table_stride, ROW_START(rows[r + 1]),
+                           seq_lens[rows[r + 1]], block_size, token_stride, h0, h1, D);
         float qs[MAX_GROUP * MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP];
         float *restrict acc = out + (i * num_heads + h0 * G) * D;
         for (int64_t h = h0; h < h1; ++h)
@@ -431,23 +433,24 @@ static inline __attribute__((always_inline)) void attend_tile(
                 memset(acc + j * D, 0, sizeof(float) * (size_t)D);
             }
         }
-        own_keys(qs, k_cache, v_cache, block_tables + i * table_stride, shared, seq_lens[i], block_size, token_stride,
-                 h0, h1, G, D, specialized, m, l, acc);
+        own_keys(qs, k_cache, v_cache, block_tables + i * table_stride, ROW_START(i), seq_lens[i], block_size,
+                 token_stride, h0, h1, G, D, specialized, softcap, m, l, acc);
         for (int j = 0; j < heads; ++j) {
             const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;
             for (int d = 0; d < D; ++d) acc[j * D + d] *= inv;
         }
     }
+#undef ROW_START
 }
 
 #define TILE_ARGS                                                                                                 \
     const float *q, int64_t q_row, int64_t q_head, int64_t q_col, const kv_t *k_cache, const kv_t *v_cache,       \
         const int32_t *block_tables, int64_t table_stride, const int64_t *seq_lens, const int64_t *rows, int64_t R, \
         int64_t shared, int64_t h0, int64_t h1, int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int G, \
-        float scale, int path, float *out
+        float scale, int64_t window, float softcap, int path, float *out
 #define TILE_CALL(D, S)                                                                                            \
     attend_tile(q, q_row, q_head, q_col, k_cache, v_cache, block_tables, table_stride, seq_lens, rows, R, shared, \
-                h0, h1, num_heads, num_kv_heads, block_size, G, D, S, scale, path, out)
+                h0, h1, num_heads, num_kv_heads, block_size, G, D, S, scale, window, softcap, path, out)
 static void attend_tile_d64(TILE_ARGS) { TILE_CALL(64, 1); }
 static void attend_tile_d128(TILE_ARGS) { TILE_CALL(128, 1); }
 static void attend_tile_any(TILE_ARGS, int D) { TILE_CALL(D, 0); }
@@ -459,10 +462,12 @@ int attention_max_lanes(void) { return MAX_LANES; }
 
 /* q [B, Hq, D] at strides (q_row, q_head, q_col), caches [num_blocks, block_size, Hkv, D],
  * block_tables [B, table_stride], seq_lens [B]: the number of keys each row attends over
- * (for a decode row its context, the new token included). Tile t holds rows
+ * (for a decode row its context, the new token included); window > 0 keeps the last `window` of them
+ * (a sliding window; the blocks before are not read and need not be valid), softcap > 0 turns each
+ * scaled score s into softcap * tanh(s / softcap). Tile t holds rows
  * tile_rows[tile_starts[t] .. tile_starts[t + 1]) (each row of [0, B) in exactly one tile),
- * whose tables agree over their first tile_shared[t] keys (every row sees them); at most
- * MAX_LANES / G rows a tile. out: contiguous [B, Hq, D].
+ * whose tables agree over their first tile_shared[t] keys (every row sees them: none with a
+ * soft cap); at most MAX_LANES / G rows a tile. out: contiguous [B, Hq, D].
  * Returns 0; -1 when a dimension exceeds the kernel's fixed limits, the tiles do not hold
  * each row once, or a tile holds too many rows or claims shared keys its rows do not all
  * have; -2 when a row needs a block outside [0, num_blocks) or more blocks than its table
@@ -472,7 +477,7 @@ int KV_NAME(paged_attention)(const float *q, int64_t q_row, int64_t q_head, int6
                              const int64_t *seq_lens, int64_t num_rows, const int64_t *tile_rows,
                              const int64_t *tile_starts, const int64_t *tile_shared, int64_t num_tiles, float *out,
                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                             int64_t num_blocks, float scale) {
+                             int64_t num_blocks, float scale, int64_t window, float softcap) {
     const int G = (int)(num_heads / num_kv_heads);
     const int D = (int)head_dim;
     if (G > MAX_GROUP || D > MAX_HEAD_DIM || D % VL != 0 || block_size > MAX_BLOCK_SIZE) return -1;
@@ -495,11 +500,14 @@ int KV_NAME(paged_attention)(const float *q, int64_t q_row, int64_t q_head, int6
             }
             seen[i] = 1;
             const int64_t used = (seq_lens[i] + block_size - 1) / block_size;
+            const int64_t unseen = window > 0 && seq_lens[i] > window ? (seq_lens[i] - window) / block_size : 0;
             if (used > table_stride) status = -2;
-            for (int64_t b = 0; b < used && status == 0; ++b)
+            for (int64_t b = unseen; b < used && status == 0; ++b)
                 if (block_tables[i * table_stride + b] < 0 || block_tables[i * table_stride + b] >= num_blocks)
                     status = -2;
             if (status == 0 && R > 1 && tile_shared[t] > seq_lens[i]) status = -1;
+            if (status == 0 && R > 1 && tile_shared[t] > 0 && (softcap > 0.0f || (window > 0 && seq_lens[i] > window)))
+                status = -1; /* shared keys are scored uncapped and seen by every row */
             for (int64_t b = 0; status == 0 && R > 1 && b < (tile_shared[t] + block_size - 1) / block_size; ++b)
                 if (block_tables[i * table_stride + b] != block_tables[first * table_stride + b]) status = -1;
         }
@@ -524,13 +532,16 @@ int KV_NAME(paged_attention)(const float *q, int64_t q_row, int64_t q_head, int6
         const int64_t R = tile_starts[t + 1] - tile_starts[t];
         if (D == 64)
             attend_tile_d64(q, q_row, q_head, q_col, k_cache, v_cache, block_tables, table_stride, seq_lens, rows, R,
-                            tile_shared[t], h0, h1, num_heads, num_kv_heads, block_size, G, scale, path, out);
+                            tile_shared[t], h0, h1, num_heads, num_kv_heads, block_size, G, scale, window, softcap,
+                            path, out);
         else if (D == 128)
             attend_tile_d128(q, q_row, q_head, q_col, k_cache, v_cache, block_tables, table_stride, seq_lens, rows, R,
-                             tile_shared[t], h0, h1, num_heads, num_kv_heads, block_size, G, scale, path, out);
+                             tile_shared[t], h0, h1, num_heads, num_kv_heads, block_size, G, scale, window, softcap,
+                             path, out);
         else
             attend_tile_any(q, q_row, q_head, q_col, k_cache, v_cache, block_tables, table_stride, seq_lens, rows, R,
-                            tile_shared[t], h0, h1, num_heads, num_kv_heads, block_size, G, scale, path, out, D);
+                            tile_shared[t], h0, h1, num_heads, num_kv_heads, block_size, G, scale, window, softcap,
+                            path, out, D);
     }
     return 0;
 }

@@ -102,16 +102,26 @@ static inline RF ROWS(transpose_sum)(RF *v) {
 #endif
 }
 
+/* cap * tanh(s / cap) in every lane, as cap - 2 cap / (exp(2 s / cap) + 1); the exponent is clamped to
+ * [-20, 20], past which tanh is +-1 in float32 (and vexp would overflow). */
+static inline RF ROWS(soft_cap)(RF s, float cap) {
+    RF x = s * (2.0f / cap);
+    const RI high = x > 20.0f, low = x < -20.0f;
+    x = (RF)(((RI)x & ~high) | ((RI)((RF){0} + 20.0f) & high));
+    x = (RF)(((RI)x & ~low) | ((RI)((RF){0} - 20.0f) & low));
+    return cap - (2.0f * cap) / (RVEXP(x) + 1.0f);
+}
+
 /* Continues the online softmax of one row's query heads of KV heads [h0, h1) over its context positions
  * [start, end). q: the row's scaled queries of those heads, [(h1 - h0) * G][D]; for each query head j
  * of them, the running maximum m[j], sum l[j] and accumulator acc[j * D ..]. G and D are constants in
- * the callers, so the accumulators live in registers. */
+ * the callers, so the accumulators live in registers. softcap > 0 soft-caps the scores (soft_cap). */
 static inline __attribute__((always_inline)) void ROWS(own_keys)(const float *restrict q, const kv_t *restrict k_cache,
                                                                const kv_t *restrict v_cache,
                                                                const int32_t *restrict table, int64_t start,
                                                                int64_t end, int64_t block_size, int64_t token_stride,
                                                                int64_t h0, int64_t h1, const int G, const int D,
-                                                               float *restrict m, float *restrict l,
+                                                               float softcap, float *restrict m, float *restrict l,
                                                                float *restrict acc) {
     RF part[MAX_GROUP][ROW_W], sums[MAX_GROUP]; /* sums: each query head's softmax sum, spread over the lanes */
     float weights[MAX_GROUP][ROW_W], correction[MAX_GROUP];
@@ -146,7 +156,9 @@ static inline __attribute__((always_inline)) void ROWS(own_keys)(const float *re
             }
             for (int g = 0; g < G; ++g) {
                 for (int64_t t = n; t < ROW_W; ++t) part[g][t] = (RF){0};
-                const RI s = (RI)ROWS(transpose_sum)(part[g]);
+                RF raw = ROWS(transpose_sum)(part[g]);
+                if (softcap > 0.0f) raw = ROWS(soft_cap)(raw, softcap);
+                const RI s = (RI)raw;
                 const RF scores = (RF)((s & valid) | ((RI)minus_inf & ~valid)); /* lanes past n weigh 0 */
                 const float chunk_max = ROWS(allmax)(scores)[0];
                 correction[g] = 1.0f;

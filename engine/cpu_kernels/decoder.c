@@ -40,6 +40,7 @@ typedef struct {
     const float *cos_sin;    /* [max_positions, rotary_dim] */
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, rotary_dim, max_positions;
     int64_t block_size, num_blocks;
+    int64_t window; /* every layer's sliding window, or 0 */
     float eps, scale;
     int32_t kv_bf16;
 } decoder_plan;
@@ -125,10 +126,10 @@ static int attention_half(const decoder_plan *p, const layer_plan *L, const deco
     status = p->kv_bf16
                  ? paged_attention_bf16(s->q, q_width, D, 1, L->k_cache, L->v_cache, st->block_tables, st->table_stride,
                                         st->seq_lens, T, st->tile_rows, st->tile_starts, st->tile_shared, st->num_tiles,
-                                        s->attn, H, Hkv, D, p->block_size, p->num_blocks, p->scale)
+                                        s->attn, H, Hkv, D, p->block_size, p->num_blocks, p->scale, p->window, 0.0f)
                  : paged_attention_f32(s->q, q_width, D, 1, L->k_cache, L->v_cache, st->block_tables, st->table_stride,
                                        st->seq_lens, T, st->tile_rows, st->tile_starts, st->tile_shared, st->num_tiles,
-                                       s->attn, H, Hkv, D, p->block_size, p->num_blocks, p->scale);
+                                       s->attn, H, Hkv, D, p->block_size, p->num_blocks, p->scale, p->window, 0.0f);
     if (status) return *failed = FAILED_ATTENTION, status;
     status = run_linear(&L->o, s->attn, q_width, T, s->out);
     if (status) return *failed = FAILED_LINEAR, status;
@@ -181,7 +182,7 @@ int decoder_forward(const decoder_plan *p, const decoder_step *st, const float *
  * against these sizes and offsets, and the features this library was compiled for against the CPU's, when it
  * loads the library. */
 
-#define ABI_VERSION 1
+#define ABI_VERSION 2
 #define ABI_SIZE(T) {#T, (int64_t)sizeof(T)}
 #define ABI_FIELD(T, f) {#T "." #f, (int64_t)offsetof(T, f)}
 
@@ -203,8 +204,8 @@ static const abi_entry abi_entries[] = {
     ABI_FIELD(decoder_plan, num_heads), ABI_FIELD(decoder_plan, num_kv_heads), ABI_FIELD(decoder_plan, head_dim),
     ABI_FIELD(decoder_plan, intermediate), ABI_FIELD(decoder_plan, rotary_dim),
     ABI_FIELD(decoder_plan, max_positions), ABI_FIELD(decoder_plan, block_size),
-    ABI_FIELD(decoder_plan, num_blocks), ABI_FIELD(decoder_plan, eps), ABI_FIELD(decoder_plan, scale),
-    ABI_FIELD(decoder_plan, kv_bf16),
+    ABI_FIELD(decoder_plan, num_blocks), ABI_FIELD(decoder_plan, window), ABI_FIELD(decoder_plan, eps),
+    ABI_FIELD(decoder_plan, scale), ABI_FIELD(decoder_plan, kv_bf16),
     ABI_SIZE(decoder_step), ABI_FIELD(decoder_step, positions), ABI_FIELD(decoder_step, slots),
     ABI_FIELD(decoder_step, block_tables), ABI_FIELD(decoder_step, seq_lens), ABI_FIELD(decoder_step, tile_rows),
     ABI_FIELD(decoder_step, tile_starts), ABI_FIELD(decoder_step, tile_shared), ABI_FIELD(decoder_step, tokens),

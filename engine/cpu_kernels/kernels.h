@@ -38,7 +38,7 @@ int linear_w8a8_f32(const float *x, int64_t ld_x, int64_t M, const uint8_t *code
         const int32_t *block_tables, int64_t table_stride, const int64_t *seq_lens, int64_t num_rows,                \
         const int64_t *tile_rows, const int64_t *tile_starts, const int64_t *tile_shared, int64_t num_tiles,         \
         float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks, \
-        float scale
+        float scale, int64_t window, float softcap
 #define STORE_KV_ARGS(kv_t)                                                                                           \
     const float *k, int64_t k_row, int64_t k_col, const float *v, int64_t v_row, int64_t v_col, const int64_t *slots, \
         int64_t num_rows, int64_t width, kv_t *k_cache, kv_t *v_cache, int64_t num_slots

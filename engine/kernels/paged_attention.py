@@ -11,7 +11,8 @@ partial results with their log-sum-exps:
 
 With one split the first kernel writes the output directly and the reduce is skipped. The split
 count is a runtime argument (only whether there is a split is compiled in), so a changing
-context length does not recompile.
+context length does not recompile. With a sliding window W the partitions cover the last W keys
+of each context only; a soft cap bends the scaled scores to ``cap * tanh(score / cap)``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from engine.kernels._checks import (
     get_num_sms,
     head_block,
 )
+from engine.kernels.soft_cap import soft_cap
 
 TILE_N = 64  # context tokens per inner-loop step; independent of the cache block size
 MIN_PARTITION = 256  # tokens; below this the reduce's cost outweighs the parallelism (untuned on GPU)
@@ -62,6 +64,8 @@ def _paged_decode_kernel(
     block_tables_ptr,  # [num_seqs, max_blocks] int32
     seq_lens_ptr,  # [num_seqs] int32, >= 1
     scale_log2,  # softmax scale * log2(e): scores live in the exp2 domain
+    softcap_log2,  # soft cap * log2(e) (read with SOFTCAP)
+    window,  # sliding window in tokens (read with SLIDING)
     partition_size,  # tokens per split, a multiple of TILE_N
     num_splits,
     stride_q_tok,
@@ -80,12 +84,17 @@ def _paged_decode_kernel(
     BLOCK_D: tl.constexpr,
     SPLIT: tl.constexpr,  # num_splits > 1: write partial results for the reduce
     DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    start = split * partition_size
+    first = 0  # the first key the query sees
+    if SLIDING:
+        first = tl.maximum(seq_len - window, 0)
+    start = first + split * partition_size
     if start >= seq_len:
         return  # NOTE: the reduce ignores splits past cdiv(seq_len, partition_size)
     end = tl.minimum(seq_len, start + partition_size)
@@ -115,6 +124,8 @@ def _paged_decode_kernel(
         v = tl.load(value_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_G, TILE_N]
+        if SOFTCAP:
+            s = soft_cap(s, softcap_log2)
         s = tl.where(pos_mask[None, :], s, float("-inf"))
         # NOTE: every tile holds >= 1 valid position, so m_new is finite and nothing is NaN.
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -141,6 +152,7 @@ def _reduce_splits_kernel(
     part_out_ptr,  # [num_seqs, num_q_heads, num_splits, head_dim] fp32
     part_lse_ptr,  # [num_seqs, num_q_heads, num_splits] fp32
     seq_lens_ptr,  # [num_seqs] int32
+    window,  # sliding window in tokens (read with SLIDING)
     partition_size,
     num_splits,
     stride_o_tok,
@@ -148,10 +160,13 @@ def _reduce_splits_kernel(
     head_dim,
     BLOCK_S: tl.constexpr,  # num_splits padded to a power of two
     BLOCK_D: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
+    if SLIDING:
+        seq_len = tl.minimum(seq_len, window)  # the keys the partitions cover
     num_valid = tl.cdiv(seq_len, partition_size)
 
     s = tl.arange(0, BLOCK_S)
@@ -179,8 +194,10 @@ def paged_decode_attention(
     max_seq_len: int,
     scale: float,
     num_splits: int | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
-    """Attention of one query token per sequence over its whole cached context.
+    """Attention of one query token per sequence over its whole cached context (or its window's).
 
     Args:
         q: the query of each sequence's newest token (its K/V already in the cache).
@@ -191,6 +208,8 @@ def paged_decode_attention(
         scale: softmax scale, usually ``head_dim ** -0.5``.
         num_splits: context partitions per sequence; ``None`` picks by ``choose_num_splits``.
             A fixed value keeps the grid fixed (CUDA graphs) and lets tests force the split.
+        sliding_window: W: the query sees the last W keys of its context only; None: all of them.
+        logit_softcap: c: scaled scores s become ``c * tanh(s / c)``; None: left as they are.
 
     Returns:
         A new tensor of ``q``'s shape and dtype.
@@ -223,12 +242,13 @@ def paged_decode_attention(
         raise ValueError(f"max_seq_len must be >= 1 for a decode batch, got {max_seq_len}")
     check_launchable(_paged_decode_kernel, device)
 
+    span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)  # keys a query sees
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, get_num_sms(device))
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, span, get_num_sms(device))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    partition_size = triton.cdiv(triton.cdiv(max_seq_len, num_splits), TILE_N) * TILE_N
-    num_splits = triton.cdiv(max_seq_len, partition_size)  # drop splits that no sequence reaches
+    partition_size = triton.cdiv(triton.cdiv(span, num_splits), TILE_N) * TILE_N
+    num_splits = triton.cdiv(span, partition_size)  # drop splits that no sequence reaches
 
     block_d = head_block(head_dim)
     if num_splits > 1:
@@ -246,6 +266,8 @@ def paged_decode_attention(
         block_tables,
         seq_lens,
         scale * math.log2(math.e),
+        (logit_softcap or 1.0) * math.log2(math.e),
+        sliding_window or 0,
         partition_size,
         num_splits,
         q.stride(0),
@@ -264,6 +286,8 @@ def paged_decode_attention(
         BLOCK_D=block_d,
         SPLIT=num_splits > 1,
         DOT_PRECISION=dot_precision(q.dtype),
+        SOFTCAP=logit_softcap is not None,
+        SLIDING=sliding_window is not None,
         num_warps=4,
     )
     if num_splits > 1:
@@ -272,6 +296,7 @@ def paged_decode_attention(
             part_out,
             part_lse,
             seq_lens,
+            sliding_window or 0,
             partition_size,
             num_splits,
             out.stride(0),
@@ -279,6 +304,7 @@ def paged_decode_attention(
             head_dim,
             BLOCK_S=triton.next_power_of_2(num_splits),
             BLOCK_D=block_d,
+            SLIDING=sliding_window is not None,
             num_warps=4,
         )
     return out

@@ -12,6 +12,10 @@ One program owns ``BLOCK_Q`` consecutive query tokens of one sequence and all th
 that share one kv head (GQA), packed as rows ``token * BLOCK_G + head`` of one tile, so each K/V
 tile is loaded once for the whole group. Decode rows (query_len 1) in a mixed batch thus cost a
 tile of ``BLOCK_G`` rows, not one of ``BLOCK_M``.
+
+A sliding window W hides keys more than W - 1 positions behind each query; a program then reads
+from the first key its first query sees, so blocks before it are never touched. A soft cap bends
+the scaled scores to ``cap * tanh(score / cap)`` before the softmax.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from engine.kernels._checks import (
     dot_precision,
     head_block,
 )
+from engine.kernels.soft_cap import soft_cap
 
 BLOCK_M = 64  # query rows (tokens x heads of a group) per program
 TILE_N = 64  # context tokens per inner-loop step; independent of the cache block size
@@ -45,6 +50,8 @@ def _prefill_attention_kernel(
     query_start_loc_ptr,  # [num_seqs + 1] int32
     seq_lens_ptr,  # [num_seqs] int32, new tokens included
     scale_log2,  # softmax scale * log2(e): scores live in the exp2 domain
+    softcap_log2,  # soft cap * log2(e) (read with SOFTCAP)
+    window,  # sliding window in tokens (read with SLIDING)
     stride_q_tok,
     stride_q_head,
     stride_o_tok,
@@ -61,6 +68,8 @@ def _prefill_attention_kernel(
     TILE_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -93,7 +102,10 @@ def _prefill_attention_kernel(
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     # The last query of this block sees positions < kv_end; nothing beyond is loaded.
     kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
-    for tile_start in range(0, kv_end, TILE_N):
+    kv_start = 0
+    if SLIDING:  # the first query of this block sees positions > its own - window
+        kv_start = tl.maximum(context_len + q_block * BLOCK_Q - window + 1, 0)
+    for tile_start in range(kv_start, kv_end, TILE_N):
         pos = tile_start + tl.arange(0, TILE_N)  # [TILE_N] context positions
         pos_mask = pos < kv_end
         blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
@@ -103,17 +115,26 @@ def _prefill_attention_kernel(
         v = tl.load(value_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
+        if SOFTCAP:
+            s = soft_cap(s, softcap_log2)
         visible = (pos[None, :] <= q_pos[:, None]) & pos_mask[None, :]
+        if SLIDING:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
-        # NOTE: position 0 is visible to every row and sits in the first tile, so m_i is finite
-        # from then on and fully masked rows of later tiles give p = 0, never NaN.
+        # NOTE: without a window, position 0 is visible to every row and sits in the first tile, so m_i
+        # is finite from then on and fully masked rows of later tiles give p = 0. With one, a row may
+        # see nothing of a tile yet: its maximum stays -inf and the subtraction uses 0, never NaN.
         m_new = tl.maximum(m_i, tl.max(s, 1))
+        if SLIDING:
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if SLIDING:  # padding rows past the chunk may have seen no key at all
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / l_i[:, None]
     o_off = tok[:, None] * stride_o_tok + q_heads[:, None] * stride_o_head + d[None, :]
     tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
@@ -128,6 +149,8 @@ def prefill_attention(
     seq_lens: torch.Tensor,  # [num_seqs] int32
     max_query_len: int,
     scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
     """Causal attention of a varlen batch of new tokens over their sequences' paged contexts.
 
@@ -140,6 +163,8 @@ def prefill_attention(
         seq_lens: context length of each sequence, new tokens included.
         max_query_len: an upper bound of the query lengths known on the host (sizes the grid).
         scale: softmax scale, usually ``head_dim ** -0.5``.
+        sliding_window: W: a query at position p sees keys p - W + 1 .. p only; None: all of them.
+        logit_softcap: c: scaled scores s become ``c * tanh(s / c)``; None: left as they are.
 
     Returns:
         A new tensor of ``q``'s shape and dtype. Sequences may have any query length >= 1,
@@ -182,6 +207,8 @@ def prefill_attention(
         query_start_loc,
         seq_lens,
         scale * math.log2(math.e),
+        (logit_softcap or 1.0) * math.log2(math.e),
+        sliding_window or 0,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -198,6 +225,8 @@ def prefill_attention(
         TILE_N=TILE_N,
         BLOCK_D=head_block(head_dim),
         DOT_PRECISION=dot_precision(q.dtype),
+        SOFTCAP=logit_softcap is not None,
+        SLIDING=sliding_window is not None,
         num_warps=4,
     )
     return out

@@ -52,13 +52,14 @@ class DecoderPlan:
     """A loaded Llama-family model's decoder layers, ready to run a step in one C call.
 
     ``build`` returns None where the plan cannot run the model (not the CPU kernels' path: another
-    device or attention backend, a weight left unpacked; a layer whose MLP is not the dense one); the modules
-    then run it.
+    device or attention backend, a weight left unpacked; a layer whose MLP is not the dense one; layers with
+    different sliding windows, whose attention tiles differ, or soft-capped scores); the modules then run it.
     """
 
     def __init__(self, model: LlamaForCausalLM, plan: _Plan, layers: ctypes.Array, backend: CpuAttentionBackend,
-                 k_cache: torch.Tensor) -> None:
+                 k_cache: torch.Tensor, window: int | None) -> None:
         self._model = model
+        self._window = window  # every layer's: the step's tiles are the same for all of them
         self._plan, self._layers = plan, layers  # the layers array lives as long as the plan points at it
         self._backend = backend
         self._k_cache = k_cache  # the first layer's: its shape and dtype size the attention tiles
@@ -75,6 +76,9 @@ class DecoderPlan:
         if not all(isinstance(layer.mlp, LlamaMLP) for layer in body.layers):
             return None  # decoder.c runs the dense MLP only (a mixture of experts runs on the modules)
         first = body.layers[0].self_attn
+        attns = [layer.self_attn.attn for layer in body.layers]
+        if len({a.sliding_window for a in attns}) != 1 or any(a.logit_softcap is not None for a in attns):
+            return None
         norms = [body.norm] + [n for layer in body.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         if first.q_norm is not None:
             norms += [n for layer in body.layers for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)]
@@ -102,9 +106,10 @@ class DecoderPlan:
             ctypes.addressof(layers), body.norm.weight.data_ptr(), rotary.cos_sin_cache.data_ptr(),
             len(body.layers), body.norm.weight.shape[0], first.num_heads, first.num_kv_heads, first.head_dim,
             body.layers[0].mlp.down_proj.in_features, rotary.cos_sin_cache.shape[1], rotary.cos_sin_cache.shape[0],
-            k_cache.shape[1], k_cache.shape[0], norms[0].eps, first.attn.scale, int(k_cache.dtype == torch.bfloat16),
+            k_cache.shape[1], k_cache.shape[0], first.attn.sliding_window or 0, norms[0].eps, first.attn.scale,
+            int(k_cache.dtype == torch.bfloat16),
         )
-        return cls(model, plan, layers, backend, k_cache)
+        return cls(model, plan, layers, backend, k_cache, first.attn.sliding_window)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The final norm's output ``[T, hidden]`` of the step's tokens, their keys and values written to the cache.
@@ -115,7 +120,7 @@ class DecoderPlan:
         """
         plan = self._plan
         x = self._model.model.embed(input_ids).contiguous()  # float32: build checked the norms' dtype
-        rows = self._backend.row_plan(meta, self._k_cache)
+        rows = self._backend.row_plan(meta, self._k_cache, self._window)
         positions = positions.contiguous()
         slots = meta.slot_mapping.to(torch.int64).contiguous()
         tokens = x.shape[0]

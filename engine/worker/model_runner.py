@@ -108,8 +108,8 @@ class ModelRunner:
         self.dtype, self.weight_dtype = resolve_dtypes(config.dtype, self.device, stored)  # compute, weights
         self.block_size = config.block_size
         self.vocab_size: int = self.hf_config.vocab_size
-        self.max_model_len = self._max_model_len()
         self.model = self._load_model(Path(model_dir))
+        self.max_model_len = self._max_model_len()
         layer = self._attention_layers()[0]
         self.attn_backend = get_attention_backend(
             config.attention_backend, self.device, self.dtype, layer, self.block_size
@@ -161,8 +161,9 @@ class ModelRunner:
             )
         max_len = self.config.max_model_len or max_positions
         window = getattr(self.hf_config, "sliding_window", None)
-        if window and window < max_len:  # full attention is exact up to the window; no sliding-window kernels
-            logger.info("max_model_len capped at the sliding window: %d", window)
+        windowed = any(layer.sliding_window is not None for layer in self._attention_layers())
+        if window and window < max_len and not windowed:  # a model file without its window: exact up to it
+            logger.info("max_model_len capped at the sliding window its layers do not apply: %d", window)
             max_len = window
         return max_len
 

@@ -103,8 +103,9 @@ def stored_cache(batch: PagedBatch) -> torch.Tensor:
     return cache
 
 
-def reference_attention(batch: PagedBatch) -> torch.Tensor:
-    """Per-sequence gather + causal softmax in float64: ``[T, Hq, D]``."""
+def reference_attention(batch: PagedBatch, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Per-sequence gather + causal softmax in float64: ``[T, Hq, D]``; with a sliding ``window`` (a query at p
+    sees keys p - window + 1 .. p) and scaled scores s soft-capped to ``softcap * tanh(s / softcap)``."""
     cache = stored_cache(batch).double().cpu()
     q = batch.q.double().cpu()
     meta = batch.meta
@@ -117,8 +118,13 @@ def reference_attention(batch: PagedBatch) -> torch.Tensor:
         keys = cache[0, ids].flatten(0, 1)[:seq_len].repeat_interleave(group, dim=1)  # [S, Hq, D]
         values = cache[1, ids].flatten(0, 1)[:seq_len].repeat_interleave(group, dim=1)
         scores = torch.einsum("lhd,shd->hls", q[start:end], keys) * batch.scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         q_pos = torch.arange(seq_len - (end - start), seq_len)
         visible = torch.arange(seq_len)[None, :] <= q_pos[:, None]  # [L, S]
+        if window is not None:
+            visible &= torch.arange(seq_len)[None, :] > q_pos[:, None] - window
+            values = values.masked_fill(~visible.any(0)[:, None, None], 0.0)  # poisoned where unseen
         probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
         out[start:end] = torch.einsum("hls,shd->lhd", probs, values)
     return out
@@ -127,8 +133,22 @@ def reference_attention(batch: PagedBatch) -> torch.Tensor:
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
 
 
-def check_against_reference(batch: PagedBatch, out: torch.Tensor) -> None:
+def check_against_reference(
+    batch: PagedBatch, out: torch.Tensor, window: int | None = None, softcap: float | None = None
+) -> None:
     """``out`` has the queries' dtype and shape and equals the float64 reference within the dtype's tolerance."""
     tol = TOL[batch.q.dtype]
     assert out.dtype == batch.q.dtype and out.shape == batch.q.shape
-    torch.testing.assert_close(out.double().cpu(), reference_attention(batch), atol=tol, rtol=tol)
+    expected = reference_attention(batch, window, softcap)
+    torch.testing.assert_close(out.double().cpu(), expected, atol=tol, rtol=tol)
+
+
+def poison_before_windows(batch: PagedBatch, window: int) -> None:
+    """NaN in every block that lies wholly before its sequence's first query's window: blocks a windowed
+    kernel must never read (a KV cache may have returned them to the pool)."""
+    block_size = batch.kv_cache.shape[2]
+    qsl = batch.meta.query_start_loc.tolist()
+    for i, ids in enumerate(batch.block_ids):
+        first_query = int(batch.meta.seq_lens[i]) - (qsl[i + 1] - qsl[i])
+        for block in ids[: max(0, first_query - window + 1) // block_size]:
+            batch.kv_cache[:, block] = float("nan")

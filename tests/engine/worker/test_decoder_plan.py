@@ -10,6 +10,7 @@ from engine.config import EngineConfig
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.worker.forward_context import ForwardContext, set_forward_context
 from engine.worker.input_batch import prepare_inputs
+from engine.worker.decoder_plan import DecoderPlan
 from engine.worker.model_runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="needs the CPU kernels")
@@ -39,11 +40,12 @@ def _both_paths(runner: ModelRunner, scheduled: list[ScheduledRequest]) -> tuple
     return planned, planned_cache, eager, runner.kv_cache
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen3", "smollm2"])
+@pytest.mark.parametrize("arch", ["llama", "llama3", "mistral_sliding", "qwen2", "qwen3", "smollm2"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_plan_matches_the_modules_bit_for_bit(tiny_model_factory, arch: str, dtype: str) -> None:
-    """Every architecture flag (q/k/v bias, q/k head norms, llama3 rotary, a tied head) in both cache dtypes:
-    the plan's hidden states and every layer's cache equal the modules'."""
+    """Every architecture flag (q/k/v bias, q/k head norms, llama3 rotary, a tied head, a sliding window past
+    which most rows reach) in both cache dtypes: the plan's hidden states and every layer's cache equal the
+    modules'."""
     runner = ModelRunner(EngineConfig(dtype=dtype, num_blocks=40), tiny_model_factory(arch))
     assert runner.decoder_plan is not None
     planned, planned_cache, eager, eager_cache = _both_paths(runner, STEP)
@@ -69,6 +71,18 @@ def test_plan_matches_the_modules_on_the_bundled_gguf_blocks(bundled_gguf_dir, d
     assert runner.decoder_plan is not None and {"Q4_1", "Q8_0"} <= set(runner.weights.modules)
     planned, planned_cache, eager, eager_cache = _both_paths(runner, STEP)
     assert torch.equal(planned, eager) and torch.equal(planned_cache, eager_cache)
+
+
+def test_layers_of_different_windows_or_soft_capped_take_the_modules(tiny_model_factory) -> None:
+    """One step's attention tiles serve every layer in the plan: layers that differ in their window, or soft-cap
+    their scores, are left to the modules."""
+    runner = ModelRunner(EngineConfig(num_blocks=40), tiny_model_factory("mistral_sliding"))
+    assert runner.decoder_plan is not None
+    first = runner.model.model.layers[0].self_attn.attn
+    first.sliding_window = None
+    assert DecoderPlan.build(runner.model, runner.attn_backend, runner.dtype) is None
+    first.sliding_window, first.logit_softcap = 24, 30.0
+    assert DecoderPlan.build(runner.model, runner.attn_backend, runner.dtype) is None
 
 
 def test_enforce_eager_runs_the_modules_to_the_same_logits(tiny_model_factory) -> None:

@@ -113,7 +113,7 @@ def test_limits_and_errors(tiny_model_factory, tmp_path) -> None:
     with pytest.raises(ValueError, match="max_position_embeddings"):
         ModelRunner(EngineConfig(max_model_len=4096), path)
     windowed = tiny_model_factory("mistral", sliding_window=256)
-    assert ModelRunner(EngineConfig(num_blocks=4), windowed).max_model_len == 256
+    assert ModelRunner(EngineConfig(num_blocks=4), windowed).max_model_len == 2048  # its layers apply the window
     config = (path / "config.json").read_text().replace('"mistral"', '"gpt2"')
     (tmp_path / "config.json").write_text(config)
     with pytest.raises(ModelLoadError, match="gpt2"):

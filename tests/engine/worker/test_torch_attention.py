@@ -41,7 +41,7 @@ def _case(query_lens: list[int], ctx_lens: list[int], num_heads: int, num_kv_hea
     return q, new_k, new_v, kv_cache, inputs.attn_metadata, full_k, full_v
 
 
-def _reference(q, full_k, full_v, query_lens, ctx_lens, scale) -> torch.Tensor:
+def _reference(q, full_k, full_v, query_lens, ctx_lens, scale, window=None, softcap=None) -> torch.Tensor:
     outs, start = [], 0
     group = q.shape[1] // full_k[0].shape[1]
     for k, v, n, ctx in zip(full_k, full_v, query_lens, ctx_lens):
@@ -49,8 +49,11 @@ def _reference(q, full_k, full_v, query_lens, ctx_lens, scale) -> torch.Tensor:
         ks = k.double().repeat_interleave(group, 1).transpose(0, 1)  # [H, ctx, D]
         vs = v.double().repeat_interleave(group, 1).transpose(0, 1)
         scores = qs @ ks.transpose(1, 2) * scale
-        q_pos = torch.arange(ctx - n, ctx)[:, None]
-        scores = scores.masked_fill(torch.arange(ctx)[None, :] > q_pos, float("-inf"))
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        q_pos, k_pos = torch.arange(ctx - n, ctx)[:, None], torch.arange(ctx)[None, :]
+        hidden = (k_pos > q_pos) | (k_pos <= q_pos - (window or ctx))
+        scores = scores.masked_fill(hidden, float("-inf"))
         outs.append((scores.softmax(-1) @ vs).transpose(0, 1))
         start += n
     return torch.cat(outs)
@@ -96,6 +99,61 @@ def test_matches_dense_reference(case: str, heads: tuple[int, int], backend: str
     torch.testing.assert_close(flat[1, meta.slot_mapping], v, atol=0, rtol=0)
 
 
+WINDOW_CASES = {  # window W -> (query lens, context lens): prefills longer than W, decodes past it and within it
+    1: ([1, 5, 1], [9, 5, 1]),
+    5: ([1, 1, 8, 3, 1], [3, 23, 8, 17, 30]),
+    8: ([12, 1, 1, 6], [12, 40, 8, 14]),
+}
+
+
+@pytest.mark.parametrize("window", sorted(WINDOW_CASES))
+@pytest.mark.parametrize("softcap", [None, 2.0])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2)])
+@pytest.mark.parametrize("name", ["torch", pytest.param("cpu", marks=needs_cpu_kernel)])
+def test_sliding_window_and_softcap_match_reference(name: str, heads, softcap, window: int) -> None:
+    """A query at position p sees only keys p - W + 1 .. p, scores soft-capped; blocks wholly before each
+    sequence's first window are never read (poisoned with NaN here), so they may go back to the pool."""
+    query_lens, ctx_lens = WINDOW_CASES[window]
+    q, k, v, kv_cache, meta, full_k, full_v = _case(query_lens, ctx_lens, *heads, torch.float32, seed=window)
+    for table, n, ctx in zip(meta.block_tables, query_lens, ctx_lens):
+        for b in range(max(0, ctx - n - window + 1) // BLOCK_SIZE):
+            kv_cache[:, table[b]] = float("nan")
+    scale = 0.7  # large enough that the soft cap bends the scores
+    backend = BACKENDS[name](*heads)
+    for _ in range(2):  # two layers of the step: the plan is reused
+        out = backend.forward(
+            q, k, v, kv_cache, meta, scale, sliding_window=window, logit_softcap=softcap
+        )
+        expected = _reference(q, full_k, full_v, query_lens, ctx_lens, scale, window, softcap)
+        torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_cpu_kernel_windows_and_caps_over_a_bfloat16_cache(softcap) -> None:
+    """The C kernel's bfloat16 cache path: the same window and soft cap over keys rounded as they are stored."""
+    query_lens, ctx_lens = WINDOW_CASES[5]
+    q, k, v, kv_cache, meta, full_k, full_v = _case(query_lens, ctx_lens, 6, 2, torch.float32, seed=5)
+    rounded_k = [t.bfloat16().float() for t in full_k]
+    rounded_v = [t.bfloat16().float() for t in full_v]
+    out = CpuAttentionBackend(3).forward(
+        q, k, v, kv_cache.bfloat16(), meta, 0.7, sliding_window=5, logit_softcap=softcap
+    )
+    expected = _reference(q, rounded_k, rounded_v, query_lens, ctx_lens, 0.7, 5, softcap)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
+
+
+def test_windowed_and_full_layers_share_a_backend() -> None:
+    """Layers of one step with and without a window, through one backend, each get their own masks."""
+    query_lens, ctx_lens = WINDOW_CASES[5]
+    q, k, v, kv_cache, meta, full_k, full_v = _case(query_lens, ctx_lens, 4, 2, torch.float32, seed=3)
+    backend = TorchAttentionBackend()
+    for window in (None, 5, None, 7):
+        expected = _reference(q, full_k, full_v, query_lens, ctx_lens, 0.5, window)
+        out = backend.forward(q, k, v, kv_cache, meta, 0.5, sliding_window=window)
+        torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("name", ["torch", pytest.param("cpu", marks=needs_cpu_kernel)])
 def test_backend_reused_across_steps_and_layers(name: str) -> None:
     """One backend instance serves layers of different steps: the per-step plan never goes stale."""
@@ -128,3 +186,11 @@ def test_get_attention_backend_choices() -> None:
         get("triton")
     with pytest.raises(ValueError, match="backend"):
         get("flash")
+
+
+@pytest.mark.parametrize(
+    "kwargs, match", [({"sliding_window": 0}, "sliding_window must be >= 1"), ({"logit_softcap": 0.0}, "logit_softcap")]
+)
+def test_attention_rejects_a_bad_window_or_soft_cap(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        Attention(4, 2, 8, 1.0, **kwargs)

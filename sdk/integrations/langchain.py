@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import aclosing
 from operator import itemgetter
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, Literal, Self, TypeVar
 
 try:
     from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
@@ -125,6 +125,30 @@ class _PagedParams(_SamplingKnobs):  # type: ignore[misc, valid-type]
     @property
     def aclient(self) -> AsyncClient:
         return self._client.aclient
+
+    def start(self) -> None:
+        """Load the engine (or connect to ``base_url``) now, so the first call does not wait for it."""
+        self._client.start()
+
+    def close(self) -> None:
+        """Close the adapter's connections and its own runtime (``Client.close``); a shared ``runtime`` stays open."""
+        self._client.close()
+
+    async def aclose(self) -> None:
+        """``close()`` from async code (``AsyncClient.aclose``)."""
+        await self.aclient.aclose()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
     @property
     def _model_display_name(self) -> str:

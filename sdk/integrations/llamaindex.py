@@ -221,6 +221,32 @@ class PagedLLM(_SamplingKnobs):  # type: ignore[misc, valid-type]
     def aclient(self) -> AsyncClient:
         return self.client.aclient
 
+    def start(self) -> None:
+        """Load the engine (or connect to ``base_url``) now, so the first call does not wait for it."""
+        self.client.start()
+
+    def close(self) -> None:
+        """Close the adapter's connections and its own runtime (``Client.close``); a shared ``runtime`` stays open."""
+        if self._client is not None:
+            self._client.close()
+
+    async def aclose(self) -> None:
+        """``close()`` from async code (``AsyncClient.aclose``)."""
+        if self._client is not None:
+            await self._client.aclient.aclose()
+
+    def __enter__(self) -> PagedLLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> PagedLLM:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
     @property
     def metadata(self) -> LLMMetadata:
         return LLMMetadata(

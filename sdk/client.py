@@ -10,6 +10,7 @@ from typing import Any, TypeVar, Union
 
 from pydantic import ValidationError
 
+from sdk.cut_off import CutOffWatch
 from sdk.fields import invalid_request
 from sdk.hooks import Hook, HookChain, ModelSource, RequestOrigin
 from sdk.hooks.replay import model_source
@@ -381,6 +382,7 @@ class AsyncClient:
     ) -> ResultT:
         want_logprobs = request.logprobs is not None
         choices: dict[int, dict[str, Any]] = {}
+        watch = CutOffWatch.of(request)
         last: Delta | None = None
         async for last in self._run(request, origin):
             choice = choices.setdefault(last.index, {"text": [], "reasoning": [], "token_ids": [], "logprobs": [], "tool_calls": []})
@@ -391,6 +393,7 @@ class AsyncClient:
             choice["tool_calls"].extend(last.tool_calls or ())
             if last.finish_reason is not None:
                 choice["finish_reason"] = last.finish_reason
+            choice["cut_off"] = watch.add(last) is not None or choice.get("cut_off", False)
         assert last is not None and last.usage is not None
         return result_type(
             request_id=last.request_id,
@@ -406,6 +409,7 @@ class AsyncClient:
                     logprobs=c["logprobs"] if want_logprobs else None,
                     parsed=parse(request.response_format, "".join(c["text"])) if c.get("finish_reason") == "stop" else None,
                     tool_calls=collect_calls(c["tool_calls"]) or None,
+                    cut_off=c["cut_off"],
                 )
                 for index, c in sorted(choices.items())
             ],

@@ -30,15 +30,11 @@ class CutOffWatch:
 
     Args:
         response_format, tools, tool_choice: as the request sets them (any spelling the SDK takes).
-
-    Raises:
-        InvalidRequestError: a bad ``response_format``, ``tools`` or ``tool_choice`` (as the request would).
     """
 
     def __init__(self, response_format: Any = None, tools: Sequence[Any] | None = None, tool_choice: Any = None) -> None:
-        fmt = to_response_format(response_format)
-        choice = to_tool_choice(tool_choice, to_tools(tools))
-        self._always = (fmt is not None and not isinstance(fmt, TextFormat)) or choice not in (None, "none", "auto")
+        self._constraint = (response_format, tools, tool_choice)
+        self._always: bool | None = None  # every length finish is a cut; None until the first delta
         self._text: dict[int, list[str]] = defaultdict(list)
         self._num_tokens: dict[int, int] = defaultdict(int)
         self._calls: dict[int, list[ToolCallDelta]] = defaultdict(list)
@@ -50,6 +46,9 @@ class CutOffWatch:
 
     def add(self, delta: Delta) -> LengthFinishReasonError | None:
         """Takes the request's next delta; the error when it ends its completion cut inside the constraint."""
+        if self._always is None:
+            # NOTE: read once the request ran: the request path checks these fields first (hooks, audit)
+            self._always = _always_constrained(*self._constraint)
         index = delta.index
         self._text[index].append(delta.text)
         self._num_tokens[index] += len(delta.token_ids)
@@ -58,6 +57,13 @@ class CutOffWatch:
             return None
         text = "".join(self._text[index])
         return LengthFinishReasonError(text, max_tokens=self._num_tokens[index], request_id=delta.request_id)
+
+
+def _always_constrained(response_format: Any, tools: Sequence[Any] | None, tool_choice: Any) -> bool:
+    """Whether the whole reply is under a constraint: a format other than text, or a forced tool call."""
+    fmt = to_response_format(response_format)
+    choice = to_tool_choice(tool_choice, to_tools(tools))
+    return (fmt is not None and not isinstance(fmt, TextFormat)) or choice not in (None, "none", "auto")
 
 
 def _has_half_call(deltas: Sequence[ToolCallDelta]) -> bool:

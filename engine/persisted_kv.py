@@ -49,7 +49,8 @@ class PersistedKVCache:
         try:
             self.store = KVBlockStore(directory, runner.kv_layout())
         except OSError as exc:
-            raise ParameterError("kv_cache_dir", f"kv_cache_dir {str(directory)!r} is not a writable directory: {exc}") from None
+            message = f"kv_cache_dir {str(directory)!r} is not a writable directory: {exc}"
+            raise ParameterError("kv_cache_dir", message) from None
         self.kv = kv
         self.runner = runner
         self.num_hot = num_hot
@@ -108,7 +109,7 @@ class PersistedKVCache:
             return
         try:
             self.save(pinned_req_ids)
-        except OSError:
+        except Exception:  # noqa: BLE001 - a save that fails must not fail the step that follows
             logger.exception("kv_cache_dir: saving the KV cache failed; retrying in %.0f s", self.interval_s)
             self._next_save = time.monotonic() + (self.interval_s or 0.0)
 

@@ -453,20 +453,20 @@ class KVCacheManager:
         extend_block_hashes(state.block_hashes, token_ids, num_full * self.block_size, self.block_size,
                             state.cache_salt)
         pool = self.block_pool
+        origins = self._origins_with_room()
         for i in range(state.num_cached_blocks, num_full):
-            if pool.cache_full_block(pool.blocks[state.block_ids[i]], state.block_hashes[i]) and self.block_origins is not None:
-                self._record_origin(state, token_ids, i)
+            if pool.cache_full_block(pool.blocks[state.block_ids[i]], state.block_hashes[i]) and origins is not None:
+                start = i * self.block_size
+                parent = state.block_hashes[i - 1] if i else None
+                origins[state.block_hashes[i]] = BlockOrigin(
+                    parent, tuple(token_ids[start : start + self.block_size]), state.cache_salt
+                )
         state.num_cached_blocks = num_full
 
-    def _record_origin(self, state: _RequestState, token_ids: Sequence[int], index: int) -> None:
+    def _origins_with_room(self) -> dict[BlockHash, BlockOrigin] | None:
+        """``block_origins``, first pruned to the indexed hashes once it holds twice as many as there are blocks."""
         origins = self.block_origins
-        assert origins is not None
-        if len(origins) >= 2 * self.num_blocks:  # NOTE: amortised O(1): evicted blocks' origins go in bulk
-            index_of = self.block_pool.cached_block_hash_to_id
-            self.block_origins = origins = {h: o for h, o in origins.items() if h in index_of}
-        start = index * self.block_size
-        origins[state.block_hashes[index]] = BlockOrigin(
-            state.block_hashes[index - 1] if index else None,
-            tuple(token_ids[start : start + self.block_size]),
-            state.cache_salt,
-        )
+        if origins is not None and len(origins) >= 2 * self.num_blocks:  # NOTE: amortised O(1) per block cached
+            index = self.block_pool.cached_block_hash_to_id
+            self.block_origins = origins = {h: o for h, o in origins.items() if h in index}
+        return origins

@@ -44,6 +44,7 @@ CHECKSUM_SIZE = 32
 _HEADER_LEN = struct.Struct("<I")
 _SAMPLES_PER_FILE = 16  # chunks of each weight file a model fingerprint reads
 _SAMPLE_BYTES = 64 << 10
+_Key = tuple[str, BlockHash]  # (salt directory, block hash): a block's identity on disk
 
 
 class CorruptBlockFile(ValueError):
@@ -145,7 +146,9 @@ def decode_block(data: bytes, layout: KVLayout) -> tuple[BlockHash, BlockOrigin,
     if len(payload) != layout.block_bytes or len(origin.token_ids) != layout.block_size:
         raise CorruptBlockFile("wrong size")
     extra = None if parent is not None or origin.cache_salt is None else (origin.cache_salt,)
-    if not isinstance(origin.cache_salt, (str, type(None))) or hash_block_tokens(parent, origin.token_ids, extra) != block_hash:
+    if not isinstance(origin.cache_salt, (str, type(None))) or (
+        hash_block_tokens(parent, origin.token_ids, extra) != block_hash
+    ):
         raise CorruptBlockFile("hash does not match its tokens")
     return block_hash, origin, payload
 
@@ -193,7 +196,7 @@ class KVBlockStore:
         for other in self.root.iterdir():
             if other.is_dir() and other.name != self.layout.key:
                 skipped["another layout"] += sum(1 for _ in other.rglob(f"*{SUFFIX}"))
-        found: dict[tuple[str, BlockHash], tuple[BlockOrigin, Path]] = {}
+        found: dict[_Key, tuple[BlockOrigin, Path]] = {}
         for path in sorted(self.dir.glob(f"*/*{SUFFIX}")):
             try:
                 block_hash, origin = self._read(path)[:2]
@@ -203,13 +206,16 @@ class KVBlockStore:
             found[path.parent.name, block_hash] = origin, path
         depth = _chain_depths(found)
         ordered = sorted((k for k in found if depth[k] is not None), key=lambda k: depth[k])
-        skipped.update({"parent missing": len(found) - len(ordered), "no room in the KV cache": len(ordered) - max_blocks})
+        skipped["parent missing"] += len(found) - len(ordered)
+        skipped["no room in the KV cache"] += len(ordered) - max_blocks
         skipped = +skipped  # NOTE: only the reasons that occurred
         for salt_dir, block_hash in ordered[:max_blocks]:
             self._on_disk.add(f"{salt_dir}/{block_hash.hex()}{SUFFIX}")
         return self._read_ordered([found[k][1] for k in ordered[:max_blocks]], skipped), skipped
 
-    def save(self, blocks: Sequence[tuple[int, BlockHash, BlockOrigin]], read: Callable[[list[int]], list[bytes]]) -> int:
+    def save(
+        self, blocks: Sequence[tuple[int, BlockHash, BlockOrigin]], read: Callable[[list[int]], list[bytes]]
+    ) -> int:
         """Makes the layout's directory hold exactly ``blocks``: writes the missing files, removes the others.
 
         Args:
@@ -263,13 +269,13 @@ class KVBlockStore:
             yield LoadedBlock(block_hash, origin, payload)
 
 
-def _chain_depths(found: dict[tuple[str, BlockHash], tuple[BlockOrigin, Path]]) -> dict[tuple[str, BlockHash], int | None]:
+def _chain_depths(found: dict[_Key, tuple[BlockOrigin, Path]]) -> dict[_Key, int | None]:
     """Each block's position in its chain (0 for a first block); None where an ancestor is missing (or loops)."""
-    depth: dict[tuple[str, BlockHash], int | None] = {}
+    depth: dict[_Key, int | None] = {}
     for start in found:
-        chain: list[tuple[str, BlockHash]] = []
-        seen: set[tuple[str, BlockHash]] = set()
-        key: tuple[str, BlockHash] = start
+        chain: list[_Key] = []
+        seen: set[_Key] = set()
+        key: _Key = start
         while True:
             if key in depth:
                 base = depth[key]

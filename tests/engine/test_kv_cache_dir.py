@@ -234,3 +234,19 @@ async def test_a_restarted_engine_reloads_the_directory(model_dir, reference, tm
         assert await engine.call(lambda e: e.kv.stats().num_used_blocks) == 0
     finally:
         await engine.aclose()
+
+
+def test_paged_serve_takes_the_settings_as_flags(tmp_path) -> None:
+    """`paged serve --kv-cache-dir DIR ...` sets the fields; a refused combination names the flags."""
+    import argparse
+
+    from integrations.engine_flags import FlagError, engine_config
+    from integrations.openai_server.command import add_arguments
+
+    parser = argparse.ArgumentParser(prog="paged serve")
+    add_arguments(parser)
+    argv = ["--kv-cache-dir", str(tmp_path), "--kv-cache-save-interval-s", "30", "--kv-cache-save-hot-blocks", "8"]
+    config = engine_config(parser.parse_args(argv))
+    assert (config.kv_cache_dir, config.kv_cache_save_interval_s, config.kv_cache_save_hot_blocks) == (str(tmp_path), 30.0, 8)
+    with pytest.raises(FlagError, match="--kv-cache-save-interval-s needs --kv-cache-dir"):
+        engine_config(parser.parse_args(["--kv-cache-save-interval-s", "30"]))

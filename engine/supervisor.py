@@ -300,7 +300,7 @@ class Supervisor:
         """
         try:
             engine.close()
-        except Exception:
+        except Exception:  # noqa: BLE001 - the shutdown goes on; the directory keeps its last save
             logger.exception("closing the engine failed")
 
     def _record(self, exc: BaseException, what: str) -> None:

@@ -26,7 +26,8 @@ class EngineConfig:
 
     Raises:
         ParameterError: a field of the wrong type or outside its bounds (``param`` names it),
-            or both ``kv_cache_memory`` and ``num_blocks``.
+            both ``kv_cache_memory`` and ``num_blocks``, ``kv_cache_dir`` without
+            ``enable_prefix_caching``, or ``kv_cache_save_interval_s`` without ``kv_cache_dir``.
     """
 
     model: str | os.PathLike[str] | None = knob(
@@ -74,6 +75,20 @@ class EngineConfig:
     )  # fmt: skip
     max_model_len: int | None = knob(None, "Longest prompt + completion in tokens; None = the model's.", ge=1, le=1 << 24)
     enable_prefix_caching: bool = knob(True, "Share the KV blocks of equal prompt prefixes between requests.")
+    kv_cache_dir: str | os.PathLike[str] | None = knob(
+        None,
+        "Directory the KV cache persists to: on close() and every kv_cache_save_interval_s it holds the cached "
+        "blocks of pinned prefixes and the kv_cache_save_hot_blocks most recently used; an engine started on it "
+        "loads those of its model, dtypes, block size and KV layout, checksummed and hash-checked. None = nothing "
+        "persists.",
+    )
+    kv_cache_save_interval_s: float | None = knob(
+        None, "Seconds between saves to kv_cache_dir, taken between steps; None = on close() only.", gt=0.0, le=86400.0
+    )
+    kv_cache_save_hot_blocks: int = knob(
+        64, "Cached blocks saved to kv_cache_dir besides pinned prefixes, most recently used first (with the "
+        "blocks before them in their prompts).", ge=0, le=1 << 32,
+    )  # fmt: skip
     attention_backend: str = knob(
         "auto",
         "auto = triton on CUDA; on CPU the C kernels (cpu) when they build here and serve the dtype "
@@ -96,6 +111,10 @@ class EngineConfig:
         check_knobs(self)
         if self.kv_cache_memory is not None and self.num_blocks is not None:
             raise ParameterError("num_blocks", "give kv_cache_memory or num_blocks, not both")
+        if self.kv_cache_dir is not None and not self.enable_prefix_caching:
+            raise ParameterError("kv_cache_dir", "kv_cache_dir persists the prefix cache: it needs enable_prefix_caching")
+        if self.kv_cache_save_interval_s is not None and self.kv_cache_dir is None:
+            raise ParameterError("kv_cache_save_interval_s", "kv_cache_save_interval_s needs kv_cache_dir")
 
 
 def step_token_budget(max_num_batched_tokens: int | None, device_type: str) -> int:

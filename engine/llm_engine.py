@@ -29,6 +29,7 @@ from engine.errors import EngineError, ParameterError, RequestRejected
 from engine.metrics import RequestStats
 from engine.model_info import eos_token_ids, model_name
 from engine.output_processor import OutputProcessor, ParentRequest
+from engine.persisted_kv import PersistedKVCache
 from engine.outputs import Delta, RequestMetrics, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.request_options import RequestOptions, TenantOptions
@@ -112,6 +113,51 @@ class Engine:
         self._ids = itertools.count()
         self._busy_seconds = 0.0
         self._debug = False  # the step log's state, as checked at the latest step
+        self._closed = False
+        self.persisted_kv: PersistedKVCache | None = None  # kv_cache_dir's blocks, loaded before any request
+        if self.config.kv_cache_dir is not None:
+            self.persisted_kv = PersistedKVCache(
+                self.config.kv_cache_dir, self.kv, self.runner, self.config.kv_cache_save_hot_blocks,
+                self.config.kv_cache_save_interval_s,
+            )
+            self.persisted_kv.load()
+
+    # ---------------------------------------------------------------------------- lifetime
+
+    def close(self) -> None:
+        """Aborts the unfinished requests and saves the KV cache to ``kv_cache_dir`` (when set); idempotent.
+
+        The engine takes no request after.
+
+        Raises:
+            OSError: ``kv_cache_dir`` cannot be written (the engine is closed all the same).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self.abort_request(list(self._parents))
+        if self.persisted_kv is not None:
+            self.persisted_kv.save(self.pinned_prefix_ids())
+
+    def save_kv_cache(self) -> int:
+        """Saves the pinned prefixes' and the hottest cached blocks to ``kv_cache_dir`` now, between steps.
+
+        Returns:
+            The block files written (blocks saved before are kept as they are).
+
+        Raises:
+            EngineError: no ``kv_cache_dir`` is set.
+            OSError: the directory cannot be written.
+        """
+        if self.persisted_kv is None:
+            raise EngineError("save_kv_cache needs kv_cache_dir")
+        return self.persisted_kv.save(self.pinned_prefix_ids())
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     # ---------------------------------------------------------------------------- requests in
 
@@ -263,6 +309,8 @@ class Engine:
         cache_salt: str | None, keep_blocks: bool = False, grammar: Any = None,
         tenant: str | None = None, weight: float = 1.0,
     ) -> None:
+        if self._closed:
+            raise EngineError("the engine is closed")
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         children = [
             Request(
@@ -355,6 +403,8 @@ class Engine:
 
     def _step(self) -> list[ParentRequest]:
         """Schedules, runs, samples and records one step; returns the user requests it changed (finished ones too)."""
+        if self.persisted_kv is not None:  # NOTE: before scheduling: every block registered so far is computed
+            self.persisted_kv.save_if_due(self.pinned_prefix_ids())
         start = time.perf_counter()
         # NOTE: the one check of the step log per step; off, nothing below formats or times for it.
         debug = debug_log.is_enabled()

@@ -24,6 +24,7 @@ fills a block.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import Counter
 from collections.abc import Sequence
@@ -34,6 +35,14 @@ from engine.core.block_hash import BlockHash, extend_block_hashes
 from engine.core.block_pool import BlockPool, check_invariant
 
 logger = logging.getLogger(__name__)
+
+
+class BlockOrigin(NamedTuple):
+    """What a full block's hash is computed from: enough to recompute it, so to persist the block."""
+
+    parent_hash: BlockHash | None  # None for a chain's first block
+    token_ids: tuple[int, ...]
+    cache_salt: str | None  # the chain's salt (it enters the first block's hash only)
 
 
 class ComputedBlocks(NamedTuple):
@@ -99,6 +108,8 @@ class KVCacheManager:
         self._last_lookup: _Lookup | None = None  # spares an admission its second hashing pass
         self._prefix_cache_queries = 0
         self._prefix_cache_hits = 0
+        # NOTE: None until track_block_origins(); then every registered hash's origin (pruned to the hash index).
+        self.block_origins: dict[BlockHash, BlockOrigin] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -256,6 +267,80 @@ class KVCacheManager:
         logger.debug("fork %s -> %s: %d shared blocks", parent_req_id, child_req_id, num_shared)
         return num_computed
 
+    # ---------------------------------------------------------------------------- persistence
+
+    def track_block_origins(self) -> None:
+        """Keeps the origin (parent hash, tokens, salt) of every block registered from now on.
+
+        Persisting the cache needs them (``persistable_blocks``); without persistence nothing is kept.
+        """
+        if self.block_origins is None:
+            self.block_origins = {}
+
+    def restore_cached_block(self, block_hash: BlockHash, origin: BlockOrigin) -> int | None:
+        """Registers a block read back from disk as cached: unreferenced, evictable, its hash indexed.
+
+        The caller writes the block's K/V before the next lookup. Restored blocks are evicted
+        before any other cached block, a chain's last block first.
+
+        Returns:
+            The block's id; None when the pool has no free block or the hash is cached already.
+        """
+        block = self.block_pool.restore_cached_block(block_hash)
+        if block is None:
+            return None
+        if self.block_origins is not None:
+            self.block_origins[block_hash] = origin
+        return block.block_id
+
+    def persistable_blocks(self, req_ids: Sequence[str], num_hot: int) -> list[tuple[int, BlockHash, BlockOrigin]]:
+        """The cached blocks worth persisting, each after its parent, as (block id, hash, origin).
+
+        First every registered full block of ``req_ids`` (pinned prefixes); then up to ``num_hot``
+        more, the most recently used first (referenced blocks, then the evictable ones most
+        recently freed first), each with the ancestors it needs to be hit. A block whose chain
+        is no longer cached whole, or whose origin was not tracked, is left out.
+        """
+        origins = self.block_origins or {}
+        pool = self.block_pool
+        chosen: dict[BlockHash, tuple[int, BlockOrigin]] = {}
+
+        def chain_to(block_hash: BlockHash) -> list[tuple[BlockHash, int, BlockOrigin]] | None:
+            """The blocks from ``block_hash`` back to the first one not chosen yet, deepest first; None if broken."""
+            chain: list[tuple[BlockHash, int, BlockOrigin]] = []
+            current: BlockHash | None = block_hash
+            while current is not None and current not in chosen:
+                block, origin = pool.get_cached_block(current), origins.get(current)
+                if block is None or origin is None:
+                    return None
+                chain.append((current, block.block_id, origin))
+                current = origin.parent_hash
+            return chain
+
+        def choose(chain: list[tuple[BlockHash, int, BlockOrigin]]) -> None:
+            for block_hash, block_id, origin in reversed(chain):
+                chosen[block_hash] = (block_id, origin)
+
+        for req_id in req_ids:
+            state = self._requests.get(req_id)
+            if state is not None and state.num_cached_blocks:
+                for block_hash in state.block_hashes[: state.num_cached_blocks]:
+                    chain = chain_to(block_hash)
+                    if chain is None:
+                        break
+                    choose(chain)
+        budget = num_hot
+        referenced = (block.block_id for block in pool.blocks if block.ref_cnt > 0 and block.block_hash is not None)
+        for block_id in itertools.chain(referenced, reversed(pool.evictable)):
+            if budget <= 0:
+                break
+            block_hash = pool.blocks[block_id].block_hash
+            chain = chain_to(block_hash) if block_hash is not None else None
+            if chain and len(chain) <= budget:
+                choose(chain)
+                budget -= len(chain)
+        return [(block_id, block_hash, origin) for block_hash, (block_id, origin) in chosen.items()]
+
     def reset_prefix_cache(self) -> None:
         """Forgets the hashes of every unreferenced block (their content may be unwritten)."""
         num_dropped = self.block_pool.reset_prefix_cache()
@@ -368,6 +453,20 @@ class KVCacheManager:
         extend_block_hashes(state.block_hashes, token_ids, num_full * self.block_size, self.block_size,
                             state.cache_salt)
         pool = self.block_pool
+        origins = self._origins_with_room()
         for i in range(state.num_cached_blocks, num_full):
-            pool.cache_full_block(pool.blocks[state.block_ids[i]], state.block_hashes[i])
+            if pool.cache_full_block(pool.blocks[state.block_ids[i]], state.block_hashes[i]) and origins is not None:
+                start = i * self.block_size
+                parent = state.block_hashes[i - 1] if i else None
+                origins[state.block_hashes[i]] = BlockOrigin(
+                    parent, tuple(token_ids[start : start + self.block_size]), state.cache_salt
+                )
         state.num_cached_blocks = num_full
+
+    def _origins_with_room(self) -> dict[BlockHash, BlockOrigin] | None:
+        """``block_origins``, first pruned to the indexed hashes once it holds twice as many as there are blocks."""
+        origins = self.block_origins
+        if origins is not None and len(origins) >= 2 * self.num_blocks:  # NOTE: amortised O(1) per block cached
+            index = self.block_pool.cached_block_hash_to_id
+            self.block_origins = origins = {h: o for h, o in origins.items() if h in index}
+        return origins

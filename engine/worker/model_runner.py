@@ -22,6 +22,7 @@ from engine.config import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     EngineConfig,
 )
+from engine.core.kv_persistence import KVLayout, model_fingerprint
 from engine.core.scheduler_output import SchedulerOutput
 from engine.errors import ModelLoadError, ParameterError
 from engine.layers.attention import Attention
@@ -101,6 +102,7 @@ class ModelRunner:
         from transformers import AutoConfig
 
         self.config = config
+        self.model_dir = Path(model_dir)
         self.hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         self.device = resolve_device(config.device)
         self.gguf = gguf_source(model_dir)
@@ -150,6 +152,39 @@ class ModelRunner:
                 hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
         # NOTE: the LM head runs only on the rows whose next token is sampled.
         return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices)).float()
+
+    # ------------------------------------------------------------------------------------ persistence
+
+    def kv_layout(self) -> KVLayout:
+        """What this runner's KV blocks depend on besides their tokens (``engine.core.kv_persistence``)."""
+        weights = [self.gguf] if self.gguf is not None else sorted(self.model_dir.glob("*.safetensors"))
+        num_layers, _, _, block_size, num_kv_heads, head_dim = self.kv_cache.shape
+        return KVLayout(
+            model=model_fingerprint(self.model_dir / "config.json", weights),
+            kv_dtype=str(self.kv_cache_dtype), compute_dtype=str(self.dtype), weight_dtype=str(self.weight_dtype),
+            quantization=self.config.quantization, attention_backend=type(self.attn_backend).__name__,
+            block_size=block_size, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            dtype_bytes=self.kv_cache_dtype.itemsize, byteorder=sys.byteorder,
+        )  # fmt: skip
+
+    @torch.inference_mode()
+    def read_kv_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """Each block's K and V of every layer as bytes, laid out [layer, k|v, slot, kv_head, dim]."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        blocks = self.kv_cache.index_select(2, index).movedim(2, 0).contiguous().cpu()  # [N, L, 2, BS, Hkv, D]
+        flat = blocks.view(torch.uint8).view(len(block_ids), -1).numpy()
+        return [row.tobytes() for row in flat]
+
+    @torch.inference_mode()
+    def write_kv_blocks(self, block_ids: list[int], payloads: list[bytes | memoryview]) -> None:
+        """Writes ``read_kv_blocks``' bytes back into blocks ``block_ids``."""
+        if not block_ids:
+            return
+        shape = (len(block_ids), *self.kv_cache.shape[:2], *self.kv_cache.shape[3:])
+        raw = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
+        blocks = raw.view(self.kv_cache_dtype).view(shape).to(self.device)  # [N, L, 2, BS, Hkv, D]
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        self.kv_cache.index_copy_(2, index, blocks.movedim(0, 2))
 
     # ------------------------------------------------------------------------------------ set-up
 

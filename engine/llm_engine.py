@@ -408,14 +408,13 @@ class Engine:
         return parents
 
     def _verify(self, logits: Any, scheduler_output: Any, touched: dict[str, None]) -> None:
-        """Samples a step with drafts position by position (``verify_drafts``), then frees the rejected drafts' slots."""
+        """Samples a step with drafts position by position (``verify_drafts``); frees the rejected drafts' slots."""
         assert self.drafter is not None
         scheduled = scheduler_output.scheduled
-        verified = verify_drafts(
-            logits, scheduled, self.scheduler.requests, lambda rows_logits, rows: self._sample_and_process(
-                rows_logits, rows, touched
-            )
-        )
+        def sample(rows_logits: Any, rows: list[Request]) -> dict[str, int]:
+            return self._sample_and_process(rows_logits, rows, touched)
+
+        verified = verify_drafts(logits, scheduled, self.scheduler.requests, sample)
         for req_id, num_drafts, num_accepted in verified:
             self.drafter.observe(req_id, num_drafts, num_accepted)
             self.spec_stats.observe(num_drafts, num_accepted)

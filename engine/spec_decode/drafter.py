@@ -1,9 +1,15 @@
 """Drafter: proposes each decoding request's drafts, and backs off where they are not accepted.
 
-Back-off, per request: a step whose drafts were all rejected makes the request propose nothing
-for the next ``skip`` steps, ``skip`` doubling with each such step in a row (1, 2, 4, ... up to
-``MAX_SKIP``); a step that accepts any draft resets it. A request whose text does not repeat
-itself thus costs one lookup every ``MAX_SKIP`` steps, and verifies almost no draft in vain.
+Back-off, per request:
+
+- a request proposes at most one draft more than it had accepted at its previous verification
+  (``num_speculative_tokens`` at first), so a partly accepted run wastes at most one draft a step;
+- a verification that rejected every draft makes the request propose nothing for the next
+  ``skip`` steps, ``skip`` doubling with each such verification in a row (1, 2, 4, ... up to
+  ``MAX_SKIP``); one that accepts any draft resets it.
+
+A request whose text does not repeat itself thus costs one lookup a step and one draft every
+``MAX_SKIP`` steps.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ MAX_SKIP = 32  # steps without drafts after many all-rejected steps in a row
 
 @dataclass(slots=True)
 class _BackOff:
+    max_drafts: int  # drafts the next proposal may have
     skip: int = 0  # steps left without drafts
     next_skip: int = 1  # the skip after the next all-rejected step
 
@@ -38,11 +45,13 @@ class Drafter:
     def propose(self, request: Request, max_drafts: int) -> list[int]:
         """At most ``max_drafts`` (and ``num_speculative_tokens``) drafts to follow ``request``'s tokens."""
         k = min(max_drafts, self.config.num_speculative_tokens)
-        if k <= 0:
-            return []
         state = self._back_off.get(request.req_id)
-        if state is not None and state.skip > 0:
-            state.skip -= 1
+        if state is not None:
+            if state.skip > 0:
+                state.skip -= 1
+                return []
+            k = min(k, state.max_drafts)
+        if k <= 0:
             return []
         config = self.config
         return ngram.propose(request.all_token_ids, k, config.prompt_lookup_max, config.prompt_lookup_min)
@@ -51,7 +60,8 @@ class Drafter:
         """Records how many of a request's ``num_drafts`` drafts the step accepted."""
         if num_drafts == 0:
             return
-        state = self._back_off.setdefault(req_id, _BackOff())
+        state = self._back_off.setdefault(req_id, _BackOff(self.config.num_speculative_tokens))
+        state.max_drafts = min(num_accepted + 1, self.config.num_speculative_tokens)
         if num_accepted:
             state.next_skip = 1
         else:

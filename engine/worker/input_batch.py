@@ -44,8 +44,8 @@ def prepare_inputs(scheduled: list[ScheduledRequest], block_size: int, device: t
     if any(r.num_draft_tokens for r in scheduled):
         #   a request with d drafts gets the logits of its last 1 + d rows, in order
         num_logits = np.fromiter((r.num_logits for r in scheduled), np.int64, n)[needs_logits]
-        first = logits_indices - num_logits + 1
-        logits_indices = np.arange(int(num_logits.sum())) + np.repeat(first - (np.cumsum(num_logits) - num_logits), num_logits)
+        offsets = logits_indices - num_logits + 1 - (np.cumsum(num_logits) - num_logits)  # row - its logits index
+        logits_indices = np.arange(int(num_logits.sum())) + np.repeat(offsets, num_logits)
 
     def to_device(data: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(data).to(device, non_blocking=True)

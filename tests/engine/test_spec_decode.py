@@ -87,20 +87,26 @@ def test_ngram_proposes_what_followed_the_latest_earlier_occurrence() -> None:
 
 
 def test_drafter_backs_off_after_rejections_and_resets_on_acceptance() -> None:
-    drafter = Drafter(SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=2, prompt_lookup_min=1))
-    request = Request("r", [1, 2, 3, 1, 2], SamplingParams())
-    assert drafter.propose(request, 5) == [3, 1] and drafter.propose(request, 1) == [3]
+    drafter = Drafter(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=2, prompt_lookup_min=1))
+    request = Request("r", [1, 2, 3, 4, 1, 2], SamplingParams())
+    assert drafter.propose(request, 5) == [3, 4, 1] and drafter.propose(request, 1) == [3]
+    drafter.observe("r", 3, 1)  # one accepted: at most two drafts next
+    assert drafter.propose(request, 5) == [3, 4]
     skips = []
-    for _ in range(8):  # all rejected, again and again: 1, 2, 4, ... steps without drafts
-        drafter.observe("r", 2, 0)
+    for _ in range(8):  # all rejected, again and again: 1, 2, 4, ... steps without drafts, then one draft
+        drafter.observe("r", 1, 0)
         n = 0
-        while not drafter.propose(request, 5):
+        while not (drafts := drafter.propose(request, 5)):
             n += 1
+        assert drafts == [3]
         skips.append(n)
     assert skips == [1, 2, 4, 8, 16, MAX_SKIP, MAX_SKIP, MAX_SKIP]
-    drafter.observe("r", 2, 1)
-    drafter.observe("r", 2, 0)
-    assert drafter.propose(request, 5) == [] and drafter.propose(request, 5) == [3, 1]  # back to a skip of 1
+    drafter.observe("r", 1, 1)
+    assert drafter.propose(request, 5) == [3, 4]  # accepted: one more draft, and the skip back to 1
+    drafter.observe("r", 2, 2)
+    assert drafter.propose(request, 5) == [3, 4, 1]
+    drafter.observe("r", 3, 0)
+    assert drafter.propose(request, 5) == [] and drafter.propose(request, 5) == [3]
     drafter.free(["r", "unknown"])
 
 
@@ -163,6 +169,21 @@ def test_drafts_stop_at_max_tokens_and_the_length_cap() -> None:
     shares = {s.req_id: s for s in scheduler.schedule().scheduled}
     assert shares["a"].num_draft_tokens == 1  # 2 more tokens allowed: one draft, then the bonus token
     assert shares["b"].num_draft_tokens == 1  # 4 tokens held, 6 at most
+
+
+def test_runner_inputs_ask_logits_at_every_draft_position() -> None:
+    from engine.worker.input_batch import prepare_inputs
+
+    scheduled = [
+        ScheduledRequest("a", [5, 9, 9], 7, [0, 1, 2], True, 2),  # rows 0-2: a decode with two drafts
+        ScheduledRequest("b", [1, 2, 3, 4], 0, [3], False),  # rows 3-6: a prefill chunk, no logits
+        ScheduledRequest("c", [6], 3, [4], True),  # row 7: a plain decode
+        ScheduledRequest("d", [6, 1], 3, [5], True, 1),  # rows 8-9
+    ]
+    inputs = prepare_inputs(scheduled, 4, torch.device("cpu"))
+    assert inputs.logits_indices.tolist() == [0, 1, 2, 7, 8, 9]
+    assert inputs.positions.tolist()[:3] == [7, 8, 9] and inputs.positions.tolist()[8:] == [3, 4]
+    assert sum(s.num_logits for s in scheduled) == 6
 
 
 def test_free_tail_refuses_to_drop_hashed_blocks() -> None:

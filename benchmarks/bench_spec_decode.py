@@ -4,7 +4,8 @@ Batch 1: one chat request that asks for a passage of its prompt back, greedy; de
 (output tokens - 1) / (last token time - first token time), the two engines taking turns for
 ``--rounds`` rounds (the median of each is reported). W1: the shared-prefix workload (64 questions
 behind one system prompt, 128 new tokens each, greedy, EOS ignored, all submitted at once), output
-tokens/s over the wall time, each engine once. Greedy outputs with and without drafts are compared.
+tokens/s over the wall time, fresh engines taking turns for ``--w1-rounds`` rounds (medians
+reported). Greedy outputs with and without drafts are compared.
 
     python benchmarks/bench_spec_decode.py                                  # bundled SmolLM2, k = 3
     python benchmarks/bench_spec_decode.py --spec '{"num_speculative_tokens": 5}' --skip-w1
@@ -57,7 +58,7 @@ def batch1(model: str | None, spec: dict[str, Any], max_tokens: int, rounds: int
     engines = {"off": make_engine(model, {"max_num_seqs": 1}),
                "ngram": make_engine(model, {"max_num_seqs": 1, "speculative_config": spec})}
     prompt = apply_chat_template(engines["off"].tokenizer, "You are a helpful assistant.",
-                                 f"Repeat the following text exactly, word for word:\n\n{PASSAGE}")
+                                 f"Repeat the following text exactly, word for word:\n\n{PASSAGE}")  # fmt: skip
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     rates: dict[str, list[float]] = {name: [] for name in engines}
     outputs: dict[str, list[int]] = {}
@@ -71,16 +72,20 @@ def batch1(model: str | None, spec: dict[str, Any], max_tokens: int, rounds: int
             "spec": spec_counts(engines["ngram"])}
 
 
-def w1(model: str | None, spec: dict[str, Any], num_requests: int, max_tokens: int) -> dict[str, Any]:
-    results, outputs, counts = {}, {}, {}
-    for name, extra in (("off", {}), ("ngram", {"speculative_config": spec})):
-        engine = make_engine(model, {"max_num_seqs": num_requests, **extra})
-        prompts = build_workload("shared-prefix", engine.tokenizer, num_requests).prompts
-        result = run_batch(engine, prompts, [greedy_params(max_tokens)] * num_requests, lambda _: None)
-        results[name], outputs[name], counts[name] = result.tokens_per_s, result.output_token_ids, spec_counts(engine)
-        del engine
+def w1(model: str | None, spec: dict[str, Any], num_requests: int, max_tokens: int, rounds: int) -> dict[str, Any]:
+    rates: dict[str, list[float]] = {"off": [], "ngram": []}
+    outputs, counts = {}, {}
+    for _ in range(rounds):
+        for name, extra in (("off", {}), ("ngram", {"speculative_config": spec})):
+            engine = make_engine(model, {"max_num_seqs": num_requests, **extra})  # fresh: no prefix cached
+            prompts = build_workload("shared-prefix", engine.tokenizer, num_requests).prompts
+            result = run_batch(engine, prompts, [greedy_params(max_tokens)] * num_requests, lambda _: None)
+            rates[name].append(result.tokens_per_s)
+            outputs[name], counts[name] = result.output_token_ids, spec_counts(engine)
+            del engine
+    off, on = statistics.median(rates["off"]), statistics.median(rates["ngram"])
     same = sum(a == b for a, b in zip(outputs["off"], outputs["ngram"]))
-    return {"tok_s": results, "ratio": results["ngram"] / results["off"], "identical_requests": same,
+    return {"tok_s": {"off": off, "ngram": on}, "ratio": on / off, "rounds": rates, "identical_requests": same,
             "num_requests": num_requests, "spec": counts["ngram"]}
 
 
@@ -90,6 +95,7 @@ def main() -> None:
     parser.add_argument("--spec", type=json.loads, default=DEFAULT_SPEC, help="speculative_config as JSON")
     parser.add_argument("--copy-tokens", type=int, default=128, help="max_tokens of the batch-1 copy request")
     parser.add_argument("--rounds", type=int, default=3, help="batch-1 rounds, the engines taking turns")
+    parser.add_argument("--w1-rounds", type=int, default=3, help="W1 rounds, the engines taking turns")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--skip-w1", action="store_true")
@@ -102,8 +108,8 @@ def main() -> None:
     print(f"batch 1, copy: {one['output_tokens']} tokens; decode {one['decode_tok_s']['off']:.1f} -> "
           f"{one['decode_tok_s']['ngram']:.1f} tok/s = {one['ratio']:.2f}x; identical: {one['identical']}; {one['spec']}")
     if not args.skip_w1:
-        many = report["w1"] = w1(args.model, args.spec, args.num_requests, args.max_tokens)
-        print(f"W1, {args.num_requests} requests: {many['tok_s']['off']:.1f} -> {many['tok_s']['ngram']:.1f} tok/s = "
+        many = report["w1"] = w1(args.model, args.spec, args.num_requests, args.max_tokens, args.w1_rounds)
+        print(f"W1, {args.num_requests} requests (median of {args.w1_rounds}): {many['tok_s']['off']:.1f} -> {many['tok_s']['ngram']:.1f} tok/s = "
               f"{many['ratio']:.2f}x; identical requests {many['identical_requests']}/{many['num_requests']}; "
               f"{many['spec']}")
     if args.json:

@@ -25,6 +25,7 @@ from engine import debug_log
 from engine.config import EngineConfig, step_token_budget
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import SchedulerOutput
 from engine.errors import EngineError, ParameterError, RequestRejected
 from engine.metrics import RequestStats, SpecDecodeStats
 from engine.model_info import eos_token_ids, model_name
@@ -407,10 +408,11 @@ class Engine:
             self.step_log.step(scheduler_output, requests_after_schedule, self.scheduler.events or [], times)
         return parents
 
-    def _verify(self, logits: Any, scheduler_output: Any, touched: dict[str, None]) -> None:
+    def _verify(self, logits: Any, scheduler_output: SchedulerOutput, touched: dict[str, None]) -> None:
         """Samples a step with drafts position by position (``verify_drafts``); frees the rejected drafts' slots."""
         assert self.drafter is not None
         scheduled = scheduler_output.scheduled
+
         def sample(rows_logits: Any, rows: list[Request]) -> dict[str, int]:
             return self._sample_and_process(rows_logits, rows, touched)
 

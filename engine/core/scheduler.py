@@ -1,9 +1,9 @@
 """Scheduler: which requests run in the next step, under a token budget.
 
-No phases: each step hands every running request its next tokens (one for a decode,
-a chunk for a prompt still being prefilled), then admits waiting requests while the
-budget, ``max_num_seqs`` and the KV cache allow. Pure Python; the only tensors live in
-the runner.
+No phases: each step hands every running request its next tokens (one for a decode, plus
+its drafts under speculative decoding; a chunk for a prompt still being prefilled), then
+admits waiting requests while the budget, ``max_num_seqs`` and the KV cache allow. Pure
+Python; the only tensors live in the runner.
 
 Queues::
 

@@ -2,8 +2,9 @@
 
 Back-off, per request:
 
-- a request proposes at most one draft more than it had accepted at its previous verification
-  (``num_speculative_tokens`` at first), so a partly accepted run wastes at most one draft a step;
+- a request proposes at most as many drafts as it had accepted at its previous verification, one
+  more when those were all of them (``num_speculative_tokens`` at first), so drafts shrink to
+  what the text repeats;
 - a verification that rejected every draft makes the request propose nothing for the next
   ``skip`` steps, ``skip`` doubling with each such verification in a row (1, 2, 4, ... up to
   ``MAX_SKIP``); one that accepts any draft resets it.
@@ -61,10 +62,12 @@ class Drafter:
         if num_drafts == 0:
             return
         state = self._back_off.setdefault(req_id, _BackOff(self.config.num_speculative_tokens))
-        state.max_drafts = min(num_accepted + 1, self.config.num_speculative_tokens)
+        # NOTE: one more only after all were accepted; a partial acceptance keeps what was accepted
+        state.max_drafts = min(num_accepted + (num_accepted == num_drafts), self.config.num_speculative_tokens)
         if num_accepted:
             state.next_skip = 1
         else:
+            state.max_drafts = 1
             state.skip = state.next_skip
             state.next_skip = min(2 * state.next_skip, MAX_SKIP)
 

@@ -90,8 +90,8 @@ def test_drafter_backs_off_after_rejections_and_resets_on_acceptance() -> None:
     drafter = Drafter(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=2, prompt_lookup_min=1))
     request = Request("r", [1, 2, 3, 4, 1, 2], SamplingParams())
     assert drafter.propose(request, 5) == [3, 4, 1] and drafter.propose(request, 1) == [3]
-    drafter.observe("r", 3, 1)  # one accepted: at most two drafts next
-    assert drafter.propose(request, 5) == [3, 4]
+    drafter.observe("r", 3, 1)  # one of three accepted: one draft next
+    assert drafter.propose(request, 5) == [3]
     skips = []
     for _ in range(8):  # all rejected, again and again: 1, 2, 4, ... steps without drafts, then one draft
         drafter.observe("r", 1, 0)
@@ -102,7 +102,7 @@ def test_drafter_backs_off_after_rejections_and_resets_on_acceptance() -> None:
         skips.append(n)
     assert skips == [1, 2, 4, 8, 16, MAX_SKIP, MAX_SKIP, MAX_SKIP]
     drafter.observe("r", 1, 1)
-    assert drafter.propose(request, 5) == [3, 4]  # accepted: one more draft, and the skip back to 1
+    assert drafter.propose(request, 5) == [3, 4]  # all accepted: one more draft, and the skip back to 1
     drafter.observe("r", 2, 2)
     assert drafter.propose(request, 5) == [3, 4, 1]
     drafter.observe("r", 3, 0)

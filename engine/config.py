@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from engine.errors import ParameterError
 from engine.knobs import check_knobs, knob
+from engine.spec_decode.config import SpeculativeConfig
 
 DEFAULT_CPU_KV_CACHE_FRACTION = 0.3  # of the memory available at start-up, for the KV cache on CPU
 DEFAULT_CPU_KV_CACHE_MIN = 256 << 20  # bytes: the CPU default's floor
@@ -104,6 +105,13 @@ class EngineConfig:
     max_queued_requests: int = knob(4096, "Admission limit: waiting requests (beyond it, EngineOverloaded).", ge=1, le=1 << 30)
     max_queued_tokens: int = knob(
         4_000_000, "Admission limit: prompt tokens of waiting requests (beyond it, EngineOverloaded).", ge=1, le=1 << 40
+    )
+    speculative_config: SpeculativeConfig | None = knob(
+        None,
+        "Speculative decoding, as vLLM's setting of this name: a JSON object such as "
+        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2} '
+        "(drafts found in the request's own tokens, verified in one forward pass; outputs as without it). "
+        "None = off.",
     )
     seed: int = knob(0, "Seeds the sampling of requests without a seed of their own.", ge=0, le=(1 << 63) - 1)
 

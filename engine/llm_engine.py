@@ -25,8 +25,9 @@ from engine import debug_log
 from engine.config import EngineConfig, step_token_budget
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import SchedulerOutput
 from engine.errors import EngineError, ParameterError, RequestRejected
-from engine.metrics import RequestStats
+from engine.metrics import RequestStats, SpecDecodeStats
 from engine.model_info import eos_token_ids, model_name
 from engine.output_processor import OutputProcessor, ParentRequest
 from engine.persisted_kv import PersistedKVCache
@@ -34,6 +35,8 @@ from engine.outputs import Delta, RequestMetrics, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.request_options import RequestOptions, TenantOptions
 from engine.sampling_params import SamplingParams
+from engine.spec_decode.drafter import Drafter
+from engine.spec_decode.verify import verify_drafts
 from engine.structured_output.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
@@ -93,7 +96,11 @@ class Engine:
         self.max_model_len: int = self.runner.max_model_len
         self.kv = KVCacheManager(self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         budget = step_token_budget(self.config.max_num_batched_tokens, self.runner.device.type)
-        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, budget)
+        spec = self.config.speculative_config
+        self.drafter = Drafter(spec) if spec is not None else None
+        self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec is not None else 0)
+        propose = self.drafter.propose if self.drafter is not None else None
+        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, budget, propose)
         self.sampler = Sampler(self.vocab_size, self.runner.device, seed=self.config.seed)
         self.eos_token_ids = eos_token_ids(self.model_dir, self.runner.hf_config, self.tokenizer)
         # NOTE: thread-safe; xgrammar loads on the first constrained request.
@@ -418,6 +425,8 @@ class Engine:
             requests_after_schedule = dict(self.scheduler.requests)
         self.sampler.free(scheduler_output.finished_req_ids)
         self.structured_output.free(scheduler_output.finished_req_ids)
+        if self.drafter is not None:
+            self.drafter.free(scheduler_output.finished_req_ids)
         touched: dict[str, None] = {}  # parent ids, in order
         for request in self.scheduler.capped:
             touched[request.parent_id] = None
@@ -435,9 +444,12 @@ class Engine:
                 # NOTE: blocks hashed this step may hold unwritten K/V: forget every unreferenced hash.
                 self.kv.reset_prefix_cache()
             else:
-                requests = self.scheduler.requests
-                rows = [requests[s.req_id] for s in scheduler_output.scheduled if s.needs_logits]
-                self._sample_and_process(logits, rows, touched)
+                if any(s.num_draft_tokens for s in scheduler_output.scheduled):
+                    self._verify(logits, scheduler_output, touched)
+                else:
+                    requests = self.scheduler.requests
+                    rows = [requests[s.req_id] for s in scheduler_output.scheduled if s.needs_logits]
+                    self._sample_and_process(logits, rows, touched)
         computed_at = time.perf_counter()
         self._busy_seconds += computed_at - start
         parents = [parent for parent_id in touched if (parent := self._parents.get(parent_id)) is not None]
@@ -446,7 +458,22 @@ class Engine:
             self.step_log.step(scheduler_output, requests_after_schedule, self.scheduler.events or [], times)
         return parents
 
-    def _sample_and_process(self, logits: Any, rows: list[Request], touched: dict[str, None]) -> None:
+    def _verify(self, logits: Any, scheduler_output: SchedulerOutput, touched: dict[str, None]) -> None:
+        """Samples a step with drafts position by position (``verify_drafts``); frees the rejected drafts' slots."""
+        assert self.drafter is not None
+        scheduled = scheduler_output.scheduled
+
+        def sample(rows_logits: Any, rows: list[Request]) -> dict[str, int]:
+            return self._sample_and_process(rows_logits, rows, touched)
+
+        verified = verify_drafts(logits, scheduled, self.scheduler.requests, sample)
+        for req_id, num_drafts, num_accepted in verified:
+            self.drafter.observe(req_id, num_drafts, num_accepted)
+            self.spec_stats.observe(num_drafts, num_accepted)
+        self.scheduler.rollback_drafts(scheduled)
+
+    def _sample_and_process(self, logits: Any, rows: list[Request], touched: dict[str, None]) -> dict[str, int]:
+        """Samples one token per row, records it and appends it; returns the tokens of the rows sampled, by id."""
         def fail(parent_id: str, error: EngineError) -> None:
             self._fail(parent_id, error, touched)
 
@@ -472,6 +499,7 @@ class Engine:
             if request.req_id in refused:
                 fail(request.parent_id, EngineError(refused[request.req_id]))
         self.scheduler.update_from_output(rows, token_ids, stopped | complete)
+        return {request.req_id: token_id for request, token_id in zip(rows, token_ids)}
 
     def _fail(self, parent_id: str, error: EngineError, touched: dict[str, None]) -> None:
         parent = self._parents.get(parent_id)
@@ -579,6 +607,7 @@ class Engine:
             "ttft_seconds": processor.ttft.snapshot(),
             "itl_seconds": processor.itl.snapshot(),
             **self.request_stats.snapshot(),
+            **self.spec_stats.snapshot(),
             "kv_token_usage": kv.token_utilization,
             "kv_evictions": kv.num_evictions,
             "tenant_requests": {

@@ -239,6 +239,27 @@ class KVCacheManager:
         self.block_pool.free_blocks(reversed(state.block_ids))
         logger.debug("free %s: %d blocks", req_id, len(state.block_ids))
 
+    def free_tail(self, req_id: str, num_tokens: int) -> None:
+        """Shrinks the request's table to its first ``num_tokens`` slots (rejected draft tokens
+        leave), freeing the blocks past them.
+
+        NOTE: only unhashed blocks can go: a block is hashed once its tokens are the request's
+        own, and draft tokens are not until accepted.
+
+        Raises:
+            KeyError: The request holds no blocks.
+            ValueError: ``num_tokens`` would drop a hashed block.
+        """
+        state = self._requests[req_id]
+        num_kept = -(-num_tokens // self.block_size)
+        if num_kept < state.num_cached_blocks:
+            raise ValueError(f"free_tail {req_id}: {num_tokens} tokens would drop hashed blocks")
+        tail = state.block_ids[num_kept:]
+        del state.block_ids[num_kept:]
+        state.num_slots = min(state.num_slots, num_tokens)
+        self.block_pool.free_blocks(reversed(tail))
+        logger.debug("free_tail %s: %d tokens, %d blocks freed", req_id, num_tokens, len(tail))
+
     def fork(self, parent_req_id: str, child_req_id: str) -> int:
         """Gives a new child request the parent's computed full blocks (+1 reference each).
 

@@ -12,7 +12,9 @@ class ScheduledRequest:
     The runner computes ``token_ids`` at positions ``num_computed_tokens ..
     num_computed_tokens + len(token_ids) - 1``, writes their K/V into the slots that
     ``block_ids`` address, and attends over the request's first
-    ``num_computed_tokens + len(token_ids)`` tokens.
+    ``num_computed_tokens + len(token_ids)`` tokens. A decode with drafts ends ``token_ids``
+    with its ``num_draft_tokens`` draft tokens, and needs logits at each of its last
+    ``1 + num_draft_tokens`` positions.
     """
 
     req_id: str
@@ -20,6 +22,16 @@ class ScheduledRequest:
     num_computed_tokens: int  # tokens already in the KV cache; the first new token's position
     block_ids: list[int]  # the request's whole block table (logical block i -> physical block)
     needs_logits: bool  # True when this step reaches the end of the request's known tokens
+    num_draft_tokens: int = 0  # speculative tokens at the end of token_ids (not yet the request's)
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens :]
+
+    @property
+    def num_logits(self) -> int:
+        """Rows of logits this request gets: one per draft plus one, when it needs logits."""
+        return 1 + self.num_draft_tokens if self.needs_logits else 0
 
     @property
     def num_tokens(self) -> int:
@@ -43,4 +55,4 @@ class SchedulerOutput:
 
     @property
     def num_logits(self) -> int:
-        return sum(r.needs_logits for r in self.scheduled)
+        return sum(r.num_logits for r in self.scheduled)

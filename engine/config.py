@@ -86,6 +86,13 @@ class EngineConfig:
         "with the C kernels, a Llama-family model's decoder layers run as one C call a step, the same kernels "
         "without the Python between them).",
     )
+    tensor_parallel_size: int = knob(
+        1,
+        "Ranks that split the model (Megatron-style tensor parallelism on torch.distributed: gloo on CPU, NCCL on "
+        "CUDA, one process per rank, each holding its share of the weights and KV heads); 1 = one process. "
+        "Dense Llama-family models whose heads, MLP and vocabulary divide by it.",
+        ge=1, le=64,
+    )  # fmt: skip
     max_queued_requests: int = knob(4096, "Admission limit: waiting requests (beyond it, EngineOverloaded).", ge=1, le=1 << 30)
     max_queued_tokens: int = knob(
         4_000_000, "Admission limit: prompt tokens of waiting requests (beyond it, EngineOverloaded).", ge=1, le=1 << 40

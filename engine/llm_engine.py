@@ -25,7 +25,7 @@ from engine import debug_log
 from engine.config import EngineConfig, step_token_budget
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
-from engine.errors import EngineError, ParameterError, RequestRejected
+from engine.errors import EngineError, ParameterError, RequestRejected, WorkerGroupFailed
 from engine.metrics import RequestStats
 from engine.model_info import eos_token_ids, model_name
 from engine.output_processor import OutputProcessor, ParentRequest
@@ -81,12 +81,14 @@ class Engine:
         from engine.layers.sampler import Sampler
         from engine.loader import resolve_model
         from engine.structured_output.matchers import StructuredOutputManager
+        from engine.distributed.runner import TensorParallelRunner
         from engine.worker.model_runner import ModelRunner
 
         self.config = make_config(model, config, overrides)
         self.model_dir = resolve_model(self.config.model)
         self.model_name = model_name(self.config.model)
-        self.runner = ModelRunner(self.config, self.model_dir)
+        runner_class = ModelRunner if self.config.tensor_parallel_size == 1 else TensorParallelRunner
+        self.runner = runner_class(self.config, self.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
         self.vocab_size: int = self.runner.vocab_size
         self.max_model_len: int = self.runner.max_model_len
@@ -384,6 +386,8 @@ class Engine:
                         self._fail(request.parent_id, error, touched)
                 # NOTE: blocks hashed this step may hold unwritten K/V: forget every unreferenced hash.
                 self.kv.reset_prefix_cache()
+                if isinstance(exc, WorkerGroupFailed):  # no later step can run: whoever owns the engine restarts it
+                    raise
             else:
                 requests = self.scheduler.requests
                 rows = [requests[s.req_id] for s in scheduler_output.scheduled if s.needs_logits]

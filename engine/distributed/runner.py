@@ -1,0 +1,68 @@
+"""``TensorParallelRunner``: rank 0's model runner, which holds its own shard and drives the other ranks."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.core.scheduler_output import SchedulerOutput
+from engine.distributed.communicator import START_TIMEOUT_S, Communicator
+from engine.distributed.parallel_state import TensorParallel, check_tensor_parallel
+from engine.distributed.workers import WorkerGroup
+from engine.errors import ModelLoadError, WorkerGroupFailed
+from engine.worker.model_runner import ModelRunner, resolve_device
+
+logger = logging.getLogger(__name__)
+
+
+class TensorParallelRunner(ModelRunner):
+    """A ``ModelRunner`` for rank 0 of ``config.tensor_parallel_size`` ranks: spawns the others
+    (``WorkerGroup``), sends each of them every step, runs its own shard and returns the gathered logits.
+
+    Raises:
+        ParameterError: (``tensor_parallel_size``) the model does not split over that many ranks.
+        ModelLoadError: a rank failed to load its shard.
+    """
+
+    def __init__(self, config: EngineConfig, model_dir: Path) -> None:
+        from transformers import AutoConfig
+
+        size = config.tensor_parallel_size
+        check_tensor_parallel(AutoConfig.from_pretrained(model_dir, local_files_only=True), size)
+        self.workers = WorkerGroup(config, model_dir, size)
+        try:
+            device = resolve_device(config.device)
+            comm = Communicator(self.workers.store, 0, size, device, self.workers.timeout_s)
+            try:
+                super().__init__(config, model_dir, TensorParallel(0, size, comm))
+            except RuntimeError as exc:  # a collective of the start-up failed: a worker may say why
+                raise ModelLoadError(self.workers.start_error() or f"tensor-parallel start-up failed: {exc}") from exc
+            self.workers.wait_ready(START_TIMEOUT_S)
+        except BaseException:
+            self.workers.close()
+            raise
+        logger.info("tensor parallel over %d ranks (%s)", size, "nccl" if device.type == "cuda" else "gloo")
+
+    @property
+    def all_reduce_seconds(self) -> float:
+        """Time rank 0 spent in all-reduces so far (the cost of splitting the model, waits on other ranks included)."""
+        return self.tp.comm.all_reduce_seconds
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> torch.Tensor | None:
+        """Runs one step on every rank; returns rank 0's gathered logits (``ModelRunner.execute_model``).
+
+        Raises:
+            WorkerGroupFailed: a rank died or failed the step; the group is stopped and serves no more.
+        """
+        if not self.workers.is_alive:
+            raise WorkerGroupFailed("a tensor-parallel rank is gone; the group serves no more")
+        try:
+            if scheduler_output.scheduled:
+                self.workers.send(scheduler_output)
+            return super().execute_model(scheduler_output)
+        except Exception as exc:
+            self.workers.close()
+            raise WorkerGroupFailed(f"a tensor-parallel step failed: {exc}") from exc

@@ -384,9 +384,14 @@ class Engine:
                     request = self.scheduler.requests.get(scheduled.req_id)
                     if request is not None:  # None: a sibling failed it already
                         self._fail(request.parent_id, error, touched)
+                if isinstance(exc, WorkerGroupFailed):  # no later step can run: every request and pin ends now
+                    for parent_id in list(self._parents):
+                        self._fail(parent_id, exc, touched)
+                    for pin_id in list(self._pins):
+                        self.unpin_prefix(pin_id)
                 # NOTE: blocks hashed this step may hold unwritten K/V: forget every unreferenced hash.
                 self.kv.reset_prefix_cache()
-                if isinstance(exc, WorkerGroupFailed):  # no later step can run: whoever owns the engine restarts it
+                if isinstance(exc, WorkerGroupFailed):  # whoever owns the engine starts a fresh one
                     raise
             else:
                 requests = self.scheduler.requests

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -21,6 +22,7 @@ logger = logging.getLogger(__name__)
 class TensorParallelRunner(ModelRunner):
     """A ``ModelRunner`` for rank 0 of ``config.tensor_parallel_size`` ranks: spawns the others
     (``WorkerGroup``), sends each of them every step, runs its own shard and returns the gathered logits.
+    On CPU every rank's process (this one included: ``torch.set_num_threads``) takes an equal share of the cores.
 
     Raises:
         ParameterError: (``tensor_parallel_size``) the model does not split over that many ranks.
@@ -32,9 +34,11 @@ class TensorParallelRunner(ModelRunner):
 
         size = config.tensor_parallel_size
         check_tensor_parallel(AutoConfig.from_pretrained(model_dir, local_files_only=True), size)
+        device = resolve_device(config.device)
+        if device.type == "cpu":  # NOTE: this process is a rank like the others: a share of the cores each
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
         self.workers = WorkerGroup(config, model_dir, size)
         try:
-            device = resolve_device(config.device)
             comm = Communicator(self.workers.store, 0, size, device, self.workers.timeout_s)
             try:
                 super().__init__(config, model_dir, TensorParallel(0, size, comm))

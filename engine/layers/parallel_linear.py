@@ -1,8 +1,8 @@
 """Megatron-style tensor-parallel layers: each rank holds a slice of a weight and the collectives join them.
 
-Built inside ``engine.distributed.parallel_state.tensor_parallel(tp)`` they take rank ``tp.rank``'s slice;
-built outside (one rank) they are the plain layers they extend, with no collective and the same checkpoint
-tensors whole.
+Built inside ``engine.distributed.parallel_state.tensor_parallel(tp)`` they take rank ``tp.rank``'s slice and
+call ``tp.comm``'s collectives (a group of one rank calls them too: the GPU check runs NCCL so); built outside
+they are the plain layers they extend, with no collective and the same checkpoint tensors whole.
 
 - ``MergedColumnParallelLinear``: fused projections (q/k/v, gate/up), each shard's output rows split by rank
   in whole units (heads); a shard with fewer units than ranks (KV heads) is replicated.
@@ -26,7 +26,7 @@ def _slice(tp: TensorParallel, dim: int, start: int, size: int) -> CheckpointSli
 
 def _gathered_logits(tp: TensorParallel, local: torch.Tensor) -> torch.Tensor | None:
     """Rank 0: the logits of every rank's vocabulary rows side by side; other ranks: None."""
-    return local if tp.size == 1 else tp.comm.gather(local)
+    return local if tp.comm is None else tp.comm.gather(local)
 
 
 class MergedColumnParallelLinear(MergedLinear):
@@ -64,7 +64,7 @@ class RowParallelLinear(Linear):
         return _slice(self.tp, 1, *self._columns)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1:
+        if self.tp.comm is None:
             return self.matmul(x, self.bias)
         # NOTE: the bias joins one rank's partial sum, so the all-reduce adds it once.
         return self.tp.comm.all_reduce(self.matmul(x, self.bias if self.tp.is_first else None))
@@ -81,7 +81,7 @@ class VocabParallelEmbedding(VocabEmbedding):
         return _slice(self.tp, 0, self.vocab_start, self.out_features)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1:
+        if self.tp.comm is None:
             return super().forward(input_ids)
         local = input_ids - self.vocab_start
         elsewhere = (local < 0) | (local >= self.out_features)  # ids another rank holds

@@ -123,14 +123,14 @@ class ModelRunner:
         self.kv_cache_dtype = self.weight_dtype if cpu_backend else self.dtype
         self.attention: str = self.attn_backend.describe(self.kv_cache_dtype, layer.head_dim)  # what runs it
         # NOTE: every rank of a group allocates the same number of blocks: the scheduler addresses them all.
-        self.num_blocks = self._num_blocks() if tp.size == 1 else tp.comm.all_reduce_min(self._num_blocks())
+        self.num_blocks = self._num_blocks() if tp.comm is None else tp.comm.all_reduce_min(self._num_blocks())
         self.kv_cache = self._allocate_kv_cache()
         for attn, kv_cache in zip(self._attention_layers(), self.kv_cache):
             attn.kv_cache, attn.backend = kv_cache, self.attn_backend
         # the decoder layers in one C call a step where the CPU kernels run them all (else None: the modules do,
         # also on a tensor-parallel rank, whose collectives sit between the kernels)
         self.decoder_plan = (
-            None if config.enforce_eager or tp.size > 1 else DecoderPlan.build(self.model, self.attn_backend, self.dtype)
+            None if config.enforce_eager or tp.comm is not None else DecoderPlan.build(self.model, self.attn_backend, self.dtype)
         )
         logger.info(
             "model %s on %s (%s, weights and KV cache in %s and %s; linear weights: %s; attention: %s; layers: %s): "

@@ -3,8 +3,8 @@
 A random-weight Llama of ``--hidden`` features and ``--layers`` layers runs decode steps of each batch size on
 runners in turn, round after round: one rank on the one-C-call decoder plan (how it serves) and on the modules
 (the path every tensor-parallel rank takes, its collectives between the kernels), each with all the cores' threads
-and with half of them, and two ranks (rank 1 a process of its own, each rank's threads a half of the cores). For two ranks it reports the time rank 0 spent in
-all-reduces per step (2 a layer and one for the embedding; waits on the other rank included) and the time of
+and with half of them, and two ranks (rank 1 a process of its own, each rank's threads a half of the cores). For
+two ranks it reports the time rank 0 spent in all-reduces per step (2 a layer and one for the embedding; waits on the other rank included) and the time of
 one all-reduce of a step's activations between two processes that do nothing else.
 
     python benchmarks/bench_tensor_parallel.py                        # hidden 1024, 8 layers, batches 1 and 16
@@ -62,7 +62,8 @@ def main() -> None:
         config = EngineConfig(dtype="float32", device="cpu", block_size=block_size, num_blocks=num_blocks)
         parallel = TensorParallelRunner(dataclasses.replace(config, tensor_parallel_size=2), model_dir)
         # label -> (runner, torch threads of its process)
-        plan, modules = ModelRunner(config, model_dir), ModelRunner(dataclasses.replace(config, enforce_eager=True), model_dir)
+        plan = ModelRunner(config, model_dir)
+        modules = ModelRunner(dataclasses.replace(config, enforce_eager=True), model_dir)
         half = max(1, cpus // 2)
         runners = {
             f"1 rank, decoder plan, {cpus} threads": (plan, cpus),

@@ -71,7 +71,8 @@ def check_one_rank_group(model_dir: Path, config: EngineConfig, repeats: int) ->
         before = comm.all_reduce_seconds
         group_ms = _step_ms(group, step, repeats)
         per_step = (comm.all_reduce_seconds - before) / repeats
-        print(f"| {len(step.scheduled)} | {_step_ms(plain, step, repeats):.2f} | {group_ms:.2f} | {per_step * 1e3:.2f} |")
+        plain_ms = _step_ms(plain, step, repeats)
+        print(f"| {len(step.scheduled)} | {plain_ms:.2f} | {group_ms:.2f} | {per_step * 1e3:.2f} |")
     group.workers.close()
     return equal
 

@@ -39,10 +39,10 @@ class TensorParallelRunner(ModelRunner):
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
         self.workers = WorkerGroup(config, model_dir, size)
         try:
-            comm = Communicator(self.workers.store, 0, size, device, self.workers.timeout_s)
             try:
+                comm = Communicator(self.workers.store, 0, size, device, self.workers.timeout_s)
                 super().__init__(config, model_dir, TensorParallel(0, size, comm))
-            except RuntimeError as exc:  # a collective of the start-up failed: a worker may say why
+            except RuntimeError as exc:  # joining the group, or a collective of the start-up, failed: a worker says why
                 raise ModelLoadError(self.workers.start_error() or f"tensor-parallel start-up failed: {exc}") from exc
             self.workers.wait_ready(START_TIMEOUT_S)
         except BaseException:

@@ -129,9 +129,9 @@ class ModelRunner:
             attn.kv_cache, attn.backend = kv_cache, self.attn_backend
         # the decoder layers in one C call a step where the CPU kernels run them all (else None: the modules do,
         # also on a tensor-parallel rank, whose collectives sit between the kernels)
-        self.decoder_plan = (
-            None if config.enforce_eager or tp.comm is not None else DecoderPlan.build(self.model, self.attn_backend, self.dtype)
-        )
+        self.decoder_plan = None
+        if not config.enforce_eager and tp.comm is None:
+            self.decoder_plan = DecoderPlan.build(self.model, self.attn_backend, self.dtype)
         logger.info(
             "model %s on %s (%s, weights and KV cache in %s and %s; linear weights: %s; attention: %s; layers: %s): "
             "%d KV blocks of %d tokens",

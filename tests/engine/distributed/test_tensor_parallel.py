@@ -79,9 +79,9 @@ def test_shard_units_split_evenly_or_replicate() -> None:
 
 def test_models_that_do_not_split_are_refused_before_any_rank_starts(tiny_model_factory) -> None:
     """Heads that do not divide by the ranks, or a mixture of experts, raise ParameterError naming the field."""
-    with pytest.raises(ParameterError, match="tensor_parallel_size=3 does not divide the model's 4 attention heads") as err:
+    with pytest.raises(ParameterError, match="tensor_parallel_size=3 does not divide the model's 4 attention heads") as e:
         Engine(str(tiny_model_factory("llama")), tensor_parallel_size=3, num_blocks=16)
-    assert err.value.param == "tensor_parallel_size"
+    assert e.value.param == "tensor_parallel_size"
     from transformers import AutoConfig
 
     moe = AutoConfig.from_pretrained(tiny_model_factory("mixtral"))

@@ -1,5 +1,6 @@
-"""Self-healing under tensor parallelism: a rank's process killed mid-stream ends every request in flight with a
-retryable error, the dead engine returns every block, and a fresh group (fresh rank processes) serves."""
+"""Self-healing under tensor parallelism: a rank that fails a step, or whose process is killed mid-stream, ends
+every request in flight with an error, the dead engine returns every block, and a fresh group (fresh rank
+processes) serves."""
 
 from __future__ import annotations
 
@@ -7,7 +8,11 @@ import asyncio
 import os
 import signal
 
-from engine import AsyncEngine
+import pytest
+
+from engine import AsyncEngine, Engine, SamplingParams
+from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.errors import WorkerGroupFailed
 from engine.supervisor import RestartPolicy
 from sdk import AsyncClient
 from sdk.errors import EngineRestarting
@@ -59,3 +64,24 @@ async def test_killing_a_rank_mid_stream_fails_every_request_returns_every_block
         assert engine.stats()["kv_blocks_used"] == 0
     finally:
         await engine.shutdown()
+
+
+def test_a_rank_that_fails_a_step_fails_every_request_with_a_typed_error_and_returns_every_block(model_dir) -> None:
+    """Rank 1 alone fails a step (a request without blocks, sent to it only): the engine's next step raises
+    WorkerGroupFailed, every request (running or waiting) fails with it, the pool is whole, the rank is gone."""
+    engine = Engine(str(model_dir), tensor_parallel_size=2, **{**ENGINE_CONFIG, "max_num_seqs": 2})
+    try:
+        params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
+        ids = [engine.add_request(None, p, params) for p in PROMPTS[:3]]
+        engine.step()
+        engine.runner.workers.send(SchedulerOutput([ScheduledRequest("bad", [1], 0, [], True)]))
+        with pytest.raises(WorkerGroupFailed, match="tensor-parallel step failed"):
+            engine.step()
+        failures = engine.pop_failures()
+        assert sorted(failures) == sorted(ids) and all(isinstance(e, WorkerGroupFailed) for e in failures.values())
+        assert not engine.has_unfinished_requests()
+        engine.kv.check_integrity()
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+        assert not engine.runner.workers.is_alive
+    finally:
+        engine.runner.workers.close()

@@ -13,7 +13,7 @@ from engine.core.scheduler_output import SchedulerOutput
 from engine.distributed.communicator import START_TIMEOUT_S, Communicator
 from engine.distributed.parallel_state import TensorParallel, check_tensor_parallel
 from engine.distributed.workers import WorkerGroup
-from engine.errors import ModelLoadError, WorkerGroupFailed
+from engine.errors import ModelLoadError, ParameterError, WorkerGroupFailed
 from engine.worker.model_runner import ModelRunner, resolve_device
 
 logger = logging.getLogger(__name__)
@@ -25,7 +25,8 @@ class TensorParallelRunner(ModelRunner):
     On CPU every rank's process (this one included: ``torch.set_num_threads``) takes an equal share of the cores.
 
     Raises:
-        ParameterError: (``tensor_parallel_size``) the model does not split over that many ranks.
+        ParameterError: (``tensor_parallel_size``) the model does not split over that many ranks, or (on CUDA)
+            fewer GPUs are visible than ranks.
         ModelLoadError: a rank failed to load its shard.
     """
 
@@ -35,6 +36,11 @@ class TensorParallelRunner(ModelRunner):
         size = config.tensor_parallel_size
         check_tensor_parallel(AutoConfig.from_pretrained(model_dir, local_files_only=True), size)
         device = resolve_device(config.device)
+        if device.type == "cuda" and torch.cuda.device_count() < size:
+            raise ParameterError(
+                "tensor_parallel_size",
+                f"tensor_parallel_size={size} needs a GPU per rank; {torch.cuda.device_count()} are visible",
+            )
         if device.type == "cpu":  # NOTE: this process is a rank like the others: a share of the cores each
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
         self.workers = WorkerGroup(config, model_dir, size)

@@ -14,8 +14,9 @@ MAX_TOKENS = 10
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 SHARED = list(range(500, 520))  # a 5-block prefix the prompts below share
 PROMPTS = [SHARED + [7, 8, 9], [100, 200, 300], SHARED + list(range(1000, 1013)), [42] * 6]
-# llama and qwen2 split their 4 heads and 2 KV heads; llama_kv1 replicates its one KV head on both ranks
-MODELS = {"llama": ("llama", {}), "qwen2": ("qwen2", {}), "llama_kv1": ("llama", {"num_key_value_heads": 1})}
+# llama and qwen2 split their 4 heads and 2 KV heads; smollm2_kv1 replicates its one KV head on both ranks, and
+# its output head is the (vocabulary-split) embedding
+MODELS = {"llama": ("llama", {}), "qwen2": ("qwen2", {}), "smollm2_kv1": ("smollm2", {"num_key_value_heads": 1})}
 
 
 def _hf_greedy(model_dir, prompts: list[list[int]]) -> list[list[int]]:

@@ -28,7 +28,8 @@ class EngineConfig:
     Raises:
         ParameterError: a field of the wrong type or outside its bounds (``param`` names it),
             both ``kv_cache_memory`` and ``num_blocks``, ``kv_cache_dir`` without
-            ``enable_prefix_caching``, or ``kv_cache_save_interval_s`` without ``kv_cache_dir``.
+            ``enable_prefix_caching`` or with ``tensor_parallel_size`` above 1,
+            or ``kv_cache_save_interval_s`` without ``kv_cache_dir``.
     """
 
     model: str | os.PathLike[str] | None = knob(
@@ -102,6 +103,13 @@ class EngineConfig:
         "with the C kernels, a Llama-family model's decoder layers run as one C call a step, the same kernels "
         "without the Python between them).",
     )
+    tensor_parallel_size: int = knob(
+        1,
+        "Ranks that split the model (Megatron-style tensor parallelism on torch.distributed: gloo on CPU, NCCL on "
+        "CUDA, one process per rank, each holding its share of the weights and KV heads); 1 = one process. "
+        "Dense Llama-family models whose heads, MLP and vocabulary divide by it.",
+        ge=1, le=64,
+    )  # fmt: skip
     max_queued_requests: int = knob(4096, "Admission limit: waiting requests (beyond it, EngineOverloaded).", ge=1, le=1 << 30)
     max_queued_tokens: int = knob(
         4_000_000, "Admission limit: prompt tokens of waiting requests (beyond it, EngineOverloaded).", ge=1, le=1 << 40
@@ -123,6 +131,10 @@ class EngineConfig:
             raise ParameterError("kv_cache_dir", "kv_cache_dir persists the prefix cache: it needs enable_prefix_caching")
         if self.kv_cache_save_interval_s is not None and self.kv_cache_dir is None:
             raise ParameterError("kv_cache_save_interval_s", "kv_cache_save_interval_s needs kv_cache_dir")
+        if self.kv_cache_dir is not None and self.tensor_parallel_size > 1:
+            raise ParameterError(
+                "kv_cache_dir", "kv_cache_dir saves one process's KV heads: it needs tensor_parallel_size=1"
+            )
 
 
 def step_token_budget(max_num_batched_tokens: int | None, device_type: str) -> int:

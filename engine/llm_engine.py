@@ -26,7 +26,7 @@ from engine.config import EngineConfig, step_token_budget
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput
-from engine.errors import EngineError, ParameterError, RequestRejected
+from engine.errors import EngineError, ParameterError, RequestRejected, WorkerGroupFailed
 from engine.metrics import RequestStats, SpecDecodeStats
 from engine.model_info import eos_token_ids, model_name
 from engine.output_processor import OutputProcessor, ParentRequest
@@ -85,12 +85,14 @@ class Engine:
         from engine.layers.sampler import Sampler
         from engine.loader import resolve_model
         from engine.structured_output.matchers import StructuredOutputManager
+        from engine.distributed.runner import TensorParallelRunner
         from engine.worker.model_runner import ModelRunner
 
         self.config = make_config(model, config, overrides)
         self.model_dir = resolve_model(self.config.model)
         self.model_name = model_name(self.config.model)
-        self.runner = ModelRunner(self.config, self.model_dir)
+        runner_class = ModelRunner if self.config.tensor_parallel_size == 1 else TensorParallelRunner
+        self.runner = runner_class(self.config, self.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
         self.vocab_size: int = self.runner.vocab_size
         self.max_model_len: int = self.runner.max_model_len
@@ -143,8 +145,11 @@ class Engine:
             return
         self._closed = True
         self.abort_request(list(self._parents))
-        if self.persisted_kv is not None:
-            self.persisted_kv.save(self.pinned_prefix_ids())
+        try:
+            if self.persisted_kv is not None:
+                self.persisted_kv.save(self.pinned_prefix_ids())
+        finally:
+            self.runner.close()
 
     def save_kv_cache(self) -> int:
         """Saves the pinned prefixes' and the hottest cached blocks to ``kv_cache_dir`` now, between steps.
@@ -441,8 +446,15 @@ class Engine:
                     request = self.scheduler.requests.get(scheduled.req_id)
                     if request is not None:  # None: a sibling failed it already
                         self._fail(request.parent_id, error, touched)
+                if isinstance(exc, WorkerGroupFailed):  # no later step can run: every request and pin ends now
+                    for parent_id in list(self._parents):
+                        self._fail(parent_id, exc, touched)
+                    for pin_id in list(self._pins):
+                        self.unpin_prefix(pin_id)
                 # NOTE: blocks hashed this step may hold unwritten K/V: forget every unreferenced hash.
                 self.kv.reset_prefix_cache()
+                if isinstance(exc, WorkerGroupFailed):  # whoever owns the engine starts a fresh one
+                    raise
             else:
                 if any(s.num_draft_tokens for s in scheduler_output.scheduled):
                     self._verify(logits, scheduler_output, touched)

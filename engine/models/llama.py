@@ -7,15 +7,17 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from engine.distributed.parallel_state import current_tensor_parallel, shard_units
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention import Attention
-from engine.layers.linear import (
-    Linear,
-    MergedLinear,
-    VocabEmbedding,
-    default_weight_loader,
-)
+from engine.layers.linear import default_weight_loader
 from engine.layers.norm import RMSNorm
+from engine.layers.parallel_linear import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from engine.layers.rotary import RotaryEmbedding, rope_inv_freq
 
 # checkpoint name fragment -> (our fused parameter's fragment, shard)
@@ -31,12 +33,18 @@ FUSED_SHARDS = {
 class LlamaAttention(nn.Module):
     def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=qkv_bias)
-        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        # this rank's heads (all of them on one rank)
+        tp = current_tensor_parallel()
+        self.num_heads = shard_units(heads, tp, "attention heads").count
+        self.num_kv_heads = shard_units(kv_heads, tp, "KV heads").count
+        q_size, kv_size = heads * self.head_dim, kv_heads * self.head_dim
+        self.qkv_proj = MergedColumnParallelLinear(
+            config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=qkv_bias,
+            units={"q": heads, "k": kv_heads, "v": kv_heads},
+        )  # fmt: skip
+        self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=o_bias, units=heads)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
@@ -61,8 +69,8 @@ class LlamaMLP(nn.Module):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size}, bias=bias)
-        self.down_proj = Linear(size, config.hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, {"gate": size, "up": size}, bias=bias)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -94,7 +102,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary = RotaryEmbedding(head_dim, rope_inv_freq(config, head_dim), config.max_position_embeddings)
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, self.rotary, qkv_bias, o_bias, qk_norm) for _ in range(config.num_hidden_layers)
         )
@@ -130,13 +138,15 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+            self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
-        return Linear.forward(self.lm_head, hidden)  # the matmul, also when the head is the tied embedding
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [N, hidden] -> [N, vocab]
+        """The logits (the matmul, also when the head is the tied embedding); None on a tensor-parallel rank
+        other than the first."""
+        return self.lm_head.logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors into the (materialized) parameters, fusing q/k/v and gate/up.

@@ -24,6 +24,7 @@ from engine.config import (
 )
 from engine.core.kv_persistence import KVLayout, model_fingerprint
 from engine.core.scheduler_output import SchedulerOutput
+from engine.distributed.parallel_state import SINGLE, TensorParallel, tensor_parallel
 from engine.errors import ModelLoadError, ParameterError
 from engine.layers.attention import Attention
 from engine.layers.ggml_weight import GGMLWeight
@@ -90,6 +91,8 @@ class ModelRunner:
     Args:
         config: the engine settings (dtype, device, block size, KV cache budget, backend).
         model_dir: a Hugging Face model directory (``engine.loader.resolve_model`` output).
+        tp: the tensor-parallel rank this runner holds the shard of (``engine.distributed``); its KV cache
+            holds that rank's KV heads.
 
     Raises:
         ModelLoadError: the directory's architecture or weights cannot be loaded.
@@ -98,11 +101,12 @@ class ModelRunner:
             ``quantization`` where it cannot run.
     """
 
-    def __init__(self, config: EngineConfig, model_dir: Path) -> None:
+    def __init__(self, config: EngineConfig, model_dir: Path, tp: TensorParallel = SINGLE) -> None:
         from transformers import AutoConfig
 
         self.config = config
         self.model_dir = Path(model_dir)
+        self.tp = tp
         self.hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         self.device = resolve_device(config.device)
         self.gguf = gguf_source(model_dir)
@@ -120,12 +124,16 @@ class ModelRunner:
         cpu_backend = isinstance(self.attn_backend, CpuAttentionBackend)
         self.kv_cache_dtype = self.weight_dtype if cpu_backend else self.dtype
         self.attention: str = self.attn_backend.describe(self.kv_cache_dtype, layer.head_dim)  # what runs it
-        self.num_blocks = self._num_blocks()
+        # NOTE: every rank of a group allocates the same number of blocks: the scheduler addresses them all.
+        self.num_blocks = self._num_blocks() if tp.comm is None else tp.comm.all_reduce_min(self._num_blocks())
         self.kv_cache = self._allocate_kv_cache()
         for attn, kv_cache in zip(self._attention_layers(), self.kv_cache):
             attn.kv_cache, attn.backend = kv_cache, self.attn_backend
-        # the decoder layers in one C call a step where the CPU kernels run them all (else None: the modules do)
-        self.decoder_plan = None if config.enforce_eager else DecoderPlan.build(self.model, self.attn_backend, self.dtype)
+        # the decoder layers in one C call a step where the CPU kernels run them all (else None: the modules do,
+        # also on a tensor-parallel rank, whose collectives sit between the kernels)
+        self.decoder_plan = None
+        if not config.enforce_eager and tp.comm is None:
+            self.decoder_plan = DecoderPlan.build(self.model, self.attn_backend, self.dtype)
         logger.info(
             "model %s on %s (%s, weights and KV cache in %s and %s; linear weights: %s; attention: %s; layers: %s): "
             "%d KV blocks of %d tokens",
@@ -139,8 +147,12 @@ class ModelRunner:
         return "modules" if self.decoder_plan is None else "one C call a step"
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
-        """Run one step; returns float32 logits [num_logits, vocab] for the ``needs_logits`` requests, in batch order."""
+    def close(self) -> None:
+        """Releases what the runner holds beyond its tensors (nothing here; rank processes under TP)."""
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> torch.Tensor | None:
+        """Run one step; returns float32 logits [num_logits, vocab] for the ``needs_logits`` requests, in batch order
+        (None on a tensor-parallel rank other than the first)."""
         scheduled = scheduler_output.scheduled
         if not scheduled:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
@@ -151,7 +163,8 @@ class ModelRunner:
             with set_forward_context(ForwardContext(inputs.attn_metadata)):
                 hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
         # NOTE: the LM head runs only on the rows whose next token is sampled.
-        return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices)).float()
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+        return None if logits is None else logits.float()
 
     # ------------------------------------------------------------------------------------ persistence
 
@@ -204,7 +217,7 @@ class ModelRunner:
 
     def _load_model(self, model_dir: Path) -> torch.nn.Module:
         model_class = get_model_class(self.hf_config)
-        with torch.device("meta"):
+        with torch.device("meta"), tensor_parallel(self.tp):
             model = model_class(self.hf_config).to(dtype=self.dtype)
         cpu_kernels_serve = (
             self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.library() is not None

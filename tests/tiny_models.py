@@ -11,6 +11,10 @@ TINY = dict(
     rms_norm_eps=1e-5,
 )
 
+# Architectures whose norms transformers initializes to weight 0 (Gemma scales by 1 + w): the factory draws their
+# norm weights N(0, 0.3^2) instead, so that a norm loaded into another's place changes the logits.
+RANDOM_NORMS = {"gemma2", "gemma3_text"}
+
 TINY_ARCHS: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", dict(tie_word_embeddings=False)),
     "llama3": (

@@ -12,8 +12,6 @@ from engine.models.llama import DecoderSpec, LlamaForCausalLM
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
-    qk_norm = False
-
     @classmethod
     def decoder_spec(cls, config) -> DecoderSpec:
         return replace(

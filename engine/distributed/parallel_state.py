@@ -76,6 +76,10 @@ def shard_units(units: int, tp: TensorParallel, what: str) -> Shard:
     )
 
 
+TENSOR_PARALLEL_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+"""The dense Llama-family models whose layers split across ranks."""
+
+
 def check_tensor_parallel(hf_config, size: int) -> None:
     """That a dense Llama-family model of ``hf_config`` splits over ``size`` ranks.
 
@@ -83,14 +87,16 @@ def check_tensor_parallel(hf_config, size: int) -> None:
     replicated where they are fewer than the ranks and divide them.
 
     Raises:
-        ParameterError: (``tensor_parallel_size``) a dimension that does not split, or a mixture of experts.
+        ParameterError: (``tensor_parallel_size``) a dimension that does not split, or a model type outside
+            ``TENSOR_PARALLEL_MODEL_TYPES``.
     """
     if size == 1:
         return
-    if any(hasattr(hf_config, key) for key in ("num_local_experts", "num_experts")):
+    if hf_config.model_type not in TENSOR_PARALLEL_MODEL_TYPES:
         raise ParameterError(
             "tensor_parallel_size",
-            f"tensor_parallel_size={size} serves dense Llama-family models; {hf_config.model_type} has experts",
+            f"tensor_parallel_size={size} serves {', '.join(TENSOR_PARALLEL_MODEL_TYPES)} models, "
+            f"not {hf_config.model_type}",
         )
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads

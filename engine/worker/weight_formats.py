@@ -109,7 +109,7 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint, plan: LoadPlan) -> We
     summary = WeightsSummary(plan.quantization)
     head = getattr(model, "lm_head", None)
     for name, module in linears.items():
-        shards = [_renamed(shard, renames) for shard in _checkpoint_names(name, module)]
+        shards = _checkpoint_names(name, module, renames, checkpoint)
         if module.bias is not None:
             _fill(module.bias.data, module, [f"{shard}.bias" for shard in shards], checkpoint)
         kind = _serve(module, [f"{shard}.weight" for shard in shards], checkpoint, plan, module is head, summary)
@@ -163,9 +163,9 @@ def _float_weight(module: Linear, names: list[str], checkpoint: Checkpoint, dtyp
 
 
 def _fill(target: torch.Tensor, module: Linear, names: list[str], checkpoint: Checkpoint) -> None:
-    """Copies the checkpoint tensors ``names`` (a module's shards in row order; of each, the part the module
-    holds) into ``target``'s rows."""
-    if isinstance(module, MergedLinear):
+    """Copies the checkpoint tensors ``names`` (a module's shards in row order, or its one tensor; of each, the
+    part the module holds) into ``target``'s rows."""
+    if len(names) > 1:
         for shard, name in zip(module.shard_offsets, names):
             offset, size = module.shard_offsets[shard]
             _copy(target.narrow(0, offset, size), checkpoint, name, module.checkpoint_slice(shard))
@@ -219,14 +219,19 @@ def _renamed(name: str, renames: tuple[tuple[str, str], ...]) -> str:
     return dotted[:-1]
 
 
-def _checkpoint_names(name: str, module: Linear) -> list[str]:
-    """The checkpoint tensors (without ``.weight``) a module's weight is loaded from, in row order."""
-    if not isinstance(module, MergedLinear):
-        return [name]
+def _checkpoint_names(
+    name: str, module: Linear, renames: tuple[tuple[str, str], ...], checkpoint: Checkpoint
+) -> list[str]:
+    """The checkpoint tensors (without ``.weight``) a module's weight is loaded from, in row order: a fused
+    module's shards (``q_proj``, ``k_proj``, ``v_proj``), or its own one where the checkpoint stores it fused
+    (Phi-3's ``qkv_proj`` and ``gate_up_proj``)."""
+    own = _renamed(name, renames)
+    if not isinstance(module, MergedLinear) or f"{own}.weight" in checkpoint:
+        return [own]
     dotted = f"{name}."
     names = []
     for shard in module.shard_offsets:
         for (fused, shard_name), fragment in _SHARD_NAMES.items():
             if shard_name == shard and fused in dotted:
-                names.append(dotted.replace(fused, fragment)[:-1])
+                names.append(_renamed(dotted.replace(fused, fragment)[:-1], renames))
     return names

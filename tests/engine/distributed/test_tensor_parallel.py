@@ -86,7 +86,7 @@ def test_models_that_do_not_split_are_refused_before_any_rank_starts(tiny_model_
     from transformers import AutoConfig
 
     moe = AutoConfig.from_pretrained(tiny_model_factory("mixtral"))
-    with pytest.raises(ParameterError, match="dense Llama-family models; mixtral has experts"):
+    with pytest.raises(ParameterError, match="not mixtral"):
         check_tensor_parallel(moe, 2)
     with pytest.raises(ParameterError, match="tensor_parallel_size"):
         EngineConfig(tensor_parallel_size=0)

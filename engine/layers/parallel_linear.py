@@ -46,6 +46,12 @@ class MergedColumnParallelLinear(MergedLinear):
         self.tp = tp
 
     def checkpoint_slice(self, shard: str | None) -> CheckpointSlice | None:
+        """This rank's rows of checkpoint tensor ``shard``; ``None``: the checkpoint stores the shards fused in
+        one tensor (Phi-3), which is read whole on one rank only."""
+        if shard is None:
+            if self.tp.size > 1:
+                raise ValueError("a fused checkpoint tensor does not split across tensor-parallel ranks")
+            return None
         return _slice(self.tp, 0, *self._rows[shard])
 
 

@@ -21,7 +21,9 @@ from engine.config import (
     DEFAULT_CPU_KV_CACHE_MIN,
     DEFAULT_GPU_MEMORY_UTILIZATION,
     EngineConfig,
+    step_token_budget,
 )
+from engine.core.kv_cache_manager import blocks_per_request
 from engine.core.scheduler_output import SchedulerOutput
 from engine.errors import ModelLoadError, ParameterError
 from engine.layers.attention import Attention
@@ -118,10 +120,12 @@ class ModelRunner:
         cpu_backend = isinstance(self.attn_backend, CpuAttentionBackend)
         self.kv_cache_dtype = self.weight_dtype if cpu_backend else self.dtype
         self.attention: str = self.attn_backend.describe(self.kv_cache_dtype, layer.head_dim)  # what runs it
+        # KV cache groups: the layers of one sliding window (None: full attention) share block tables
+        windows = {attn.sliding_window for attn in self._attention_layers()}
+        self.kv_cache_windows: tuple[int | None, ...] = tuple(sorted(windows, key=lambda w: (w is not None, w or 0)))
         self.num_blocks = self._num_blocks()
         self.kv_cache = self._allocate_kv_cache()
-        for attn, kv_cache in zip(self._attention_layers(), self.kv_cache):
-            attn.kv_cache, attn.backend = kv_cache, self.attn_backend
+        self._bind_kv_cache()
         # the decoder layers in one C call a step where the CPU kernels run them all (else None: the modules do)
         self.decoder_plan = None if config.enforce_eager else DecoderPlan.build(self.model, self.attn_backend, self.dtype)
         logger.info(
@@ -144,7 +148,7 @@ class ModelRunner:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         inputs = prepare_inputs(scheduled, self.block_size, self.device)
         if self.decoder_plan is not None:
-            hidden = self.decoder_plan.forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+            hidden = self.decoder_plan.forward(inputs.input_ids, inputs.positions, inputs.attn_metadata[0])
         else:
             with set_forward_context(ForwardContext(inputs.attn_metadata)):
                 hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
@@ -230,11 +234,16 @@ class ModelRunner:
     def _attention_layers(self) -> list[Attention]:
         return [m for m in self.model.modules() if isinstance(m, Attention)]
 
-    def _num_blocks(self) -> int:
+    def _group_sizes(self) -> list[int]:
+        """The number of attention layers of each KV cache group."""
         layers = self._attention_layers()
-        attn = layers[0]
+        return [sum(attn.sliding_window == window for attn in layers) for window in self.kv_cache_windows]
+
+    def _num_blocks(self) -> int:
+        attn = self._attention_layers()[0]
         bytes_per_block = (
-            len(layers) * 2 * self.block_size * attn.num_kv_heads * attn.head_dim * self.kv_cache_dtype.itemsize
+            max(self._group_sizes()) * 2 * self.block_size * attn.num_kv_heads * attn.head_dim
+            * self.kv_cache_dtype.itemsize
         )
         if self.config.num_blocks is not None:
             return self.config.num_blocks
@@ -246,7 +255,9 @@ class ModelRunner:
         else:
             budget = max(DEFAULT_CPU_KV_CACHE_MIN, int(available_cpu_memory() * DEFAULT_CPU_KV_CACHE_FRACTION))
             # no more blocks than max_num_seqs sequences of max_model_len fill
-            most = self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
+            chunk = step_token_budget(self.config.max_num_batched_tokens, self.device.type)
+            per_request = blocks_per_request(self.kv_cache_windows, self.block_size, self.max_model_len, chunk)
+            most = self.config.max_num_seqs * per_request
             budget = min(budget, most * bytes_per_block)
         num_blocks = budget // bytes_per_block
         if num_blocks < 1:
@@ -254,10 +265,10 @@ class ModelRunner:
         return num_blocks
 
     def _allocate_kv_cache(self) -> torch.Tensor:
+        """``[max layers of a group, 2, num_blocks, block_size, Hkv, D]``: a block id belongs to one group at a
+        time, so the i-th layers of all groups share one tensor (``_bind_kv_cache``)."""
         attn = self._attention_layers()[0]
-        shape = (
-            len(self._attention_layers()), 2, self.num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim
-        )
+        shape = (max(self._group_sizes()), 2, self.num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
         if self.device.type != "cpu":
             return torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)  # [L, 2, NB, BS, Hkv, D]
         # calloc'd: the OS commits zero pages as blocks are first written, so a large default budget
@@ -268,6 +279,14 @@ class ModelRunner:
             commit_pages(storage, torch.get_num_threads())
             logger.info("KV cache of %.1f GiB committed in %.1f s", storage.nbytes / 2**30, time.perf_counter() - start)
         return torch.from_numpy(storage).view(self.kv_cache_dtype).view(shape)
+
+    def _bind_kv_cache(self) -> None:
+        """Gives each attention layer its group, its backend, and its group's next free slice of the cache."""
+        seen = [0] * len(self.kv_cache_windows)
+        for attn in self._attention_layers():
+            group = self.kv_cache_windows.index(attn.sliding_window)
+            attn.kv_cache, attn.backend, attn.kv_cache_group = self.kv_cache[seen[group]], self.attn_backend, group
+            seen[group] += 1
 
 
 def commit_pages(buffer: np.ndarray, threads: int) -> None:

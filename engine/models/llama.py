@@ -1,4 +1,6 @@
-"""Llama-family decoder (Llama 2/3, Mistral, SmolLM2; Qwen2/Qwen3 via flags) over a flat token batch."""
+"""Llama-family decoder (Llama 2/3, Mistral, SmolLM2; Qwen2/Qwen3 via flags) over a flat token batch.
+
+A layer's sliding window comes from ``layer_sliding_window``, the one place that reads it from a config."""
 
 from __future__ import annotations
 
@@ -28,8 +30,21 @@ FUSED_SHARDS = {
 }
 
 
+def layer_sliding_window(config, layer_idx: int) -> int | None:
+    """Layer ``layer_idx``'s sliding window, or None for full attention: where the config names each layer's
+    kind in ``layer_types`` (Qwen2/Qwen3 from ``max_window_layers``) only its "sliding_attention" layers
+    take ``sliding_window``; else every layer does (Mistral)."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        return window
+    return window if layer_types[layer_idx] == "sliding_attention" else None
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+    def __init__(
+        self, config, layer_idx: int, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool
+    ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -42,7 +57,7 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.attn = Attention(
             self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5,
-            sliding_window=getattr(config, "sliding_window", None),
+            sliding_window=layer_sliding_window(config, layer_idx),
         )  # fmt: skip
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -70,10 +85,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+    def __init__(
+        self, config, layer_idx: int, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary, qkv_bias, o_bias, qk_norm)
+        self.self_attn = LlamaAttention(config, layer_idx, rotary, qkv_bias, o_bias, qk_norm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
@@ -96,7 +113,8 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(head_dim, rope_inv_freq(config, head_dim), config.max_position_embeddings)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary, qkv_bias, o_bias, qk_norm) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, self.rotary, qkv_bias, o_bias, qk_norm)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

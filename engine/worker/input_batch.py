@@ -54,7 +54,8 @@ def prepare_inputs(scheduled: list[ScheduledRequest], block_size: int, device: t
         block_tables[in_table] = np.fromiter(
             chain.from_iterable(r.block_ids[group] for r in scheduled), np.int32, int(num_blocks.sum())
         )
-        slot_mapping = block_tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        blocks = block_tables[rows, positions // block_size].astype(np.int64)
+        slot_mapping = blocks * block_size + positions % block_size
         metas.append(
             AttentionMetadata(
                 slot_mapping=to_device(slot_mapping),

@@ -1,5 +1,7 @@
-"""Mistral's sliding window end to end: every attention backend and the engine, prefix caching on and off,
-give transformers' logits and greedy tokens on prompts and decodes that run past the window."""
+"""Sliding windows end to end, Mistral's (every layer) and Qwen2's (layers past ``max_window_layers``, beside
+full-attention layers: two KV cache groups): every attention backend and the engine, prefix caching on and off,
+give transformers' logits and greedy tokens on prompts and decodes that run past the window, while the sliding
+group holds only its window's blocks."""
 
 from __future__ import annotations
 
@@ -11,15 +13,23 @@ from runner_driver import PagedDriver
 
 from engine import Engine, SamplingParams, cpu_kernels
 from engine.config import EngineConfig
+from engine.core.kv_cache_manager import NULL_BLOCK
 from engine.worker.model_runner import ModelRunner
 
-WINDOW = 24  # tiny_models' mistral_sliding: 6 blocks of 4
 ATOL = 1e-4
+BS = 4
+# tiny_models' archs: the window, and each layer's window
+ARCHS = {"mistral_sliding": (24, [24, 24]), "qwen2_sliding": (10, [None, None, 10, 10])}
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def arch(request) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model_factory):
-    return tiny_model_factory("mistral_sliding")
+def model_dir(tiny_model_factory, arch):
+    return tiny_model_factory(arch)
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +54,13 @@ def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
 @pytest.mark.parametrize(
     "backend", ["torch", pytest.param("cpu", marks=pytest.mark.skipif(cpu_kernels.library() is None, reason="no C"))]
 )
-def test_each_backend_matches_transformers_past_the_window(model_dir, hf, backend: str) -> None:
+def test_each_backend_matches_transformers_past_the_window(model_dir, hf, arch: str, backend: str) -> None:
     """Prefills longer than the window, a chunk after a prefix cached past it, forks and decodes: HF's logits."""
-    config = EngineConfig(dtype="float32", block_size=4, num_blocks=96, attention_backend=backend, enforce_eager=True)
+    config = EngineConfig(dtype="float32", block_size=4, num_blocks=192, attention_backend=backend, enforce_eager=True)
     runner = ModelRunner(config, model_dir)
-    assert runner.model.model.layers[0].self_attn.attn.sliding_window == WINDOW
-    assert runner.max_model_len > WINDOW  # the window is applied, not avoided
+    window, layer_windows = ARCHS[arch]
+    assert [layer.self_attn.attn.sliding_window for layer in runner.model.model.layers] == layer_windows
+    assert runner.max_model_len > window  # the window is applied, not avoided
     rng = random.Random(1)
     driver = PagedDriver(runner, seed=2)
     expected: list[tuple[str, int, torch.Tensor]] = []
@@ -71,6 +82,54 @@ def test_each_backend_matches_transformers_past_the_window(model_dir, hf, backen
     assert len(expected) == 1 + 3 + 12 * 4
     for req_id, position, logits in expected:
         torch.testing.assert_close(logits, reference[req_id][position], atol=ATOL, rtol=0)
+
+
+def test_layers_of_one_window_form_a_kv_cache_group(model_dir, arch: str) -> None:
+    """One group per window, full attention first; the i-th layers of all groups share one cache tensor (a
+    block id belongs to one group at a time); mixed windows leave the decoder plan to the modules."""
+    runner = ModelRunner(EngineConfig(dtype="float32", block_size=BS, num_blocks=32), model_dir)
+    window, layer_windows = ARCHS[arch]
+    attns = [layer.self_attn.attn for layer in runner.model.model.layers]
+    groups = list(dict.fromkeys(sorted(set(layer_windows), key=lambda w: w is not None)))
+    assert runner.kv_cache_windows == tuple(groups)
+    assert [attn.kv_cache_group for attn in attns] == [groups.index(w) for w in layer_windows]
+    assert runner.kv_cache.shape[0] == max(layer_windows.count(w) for w in groups)
+    if len(groups) > 1:
+        assert attns[0].kv_cache.data_ptr() == attns[2].kv_cache.data_ptr()
+        assert runner.decoder_plan is None
+    elif cpu_kernels.library() is not None:
+        assert runner.decoder_plan is not None
+
+
+def test_long_prompt_holds_only_the_window_in_the_sliding_group(model_dir, hf, arch: str) -> None:
+    """A 150-token prompt in 16-token chunks, then decodes: after every step the full group holds every block
+    and the sliding group at most ceil((W - 1 + 16) / bs) + 1 (ceil(W / bs) + 1 once decoding); greedy tokens
+    are HF's. A sliding-only model serves it from a cache of 64 slots."""
+    window, _ = ARCHS[arch]
+    sliding_only = arch == "mistral_sliding"
+    engine = Engine(str(model_dir), num_blocks=16 if sliding_only else 64, block_size=BS, max_num_batched_tokens=16)
+    if sliding_only:
+        assert engine.max_num_tokens == engine.max_model_len > 16 * BS
+    prompt = [random.Random(5).randrange(3, 1000) for _ in range(150)]
+    engine.add_request("long", prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    most_held = 0
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+        for request in engine.scheduler.running:
+            computed = request.num_computed_tokens
+            for table, group_window in zip(engine.kv.get_block_ids(request.req_id), engine.kv.sliding_windows):
+                held = [block for block in table if block != NULL_BLOCK]
+                if group_window is None:
+                    assert len(held) == len(table) == -(-computed // BS)
+                else:
+                    step = 1 if computed > len(prompt) else 16  # the tokens of the step that allocated last
+                    assert len(held) <= -(-(window - 1 + step) // BS) + 1
+                    most_held = max(most_held, len(held))
+        engine.kv.check_integrity()
+    assert 0 < most_held < -(-len(prompt) // BS)
+    assert outputs[-1].outputs[0].token_ids == _hf_greedy(hf, prompt, 6)
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
 def test_engine_greedy_tokens_match_transformers_with_prefix_caching_on_and_off(model_dir, hf) -> None:

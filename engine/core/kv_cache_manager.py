@@ -132,6 +132,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.sliding_windows = tuple(sliding_windows)
+        self._sliding_groups = [(g, w) for g, w in enumerate(self.sliding_windows) if w is not None]
+        self._no_blocks: BlockTables = tuple([] for _ in self.sliding_windows)  # read only: a miss's tables
         self.block_pool = BlockPool(num_blocks)
         self._requests: dict[str, _RequestState] = {}
         self._last_lookup: _Lookup | None = None  # spares an admission its second hashing pass
@@ -197,14 +199,11 @@ class KVCacheManager:
             lookup = self._last_lookup = _Lookup(req_id, cache_salt, token_ids, [])
         max_blocks = max(len(token_ids) - 1, 0) // self.block_size
         extend_block_hashes(lookup.block_hashes, token_ids, max_blocks * self.block_size, self.block_size, cache_salt)
-        hashes, pool = lookup.block_hashes, self.block_pool
-        found: dict[tuple[int, int], int | None] = {}
+        hashes, get_cached_block = lookup.block_hashes, self.block_pool.get_cached_block
 
         def cached(group: int, i: int) -> int | None:
-            if (group, i) not in found:
-                block = pool.get_cached_block(group_block_hash(hashes[i], group))
-                found[group, i] = None if block is None else block.block_id
-            return found[group, i]
+            block = get_cached_block(hashes[i] if group == 0 else group_block_hash(hashes[i], group))
+            return None if block is None else block.block_id
 
         num_hit = self._longest_prefix(max_blocks, lambda g, i: cached(g, i) is not None)
         tables = self._hit_tables(num_hit, cached)
@@ -251,13 +250,14 @@ class KVCacheManager:
         if num_computed_tokens < 0 or num_new_tokens < 0:
             raise ValueError(f"token counts must be >= 0; got {num_computed_tokens}, {num_new_tokens}")
         num_slots = num_computed_tokens + num_new_tokens
-        computed_tables = computed.block_ids if computed is not None else tuple([] for _ in self.sliding_windows)
         state = self._requests.get(req_id)
         if state is not None:
-            if any(computed_tables):
+            if computed is not None and any(computed.block_ids):
                 raise ValueError(f"request {req_id} already holds blocks; computed is for admission only")
-            self._release_out_of_window(state, num_computed_tokens)
+            if self._sliding_groups:
+                self._release_out_of_window(state, num_computed_tokens)
             return self._grow(req_id, state, token_ids, num_slots)
+        computed_tables = computed.block_ids if computed is not None else self._no_blocks
         num_hit = num_computed_tokens // self.block_size
         if len(computed_tables) != self.num_groups or any(
             len(table) * self.block_size != num_computed_tokens for table in computed_tables
@@ -301,7 +301,11 @@ class KVCacheManager:
         if state is None:
             return
         tables = state.tables
-        held = [table[i] for i in reversed(range(len(tables[0]))) for table in tables if table[i] != NULL_BLOCK]
+        if len(tables) == 1:
+            held = tables[0][state.num_released[0] :]
+            held.reverse()
+        else:
+            held = [table[i] for i in reversed(range(len(tables[0]))) for table in tables if table[i] != NULL_BLOCK]
         self.block_pool.free_blocks(held)
         logger.debug("free %s: %d blocks", req_id, len(held))
 
@@ -416,14 +420,12 @@ class KVCacheManager:
     def _longest_prefix(self, most: int, present: Callable[[int, int], bool]) -> int:
         """The most blocks k <= ``most`` such that every group has ``present(group, i)`` for the blocks it
         reads past them: all of 0 .. k - 1 for full attention, those of its window for a sliding group."""
-        num_blocks = most
-        while True:
-            fewer = num_blocks
-            for group in range(self.num_groups):
-                fewer = self._group_prefix(group, fewer, present)
-            if fewer == num_blocks:
-                return num_blocks
-            num_blocks = fewer
+        num_blocks, num_stable, group = most, 0, 0
+        while num_stable < self.num_groups:  # until every group in turn keeps the count
+            fewer = self._group_prefix(group, num_blocks, present)
+            num_stable = num_stable + 1 if fewer == num_blocks else 1
+            num_blocks, group = fewer, (group + 1) % self.num_groups
+        return num_blocks
 
     def _group_prefix(self, group: int, most: int, present: Callable[[int, int], bool]) -> int:
         """The most blocks k <= ``most`` whose needed blocks group ``group`` has (see ``_longest_prefix``)."""
@@ -489,11 +491,9 @@ class KVCacheManager:
 
     def _release_out_of_window(self, state: _RequestState, num_computed: int) -> None:
         """Releases, in each sliding group, the blocks no query from position ``num_computed`` on reads."""
-        for group, window in enumerate(self.sliding_windows):
-            if window is None:
-                continue
+        for group, window in self._sliding_groups:
             table, start = state.tables[group], state.num_released[group]
-            stop = min(self._first_needed(group, num_computed), len(table))
+            stop = min(max(num_computed - window + 1, 0) // self.block_size, len(table))
             if stop <= start:
                 continue
             # NOTE: oldest first into the LRU: a later prefix hit needs the blocks of its window, not the head
@@ -519,7 +519,7 @@ class KVCacheManager:
         state.num_tokens = len(token_ids)
         if self.enable_prefix_caching:
             self._cache_full_blocks(state, token_ids)
-        return tuple(list(table) for table in tables)
+        return tuple(map(list, tables))
 
     def _cache_full_blocks(self, state: _RequestState, token_ids: Sequence[int]) -> None:
         num_full = min(state.num_slots, len(token_ids)) // self.block_size
@@ -527,8 +527,9 @@ class KVCacheManager:
             return
         extend_block_hashes(state.block_hashes, token_ids, num_full * self.block_size, self.block_size,
                             state.cache_salt)
-        pool = self.block_pool
+        pool, hashes = self.block_pool, state.block_hashes
         for group, table in enumerate(state.tables):
             for i in range(max(state.num_cached_blocks, state.num_released[group]), num_full):
-                pool.cache_full_block(pool.blocks[table[i]], group_block_hash(state.block_hashes[i], group))
+                key = hashes[i] if group == 0 else group_block_hash(hashes[i], group)
+                pool.cache_full_block(pool.blocks[table[i]], key)
         state.num_cached_blocks = num_full

@@ -270,7 +270,7 @@ class ModelRunner:
         attn = self._attention_layers()[0]
         shape = (max(self._group_sizes()), 2, self.num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
         if self.device.type != "cpu":
-            return torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)  # [L, 2, NB, BS, Hkv, D]
+            return torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
         # calloc'd: the OS commits zero pages as blocks are first written, so a large default budget
         # costs memory only as far as it is used, unless kv_cache_prefault commits them all now
         storage = np.zeros(math.prod(shape) * self.kv_cache_dtype.itemsize, dtype=np.uint8)

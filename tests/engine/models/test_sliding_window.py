@@ -146,3 +146,18 @@ def test_engine_greedy_tokens_match_transformers_with_prefix_caching_on_and_off(
         assert (engine.stats()["prefix_cache_hits"] > 0) == caching
         engine.kv.check_integrity()
         assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_preempted_requests_recompute_transformers_tokens(model_dir, hf) -> None:
+    """Six 40-token prompts in 8-token chunks over a pool too small for all of them: requests are preempted and
+    recomputed (their released blocks found again or computed anew), and every greedy output is still HF's; the
+    pool ends whole."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 1000) for _ in range(40)] for _ in range(6)]
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    engine = Engine(str(model_dir), num_blocks=20, block_size=BS, max_num_batched_tokens=8)
+    outputs = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+    assert engine.stats()["num_preemptions"] > 0
+    assert outputs == [_hf_greedy(hf, p, 14) for p in prompts]
+    engine.kv.check_integrity()
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks

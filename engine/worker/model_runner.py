@@ -120,9 +120,9 @@ class ModelRunner:
         cpu_backend = isinstance(self.attn_backend, CpuAttentionBackend)
         self.kv_cache_dtype = self.weight_dtype if cpu_backend else self.dtype
         self.attention: str = self.attn_backend.describe(self.kv_cache_dtype, layer.head_dim)  # what runs it
-        # KV cache groups: the layers of one sliding window (None: full attention) share block tables
-        windows = {attn.sliding_window for attn in self._attention_layers()}
-        self.kv_cache_windows: tuple[int | None, ...] = tuple(sorted(windows, key=lambda w: (w is not None, w or 0)))
+        self._kv_cache_groups = kv_cache_groups(self._attention_layers())
+        # each KV cache group's sliding window (None: full attention), as KVCacheManager takes them
+        self.kv_cache_windows = tuple(group[0].sliding_window for group in self._kv_cache_groups)
         self.num_blocks = self._num_blocks()
         self.kv_cache = self._allocate_kv_cache()
         self._bind_kv_cache()
@@ -234,15 +234,10 @@ class ModelRunner:
     def _attention_layers(self) -> list[Attention]:
         return [m for m in self.model.modules() if isinstance(m, Attention)]
 
-    def _group_sizes(self) -> list[int]:
-        """The number of attention layers of each KV cache group."""
-        layers = self._attention_layers()
-        return [sum(attn.sliding_window == window for attn in layers) for window in self.kv_cache_windows]
-
     def _num_blocks(self) -> int:
         attn = self._attention_layers()[0]
         bytes_per_block = (
-            max(self._group_sizes()) * 2 * self.block_size * attn.num_kv_heads * attn.head_dim
+            self._layers_per_block() * 2 * self.block_size * attn.num_kv_heads * attn.head_dim
             * self.kv_cache_dtype.itemsize
         )
         if self.config.num_blocks is not None:
@@ -265,10 +260,10 @@ class ModelRunner:
         return num_blocks
 
     def _allocate_kv_cache(self) -> torch.Tensor:
-        """``[max layers of a group, 2, num_blocks, block_size, Hkv, D]``: a block id belongs to one group at a
-        time, so the i-th layers of all groups share one tensor (``_bind_kv_cache``)."""
+        """``[layers of the largest group, 2, num_blocks, block_size, Hkv, D]``: a block id belongs to one group at
+        a time, so the i-th layers of all groups share one tensor (``_bind_kv_cache``)."""
         attn = self._attention_layers()[0]
-        shape = (max(self._group_sizes()), 2, self.num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
+        shape = (self._layers_per_block(), 2, self.num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
         if self.device.type != "cpu":
             return torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
         # calloc'd: the OS commits zero pages as blocks are first written, so a large default budget
@@ -280,13 +275,29 @@ class ModelRunner:
             logger.info("KV cache of %.1f GiB committed in %.1f s", storage.nbytes / 2**30, time.perf_counter() - start)
         return torch.from_numpy(storage).view(self.kv_cache_dtype).view(shape)
 
+    def _layers_per_block(self) -> int:
+        """The layers one block id holds K/V for: those of the largest KV cache group."""
+        return max(len(group) for group in self._kv_cache_groups)
+
     def _bind_kv_cache(self) -> None:
-        """Gives each attention layer its group, its backend, and its group's next free slice of the cache."""
-        seen = [0] * len(self.kv_cache_windows)
-        for attn in self._attention_layers():
-            group = self.kv_cache_windows.index(attn.sliding_window)
-            attn.kv_cache, attn.backend, attn.kv_cache_group = self.kv_cache[seen[group]], self.attn_backend, group
-            seen[group] += 1
+        """Gives the i-th attention layer of each KV cache group its group, its backend and the cache's slice i."""
+        for index, group in enumerate(self._kv_cache_groups):
+            for attn, kv_cache in zip(group, self.kv_cache):
+                attn.kv_cache, attn.backend, attn.kv_cache_group = kv_cache, self.attn_backend, index
+
+
+def kv_cache_groups(layers: list[Attention]) -> list[list[Attention]]:
+    """The attention layers as KV cache groups: the layers of one window (full attention first, then by window),
+    split into groups of the smallest such set's size, or of the largest where it is under 1.25 times the smallest
+    (as vLLM's hybrid allocator does). A block id holds K/V for one layer of each slice of the cache, so groups of
+    equal size leave none of its memory unused; each group keeps its own block tables.
+    """
+    by_window: dict[int | None, list[Attention]] = {}
+    for attn in sorted(layers, key=lambda a: (a.sliding_window is not None, a.sliding_window or 0)):
+        by_window.setdefault(attn.sliding_window, []).append(attn)
+    sizes = [len(same) for same in by_window.values()]
+    size = max(sizes) if max(sizes) < 1.25 * min(sizes) else min(sizes)
+    return [same[i : i + size] for same in by_window.values() for i in range(0, len(same), size)]
 
 
 def commit_pages(buffer: np.ndarray, threads: int) -> None:

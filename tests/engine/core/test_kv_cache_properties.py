@@ -18,7 +18,7 @@ from engine.core.kv_cache_manager import NULL_BLOCK, KVCacheManager
 
 BS = 4
 NUM_BLOCKS = 6  # per group
-WINDOWS = ((None,), (6,), (None, 6), (None, 9, 5))  # per group; None = full attention
+WINDOWS = ((None,), (6,), (None, 6), (None, 9, 5), (None, 6, 6))  # per group; None = full attention
 PREFIXES = ((), (1, 2, 3, 4), (1, 2, 3, 4, 5, 6, 7, 8), (9, 9, 9, 9, 9))
 SlotContent = tuple[str | None, tuple[int, ...]]
 

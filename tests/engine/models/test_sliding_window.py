@@ -18,8 +18,11 @@ from engine.worker.model_runner import ModelRunner
 
 ATOL = 1e-4
 BS = 4
-# tiny_models' archs: the window, and each layer's window
-ARCHS = {"mistral_sliding": (24, [24, 24]), "qwen2_sliding": (10, [None, None, 10, 10])}
+# tiny_models' archs: the window, each layer's window, each KV cache group's window and each layer's group
+ARCHS = {
+    "mistral_sliding": (24, [24, 24], (24,), [0, 0]),
+    "qwen2_sliding": (10, [None, None, 10, 10, 10, 10], (None, 10, 10), [0, 0, 1, 1, 2, 2]),
+}
 
 
 @pytest.fixture(scope="module", params=list(ARCHS))
@@ -58,7 +61,7 @@ def test_each_backend_matches_transformers_past_the_window(model_dir, hf, arch: 
     """Prefills longer than the window, a chunk after a prefix cached past it, forks and decodes: HF's logits."""
     config = EngineConfig(dtype="float32", block_size=4, num_blocks=192, attention_backend=backend, enforce_eager=True)
     runner = ModelRunner(config, model_dir)
-    window, layer_windows = ARCHS[arch]
+    window, layer_windows, _, _ = ARCHS[arch]
     assert [layer.self_attn.attn.sliding_window for layer in runner.model.model.layers] == layer_windows
     assert runner.max_model_len > window  # the window is applied, not avoided
     rng = random.Random(1)
@@ -85,17 +88,17 @@ def test_each_backend_matches_transformers_past_the_window(model_dir, hf, arch: 
 
 
 def test_layers_of_one_window_form_a_kv_cache_group(model_dir, arch: str) -> None:
-    """One group per window, full attention first; the i-th layers of all groups share one cache tensor (a
-    block id belongs to one group at a time); mixed windows leave the decoder plan to the modules."""
+    """Groups by window, full attention first, split to the smallest window's layer count (Qwen2's four sliding
+    layers: two groups of two); the i-th layers of all groups share one cache tensor (a block id belongs to one
+    group at a time); mixed windows leave the decoder plan to the modules."""
     runner = ModelRunner(EngineConfig(dtype="float32", block_size=BS, num_blocks=32), model_dir)
-    window, layer_windows = ARCHS[arch]
+    _, _, group_windows, layer_groups = ARCHS[arch]
     attns = [layer.self_attn.attn for layer in runner.model.model.layers]
-    groups = list(dict.fromkeys(sorted(set(layer_windows), key=lambda w: w is not None)))
-    assert runner.kv_cache_windows == tuple(groups)
-    assert [attn.kv_cache_group for attn in attns] == [groups.index(w) for w in layer_windows]
-    assert runner.kv_cache.shape[0] == max(layer_windows.count(w) for w in groups)
-    if len(groups) > 1:
-        assert attns[0].kv_cache.data_ptr() == attns[2].kv_cache.data_ptr()
+    assert runner.kv_cache_windows == group_windows
+    assert [attn.kv_cache_group for attn in attns] == layer_groups
+    assert runner.kv_cache.shape[0] == max(layer_groups.count(g) for g in set(layer_groups))
+    if len(group_windows) > 1:
+        assert attns[0].kv_cache.data_ptr() == attns[2].kv_cache.data_ptr() == attns[4].kv_cache.data_ptr()
         assert runner.decoder_plan is None
     elif cpu_kernels.library() is not None:
         assert runner.decoder_plan is not None
@@ -105,7 +108,7 @@ def test_long_prompt_holds_only_the_window_in_the_sliding_group(model_dir, hf, a
     """A 150-token prompt in 16-token chunks, then decodes: after every step the full group holds every block
     and the sliding group at most ceil((W - 1 + 16) / bs) + 1 (ceil(W / bs) + 1 once decoding); greedy tokens
     are HF's. A sliding-only model serves it from a cache of 64 slots."""
-    window, _ = ARCHS[arch]
+    window = ARCHS[arch][0]
     sliding_only = arch == "mistral_sliding"
     engine = Engine(str(model_dir), num_blocks=16 if sliding_only else 64, block_size=BS, max_num_batched_tokens=16)
     if sliding_only:
@@ -148,14 +151,15 @@ def test_engine_greedy_tokens_match_transformers_with_prefix_caching_on_and_off(
         assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
-def test_preempted_requests_recompute_transformers_tokens(model_dir, hf) -> None:
+def test_preempted_requests_recompute_transformers_tokens(model_dir, hf, arch: str) -> None:
     """Six 40-token prompts in 8-token chunks over a pool too small for all of them: requests are preempted and
     recomputed (their released blocks found again or computed anew), and every greedy output is still HF's; the
     pool ends whole."""
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 1000) for _ in range(40)] for _ in range(6)]
     params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
-    engine = Engine(str(model_dir), num_blocks=20, block_size=BS, max_num_batched_tokens=8)
+    num_blocks = 20 if arch == "mistral_sliding" else 30  # one request needs 9, or 14 + 2 x 6
+    engine = Engine(str(model_dir), num_blocks=num_blocks, block_size=BS, max_num_batched_tokens=8)
     outputs = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
     assert engine.stats()["num_preemptions"] > 0
     assert outputs == [_hf_greedy(hf, p, 14) for p in prompts]

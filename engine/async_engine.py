@@ -255,16 +255,26 @@ class AsyncEngine:
             with contextlib.suppress(EngineRestarting):  # NOTE: the pin died with its engine
                 await self.call(lambda engine: driver.unpin(engine, engine_id))
 
-    async def shutdown(self) -> None:
-        """Aborts every request and stops the driver thread (a restart in progress ends first); idempotent."""
+    async def aclose(self) -> None:
+        """Aborts every request, closes the engine (``Engine.close``: saves to ``kv_cache_dir``) and stops the
+        driver thread (a restart in progress ends first); idempotent."""
         self._supervisor.stop()
         await asyncio.to_thread(self._supervisor.join)
+
+    async def shutdown(self) -> None:
+        """``aclose()``, under the name vLLM's engines use."""
+        await self.aclose()
+
+    def close(self) -> None:
+        """``aclose()`` from synchronous code: blocks until the driver thread has ended."""
+        self._supervisor.stop()
+        self._supervisor.join()
 
     async def __aenter__(self) -> AsyncEngine:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        await self.shutdown()
+        await self.aclose()
 
     async def call(self, fn: Callable[[Engine], Any]) -> Any:
         """Runs ``fn(engine)`` on the driver thread between two steps and returns its result.

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from engine.errors import ParameterError
 from engine.knobs import check_knobs, knob
+from engine.spec_decode.config import SpeculativeConfig
 
 DEFAULT_CPU_KV_CACHE_FRACTION = 0.3  # of the memory available at start-up, for the KV cache on CPU
 DEFAULT_CPU_KV_CACHE_MIN = 256 << 20  # bytes: the CPU default's floor
@@ -26,7 +27,9 @@ class EngineConfig:
 
     Raises:
         ParameterError: a field of the wrong type or outside its bounds (``param`` names it),
-            or both ``kv_cache_memory`` and ``num_blocks``.
+            both ``kv_cache_memory`` and ``num_blocks``, ``kv_cache_dir`` without
+            ``enable_prefix_caching`` or with ``tensor_parallel_size`` above 1,
+            or ``kv_cache_save_interval_s`` without ``kv_cache_dir``.
     """
 
     model: str | os.PathLike[str] | None = knob(
@@ -74,6 +77,20 @@ class EngineConfig:
     )  # fmt: skip
     max_model_len: int | None = knob(None, "Longest prompt + completion in tokens; None = the model's.", ge=1, le=1 << 24)
     enable_prefix_caching: bool = knob(True, "Share the KV blocks of equal prompt prefixes between requests.")
+    kv_cache_dir: str | os.PathLike[str] | None = knob(
+        None,
+        "Directory the KV cache persists to: on close() and every kv_cache_save_interval_s it holds the cached "
+        "blocks of pinned prefixes and the kv_cache_save_hot_blocks most recently used; an engine started on it "
+        "loads those of its model, dtypes, block size and KV layout, checksummed and hash-checked. None = nothing "
+        "persists.",
+    )
+    kv_cache_save_interval_s: float | None = knob(
+        None, "Seconds between saves to kv_cache_dir, taken between steps; None = on close() only.", gt=0.0, le=86400.0
+    )
+    kv_cache_save_hot_blocks: int = knob(
+        64, "Cached blocks saved to kv_cache_dir besides pinned prefixes, most recently used first (with the "
+        "blocks before them in their prompts).", ge=0, le=1 << 32,
+    )  # fmt: skip
     attention_backend: str = knob(
         "auto",
         "auto = triton on CUDA; on CPU the C kernels (cpu) when they build here and serve the dtype "
@@ -86,9 +103,23 @@ class EngineConfig:
         "with the C kernels, a Llama-family model's decoder layers run as one C call a step, the same kernels "
         "without the Python between them).",
     )
+    tensor_parallel_size: int = knob(
+        1,
+        "Ranks that split the model (Megatron-style tensor parallelism on torch.distributed: gloo on CPU, NCCL on "
+        "CUDA, one process per rank, each holding its share of the weights and KV heads); 1 = one process. "
+        "Dense Llama-family models whose heads, MLP and vocabulary divide by it.",
+        ge=1, le=64,
+    )  # fmt: skip
     max_queued_requests: int = knob(4096, "Admission limit: waiting requests (beyond it, EngineOverloaded).", ge=1, le=1 << 30)
     max_queued_tokens: int = knob(
         4_000_000, "Admission limit: prompt tokens of waiting requests (beyond it, EngineOverloaded).", ge=1, le=1 << 40
+    )
+    speculative_config: SpeculativeConfig | None = knob(
+        None,
+        "Speculative decoding, as vLLM's setting of this name: a JSON object such as "
+        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2} '
+        "(drafts found in the request's own tokens, verified in one forward pass; outputs as without it). "
+        "None = off.",
     )
     seed: int = knob(0, "Seeds the sampling of requests without a seed of their own.", ge=0, le=(1 << 63) - 1)
 
@@ -96,6 +127,14 @@ class EngineConfig:
         check_knobs(self)
         if self.kv_cache_memory is not None and self.num_blocks is not None:
             raise ParameterError("num_blocks", "give kv_cache_memory or num_blocks, not both")
+        if self.kv_cache_dir is not None and not self.enable_prefix_caching:
+            raise ParameterError("kv_cache_dir", "kv_cache_dir persists the prefix cache: it needs enable_prefix_caching")
+        if self.kv_cache_save_interval_s is not None and self.kv_cache_dir is None:
+            raise ParameterError("kv_cache_save_interval_s", "kv_cache_save_interval_s needs kv_cache_dir")
+        if self.kv_cache_dir is not None and self.tensor_parallel_size > 1:
+            raise ParameterError(
+                "kv_cache_dir", "kv_cache_dir saves one process's KV heads: it needs tensor_parallel_size=1"
+            )
 
 
 def step_token_budget(max_num_batched_tokens: int | None, device_type: str) -> int:

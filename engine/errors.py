@@ -22,6 +22,14 @@ class EngineRestarting(EngineError):
         self.retry_after = retry_after
 
 
+class WorkerGroupFailed(EngineError):
+    """A tensor-parallel rank died or failed a step: the step's requests fail, and the group serves no more.
+
+    ``Engine.step`` raises it after failing the step's requests and returning their blocks; under
+    ``AsyncEngine`` the supervisor then starts a fresh engine with fresh rank processes.
+    """
+
+
 class ModelLoadError(ValueError):
     """A model path, file or architecture the loader cannot use; the message names the path and what was expected."""
 

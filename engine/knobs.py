@@ -15,6 +15,7 @@ A knob's kind comes from its type annotation::
     tuple[str, ...]             a str or a list of at most ``max_items`` strings of 1..``max_chars`` characters
     tuple[int, ...]             a list of at most ``max_items`` integers >= ``item_ge``
     str | os.PathLike | None    a path
+    SomeConfig | None           a nested frozen dataclass of knobs, given as one or as a dict of its fields
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class Kind(enum.Enum):
     STR_LIST = "str_list"
     INT_LIST = "int_list"
     PATH = "path"
+    SETTINGS = "settings"
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +64,7 @@ class Knob:
     max_chars: int | None = None  # strs and str lists: most characters per str (at least one)
     item_ge: int | None = None  # int lists: lower bound of each item
     unit: str | None = None  # "bytes": a size; the command line also takes 512MiB, 2G
+    settings: type | None = None  # SETTINGS: the nested dataclass
 
     @property
     def limit(self) -> str:
@@ -74,6 +77,8 @@ class Knob:
             return "true or false"
         if self.kind is Kind.PATH:
             return "a path"
+        if self.kind is Kind.SETTINGS:
+            return "an object with the fields " + ", ".join(f.name for f in dataclasses.fields(self.settings))
         if self.kind is Kind.STR:
             return f"1 to {self.max_chars} characters"
         low = f"({_num(self.gt)}" if self.gt is not None else f"[{_num(self.ge)}"
@@ -111,7 +116,8 @@ def knobs_of(cls: type) -> tuple[Knob, ...]:
             continue
         help_text, bounds = declared
         kind, optional = _kind(hints[f.name], bool(bounds["choices"]))
-        out.append(Knob(f.name, kind, f.default, help_text, optional, **bounds))
+        settings = _members(hints[f.name])[0] if kind is Kind.SETTINGS else None
+        out.append(Knob(f.name, kind, f.default, help_text, optional, **bounds, settings=settings))
     return tuple(out)
 
 
@@ -160,6 +166,8 @@ def check_value(k: Knob, value: Any) -> Any:
         return _check_str_list(k, value)
     elif k.kind is Kind.INT_LIST:
         return _check_int_list(k, value)
+    elif k.kind is Kind.SETTINGS:
+        return _check_settings(k, value)
     elif k.kind is Kind.PATH:
         if not isinstance(value, (str, os.PathLike)):
             raise ParameterError(name, f"{name} must be a path{' or None' if k.optional else ''}; got {type(value).__name__}")
@@ -205,9 +213,32 @@ def _check_int_list(k: Knob, value: Any) -> tuple[int, ...]:
     return tuple(value)
 
 
+def _check_settings(k: Knob, value: Any) -> Any:
+    """A nested settings dataclass: an instance passes; a dict of its fields builds one (which checks itself)."""
+    cls = k.settings
+    assert cls is not None
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, dict):
+        raise ParameterError(k.name, f"{k.name} must be {k.limit}; got {type(value).__name__}")
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(str(key) for key in value if key not in names)
+    if unknown:
+        raise ParameterError(
+            k.name, f"{k.name} has no field {_short_repr(unknown[0])}; its fields are {', '.join(names)}"
+        )
+    return cls(**value)
+
+
+def _members(hint: Any) -> list[Any]:
+    """The non-None members of a union annotation, or ``[hint]``."""
+    args = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union else ()
+    return [a for a in args if a is not type(None)] or [hint]
+
+
 def _kind(hint: Any, has_choices: bool) -> tuple[Kind, bool]:
     args = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union else ()
-    members = [a for a in args if a is not type(None)] or [hint]
+    members = _members(hint)
     optional = type(None) in args
     if os.PathLike in members or any(typing.get_origin(m) is os.PathLike for m in members):
         return Kind.PATH, optional
@@ -217,6 +248,8 @@ def _kind(hint: Any, has_choices: bool) -> tuple[Kind, bool]:
         return (Kind.STR_LIST if item is str else Kind.INT_LIST), optional
     if base is str:
         return (Kind.CHOICE if has_choices else Kind.STR), optional
+    if dataclasses.is_dataclass(base):
+        return Kind.SETTINGS, optional
     kinds = {int: Kind.INT, float: Kind.FLOAT, bool: Kind.BOOL}
     if base not in kinds:
         raise TypeError(f"no knob kind for the annotation {hint!r}")

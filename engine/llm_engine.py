@@ -25,14 +25,18 @@ from engine import debug_log
 from engine.config import EngineConfig, step_token_budget
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
-from engine.errors import EngineError, ParameterError, RequestRejected
-from engine.metrics import RequestStats
+from engine.core.scheduler_output import SchedulerOutput
+from engine.errors import EngineError, ParameterError, RequestRejected, WorkerGroupFailed
+from engine.metrics import RequestStats, SpecDecodeStats
 from engine.model_info import eos_token_ids, model_name
 from engine.output_processor import OutputProcessor, ParentRequest
+from engine.persisted_kv import PersistedKVCache
 from engine.outputs import Delta, RequestMetrics, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.request_options import RequestOptions, TenantOptions
 from engine.sampling_params import SamplingParams
+from engine.spec_decode.drafter import Drafter
+from engine.spec_decode.verify import verify_drafts
 from engine.structured_output.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
@@ -81,12 +85,14 @@ class Engine:
         from engine.layers.sampler import Sampler
         from engine.loader import resolve_model
         from engine.structured_output.matchers import StructuredOutputManager
+        from engine.distributed.runner import TensorParallelRunner
         from engine.worker.model_runner import ModelRunner
 
         self.config = make_config(model, config, overrides)
         self.model_dir = resolve_model(self.config.model)
         self.model_name = model_name(self.config.model)
-        self.runner = ModelRunner(self.config, self.model_dir)
+        runner_class = ModelRunner if self.config.tensor_parallel_size == 1 else TensorParallelRunner
+        self.runner = runner_class(self.config, self.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
         self.vocab_size: int = self.runner.vocab_size
         self.max_model_len: int = self.runner.max_model_len
@@ -95,7 +101,11 @@ class Engine:
             self.runner.kv_cache_windows,
         )
         budget = step_token_budget(self.config.max_num_batched_tokens, self.runner.device.type)
-        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, budget)
+        spec = self.config.speculative_config
+        self.drafter = Drafter(spec) if spec is not None else None
+        self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec is not None else 0)
+        propose = self.drafter.propose if self.drafter is not None else None
+        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, budget, propose)
         self.sampler = Sampler(self.vocab_size, self.runner.device, seed=self.config.seed)
         self.eos_token_ids = eos_token_ids(self.model_dir, self.runner.hf_config, self.tokenizer)
         # NOTE: thread-safe; xgrammar loads on the first constrained request.
@@ -116,6 +126,59 @@ class Engine:
         self._ids = itertools.count()
         self._busy_seconds = 0.0
         self._debug = False  # the step log's state, as checked at the latest step
+        self._closed = False
+        self.persisted_kv: PersistedKVCache | None = None  # kv_cache_dir's blocks, loaded before any request
+        if self.config.kv_cache_dir is not None and self.runner.kv_cache_windows != (None,):
+            logger.warning(
+                "kv_cache_dir %s not used: persisted blocks hold full-attention layers only, and this model has "
+                "sliding-window layers", self.config.kv_cache_dir,
+            )  # fmt: skip
+        elif self.config.kv_cache_dir is not None:
+            self.persisted_kv = PersistedKVCache(
+                self.config.kv_cache_dir, self.kv, self.runner, self.config.kv_cache_save_hot_blocks,
+                self.config.kv_cache_save_interval_s,
+            )
+            self.persisted_kv.load()
+
+    # ---------------------------------------------------------------------------- lifetime
+
+    def close(self) -> None:
+        """Aborts the unfinished requests and saves the KV cache to ``kv_cache_dir`` (when set); idempotent.
+
+        The engine takes no request after.
+
+        Raises:
+            OSError: ``kv_cache_dir`` cannot be written (the engine is closed all the same).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self.abort_request(list(self._parents))
+        try:
+            if self.persisted_kv is not None:
+                self.persisted_kv.save(self.pinned_prefix_ids())
+        finally:
+            self.runner.close()
+
+    def save_kv_cache(self) -> int:
+        """Saves the pinned prefixes' and the hottest cached blocks to ``kv_cache_dir`` now, between steps.
+
+        Returns:
+            The block files written (blocks saved before are kept as they are).
+
+        Raises:
+            EngineError: no ``kv_cache_dir`` is set.
+            OSError: the directory cannot be written.
+        """
+        if self.persisted_kv is None:
+            raise EngineError("save_kv_cache needs kv_cache_dir")
+        return self.persisted_kv.save(self.pinned_prefix_ids())
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     # ---------------------------------------------------------------------------- requests in
 
@@ -267,6 +330,8 @@ class Engine:
         cache_salt: str | None, keep_blocks: bool = False, grammar: Any = None,
         tenant: str | None = None, weight: float = 1.0,
     ) -> None:
+        if self._closed:
+            raise EngineError("the engine is closed")
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         children = [
             Request(
@@ -359,6 +424,8 @@ class Engine:
 
     def _step(self) -> list[ParentRequest]:
         """Schedules, runs, samples and records one step; returns the user requests it changed (finished ones too)."""
+        if self.persisted_kv is not None:  # NOTE: before scheduling: every block registered so far is computed
+            self.persisted_kv.save_if_due(self.pinned_prefix_ids())
         start = time.perf_counter()
         # NOTE: the one check of the step log per step; off, nothing below formats or times for it.
         debug = debug_log.is_enabled()
@@ -372,6 +439,8 @@ class Engine:
             requests_after_schedule = dict(self.scheduler.requests)
         self.sampler.free(scheduler_output.finished_req_ids)
         self.structured_output.free(scheduler_output.finished_req_ids)
+        if self.drafter is not None:
+            self.drafter.free(scheduler_output.finished_req_ids)
         touched: dict[str, None] = {}  # parent ids, in order
         for request in self.scheduler.capped:
             touched[request.parent_id] = None
@@ -386,12 +455,22 @@ class Engine:
                     request = self.scheduler.requests.get(scheduled.req_id)
                     if request is not None:  # None: a sibling failed it already
                         self._fail(request.parent_id, error, touched)
+                if isinstance(exc, WorkerGroupFailed):  # no later step can run: every request and pin ends now
+                    for parent_id in list(self._parents):
+                        self._fail(parent_id, exc, touched)
+                    for pin_id in list(self._pins):
+                        self.unpin_prefix(pin_id)
                 # NOTE: blocks hashed this step may hold unwritten K/V: forget every unreferenced hash.
                 self.kv.reset_prefix_cache()
+                if isinstance(exc, WorkerGroupFailed):  # whoever owns the engine starts a fresh one
+                    raise
             else:
-                requests = self.scheduler.requests
-                rows = [requests[s.req_id] for s in scheduler_output.scheduled if s.needs_logits]
-                self._sample_and_process(logits, rows, touched)
+                if any(s.num_draft_tokens for s in scheduler_output.scheduled):
+                    self._verify(logits, scheduler_output, touched)
+                else:
+                    requests = self.scheduler.requests
+                    rows = [requests[s.req_id] for s in scheduler_output.scheduled if s.needs_logits]
+                    self._sample_and_process(logits, rows, touched)
         computed_at = time.perf_counter()
         self._busy_seconds += computed_at - start
         parents = [parent for parent_id in touched if (parent := self._parents.get(parent_id)) is not None]
@@ -400,7 +479,22 @@ class Engine:
             self.step_log.step(scheduler_output, requests_after_schedule, self.scheduler.events or [], times)
         return parents
 
-    def _sample_and_process(self, logits: Any, rows: list[Request], touched: dict[str, None]) -> None:
+    def _verify(self, logits: Any, scheduler_output: SchedulerOutput, touched: dict[str, None]) -> None:
+        """Samples a step with drafts position by position (``verify_drafts``); frees the rejected drafts' slots."""
+        assert self.drafter is not None
+        scheduled = scheduler_output.scheduled
+
+        def sample(rows_logits: Any, rows: list[Request]) -> dict[str, int]:
+            return self._sample_and_process(rows_logits, rows, touched)
+
+        verified = verify_drafts(logits, scheduled, self.scheduler.requests, sample)
+        for req_id, num_drafts, num_accepted in verified:
+            self.drafter.observe(req_id, num_drafts, num_accepted)
+            self.spec_stats.observe(num_drafts, num_accepted)
+        self.scheduler.rollback_drafts(scheduled)
+
+    def _sample_and_process(self, logits: Any, rows: list[Request], touched: dict[str, None]) -> dict[str, int]:
+        """Samples one token per row, records it and appends it; returns the tokens of the rows sampled, by id."""
         def fail(parent_id: str, error: EngineError) -> None:
             self._fail(parent_id, error, touched)
 
@@ -426,6 +520,7 @@ class Engine:
             if request.req_id in refused:
                 fail(request.parent_id, EngineError(refused[request.req_id]))
         self.scheduler.update_from_output(rows, token_ids, stopped | complete)
+        return {request.req_id: token_id for request, token_id in zip(rows, token_ids)}
 
     def _fail(self, parent_id: str, error: EngineError, touched: dict[str, None]) -> None:
         parent = self._parents.get(parent_id)
@@ -533,6 +628,7 @@ class Engine:
             "ttft_seconds": processor.ttft.snapshot(),
             "itl_seconds": processor.itl.snapshot(),
             **self.request_stats.snapshot(),
+            **self.spec_stats.snapshot(),
             "kv_token_usage": kv.token_utilization,
             "kv_evictions": kv.num_evictions,
             "tenant_requests": {

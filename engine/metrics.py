@@ -121,3 +121,34 @@ class RequestStats:
             "request_prefill_time_seconds": self.prefill_time.snapshot(),
             "request_decode_time_seconds": self.decode_time.snapshot(),
         }
+
+
+class SpecDecodeStats:
+    """Speculative decoding's counts, under vLLM's names: drafts verified, drafts accepted, and accepted by position.
+
+    NOTE: ``num_accepted_tokens_per_pos[i]`` counts the steps that accepted draft ``i`` (0-based), so it
+    never grows along ``i`` and sums to ``num_accepted_tokens`` <= ``num_draft_tokens``.
+
+    Args:
+        num_positions: Most drafts per request and step (``num_speculative_tokens``; 0 = off).
+    """
+
+    def __init__(self, num_positions: int) -> None:
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_accepted_tokens_per_pos = [0] * num_positions
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        """Counts one request's step: ``num_accepted`` of its ``num_drafts`` drafts were accepted."""
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            self.num_accepted_tokens_per_pos[i] += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        """The ``stats()`` entries, under their agreed keys."""
+        return {
+            "spec_decode_num_draft_tokens": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
+        }

@@ -14,7 +14,10 @@ window leaves the engine dead (every call then raises ``EngineError``).
 The fresh engine loads its weights again rather than reusing the dead one's: whatever killed
 the driver may have left any of its state (the model's buffers, device graphs) unusable, and
 a fresh load is the one state known to be good. It gets as many KV blocks as the first engine
-resolved, and the dead engine's memory is released before it loads.
+resolved, and the dead engine's memory is released before it loads. With ``kv_cache_dir`` set
+it loads the blocks the dead engine last saved there (every ``kv_cache_save_interval_s``);
+the dead engine itself saves nothing. A shut-down engine is closed on the driver thread,
+which saves its KV cache.
 """
 
 from __future__ import annotations
@@ -275,6 +278,7 @@ class Supervisor:
             while True:
                 try:
                     self.driver.drive(self.engine, self._generation)
+                    self._close(self.engine)
                     return  # shut down
                 except BaseException as exc:  # noqa: BLE001 - whatever killed the drive, a fresh engine takes over
                     self._record(exc, "the engine driver died")
@@ -288,6 +292,16 @@ class Supervisor:
                 self._dead = EngineError("the engine is shut down")
             dead = self._dead
             self.driver.fail(lambda: dead)
+
+    def _close(self, engine: Engine) -> None:
+        """Closes the engine shut down (it saves its KV cache where ``kv_cache_dir`` is set); a failure is logged.
+
+        NOTE: a dead engine is never closed: whatever killed it may have left its KV unusable.
+        """
+        try:
+            engine.close()
+        except Exception:  # noqa: BLE001 - the shutdown goes on; the directory keeps its last save
+            logger.exception("closing the engine failed")
 
     def _record(self, exc: BaseException, what: str) -> None:
         self._last_error = describe(exc)

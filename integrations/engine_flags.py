@@ -17,6 +17,7 @@ usage error (exit status 2) before anything loads.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from typing import Any
 
@@ -118,7 +119,19 @@ def _parse_options(k: Knob) -> dict[str, Any]:
         return {"metavar": "PATH"}
     if k.kind is Kind.STR:
         return {}
+    if k.kind is Kind.SETTINGS:
+        return {"type": _json_object, "metavar": "JSON"}
     raise TypeError(f"no command-line flag for the {k.kind.value} knob {k.name!r}")
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
+    return value
 
 
 def _help(k: Knob) -> str:

@@ -10,6 +10,7 @@ from typing import Any, TypeVar, Union
 
 from pydantic import ValidationError
 
+from sdk.cut_off import CutOffWatch
 from sdk.fields import invalid_request
 from sdk.hooks import Hook, HookChain, ModelSource, RequestOrigin
 from sdk.hooks.replay import model_source
@@ -119,6 +120,16 @@ class PrefixHandle:
         )
 
 
+def _close_remote(transport: Transport, runtime: Runtime) -> None:
+    """Close a remote client's connections when it is collected or the interpreter exits."""
+    if runtime.closed:
+        return  # closed by aclose(), the transport with it
+    try:
+        runtime.run_sync(transport.close())
+    except RuntimeError:  # collected on the runtime's own loop thread, which cannot wait on itself
+        runtime.submit(transport.close())
+
+
 def _unpin_later(runtime: Runtime, transport: Transport, pin_id: str) -> None:
     if not runtime.closed:  # a closed runtime's own engine is shut down, its pins with it
         runtime.submit(transport.unpin_prefix(pin_id))
@@ -202,9 +213,15 @@ class AsyncClient:
         self._prefixes: weakref.WeakSet[PrefixHandle] = weakref.WeakSet()
         self._model_source: ModelSource | None = None
         self._started = False
+        if self._owns_transport and base_url is not None:
+            # NOTE: also at interpreter exit, before the runtime (made earlier) stops the loop its sessions live on
+            weakref.finalize(self, _close_remote, self._transport, self._runtime)
 
     async def start(self) -> None:
-        """Load or connect the transport (the engine on first use); every call does it lazily."""
+        """Load the engine (or connect to ``base_url``) now, so the first request does not wait for it.
+
+        The warm-up: without it the first request (or ``prefix()``) loads the engine. Idempotent.
+        """
         if not self._started:
             await self._transport.start()
             self._model_source = model_source(self._transport)
@@ -323,6 +340,9 @@ class AsyncClient:
     async def aclose(self) -> None:
         """Unpin this client's open prefixes, close its connections, and close its own runtime.
 
+        A remote client's connections are also closed when it is collected or at interpreter
+        exit; close it (or use ``async with``) on an event loop of your own, which may be gone by then.
+
         A ``runtime`` given to the client stays open (with its engine) for other clients, and
         the client stays usable; on its own runtime, in-process calls raise RuntimeError afterwards.
         """
@@ -362,6 +382,7 @@ class AsyncClient:
     ) -> ResultT:
         want_logprobs = request.logprobs is not None
         choices: dict[int, dict[str, Any]] = {}
+        watch = CutOffWatch.of(request)
         last: Delta | None = None
         async for last in self._run(request, origin):
             choice = choices.setdefault(last.index, {"text": [], "reasoning": [], "token_ids": [], "logprobs": [], "tool_calls": []})
@@ -372,6 +393,7 @@ class AsyncClient:
             choice["tool_calls"].extend(last.tool_calls or ())
             if last.finish_reason is not None:
                 choice["finish_reason"] = last.finish_reason
+            choice["cut_off"] = watch.add(last) is not None or choice.get("cut_off", False)
         assert last is not None and last.usage is not None
         return result_type(
             request_id=last.request_id,
@@ -387,6 +409,7 @@ class AsyncClient:
                     logprobs=c["logprobs"] if want_logprobs else None,
                     parsed=parse(request.response_format, "".join(c["text"])) if c.get("finish_reason") == "stop" else None,
                     tool_calls=collect_calls(c["tool_calls"]) or None,
+                    cut_off=c["cut_off"],
                 )
                 for index, c in sorted(choices.items())
             ],

@@ -156,6 +156,31 @@ class RequestTimeout(PagedError, TimeoutError):
     code = "timeout"
 
 
+class LengthFinishReasonError(PagedError):
+    """A reply held to a constraint reached its token limit before the constraint closed.
+
+    The constraint is a ``response_format`` or a tool call (``sdk.cut_off``): such a reply
+    yields no parsed object and no half call. ``raise_for_cut_off()`` and the adapters raise
+    it; it is named after the error the openai client raises for the same reply over HTTP.
+
+    Attributes:
+        text: the reply's text when it was cut (the partial JSON; empty for a cut tool call).
+        max_tokens: the tokens the reply had: the limit it reached.
+        request_id: the request's id.
+    """
+
+    code = "length"
+
+    def __init__(self, text: str, *, max_tokens: int, request_id: str) -> None:
+        super().__init__(
+            f"request {request_id}: the reply reached its limit of {max_tokens} tokens inside its constraint "
+            "(response_format or tool call); raise max_tokens"
+        )
+        self.text = text
+        self.max_tokens = max_tokens
+        self.request_id = request_id
+
+
 class EngineFailure(PagedError):
     """The engine failed while serving the request (a fault in a step, or the engine is gone)."""
 

@@ -69,9 +69,14 @@ class RequestRun:
                     yield delta
             finally:
                 await stream.aclose()
-        except TimeoutError as exc:
+        except RequestTimeout as exc:  # a remote server's 408
             ctx.error = exc
-            raise RequestTimeout(f"request {ctx.request_id} timed out after {request.timeout}s") from exc
+            raise
+        except TimeoutError as exc:
+            # NOTE: the hooks see the error the caller gets: one type per failure wherever it is seen
+            timeout = RequestTimeout(f"request {ctx.request_id} timed out after {request.timeout}s")
+            ctx.error = timeout
+            raise timeout from exc
         except BaseException as exc:  # also GeneratorExit / CancelledError: the caller went away
             ctx.error = exc
             raise

@@ -43,7 +43,8 @@ class Runtime:
     The engine is the one given, or is loaded from ``model`` and ``engine_config`` on the
     first ``start()``. The loop thread starts on the first ``run_sync()`` / ``submit()``.
     ``close()`` (also on garbage collection and at interpreter exit) shuts down an engine
-    the runtime loaded, never one it was given, and stops the loop thread. An engine whose
+    the runtime loaded, never one it was given (``AsyncEngine.aclose``: it saves its KV cache
+    where ``kv_cache_dir`` is set), and stops the loop thread. An engine whose
     driver dies restarts itself (``engine.supervisor``): the runtime keeps serving the same
     ``AsyncEngine``, whose ``health()`` says where it stands.
 

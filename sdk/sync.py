@@ -60,17 +60,21 @@ class Client:
 
     @property
     def model_name(self) -> str:
-        self.runtime.run_sync(self.aclient.start())
+        self.start()
         return self.aclient.model_name
 
     @property
     def max_model_len(self) -> int:
-        self.runtime.run_sync(self.aclient.start())
+        self.start()
         return self.aclient.max_model_len
+
+    def start(self) -> None:
+        """``AsyncClient.start``, blocking: load the engine (or connect) before the first request."""
+        self.runtime.run_sync(self.aclient.start())
 
     def stats(self) -> dict[str, Any]:
         """``AsyncClient.stats()``; starts the engine if needed."""
-        self.runtime.run_sync(self.aclient.start())
+        self.start()
         return self.aclient.stats()
 
     def chat(self, messages: MessagesLike, **options: Any) -> ChatResult:
@@ -121,8 +125,9 @@ class Client:
                 done.wait()
 
     def close(self) -> None:
-        """``AsyncClient.aclose``: unpin open prefixes, close connections, close the client's own runtime."""
-        self.runtime.run_sync(self.aclient.aclose())
+        """``AsyncClient.aclose``: unpin open prefixes, close connections, close the client's own runtime. Idempotent."""
+        if not self.runtime.closed:
+            self.runtime.run_sync(self.aclient.aclose())
 
     def __enter__(self) -> Client:
         return self

@@ -7,11 +7,12 @@ the engine to the wire, re-exported here.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, Self
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, create_model, field_validator
 
 from engine.outputs import Delta, RequestLatency, TokenLogprob, TopLogprob, Usage
+from sdk.errors import LengthFinishReasonError
 from sdk.fields import REQUEST_KNOBS, SAMPLING_FIELDS, field, sampling_fields
 from sdk.response_format import ResponseFormat, to_response_format
 from sdk.tools import ToolCall, ToolChoice, ToolSpec, to_tools
@@ -159,6 +160,9 @@ class Choice(BaseModel):
     parsed: Any = None
     """The text decoded under a JSON ``response_format``: an instance of its pydantic class, else
     the JSON value; None for other formats or a completion cut short (``finish_reason`` not "stop")."""
+    cut_off: bool = False
+    """The reply reached its token limit inside its constraint (``sdk.cut_off``): ``parsed`` is None,
+    a cut call is not in ``tool_calls``, and ``raise_for_cut_off()`` raises."""
 
 
 class CompletionResult(BaseModel):
@@ -193,6 +197,20 @@ class CompletionResult(BaseModel):
     def parsed(self) -> Any:
         """The first completion's ``parsed`` value (a JSON ``response_format``)."""
         return self.choices[0].parsed
+
+    def raise_for_cut_off(self) -> Self:
+        """This result, unless a completion was cut inside its constraint (``Choice.cut_off``).
+
+        Example:
+            pet = (await client.chat(prompt, response_format=Pet)).raise_for_cut_off().parsed
+
+        Raises:
+            LengthFinishReasonError: the first such completion's text and token count.
+        """
+        for choice in self.choices:
+            if choice.cut_off:
+                raise LengthFinishReasonError(choice.text, max_tokens=len(choice.token_ids), request_id=self.request_id)
+        return self
 
 
 class ChatResult(CompletionResult):

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-from tiny_models import TINY, TINY_ARCHS
+from tiny_models import RANDOM_NORMS, TINY, TINY_ARCHS
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -86,6 +86,11 @@ def tiny_model_factory(
         )
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if arch in RANDOM_NORMS:
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    if name.endswith("norm.weight"):
+                        param.normal_(0.0, 0.3)
         out = tmp_path_factory.mktemp(f"tiny-{arch}")
         model.save_pretrained(out)
         for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):

@@ -11,6 +11,10 @@ TINY = dict(
     rms_norm_eps=1e-5,
 )
 
+# Architectures whose norms transformers initializes to weight 0 (Gemma scales by 1 + w): the factory draws their
+# norm weights N(0, 0.3^2) instead, so that a norm loaded into another's place changes the logits.
+RANDOM_NORMS = {"gemma2", "gemma3_text"}
+
 TINY_ARCHS: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", dict(tie_word_embeddings=False)),
     "llama3": (
@@ -51,4 +55,49 @@ TINY_ARCHS: dict[str, tuple[str, dict]] = {
         ),
     ),
     "smollm2": ("LlamaConfig", dict(tie_word_embeddings=True)),
+    # Gemma 2: layers alternate sliding (window 8: 2 blocks of 4) and full; soft caps small enough to bite; the
+    # query scale not head_dim's
+    "gemma2": (
+        "Gemma2Config",
+        dict(
+            head_dim=16, sliding_window=8, attn_logit_softcapping=1.0, final_logit_softcapping=5.0,
+            query_pre_attn_scalar=24, hidden_activation="gelu_pytorch_tanh",
+        ),
+    ),
+    # Gemma 3: sliding, full, sliding (local rope base 10000, global 1e6 scaled linearly by 2); q/k norms
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        dict(
+            num_hidden_layers=3, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+            },
+        ),
+    ),
+    # Phi-3: fused qkv / gate_up; LongRoPE switching to its long factors at position 32, the attention factor
+    # from max_position_embeddings / 32
+    "phi3": (
+        "Phi3Config",
+        dict(
+            tie_word_embeddings=False, pad_token_id=None, original_max_position_embeddings=32,
+            rope_parameters={
+                "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+                "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [2.0 + 0.5 * i for i in range(8)],
+            },
+        ),
+    ),
+    # Phi-4-mini: rope over 3/4 of each head (6 of 8 frequencies), tied embeddings
+    "phi4_mini": (
+        "Phi3Config",
+        dict(
+            tie_word_embeddings=True, pad_token_id=None, original_max_position_embeddings=32,
+            rope_parameters={
+                "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+                "partial_rotary_factor": 0.75, "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                "long_factor": [2.0 + 0.5 * i for i in range(6)],
+            },
+        ),
+    ),
 }

@@ -144,6 +144,24 @@ class BlockPool:
         self.cached_block_hash_to_id[block_hash] = block.block_id
         return True
 
+    def restore_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        """Takes a free block and makes it cached under ``block_hash``: unreferenced, first to evict.
+
+        For KV read back from disk: the caller writes the block's content before any lookup.
+
+        Returns:
+            The block; None when no block is free (cached ones are not evicted for it) or the
+            hash is indexed already.
+        """
+        if block_hash in self.cached_block_hash_to_id or not self.free_block_ids:
+            return None
+        block = self.blocks[self.free_block_ids.popleft()]
+        block.block_hash = block_hash
+        self.cached_block_hash_to_id[block_hash] = block.block_id
+        self.evictable[block.block_id] = None
+        self.evictable.move_to_end(block.block_id, last=False)
+        return block
+
     def reset_prefix_cache(self) -> int:
         """Forgets the hashes of all unreferenced blocks; returns how many were dropped."""
         num_dropped = len(self.evictable)

@@ -32,6 +32,7 @@ fills a block.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -60,6 +61,14 @@ def blocks_per_request(
     chunk = num_tokens if max_chunk is None else min(num_tokens, max_chunk)
     full = -(-num_tokens // block_size)
     return sum(full if w is None else min(full, -(-(w - 1 + chunk) // block_size) + 1) for w in sliding_windows)
+
+
+class BlockOrigin(NamedTuple):
+    """What a full block's hash is computed from: enough to recompute it, so to persist the block."""
+
+    parent_hash: BlockHash | None  # None for a chain's first block
+    token_ids: tuple[int, ...]
+    cache_salt: str | None  # the chain's salt (it enters the first block's hash only)
 
 
 class ComputedBlocks(NamedTuple):
@@ -139,6 +148,8 @@ class KVCacheManager:
         self._last_lookup: _Lookup | None = None  # spares an admission its second hashing pass
         self._prefix_cache_queries = 0
         self._prefix_cache_hits = 0
+        # NOTE: None until track_block_origins(); then every registered hash's origin (pruned to the hash index).
+        self.block_origins: dict[BlockHash, BlockOrigin] | None = None
 
     @property
     def num_groups(self) -> int:
@@ -309,6 +320,29 @@ class KVCacheManager:
         self.block_pool.free_blocks(held)
         logger.debug("free %s: %d blocks", req_id, len(held))
 
+    def free_tail(self, req_id: str, num_tokens: int) -> None:
+        """Shrinks the request's tables to their first ``num_tokens`` slots (rejected draft tokens
+        leave), freeing the blocks past them.
+
+        NOTE: only unhashed blocks can go: a block is hashed once its tokens are the request's
+        own, and draft tokens are not until accepted.
+
+        Raises:
+            KeyError: The request holds no blocks.
+            ValueError: ``num_tokens`` would drop a hashed block.
+        """
+        state = self._requests[req_id]
+        num_kept = -(-num_tokens // self.block_size)
+        if num_kept < state.num_cached_blocks:
+            raise ValueError(f"free_tail {req_id}: {num_tokens} tokens would drop hashed blocks")
+        tail = []
+        for table in state.tables:
+            tail += [block for block in reversed(table[num_kept:]) if block != NULL_BLOCK]
+            del table[num_kept:]
+        state.num_slots = min(state.num_slots, num_tokens)
+        self.block_pool.free_blocks(tail)
+        logger.debug("free_tail %s: %d tokens, %d blocks freed", req_id, num_tokens, len(tail))
+
     def fork(self, parent_req_id: str, child_req_id: str) -> int:
         """Gives a new child request the parent's computed full blocks (+1 reference each).
 
@@ -339,6 +373,80 @@ class KVCacheManager:
         )
         logger.debug("fork %s -> %s: %d shared blocks", parent_req_id, child_req_id, num_shared)
         return num_computed
+
+    # ---------------------------------------------------------------------------- persistence
+
+    def track_block_origins(self) -> None:
+        """Keeps the origin (parent hash, tokens, salt) of every block registered from now on.
+
+        Persisting the cache needs them (``persistable_blocks``); without persistence nothing is kept.
+        """
+        if self.block_origins is None:
+            self.block_origins = {}
+
+    def restore_cached_block(self, block_hash: BlockHash, origin: BlockOrigin) -> int | None:
+        """Registers a block read back from disk as cached: unreferenced, evictable, its hash indexed.
+
+        The caller writes the block's K/V before the next lookup. Restored blocks are evicted
+        before any other cached block, a chain's last block first.
+
+        Returns:
+            The block's id; None when the pool has no free block or the hash is cached already.
+        """
+        block = self.block_pool.restore_cached_block(block_hash)
+        if block is None:
+            return None
+        if self.block_origins is not None:
+            self.block_origins[block_hash] = origin
+        return block.block_id
+
+    def persistable_blocks(self, req_ids: Sequence[str], num_hot: int) -> list[tuple[int, BlockHash, BlockOrigin]]:
+        """The cached blocks worth persisting, each after its parent, as (block id, hash, origin).
+
+        First every registered full block of ``req_ids`` (pinned prefixes); then up to ``num_hot``
+        more, the most recently used first (referenced blocks, then the evictable ones most
+        recently freed first), each with the ancestors it needs to be hit. A block whose chain
+        is no longer cached whole, or whose origin was not tracked, is left out.
+        """
+        origins = self.block_origins or {}
+        pool = self.block_pool
+        chosen: dict[BlockHash, tuple[int, BlockOrigin]] = {}
+
+        def chain_to(block_hash: BlockHash) -> list[tuple[BlockHash, int, BlockOrigin]] | None:
+            """The blocks from ``block_hash`` back to the first one not chosen yet, deepest first; None if broken."""
+            chain: list[tuple[BlockHash, int, BlockOrigin]] = []
+            current: BlockHash | None = block_hash
+            while current is not None and current not in chosen:
+                block, origin = pool.get_cached_block(current), origins.get(current)
+                if block is None or origin is None:
+                    return None
+                chain.append((current, block.block_id, origin))
+                current = origin.parent_hash
+            return chain
+
+        def choose(chain: list[tuple[BlockHash, int, BlockOrigin]]) -> None:
+            for block_hash, block_id, origin in reversed(chain):
+                chosen[block_hash] = (block_id, origin)
+
+        for req_id in req_ids:
+            state = self._requests.get(req_id)
+            if state is not None and state.num_cached_blocks:
+                for block_hash in state.block_hashes[: state.num_cached_blocks]:
+                    chain = chain_to(block_hash)
+                    if chain is None:
+                        break
+                    choose(chain)
+        budget = num_hot
+        referenced = (block.block_id for block in pool.blocks if block.ref_cnt > 0 and block.block_hash is not None)
+        for block_id in itertools.chain(referenced, reversed(pool.evictable)):
+            if budget <= 0:
+                break
+            block_hash = pool.blocks[block_id].block_hash
+            chain = chain_to(block_hash) if block_hash is not None else None
+            if chain and len(chain) <= budget:
+                choose(chain)
+                budget -= len(chain)
+        return [(block_id, block_hash, origin) for block_hash, (block_id, origin) in chosen.items()]
 
     def reset_prefix_cache(self) -> None:
         """Forgets the hashes of every unreferenced block (their content may be unwritten)."""
@@ -528,8 +636,22 @@ class KVCacheManager:
         extend_block_hashes(state.block_hashes, token_ids, num_full * self.block_size, self.block_size,
                             state.cache_salt)
         pool, hashes = self.block_pool, state.block_hashes
+        origins = self._origins_with_room()
         for group, table in enumerate(state.tables):
             for i in range(max(state.num_cached_blocks, state.num_released[group]), num_full):
                 key = hashes[i] if group == 0 else group_block_hash(hashes[i], group)
-                pool.cache_full_block(pool.blocks[table[i]], key)
+                if pool.cache_full_block(pool.blocks[table[i]], key) and origins is not None and group == 0:
+                    start = i * self.block_size
+                    parent = hashes[i - 1] if i else None
+                    origins[hashes[i]] = BlockOrigin(
+                        parent, tuple(token_ids[start : start + self.block_size]), state.cache_salt
+                    )
         state.num_cached_blocks = num_full
+
+    def _origins_with_room(self) -> dict[BlockHash, BlockOrigin] | None:
+        """``block_origins``, first pruned to the indexed hashes once it holds twice as many as there are blocks."""
+        origins = self.block_origins
+        if origins is not None and len(origins) >= 2 * self.num_blocks:  # NOTE: amortised O(1) per block cached
+            index = self.block_pool.cached_block_hash_to_id
+            self.block_origins = origins = {h: o for h, o in origins.items() if h in index}
+        return origins

@@ -1,9 +1,9 @@
 """Scheduler: which requests run in the next step, under a token budget.
 
-No phases: each step hands every running request its next tokens (one for a decode,
-a chunk for a prompt still being prefilled), then admits waiting requests while the
-budget, ``max_num_seqs`` and the KV cache allow. Pure Python; the only tensors live in
-the runner.
+No phases: each step hands every running request its next tokens (one for a decode, plus
+its drafts under speculative decoding; a chunk for a prompt still being prefilled), then
+admits waiting requests while the budget, ``max_num_seqs`` and the KV cache allow. Pure
+Python; the only tensors live in the runner.
 
 Queues::
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 from engine.core.fair_share import FairShare
 from engine.core.kv_cache_manager import BlockTables, KVCacheManager
@@ -42,10 +42,20 @@ class Scheduler:
         kv_cache_manager: The block tables; the scheduler allocates and frees through it.
         max_num_seqs: Most requests running at once.
         max_num_batched_tokens: Most tokens computed in one step.
+        propose: ``propose(request, max_drafts)``: the draft tokens to verify after a decoding
+            request's next token (speculative decoding; ``engine.spec_decode``), None = none.
+            Drafts take budget like prompt tokens, after one token for each request behind.
     """
 
-    def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        propose: Callable[[Request, int], Sequence[int]] | None = None,
+    ) -> None:
         self.kv = kv_cache_manager
+        self.propose = propose
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.requests: dict[str, Request] = {}  # unfinished requests by req_id
@@ -126,11 +136,18 @@ class Scheduler:
             start = request.num_computed_tokens
             num_new = len(token_ids) - start
             if num_new == 1:  # the decode fast path: no prompt accounting, no slicing
-                block_ids = allocate_slots(request.req_id, token_ids, start, 1, cache_salt=request.cache_salt)
+                drafts = self._drafts(request, budget - (len(running) - i - 1)) if self.propose is not None else ()
+                num_new = 1 + len(drafts)
+                block_ids = allocate_slots(request.req_id, token_ids, start, num_new, cache_salt=request.cache_salt)
+                if block_ids is None and drafts:  # NOTE: drafts never preempt another request
+                    drafts, num_new = (), 1
+                    block_ids = allocate_slots(request.req_id, token_ids, start, 1, cache_salt=request.cache_salt)
                 if block_ids is not None:
-                    request.num_computed_tokens = start + 1
-                    scheduled.append(ScheduledRequest(request.req_id, [token_ids[-1]], start, block_ids, True))
-                    budget -= 1
+                    request.num_computed_tokens = start + num_new
+                    scheduled.append(
+                        ScheduledRequest(request.req_id, [token_ids[-1], *drafts], start, block_ids, True, len(drafts))
+                    )
+                    budget -= num_new
                     i += 1
                     continue
             else:
@@ -248,6 +265,35 @@ class Scheduler:
         if finished:
             self.running = [r for r in self.running if not r.is_finished]
         return finished
+
+    def rollback_drafts(self, scheduled: Iterable[ScheduledRequest]) -> None:
+        """After a step's drafts were verified: uncounts the rejected ones and frees their slots.
+
+        A running request that took ``a`` of its ``d`` drafts (plus one token of its own) keeps
+        the K/V of its first ``num_tokens - 1`` tokens; the ``d - a`` rejected drafts' slots are
+        overwritten by the next step, and blocks past them go back to the pool.
+        """
+        for share in scheduled:
+            if not share.num_draft_tokens:
+                continue
+            request = self.requests.get(share.req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # finished in this step: its blocks are freed already
+            num_computed = request.num_tokens - 1
+            if request.num_computed_tokens > num_computed:
+                request.num_computed_tokens = num_computed
+                self.kv.free_tail(request.req_id, num_computed)
+
+    def _drafts(self, request: Request, max_num_tokens: int) -> Sequence[int]:
+        """The drafts to verify after ``request``'s next token: ``max_num_tokens`` in all at most, within
+        ``max_tokens`` and the length cap."""
+        room = max_num_tokens - 1
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens - 1)
+        if request.max_num_tokens is not None:
+            room = min(room, request.max_num_tokens - request.num_tokens - 1)
+        return self.propose(request, room) if room > 0 else ()  # type: ignore[misc]
 
     def _check_stop(self, request: Request, token_id: int, hit_stop_string: bool) -> RequestStatus | None:
         num_output = request.num_output_tokens

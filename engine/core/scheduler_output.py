@@ -15,6 +15,8 @@ class ScheduledRequest:
     ``num_computed_tokens + len(token_ids)`` tokens (a sliding-window layer: over its window).
     ``block_ids`` holds one table per KV cache group (``KVCacheManager.sliding_windows``); a
     sliding group's entries before its window are ``NULL_BLOCK`` (-1), which nothing reads.
+    A decode with drafts ends ``token_ids`` with its ``num_draft_tokens`` draft tokens, and
+    needs logits at each of its last ``1 + num_draft_tokens`` positions.
     """
 
     req_id: str
@@ -22,6 +24,16 @@ class ScheduledRequest:
     num_computed_tokens: int  # tokens already in the KV cache; the first new token's position
     block_ids: tuple[list[int], ...]  # per KV cache group, the whole block table (logical block i -> physical block)
     needs_logits: bool  # True when this step reaches the end of the request's known tokens
+    num_draft_tokens: int = 0  # speculative tokens at the end of token_ids (not yet the request's)
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens :]
+
+    @property
+    def num_logits(self) -> int:
+        """Rows of logits this request gets: one per draft plus one, when it needs logits."""
+        return 1 + self.num_draft_tokens if self.needs_logits else 0
 
     @property
     def num_tokens(self) -> int:
@@ -45,4 +57,4 @@ class SchedulerOutput:
 
     @property
     def num_logits(self) -> int:
-        return sum(r.needs_logits for r in self.scheduled)
+        return sum(r.num_logits for r in self.scheduled)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,6 +17,15 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
         raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} for a parameter of {tuple(param.shape)}")
     param.data.copy_(loaded)
+
+
+class CheckpointSlice(NamedTuple):
+    """The part of a checkpoint tensor a layer holds: ``size`` indices from ``start`` along ``dim`` (a tensor
+    with no such dimension, a row-split layer's bias, is held whole)."""
+
+    dim: int
+    start: int
+    size: int
 
 
 class Linear(nn.Module):
@@ -50,12 +61,21 @@ class Linear(nn.Module):
             )
         self.quantized, self.weight, self.packed = weight, None, None
 
+    def checkpoint_slice(self, shard: str | None) -> CheckpointSlice | None:
+        """The part of the checkpoint tensor of ``shard`` (None: the layer's only one) this layer holds; None:
+        all of it (a tensor-parallel layer holds its rank's part)."""
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x W^T + bias`` in whichever form the weight is held."""
         if self.quantized is not None:
-            return self.quantized.matmul(x, self.bias)
+            return self.quantized.matmul(x, bias)
         if self.packed is not None:
-            return cpu_kernels.linear(x, self.packed, self.out_features, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            return cpu_kernels.linear(x, self.packed, self.out_features, bias)
+        return F.linear(x, self.weight, bias)
 
 
 class VocabEmbedding(Linear):

@@ -3,8 +3,9 @@
 - ``SafetensorsCheckpoint``: a Hugging Face directory's ``*.safetensors``; a tensor comes back in its stored
   dtype (bfloat16 stays bfloat16), read with plain file reads into its own buffer.
 - ``GGUFCheckpoint``: a GGUF file under Hugging Face names (``model.layers.3.self_attn.q_proj.weight`` is
-  ``blk.3.attn_q.weight``); ``blocks`` gives a tensor's rows as the file stores them (ggml's types, llama.cpp's
-  reordering of query and key rows undone), ``tensor`` its float values.
+  ``blk.3.attn_q.weight``, by ``gguf_arch``'s names); ``blocks`` gives a tensor's rows as the file stores them
+  (ggml's types, llama.cpp's reordering of query and key rows undone), ``tensor`` its float values (Gemma's norm
+  weights with the 1 llama.cpp adds taken off).
 
 Neither maps the file, so loading a model costs the memory of what is kept, not of the file as well.
 """
@@ -21,20 +22,13 @@ import numpy as np
 import torch
 
 from engine.model_files.gguf import GGUFFile, TensorInfo
+from engine.model_files.gguf_arch import TOP_NAMES, layer_names, norms_stored_plus_one
 
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
     "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
 }  # fmt: skip
 
-# Hugging Face names of a decoder layer's tensors -> GGUF's (llama.cpp's names)
-_GGUF_LAYER_NAMES = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-}  # fmt: skip
-_GGUF_TOP_NAMES = {"model.embed_tokens": "token_embd", "lm_head": "output", "model.norm": "output_norm"}
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 _TOP = re.compile(r"(.+)\.(weight|bias)")
 # llama.cpp reorders the rows of these for its rotary layout in the architectures it converts with LlamaModel
@@ -110,13 +104,15 @@ class GGUFCheckpoint:
         self.file = gguf
         self._heads = {"q_proj": num_heads, "k_proj": num_kv_heads}
         self._permuted = gguf.architecture in _PERMUTED_ARCHITECTURES
+        self._layer_names = layer_names(gguf.architecture)
+        self._norms_plus_one = norms_stored_plus_one(gguf.architecture)
 
     def gguf_name(self, name: str) -> str:
         """The GGUF name of a Hugging Face tensor name (itself where no rule maps it)."""
         if match := _LAYER.fullmatch(name):
-            return f"blk.{match[1]}.{_GGUF_LAYER_NAMES.get(match[2], match[2])}.{match[3]}"
+            return f"blk.{match[1]}.{self._layer_names.get(match[2], match[2])}.{match[3]}"
         if match := _TOP.fullmatch(name):
-            return f"{_GGUF_TOP_NAMES.get(match[1], match[1])}.{match[2]}"
+            return f"{TOP_NAMES.get(match[1], match[1])}.{match[2]}"
         return name
 
     def __contains__(self, name: str) -> bool:
@@ -139,7 +135,8 @@ class GGUFCheckpoint:
         return rows if order is None or len(self.info(name).shape) == 1 else rows[order]
 
     def tensor(self, name: str) -> torch.Tensor:
-        """The tensor's values: F32, F16 and BF16 as stored, any other type dequantized to float32 (gguf-py)."""
+        """The tensor's values: F32, F16 and BF16 as stored, any other type dequantized to float32 (gguf-py); a Gemma
+        norm's weight w where the file stores 1 + w."""
         info = self.info(name)
         raw = self.file.read(info.name)
         if info.type_name in ("F32", "F16"):
@@ -151,6 +148,8 @@ class GGUFCheckpoint:
 
             values = torch.from_numpy(np.ascontiguousarray(dequantize(raw, info.type_id), dtype=np.float32))
         values = values.reshape(info.shape)
+        if self._norms_plus_one and name.endswith("norm.weight"):
+            values = values - 1  # exact where 1 + w is in [0.5, 2], as a norm weight is
         order = self._row_order(name)
         return values if order is None else values[torch.from_numpy(order)]
 

@@ -1,11 +1,13 @@
 """Hugging Face directories written as GGUF files, with llama.cpp's conventions, one tensor at a time.
 
 ``write_gguf(hf_dir, out_path, "Q4_K_M")`` writes what ``convert_hf_to_gguf.py`` followed by
-``llama-quantize`` would for the llama (SmolLM2 included), mistral, qwen2 and qwen3 architectures:
-tensors named ``token_embd``, ``blk.N.attn_q`` ... ``output_norm``, ``output``; the llama
-architecture's q/k rows permuted into GGML's rotary layout; qwen2's q/k/v biases and qwen3's q/k
-norms; llama3 rope scaling as a ``rope_freqs`` tensor; the ``<arch>.*`` hyperparameters,
-``general.file_type`` and the tokenizer. Each tensor is read from the safetensors files in row
+``llama-quantize`` would for the llama (SmolLM2 included), mistral, qwen2, qwen3, gemma2 and gemma3
+(text) architectures: tensors named ``token_embd``, ``blk.N.attn_q`` ... ``output_norm``, ``output``
+(``gguf_arch``); the llama architecture's q/k rows permuted into GGML's rotary layout; qwen2's q/k/v
+biases and qwen3's q/k norms; Gemma's norm weights w as ``1 + w``, its sliding window and soft caps
+(a Gemma whose layer pattern or query scale llama.cpp would not infer is refused); llama3 rope
+scaling as a ``rope_freqs`` tensor; the ``<arch>.*`` hyperparameters, ``general.file_type`` and the
+tokenizer. Each tensor is read from the safetensors files in row
 chunks, quantized and written before the next one is read, so memory is about the largest output
 tensor.
 """
@@ -25,6 +27,13 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_VERSION, GGUFWriter, RopeScalingType
 
+from engine.model_files.gguf_arch import (
+    TOP_NAMES,
+    gemma_layer_types,
+    gemma_query_pre_attn_scalar,
+    layer_names,
+    norms_stored_plus_one,
+)
 from engine.model_files.gguf_file_types import FILE_TYPES, check_file_type, tensor_types
 from engine.model_files.gguf_quants import ggml_type, quantize, row_bytes
 from engine.model_files.gguf_tokenizer import add_tokenizer
@@ -32,27 +41,11 @@ from engine.model_files.safetensors_io import SafetensorsReader
 
 logger = logging.getLogger(__name__)
 
-GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+                      "gemma3_text": "gemma3"}
 _CHUNK_ELEMENTS = 1 << 22  # rows read and quantized per step: about 16 MB of float32
 
-_LAYER_TENSORS = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.bias": "attn_v.bias",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
-_MODEL_TENSORS = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                  "lm_head.weight": "output.weight"}
+_BIASED = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")  # the layer tensors that may have a bias
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 
@@ -74,16 +67,23 @@ class HParams:
     rope_theta: float
     rope_scaling: dict[str, Any]  # {} when none; else its rope_type and parameters
     tie_word_embeddings: bool
+    sliding_window: int | None = None  # Gemma's, on its sliding layers
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> HParams:
         """Raises:
-            ValueError: an architecture other than ``GGUF_ARCHITECTURES``.
+            ValueError: an architecture other than ``GGUF_ARCHITECTURES``; a Gemma whose layer pattern, query scale
+                or sliding layers' rope is not what llama.cpp infers for its file.
         """
         model_type = config.get("model_type")
         if model_type not in GGUF_ARCHITECTURES:
             raise ValueError(f"model_type {model_type!r} cannot be written; supported: {', '.join(GGUF_ARCHITECTURES)}")
         rope = dict(config.get("rope_parameters") or {})
+        if model_type == "gemma3_text":  # rope per layer type: the file records the full layers'
+            _check_gemma_rope(rope.get("sliding_attention") or {})
+            rope = dict(rope.get("full_attention") or {})
         scaling = dict(config.get("rope_scaling") or {})
         rope_theta = config.get("rope_theta") or rope.get("rope_theta") or 10000.0
         rope_type = scaling.get("rope_type", scaling.get("type")) or rope.get("rope_type", "default")
@@ -106,11 +106,32 @@ class HParams:
             rope_theta=float(rope_theta),
             rope_scaling=scaling,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            **(_gemma_fields(config) if model_type in ("gemma2", "gemma3_text") else {}),
         )
 
     @property
     def arch(self) -> str:
         return GGUF_ARCHITECTURES[self.model_type]
+
+
+def _check_gemma_rope(sliding: dict[str, Any]) -> None:
+    if sliding.get("rope_type", "default") != "default" or sliding.get("rope_theta", 10000.0) != 10000.0:
+        raise ValueError(f"sliding layers' rope {sliding} cannot be written: llama.cpp runs them at base 10000, unscaled")
+
+
+def _gemma_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma's window and soft caps, after checking that llama.cpp infers its layer pattern and query scale."""
+    arch, layers = GGUF_ARCHITECTURES[config["model_type"]], config["num_hidden_layers"]
+    if config.get("layer_types") != gemma_layer_types(arch, layers):
+        raise ValueError(f"layer_types {config.get('layer_types')} cannot be written: llama.cpp reads {arch} files as "
+                         f"{gemma_layer_types(arch, layers)}")  # fmt: skip
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    scalar = gemma_query_pre_attn_scalar(arch, config["hidden_size"], heads, head_dim, layers)
+    if config.get("query_pre_attn_scalar") != scalar:
+        raise ValueError(f"query_pre_attn_scalar={config.get('query_pre_attn_scalar')} cannot be written: llama.cpp "
+                         f"scales a {arch} of these shapes by {scalar} ** -0.5")  # fmt: skip
+    return {key: config.get(key) for key in ("sliding_window", "attn_logit_softcapping", "final_logit_softcapping")}
 
 
 @dataclass(frozen=True)
@@ -119,6 +140,7 @@ class _Planned:
     source: str | None  # the safetensors tensor; None for rope_freqs, computed here
     shape: tuple[int, ...]  # numpy order: [rows, row length] or [length]
     permute_heads: int = 0  # llama q/k: the head count to permute rows by (0: no permutation)
+    plus_one: bool = False  # Gemma's norm weights: stored as 1 + w
 
 
 def write_gguf(
@@ -176,7 +198,7 @@ def _plan(hparams: HParams, reader: SafetensorsReader) -> list[_Planned]:
     """Every tensor of the GGUF in llama-quantize's order (layer, then name; model-wide tensors first)."""
     plan = []
     for source in reader.names():
-        name = _gguf_name(source)
+        name = _gguf_name(source, hparams.arch)
         if name is None:
             continue
         if name == "output.weight" and hparams.tie_word_embeddings:
@@ -186,7 +208,8 @@ def _plan(hparams: HParams, reader: SafetensorsReader) -> list[_Planned]:
             heads = hparams.num_heads
         elif hparams.arch == "llama" and name.endswith(("attn_k.weight", "attn_k.bias")):
             heads = hparams.num_kv_heads
-        plan.append(_Planned(name, source, reader.entries[source].shape, heads))
+        plus_one = norms_stored_plus_one(hparams.arch) and source.endswith("norm.weight")
+        plan.append(_Planned(name, source, reader.entries[source].shape, heads, plus_one))
     if hparams.rope_scaling.get("rope_type") == "llama3":
         plan.append(_Planned("rope_freqs.weight", None, (hparams.head_dim // 2,)))
     names = [p.name for p in plan]
@@ -200,7 +223,7 @@ def _plan(hparams: HParams, reader: SafetensorsReader) -> list[_Planned]:
     return sorted(plan, key=order)
 
 
-def _gguf_name(source: str) -> str | None:
+def _gguf_name(source: str, arch: str) -> str | None:
     """The GGUF name of a Hugging Face tensor (None for rotary buffers, which GGUF does not store).
 
     Raises:
@@ -208,12 +231,14 @@ def _gguf_name(source: str) -> str | None:
     """
     if source.endswith("rotary_emb.inv_freq"):
         return None
-    if source in _MODEL_TENSORS:
-        return _MODEL_TENSORS[source]
-    match = _LAYER_NAME.match(source)
-    if match and match.group(2) in _LAYER_TENSORS:
-        return f"blk.{match.group(1)}.{_LAYER_TENSORS[match.group(2)]}"
-    raise ValueError(f"tensor {source!r} has no GGUF name; expected a Llama/Mistral/Qwen2/Qwen3 checkpoint")
+    base, _, kind = source.rpartition(".")
+    if base in TOP_NAMES and kind == "weight":
+        return f"{TOP_NAMES[base]}.weight"
+    match = _LAYER_NAME.match(base)
+    names = layer_names(arch)
+    if match and match.group(2) in names and (kind == "weight" or match.group(2) in _BIASED):
+        return f"blk.{match.group(1)}.{names[match.group(2)]}.{kind}"
+    raise ValueError(f"tensor {source!r} has no GGUF name; expected a Llama/Mistral/Qwen2/Qwen3/Gemma checkpoint")
 
 
 def permute_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:
@@ -254,6 +279,8 @@ def _encoded(p: _Planned, type_name: str, reader: SafetensorsReader, hparams: HP
         return llama3_rope_factors(hparams).view(np.uint8)
     if len(p.shape) == 1:
         values = reader.read(p.source)
+        if p.plus_one:
+            values = values + np.float32(1)
         if p.permute_heads:
             values = permute_rows(values, p.permute_heads)
         return quantize(values.reshape(1, -1), type_name).reshape(-1)
@@ -279,11 +306,20 @@ def _add_metadata(writer: GGUFWriter, hp: HParams, hf_dir: Path, file_type: str)
     writer.add_head_count_kv(hp.num_kv_heads)
     writer.add_rope_freq_base(hp.rope_theta)
     writer.add_layer_norm_rms_eps(hp.rms_norm_eps)
-    if hp.head_dim != hp.hidden_size // hp.num_heads:
+    if hp.head_dim != hp.hidden_size // hp.num_heads and not norms_stored_plus_one(hp.arch):
         writer.add_key_length(hp.head_dim)
         writer.add_value_length(hp.head_dim)
     if hp.arch == "llama":
         writer.add_rope_dimension_count(hp.head_dim)
+    if norms_stored_plus_one(hp.arch):  # Gemma: transformers reads head_dim from key_length, whatever the width
+        writer.add_key_length(hp.head_dim)
+        writer.add_value_length(hp.head_dim)
+        if hp.sliding_window is not None:
+            writer.add_sliding_window(hp.sliding_window)
+    if hp.attn_logit_softcapping is not None:
+        writer.add_attn_logit_softcapping(hp.attn_logit_softcapping)
+    if hp.final_logit_softcapping is not None:
+        writer.add_final_logit_softcapping(hp.final_logit_softcapping)
     rope_type = hp.rope_scaling.get("rope_type")
     if rope_type == "linear":
         writer.add_rope_scaling_type(RopeScalingType.LINEAR)

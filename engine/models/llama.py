@@ -1,24 +1,26 @@
-"""Llama-family decoder (Llama 2/3, Mistral, SmolLM2; Qwen2/Qwen3 via flags) over a flat token batch.
-
-A layer's sliding window comes from ``layer_sliding_window``, the one place that reads it from a config."""
+"""Llama-family decoder (Llama 2/3, Mistral, SmolLM2; Qwen2/3, Gemma 2/3, Phi-3 through ``DecoderSpec``) over a flat
+token batch."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from engine.layers.activation import SiluAndMul
+from engine.distributed.parallel_state import current_tensor_parallel, shard_units
+from engine.layers.activation import gated_activation
 from engine.layers.attention import Attention
-from engine.layers.linear import (
-    Linear,
-    MergedLinear,
-    VocabEmbedding,
-    default_weight_loader,
+from engine.layers.linear import default_weight_loader
+from engine.layers.parallel_linear import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
 )
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding, rope_inv_freq
+from engine.layers.rotary import RotaryEmbedding, rope_parameters, rotary_embedding
 
 # checkpoint name fragment -> (our fused parameter's fragment, shard)
 FUSED_SHARDS = {
@@ -30,34 +32,89 @@ FUSED_SHARDS = {
 }
 
 
-def layer_sliding_window(config, layer_idx: int) -> int | None:
-    """Layer ``layer_idx``'s sliding window, or None for full attention: where the config names each layer's
-    kind in ``layer_types`` (Qwen2/Qwen3 from ``max_window_layers``) only its "sliding_attention" layers
-    take ``sliding_window``; else every layer does (Mistral)."""
-    window = getattr(config, "sliding_window", None)
+@dataclass(frozen=True)
+class DecoderSpec:
+    """What a family changes in the Llama decoder; a model class gives it from its config (``decoder_spec``).
+
+    Args:
+        qkv_bias, o_bias: biases on the q/k/v and output projections.
+        qk_norm: Qwen3, Gemma 3: a norm over each query and key head (``norm``), before the rotary embedding.
+        norm: the norm class of every norm (``GemmaRMSNorm`` scales by ``1 + weight``).
+        sandwich_norms: Gemma 2/3: the attention's and the MLP's outputs are normed too (``post_attention_layernorm``,
+            ``post_feedforward_layernorm``) before their residual add, the MLP's input by ``pre_feedforward_layernorm``.
+        query_scale: the attention scores' scale; None: ``head_dim ** -0.5``.
+        attn_logit_softcap: the attention scores' soft cap (``Attention``); None: none.
+        embed_scale: a factor on the embeddings (Gemma: ``sqrt(hidden_size)``, in the activations' dtype); None: none.
+        final_logit_softcap: the logits become ``c * tanh(logits / c)``; None: as they are.
+    """
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    norm: type[RMSNorm] = RMSNorm
+    sandwich_norms: bool = False
+    query_scale: float | None = None
+    attn_logit_softcap: float | None = None
+    embed_scale: float | None = None
+    final_logit_softcap: float | None = None
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def layer_type(config, layer_idx: int) -> str | None:
+    """The config's ``layer_types`` entry of a layer (``sliding_attention``, ``full_attention``), None without them."""
     layer_types = getattr(config, "layer_types", None)
-    if layer_types is None:
-        return window
-    return window if layer_types[layer_idx] == "sliding_attention" else None
+    return None if layer_types is None else layer_types[layer_idx]
+
+
+def layer_sliding_window(config, layer_idx: int) -> int | None:
+    """A layer's sliding window: the config's ``sliding_window`` where ``layer_types`` marks the layer
+    ``sliding_attention``, or on every layer of a config without ``layer_types`` (Mistral); else None."""
+    window = getattr(config, "sliding_window", None)
+    kind = layer_type(config, layer_idx)
+    return window if kind is None or kind == "sliding_attention" else None
+
+
+def layer_rotaries(config, head_dim: int) -> list[RotaryEmbedding]:
+    """Each layer's rotary embedding: one for all, or one per layer type where the config's ``rope_parameters``
+    are keyed by layer type (Gemma 3's local and global rope)."""
+    kinds = [layer_type(config, i) for i in range(config.num_hidden_layers)]
+    by_type = isinstance(rope_parameters(config).get(kinds[0]), dict)
+    rotaries: dict[str | None, RotaryEmbedding] = {}
+    for kind in kinds:
+        key = kind if by_type else None
+        if key not in rotaries:
+            rotaries[key] = rotary_embedding(config, head_dim, key)
+    return [rotaries[kind if by_type else None] for kind in kinds]
 
 
 class LlamaAttention(nn.Module):
-    def __init__(
-        self, config, layer_idx: int, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool
-    ) -> None:
+    """Self-attention of one layer: fused q/k/v projection, optional q/k norms, rotary embedding, paged attention
+    with the layer's ``sliding_window``, the spec's scale and soft cap."""
+
+    def __init__(self, config, rotary: RotaryEmbedding, spec: DecoderSpec, sliding_window: int | None) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=qkv_bias)
-        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        # this rank's heads (all of them on one rank)
+        tp = current_tensor_parallel()
+        self.num_heads = shard_units(heads, tp, "attention heads").count
+        self.num_kv_heads = shard_units(kv_heads, tp, "KV heads").count
+        q_size, kv_size = heads * self.head_dim, kv_heads * self.head_dim
+        self.qkv_proj = MergedColumnParallelLinear(
+            config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=spec.qkv_bias,
+            units={"q": heads, "k": kv_heads, "v": kv_heads},
+        )  # fmt: skip
+        self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=spec.o_bias, units=heads)
+        self.q_norm = spec.norm(self.head_dim, config.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = spec.norm(self.head_dim, config.rms_norm_eps) if spec.qk_norm else None
         self.rotary = rotary
+        scale = self.head_dim**-0.5 if spec.query_scale is None else spec.query_scale
         self.attn = Attention(
-            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5,
-            sliding_window=layer_sliding_window(config, layer_idx),
+            self.num_heads, self.num_kv_heads, self.head_dim, scale,
+            sliding_window=sliding_window, logit_softcap=spec.attn_logit_softcap,
         )  # fmt: skip
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -72,26 +129,33 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    """The gated MLP: ``down(act(gate(x)) * up(x))``, the activation the config names."""
+
     def __init__(self, config) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size}, bias=bias)
-        self.down_proj = Linear(size, config.hidden_size, bias=bias)
-        self.act = SiluAndMul()
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, {"gate": size, "up": size}, bias=bias)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias)
+        self.act = gated_activation(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(
-        self, config, layer_idx: int, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool
-    ) -> None:
+    """Pre-norm attention and MLP blocks; each block's residual add is fused into the next norm."""
+
+    def __init__(self, config, rotary: RotaryEmbedding, spec: DecoderSpec, sliding_window: int | None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer_idx, rotary, qkv_bias, o_bias, qk_norm)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        size, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = spec.norm(size, eps)
+        self.self_attn = LlamaAttention(config, rotary, spec, sliding_window)
+        self.post_attention_layernorm = spec.norm(size, eps)  # the MLP's input norm, or (sandwich) the attention's output
+        self.sandwich_norms = spec.sandwich_norms
+        if spec.sandwich_norms:
+            self.pre_feedforward_layernorm = spec.norm(size, eps)
+            self.post_feedforward_layernorm = spec.norm(size, eps)
         self.mlp = LlamaMLP(config)
 
     def forward(
@@ -102,26 +166,33 @@ class LlamaDecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x)
+        if self.sandwich_norms:
+            x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), residual)
+            return self.post_feedforward_layernorm(self.mlp(x)), residual
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config, spec: DecoderSpec) -> None:
         super().__init__()
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.rotary = RotaryEmbedding(head_dim, rope_inv_freq(config, head_dim), config.max_position_embeddings)
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        rotaries = layer_rotaries(config, head_dim_of(config))
+        self.rotary = rotaries[0]
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_scale = spec.embed_scale
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.rotary, qkv_bias, o_bias, qk_norm)
+            LlamaDecoderLayer(config, rotaries[i], spec, layer_sliding_window(config, i))
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = spec.norm(config.hidden_size, config.rms_norm_eps)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The tokens' embeddings ``[T, hidden]`` in the activations' dtype (the table may be stored narrower:
-        bfloat16 weights on a CPU computing in float32)."""
-        return self.embed_tokens(input_ids).to(self.norm.weight.dtype)
+        bfloat16 weights on a CPU computing in float32), times ``embed_scale`` rounded to the table's dtype."""
+        rows = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            rows = rows * torch.tensor(self.embed_scale, dtype=rows.dtype)
+        return rows.to(self.norm.weight.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed(input_ids), None  # [T, hidden]
@@ -140,21 +211,35 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config) -> None:
         super().__init__()
-        attention_bias = getattr(config, "attention_bias", False)
-        qkv_bias = attention_bias if self.qkv_bias is None else self.qkv_bias
-        o_bias = attention_bias if self.o_bias is None else self.o_bias
-        self.model = LlamaModel(config, qkv_bias, o_bias, self.qk_norm)
+        spec = self.decoder_spec(config)
+        self.model = LlamaModel(config, spec)
+        self.final_logit_softcap = spec.final_logit_softcap
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+            self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
+
+    @classmethod
+    def decoder_spec(cls, config) -> DecoderSpec:
+        """The family's decoder: the class's biases and q/k norms (biases default to ``attention_bias``)."""
+        attention_bias = getattr(config, "attention_bias", False)
+        return DecoderSpec(
+            qkv_bias=attention_bias if cls.qkv_bias is None else cls.qkv_bias,
+            o_bias=attention_bias if cls.o_bias is None else cls.o_bias,
+            qk_norm=cls.qk_norm,
+        )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
-        return Linear.forward(self.lm_head, hidden)  # the matmul, also when the head is the tied embedding
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [N, hidden] -> [N, vocab]
+        """The logits (the matmul, also when the head is the tied embedding, then the final soft cap); None on a
+        tensor-parallel rank other than the first."""
+        logits = self.lm_head.logits(hidden)
+        if logits is not None and self.final_logit_softcap is not None:
+            logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
+        return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors into the (materialized) parameters, fusing q/k/v and gate/up.

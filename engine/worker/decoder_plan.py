@@ -19,7 +19,9 @@ from engine import cpu_kernels
 from engine.cpu_kernels import abi
 from engine.attention import AttentionBackend, AttentionMetadata, CpuAttentionBackend
 from engine.layers.ggml_weight import GGMLWeight
+from engine.layers.activation import SiluAndMul
 from engine.layers.linear import Linear
+from engine.layers.norm import RMSNorm
 from engine.models.llama import LlamaForCausalLM, LlamaMLP
 
 # decoder.c's linear kinds
@@ -52,8 +54,9 @@ class DecoderPlan:
     """A loaded Llama-family model's decoder layers, ready to run a step in one C call.
 
     ``build`` returns None where the plan cannot run the model (not the CPU kernels' path: another
-    device or attention backend, a weight left unpacked; a layer whose MLP is not the dense one; layers with
-    different sliding windows, whose attention tiles differ, or soft-capped scores); the modules then run it.
+    device or attention backend, a weight left unpacked; a layer whose MLP is not the dense SiLU one; layers with
+    different sliding windows, whose attention tiles differ, or scales, or soft-capped scores; Gemma's norms
+    (``1 + weight``, one after each block too) or rope per layer type); the modules then run it.
     """
 
     def __init__(self, model: LlamaForCausalLM, plan: _Plan, layers: ctypes.Array, backend: CpuAttentionBackend,
@@ -73,15 +76,19 @@ class DecoderPlan:
         if dtype != torch.float32 or cpu_kernels.library() is None:
             return None
         body = model.model
-        if not all(isinstance(layer.mlp, LlamaMLP) for layer in body.layers):
-            return None  # decoder.c runs the dense MLP only (a mixture of experts runs on the modules)
+        if not all(isinstance(layer.mlp, LlamaMLP) and type(layer.mlp.act) is SiluAndMul for layer in body.layers):
+            return None  # decoder.c runs the dense SiLU MLP only (a mixture of experts, gelu run on the modules)
         first = body.layers[0].self_attn
         attns = [layer.self_attn.attn for layer in body.layers]
-        if len({a.sliding_window for a in attns}) != 1 or any(a.logit_softcap is not None for a in attns):
+        if len({(a.sliding_window, a.scale) for a in attns}) != 1 or any(a.logit_softcap is not None for a in attns):
             return None
+        if any(layer.sandwich_norms or layer.self_attn.rotary is not body.rotary for layer in body.layers):
+            return None  # Gemma's norms of each block's output; rope per layer type
         norms = [body.norm] + [n for layer in body.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         if first.q_norm is not None:
             norms += [n for layer in body.layers for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)]
+        if any(type(n) is not RMSNorm for n in norms):
+            return None  # decoder.c scales by the weight itself (Gemma's norms by 1 + weight)
         tensors = [n.weight for n in norms] + [body.rotary.cos_sin_cache]
         if len({n.eps for n in norms}) != 1 or first.attn.kv_cache is None:
             return None  # one eps for every norm in decoder.c; the cache bound by the runner

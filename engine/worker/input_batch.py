@@ -16,7 +16,7 @@ class ModelInputs(NamedTuple):
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     attn_metadata: tuple[AttentionMetadata, ...]  # per KV cache group: its block tables and slots
-    logits_indices: torch.Tensor  # [num_logits] int64: rows of the batch whose next token is sampled
+    logits_indices: torch.Tensor  # [num_logits] int64: rows of the batch whose next token is sampled or verified
 
 
 def prepare_inputs(scheduled: list[ScheduledRequest], block_size: int, device: torch.device) -> ModelInputs:
@@ -41,6 +41,11 @@ def prepare_inputs(scheduled: list[ScheduledRequest], block_size: int, device: t
     rows = np.repeat(np.arange(n), num_tokens)
     positions = np.arange(total) + np.repeat(num_computed - query_start_loc[:-1], num_tokens)
     logits_indices = query_start_loc[1:][needs_logits].astype(np.int64) - 1
+    if any(r.num_draft_tokens for r in scheduled):
+        #   a request with d drafts gets the logits of its last 1 + d rows, in order
+        num_logits = np.fromiter((r.num_logits for r in scheduled), np.int64, n)[needs_logits]
+        offsets = logits_indices - num_logits + 1 - (np.cumsum(num_logits) - num_logits)  # row - its logits index
+        logits_indices = np.arange(int(num_logits.sum())) + np.repeat(offsets, num_logits)
     in_table = np.arange(int(num_blocks.max(initial=0))) < num_blocks[:, None]
 
     def to_device(data: np.ndarray) -> torch.Tensor:

@@ -24,7 +24,9 @@ from engine.config import (
     step_token_budget,
 )
 from engine.core.kv_cache_manager import blocks_per_request
+from engine.core.kv_persistence import KVLayout, model_fingerprint
 from engine.core.scheduler_output import SchedulerOutput
+from engine.distributed.parallel_state import SINGLE, TensorParallel, tensor_parallel
 from engine.errors import ModelLoadError, ParameterError
 from engine.layers.attention import Attention
 from engine.layers.ggml_weight import GGMLWeight
@@ -91,6 +93,8 @@ class ModelRunner:
     Args:
         config: the engine settings (dtype, device, block size, KV cache budget, backend).
         model_dir: a Hugging Face model directory (``engine.loader.resolve_model`` output).
+        tp: the tensor-parallel rank this runner holds the shard of (``engine.distributed``); its KV cache
+            holds that rank's KV heads.
 
     Raises:
         ModelLoadError: the directory's architecture or weights cannot be loaded.
@@ -99,10 +103,12 @@ class ModelRunner:
             ``quantization`` where it cannot run.
     """
 
-    def __init__(self, config: EngineConfig, model_dir: Path) -> None:
+    def __init__(self, config: EngineConfig, model_dir: Path, tp: TensorParallel = SINGLE) -> None:
         from transformers import AutoConfig
 
         self.config = config
+        self.model_dir = Path(model_dir)
+        self.tp = tp
         self.hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         self.device = resolve_device(config.device)
         self.gguf = gguf_source(model_dir)
@@ -123,11 +129,15 @@ class ModelRunner:
         self._kv_cache_groups = kv_cache_groups(self._attention_layers())
         # each KV cache group's sliding window (None: full attention), as KVCacheManager takes them
         self.kv_cache_windows = tuple(group[0].sliding_window for group in self._kv_cache_groups)
-        self.num_blocks = self._num_blocks()
+        # NOTE: every rank of a group allocates the same number of blocks: the scheduler addresses them all.
+        self.num_blocks = self._num_blocks() if tp.comm is None else tp.comm.all_reduce_min(self._num_blocks())
         self.kv_cache = self._allocate_kv_cache()
         self._bind_kv_cache()
-        # the decoder layers in one C call a step where the CPU kernels run them all (else None: the modules do)
-        self.decoder_plan = None if config.enforce_eager else DecoderPlan.build(self.model, self.attn_backend, self.dtype)
+        # the decoder layers in one C call a step where the CPU kernels run them all (else None: the modules do,
+        # also on a tensor-parallel rank, whose collectives sit between the kernels)
+        self.decoder_plan = None
+        if not config.enforce_eager and tp.comm is None:
+            self.decoder_plan = DecoderPlan.build(self.model, self.attn_backend, self.dtype)
         logger.info(
             "model %s on %s (%s, weights and KV cache in %s and %s; linear weights: %s; attention: %s; layers: %s): "
             "%d KV blocks of %d tokens",
@@ -141,8 +151,12 @@ class ModelRunner:
         return "modules" if self.decoder_plan is None else "one C call a step"
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
-        """Run one step; returns float32 logits [num_logits, vocab] for the ``needs_logits`` requests, in batch order."""
+    def close(self) -> None:
+        """Releases what the runner holds beyond its tensors (nothing here; rank processes under TP)."""
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> torch.Tensor | None:
+        """Run one step; returns float32 logits [num_logits, vocab] for the ``needs_logits`` requests, in batch order
+        (None on a tensor-parallel rank other than the first)."""
         scheduled = scheduler_output.scheduled
         if not scheduled:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
@@ -153,7 +167,41 @@ class ModelRunner:
             with set_forward_context(ForwardContext(inputs.attn_metadata)):
                 hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
         # NOTE: the LM head runs only on the rows whose next token is sampled.
-        return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices)).float()
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+        return None if logits is None else logits.float()
+
+    # ------------------------------------------------------------------------------------ persistence
+
+    def kv_layout(self) -> KVLayout:
+        """What this runner's KV blocks depend on besides their tokens (``engine.core.kv_persistence``)."""
+        weights = [self.gguf] if self.gguf is not None else sorted(self.model_dir.glob("*.safetensors"))
+        num_layers, _, _, block_size, num_kv_heads, head_dim = self.kv_cache.shape
+        return KVLayout(
+            model=model_fingerprint(self.model_dir / "config.json", weights),
+            kv_dtype=str(self.kv_cache_dtype), compute_dtype=str(self.dtype), weight_dtype=str(self.weight_dtype),
+            quantization=self.config.quantization, attention_backend=type(self.attn_backend).__name__,
+            block_size=block_size, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            dtype_bytes=self.kv_cache_dtype.itemsize, byteorder=sys.byteorder,
+        )  # fmt: skip
+
+    @torch.inference_mode()
+    def read_kv_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """Each block's K and V of every layer as bytes, laid out [layer, k|v, slot, kv_head, dim]."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        blocks = self.kv_cache.index_select(2, index).movedim(2, 0).contiguous().cpu()  # [N, L, 2, BS, Hkv, D]
+        flat = blocks.view(torch.uint8).view(len(block_ids), -1).numpy()
+        return [row.tobytes() for row in flat]
+
+    @torch.inference_mode()
+    def write_kv_blocks(self, block_ids: list[int], payloads: list[bytes | memoryview]) -> None:
+        """Writes ``read_kv_blocks``' bytes back into blocks ``block_ids``."""
+        if not block_ids:
+            return
+        shape = (len(block_ids), *self.kv_cache.shape[:2], *self.kv_cache.shape[3:])
+        raw = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
+        blocks = raw.view(self.kv_cache_dtype).view(shape).to(self.device)  # [N, L, 2, BS, Hkv, D]
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        self.kv_cache.index_copy_(2, index, blocks.movedim(0, 2))
 
     # ------------------------------------------------------------------------------------ set-up
 
@@ -173,7 +221,7 @@ class ModelRunner:
 
     def _load_model(self, model_dir: Path) -> torch.nn.Module:
         model_class = get_model_class(self.hf_config)
-        with torch.device("meta"):
+        with torch.device("meta"), tensor_parallel(self.tp):
             model = model_class(self.hf_config).to(dtype=self.dtype)
         cpu_kernels_serve = (
             self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.library() is not None

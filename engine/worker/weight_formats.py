@@ -30,14 +30,16 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from engine import cpu_kernels
 from engine.layers.ggml_weight import GGML_NATIVE, GGMLWeight
-from engine.layers.linear import Linear, MergedLinear, default_weight_loader
+from engine.layers.linear import CheckpointSlice, Linear, MergedLinear, default_weight_loader
 from engine.layers.quantization import QBLOCK, hadamard_blocks, pack, quantize_int8, quantize_symmetric_int8
 from engine.model_files.checkpoint import Checkpoint, GGUFCheckpoint, SafetensorsCheckpoint
+from engine.model_files.gguf import GGML_TYPES, TYPE_IDS
 from engine.models.llama import FUSED_SHARDS
 
 logger = logging.getLogger(__name__)
@@ -107,7 +109,7 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint, plan: LoadPlan) -> We
     summary = WeightsSummary(plan.quantization)
     head = getattr(model, "lm_head", None)
     for name, module in linears.items():
-        shards = [_renamed(shard, renames) for shard in _checkpoint_names(name, module)]
+        shards = _checkpoint_names(name, module, renames, checkpoint)
         if module.bias is not None:
             _fill(module.bias.data, module, [f"{shard}.bias" for shard in shards], checkpoint)
         kind = _serve(module, [f"{shard}.weight" for shard in shards], checkpoint, plan, module is head, summary)
@@ -128,7 +130,9 @@ def _serve(module: Linear, names: list[str], checkpoint: Checkpoint, plan: LoadP
     if isinstance(checkpoint, GGUFCheckpoint) and plan.quantization in (None, "gguf"):
         types = [checkpoint.type_name(name) for name in names]
         if plan.packed and all(t in GGML_NATIVE for t in types):
-            weight = GGMLWeight.from_numpy([(t, checkpoint.blocks(n)) for t, n in zip(types, names)], module.in_features)
+            parts = [(t, _blocks(checkpoint, n, t, module.checkpoint_slice(s)))
+                     for t, n, s in zip(types, names, _shards(module))]
+            weight = GGMLWeight.from_numpy(parts, module.in_features)
             module.quantize(weight)
             summary.nbytes += weight.nbytes
             return weight.kind
@@ -159,23 +163,51 @@ def _float_weight(module: Linear, names: list[str], checkpoint: Checkpoint, dtyp
 
 
 def _fill(target: torch.Tensor, module: Linear, names: list[str], checkpoint: Checkpoint) -> None:
-    """Copies the checkpoint tensors ``names`` (a module's shards in row order) into ``target``'s rows."""
-    if isinstance(module, MergedLinear):
+    """Copies the checkpoint tensors ``names`` (a module's shards in row order, or its one tensor; of each, the
+    part the module holds) into ``target``'s rows."""
+    if len(names) > 1:
         for shard, name in zip(module.shard_offsets, names):
             offset, size = module.shard_offsets[shard]
-            _copy(target.narrow(0, offset, size), checkpoint, name)
+            _copy(target.narrow(0, offset, size), checkpoint, name, module.checkpoint_slice(shard))
     else:
-        _copy(target, checkpoint, names[0])
+        _copy(target, checkpoint, names[0], module.checkpoint_slice(None))
 
 
-def _copy(target: torch.Tensor, checkpoint: Checkpoint, name: str) -> None:
+def _shards(module: Linear) -> list[str | None]:
+    return list(module.shard_offsets) if isinstance(module, MergedLinear) else [None]
+
+
+def _copy(target: torch.Tensor, checkpoint: Checkpoint, name: str, part: CheckpointSlice | None = None) -> None:
     if name not in checkpoint:
         raise ValueError(f"checkpoint lacks {name!r}")
-    if isinstance(checkpoint, SafetensorsCheckpoint) and checkpoint.dtype(name) == target.dtype \
+    if part is not None and part.dim < len(checkpoint.shape(name)):
+        default_weight_loader(target, checkpoint.tensor(name).narrow(part.dim, part.start, part.size))
+    elif isinstance(checkpoint, SafetensorsCheckpoint) and checkpoint.dtype(name) == target.dtype \
             and tuple(target.shape) == checkpoint.shape(name) and target.is_contiguous() and target.is_cpu:
         checkpoint.tensor(name, out=target)  # read in place: no copy of the tensor in between
     else:
         default_weight_loader(target, checkpoint.tensor(name))
+
+
+def _blocks(checkpoint: GGUFCheckpoint, name: str, type_name: str, part: CheckpointSlice | None) -> np.ndarray:
+    """A GGUF tensor's rows of blocks (``GGUFCheckpoint.blocks``), of them the part a module holds: whole rows,
+    or whole blocks of each row.
+
+    Raises:
+        ValueError: the part cuts a block (a tensor-parallel rank's input features not a multiple of the block).
+    """
+    rows = checkpoint.blocks(name)
+    if part is None or part.dim >= len(checkpoint.shape(name)):
+        return rows
+    if part.dim == 0:
+        return rows[part.start : part.start + part.size]
+    _, block, block_bytes = GGML_TYPES[TYPE_IDS[type_name]]
+    if part.start % block or part.size % block:
+        raise ValueError(
+            f"tensor_parallel_size gives each rank {part.size} input features of {checkpoint.gguf_name(name)!r}, "
+            f"which cuts its {type_name} blocks of {block}"
+        )
+    return rows[:, part.start // block * block_bytes : (part.start + part.size) // block * block_bytes]
 
 
 def _renamed(name: str, renames: tuple[tuple[str, str], ...]) -> str:
@@ -187,14 +219,19 @@ def _renamed(name: str, renames: tuple[tuple[str, str], ...]) -> str:
     return dotted[:-1]
 
 
-def _checkpoint_names(name: str, module: Linear) -> list[str]:
-    """The checkpoint tensors (without ``.weight``) a module's weight is loaded from, in row order."""
-    if not isinstance(module, MergedLinear):
-        return [name]
+def _checkpoint_names(
+    name: str, module: Linear, renames: tuple[tuple[str, str], ...], checkpoint: Checkpoint
+) -> list[str]:
+    """The checkpoint tensors (without ``.weight``) a module's weight is loaded from, in row order: a fused
+    module's shards (``q_proj``, ``k_proj``, ``v_proj``), or its own one where the checkpoint stores it fused
+    (Phi-3's ``qkv_proj`` and ``gate_up_proj``)."""
+    own = _renamed(name, renames)
+    if not isinstance(module, MergedLinear) or f"{own}.weight" in checkpoint:
+        return [own]
     dotted = f"{name}."
     names = []
     for shard in module.shard_offsets:
         for (fused, shard_name), fragment in _SHARD_NAMES.items():
             if shard_name == shard and fused in dotted:
-                names.append(dotted.replace(fused, fragment)[:-1])
+                names.append(_renamed(dotted.replace(fused, fragment)[:-1], renames))
     return names

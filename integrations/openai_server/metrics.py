@@ -1,9 +1,10 @@
 """``/metrics``: the engine's ``stats()`` in Prometheus text format, read at scrape time.
 
 Names are ``paged_`` + the ``Engine.stats()`` key; monotonic figures are counters (the
-exposition adds ``_total``), the rest gauges, the ``*_seconds`` latencies histograms. Three
+exposition adds ``_total``), the rest gauges, the ``*_seconds`` latencies histograms. Four
 labelled families: ``paged_request_success_total{finished_reason}``,
-``paged_tenant_requests{tenant,state}`` and ``paged_tenant_computed_tokens_total{tenant}``.
+``paged_tenant_requests{tenant,state}``, ``paged_tenant_computed_tokens_total{tenant}`` and
+``paged_spec_decode_num_accepted_tokens_per_pos_total{position}``.
 Two derived gauges: ``paged_kv_cache_usage`` (used / total blocks) and
 ``paged_prefix_cache_hit_rate`` (hit tokens / queried tokens). The server adds its own
 ``paged_http_requests_total{route,status}``. docs/server.md lists them all.
@@ -40,6 +41,8 @@ COUNTERS = {
     "requests_received": "Requests the engine took.",
     "requests_aborted": "Requests that ended aborted (cancelled, disconnected or failed).",
     "requests_rejected": "Requests refused before entering the engine (invalid, or admission limits full).",
+    "spec_decode_num_draft_tokens": "Draft tokens verified (speculative decoding).",
+    "spec_decode_num_accepted_tokens": "Draft tokens accepted (speculative decoding).",
 }
 HISTOGRAMS = {
     "ttft_seconds": "Time to first token.",
@@ -112,6 +115,14 @@ class EngineCollector(Collector):
             for tenant, n in stats["tenant_computed_tokens"].items():
                 computed.add_metric([tenant], float(n))
             yield computed
+        if "spec_decode_num_accepted_tokens_per_pos" in stats:
+            per_pos = CounterMetricFamily(
+                PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the drafts.",
+                labels=["position"],
+            )  # fmt: skip
+            for position, n in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"]):
+                per_pos.add_metric([str(position)], float(n))
+            yield per_pos
         for key, doc in HISTOGRAMS.items():
             if key in stats:
                 buckets, _, total_sum = histogram_parts(stats[key])

@@ -6,6 +6,9 @@ hooks and audit apply to every call.
 Structured output is the engine's constraint: ``PagedChat.with_structured_output`` or a
 per-call ``response_format`` (any spelling ``sdk.response_format`` takes). Tool calls
 (``PagedChat.bind_tools``) are the SDK's: a forced choice is held to valid calls by the engine.
+A reply cut at ``max_tokens`` inside its constraint (``sdk.cut_off``) raises
+``LengthFinishReasonError``, as ``ChatOpenAI`` does; ``with_structured_output(include_raw=True)``
+returns it as ``parsing_error`` with the raw reply.
 Multimodal inputs are not supported.
 """
 
@@ -16,7 +19,7 @@ import dataclasses
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import aclosing
 from operator import itemgetter
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, Literal, Self, TypeVar
 
 try:
     from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
@@ -30,7 +33,7 @@ try:
     from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
     from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
     from langchain_core.outputs import ChatGenerationChunk, ChatResult, GenerationChunk, LLMResult
-    from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+    from langchain_core.runnables import Runnable, RunnableLambda, RunnableMap, RunnablePassthrough
     from langchain_core.tools import BaseTool
     from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
     from langchain_core.utils.pydantic import is_basemodel_subclass
@@ -39,6 +42,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, create_model, model_validator
 
 from sdk.client import AsyncClient
+from sdk.cut_off import CutOffWatch
+from sdk.errors import LengthFinishReasonError
 from sdk.fields import REQUEST_KNOBS, SAMPLING_FIELDS, SAMPLING_KNOBS, field, sampling_fields
 from sdk.hooks import Hook
 from sdk.policy import TenantPolicy
@@ -101,6 +106,7 @@ class _PagedParams(_SamplingKnobs):  # type: ignore[misc, valid-type]
     """Share one engine between adapters and clients; None = the adapter owns a runtime of its own."""
 
     _client: Client = PrivateAttr()
+    _raise_cut_offs: bool = PrivateAttr(default=True)  # False: a cut-off reply is returned, marked "length"
 
     @model_validator(mode="after")
     def _build_client(self) -> Any:
@@ -126,6 +132,30 @@ class _PagedParams(_SamplingKnobs):  # type: ignore[misc, valid-type]
     def aclient(self) -> AsyncClient:
         return self._client.aclient
 
+    def start(self) -> None:
+        """Load the engine (or connect to ``base_url``) now, so the first call does not wait for it."""
+        self._client.start()
+
+    def close(self) -> None:
+        """Close the adapter's connections and its own runtime (``Client.close``); a shared ``runtime`` stays open."""
+        self._client.close()
+
+    async def aclose(self) -> None:
+        """``close()`` from async code (``AsyncClient.aclose``)."""
+        await self.aclient.aclose()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
     @property
     def _model_display_name(self) -> str:
         if self.model or self.base_url is None:
@@ -148,6 +178,12 @@ class _PagedParams(_SamplingKnobs):  # type: ignore[misc, valid-type]
             options["stop"] = stop
         options["stop"] = options["stop"] or None
         return {k: v for k, v in options.items() if v is not None}
+
+    def _watch(self, options: dict[str, Any]) -> CutOffWatch | None:
+        """What raises a reply cut inside the call's constraint; None when cut-off replies are returned."""
+        if not self._raise_cut_offs:
+            return None
+        return CutOffWatch(options.get("response_format"), options.get("tools"), options.get("tool_choice"))
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
@@ -199,11 +235,18 @@ def _logprob_dict(logprob: TokenLogprob) -> dict[str, Any]:
 
 
 def _relay(
-    stream: Any, to_chunk: Callable[[Delta], _Chunk], run_manager: CallbackManagerForLLMRun | None
-) -> Iterator[_Chunk]:
-    """SDK deltas -> LangChain chunks, reporting each token; closing the chunks closes (aborts) the stream."""
+    stream: Any, to_chunk: Callable[[Delta], _Chunk], run_manager: CallbackManagerForLLMRun | None,
+    watch: CutOffWatch | None,
+) -> Iterator[_Chunk]:  # fmt: skip
+    """SDK deltas -> LangChain chunks, reporting each token; closing the chunks closes (aborts) the stream.
+
+    Raises:
+        LengthFinishReasonError: the reply was cut inside its constraint (``watch``), in place of its last chunk.
+    """
     try:
         for delta in stream:
+            if watch is not None and (cut := watch.add(delta)) is not None:
+                raise cut
             chunk = to_chunk(delta)
             if run_manager:
                 run_manager.on_llm_new_token(chunk.text, chunk=chunk)
@@ -213,11 +256,14 @@ def _relay(
 
 
 async def _arelay(
-    stream: Any, to_chunk: Callable[[Delta], _Chunk], run_manager: AsyncCallbackManagerForLLMRun | None
-) -> AsyncIterator[_Chunk]:
+    stream: Any, to_chunk: Callable[[Delta], _Chunk], run_manager: AsyncCallbackManagerForLLMRun | None,
+    watch: CutOffWatch | None,
+) -> AsyncIterator[_Chunk]:  # fmt: skip
     """The async ``_relay``."""
     try:
         async for delta in stream:
+            if watch is not None and (cut := watch.add(delta)) is not None:
+                raise cut
             chunk = to_chunk(delta)
             if run_manager:
                 await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
@@ -333,8 +379,9 @@ class PagedChat(_PagedParams, BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        stream = self.client.stream(to_sdk_messages(messages), **self._options(stop, kwargs))
-        yield from _relay(stream, self._to_chunk, run_manager)
+        options = self._options(stop, kwargs)
+        stream = self.client.stream(to_sdk_messages(messages), **options)
+        yield from _relay(stream, self._to_chunk, run_manager, self._watch(options))
 
     async def _astream(
         self,
@@ -343,8 +390,9 @@ class PagedChat(_PagedParams, BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        stream = self.aclient.stream(to_sdk_messages(messages), **self._options(stop, kwargs))
-        async with aclosing(_arelay(stream, self._to_chunk, run_manager)) as chunks:
+        options = self._options(stop, kwargs)
+        stream = self.aclient.stream(to_sdk_messages(messages), **options)
+        async with aclosing(_arelay(stream, self._to_chunk, run_manager, self._watch(options))) as chunks:
             async for chunk in chunks:
                 yield chunk
 
@@ -416,7 +464,8 @@ class PagedChat(_PagedParams, BaseChatModel):
                 ``"function_calling"``: ``schema`` is bound as the one tool, its call forced;
                 the result is the call's arguments (the raw reply is a tool-call message).
             include_raw: Return ``{"raw": AIMessage, "parsed": ..., "parsing_error": ...}``; a
-                reply that does not parse (cut short by ``max_tokens``) then sets ``parsing_error``
+                reply that does not parse, or was cut by ``max_tokens``
+                (``LengthFinishReasonError``), then sets ``parsing_error`` and ``parsed=None``
                 instead of raising.
             strict: Accepted for compatibility; the reply always follows the schema.
             kwargs: Per-call options bound to every call (``max_tokens``, ``temperature``...).
@@ -430,11 +479,14 @@ class PagedChat(_PagedParams, BaseChatModel):
         if schema is None and method != "json_mode":
             raise ValueError(f"method={method!r} needs a schema; only method='json_mode' takes none")
         is_pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
+        # NOTE: with include_raw the model returns a cut-off reply and the parser step raises for it,
+        # so the raw reply is kept and the error lands in parsing_error
+        model = self._returning_cut_offs() if include_raw else self
         traced = {"ls_structured_output_format": {"kwargs": {"method": method}, "schema": schema}}
         parser: Runnable[Any, Any]
         if method == "function_calling":
             name = convert_to_openai_tool(schema)["function"]["name"]  # type: ignore[arg-type]
-            llm = self.bind_tools([schema], tool_choice=name, parallel_tool_calls=False, **kwargs).bind(**traced)  # type: ignore[list-item]
+            llm = model.bind_tools([schema], tool_choice=name, parallel_tool_calls=False, **kwargs).bind(**traced)  # type: ignore[list-item]
             parser = (
                 PydanticToolsParser(tools=[schema], first_tool_only=True)  # type: ignore[list-item]
                 if is_pydantic else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True)
@@ -442,13 +494,32 @@ class PagedChat(_PagedParams, BaseChatModel):
         else:
             response_format = {"type": "json_object"} if method == "json_mode" else convert_to_json_schema(schema)  # type: ignore[arg-type]
             self._options(None, kwargs)  # refuses unknown options here rather than on the first call
-            llm = self.bind(response_format=response_format, **traced, **kwargs)
+            llm = model.bind(response_format=response_format, **traced, **kwargs)
             parser = PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()  # type: ignore[arg-type]
         if not include_raw:
             return llm | parser
+        parser = RunnableLambda(_refuse_cut_off) | parser
         parse = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
         no_parse = RunnablePassthrough.assign(parsed=lambda _: None)
         return RunnableMap(raw=llm) | parse.with_fallbacks([no_parse], exception_key="parsing_error")
+
+    def _returning_cut_offs(self) -> PagedChat:
+        """This model on the same client, returning a reply cut inside its constraint (marked ``"length"``)."""
+        model = self.model_copy()
+        model._raise_cut_offs = False
+        return model
+
+
+def _refuse_cut_off(message: AIMessage) -> AIMessage:
+    """The reply, unless it was cut by its token limit (under a schema every cut is inside it).
+
+    Raises:
+        LengthFinishReasonError: with the reply's text and token count.
+    """
+    if message.response_metadata.get("finish_reason") != "length":
+        return message
+    num_tokens = message.usage_metadata["output_tokens"] if message.usage_metadata else 0
+    raise LengthFinishReasonError(message.text, max_tokens=num_tokens, request_id=message.id or "")
 
 
 def _tool_choice(choice: dict[str, Any] | str | bool, names: list[str]) -> dict[str, Any] | str:
@@ -504,8 +575,9 @@ class PagedLLM(_PagedParams, LLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
-        stream = self.client.stream(prompt=prompt, **self._options(stop, kwargs))
-        yield from _relay(stream, self._to_chunk, run_manager)
+        options = self._options(stop, kwargs)
+        stream = self.client.stream(prompt=prompt, **options)
+        yield from _relay(stream, self._to_chunk, run_manager, self._watch(options))
 
     async def _astream(
         self,
@@ -514,8 +586,9 @@ class PagedLLM(_PagedParams, LLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[GenerationChunk]:
-        stream = self.aclient.stream(prompt=prompt, **self._options(stop, kwargs))
-        async with aclosing(_arelay(stream, self._to_chunk, run_manager)) as chunks:
+        options = self._options(stop, kwargs)
+        stream = self.aclient.stream(prompt=prompt, **options)
+        async with aclosing(_arelay(stream, self._to_chunk, run_manager, self._watch(options))) as chunks:
             async for chunk in chunks:
                 yield chunk
 

@@ -11,6 +11,8 @@ calls the engine holds to the tools' schemas; calls travel as ``ToolCallBlock``s
 results as ``tool`` messages with ``additional_kwargs["tool_call_id"]``. A thinking model's
 reasoning (``sdk.reasoning``) comes as the reply's ``ThinkingBlock``, and while streaming as
 each response's ``additional_kwargs["thinking_delta"]`` (where LlamaIndex's agents read it).
+A reply cut at ``max_tokens`` inside its constraint (``sdk.cut_off``) raises
+``LengthFinishReasonError``, so structured prediction and agents never see a half object or call.
 Every call goes through an SDK client, so hooks and audit apply.
 
     from sdk.integrations.llamaindex import PagedLLM
@@ -58,6 +60,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from pydantic import Field, PrivateAttr, create_model
 
 from sdk.client import AsyncClient
+from sdk.cut_off import CutOffWatch
 from sdk.fields import REQUEST_KNOBS, SAMPLING_FIELDS, field, sampling_fields
 from sdk.hooks import Hook
 from sdk.policy import TenantPolicy
@@ -138,6 +141,11 @@ class _StreamedReply:
             additional_kwargs = {**additional_kwargs, "thinking_delta": delta.reasoning}
         message = _assistant(self._text, self._calls, self._reasoning)
         return ChatResponse(message=message, delta=delta.text, additional_kwargs=additional_kwargs)
+
+
+def _watch(options: dict[str, Any]) -> CutOffWatch:
+    """What raises a streamed reply cut inside the call's constraint (``sdk.cut_off``), in place of its last response."""
+    return CutOffWatch(options.get("response_format"), options.get("tools"), options.get("tool_choice"))
 
 
 # NOTE: a LlamaIndex LLM returns one response per call: n is not a knob here.
@@ -221,6 +229,32 @@ class PagedLLM(_SamplingKnobs):  # type: ignore[misc, valid-type]
     def aclient(self) -> AsyncClient:
         return self.client.aclient
 
+    def start(self) -> None:
+        """Load the engine (or connect to ``base_url``) now, so the first call does not wait for it."""
+        self.client.start()
+
+    def close(self) -> None:
+        """Close the adapter's connections and its own runtime (``Client.close``); a shared ``runtime`` stays open."""
+        if self._client is not None:
+            self._client.close()
+
+    async def aclose(self) -> None:
+        """``close()`` from async code (``AsyncClient.aclose``)."""
+        if self._client is not None:
+            await self._client.aclient.aclose()
+
+    def __enter__(self) -> PagedLLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> PagedLLM:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
     @property
     def metadata(self) -> LLMMetadata:
         return LLMMetadata(
@@ -251,20 +285,25 @@ class PagedLLM(_SamplingKnobs):  # type: ignore[misc, valid-type]
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[LIChatMessage], **kwargs: Any) -> ChatResponse:
-        return self._response(self.client.chat(to_sdk_messages(messages), **self._options(kwargs)))
+        result = self.client.chat(to_sdk_messages(messages), **self._options(kwargs))
+        return self._response(result.raise_for_cut_off())
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[LIChatMessage], **kwargs: Any) -> ChatResponse:
-        return self._response(await self.aclient.chat(to_sdk_messages(messages), **self._options(kwargs)))
+        result = await self.aclient.chat(to_sdk_messages(messages), **self._options(kwargs))
+        return self._response(result.raise_for_cut_off())
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[LIChatMessage], **kwargs: Any) -> ChatResponseGen:
-        stream = self.client.stream(to_sdk_messages(messages), **self._options(kwargs))
+        options = self._options(kwargs)
+        stream = self.client.stream(to_sdk_messages(messages), **options)
 
         def gen() -> ChatResponseGen:
-            reply = _StreamedReply()
+            reply, watch = _StreamedReply(), _watch(options)
             try:
                 for delta in stream:
+                    if (cut := watch.add(delta)) is not None:
+                        raise cut
                     yield reply.add(delta, self._extra(delta))
             finally:
                 stream.close()  # type: ignore[attr-defined]
@@ -273,12 +312,15 @@ class PagedLLM(_SamplingKnobs):  # type: ignore[misc, valid-type]
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[LIChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        stream = self.aclient.stream(to_sdk_messages(messages), **self._options(kwargs))
+        options = self._options(kwargs)
+        stream = self.aclient.stream(to_sdk_messages(messages), **options)
 
         async def gen() -> ChatResponseAsyncGen:
-            reply = _StreamedReply()
+            reply, watch = _StreamedReply(), _watch(options)
             try:
                 async for delta in stream:
+                    if (cut := watch.add(delta)) is not None:
+                        raise cut
                     yield reply.add(delta, self._extra(delta))
             finally:
                 await stream.aclose()  # type: ignore[attr-defined]
@@ -291,26 +333,29 @@ class PagedLLM(_SamplingKnobs):  # type: ignore[misc, valid-type]
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         if not formatted:
             return chat_to_completion_decorator(self.chat)(prompt, **kwargs)
-        result = self.client.complete(prompt, **self._options(kwargs))
+        result = self.client.complete(prompt, **self._options(kwargs)).raise_for_cut_off()
         return CompletionResponse(text=result.text, raw=result.model_dump(), additional_kwargs=self._extra(result))
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         if not formatted:
             return await achat_to_completion_decorator(self.achat)(prompt, **kwargs)
-        result = await self.aclient.complete(prompt, **self._options(kwargs))
+        result = (await self.aclient.complete(prompt, **self._options(kwargs))).raise_for_cut_off()
         return CompletionResponse(text=result.text, raw=result.model_dump(), additional_kwargs=self._extra(result))
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
         if not formatted:
             return stream_chat_to_completion_decorator(self.stream_chat)(prompt, **kwargs)
-        stream = self.client.stream(prompt=prompt, **self._options(kwargs))
+        options = self._options(kwargs)
+        stream = self.client.stream(prompt=prompt, **options)
 
         def gen() -> CompletionResponseGen:
-            text = ""
+            text, watch = "", _watch(options)
             try:
                 for delta in stream:
+                    if (cut := watch.add(delta)) is not None:
+                        raise cut
                     text += delta.text
                     yield CompletionResponse(text=text, delta=delta.text, additional_kwargs=self._extra(delta))
             finally:
@@ -322,12 +367,15 @@ class PagedLLM(_SamplingKnobs):  # type: ignore[misc, valid-type]
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
         if not formatted:
             return await astream_chat_to_completion_decorator(self.astream_chat)(prompt, **kwargs)
-        stream = self.aclient.stream(prompt=prompt, **self._options(kwargs))
+        options = self._options(kwargs)
+        stream = self.aclient.stream(prompt=prompt, **options)
 
         async def gen() -> CompletionResponseAsyncGen:
-            text = ""
+            text, watch = "", _watch(options)
             try:
                 async for delta in stream:
+                    if (cut := watch.add(delta)) is not None:
+                        raise cut
                     text += delta.text
                     yield CompletionResponse(text=text, delta=delta.text, additional_kwargs=self._extra(delta))
             finally:

@@ -14,7 +14,8 @@ STATS_KEYS = {
     "ttft_seconds", "itl_seconds", "generation_tokens_per_second", "weights", "attention", "layers",
     "requests_received", "requests_rejected", "requests_aborted", "request_success", "e2e_request_latency_seconds",
     "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds", "kv_token_usage",
-    "kv_evictions", "tenant_requests", "tenant_computed_tokens",
+    "kv_evictions", "tenant_requests", "tenant_computed_tokens", "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos",
 }
 
 

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from integrations.openai_server.app import create_app
@@ -9,6 +14,7 @@ from sdk.client import AsyncClient
 from sdk.errors import AuthenticationError
 from sdk.sync import Client
 
+ROOT = Path(__file__).resolve().parents[2]
 KEY = "sk-remote"
 ENGINE_CONFIG = dict(num_blocks=64, block_size=16, max_num_seqs=8, max_num_batched_tokens=512, max_model_len=256)
 MESSAGES = [("system", "You are terse."), ("human", "Count to five.")]
@@ -120,3 +126,29 @@ def test_wrong_api_key_raises_authentication_error(server, api_key):
     finally:
         chat.client.close()
         llm.client.close()
+
+
+def test_remote_adapters_close_their_sessions_at_exit_or_when_closed(server):
+    """A remote PagedChat left open is closed at interpreter exit, ``async with`` closes one on the caller's loop,
+    and a LlamaIndex PagedLLM closes with ``with``: no "Unclosed client session" warning."""
+    script = f"""
+import asyncio
+from sdk.integrations.langchain import PagedChat
+from sdk.integrations.llamaindex import PagedLLM
+
+left_open = PagedChat(base_url={server.base_url!r}, api_key={KEY!r}, max_tokens=2)
+left_open.invoke("hi")
+
+async def main():
+    async with PagedChat(base_url={server.base_url!r}, api_key={KEY!r}, max_tokens=2) as chat:
+        await chat.ainvoke("hi")
+
+asyncio.run(main())
+with PagedLLM(base_url={server.base_url!r}, api_key={KEY!r}, max_tokens=2) as llm:
+    llm.complete("hi")
+print("served")
+"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "always"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "served" in done.stdout, done.stderr
+    assert "unclosed" not in done.stderr.lower(), done.stderr

@@ -14,6 +14,7 @@ from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.tools import FunctionTool
 from pydantic import BaseModel, Field
 
+from sdk import LengthFinishReasonError
 from sdk.integrations.llamaindex import PagedLLM, to_sdk_messages
 
 QUESTION = "What is the weather in Paris, and what is 6 times 7?"
@@ -86,13 +87,24 @@ def test_predict_and_call_runs_the_chosen_tool(llm):
 
 
 async def test_streaming_with_tools_ends_with_the_same_calls(llm):
-    expected = _calls(llm, llm.chat_with_tools(TOOLS, QUESTION, tool_required=True, allow_parallel_tool_calls=True))
-    streamed = list(llm.stream_chat_with_tools(TOOLS, QUESTION, tool_required=True, allow_parallel_tool_calls=True))
+    expected = _calls(llm, llm.chat_with_tools(TOOLS, QUESTION, tool_required=True))
+    streamed = list(llm.stream_chat_with_tools(TOOLS, QUESTION, tool_required=True))
     assert _calls(llm, streamed[-1]) == expected
     counts = [len(llm.get_tool_calls_from_response(r, error_on_no_tool_call=False)) for r in streamed]
-    assert counts == sorted(counts)  # calls accumulate; none is shown before it is whole
-    stream = await llm.astream_chat_with_tools(TOOLS, QUESTION, tool_required=True, allow_parallel_tool_calls=True)
+    assert counts[0] == 0 and counts[-1] == 1  # the call shows once it is whole
+    stream = await llm.astream_chat_with_tools(TOOLS, QUESTION, tool_required=True)
     assert _calls(llm, [r async for r in stream][-1]) == expected
+
+
+async def test_parallel_calls_cut_by_max_tokens_raise(llm):
+    """Greedy, the random model calls again and again until max_tokens cuts a call: every form raises."""
+    kwargs = dict(tool_required=True, allow_parallel_tool_calls=True)
+    with pytest.raises(LengthFinishReasonError):
+        llm.chat_with_tools(TOOLS, QUESTION, **kwargs)
+    with pytest.raises(LengthFinishReasonError):
+        list(llm.stream_chat_with_tools(TOOLS, QUESTION, **kwargs))
+    with pytest.raises(LengthFinishReasonError):
+        [r async for r in await llm.astream_chat_with_tools(TOOLS, QUESTION, **kwargs)]
 
 
 async def test_a_tool_result_history_round_trips(llm):

@@ -41,6 +41,30 @@ async def test_clients_on_one_runtime_share_its_engine_and_prefix_cache(tiny_mod
     assert runtime.closed and not engine.is_running
 
 
+def test_start_loads_the_engine_so_the_first_request_does_not(tiny_model, monkeypatch):
+    """The warm-up: after ``Client.start()``, ``PagedChat.start()`` or LlamaIndex ``PagedLLM.start()`` the engine is
+    loaded, and the first request loads nothing."""
+    import sdk.runtime
+    from sdk.integrations.langchain import PagedChat
+    from sdk.integrations.llamaindex import PagedLLM
+
+    loads: list[str | None] = []
+    load = sdk.runtime._load
+    monkeypatch.setattr(sdk.runtime, "_load", lambda state, model, config: (loads.append(model), load(state, model, config)))
+    client = Client(tiny_model, **ENGINE_CONFIG)
+    with Runtime(tiny_model, **ENGINE_CONFIG) as runtime:
+        adapters = [PagedChat(runtime=runtime, max_tokens=1), PagedLLM(runtime=runtime, max_tokens=1)]
+        client.start()
+        for adapter in adapters:
+            adapter.start()
+        assert loads == [tiny_model, tiny_model]  # the client's own engine, then the shared runtime's
+        monkeypatch.setattr(sdk.runtime, "_load", lambda *args: pytest.fail("a request loaded the engine"))
+        assert client.chat("hi", max_tokens=1).usage.completion_tokens == 1
+        assert adapters[0].invoke("hi").usage_metadata["output_tokens"] == 1
+        assert adapters[1].complete("hi").additional_kwargs["usage"]["completion_tokens"] == 1
+    client.close()
+
+
 async def test_own_runtime_is_closed_by_aclose(tiny_model):
     """A client without runtime= owns one: aclose() shuts its engine down; later calls raise RuntimeError."""
     client = AsyncClient(tiny_model, **ENGINE_CONFIG)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from sdk import ChatMessage, ContentBlocked, HookFailed, InvalidRequestError
+from sdk import ChatMessage, ContentBlocked, HookFailed, InvalidRequestError, RequestTimeout
 from sdk.hooks import AuditChainBroken
 from sdk.hooks import AuditLog, Hook, RegexFilter, RequestContext, Stop
 
@@ -207,6 +207,16 @@ async def test_raising_audit_is_counted_not_silent(make_client, caplog):
     assert result.finish_reason == "length"
     assert client.stats()["hook_failures"] == 1
     assert "ExplodingAudit failed in on_finish" in caplog.text
+
+
+async def test_a_timed_out_request_shows_the_hooks_the_callers_error(make_client, fake_engine, tmp_path):
+    """One error per failure wherever it is seen: on_finish and the audit record get the caller's RequestTimeout."""
+    recorder, audit = Recorder([], "a"), AuditLog(tmp_path / "audit.jsonl")
+    fake_engine.step_delay = 0.05
+    with pytest.raises(RequestTimeout) as caught:
+        await make_client(hooks=[recorder, audit]).chat("hi", max_tokens=100, timeout=0.2)
+    assert recorder.finished[0].error is caught.value
+    assert [(r["finish_reason"], r["error"]) for r in _records(audit.path)] == [("abort", "RequestTimeout")]
 
 
 async def test_hooks_run_in_order_once(make_client):

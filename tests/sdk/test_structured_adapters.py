@@ -17,6 +17,7 @@ from llama_index.core.prompts import PromptTemplate
 from pydantic import BaseModel, Field
 from typing_extensions import TypedDict
 
+from sdk import LengthFinishReasonError
 from sdk.integrations import langchain
 from sdk.integrations.langchain import PagedChat
 from sdk.integrations.llamaindex import PagedLLM
@@ -93,9 +94,11 @@ async def test_function_calling_forces_the_schemas_tool(chat, schema):
     assert [c async for c in structured.astream("A pet?")][-1] == out["parsed"]
 
 
-def test_json_mode_gives_a_json_object(chat):
-    result = chat.with_structured_output(method="json_mode").invoke("A pet, as JSON.")
-    assert isinstance(result, dict)
+def test_json_mode_gives_a_json_object_and_a_cut_one_raises(chat):
+    result = chat.with_structured_output(method="json_mode", temperature=1.0, seed=0).invoke("A pet, as JSON.")
+    assert isinstance(result, dict)  # a seed whose object closes
+    with pytest.raises(LengthFinishReasonError):  # greedy, the object never closes: no partial dict
+        chat.with_structured_output(method="json_mode").invoke("A pet, as JSON.")
 
 
 def test_include_raw_keeps_the_message_and_reports_parsing_errors(chat):

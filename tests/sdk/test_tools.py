@@ -333,3 +333,27 @@ async def test_output_filters_and_audit_see_tool_calls(tiny_model_factory, tmp_p
     records = [json.loads(line) for line in audit.read_text().splitlines()]
     assert records[1]["tool_calls"] == ["get_weather"]
     assert records[1]["tool_call_arguments"][0]["arguments"] == allowed.tool_calls[0].arguments
+
+
+def test_a_cut_is_inside_the_constraint_when_forced_or_inside_a_begun_call():
+    """``sdk.cut_off``: a length finish under a forced choice or a JSON format is a cut; under auto, only one
+    inside a call whose name was streamed; a call that closed before the cut leaves plain text cut."""
+    from engine.outputs import Delta
+    from sdk.cut_off import CutOffWatch
+    from sdk.tools import ToolCallDelta
+
+    head = Delta("r", text="", token_ids=[1, 2], tool_calls=[ToolCallDelta(index=0, id="call_1", name="get_weather")])
+    half = Delta("r", token_ids=[3], tool_calls=[ToolCallDelta(index=0, arguments='{"city": "Par')], finish_reason="length")
+    whole = Delta("r", token_ids=[3], tool_calls=[ToolCallDelta(index=0, arguments='{"city": "Paris"}')])
+    text_cut = Delta("r", text=" and", token_ids=[4], finish_reason="length")
+
+    def cut(deltas: list[Delta], **request: object) -> object:
+        watch = CutOffWatch(tools=[WEATHER], **request)
+        return [watch.add(d) for d in deltas][-1]
+
+    error = cut([head, half])
+    assert error is not None and (error.text, error.max_tokens, error.request_id) == ("", 3, "r")
+    assert cut([head, whole, text_cut]) is None
+    assert cut([head, whole, text_cut], tool_choice="required") is not None
+    assert cut([text_cut], tool_choice="none", response_format={"type": "json_object"}) is not None
+    assert cut([text_cut], tool_choice="none", response_format={"type": "text"}) is None

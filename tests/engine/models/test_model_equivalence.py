@@ -14,6 +14,7 @@ from engine.layers.linear import Linear
 from engine.worker.model_runner import ModelRunner, resolve_dtypes
 from tests.support.bf16_paths import PATHS as BF16_PATHS
 from tests.support.bf16_paths import bf16_path
+from tests.support.hf_reference import hf_logits
 
 ATOL = 1e-4
 
@@ -26,11 +27,6 @@ def models(request, tiny_model_factory):
     runner = ModelRunner(EngineConfig(dtype="float32", device="cpu", block_size=4, num_blocks=192), path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return runner, hf
-
-
-def _hf_logits(hf, tokens: list[int]) -> torch.Tensor:  # [len(tokens), vocab]: logits after each prefix
-    with torch.inference_mode():
-        return hf(torch.tensor([tokens])).logits[0].float()
 
 
 def _prompt(rng: random.Random, n: int) -> list[int]:
@@ -68,7 +64,7 @@ def test_mixed_batch_prefill_prefix_and_decode_match_transformers(models) -> Non
             driver.append(req_id, rng.randrange(3, 49152))
         record(driver.step({req_id: 1 for req_id in "abcdef"}))
 
-    reference = {req_id: _hf_logits(hf, tokens) for req_id, tokens in driver.tokens.items()}
+    reference = {req_id: hf_logits(hf, tokens) for req_id, tokens in driver.tokens.items()}
     assert len(expected) == 3 + 5 + 1 + 20 * 6
     for req_id, position, logits in expected:
         torch.testing.assert_close(logits, reference[req_id][position], atol=ATOL, rtol=0)
@@ -85,8 +81,8 @@ def test_same_step_shared_prefix_matches_transformers(models) -> None:
     driver.fork("d", "a", 4, _prompt(rng, 3))
     driver.num_computed["d"] = 16  # d's prefix is a's first 16 tokens, written by a in this step
     out = driver.step({"d": None, "a": None})  # d before a: a's K/V must still be stored first
-    torch.testing.assert_close(out["d"], _hf_logits(hf, driver.tokens["d"])[-1], atol=ATOL, rtol=0)
-    torch.testing.assert_close(out["a"], _hf_logits(hf, driver.tokens["a"])[-1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out["d"], hf_logits(hf, driver.tokens["d"])[-1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out["a"], hf_logits(hf, driver.tokens["a"])[-1], atol=ATOL, rtol=0)
 
 
 def test_bfloat16_runner_tracks_float32_reference(tiny_model_factory) -> None:
@@ -106,7 +102,7 @@ def test_bfloat16_runner_tracks_float32_reference(tiny_model_factory) -> None:
             driver.append(req_id, rng.randrange(3, 49152))
         got = driver.step({"a": 1, "b": 1})
     for req_id in "ab":
-        expected = _hf_logits(hf, driver.tokens[req_id])[-1]
+        expected = hf_logits(hf, driver.tokens[req_id])[-1]
         assert got[req_id].dtype == torch.float32
         torch.testing.assert_close(got[req_id], expected, atol=1e-2, rtol=0)
 
@@ -158,6 +154,6 @@ def _check_bfloat16_weights(auto_model, model_path, round_inputs: bool) -> None:
             driver.append(req_id, rng.randrange(3, 49152))
         record(driver.step({"a": 1, "b": 1} | ({"c": None} if step == 0 else {})))
     assert len(expected) == 2 + 4 * 2 + 1
-    reference = {req_id: _hf_logits(hf, tokens) for req_id, tokens in driver.tokens.items()}
+    reference = {req_id: hf_logits(hf, tokens) for req_id, tokens in driver.tokens.items()}
     for req_id, position, logits in expected:
         torch.testing.assert_close(logits, reference[req_id][position], atol=5e-3, rtol=0)

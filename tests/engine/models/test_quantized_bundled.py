@@ -105,15 +105,16 @@ def _prefill_gap(reference, got) -> float:
 
 def test_gguf_blocks_stay_near_float32(runners, prompts, reference) -> None:
     """The file's blocks times int8 blocks of x (as llama.cpp multiplies them) against the dequantized float32
-    model: over prefill and 64 greedy steps of the 8 prompts, the tokens agree for a quarter of the steps or more,
+    model: over prefill and 64 greedy steps of the 8 prompts, the tokens agree for an eighth of the steps or more,
     prefill's logits stay within 1.5 of float32's, and while the inputs agree the log-probability of float32's token
-    moves by less than 0.6 (measured: 222 of 512 steps, 1 prompt whole, prefill's logits 0.87 apart,
+    moves by less than 0.6 (measured on an AVX2 CPU: 222 of 512 steps, 1 prompt whole, prefill's logits 0.87 apart,
     log-probabilities 0.36; with the output head in float32 too, 159 steps and 0.37: the layers' activations, not
-    the head, set the error)."""
+    the head, set the error; on an AVX-512 VNNI CPU 116 steps, 0.88 and 0.32: the logits are as close, but where
+    a greedy run first parts from float32's moves with the kernels' summation order)."""
     got = _decode(runners["gguf"], prompts)
     _, _, worst_logprob = _compare(reference, got)
     kept, prefill_logit = _steps_kept(reference, got), _prefill_gap(reference, got)
-    assert kept >= len(prompts) * MAX_NEW_TOKENS // 4
+    assert kept >= len(prompts) * MAX_NEW_TOKENS // 8
     assert prefill_logit < 1.5 and worst_logprob < 0.6
 
 

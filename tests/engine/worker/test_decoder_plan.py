@@ -8,6 +8,9 @@ import torch
 from engine import cpu_kernels
 from engine.config import EngineConfig
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.layers.activation import GeluTanhAndMul
+from engine.layers.norm import GemmaRMSNorm
+from engine.layers.rotary import RotaryEmbedding
 from engine.worker.forward_context import ForwardContext, set_forward_context
 from engine.worker.input_batch import prepare_inputs
 from engine.worker.decoder_plan import DecoderPlan
@@ -40,12 +43,14 @@ def _both_paths(runner: ModelRunner, scheduled: list[ScheduledRequest]) -> tuple
     return planned, planned_cache, eager, runner.kv_cache
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama3", "mistral_sliding", "qwen2", "qwen3", "smollm2"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "llama3", "mistral_sliding", "qwen2", "qwen3", "smollm2", "phi3", "phi4_mini"]
+)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_plan_matches_the_modules_bit_for_bit(tiny_model_factory, arch: str, dtype: str) -> None:
     """Every architecture flag (q/k/v bias, q/k head norms, llama3 rotary, a tied head, a sliding window past
-    which most rows reach) in both cache dtypes: the plan's hidden states and every layer's cache equal the
-    modules'."""
+    which most rows reach, Phi's fused checkpoint weights and LongRoPE past its switch at 32 over 3/4 of a head) in
+    both cache dtypes: the plan's hidden states and every layer's cache equal the modules'."""
     runner = ModelRunner(EngineConfig(dtype=dtype, num_blocks=40), tiny_model_factory(arch))
     assert runner.decoder_plan is not None
     planned, planned_cache, eager, eager_cache = _both_paths(runner, STEP)
@@ -82,6 +87,34 @@ def test_layers_of_different_windows_or_soft_capped_take_the_modules(tiny_model_
     first.sliding_window = None
     assert DecoderPlan.build(runner.model, runner.attn_backend, runner.dtype) is None
     first.sliding_window, first.logit_softcap = 24, 30.0
+    assert DecoderPlan.build(runner.model, runner.attn_backend, runner.dtype) is None
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3_text"])
+def test_gemma_takes_the_modules(tiny_model_factory, arch: str) -> None:
+    runner = ModelRunner(EngineConfig(num_blocks=40), tiny_model_factory(arch))
+    assert runner.decoder_plan is None and runner.layers == "modules"
+
+
+@pytest.mark.parametrize("change", ["gelu", "norm", "sandwich", "rotary", "scale"])
+def test_what_decoder_c_does_not_compute_takes_the_modules(tiny_model_factory, change: str) -> None:
+    """Each of Gemma's differences alone leaves a Llama model to the modules: a gelu MLP, a norm scaling by
+    1 + weight, norms of each block's output, one layer's own rope, one layer's own query scale."""
+    runner = ModelRunner(EngineConfig(num_blocks=40), tiny_model_factory("llama"))
+    assert runner.decoder_plan is not None
+    layer = runner.model.model.layers[1]
+    if change == "gelu":
+        layer.mlp.act = GeluTanhAndMul()
+    elif change == "norm":
+        layer.input_layernorm.__class__ = GemmaRMSNorm
+    elif change == "sandwich":
+        layer.sandwich_norms = True
+    elif change == "rotary":
+        rotary = layer.self_attn.rotary
+        layer.self_attn.rotary = RotaryEmbedding(rotary.head_dim, rotary.inv_freq / 2, rotary.max_position)
+        layer.self_attn.rotary.materialize(runner.device, runner.dtype)
+    else:
+        layer.self_attn.attn.scale /= 2
     assert DecoderPlan.build(runner.model, runner.attn_backend, runner.dtype) is None
 
 

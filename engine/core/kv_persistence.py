@@ -1,0 +1,309 @@
+"""KV blocks on disk: the file format, the layout they belong to, and the checks on load.
+
+A directory (``EngineConfig.kv_cache_dir``) holds blocks of any number of layouts::
+
+    kv_cache_dir/
+      <layout key>/                     one per KVLayout (model, dtypes, block size, shape)
+        layout.json                     what the key stands for, for people; the key is what is checked
+        shared/<block hash>.kvb         blocks of requests without a cache salt
+        salt-<salt digest>/<hash>.kvb   blocks of one cache salt
+
+One file per full block, named by its hash::
+
+    "PAGEDKV\\x01" | header length (u32 LE) | header (JSON) | payload | BLAKE2b-256 of all before
+
+The header holds the layout key, the block's hash, its parent's hash, the chain's cache salt
+and the block's token ids; the payload is the block's K and V for every layer, as the
+runner's ``read_kv_blocks`` gives them. A file is written to a temporary name and renamed,
+so a crash mid-write leaves the old file or none.
+
+On load a file counts only if its checksum, layout key and payload size match, its name and
+directory match its header, and its hash recomputes from (parent hash, tokens, salt): a file
+cannot claim a hash it does not have, so it is served only to prompts with its exact prefix
+under its exact salt. A block also needs its parent loaded (from the same salt's directory).
+Pure Python: the engine moves the payloads in and out of the KV tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from hashlib import blake2b
+from pathlib import Path
+
+from engine.core.block_hash import BlockHash, hash_block_tokens
+from engine.core.kv_cache_manager import BlockOrigin
+
+MAGIC = b"PAGEDKV\x01"
+SUFFIX = ".kvb"
+CHECKSUM_SIZE = 32
+_HEADER_LEN = struct.Struct("<I")
+_SAMPLES_PER_FILE = 16  # chunks of each weight file a model fingerprint reads
+_SAMPLE_BYTES = 64 << 10
+_Key = tuple[str, BlockHash]  # (salt directory, block hash): a block's identity on disk
+
+
+class CorruptBlockFile(ValueError):
+    """A block file that fails a check on load; the message says which (it is the skip reason)."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Everything a block's K/V bytes depend on besides its tokens: blocks load only into the same layout."""
+
+    model: str  # model_fingerprint() of the weights and config
+    kv_dtype: str  # the KV cache's element type
+    compute_dtype: str
+    weight_dtype: str
+    quantization: str | None
+    attention_backend: str  # the backend class: kernels may round differently
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    byteorder: str
+    tensor_layout: str = "layer, k|v, slot, kv_head, dim"  # of one block's payload
+
+    @property
+    def key(self) -> str:
+        """32 hex digits naming the layout's directory."""
+        text = json.dumps(asdict(self), sort_keys=True)
+        return blake2b(text.encode(), digest_size=16).hexdigest()
+
+    @property
+    def block_bytes(self) -> int:
+        """Payload bytes of one block: layers x 2 x block_size x kv_heads x head_dim x dtype bytes."""
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+
+def model_fingerprint(config_file: Path, weight_files: Sequence[Path]) -> str:
+    """A digest of a model's config and weights: the files' names, sizes and 16 chunks of 64 KiB of each.
+
+    Reading samples keeps it to ~1 MiB per file; any fine-tune or re-quantization changes the
+    sampled bytes, where names and sizes alone would not.
+    """
+    digest = blake2b(config_file.read_bytes(), digest_size=16)
+    for path in sorted(weight_files, key=lambda p: p.name):
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with path.open("rb") as f:
+            for i in range(_SAMPLES_PER_FILE):
+                f.seek(max(0, (size - _SAMPLE_BYTES) * i // (_SAMPLES_PER_FILE - 1)))
+                digest.update(f.read(_SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
+def salt_dir_name(cache_salt: str | None) -> str:
+    """The directory of a salt's blocks: ``shared``, or ``salt-`` and a digest (the salt is not in the name)."""
+    if cache_salt is None:
+        return "shared"
+    return "salt-" + blake2b(cache_salt.encode(), digest_size=12).hexdigest()
+
+
+def encode_block(layout_key: str, block_hash: BlockHash, origin: BlockOrigin, payload: bytes) -> bytes:
+    """One block file's bytes."""
+    header = json.dumps({
+        "layout": layout_key,
+        "hash": block_hash.hex(),
+        "parent": None if origin.parent_hash is None else origin.parent_hash.hex(),
+        "salt": origin.cache_salt,
+        "tokens": list(origin.token_ids),
+    }).encode()  # fmt: skip
+    body = b"".join((MAGIC, _HEADER_LEN.pack(len(header)), header, payload))
+    return body + blake2b(body, digest_size=CHECKSUM_SIZE).digest()
+
+
+def decode_block(data: bytes, layout: KVLayout) -> tuple[BlockHash, BlockOrigin, memoryview]:
+    """A block file's hash, origin and payload, every check passed.
+
+    Raises:
+        CorruptBlockFile: torn, checksum mismatch, another layout, wrong sizes, or a hash that
+            does not recompute from its parent, tokens and salt.
+    """
+    view = memoryview(data)
+    fixed = len(MAGIC) + _HEADER_LEN.size
+    if len(data) < fixed + CHECKSUM_SIZE or view[: len(MAGIC)] != MAGIC:
+        raise CorruptBlockFile("torn or not a block file")
+    if blake2b(view[:-CHECKSUM_SIZE], digest_size=CHECKSUM_SIZE).digest() != view[-CHECKSUM_SIZE:]:
+        raise CorruptBlockFile("checksum mismatch")
+    (header_len,) = _HEADER_LEN.unpack_from(view, len(MAGIC))
+    try:
+        header = json.loads(bytes(view[fixed : fixed + header_len]))
+        block_hash = bytes.fromhex(header["hash"])
+        parent = None if header["parent"] is None else bytes.fromhex(header["parent"])
+        origin = BlockOrigin(parent, tuple(int(t) for t in header["tokens"]), header["salt"])
+        layout_key = header["layout"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptBlockFile(f"unreadable header ({type(exc).__name__})") from None
+    if layout_key != layout.key:
+        raise CorruptBlockFile("another layout")
+    payload = view[fixed + header_len : -CHECKSUM_SIZE]
+    if len(payload) != layout.block_bytes or len(origin.token_ids) != layout.block_size:
+        raise CorruptBlockFile("wrong size")
+    extra = None if parent is not None or origin.cache_salt is None else (origin.cache_salt,)
+    if not isinstance(origin.cache_salt, (str, type(None))) or (
+        hash_block_tokens(parent, origin.token_ids, extra) != block_hash
+    ):
+        raise CorruptBlockFile("hash does not match its tokens")
+    return block_hash, origin, payload
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedBlock:
+    block_hash: BlockHash
+    origin: BlockOrigin
+    payload: memoryview
+
+
+class KVBlockStore:
+    """The blocks of one layout under a ``kv_cache_dir``: loads the valid ones, mirrors a selection on save.
+
+    Not thread-safe; one engine at a time per directory (two engines of one layout would
+    remove each other's files, never serve wrong ones).
+
+    Args:
+        root: ``kv_cache_dir``; created if missing.
+        layout: the layout of this engine's KV cache.
+
+    Raises:
+        OSError: ``root`` cannot be created or written.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], layout: KVLayout) -> None:
+        self.root = Path(root)
+        self.layout = layout
+        self.dir = self.root / layout.key
+        self.dir.mkdir(parents=True, exist_ok=True)
+        descriptor = self.dir / "layout.json"
+        if not descriptor.exists():
+            _write_atomic(descriptor, json.dumps(asdict(layout), indent=1, sort_keys=True).encode())
+        self._on_disk: set[str] = set()  # files known valid: "salt dir/hash.kvb"
+
+    def load(self, max_blocks: int) -> tuple[Iterator[LoadedBlock], Counter[str]]:
+        """The valid blocks whose whole chain is valid, each after its parent, at most ``max_blocks``.
+
+        Returns:
+            The blocks, read lazily and each checked again as it is read (a file changed since
+            the scan is skipped with its descendants); and the reasons files were skipped, by
+            count, complete once the blocks are consumed.
+        """
+        skipped: Counter[str] = Counter()
+        for other in self.root.iterdir():
+            if other.is_dir() and other.name != self.layout.key:
+                skipped["another layout"] += sum(1 for _ in other.rglob(f"*{SUFFIX}"))
+        found: dict[_Key, tuple[BlockOrigin, Path]] = {}
+        for path in sorted(self.dir.glob(f"*/*{SUFFIX}")):
+            try:
+                block_hash, origin = self._read(path)[:2]
+            except CorruptBlockFile as exc:
+                skipped[str(exc)] += 1
+                continue
+            found[path.parent.name, block_hash] = origin, path
+        depth = _chain_depths(found)
+        ordered = sorted((k for k in found if depth[k] is not None), key=lambda k: depth[k])
+        skipped["parent missing"] += len(found) - len(ordered)
+        skipped["no room in the KV cache"] += len(ordered) - max_blocks
+        skipped = +skipped  # NOTE: only the reasons that occurred
+        for salt_dir, block_hash in ordered[:max_blocks]:
+            self._on_disk.add(f"{salt_dir}/{block_hash.hex()}{SUFFIX}")
+        return self._read_ordered([found[k][1] for k in ordered[:max_blocks]], skipped), skipped
+
+    def save(
+        self, blocks: Sequence[tuple[int, BlockHash, BlockOrigin]], read: Callable[[list[int]], list[bytes]]
+    ) -> int:
+        """Makes the layout's directory hold exactly ``blocks``: writes the missing files, removes the others.
+
+        Args:
+            blocks: (block id, hash, origin) of each block to keep.
+            read: the payloads of block ids, in order (called once, for the missing files only).
+
+        Returns:
+            The files written.
+        """
+        wanted = {f"{salt_dir_name(origin.cache_salt)}/{block_hash.hex()}{SUFFIX}": (block_id, block_hash, origin)
+                  for block_id, block_hash, origin in blocks}  # fmt: skip
+        missing = [name for name in wanted if name not in self._on_disk]
+        payloads = read([wanted[name][0] for name in missing]) if missing else []
+        for name, payload in zip(missing, payloads):
+            _, block_hash, origin = wanted[name]
+            path = self.dir / name
+            path.parent.mkdir(exist_ok=True)
+            _write_atomic(path, encode_block(self.layout.key, block_hash, origin, payload))
+            self._on_disk.add(name)
+        for path in self.dir.glob(f"*/*{SUFFIX}"):
+            name = f"{path.parent.name}/{path.name}"
+            if name not in wanted:
+                path.unlink(missing_ok=True)
+                self._on_disk.discard(name)
+        return len(missing)
+
+    def _read(self, path: Path) -> tuple[BlockHash, BlockOrigin, memoryview]:
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise CorruptBlockFile(f"unreadable ({exc.strerror})") from None
+        block_hash, origin, payload = decode_block(data, self.layout)
+        if path.name != block_hash.hex() + SUFFIX or path.parent.name != salt_dir_name(origin.cache_salt):
+            raise CorruptBlockFile("misplaced")
+        return block_hash, origin, payload
+
+    def _read_ordered(self, paths: list[Path], skipped: Counter[str]) -> Iterator[LoadedBlock]:
+        dropped: set[BlockHash] = set()
+        for path in paths:
+            try:
+                block_hash, origin, payload = self._read(path)
+            except CorruptBlockFile as exc:
+                skipped[f"{exc} (changed since the scan)"] += 1
+                self._on_disk.discard(f"{path.parent.name}/{path.name}")
+                dropped.add(bytes.fromhex(path.stem))
+                continue
+            if origin.parent_hash in dropped:
+                skipped["parent missing"] += 1
+                dropped.add(block_hash)
+                continue
+            yield LoadedBlock(block_hash, origin, payload)
+
+
+def _chain_depths(found: dict[_Key, tuple[BlockOrigin, Path]]) -> dict[_Key, int | None]:
+    """Each block's position in its chain (0 for a first block); None where an ancestor is missing (or loops)."""
+    depth: dict[_Key, int | None] = {}
+    for start in found:
+        chain: list[_Key] = []
+        seen: set[_Key] = set()
+        key: _Key = start
+        while True:
+            if key in depth:
+                base = depth[key]
+                break
+            if key not in found or key in seen:
+                base = None
+                break
+            chain.append(key)
+            seen.add(key)
+            parent = found[key][0].parent_hash
+            if parent is None:
+                base = -1
+                break
+            key = (key[0], parent)
+        for key in reversed(chain):
+            base = None if base is None else base + 1
+            depth[key] = base
+    return depth
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Writes ``path`` through a temporary file and a rename: readers see the old file or the new, whole."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with tmp.open("wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -1,0 +1,71 @@
+"""The collectives of one tensor-parallel group: gloo on CPU, NCCL on CUDA, over a TCP store on localhost.
+
+A ``Communicator`` holds its own process group object rather than ``torch.distributed``'s default group, so
+one process may hold several groups over its life (an engine restarted with fresh workers) or at once.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import torch
+import torch.distributed as dist
+
+START_TIMEOUT_S = 300.0  # ranks joining the group (each loads its shard meanwhile)
+
+
+class Communicator:
+    """Rank ``rank`` of ``size`` in a group that ``store`` (a ``torch.distributed.TCPStore``) introduces.
+
+    Args:
+        timeout_s: how long a collective waits for a rank before it raises (a rank that died is noticed at
+            once, its connections closed; the timeout bounds a rank that hangs).
+
+    ``all_reduce_seconds`` adds up the time spent in ``all_reduce`` (what a step pays for splitting the model).
+    """
+
+    def __init__(self, store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float) -> None:
+        self.rank, self.size, self.device = rank, size, device
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self._group = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, size, options)
+        else:
+            self._group = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
+        self.all_reduce_seconds = 0.0
+        self.num_all_reduces = 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` summed over the ranks, in place."""
+        start = time.perf_counter()
+        self._group.allreduce([x]).wait()
+        self.all_reduce_seconds += time.perf_counter() - start
+        self.num_all_reduces += 1
+        return x
+
+    def all_reduce_min(self, value: int) -> int:
+        """The least of each rank's ``value``."""
+        x = torch.tensor([value], dtype=torch.int64, device=self.device)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN
+        self._group.allreduce([x], options).wait()
+        return int(x.item())
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor | None:
+        """On rank 0, every rank's ``x`` side by side along the last dimension (rank order); None elsewhere."""
+        x = x.contiguous()
+        outputs = [[torch.empty_like(x) for _ in range(self.size)]] if self.rank == 0 else []
+        options = dist.GatherOptions()
+        options.rootRank = 0
+        self._group.gather(outputs, [x], options).wait()
+        return torch.cat(outputs[0], dim=-1) if self.rank == 0 else None
+
+
+def open_store(port: int, size: int, is_master: bool) -> dist.TCPStore:
+    """The group's store on 127.0.0.1: rank 0 serves it (``port`` 0: a free one, then ``store.port``)."""
+    return dist.TCPStore(
+        "127.0.0.1", port, size, is_master, timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
+        wait_for_workers=False,
+    )  # fmt: skip

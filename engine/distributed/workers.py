@@ -1,0 +1,161 @@
+"""The rank processes of a tensor-parallel group: spawned by the driver (rank 0), one per rank > 0.
+
+Each worker builds its rank's shard of the model and KV cache (a ``ModelRunner`` for its rank), then runs,
+step after step, the ``SchedulerOutput`` the driver sends it through its pipe: the same one the driver's
+runner runs, so the collectives inside the model meet. Only the driver samples. A worker ends when its pipe
+closes or sends None; a step that fails ends it (the driver's collective then fails at once: the group
+serves no more, and the driver stops the others).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import traceback
+import weakref
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.distributed.communicator import Communicator, open_store
+from engine.distributed.parallel_state import TensorParallel
+from engine.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+COLLECTIVE_TIMEOUT_S = 60.0  # a collective waiting on a rank that hangs (a rank that dies is noticed at once)
+_STOP_GRACE_S = 2.0
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What every worker of one group starts from."""
+
+    config: EngineConfig
+    model_dir: Path
+    size: int
+    store_port: int
+    timeout_s: float
+
+
+def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
+    """A rank's process: build the shard, say ready (or why not), then run each step the driver sends."""
+    from engine.worker.model_runner import ModelRunner, resolve_device
+
+    try:
+        device = resolve_device(spec.config.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(rank)
+        else:  # NOTE: the ranks share the machine's cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.size))
+        store = open_store(spec.store_port, spec.size, is_master=False)
+        comm = Communicator(store, rank, spec.size, device, spec.timeout_s)
+        runner = ModelRunner(spec.config, spec.model_dir, TensorParallel(rank, spec.size, comm))
+    except BaseException as exc:  # noqa: BLE001 - the driver reports it
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", runner.num_blocks))
+    while True:
+        try:
+            step = conn.recv()
+        except (EOFError, OSError):  # the driver is gone
+            return
+        if step is None:
+            return
+        try:
+            runner.execute_model(step)
+        except BaseException:
+            logger.error("tensor-parallel rank %d failed a step:\n%s", rank, traceback.format_exc())
+            raise
+
+
+class WorkerGroup:
+    """Ranks 1 .. size-1 of a group, each in a process of its own (``spawn``), and the group's store.
+
+    Args:
+        config: the engine's settings; every rank builds its shard from them.
+        model_dir: the model every rank loads its shard of.
+        size: the group's ranks, the driver's included.
+    """
+
+    def __init__(self, config: EngineConfig, model_dir: Path, size: int) -> None:
+        self.size = size
+        self.store = open_store(0, size, is_master=True)
+        self.timeout_s = COLLECTIVE_TIMEOUT_S
+        spec = WorkerSpec(config, Path(model_dir), size, self.store.port, self.timeout_s)
+        context = multiprocessing.get_context("spawn")
+        self._conns: list[Connection] = []
+        self.processes: list[multiprocessing.process.BaseProcess] = []
+        for rank in range(1, size):
+            ours, theirs = context.Pipe()
+            process = context.Process(
+                target=run_worker, args=(rank, spec, theirs), name=f"paged-tp-rank-{rank}", daemon=True
+            )
+            process.start()
+            theirs.close()
+            self._conns.append(ours)
+            self.processes.append(process)
+        self._finalizer = weakref.finalize(self, _stop, self.processes, self._conns)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Waits for every worker to hold its shard.
+
+        Raises:
+            ModelLoadError: a worker failed to build its shard, or ended, or did not answer in time.
+        """
+        for rank, conn in enumerate(self._conns, 1):
+            if not conn.poll(timeout_s):
+                raise ModelLoadError(f"tensor-parallel rank {rank} did not load its shard within {timeout_s:g} s")
+            try:
+                status, detail = conn.recv()
+            except (EOFError, OSError):
+                raise ModelLoadError(f"tensor-parallel rank {rank} ended while loading its shard") from None
+            if status == "error":
+                raise ModelLoadError(f"tensor-parallel rank {rank} failed to load its shard: {detail}")
+
+    def start_error(self) -> str | None:
+        """What a worker that failed while starting said (without waiting), or None."""
+        for rank, conn in enumerate(self._conns, 1):
+            try:
+                if conn.poll(0):
+                    status, detail = conn.recv()
+                    if status == "error":
+                        return f"tensor-parallel rank {rank} failed to load its shard: {detail}"
+            except (EOFError, OSError):
+                return f"tensor-parallel rank {rank} ended while loading its shard"
+        return None
+
+    def send(self, step: object) -> None:
+        """Sends one step's ``SchedulerOutput`` to every worker.
+
+        Raises:
+            OSError: a worker's pipe is closed (it died).
+        """
+        for conn in self._conns:
+            conn.send(step)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._finalizer.alive and all(p.is_alive() for p in self.processes)
+
+    def close(self) -> None:
+        """Stops every worker (idempotent; also when the group is garbage collected)."""
+        self._finalizer()
+
+
+def _stop(processes: list[multiprocessing.process.BaseProcess], conns: list[Connection]) -> None:
+    for conn in conns:
+        try:
+            conn.send(None)
+        except (OSError, ValueError):
+            pass
+        conn.close()
+    for process in processes:
+        process.join(_STOP_GRACE_S)
+        if process.is_alive():  # NOTE: stuck in a collective of a group that failed
+            process.kill()
+            process.join()

@@ -1,0 +1,27 @@
+"""The model types the engine serves, without torch: the loader checks a model directory or GGUF file against
+them before anything loads, and ``engine.models.registry`` imports each type's class from here."""
+
+from __future__ import annotations
+
+# Hugging Face model_type -> "module:class" of our model
+MODEL_CLASSES: dict[str, str] = {
+    "llama": "engine.models.llama:LlamaForCausalLM",  # Llama 2/3 and SmolLM2
+    "mistral": "engine.models.llama:LlamaForCausalLM",
+    "qwen2": "engine.models.qwen:Qwen2ForCausalLM",
+    "qwen3": "engine.models.qwen:Qwen3ForCausalLM",
+    "mixtral": "engine.models.mixtral:MixtralForCausalLM",
+    "qwen3_moe": "engine.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "gemma2": "engine.models.gemma:Gemma2ForCausalLM",
+    "gemma3_text": "engine.models.gemma:Gemma3ForCausalLM",
+    "phi3": "engine.models.phi3:Phi3ForCausalLM",  # Phi-3, Phi-3.5, Phi-4-mini
+}
+SUPPORTED_MODEL_TYPES = tuple(MODEL_CLASSES)
+
+# a GGUF file's general.architecture (llama.cpp's name) -> the model_type its metadata becomes
+GGUF_ARCHITECTURES: dict[str, str] = {
+    "llama": "llama",  # Llama, Mistral, SmolLM2
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3_text",
+}

@@ -1,0 +1,230 @@
+"""KV blocks on disk: what is chosen, the file format's checks, and restoring into a pool (no tensors)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from engine.core.block_hash import extend_block_hashes
+from engine.core.kv_cache_manager import BlockOrigin, KVCacheManager
+from engine.core.kv_persistence import (
+    CorruptBlockFile,
+    KVBlockStore,
+    KVLayout,
+    decode_block,
+    encode_block,
+    model_fingerprint,
+    salt_dir_name,
+)
+
+BS = 4
+LAYOUT = KVLayout(
+    model="m", kv_dtype="torch.float32", compute_dtype="torch.float32", weight_dtype="torch.float32",
+    quantization=None, attention_backend="Torch", block_size=BS, num_layers=2, num_kv_heads=1, head_dim=2,
+    dtype_bytes=4, byteorder="little",
+)  # fmt: skip
+SYSTEM = list(range(100, 100 + 3 * BS + 1))  # 3 full blocks and one token
+
+
+def admit(kv: KVCacheManager, req_id: str, token_ids: list[int], cache_salt: str | None = None) -> list[int]:
+    computed = kv.get_computed_blocks(req_id, token_ids, cache_salt)
+    num_new = len(token_ids) - computed.num_computed_tokens
+    table = kv.allocate_slots(req_id, token_ids, computed.num_computed_tokens, num_new, computed, cache_salt)
+    assert table is not None
+    return table
+
+
+def payload_of(block_id: int) -> bytes:
+    """A block's fake K/V: its id repeated, so a test sees which block a payload came from."""
+    return bytes([block_id % 256]) * LAYOUT.block_bytes
+
+
+def tracked(num_blocks: int = 16) -> KVCacheManager:
+    kv = KVCacheManager(num_blocks, block_size=BS)
+    kv.track_block_origins()
+    return kv
+
+
+def test_pinned_chain_then_hottest_blocks_each_after_its_parent() -> None:
+    """Pinned blocks come first and whole; hot blocks are added most recent first, with their ancestors,
+    within the budget; an untracked or evicted chain is left out."""
+    kv = tracked()
+    pin = admit(kv, "pin", SYSTEM)
+    admit(kv, "a", list(range(500, 500 + 2 * BS)))
+    kv.free("a")
+    admit(kv, "b", list(range(700, 700 + 2 * BS)))
+    kv.free("b")
+    chosen = kv.persistable_blocks(["pin"], num_hot=0)
+    assert [block_id for block_id, _, _ in chosen] == pin[:3]
+    parents = [origin.parent_hash for _, _, origin in chosen]
+    assert parents == [None, chosen[0][1], chosen[1][1]]
+    assert [origin.token_ids for _, _, origin in chosen] == [tuple(SYSTEM[i * BS : (i + 1) * BS]) for i in range(3)]
+
+    def first_tokens(req_ids: list[str], num_hot: int) -> list[int]:
+        return [origin.token_ids[0] for _, _, origin in kv.persistable_blocks(req_ids, num_hot)]
+
+    # hot: referenced blocks first, then cached ones most recently freed first ("b", freed last, head first)
+    assert first_tokens([], 5) == [100, 104, 108, 700, 704]
+    assert first_tokens(["pin"], 1) == [100, 104, 108, 700]
+    assert first_tokens(["unknown"], 0) == []
+    kv.free("pin")
+    kv.block_origins.pop(chosen[0][1])  # an untracked head: its chain cannot be saved
+    assert first_tokens(["pin"], 16) == [700, 704, 500, 504]
+    kv.check_integrity()
+
+
+def test_salted_chain_keeps_its_salt_and_hashes() -> None:
+    kv = tracked()
+    admit(kv, "t", SYSTEM, cache_salt="tenant-a")
+    chosen = kv.persistable_blocks(["t"], 0)
+    assert {origin.cache_salt for _, _, origin in chosen} == {"tenant-a"}
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, SYSTEM, len(SYSTEM), BS, "tenant-a")
+    assert [h for _, h, _ in chosen] == hashes[:3]
+
+
+def test_block_file_round_trips_and_every_check_refuses_damage() -> None:
+    kv = tracked()
+    admit(kv, "p", SYSTEM)
+    (block_id, block_hash, origin), (_, child_hash, child_origin) = kv.persistable_blocks(["p"], 0)[:2]
+    data = encode_block(LAYOUT.key, block_hash, origin, payload_of(block_id))
+    assert decode_block(data, LAYOUT) == (block_hash, origin, payload_of(block_id))
+
+    def refused(blob: bytes, layout: KVLayout = LAYOUT) -> str:
+        with pytest.raises(CorruptBlockFile) as err:
+            decode_block(blob, layout)
+        return str(err.value)
+
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0xFF
+    assert refused(bytes(flipped)) == "checksum mismatch"
+    assert refused(data[: len(data) - 7]) == "checksum mismatch"
+    assert refused(data[:10]) == "torn or not a block file"
+    assert refused(data, dataclasses.replace(LAYOUT, kv_dtype="torch.bfloat16", dtype_bytes=2)) == "another layout"
+    # a file that claims a hash its tokens do not give (its checksum recomputed to match)
+    lying = encode_block(LAYOUT.key, child_hash, origin, payload_of(block_id))
+    assert refused(lying) == "hash does not match its tokens"
+    salted = encode_block(LAYOUT.key, block_hash, origin._replace(cache_salt="other"), payload_of(block_id))
+    assert refused(salted) == "hash does not match its tokens"
+    short = encode_block(LAYOUT.key, child_hash, child_origin, payload_of(block_id)[:-4])
+    assert refused(short) == "wrong size"
+
+
+def saved_store(tmp_path: Path, kv: KVCacheManager, req_ids: list[str], num_hot: int = 0) -> KVBlockStore:
+    store = KVBlockStore(tmp_path, LAYOUT)
+    blocks = kv.persistable_blocks(req_ids, num_hot)
+    assert store.save(blocks, lambda ids: [payload_of(i) for i in ids]) == len(blocks)
+    return store
+
+
+def restore(tmp_path: Path, num_blocks: int = 16) -> tuple[KVCacheManager, list[tuple[int, bytes]], dict[str, int]]:
+    """A fresh manager with the directory's blocks restored: (manager, [(block id, payload)], skip reasons)."""
+    kv = tracked(num_blocks)
+    blocks, skipped = KVBlockStore(tmp_path, LAYOUT).load(kv.block_pool.num_free_blocks)
+    restored = []
+    for block in blocks:
+        block_id = kv.restore_cached_block(block.block_hash, block.origin)
+        assert block_id is not None
+        restored.append((block_id, bytes(block.payload)))
+    kv.check_integrity()
+    return kv, restored, dict(skipped)
+
+
+def test_restored_blocks_are_hits_for_the_same_prefix_and_salt_only(tmp_path: Path) -> None:
+    kv = tracked()
+    pin = admit(kv, "pin", SYSTEM)
+    admit(kv, "tenant", list(range(900, 900 + 2 * BS + 1)), cache_salt="a")
+    saved_store(tmp_path, kv, ["pin", "tenant"])
+    assert Counter(p.parent.name for p in tmp_path.rglob("*.kvb")) == {"shared": 3, salt_dir_name("a"): 2}
+
+    fresh, restored, skipped = restore(tmp_path)
+    assert skipped == {} and len(restored) == 5
+    pool = fresh.block_pool
+    assert pool.num_cached_blocks == 5 and pool.num_used_blocks == 0
+    hit = fresh.get_computed_blocks("again", SYSTEM + [1, 2])
+    assert hit.num_computed_tokens == 3 * BS
+    # the payload restored into each hit block is the one saved from the same prefix's block
+    payload = dict(restored)
+    assert [payload[i] for i in hit.block_ids] == [payload_of(i) for i in pin[:3]]
+    salted = list(range(900, 900 + 2 * BS + 1))
+    assert fresh.get_computed_blocks("a2", salted, "a").num_computed_tokens == 2 * BS
+    assert fresh.get_computed_blocks("b", salted, "b").num_computed_tokens == 0
+    assert fresh.get_computed_blocks("none", salted).num_computed_tokens == 0
+    # restored blocks are evicted first, a chain's tail before its head; the pool stays whole
+    admit(fresh, "again", SYSTEM + [1, 2], None)
+    fresh.free("again")
+    fresh.check_integrity()
+    assert fresh.block_pool.num_free_blocks == 16
+
+
+def test_damaged_files_are_skipped_with_their_descendants(tmp_path: Path) -> None:
+    kv = tracked()
+    admit(kv, "pin", SYSTEM)
+    admit(kv, "other", list(range(600, 600 + BS + 1)))
+    saved_store(tmp_path, kv, ["pin", "other"])
+    middle = next(p for p in tmp_path.rglob("*.kvb") if decode_block(p.read_bytes(), LAYOUT)[1].token_ids[0] == SYSTEM[BS])
+    data = bytearray(middle.read_bytes())
+    data[100] ^= 0x01
+    middle.write_bytes(bytes(data))
+    (tmp_path / ("f" * 32)).mkdir()
+    (tmp_path / ("f" * 32) / "x.kvb").write_bytes(b"another model")
+    fresh, restored, skipped = restore(tmp_path)
+    assert skipped == {"checksum mismatch": 1, "parent missing": 1, "another layout": 1}
+    assert len(restored) == 2  # SYSTEM's first block and "other"'s
+    assert fresh.get_computed_blocks("x", SYSTEM).num_computed_tokens == BS
+
+
+def test_truncated_file_and_a_file_changed_after_the_scan(tmp_path: Path) -> None:
+    kv = tracked()
+    admit(kv, "pin", SYSTEM)
+    saved_store(tmp_path, kv, ["pin"])
+    root = next(p for p in tmp_path.rglob("*.kvb") if decode_block(p.read_bytes(), LAYOUT)[1].parent_hash is None)
+    store = KVBlockStore(tmp_path, LAYOUT)
+    blocks, skipped = store.load(16)
+    root.write_bytes(root.read_bytes()[:-100])  # torn after the scan: it and its chain go
+    assert list(blocks) == []
+    assert dict(skipped) == {"checksum mismatch (changed since the scan)": 1, "parent missing": 2}
+
+
+def test_save_mirrors_the_selection_and_writes_only_new_blocks(tmp_path: Path) -> None:
+    kv = tracked()
+    admit(kv, "pin", SYSTEM)
+    store = saved_store(tmp_path, kv, ["pin"])
+    reads: list[list[int]] = []
+
+    def read(ids: list[int]) -> list[bytes]:
+        reads.append(ids)
+        return [payload_of(i) for i in ids]
+
+    assert store.save(kv.persistable_blocks(["pin"], 0), read) == 0 and reads == []
+    admit(kv, "more", SYSTEM[:-1] + list(range(50, 50 + BS + 1)))
+    assert store.save(kv.persistable_blocks(["more"], 0), read) == 1 and len(reads[0]) == 1
+    assert len(list(tmp_path.rglob("*.kvb"))) == 4
+    assert store.save([], read) == 0
+    assert not list(tmp_path.rglob("*.kvb")) and not [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]
+
+
+def test_restore_takes_free_blocks_only(tmp_path: Path) -> None:
+    kv = tracked()
+    admit(kv, "pin", SYSTEM)
+    saved_store(tmp_path, kv, ["pin"])
+    fresh, restored, skipped = restore(tmp_path, num_blocks=2)
+    assert len(restored) == 2 and skipped == {"no room in the KV cache": 1}
+    full = tracked(2)
+    admit(full, "x", list(range(2 * BS)))
+    assert full.restore_cached_block(b"\0" * 16, BlockOrigin(None, (1,) * BS, None)) is None
+
+
+def test_model_fingerprint_sees_changed_weights(tmp_path: Path) -> None:
+    config, weights = tmp_path / "config.json", tmp_path / "model.safetensors"
+    config.write_text("{}")
+    weights.write_bytes(os.urandom(1 << 20))
+    before = model_fingerprint(config, [weights])
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # the last chunk is always sampled
+    weights.write_bytes(bytes(data))
+    assert model_fingerprint(config, [weights]) != before

@@ -44,7 +44,7 @@ def _decode_step(batch: int, context: int, block_size: int, shared: int) -> Sche
             req_id=str(i),
             token_ids=[100 + i],
             num_computed_tokens=context - 1,
-            block_ids=list(range(num_shared)) + list(range(num_shared + i * own, num_shared + (i + 1) * own)),
+            block_ids=(list(range(num_shared)) + list(range(num_shared + i * own, num_shared + (i + 1) * own)),),
             needs_logits=True,
         )
         for i in range(batch)
@@ -55,7 +55,7 @@ def _decode_step(batch: int, context: int, block_size: int, shared: int) -> Sche
 def _prefill_step(num_tokens: int, block_size: int) -> SchedulerOutput:
     blocks = list(range(-(-num_tokens // block_size)))
     tokens = [(7 * i) % 20000 + 100 for i in range(num_tokens)]
-    return SchedulerOutput(scheduled=[ScheduledRequest("p", tokens, 0, blocks, True)])
+    return SchedulerOutput(scheduled=[ScheduledRequest("p", tokens, 0, (blocks,), True)])
 
 
 def _time(runner: ModelRunner, step: SchedulerOutput, repeats: int) -> float:

@@ -96,7 +96,10 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
         self.vocab_size: int = self.runner.vocab_size
         self.max_model_len: int = self.runner.max_model_len
-        self.kv = KVCacheManager(self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching,
+            self.runner.kv_cache_windows,
+        )
         budget = step_token_budget(self.config.max_num_batched_tokens, self.runner.device.type)
         spec = self.config.speculative_config
         self.drafter = Drafter(spec) if spec is not None else None
@@ -108,8 +111,9 @@ class Engine:
         # NOTE: thread-safe; xgrammar loads on the first constrained request.
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.structured_output = StructuredOutputManager(self.vocab_size)
-        # NOTE: a sequence never outgrows max_model_len nor what the whole KV cache holds.
-        self.max_num_tokens = min(self.max_model_len, self.runner.num_blocks * self.config.block_size)
+        # NOTE: a sequence never outgrows max_model_len nor what the whole KV cache holds of one request
+        # (sliding-window layers hold their windows only: with no full-attention layer, any length).
+        self.max_num_tokens = self.kv.max_num_tokens(self.max_model_len, budget)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.request_stats = RequestStats()
         debug_log.configure_from_env()
@@ -124,7 +128,12 @@ class Engine:
         self._debug = False  # the step log's state, as checked at the latest step
         self._closed = False
         self.persisted_kv: PersistedKVCache | None = None  # kv_cache_dir's blocks, loaded before any request
-        if self.config.kv_cache_dir is not None:
+        if self.config.kv_cache_dir is not None and self.runner.kv_cache_windows != (None,):
+            logger.warning(
+                "kv_cache_dir %s not used: persisted blocks hold full-attention layers only, and this model has "
+                "sliding-window layers", self.config.kv_cache_dir,
+            )  # fmt: skip
+        elif self.config.kv_cache_dir is not None:
             self.persisted_kv = PersistedKVCache(
                 self.config.kv_cache_dir, self.kv, self.runner, self.config.kv_cache_save_hot_blocks,
                 self.config.kv_cache_save_interval_s,

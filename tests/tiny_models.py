@@ -39,6 +39,12 @@ TINY_ARCHS: dict[str, tuple[str, dict]] = {
     # a window of 6 blocks of 4: the equivalence tests' prompts and decodes run past it
     "mistral_sliding": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=24)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=False)),
+    # layers 0-1 full attention, 2-5 a window of 10 (2.5 blocks of 4): three KV cache groups of two layers
+    "qwen2_sliding": (
+        "Qwen2Config",
+        dict(tie_word_embeddings=False, num_hidden_layers=6, use_sliding_window=True, sliding_window=10,
+             max_window_layers=2),
+    ),
     "qwen3": ("Qwen3Config", dict(tie_word_embeddings=False, head_dim=16)),
     # layer 0 sparse, layer 1 dense (mlp_only_layers); the top-k weights not renormalized (norm_topk_prob)
     "qwen3_moe": (

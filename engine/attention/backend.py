@@ -10,7 +10,7 @@ import torch
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    """Per-step addressing shared by every layer of one forward pass.
+    """Per-step addressing shared by every layer of one KV cache group in one forward pass.
 
     Sequences are laid out back to back in the flat token batch; sequence ``i`` owns
     tokens ``query_start_loc[i] : query_start_loc[i + 1]``, which sit at positions
@@ -20,7 +20,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token (block_id * block_size + offset)
     query_start_loc: torch.Tensor  # [B + 1] int32: prefix sums of query lengths
     seq_lens: torch.Tensor  # [B] int32: context length of each sequence, new tokens included
-    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0 past each sequence's blocks
+    # [B, max_blocks] int32, padded with 0 past each sequence's blocks; -1 (NULL_BLOCK) for blocks a sliding
+    # window released: they lie before the first key any query of the step reads, and no backend reads them
+    block_tables: torch.Tensor
     max_query_len: int
     max_seq_len: int
 

@@ -102,8 +102,9 @@ class CpuAttentionBackend(AttentionBackend):
     def __init__(self, group: int) -> None:
         self.group = group
         self._lanes: int | None = None  # cpu_kernels.tile_lanes of the cache, on the first step
-        self._plan_meta: AttentionMetadata | None = None
-        self._plans: dict[tuple[int | None, float | None], RowPlan] = {}  # by (window, softcap), for _plan_meta
+        # the step's plans by (metadata, window, softcap); a step's groups share its query_start_loc
+        self._plan_step: torch.Tensor | None = None
+        self._plans: dict[tuple[int, int | None, float | None], tuple[AttentionMetadata, RowPlan]] = {}
 
     def forward(
         self,
@@ -137,15 +138,17 @@ class CpuAttentionBackend(AttentionBackend):
         self, meta: AttentionMetadata, k_cache: torch.Tensor, window: int | None = None, softcap: float | None = None
     ) -> RowPlan:
         """The step's query tokens as the kernel's rows and tiles over caches like ``k_cache`` for layers of
-        this window and soft cap; built on a step's first such call, then the same for every such layer."""
+        this metadata (KV cache group), window and soft cap; built on a step's first such call, then the
+        same for every such layer."""
         if self._lanes is None:
             self._lanes = cpu_kernels.tile_lanes(k_cache.shape[-1], k_cache.dtype)
-        if meta is not self._plan_meta:
-            self._plans, self._plan_meta = {}, meta
-        plan = self._plans.get((window, softcap))
-        if plan is None:
+        if meta.query_start_loc is not self._plan_step:
+            self._plans, self._plan_step = {}, meta.query_start_loc
+        key = (id(meta), window, softcap)
+        held = self._plans.get(key)
+        if held is None or held[0] is not meta:
             seq_lens, tables = token_rows(meta)
             tables = np.ascontiguousarray(tables, dtype=np.int32)
             tiles = plan_tiles(seq_lens, tables, k_cache.shape[1], self.group, self._lanes, window, softcap)
-            plan = self._plans[window, softcap] = RowPlan(torch.from_numpy(tables), torch.from_numpy(seq_lens), tiles)
-        return plan
+            held = self._plans[key] = (meta, RowPlan(torch.from_numpy(tables), torch.from_numpy(seq_lens), tiles))
+        return held[1]

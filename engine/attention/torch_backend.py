@@ -66,8 +66,9 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self, cascade: bool = True, min_shared_keys: int = 256) -> None:
         self.cascade = cascade
         self.min_shared_keys = min_shared_keys
-        self._plan_meta: AttentionMetadata | None = None
-        self._plans: dict[tuple[int | None, bool], _TorchPlan] = {}  # by (window, cascade), for _plan_meta
+        # the step's plans by (metadata, window, cascade); a step's groups share its query_start_loc
+        self._plan_step: torch.Tensor | None = None
+        self._plans: dict[tuple[int, int | None, bool], tuple[AttentionMetadata, _TorchPlan]] = {}
         self._workspace: torch.Tensor | None = None
 
     def forward(
@@ -151,14 +152,16 @@ class TorchAttentionBackend(AttentionBackend):
     def _get_plan(
         self, meta: AttentionMetadata, block_size: int, dtype: torch.dtype, window: int | None, cascade: bool
     ) -> _TorchPlan:
-        """The step's plan for layers of this window; the cascade only without a window and where ``cascade``."""
-        if meta is not self._plan_meta:
-            self._plans, self._plan_meta = {}, meta
-        key = (window, cascade and self.cascade and window is None)
-        if key not in self._plans:
-            min_keys = self.min_shared_keys if key[1] else None
-            self._plans[key] = _make_plan(meta, block_size, dtype, min_keys, window)
-        return self._plans[key]
+        """The step's plan for layers of this metadata (KV cache group) and window; the cascade only without a
+        window and where ``cascade``."""
+        if meta.query_start_loc is not self._plan_step:
+            self._plans, self._plan_step = {}, meta.query_start_loc
+        key = (id(meta), window, cascade and self.cascade and window is None)
+        held = self._plans.get(key)
+        if held is None or held[0] is not meta:
+            min_keys = self.min_shared_keys if key[2] else None
+            held = self._plans[key] = (meta, _make_plan(meta, block_size, dtype, min_keys, window))
+        return held[1]
 
 
 def _attend(

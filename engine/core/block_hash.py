@@ -87,6 +87,12 @@ def extend_block_hashes(
         block_hashes.append(parent)
 
 
+def group_block_hash(block_hash: BlockHash, group: int) -> BlockHash:
+    """The hash-index key of a block of KV cache group ``group``: the block's hash for group 0, else the
+    hash and the group, so two groups' blocks of the same tokens (other layers' K/V) never alias."""
+    return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")
+
+
 def _hash_packed(parent_hash: BlockHash | None, packed_ids: bytes | memoryview, extra: bytes) -> BlockHash:
     parent = parent_hash if parent_hash is not None else _ROOT_PARENT
     message = b"".join((parent, len(extra).to_bytes(4, "little"), extra, packed_ids))  # one C call to hash

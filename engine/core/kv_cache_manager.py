@@ -3,18 +3,26 @@
 The scheduler admits a request with::
 
     computed = kv.get_computed_blocks(req_id, token_ids, cache_salt)       # pure lookup
-    block_ids = kv.allocate_slots(req_id, token_ids, computed.num_computed_tokens,
-                                  num_new_tokens, computed=computed, cache_salt=cache_salt)
-    if block_ids is None: ...                                              # short of blocks
+    tables = kv.allocate_slots(req_id, token_ids, computed.num_computed_tokens,
+                               num_new_tokens, computed=computed, cache_salt=cache_salt)
+    if tables is None: ...                                                 # short of blocks
 
 then calls ``allocate_slots(req_id, token_ids, num_computed_tokens, num_new_tokens)``
 every step the request runs, and ``free(req_id)`` when it finishes or is preempted.
 
-A request's table and hash chain, positions in tokens::
+KV cache groups: the model's attention layers are grouped by sliding window (``sliding_windows``,
+one entry per group; None = full attention). Each request has one block table per group, all of
+the same length, their blocks taken from the one pool: logical block i of group g holds the K/V of
+positions ``i * bs .. i * bs + bs - 1`` for that group's layers. A full-attention group keeps every
+block; a sliding group of window W releases, as the request advances, the blocks that lie wholly
+before ``num_computed_tokens - W + 1`` (the first key the next token's query reads). A released
+entry becomes ``NULL_BLOCK``, which no attention kernel reads.
+
+A request's table and hash chain, positions in tokens (a sliding group: released blocks first)::
 
     0          bs         2bs        3bs     num_slots      3bs+bs
     |  block 0  |  block 1  |  block 2  | block 3 ....:.......|
-    |<------ full, hashed, shareable -->|<- partial tail ---->|  never shared
+    |  NULL     |<-- full, hashed ----->|<- partial tail ---->|  never shared
     |<------------- num_cached_blocks = 3 ------------>|
 
 NOTE: token_ids of one req_id are append-only between its admission and its free():
@@ -27,14 +35,32 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from engine.core.block_hash import BlockHash, extend_block_hashes
+from engine.core.block_hash import BlockHash, extend_block_hashes, group_block_hash
 from engine.core.block_pool import BlockPool, check_invariant
 
 logger = logging.getLogger(__name__)
+
+NULL_BLOCK = -1  # a table entry a sliding-window group released (or never took): no kernel reads it
+
+BlockTables = tuple[list[int], ...]  # one block table per KV cache group
+
+
+def blocks_per_request(
+    sliding_windows: Sequence[int | None], block_size: int, num_tokens: int, max_chunk: int | None = None
+) -> int:
+    """The most blocks one request of ``num_tokens`` tokens holds at once over all KV cache groups, computed
+    in steps of at most ``max_chunk`` tokens (None: all in one step).
+
+    A sliding group of window W holds at most ``ceil((W - 1 + n) / bs) + 1`` blocks in a step of n
+    tokens (``ceil(W / bs) + 1`` in a decode), and never more than a full-attention group.
+    """
+    chunk = num_tokens if max_chunk is None else min(num_tokens, max_chunk)
+    full = -(-num_tokens // block_size)
+    return sum(full if w is None else min(full, -(-(w - 1 + chunk) // block_size) + 1) for w in sliding_windows)
 
 
 class BlockOrigin(NamedTuple):
@@ -46,9 +72,9 @@ class BlockOrigin(NamedTuple):
 
 
 class ComputedBlocks(NamedTuple):
-    """The cached prefix of a request: its blocks and how many tokens they hold."""
+    """The cached prefix of a request: each group's blocks and how many tokens they hold."""
 
-    block_ids: list[int]
+    block_ids: BlockTables  # per group; a sliding group's entries before its window are NULL_BLOCK
     num_computed_tokens: int
 
 
@@ -72,10 +98,11 @@ class KVCacheStats:
 
 @dataclass(slots=True)
 class _RequestState:
-    block_ids: list[int]  # the block table: logical block i -> physical block
-    block_hashes: list[BlockHash]  # hash chain of full blocks; may run ahead of block_ids
-    num_cached_blocks: int  # leading blocks of the table already offered to the hash index
-    num_slots: int  # tokens the table covers (computed by the end of the last allocated step)
+    tables: BlockTables  # per group: logical block i -> physical block (NULL_BLOCK once released)
+    num_released: list[int]  # per group: leading entries of its table that are NULL_BLOCK
+    block_hashes: list[BlockHash]  # hash chain of full blocks; may run ahead of the tables
+    num_cached_blocks: int  # leading blocks of the tables already offered to the hash index
+    num_slots: int  # tokens the tables cover (computed by the end of the last allocated step)
     num_tokens: int  # len(token_ids) at the last allocation
     cache_salt: str | None
 
@@ -95,14 +122,27 @@ class KVCacheManager:
         num_blocks: Physical blocks in the KV cache, numbered ``0 .. num_blocks - 1``.
         block_size: Tokens per block.
         enable_prefix_caching: When False, lookups miss and no block is ever hashed.
+        sliding_windows: One entry per KV cache group: its layers' sliding window W (a query at
+            position p reads keys p - W + 1 .. p), or None for full attention.
     """
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        sliding_windows: Sequence[int | None] = (None,),
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if not sliding_windows or any(w is not None and w < 1 for w in sliding_windows):
+            raise ValueError(f"sliding_windows must name >= 1 group, each window >= 1 or None; got {sliding_windows}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_windows = tuple(sliding_windows)
+        self._sliding_groups = [(g, w) for g, w in enumerate(self.sliding_windows) if w is not None]
+        self._no_blocks: BlockTables = tuple([] for _ in self.sliding_windows)  # read only: a miss's tables
         self.block_pool = BlockPool(num_blocks)
         self._requests: dict[str, _RequestState] = {}
         self._last_lookup: _Lookup | None = None  # spares an admission its second hashing pass
@@ -112,19 +152,41 @@ class KVCacheManager:
         self.block_origins: dict[BlockHash, BlockOrigin] | None = None
 
     @property
+    def num_groups(self) -> int:
+        return len(self.sliding_windows)
+
+    @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation can take now (free plus evictable)."""
         return self.block_pool.num_free_blocks
 
+    def num_blocks_needed(self, num_tokens: int, max_chunk: int | None = None) -> int:
+        """The most blocks one request of ``num_tokens`` tokens holds at once (``blocks_per_request``)."""
+        return blocks_per_request(self.sliding_windows, self.block_size, num_tokens, max_chunk)
+
     def can_fit(self, num_tokens: int) -> bool:
         """Whether a request of ``num_tokens`` tokens could ever fit, with the whole pool free."""
-        return -(-num_tokens // self.block_size) <= self.num_blocks
+        return self.num_blocks_needed(num_tokens) <= self.num_blocks
+
+    def max_num_tokens(self, limit: int, max_chunk: int) -> int:
+        """The most tokens (up to ``limit``) one request can reach with the whole pool free, computed in
+        steps of at most ``max_chunk`` tokens: without a full-attention group, ``limit`` where its windows fit."""
+        low, high = 0, limit  # blocks needed grow with the tokens: the last count that fits
+        while low < high:
+            mid = (low + high + 1) // 2
+            if self.num_blocks_needed(mid, max_chunk) <= self.num_blocks:
+                low = mid
+            else:
+                high = mid - 1
+        return low
 
     def get_computed_blocks(
         self, req_id: str, token_ids: Sequence[int], cache_salt: str | None = None
     ) -> ComputedBlocks:
-        """Finds the longest chain of cached full blocks that prefixes ``token_ids``.
+        """Finds the longest prefix of ``token_ids`` whose blocks every group has cached.
 
+        A full-attention group needs every block of the prefix; a sliding group only those
+        its window reaches from the prefix's end (the first token computed next reads them).
         A pure lookup: takes no reference, so an allocation in between may evict the
         blocks found; call ``allocate_slots`` right after.
 
@@ -137,10 +199,10 @@ class KVCacheManager:
             cache_salt: Isolates the request's blocks from other salts' (tenant, adapter).
 
         Returns:
-            The hit block ids and the number of tokens they hold.
+            Each group's hit blocks and the number of tokens they hold.
         """
         if not self.enable_prefix_caching:
-            return ComputedBlocks([], 0)
+            return ComputedBlocks(tuple([] for _ in self.sliding_windows), 0)
         lookup = self._last_lookup
         if lookup is None or not (
             lookup.req_id == req_id and lookup.cache_salt == cache_salt and lookup.token_ids is token_ids
@@ -148,14 +210,16 @@ class KVCacheManager:
             lookup = self._last_lookup = _Lookup(req_id, cache_salt, token_ids, [])
         max_blocks = max(len(token_ids) - 1, 0) // self.block_size
         extend_block_hashes(lookup.block_hashes, token_ids, max_blocks * self.block_size, self.block_size, cache_salt)
-        block_ids = []
-        for block_hash in lookup.block_hashes[:max_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            block_ids.append(block.block_id)
-        logger.debug("lookup %s: %d of %d full blocks cached", req_id, len(block_ids), max_blocks)
-        return ComputedBlocks(block_ids, len(block_ids) * self.block_size)
+        hashes, get_cached_block = lookup.block_hashes, self.block_pool.get_cached_block
+
+        def cached(group: int, i: int) -> int | None:
+            block = get_cached_block(hashes[i] if group == 0 else group_block_hash(hashes[i], group))
+            return None if block is None else block.block_id
+
+        num_hit = self._longest_prefix(max_blocks, lambda g, i: cached(g, i) is not None)
+        tables = self._hit_tables(num_hit, cached)
+        logger.debug("lookup %s: %d of %d full blocks cached", req_id, num_hit, max_blocks)
+        return ComputedBlocks(tables, num_hit * self.block_size)
 
     def allocate_slots(
         self,
@@ -163,15 +227,16 @@ class KVCacheManager:
         token_ids: Sequence[int],
         num_computed_tokens: int,
         num_new_tokens: int,
-        computed: ComputedBlocks | Sequence[int] | None = None,
+        computed: ComputedBlocks | None = None,
         cache_salt: str | None = None,
-    ) -> list[int] | None:
-        """Grows the request's table to cover ``num_computed_tokens + num_new_tokens`` slots.
+    ) -> BlockTables | None:
+        """Grows the request's tables to cover ``num_computed_tokens + num_new_tokens`` slots.
 
         A new request first takes a reference on its ``computed`` blocks (reviving
-        evictable ones). Then full blocks whose tokens are all known and computed by
-        the end of this step are registered under their hash, so a request admitted
-        later in the same step shares them.
+        evictable ones). A running one first releases, in each sliding group, the blocks
+        its window has left behind (they stay cached, evictable, under their hash). Then
+        full blocks whose tokens are all known and computed by the end of this step are
+        registered under their hash, so a request admitted later in the same step shares them.
 
         NOTE: a block is registered only once its last slot is scheduled: a prefill
         chunk that ends mid-block leaves that block unshared until the next chunk.
@@ -186,7 +251,8 @@ class KVCacheManager:
             cache_salt: As given to ``get_computed_blocks``.
 
         Returns:
-            The whole block table, or None with nothing changed when the pool is short.
+            Every group's whole block table, or None when the pool is short: then nothing
+            is allocated (blocks out of the window may have been released).
 
         Raises:
             ValueError: On negative counts, or ``computed`` that does not match
@@ -195,29 +261,37 @@ class KVCacheManager:
         if num_computed_tokens < 0 or num_new_tokens < 0:
             raise ValueError(f"token counts must be >= 0; got {num_computed_tokens}, {num_new_tokens}")
         num_slots = num_computed_tokens + num_new_tokens
-        computed_ids = list(computed.block_ids if isinstance(computed, ComputedBlocks) else computed or ())
         state = self._requests.get(req_id)
         if state is not None:
-            if computed_ids:
+            if computed is not None and any(computed.block_ids):
                 raise ValueError(f"request {req_id} already holds blocks; computed is for admission only")
+            if self._sliding_groups:
+                self._release_out_of_window(state, num_computed_tokens)
             return self._grow(req_id, state, token_ids, num_slots)
-        if len(computed_ids) * self.block_size != num_computed_tokens:
+        computed_tables = computed.block_ids if computed is not None else self._no_blocks
+        num_hit = num_computed_tokens // self.block_size
+        if len(computed_tables) != self.num_groups or any(
+            len(table) * self.block_size != num_computed_tokens for table in computed_tables
+        ):
             raise ValueError(
-                f"new request {req_id}: num_computed_tokens {num_computed_tokens} != "
-                f"{len(computed_ids)} computed blocks x {self.block_size}"
+                f"new request {req_id}: num_computed_tokens {num_computed_tokens} != computed blocks "
+                f"{[len(t) for t in computed_tables]} (one table per group of {self.num_groups}) x {self.block_size}"
             )
         block_hashes = self._lookup_hashes(req_id, token_ids, cache_salt)
-        self._check_computed(req_id, computed_ids, block_hashes, token_ids, cache_salt)
+        self._check_computed(req_id, computed_tables, block_hashes, token_ids, cache_salt)
         pool = self.block_pool
-        num_needed = max(-(-num_slots // self.block_size) - len(computed_ids), 0)
-        num_revived = sum(pool.blocks[i].ref_cnt == 0 for i in computed_ids)
+        hit_ids = [i for table in computed_tables for i in table if i != NULL_BLOCK]
+        num_needed = max(-(-num_slots // self.block_size) - num_hit, 0) * self.num_groups
+        num_revived = sum(pool.blocks[i].ref_cnt == 0 for i in hit_ids)
         if num_needed + num_revived > pool.num_free_blocks:
             logger.debug("allocate %s: short of blocks (need %d, %d free)", req_id, num_needed + num_revived,
                          pool.num_free_blocks)
             return None
-        pool.touch(computed_ids)
+        pool.touch(hit_ids)
+        tables = tuple(list(table) for table in computed_tables)
+        num_released = [table.count(NULL_BLOCK) for table in tables]
         state = self._requests[req_id] = _RequestState(
-            computed_ids, block_hashes, len(computed_ids), 0, 0, cache_salt
+            tables, num_released, block_hashes, num_hit, 0, 0, cache_salt
         )
         self._last_lookup = None
         if computed is not None:
@@ -228,19 +302,26 @@ class KVCacheManager:
     def free(self, req_id: str) -> None:
         """Drops the request's references, tail block first; unknown ids are a no-op.
 
-        Unreferenced hashed blocks stay cached in the LRU, tail first, so a prompt's
-        tail is evicted before its head (the head is what other prompts share).
+        Unreferenced hashed blocks stay cached in the LRU, tail first (each position's
+        blocks of every group together), so a prompt's tail is evicted before its head
+        (the head is what other prompts share).
         """
         if self._last_lookup is not None and self._last_lookup.req_id == req_id:
             self._last_lookup = None
         state = self._requests.pop(req_id, None)
         if state is None:
             return
-        self.block_pool.free_blocks(reversed(state.block_ids))
-        logger.debug("free %s: %d blocks", req_id, len(state.block_ids))
+        tables = state.tables
+        if len(tables) == 1:
+            held = tables[0][state.num_released[0] :]
+            held.reverse()
+        else:
+            held = [table[i] for i in reversed(range(len(tables[0]))) for table in tables if table[i] != NULL_BLOCK]
+        self.block_pool.free_blocks(held)
+        logger.debug("free %s: %d blocks", req_id, len(held))
 
     def free_tail(self, req_id: str, num_tokens: int) -> None:
-        """Shrinks the request's table to its first ``num_tokens`` slots (rejected draft tokens
+        """Shrinks the request's tables to their first ``num_tokens`` slots (rejected draft tokens
         leave), freeing the blocks past them.
 
         NOTE: only unhashed blocks can go: a block is hashed once its tokens are the request's
@@ -254,16 +335,20 @@ class KVCacheManager:
         num_kept = -(-num_tokens // self.block_size)
         if num_kept < state.num_cached_blocks:
             raise ValueError(f"free_tail {req_id}: {num_tokens} tokens would drop hashed blocks")
-        tail = state.block_ids[num_kept:]
-        del state.block_ids[num_kept:]
+        tail = []
+        for table in state.tables:
+            tail += [block for block in reversed(table[num_kept:]) if block != NULL_BLOCK]
+            del table[num_kept:]
         state.num_slots = min(state.num_slots, num_tokens)
-        self.block_pool.free_blocks(reversed(tail))
+        self.block_pool.free_blocks(tail)
         logger.debug("free_tail %s: %d tokens, %d blocks freed", req_id, num_tokens, len(tail))
 
     def fork(self, parent_req_id: str, child_req_id: str) -> int:
         """Gives a new child request the parent's computed full blocks (+1 reference each).
 
-        The child's partial tail, and at least its last token, are recomputed by the child.
+        The child's partial tail, and at least its last token, are recomputed by the child;
+        in a sliding group, the child's window must find its blocks in the parent's table,
+        else the child shares fewer blocks (none, at worst).
 
         Returns:
             The child's num_computed_tokens.
@@ -277,13 +362,14 @@ class KVCacheManager:
             raise KeyError(f"fork: unknown parent request {parent_req_id!r}")
         if child_req_id in self._requests:
             raise ValueError(f"fork: child request {child_req_id!r} already exists")
-        num_shared = max(min(parent.num_slots, parent.num_tokens - 1), 0) // self.block_size
-        shared_ids = parent.block_ids[:num_shared]
-        self.block_pool.touch(shared_ids)
+        most = max(min(parent.num_slots, parent.num_tokens - 1), 0) // self.block_size
+        num_shared = self._longest_prefix(most, lambda g, i: parent.tables[g][i] != NULL_BLOCK)
+        tables = self._hit_tables(num_shared, lambda g, i: parent.tables[g][i])
+        self.block_pool.touch(i for table in tables for i in table if i != NULL_BLOCK)
         num_computed = num_shared * self.block_size
         self._requests[child_req_id] = _RequestState(
-            shared_ids, parent.block_hashes[:num_shared], num_shared, num_computed, parent.num_tokens,
-            parent.cache_salt,
+            tables, [table.count(NULL_BLOCK) for table in tables], parent.block_hashes[:num_shared], num_shared,
+            num_computed, parent.num_tokens, parent.cache_salt,
         )
         logger.debug("fork %s -> %s: %d shared blocks", parent_req_id, child_req_id, num_shared)
         return num_computed
@@ -369,23 +455,25 @@ class KVCacheManager:
 
     @property
     def req_ids(self) -> list[str]:
-        """The requests that hold a block table (running, or pinned prefixes)."""
+        """The requests that hold block tables (running, or pinned prefixes)."""
         return list(self._requests)
 
-    def get_block_ids(self, req_id: str) -> list[int]:
-        """Returns a copy of the request's block table.
+    def get_block_ids(self, req_id: str) -> BlockTables:
+        """Returns a copy of the request's block tables, one per group.
 
         Raises:
             KeyError: The request holds no blocks.
         """
-        return list(self._requests[req_id].block_ids)
+        return tuple(list(table) for table in self._requests[req_id].tables)
 
     def stats(self) -> KVCacheStats:
         """Returns the current figures (O(number of requests))."""
         pool = self.block_pool
         num_used = pool.num_used_blocks
-        # NOTE: only a table's last block can be partial, and it is never shared.
-        num_empty = sum(len(s.block_ids) * self.block_size - s.num_slots for s in self._requests.values())
+        # NOTE: only a table's last block can be partial, and it is never shared nor released.
+        num_empty = sum(
+            (len(s.tables[0]) * self.block_size - s.num_slots) * self.num_groups for s in self._requests.values()
+        )
         num_used_slots = num_used * self.block_size
         return KVCacheStats(
             num_blocks=self.num_blocks,
@@ -407,22 +495,72 @@ class KVCacheManager:
         self.block_pool.check_integrity()
         holders: Counter[int] = Counter()
         for req_id, state in self._requests.items():
-            table = state.block_ids
-            check_invariant(len(set(table)) == len(table), f"request {req_id}'s table holds a block twice")
-            check_invariant(len(table) * self.block_size >= state.num_slots, f"request {req_id}'s table is short")
-            check_invariant(state.num_cached_blocks <= len(table), f"request {req_id} cached blocks beyond its table")
-            holders.update(table)
-            for i in range(state.num_cached_blocks):
-                block_hash = self.block_pool.blocks[table[i]].block_hash
-                check_invariant(
-                    block_hash is None or block_hash == state.block_hashes[i],
-                    f"request {req_id}'s block {table[i]} carries another chain's hash",
-                )
+            check_invariant(len(state.tables) == self.num_groups, f"request {req_id} has a table per group")
+            num_entries = len(state.tables[0])
+            check_invariant(num_entries * self.block_size >= state.num_slots, f"request {req_id}'s tables are short")
+            check_invariant(state.num_cached_blocks <= num_entries, f"request {req_id} cached blocks beyond its table")
+            for group, (table, window) in enumerate(zip(state.tables, self.sliding_windows)):
+                released = state.num_released[group]
+                held = table[released:]
+                check_invariant(len(table) == num_entries, f"request {req_id}'s tables differ in length")
+                check_invariant(table[:released] == [NULL_BLOCK] * released and NULL_BLOCK not in held,
+                                f"request {req_id}'s group {group} table is not NULL_BLOCK up to {released} only")
+                check_invariant(window is not None or released == 0, f"full-attention group {group} released blocks")
+                check_invariant(len(set(held)) == len(held), f"request {req_id}'s table holds a block twice")
+                holders.update(held)
+                for i in range(released, state.num_cached_blocks):
+                    block_hash = self.block_pool.blocks[table[i]].block_hash
+                    check_invariant(
+                        block_hash is None or block_hash == group_block_hash(state.block_hashes[i], group),
+                        f"request {req_id}'s block {table[i]} carries another chain's hash",
+                    )
         for block in self.block_pool.blocks:
             check_invariant(
                 block.ref_cnt == holders[block.block_id],
                 f"block {block.block_id} has ref_cnt {block.ref_cnt} but {holders[block.block_id]} tables hold it",
             )
+
+    def _first_needed(self, group: int, num_tokens: int) -> int:
+        """The first logical block group ``group`` reads to compute the token at position ``num_tokens``."""
+        window = self.sliding_windows[group]
+        return 0 if window is None else max(num_tokens - window + 1, 0) // self.block_size
+
+    def _longest_prefix(self, most: int, present: Callable[[int, int], bool]) -> int:
+        """The most blocks k <= ``most`` such that every group has ``present(group, i)`` for the blocks it
+        reads past them: all of 0 .. k - 1 for full attention, those of its window for a sliding group."""
+        num_blocks, num_stable, group = most, 0, 0
+        while num_stable < self.num_groups:  # until every group in turn keeps the count
+            fewer = self._group_prefix(group, num_blocks, present)
+            num_stable = num_stable + 1 if fewer == num_blocks else 1
+            num_blocks, group = fewer, (group + 1) % self.num_groups
+        return num_blocks
+
+    def _group_prefix(self, group: int, most: int, present: Callable[[int, int], bool]) -> int:
+        """The most blocks k <= ``most`` whose needed blocks group ``group`` has (see ``_longest_prefix``)."""
+        if self.sliding_windows[group] is None:
+            k = 0
+            while k < most and present(group, k):
+                k += 1
+            return k
+        k = most
+        while k > 0:  # a miss at block i rules out every k > i whose window reaches back to it
+            first = self._first_needed(group, k * self.block_size)
+            i = k - 1
+            while i >= first and present(group, i):
+                i -= 1
+            if i < first:
+                return k
+            k = i
+        return 0
+
+    def _hit_tables(self, num_blocks: int, block_at: Callable[[int, int], int | None]) -> BlockTables:
+        """Each group's table of the first ``num_blocks`` blocks: NULL_BLOCK before its window."""
+        tables = []
+        for group in range(self.num_groups):
+            first = self._first_needed(group, num_blocks * self.block_size)
+            table = [NULL_BLOCK] * first + [block_at(group, i) for i in range(first, num_blocks)]
+            tables.append(table)
+        return tuple(tables)  # type: ignore[arg-type]  # present() held for every block taken
 
     def _lookup_hashes(self, req_id: str, token_ids: Sequence[int], cache_salt: str | None) -> list[BlockHash]:
         lookup = self._last_lookup
@@ -434,38 +572,62 @@ class KVCacheManager:
     def _check_computed(
         self,
         req_id: str,
-        computed_ids: list[int],
+        computed: BlockTables,
         block_hashes: list[BlockHash],
         token_ids: Sequence[int],
         cache_salt: str | None,
     ) -> None:
-        if not computed_ids:
+        num_hit = len(computed[0])
+        if not num_hit:
             return
         if not self.enable_prefix_caching:
             raise ValueError(f"request {req_id}: computed blocks given with prefix caching off")
-        extend_block_hashes(block_hashes, token_ids, len(computed_ids) * self.block_size, self.block_size, cache_salt)
-        for i, block_id in enumerate(computed_ids):
-            if i >= len(block_hashes) or self.block_pool.blocks[block_id].block_hash != block_hashes[i]:
-                raise ValueError(
-                    f"request {req_id}: computed block {block_id} no longer holds its prefix "
-                    "(evicted since get_computed_blocks?)"
-                )
+        extend_block_hashes(block_hashes, token_ids, num_hit * self.block_size, self.block_size, cache_salt)
+        for group, table in enumerate(computed):
+            first = self._first_needed(group, num_hit * self.block_size)
+            for i, block_id in enumerate(table):
+                if i < first:
+                    stale = block_id != NULL_BLOCK  # blocks before the window are not taken
+                else:
+                    expected = group_block_hash(block_hashes[i], group) if i < len(block_hashes) else None
+                    stale = block_id == NULL_BLOCK or self.block_pool.blocks[block_id].block_hash != expected
+                if stale:
+                    raise ValueError(
+                        f"request {req_id}: computed block {block_id} no longer holds its prefix "
+                        "(evicted since get_computed_blocks?)"
+                    )
 
-    def _grow(self, req_id: str, state: _RequestState, token_ids: Sequence[int], num_slots: int) -> list[int] | None:
-        num_needed = -(-num_slots // self.block_size) - len(state.block_ids)
-        if num_needed > 0:
+    def _release_out_of_window(self, state: _RequestState, num_computed: int) -> None:
+        """Releases, in each sliding group, the blocks no query from position ``num_computed`` on reads."""
+        for group, window in self._sliding_groups:
+            table, start = state.tables[group], state.num_released[group]
+            stop = min(max(num_computed - window + 1, 0) // self.block_size, len(table))
+            if stop <= start:
+                continue
+            # NOTE: oldest first into the LRU: a later prefix hit needs the blocks of its window, not the head
+            self.block_pool.free_blocks(table[start:stop])
+            table[start:stop] = [NULL_BLOCK] * (stop - start)
+            state.num_released[group] = stop
+
+    def _grow(self, req_id: str, state: _RequestState, token_ids: Sequence[int], num_slots: int) -> BlockTables | None:
+        tables = state.tables
+        num_new = -(-num_slots // self.block_size) - len(tables[0])
+        if num_new > 0:
+            num_needed = num_new * self.num_groups
             if num_needed > self.block_pool.num_free_blocks:
                 logger.debug("allocate %s: short of blocks (need %d, %d free)", req_id, num_needed,
                              self.block_pool.num_free_blocks)
                 return None
-            state.block_ids.extend(block.block_id for block in self.block_pool.get_new_blocks(num_needed))
-            logger.debug("allocate %s: %d new blocks, table %s", req_id, num_needed, state.block_ids)
+            new_ids = [block.block_id for block in self.block_pool.get_new_blocks(num_needed)]
+            for group, table in enumerate(tables):
+                table.extend(new_ids[group * num_new : (group + 1) * num_new])
+            logger.debug("allocate %s: %d new blocks, tables %s", req_id, num_needed, tables)
         if num_slots > state.num_slots:
             state.num_slots = num_slots
         state.num_tokens = len(token_ids)
         if self.enable_prefix_caching:
             self._cache_full_blocks(state, token_ids)
-        return list(state.block_ids)
+        return tuple(map(list, tables))
 
     def _cache_full_blocks(self, state: _RequestState, token_ids: Sequence[int]) -> None:
         num_full = min(state.num_slots, len(token_ids)) // self.block_size
@@ -473,15 +635,17 @@ class KVCacheManager:
             return
         extend_block_hashes(state.block_hashes, token_ids, num_full * self.block_size, self.block_size,
                             state.cache_salt)
-        pool = self.block_pool
+        pool, hashes = self.block_pool, state.block_hashes
         origins = self._origins_with_room()
-        for i in range(state.num_cached_blocks, num_full):
-            if pool.cache_full_block(pool.blocks[state.block_ids[i]], state.block_hashes[i]) and origins is not None:
-                start = i * self.block_size
-                parent = state.block_hashes[i - 1] if i else None
-                origins[state.block_hashes[i]] = BlockOrigin(
-                    parent, tuple(token_ids[start : start + self.block_size]), state.cache_salt
-                )
+        for group, table in enumerate(state.tables):
+            for i in range(max(state.num_cached_blocks, state.num_released[group]), num_full):
+                key = hashes[i] if group == 0 else group_block_hash(hashes[i], group)
+                if pool.cache_full_block(pool.blocks[table[i]], key) and origins is not None and group == 0:
+                    start = i * self.block_size
+                    parent = hashes[i - 1] if i else None
+                    origins[hashes[i]] = BlockOrigin(
+                        parent, tuple(token_ids[start : start + self.block_size]), state.cache_salt
+                    )
         state.num_cached_blocks = num_full
 
     def _origins_with_room(self) -> dict[BlockHash, BlockOrigin] | None:

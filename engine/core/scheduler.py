@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 
 from engine.core.fair_share import FairShare
-from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_cache_manager import BlockTables, KVCacheManager
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.request import Request, RequestStatus
 
@@ -306,13 +306,13 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 
-    def _allocate(self, request: Request, num_new: int) -> list[int] | None:
+    def _allocate(self, request: Request, num_new: int) -> BlockTables | None:
         return self.kv.allocate_slots(
             request.req_id, request.all_token_ids, request.num_computed_tokens, num_new,
             cache_salt=request.cache_salt,
         )
 
-    def _schedule(self, request: Request, num_new: int, block_ids: list[int]) -> ScheduledRequest:
+    def _schedule(self, request: Request, num_new: int, block_ids: BlockTables) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_new
         request.num_computed_tokens = end

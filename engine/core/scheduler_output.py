@@ -12,15 +12,17 @@ class ScheduledRequest:
     The runner computes ``token_ids`` at positions ``num_computed_tokens ..
     num_computed_tokens + len(token_ids) - 1``, writes their K/V into the slots that
     ``block_ids`` address, and attends over the request's first
-    ``num_computed_tokens + len(token_ids)`` tokens. A decode with drafts ends ``token_ids``
-    with its ``num_draft_tokens`` draft tokens, and needs logits at each of its last
-    ``1 + num_draft_tokens`` positions.
+    ``num_computed_tokens + len(token_ids)`` tokens (a sliding-window layer: over its window).
+    ``block_ids`` holds one table per KV cache group (``KVCacheManager.sliding_windows``); a
+    sliding group's entries before its window are ``NULL_BLOCK`` (-1), which nothing reads.
+    A decode with drafts ends ``token_ids`` with its ``num_draft_tokens`` draft tokens, and
+    needs logits at each of its last ``1 + num_draft_tokens`` positions.
     """
 
     req_id: str
     token_ids: list[int]  # tokens to compute this step (a prefill chunk, or the one decode token)
     num_computed_tokens: int  # tokens already in the KV cache; the first new token's position
-    block_ids: list[int]  # the request's whole block table (logical block i -> physical block)
+    block_ids: tuple[list[int], ...]  # per KV cache group, the whole block table (logical block i -> physical block)
     needs_logits: bool  # True when this step reaches the end of the request's known tokens
     num_draft_tokens: int = 0  # speculative tokens at the end of token_ids (not yet the request's)
 

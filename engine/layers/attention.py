@@ -16,8 +16,9 @@ if TYPE_CHECKING:
 class Attention(nn.Module):
     """One layer's attention over its slice of the paged KV cache.
 
-    The runner binds ``kv_cache`` ([2, num_blocks, block_size, Hkv, D]) and ``backend``
-    after allocating the cache; the step's metadata comes from the forward context.
+    The runner binds ``kv_cache`` ([2, num_blocks, block_size, Hkv, D]), ``backend`` and
+    ``kv_cache_group`` (the KV cache group of the layers of its window) after allocating the
+    cache; the step's metadata of that group comes from the forward context.
 
     Args:
         sliding_window: W: a query at position p sees the keys at positions p - W + 1 .. p
@@ -49,9 +50,10 @@ class Attention(nn.Module):
         self.logit_softcap = logit_softcap
         self.kv_cache: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
+        self.kv_cache_group = 0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        meta = get_forward_context().attn_metadata
+        meta = get_forward_context().attn_metadata[self.kv_cache_group]
         o = self.backend.forward(
             q, k, v, self.kv_cache, meta, self.scale,
             sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,

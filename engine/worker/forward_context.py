@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class ForwardContext:
-    attn_metadata: AttentionMetadata
+    attn_metadata: tuple[AttentionMetadata, ...]  # per KV cache group; a layer reads its group's
 
 
 # NOTE: a ContextVar, not a module global: engines in different threads of one process

@@ -21,7 +21,9 @@ from engine.config import (
     DEFAULT_CPU_KV_CACHE_MIN,
     DEFAULT_GPU_MEMORY_UTILIZATION,
     EngineConfig,
+    step_token_budget,
 )
+from engine.core.kv_cache_manager import blocks_per_request
 from engine.core.kv_persistence import KVLayout, model_fingerprint
 from engine.core.scheduler_output import SchedulerOutput
 from engine.distributed.parallel_state import SINGLE, TensorParallel, tensor_parallel
@@ -124,11 +126,13 @@ class ModelRunner:
         cpu_backend = isinstance(self.attn_backend, CpuAttentionBackend)
         self.kv_cache_dtype = self.weight_dtype if cpu_backend else self.dtype
         self.attention: str = self.attn_backend.describe(self.kv_cache_dtype, layer.head_dim)  # what runs it
+        self._kv_cache_groups = kv_cache_groups(self._attention_layers())
+        # each KV cache group's sliding window (None: full attention), as KVCacheManager takes them
+        self.kv_cache_windows = tuple(group[0].sliding_window for group in self._kv_cache_groups)
         # NOTE: every rank of a group allocates the same number of blocks: the scheduler addresses them all.
         self.num_blocks = self._num_blocks() if tp.comm is None else tp.comm.all_reduce_min(self._num_blocks())
         self.kv_cache = self._allocate_kv_cache()
-        for attn, kv_cache in zip(self._attention_layers(), self.kv_cache):
-            attn.kv_cache, attn.backend = kv_cache, self.attn_backend
+        self._bind_kv_cache()
         # the decoder layers in one C call a step where the CPU kernels run them all (else None: the modules do,
         # also on a tensor-parallel rank, whose collectives sit between the kernels)
         self.decoder_plan = None
@@ -158,7 +162,7 @@ class ModelRunner:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         inputs = prepare_inputs(scheduled, self.block_size, self.device)
         if self.decoder_plan is not None:
-            hidden = self.decoder_plan.forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+            hidden = self.decoder_plan.forward(inputs.input_ids, inputs.positions, inputs.attn_metadata[0])
         else:
             with set_forward_context(ForwardContext(inputs.attn_metadata)):
                 hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
@@ -279,10 +283,10 @@ class ModelRunner:
         return [m for m in self.model.modules() if isinstance(m, Attention)]
 
     def _num_blocks(self) -> int:
-        layers = self._attention_layers()
-        attn = layers[0]
+        attn = self._attention_layers()[0]
         bytes_per_block = (
-            len(layers) * 2 * self.block_size * attn.num_kv_heads * attn.head_dim * self.kv_cache_dtype.itemsize
+            self._layers_per_block() * 2 * self.block_size * attn.num_kv_heads * attn.head_dim
+            * self.kv_cache_dtype.itemsize
         )
         if self.config.num_blocks is not None:
             return self.config.num_blocks
@@ -294,7 +298,9 @@ class ModelRunner:
         else:
             budget = max(DEFAULT_CPU_KV_CACHE_MIN, int(available_cpu_memory() * DEFAULT_CPU_KV_CACHE_FRACTION))
             # no more blocks than max_num_seqs sequences of max_model_len fill
-            most = self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
+            chunk = step_token_budget(self.config.max_num_batched_tokens, self.device.type)
+            per_request = blocks_per_request(self.kv_cache_windows, self.block_size, self.max_model_len, chunk)
+            most = self.config.max_num_seqs * per_request
             budget = min(budget, most * bytes_per_block)
         num_blocks = budget // bytes_per_block
         if num_blocks < 1:
@@ -302,12 +308,12 @@ class ModelRunner:
         return num_blocks
 
     def _allocate_kv_cache(self) -> torch.Tensor:
+        """``[layers of the largest group, 2, num_blocks, block_size, Hkv, D]``: a block id belongs to one group at
+        a time, so the i-th layers of all groups share one tensor (``_bind_kv_cache``)."""
         attn = self._attention_layers()[0]
-        shape = (
-            len(self._attention_layers()), 2, self.num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim
-        )
+        shape = (self._layers_per_block(), 2, self.num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
         if self.device.type != "cpu":
-            return torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)  # [L, 2, NB, BS, Hkv, D]
+            return torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
         # calloc'd: the OS commits zero pages as blocks are first written, so a large default budget
         # costs memory only as far as it is used, unless kv_cache_prefault commits them all now
         storage = np.zeros(math.prod(shape) * self.kv_cache_dtype.itemsize, dtype=np.uint8)
@@ -316,6 +322,30 @@ class ModelRunner:
             commit_pages(storage, torch.get_num_threads())
             logger.info("KV cache of %.1f GiB committed in %.1f s", storage.nbytes / 2**30, time.perf_counter() - start)
         return torch.from_numpy(storage).view(self.kv_cache_dtype).view(shape)
+
+    def _layers_per_block(self) -> int:
+        """The layers one block id holds K/V for: those of the largest KV cache group."""
+        return max(len(group) for group in self._kv_cache_groups)
+
+    def _bind_kv_cache(self) -> None:
+        """Gives the i-th attention layer of each KV cache group its group, its backend and the cache's slice i."""
+        for index, group in enumerate(self._kv_cache_groups):
+            for attn, kv_cache in zip(group, self.kv_cache):
+                attn.kv_cache, attn.backend, attn.kv_cache_group = kv_cache, self.attn_backend, index
+
+
+def kv_cache_groups(layers: list[Attention]) -> list[list[Attention]]:
+    """The attention layers as KV cache groups: the layers of one window (full attention first, then by window),
+    split into groups of the smallest such set's size, or of the largest where it is under 1.25 times the smallest
+    (as vLLM's hybrid allocator does). A block id holds K/V for one layer of each slice of the cache, so groups of
+    equal size leave none of its memory unused; each group keeps its own block tables.
+    """
+    by_window: dict[int | None, list[Attention]] = {}
+    for attn in sorted(layers, key=lambda a: (a.sliding_window is not None, a.sliding_window or 0)):
+        by_window.setdefault(attn.sliding_window, []).append(attn)
+    sizes = [len(same) for same in by_window.values()]
+    size = max(sizes) if max(sizes) < 1.25 * min(sizes) else min(sizes)
+    return [same[i : i + size] for same in by_window.values() for i in range(0, len(same), size)]
 
 
 def commit_pages(buffer: np.ndarray, threads: int) -> None:

@@ -250,3 +250,13 @@ def test_paged_serve_takes_the_settings_as_flags(tmp_path) -> None:
     assert (config.kv_cache_dir, config.kv_cache_save_interval_s, config.kv_cache_save_hot_blocks) == (str(tmp_path), 30.0, 8)
     with pytest.raises(FlagError, match="--kv-cache-save-interval-s needs --kv-cache-dir"):
         engine_config(parser.parse_args(["--kv-cache-save-interval-s", "30"]))
+
+
+def test_sliding_window_model_keeps_nothing_on_disk(tiny_model_factory, tmp_path: Path, caplog) -> None:
+    """A sliding-window model's blocks hold one KV cache group's layers: nothing is saved, with one warning."""
+    with caplog.at_level(logging.WARNING, logger="engine.llm_engine"):
+        with Engine(str(tiny_model_factory("mistral_sliding")), **CONFIG, kv_cache_dir=tmp_path) as engine:
+            assert engine.persisted_kv is None
+            engine.generate([list(range(1, 40))], SamplingParams(max_tokens=2, temperature=0.0))
+    assert [r.message for r in caplog.records if "kv_cache_dir" in r.message and "sliding" in r.message]
+    assert not any(p.is_file() for p in tmp_path.rglob("*"))

@@ -157,7 +157,7 @@ def test_tiny_gguf_runs_as_transformers_reads_it(small_gguf: Path, private_cache
     runner = ModelRunner(EngineConfig(num_blocks=8), entry)
     assert runner.weights.modules == {"F32": 10}  # per layer qkv, o, gate_up, down; the embedding; the head
     prompt = [5, 9, 77, 120, 3, 200]
-    logits = runner.execute_model(SchedulerOutput(scheduled=[ScheduledRequest("r", prompt, 0, [0], True)]))
+    logits = runner.execute_model(SchedulerOutput(scheduled=[ScheduledRequest("r", prompt, 0, ([0],), True)]))
     hf = AutoModelForCausalLM.from_pretrained(small_gguf.parent, gguf_file=small_gguf.name, dtype=torch.float32)
     with torch.inference_mode():
         expected = hf(torch.tensor([prompt])).logits[0, -1]

@@ -147,13 +147,13 @@ def test_scheduler_budgets_drafts_and_rollback_frees_their_blocks() -> None:
     assert shares["a"].num_draft_tokens == 4 and shares["a"].token_ids == [5, 9, 9, 9, 9]
     assert shares["b"].num_draft_tokens == 0 and out.num_logits == 6
     a = scheduler.requests["a"]
-    assert a.num_computed_tokens == 8 and len(shares["a"].block_ids) == 2
+    assert a.num_computed_tokens == 8 and len(shares["a"].block_ids[0]) == 2
     a.append_token(9)  # one draft accepted, then the target's own token
     a.append_token(4)
     scheduler.update_from_output([scheduler.requests["b"]], [7])
     scheduler.rollback_drafts(out.scheduled)
     assert a.num_computed_tokens == 5 == a.num_tokens - 1
-    assert len(kv.get_block_ids("a")) == 2  # slots 0..4 span two blocks
+    assert len(kv.get_block_ids("a")[0]) == 2  # slots 0..4 span two blocks
     kv.check_integrity()
     scheduler.finish_requests(["a", "b"], a.status.FINISHED_ABORTED)
     assert kv.num_free_blocks == 16
@@ -175,10 +175,10 @@ def test_runner_inputs_ask_logits_at_every_draft_position() -> None:
     from engine.worker.input_batch import prepare_inputs
 
     scheduled = [
-        ScheduledRequest("a", [5, 9, 9], 7, [0, 1, 2], True, 2),  # rows 0-2: a decode with two drafts
-        ScheduledRequest("b", [1, 2, 3, 4], 0, [3], False),  # rows 3-6: a prefill chunk, no logits
-        ScheduledRequest("c", [6], 3, [4], True),  # row 7: a plain decode
-        ScheduledRequest("d", [6, 1], 3, [5], True, 1),  # rows 8-9
+        ScheduledRequest("a", [5, 9, 9], 7, ([0, 1, 2],), True, 2),  # rows 0-2: a decode with two drafts
+        ScheduledRequest("b", [1, 2, 3, 4], 0, ([3],), False),  # rows 3-6: a prefill chunk, no logits
+        ScheduledRequest("c", [6], 3, ([4],), True),  # row 7: a plain decode
+        ScheduledRequest("d", [6, 1], 3, ([5],), True, 1),  # rows 8-9
     ]
     inputs = prepare_inputs(scheduled, 4, torch.device("cpu"))
     assert inputs.logits_indices.tolist() == [0, 1, 2, 7, 8, 9]
@@ -191,7 +191,7 @@ def test_free_tail_refuses_to_drop_hashed_blocks() -> None:
     tokens = list(range(9))
     kv.allocate_slots("r", tokens, 0, 12)
     kv.free_tail("r", 9)
-    assert len(kv.get_block_ids("r")) == 3
+    assert len(kv.get_block_ids("r")[0]) == 3
     with pytest.raises(ValueError):
         kv.free_tail("r", 4)
     kv.free("r")
@@ -211,7 +211,7 @@ def test_verification_is_distributed_as_the_target() -> None:
     params = SamplingParams(temperature=0.8, top_k=5, max_tokens=100)
     sampler = Sampler(vocab, seed=1)
     requests = {f"r{i}": Request(f"r{i}", [1, 2], params) for i in range(rows)}
-    scheduled = [ScheduledRequest(f"r{i}", [2, draft], 1, [0], True, 1) for i in range(rows)]
+    scheduled = [ScheduledRequest(f"r{i}", [2, draft], 1, ([0],), True, 1) for i in range(rows)]
     logits = torch.stack([first, second] * rows)
 
     def sample(row_logits, batch):

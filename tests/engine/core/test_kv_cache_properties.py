@@ -2,7 +2,9 @@
 
 A shadow KV cache records, for every slot written, the (salt, token prefix) whose K/V it
 holds. After every step the machine checks the manager's invariants and that every
-running request reads exactly its own prefix through its block table.
+running request reads exactly its own prefix through each group's block table (a sliding
+group: at least the blocks its window still reaches). The machine runs one full-attention
+group, one sliding group, and a mix of full and sliding groups.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from engine.core.block_hash import BlockHash
-from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_cache_manager import NULL_BLOCK, KVCacheManager
 
 BS = 4
-NUM_BLOCKS = 6
+NUM_BLOCKS = 6  # per group
+WINDOWS = ((None,), (6,), (None, 6), (None, 9, 5), (None, 6, 6))  # per group; None = full attention
 PREFIXES = ((), (1, 2, 3, 4), (1, 2, 3, 4, 5, 6, 7, 8), (9, 9, 9, 9, 9))
 SlotContent = tuple[str | None, tuple[int, ...]]
 
@@ -28,22 +31,24 @@ class _Req:
 
 
 class KVCacheMachine(RuleBasedStateMachine):
-    @initialize(enable_prefix_caching=st.booleans())
-    def setup(self, enable_prefix_caching: bool) -> None:
-        self.kv = KVCacheManager(NUM_BLOCKS, BS, enable_prefix_caching)
+    @initialize(enable_prefix_caching=st.booleans(), windows=st.sampled_from(WINDOWS))
+    def setup(self, enable_prefix_caching: bool, windows: tuple[int | None, ...]) -> None:
+        self.num_blocks = NUM_BLOCKS * len(windows)
+        self.kv = KVCacheManager(self.num_blocks, BS, enable_prefix_caching, windows)
         self.running: dict[str, _Req] = {}
         self.waiting: dict[str, _Req] = {}  # preempted: blocks freed, tokens kept
         self.slots: dict[int, SlotContent] = {}  # shadow KV cache
         self.hash_content: dict[BlockHash, tuple[SlotContent | None, ...]] = {}
         self.next_id = 0
 
-    def _write(self, req_id: str, req: _Req, table: list[int], num_new: int) -> None:
-        """Plays the runner: stores the K/V of the scheduled tokens into their slots."""
-        for pos in range(req.num_computed, req.num_computed + num_new):
-            block = self.kv.block_pool.blocks[table[pos // BS]]
-            # NOTE: two requests never write one slot: a written block is held by its writer only.
-            assert block.ref_cnt == 1, f"{req_id} writes position {pos} into shared block {block.block_id}"
-            self.slots[block.block_id * BS + pos % BS] = (req.salt, tuple(req.token_ids[: pos + 1]))
+    def _write(self, req_id: str, req: _Req, tables: tuple[list[int], ...], num_new: int) -> None:
+        """Plays the runner: stores the K/V of the scheduled tokens into their slots, in every group."""
+        for table in tables:
+            for pos in range(req.num_computed, req.num_computed + num_new):
+                block = self.kv.block_pool.blocks[table[pos // BS]]
+                # NOTE: two requests never write one slot: a written block is held by its writer only.
+                assert block.ref_cnt == 1, f"{req_id} writes position {pos} into shared block {block.block_id}"
+                self.slots[block.block_id * BS + pos % BS] = (req.salt, tuple(req.token_ids[: pos + 1]))
         req.num_computed += num_new
 
     def _schedule(self, req_id: str, req: _Req, num_new: int) -> bool:
@@ -108,7 +113,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         num_computed = self.kv.fork(parent_id, child_id)
         assert num_computed % BS == 0
         assert num_computed <= min(parent.num_computed, len(parent.token_ids) - 1)
-        assert num_computed > min(parent.num_computed, len(parent.token_ids) - 1) - BS
+        if self.kv.sliding_windows == (None,):  # a sliding window may find fewer of its blocks in the parent
+            assert num_computed > min(parent.num_computed, len(parent.token_ids) - 1) - BS
         child = _Req(list(parent.token_ids), parent.salt)
         child.num_computed = num_computed
         self.running[child_id] = child
@@ -135,7 +141,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.waiting.clear()
         stats = self.kv.stats()
         assert stats.num_used_blocks == 0
-        assert stats.num_free_blocks == NUM_BLOCKS == len(self.kv.block_pool.free_block_ids) + stats.num_cached_blocks
+        assert stats.num_free_blocks == self.num_blocks == len(self.kv.block_pool.free_block_ids) + stats.num_cached_blocks
         assert all(b.ref_cnt == 0 for b in self.kv.block_pool.blocks)
 
     @invariant()
@@ -145,10 +151,14 @@ class KVCacheMachine(RuleBasedStateMachine):
     @invariant()
     def every_request_reads_its_own_prefix(self) -> None:
         for req_id, req in self.running.items():
-            table = self.kv.get_block_ids(req_id)
-            for pos in range(req.num_computed):
-                slot = table[pos // BS] * BS + pos % BS
-                assert self.slots.get(slot) == (req.salt, tuple(req.token_ids[: pos + 1])), (req_id, pos)
+            for table, window in zip(self.kv.get_block_ids(req_id), self.kv.sliding_windows):
+                needed = 0 if window is None else max(req.num_computed - window + 1, 0)  # the next query's first key
+                for pos in range(req.num_computed):
+                    if table[pos // BS] == NULL_BLOCK:
+                        assert pos < needed // BS * BS, f"{req_id} released position {pos}, still in its window"
+                        continue
+                    slot = table[pos // BS] * BS + pos % BS
+                    assert self.slots.get(slot) == (req.salt, tuple(req.token_ids[: pos + 1])), (req_id, pos)
 
     @invariant()
     def a_hash_always_names_the_same_content(self) -> None:
@@ -164,7 +174,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     @invariant()
     def figures_add_up(self) -> None:
         stats = self.kv.stats()
-        assert stats.num_used_blocks + stats.num_free_blocks == NUM_BLOCKS
+        assert stats.num_used_blocks + stats.num_free_blocks == self.num_blocks
         assert 0 <= stats.prefix_cache_hits <= stats.prefix_cache_queries
         assert 0.0 <= stats.token_utilization <= 1.0
 

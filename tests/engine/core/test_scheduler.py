@@ -51,7 +51,7 @@ def test_prefill_then_decode_with_exact_blocks() -> None:
     s.add_request(make_request("a", prompt_len=6, max_tokens=3))
     out = step(s)
     (a,) = out.scheduled
-    assert (a.token_ids, a.num_computed_tokens, a.block_ids, a.needs_logits) == ([1, 2, 3, 4, 5, 6], 0, [0, 1], True)
+    assert (a.token_ids, a.num_computed_tokens, a.block_ids, a.needs_logits) == ([1, 2, 3, 4, 5, 6], 0, ([0, 1],), True)
     out = step(s)
     assert out.scheduled[0].token_ids == [7] and out.scheduled[0].num_computed_tokens == 6
     out = step(s)
@@ -128,7 +128,7 @@ def test_preempted_request_keeps_outputs_and_hits_its_cached_prefix() -> None:
     s.add_request(a)
     s.add_request(b)
     out = step(s)
-    assert [r.block_ids for r in out.scheduled] == [[0, 1], [2, 3]]
+    assert [r.block_ids for r in out.scheduled] == [([0, 1],), ([2, 3],)]
     step(s)  # a takes the last free block for position 8; b finds none and is preempted
     assert b.status == RequestStatus.PREEMPTED and b.output_token_ids == [7] and s.num_preemptions == 1
     step(s)  # a finishes
@@ -136,7 +136,7 @@ def test_preempted_request_keeps_outputs_and_hits_its_cached_prefix() -> None:
     out = step(s)
     (resumed,) = out.scheduled
     assert (resumed.req_id, resumed.num_computed_tokens, resumed.token_ids) == ("b", 8, [7])
-    assert resumed.block_ids[:2] == [2, 3]
+    assert resumed.block_ids[0][:2] == [2, 3]
     while s.has_unfinished_requests():
         step(s)
     assert b.num_output_tokens == 6
@@ -197,7 +197,7 @@ def test_shared_prefix_admitted_in_one_step_hits_cache() -> None:
     s.add_request(make_request("b", prompt_len=9))
     out = step(s)
     a, b = out.scheduled
-    assert a.block_ids[:2] == b.block_ids[:2] and b.num_computed_tokens == 8 and b.num_tokens == 1
+    assert a.block_ids[0][:2] == b.block_ids[0][:2] and b.num_computed_tokens == 8 and b.num_tokens == 1
     assert s.requests["b"].num_cached_tokens == 8
 
 

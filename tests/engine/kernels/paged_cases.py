@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.core.kv_cache_manager import NULL_BLOCK
 
 
 @dataclass
@@ -144,11 +145,13 @@ def check_against_reference(
 
 
 def poison_before_windows(batch: PagedBatch, window: int) -> None:
-    """NaN in every block that lies wholly before its sequence's first query's window: blocks a windowed
-    kernel must never read (a KV cache may have returned them to the pool)."""
+    """NaN in every block that lies wholly before its sequence's first query's window, and NULL_BLOCK (-1)
+    in its table entry: blocks a windowed kernel must never read (the KV cache released them)."""
     block_size = batch.kv_cache.shape[2]
     qsl = batch.meta.query_start_loc.tolist()
     for i, ids in enumerate(batch.block_ids):
         first_query = int(batch.meta.seq_lens[i]) - (qsl[i + 1] - qsl[i])
-        for block in ids[: max(0, first_query - window + 1) // block_size]:
+        released = max(0, first_query - window + 1) // block_size
+        for block in ids[:released]:
             batch.kv_cache[:, block] = float("nan")
+        batch.meta.block_tables[i, :released] = NULL_BLOCK

@@ -32,9 +32,9 @@ def test_runner_steps_match_torch_backend(tiny_model_factory: Callable) -> None:
     a = torch.randint(0, 1000, (40,), generator=gen).tolist()
     b = a[:32] + torch.randint(0, 1000, (9,), generator=gen).tolist()  # shares a's first 2 blocks
     steps = [
-        [ScheduledRequest("a", a, 0, [5, 9, 2], True)],
-        [ScheduledRequest("a", [7], 40, [5, 9, 2], True), ScheduledRequest("b", b[32:], 32, [5, 9, 11], True)],
-        [ScheduledRequest("a", [8], 41, [5, 9, 2], True), ScheduledRequest("b", [3], 41, [5, 9, 11], True)],
+        [ScheduledRequest("a", a, 0, ([5, 9, 2],), True)],
+        [ScheduledRequest("a", [7], 40, ([5, 9, 2],), True), ScheduledRequest("b", b[32:], 32, ([5, 9, 11],), True)],
+        [ScheduledRequest("a", [8], 41, ([5, 9, 2],), True), ScheduledRequest("b", [3], 41, ([5, 9, 11],), True)],
     ]
     for scheduled in steps:
         expected = reference.execute_model(SchedulerOutput(scheduled))

@@ -1,4 +1,5 @@
-"""Sliding-window and soft-capped attention in the Triton kernels against the float64 reference."""
+"""Sliding-window and soft-capped attention in the Triton kernels against the float64 reference; every backend
+over block tables whose entries before the windows are released (NULL_BLOCK)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import pytest
 import torch
 from paged_cases import check_against_reference, make_batch, poison_before_windows
 
+from engine import cpu_kernels
+from engine.attention import CpuAttentionBackend, TorchAttentionBackend
+from engine.attention.triton_backend import TritonAttentionBackend
 from engine.kernels import paged_decode_attention, prefill_attention, store_kv
 
 
@@ -56,3 +60,30 @@ def test_soft_cap_saturates_without_overflow() -> None:
     store_kv(b.k, b.v, kc, vc, m.slot_mapping)
     out = prefill_attention(b.q, kc, vc, m.block_tables, m.query_start_loc, m.seq_lens, 40, b.scale, None, 2.0)
     check_against_reference(b, out, None, 2.0)
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "torch",
+        pytest.param("cpu", marks=pytest.mark.skipif(cpu_kernels.library() is None, reason="no C kernels")),
+        "triton",
+    ],
+)
+@pytest.mark.parametrize(
+    ("window", "seqs"),
+    [
+        (5, [(90, 25), (70, 1), (45, 45), (33, 1)]),  # prefill chunks and decodes in one batch
+        (20, [(100, 1), (37, 1), (130, 1)]),  # decodes only (Triton's decode kernel)
+    ],
+)
+def test_backends_never_read_released_table_entries(backend: str, window: int, seqs: list[tuple[int, int]]) -> None:
+    """As a sliding KV cache group hands them over: the table entries before every window are NULL_BLOCK and
+    their blocks NaN; each backend's output is the reference. (PyTorch's SDPA gathers whole blocks and masks the
+    keys it does not see, so only the released blocks are NaN for it; the kernels read no unseen row at all.)"""
+    b = make_batch(seqs, block_size=8, poison=backend != "torch")
+    poison_before_windows(b, window)
+    assert (b.meta.block_tables < 0).any()
+    attention = {"torch": TorchAttentionBackend, "cpu": lambda: CpuAttentionBackend(2), "triton": TritonAttentionBackend}
+    out = attention[backend]().forward(b.q, b.k, b.v, b.kv_cache, b.meta, b.scale, sliding_window=window)
+    check_against_reference(b, out, window)

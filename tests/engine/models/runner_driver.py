@@ -10,9 +10,10 @@ from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 
 
 class PagedDriver:
-    """Tracks each request's tokens, computed count and block table over a runner's cache.
+    """Tracks each request's tokens, computed count and block tables (one per KV cache group) over a runner's cache.
 
-    Blocks come from a shuffled free list, so tables are never contiguous or ordered.
+    Blocks come from a shuffled free list, so tables are never contiguous or ordered. Nothing is released:
+    a sliding group keeps every block, as it may.
     """
 
     def __init__(self, runner, seed: int = 0) -> None:
@@ -22,17 +23,19 @@ class PagedDriver:
         random.Random(seed).shuffle(self.free_blocks)
         self.tokens: dict[str, list[int]] = {}
         self.num_computed: dict[str, int] = {}
-        self.block_ids: dict[str, list[int]] = {}
+        self.num_groups = len(runner.kv_cache_windows)
+        self.block_ids: dict[str, list[list[int]]] = {}  # per group
 
     def add(self, req_id: str, prompt: list[int]) -> None:
-        self.tokens[req_id], self.num_computed[req_id], self.block_ids[req_id] = list(prompt), 0, []
+        self.tokens[req_id], self.num_computed[req_id] = list(prompt), 0
+        self.block_ids[req_id] = [[] for _ in range(self.num_groups)]
 
     def fork(self, req_id: str, parent: str, num_shared_blocks: int, tail: list[int]) -> None:
         """A request whose first blocks are ``parent``'s (already cached or written this step)."""
         shared = num_shared_blocks * self.block_size
         self.tokens[req_id] = self.tokens[parent][:shared] + list(tail)
         self.num_computed[req_id] = shared
-        self.block_ids[req_id] = self.block_ids[parent][:num_shared_blocks]
+        self.block_ids[req_id] = [table[:num_shared_blocks] for table in self.block_ids[parent]]
 
     def append(self, req_id: str, token_id: int) -> None:
         self.tokens[req_id].append(token_id)
@@ -43,12 +46,14 @@ class PagedDriver:
         for req_id, n in chunks.items():
             start = self.num_computed[req_id]
             n = len(self.tokens[req_id]) - start if n is None else n
-            table = self.block_ids[req_id]
-            while len(table) * self.block_size < start + n:
-                table.append(self.free_blocks.pop())
+            tables = self.block_ids[req_id]
+            for table in tables:
+                while len(table) * self.block_size < start + n:
+                    table.append(self.free_blocks.pop())
             needs_logits = start + n == len(self.tokens[req_id])
             token_ids = self.tokens[req_id][start : start + n]
-            scheduled.append(ScheduledRequest(req_id, token_ids, start, list(table), needs_logits))
+            block_ids = tuple(list(table) for table in tables)
+            scheduled.append(ScheduledRequest(req_id, token_ids, start, block_ids, needs_logits))
         logits = self.runner.execute_model(SchedulerOutput(scheduled=scheduled))
         assert logits.shape == (sum(r.needs_logits for r in scheduled), self.runner.vocab_size)
         for req in scheduled:

@@ -24,7 +24,7 @@ def models(request, tiny_model_factory):
     from transformers import AutoModelForCausalLM
 
     path = tiny_model_factory(request.param)
-    runner = ModelRunner(EngineConfig(dtype="float32", device="cpu", block_size=4, num_blocks=96), path)
+    runner = ModelRunner(EngineConfig(dtype="float32", device="cpu", block_size=4, num_blocks=192), path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return runner, hf
 
@@ -76,7 +76,8 @@ def test_same_step_shared_prefix_matches_transformers(models) -> None:
     rng = random.Random(3)
     driver = PagedDriver(runner, seed=4)
     driver.add("a", _prompt(rng, 18))
-    driver.block_ids["a"] = [driver.free_blocks.pop() for _ in range(5)]  # allocate a's blocks up front
+    # allocate a's blocks up front, in every KV cache group
+    driver.block_ids["a"] = [[driver.free_blocks.pop() for _ in range(5)] for _ in range(driver.num_groups)]
     driver.fork("d", "a", 4, _prompt(rng, 3))
     driver.num_computed["d"] = 16  # d's prefix is a's first 16 tokens, written by a in this step
     out = driver.step({"d": None, "a": None})  # d before a: a's K/V must still be stored first

@@ -68,7 +68,7 @@ def _batch(case: str, num_heads: int, num_kv_heads: int, dtype: torch.dtype):
     gen = torch.Generator().manual_seed(len(case) + num_heads)
     kv_cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
     scheduled = [
-        ScheduledRequest(str(i), [0] * q_len, ctx - q_len, table, True)
+        ScheduledRequest(str(i), [0] * q_len, ctx - q_len, (table,), True)
         for i, (table, ctx, q_len) in enumerate(CASES[case])
     ]
     inputs = prepare_inputs(scheduled, BLOCK_SIZE, torch.device("cpu"))
@@ -76,7 +76,7 @@ def _batch(case: str, num_heads: int, num_kv_heads: int, dtype: torch.dtype):
     q = torch.randn(num_tokens, num_heads, HEAD_DIM, generator=gen).to(dtype)
     k = torch.randn(num_tokens, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
     v = torch.randn(num_tokens, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
-    return q, k, v, kv_cache, inputs.attn_metadata
+    return q, k, v, kv_cache, inputs.attn_metadata[0]
 
 
 def _reference(q, kv_cache, meta, scale) -> torch.Tensor:

@@ -25,9 +25,9 @@ def _step(requests: list[tuple[list[int], int, int]], num_blocks: int, heads: tu
     num_heads, num_kv_heads = heads
     kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM, generator=gen)
     scheduled = [
-        ScheduledRequest(str(i), [0] * new, cached, table, True) for i, (table, cached, new) in enumerate(requests)
+        ScheduledRequest(str(i), [0] * new, cached, (table,), True) for i, (table, cached, new) in enumerate(requests)
     ]
-    meta = prepare_inputs(scheduled, BLOCK_SIZE, torch.device("cpu")).attn_metadata
+    meta = prepare_inputs(scheduled, BLOCK_SIZE, torch.device("cpu")).attn_metadata[0]
     num_tokens = meta.slot_mapping.shape[0]
     q = torch.randn(num_tokens, num_heads, HEAD_DIM, generator=gen)
     k = torch.randn(num_tokens, num_kv_heads, HEAD_DIM, generator=gen)

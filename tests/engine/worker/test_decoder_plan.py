@@ -22,9 +22,9 @@ pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="needs the
 # keys, rows alone, and new keys read by rows of the same step.
 SHARED = [3, 8]
 STEP = [
-    ScheduledRequest("new", list(range(100, 120)), 32, [*SHARED, 20, 21], True),
-    *(ScheduledRequest(f"d{i}", [40 + i], 45 + i, [*SHARED, 10 + i, 0][: 3 + (i > 2)], True) for i in range(4)),
-    ScheduledRequest("alone", [7], 9, [30], True),
+    ScheduledRequest("new", list(range(100, 120)), 32, ([*SHARED, 20, 21],), True),
+    *(ScheduledRequest(f"d{i}", [40 + i], 45 + i, ([*SHARED, 10 + i, 0][: 3 + (i > 2)],), True) for i in range(4)),
+    ScheduledRequest("alone", [7], 9, ([30],), True),
 ]
 
 
@@ -35,7 +35,7 @@ def _both_paths(runner: ModelRunner, scheduled: list[ScheduledRequest]) -> tuple
     runner.kv_cache.copy_(torch.randn(runner.kv_cache.shape).to(runner.kv_cache.dtype))
     before = runner.kv_cache.clone()
     with torch.inference_mode():
-        planned = runner.decoder_plan.forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        planned = runner.decoder_plan.forward(inputs.input_ids, inputs.positions, inputs.attn_metadata[0])
         planned_cache = runner.kv_cache.clone()
         runner.kv_cache.copy_(before)
         with set_forward_context(ForwardContext(inputs.attn_metadata)):
@@ -130,8 +130,8 @@ def test_enforce_eager_runs_the_modules_to_the_same_logits(tiny_model_factory) -
 @pytest.mark.parametrize(
     "scheduled, error, match",
     [
-        ([ScheduledRequest("a", [1, 2], 0, [40], True)], IndexError, "slot of slot_mapping is outside the cache's 640"),
-        ([ScheduledRequest("a", [1], 2048, [0] * 129, True)], IndexError, "outside the rotary table's 2048 positions"),
+        ([ScheduledRequest("a", [1, 2], 0, ([40],), True)], IndexError, "slot of slot_mapping is outside the cache's 640"),
+        ([ScheduledRequest("a", [1], 2048, ([0] * 129,), True)], IndexError, "outside the rotary table's 2048 positions"),
     ],
 )
 def test_a_bad_step_raises_the_modules_error(tiny_model_factory, scheduled, error, match) -> None:

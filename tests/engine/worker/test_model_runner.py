@@ -15,7 +15,8 @@ from engine.config import DEFAULT_CPU_KV_CACHE_MIN, EngineConfig
 from engine.worker import model_runner
 from engine.core.scheduler_output import SchedulerOutput
 from engine.errors import ModelLoadError
-from engine.worker.model_runner import ModelRunner, resolve_dtypes
+from engine.layers.attention import Attention
+from engine.worker.model_runner import ModelRunner, kv_cache_groups, resolve_dtypes
 
 # tiny models: 2 layers x (K, V) x 2 KV heads x head_dim 16 x 4 bytes = 512 bytes per token in float32
 BYTES_PER_TOKEN_F32 = 2 * 2 * 2 * 16 * 4
@@ -125,3 +126,20 @@ def test_empty_step_returns_no_logits(tiny_model_factory) -> None:
     runner = ModelRunner(EngineConfig(num_blocks=4), tiny_model_factory("llama"))
     logits = runner.execute_model(SchedulerOutput())
     assert logits.shape == (0, runner.vocab_size) and logits.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("windows", "groups"),
+    [
+        ([8, 8, 8], [[8, 8, 8]]),  # one window: one group
+        ([None, 8, None, 8], [[None, None], [8, 8]]),  # full attention first, layers in model order
+        ([8, 8, 8, 8, 8, None], [[None]] + [[8]] * 5),  # Gemma 3's 5:1: groups of the smallest count
+        ([None] * 4 + [8] * 5, [[None] * 4, [8] * 4, [8]]),  # 5 is not under 1.25 x 4: groups of 4, one short
+        ([None] * 8 + [8] * 9, [[None] * 8, [8] * 9]),  # 9 < 1.25 x 8: groups of the largest count
+    ],
+)
+def test_kv_cache_groups_split_windows_into_equal_groups(windows: list[int | None], groups: list) -> None:
+    layers = [Attention(4, 2, 16, 1.0, sliding_window=w) for w in windows]
+    split = kv_cache_groups(layers)
+    assert [[attn.sliding_window for attn in group] for group in split] == groups
+    assert sorted(layers.index(attn) for group in split for attn in group) == list(range(len(layers)))

@@ -31,14 +31,14 @@ def _case(query_lens: list[int], ctx_lens: list[int], num_heads: int, num_kv_hea
         cached = ctx - q_len
         slots = [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(cached)]
         flat[0, slots], flat[1, slots] = k[:cached], v[:cached]
-        scheduled.append(ScheduledRequest(str(i), [0] * q_len, cached, blocks, True))
+        scheduled.append(ScheduledRequest(str(i), [0] * q_len, cached, (blocks,), True))
         full_k.append(k)
         full_v.append(v)
     inputs = prepare_inputs(scheduled, BLOCK_SIZE, torch.device("cpu"))
     q = torch.randn(sum(query_lens), num_heads, HEAD_DIM, generator=gen, dtype=dtype)
     new_k = torch.cat([k[c - n :] for k, n, c in zip(full_k, query_lens, ctx_lens)])
     new_v = torch.cat([v[c - n :] for v, n, c in zip(full_v, query_lens, ctx_lens)])
-    return q, new_k, new_v, kv_cache, inputs.attn_metadata, full_k, full_v
+    return q, new_k, new_v, kv_cache, inputs.attn_metadata[0], full_k, full_v
 
 
 def _reference(q, full_k, full_v, query_lens, ctx_lens, scale, window=None, softcap=None) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -30,6 +31,21 @@ ONGOING_PER_SEQ = 4  # a replica takes up to this many requests per engine seque
 INGRESS_CPUS = 0.25  # the ingress hashes prompts and relays bytes
 
 
+def replica_resources(cpus: float, gpus: float, tensor_parallel_size: int) -> dict[str, Any]:
+    """A replica's Ray Serve resource options: ``cpus`` and ``gpus`` per rank. A tensor-parallel replica is one
+    placement group of a bundle per rank packed on one node (its ranks are processes the replica spawns), the
+    replica's actor taking the first bundle."""
+    actor = {"num_cpus": cpus, "num_gpus": gpus}
+    if tensor_parallel_size == 1:
+        return {"ray_actor_options": actor}
+    bundle = {"CPU": cpus, "GPU": gpus} if gpus else {"CPU": cpus}
+    return {
+        "ray_actor_options": actor,
+        "placement_group_bundles": [dict(bundle) for _ in range(tensor_parallel_size)],
+        "placement_group_strategy": "STRICT_PACK",
+    }
+
+
 def build_app(args: argparse.Namespace, make_app: Callable[[argparse.Namespace], web.Application]) -> Application:
     """The fleet for ``args``: ``args.replicas`` engine replicas, each serving ``make_app(args)``, behind one ingress.
 
@@ -44,7 +60,7 @@ def build_app(args: argparse.Namespace, make_app: Callable[[argparse.Namespace],
         name="engine",
         num_replicas=args.replicas or 1,
         max_ongoing_requests=max_ongoing,
-        ray_actor_options={"num_cpus": args.replica_cpus, "num_gpus": args.replica_gpus},
+        **replica_resources(args.replica_cpus, args.replica_gpus, config.tensor_parallel_size),
         request_router_config=RequestRouterConfig(
             request_router_class=router, request_routing_stats_period_s=ROUTING_STATS_PERIOD
         ),

@@ -213,3 +213,19 @@ def test_serve_command_imports_without_ray():
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_tensor_parallel_replica_is_one_packed_placement_group(model_dir):
+    """A replica of N ranks reserves a bundle per rank on one node; its actor takes the first bundle."""
+    from integrations.ray.app import replica_resources
+    from integrations.ray.config import app_builder
+
+    assert replica_resources(1.0, 0.0, 1) == {"ray_actor_options": {"num_cpus": 1.0, "num_gpus": 0.0}}
+    assert replica_resources(2.0, 1.0, 2) == {
+        "ray_actor_options": {"num_cpus": 2.0, "num_gpus": 1.0},
+        "placement_group_bundles": [{"CPU": 2.0, "GPU": 1.0}, {"CPU": 2.0, "GPU": 1.0}],
+        "placement_group_strategy": "STRICT_PACK",
+    }
+    assert replica_resources(0.5, 0.0, 2)["placement_group_bundles"] == [{"CPU": 0.5}, {"CPU": 0.5}]
+    # Ray Serve takes these options (the actor must fit in the first bundle)
+    app_builder({"model": model_dir, "replicas": 2, "replica_cpus": 0.5, "tensor_parallel_size": 2})

@@ -40,8 +40,9 @@ def gemma(request, tiny_model_factory, small_tokenizer_dir: Path):
 
 
 def _last_logits(runner: ModelRunner, prompt: list[int]) -> torch.Tensor:
-    blocks = list(range(-(-len(prompt) // runner.block_size)))
-    return runner.execute_model(SchedulerOutput(scheduled=[ScheduledRequest("r", prompt, 0, blocks, True)]))[0]
+    n = -(-len(prompt) // runner.block_size)
+    tables = tuple(list(range(g * n, (g + 1) * n)) for g in range(len(runner.kv_cache_windows)))  # a group's own ids
+    return runner.execute_model(SchedulerOutput(scheduled=[ScheduledRequest("r", prompt, 0, tables, True)]))[0]
 
 
 def test_f32_file_runs_to_the_source_logits_and_greedy_tokens(gemma, private_cache: Path, tmp_path: Path) -> None:
@@ -54,13 +55,13 @@ def test_f32_file_runs_to_the_source_logits_and_greedy_tokens(gemma, private_cac
                                ("output_norm.weight", "model.norm.weight")):  # fmt: skip
         expected = 1 + hf.state_dict()[hf_name].numpy()
         assert (stored[gguf_name].data == expected).all()  # llama.cpp's 1 + w
-    runner = ModelRunner(EngineConfig(dtype="float32", num_blocks=16, block_size=4), resolve_model(path))
+    runner = ModelRunner(EngineConfig(dtype="float32", num_blocks=64, block_size=4), resolve_model(path))
     for key in ("layer_types", "sliding_window", "query_pre_attn_scalar", "attn_logit_softcapping",
                 "final_logit_softcapping", "rope_parameters", "head_dim"):  # fmt: skip
         assert getattr(runner.hf_config, key) == getattr(hf.config, key), key
     torch.testing.assert_close(_last_logits(runner, PROMPT), hf_logits(hf, PROMPT)[-1], atol=1e-4, rtol=0)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    engine = Engine(str(path), num_blocks=32, block_size=4)
+    engine = Engine(str(path), num_blocks=128, block_size=4)
     assert engine.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(hf, PROMPT, 10)
 
 
@@ -69,7 +70,7 @@ def test_q8_0_file_runs_in_its_blocks_near_the_source_logits(gemma, private_cach
     their error of the source's."""
     source, hf = gemma
     path = write_gguf(source, tmp_path / "gemma-Q8_0.gguf", "Q8_0")
-    runner = ModelRunner(EngineConfig(dtype="float32", num_blocks=16, block_size=4), resolve_model(path))
+    runner = ModelRunner(EngineConfig(dtype="float32", num_blocks=64, block_size=4), resolve_model(path))
     assert "Q8_0" in runner.weights.modules
     got, want = _last_logits(runner, PROMPT), hf_logits(hf, PROMPT)[-1]
     err = float((got - want).abs().max() / want.abs().max())

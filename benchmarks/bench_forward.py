@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -34,6 +35,15 @@ from engine.loader import gguf_source, resolve_model
 from engine.model_files.dequantized import dequantized_hf_directory
 from engine.worker.input_batch import prepare_inputs
 from engine.worker.model_runner import ModelRunner
+
+
+def _save_random(config, out: Path) -> Path:
+    """A random-weight float32 model of ``config`` saved to ``out`` (seed 0)."""
+    import transformers
+
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    return out
 
 
 def _decode_step(batch: int, context: int, block_size: int, shared: int) -> SchedulerOutput:

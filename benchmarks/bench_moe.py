@@ -18,18 +18,10 @@ import tempfile
 from pathlib import Path
 
 import torch
-from bench_forward import _decode_step, _prefill_step, _time_formats
+from bench_forward import _decode_step, _prefill_step, _save_random, _time_formats
 
 from engine.config import EngineConfig
 from engine.worker.model_runner import ModelRunner
-
-
-def _save_random(config, out: Path) -> Path:
-    import transformers
-
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
-    return out
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_forward import _decode_step
+from bench_forward import _decode_step, _save_random
 
 from engine.config import EngineConfig
 from engine.distributed.communicator import Communicator, open_store
@@ -31,7 +31,7 @@ from engine.distributed.runner import TensorParallelRunner
 from engine.worker.model_runner import ModelRunner
 
 
-def _save_random(args: argparse.Namespace, out: Path) -> Path:
+def _save_llama(args: argparse.Namespace, out: Path) -> Path:
     import transformers
 
     config = transformers.LlamaConfig(
@@ -39,9 +39,7 @@ def _save_random(args: argparse.Namespace, out: Path) -> Path:
         num_attention_heads=args.hidden // 64, num_key_value_heads=args.hidden // 128, vocab_size=args.vocab,
         max_position_embeddings=4096, tie_word_embeddings=False,
     )  # fmt: skip
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
-    return out
+    return _save_random(config, out)
 
 
 def main() -> None:
@@ -58,7 +56,7 @@ def main() -> None:
     num_blocks = max(batches) * -(-args.context // block_size) + 1
     cpus = os.cpu_count() or 1
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = _save_random(args, Path(tmp))
+        model_dir = _save_llama(args, Path(tmp))
         config = EngineConfig(dtype="float32", device="cpu", block_size=block_size, num_blocks=num_blocks)
         parallel = TensorParallelRunner(dataclasses.replace(config, tensor_parallel_size=2), model_dir)
         # label -> (runner, torch threads of its process)

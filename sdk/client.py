@@ -10,6 +10,7 @@ from typing import Any, TypeVar, Union
 
 from pydantic import ValidationError
 
+from sdk.closing import AsyncClosing, Closing
 from sdk.cut_off import CutOffWatch
 from sdk.fields import invalid_request
 from sdk.hooks import Hook, HookChain, ModelSource, RequestOrigin
@@ -57,7 +58,7 @@ def to_messages(messages: str | Sequence[ChatMessage | dict[str, Any] | tuple[st
     return out
 
 
-class PrefixHandle:
+class PrefixHandle(Closing, AsyncClosing):
     """A shared prefix whose KV blocks stay pinned in the engine while the handle is open.
 
     Requests whose prompt starts with the prefix's tokens (for a chat prefix: a conversation
@@ -101,18 +102,6 @@ class PrefixHandle:
         """Sync ``aclose()`` (runs on the client's runtime loop thread); not for use inside a running event loop."""
         self._client.runtime.run_sync(self.aclose())
 
-    async def __aenter__(self) -> PrefixHandle:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    def __enter__(self) -> PrefixHandle:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         return (
             f"PrefixHandle(num_tokens={self.num_tokens}, num_requests={self.num_requests}, "
@@ -135,7 +124,7 @@ def _unpin_later(runtime: Runtime, transport: Transport, pin_id: str) -> None:
         runtime.submit(transport.unpin_prefix(pin_id))
 
 
-class AsyncClient:
+class AsyncClient(AsyncClosing):
     """The async SDK client; an in-process engine by default, or a remote one with ``base_url``.
 
     In-process, the client runs on the engine of ``runtime`` (shared, left open by
@@ -352,12 +341,6 @@ class AsyncClient:
             await self._transport.close()
         if self._owns_runtime:
             await self._runtime.aclose()  # NOTE: last: a sync client's close() runs on this runtime's loop
-
-    async def __aenter__(self) -> AsyncClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     # --- the request path ----------------------------------------------------------------
 

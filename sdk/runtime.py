@@ -18,6 +18,8 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from sdk.closing import AsyncClosing, Closing
+
 if TYPE_CHECKING:
     from engine import AsyncEngine
 
@@ -37,7 +39,7 @@ class _State:
     lock: threading.RLock = field(default_factory=threading.RLock)
 
 
-class Runtime:
+class Runtime(Closing, AsyncClosing):
     """Owns at most one ``engine.AsyncEngine`` and a private event-loop thread; closeable.
 
     The engine is the one given, or is loaded from ``model`` and ``engine_config`` on the
@@ -131,18 +133,6 @@ class Runtime:
         if engine is not None:
             await engine.shutdown()
         self._finalizer()
-
-    def __enter__(self) -> Runtime:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    async def __aenter__(self) -> Runtime:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     def __repr__(self) -> str:
         state = self._state

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from sdk.client import AsyncClient, MessagesLike, PrefixHandle, PromptLike
+from sdk.closing import Closing
 from sdk.hooks import Hook
 from sdk.policy import TenantPolicy
 from sdk.runtime import Runtime
@@ -18,7 +19,7 @@ from sdk.types import ChatResult, CompletionResult, Delta
 _END = object()
 
 
-class Client:
+class Client(Closing):
     """The sync SDK client: ``AsyncClient``'s methods, blocking; safe to call from any thread.
 
     Requests run on the loop thread of the client's runtime (``runtime``, or its own, which
@@ -128,9 +129,3 @@ class Client:
         """``AsyncClient.aclose``: unpin open prefixes, close connections, close the client's own runtime. Idempotent."""
         if not self.runtime.closed:
             self.runtime.run_sync(self.aclient.aclose())
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -42,6 +42,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, create_model, model_validator
 
 from sdk.client import AsyncClient
+from sdk.closing import AsyncClosing, Closing
 from sdk.cut_off import CutOffWatch
 from sdk.errors import LengthFinishReasonError
 from sdk.fields import REQUEST_KNOBS, SAMPLING_FIELDS, SAMPLING_KNOBS, field, sampling_fields
@@ -76,7 +77,7 @@ _SamplingKnobs = create_model(
 )
 
 
-class _PagedParams(_SamplingKnobs):  # type: ignore[misc, valid-type]
+class _PagedParams(_SamplingKnobs, Closing, AsyncClosing):  # type: ignore[misc, valid-type]
     """Settings shared by the LangChain adapters; the sampling knobs are the engine's (None = its default)."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
@@ -143,18 +144,6 @@ class _PagedParams(_SamplingKnobs):  # type: ignore[misc, valid-type]
     async def aclose(self) -> None:
         """``close()`` from async code (``AsyncClient.aclose``)."""
         await self.aclient.aclose()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     @property
     def _model_display_name(self) -> str:

@@ -60,6 +60,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from pydantic import Field, PrivateAttr, create_model
 
 from sdk.client import AsyncClient
+from sdk.closing import AsyncClosing, Closing
 from sdk.cut_off import CutOffWatch
 from sdk.fields import REQUEST_KNOBS, SAMPLING_FIELDS, field, sampling_fields
 from sdk.hooks import Hook
@@ -161,7 +162,7 @@ _SamplingKnobs = create_model(
 )
 
 
-class PagedLLM(_SamplingKnobs):  # type: ignore[misc, valid-type]
+class PagedLLM(_SamplingKnobs, Closing, AsyncClosing):  # type: ignore[misc, valid-type]
     """paged's engine, in-process or at ``base_url``, as a LlamaIndex function-calling chat LLM
     (sync, async and streaming).
 
@@ -242,18 +243,6 @@ class PagedLLM(_SamplingKnobs):  # type: ignore[misc, valid-type]
         """``close()`` from async code (``AsyncClient.aclose``)."""
         if self._client is not None:
             await self._client.aclient.aclose()
-
-    def __enter__(self) -> PagedLLM:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    async def __aenter__(self) -> PagedLLM:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     @property
     def metadata(self) -> LLMMetadata:

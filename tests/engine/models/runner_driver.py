@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import torch
 
@@ -59,3 +60,37 @@ class PagedDriver:
         for req in scheduled:
             self.num_computed[req.req_id] += req.num_tokens
         return dict(zip([r.req_id for r in scheduled if r.needs_logits], logits))
+
+
+def assert_forks_match(
+    runner, reference: Callable[[list[int]], torch.Tensor], *, prompt_len: int, forks: tuple[int, int],
+    tail_lens: tuple[int, int], decode_steps: int, atol: float,
+) -> PagedDriver:  # fmt: skip
+    """Runs one scenario and holds every logits row the runner returns to ``reference(tokens)[position]``.
+
+    A prompt of ``prompt_len`` beside a 7-token one whose first chunk is 5; then the short one's rest with two forks
+    of the long one (``forks`` shared blocks each, then ``tail_lens`` new tokens: a short tail and one that can
+    be a chunk longer than a window); then ``decode_steps`` decodes of all four.
+    """
+    rng = random.Random(1)
+    driver = PagedDriver(runner, seed=2)
+    expected: list[tuple[str, int, torch.Tensor]] = []
+
+    def record(out: dict[str, torch.Tensor]) -> None:
+        expected.extend((req_id, len(driver.tokens[req_id]) - 1, logits) for req_id, logits in out.items())
+
+    driver.add("a", [rng.randrange(3, 1000) for _ in range(prompt_len)])
+    driver.add("b", [rng.randrange(3, 1000) for _ in range(7)])
+    record(driver.step({"a": None, "b": 5}))  # b: a chunk; its rest comes next step
+    for req_id, num_blocks, tail_len in zip("cd", forks, tail_lens):
+        driver.fork(req_id, "a", num_blocks, [rng.randrange(3, 1000) for _ in range(tail_len)])
+    record(driver.step({"b": None, "c": None, "d": None}))
+    for _ in range(decode_steps):
+        for req_id in "abcd":
+            driver.append(req_id, rng.randrange(3, 1000))
+        record(driver.step({req_id: 1 for req_id in "abcd"}))
+    assert len(expected) == 1 + 3 + decode_steps * 4
+    references = {req_id: reference(tokens) for req_id, tokens in driver.tokens.items()}
+    for req_id, position, logits in expected:
+        torch.testing.assert_close(logits, references[req_id][position], atol=atol, rtol=0)
+    return driver

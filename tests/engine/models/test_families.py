@@ -4,11 +4,11 @@ window (8 tokens: 2 blocks) and LongRoPE's switch to its long factors (position 
 
 from __future__ import annotations
 
-import random
+from functools import partial
 
 import pytest
 import torch
-from runner_driver import PagedDriver
+from runner_driver import assert_forks_match
 
 from engine import Engine, SamplingParams, cpu_kernels
 from engine.config import EngineConfig
@@ -61,28 +61,11 @@ def test_each_backend_matches_transformers_past_the_window(family, backend: str)
     _, path, hf = family
     config = EngineConfig(dtype="float32", block_size=4, num_blocks=96, attention_backend=backend, enforce_eager=True)
     runner = ModelRunner(config, path)
-    rng = random.Random(1)
-    driver = PagedDriver(runner, seed=2)
-    expected: list[tuple[str, int, torch.Tensor]] = []
-
-    def record(out: dict[str, torch.Tensor]) -> None:
-        expected.extend((req_id, len(driver.tokens[req_id]) - 1, logits) for req_id, logits in out.items())
-
-    driver.add("a", [rng.randrange(3, 1000) for _ in range(29)])
-    driver.add("b", [rng.randrange(3, 1000) for _ in range(7)])
-    record(driver.step({"a": None, "b": 5}))  # b: a chunk; its rest comes next step
-    driver.fork("c", "a", 4, [rng.randrange(3, 1000) for _ in range(3)])  # 16 cached tokens, then 3
-    driver.fork("d", "a", 5, [rng.randrange(3, 1000) for _ in range(12)])  # 20 cached, a chunk longer than W
-    record(driver.step({"b": None, "c": None, "d": None}))
-    for _ in range(10):
-        for req_id in "abcd":
-            driver.append(req_id, rng.randrange(3, 1000))
-        record(driver.step({req_id: 1 for req_id in "abcd"}))
+    # 16 cached tokens then 3; 20 cached then a chunk longer than the window
+    driver = assert_forks_match(
+        runner, partial(hf_logits, hf), prompt_len=29, forks=(4, 5), tail_lens=(3, 12), decode_steps=10, atol=ATOL
+    )
     assert max(len(tokens) for tokens in driver.tokens.values()) > 32
-    reference = {req_id: hf_logits(hf, tokens) for req_id, tokens in driver.tokens.items()}
-    assert len(expected) == 1 + 3 + 10 * 4
-    for req_id, position, logits in expected:
-        torch.testing.assert_close(logits, reference[req_id][position], atol=ATOL, rtol=0)
 
 
 def test_engine_greedy_tokens_match_transformers_with_prefix_caching_on_and_off(family) -> None:

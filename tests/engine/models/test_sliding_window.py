@@ -6,15 +6,17 @@ group holds only its window's blocks."""
 from __future__ import annotations
 
 import random
+from functools import partial
 
 import pytest
 import torch
-from runner_driver import PagedDriver
+from runner_driver import assert_forks_match
 
 from engine import Engine, SamplingParams, cpu_kernels
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import NULL_BLOCK
 from engine.worker.model_runner import ModelRunner
+from tests.support.hf_reference import hf_greedy, hf_logits
 
 ATOL = 1e-4
 BS = 4
@@ -42,18 +44,6 @@ def hf(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def _hf_logits(hf, tokens: list[int]) -> torch.Tensor:  # [len(tokens), vocab]
-    with torch.inference_mode():
-        return hf(torch.tensor([tokens])).logits[0].float()
-
-
-def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    tokens = list(prompt)
-    for _ in range(n):
-        tokens.append(int(_hf_logits(hf, tokens)[-1].argmax()))
-    return tokens[len(prompt) :]
-
-
 @pytest.mark.parametrize(
     "backend", ["torch", pytest.param("cpu", marks=pytest.mark.skipif(cpu_kernels.library() is None, reason="no C"))]
 )
@@ -64,27 +54,10 @@ def test_each_backend_matches_transformers_past_the_window(model_dir, hf, arch: 
     window, layer_windows, _, _ = ARCHS[arch]
     assert [layer.self_attn.attn.sliding_window for layer in runner.model.model.layers] == layer_windows
     assert runner.max_model_len > window  # the window is applied, not avoided
-    rng = random.Random(1)
-    driver = PagedDriver(runner, seed=2)
-    expected: list[tuple[str, int, torch.Tensor]] = []
-
-    def record(out: dict[str, torch.Tensor]) -> None:
-        expected.extend((req_id, len(driver.tokens[req_id]) - 1, logits) for req_id, logits in out.items())
-
-    driver.add("a", [rng.randrange(3, 1000) for _ in range(41)])
-    driver.add("b", [rng.randrange(3, 1000) for _ in range(7)])
-    record(driver.step({"a": None, "b": 5}))  # b: a chunk; its rest comes next step
-    driver.fork("c", "a", 8, [rng.randrange(3, 1000) for _ in range(3)])  # 32 cached tokens, then 3
-    driver.fork("d", "a", 9, [rng.randrange(3, 1000) for _ in range(30)])  # 36 cached, a chunk longer than W
-    record(driver.step({"b": None, "c": None, "d": None}))
-    for _ in range(12):
-        for req_id in "abcd":
-            driver.append(req_id, rng.randrange(3, 1000))
-        record(driver.step({req_id: 1 for req_id in "abcd"}))
-    reference = {req_id: _hf_logits(hf, tokens) for req_id, tokens in driver.tokens.items()}
-    assert len(expected) == 1 + 3 + 12 * 4
-    for req_id, position, logits in expected:
-        torch.testing.assert_close(logits, reference[req_id][position], atol=ATOL, rtol=0)
+    # 32 cached tokens then 3; 36 cached then a chunk longer than the window
+    assert_forks_match(
+        runner, partial(hf_logits, hf), prompt_len=41, forks=(8, 9), tail_lens=(3, 30), decode_steps=12, atol=ATOL
+    )
 
 
 def test_layers_of_one_window_form_a_kv_cache_group(model_dir, arch: str) -> None:
@@ -131,7 +104,7 @@ def test_long_prompt_holds_only_the_window_in_the_sliding_group(model_dir, hf, a
                     most_held = max(most_held, len(held))
         engine.kv.check_integrity()
     assert 0 < most_held < -(-len(prompt) // BS)
-    assert outputs[-1].outputs[0].token_ids == _hf_greedy(hf, prompt, 6)
+    assert outputs[-1].outputs[0].token_ids == hf_greedy(hf, prompt, 6)
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
@@ -140,7 +113,7 @@ def test_engine_greedy_tokens_match_transformers_with_prefix_caching_on_and_off(
     shared = list(range(300, 330))  # 30 tokens: past the window
     prompts = [shared + [500 + i] * (i + 1) for i in range(3)] + [list(range(700, 709))]
     params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)  # decodes run past the window too
-    expected = [_hf_greedy(hf, p, 14) for p in prompts]
+    expected = [hf_greedy(hf, p, 14) for p in prompts]
     for caching in (True, False):
         engine = Engine(str(model_dir), num_blocks=64, block_size=4, enable_prefix_caching=caching)
         alone = [engine.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
@@ -162,6 +135,6 @@ def test_preempted_requests_recompute_transformers_tokens(model_dir, hf, arch: s
     engine = Engine(str(model_dir), num_blocks=num_blocks, block_size=BS, max_num_batched_tokens=8)
     outputs = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
     assert engine.stats()["num_preemptions"] > 0
-    assert outputs == [_hf_greedy(hf, p, 14) for p in prompts]
+    assert outputs == [hf_greedy(hf, p, 14) for p in prompts]
     engine.kv.check_integrity()
     assert engine.kv.num_free_blocks == engine.kv.num_blocks

@@ -8,11 +8,9 @@ import importlib.util
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,7 @@ from aiohttp import web
 
 from integrations.bench.workloads import load_turns
 from integrations.cli import main
+from tests.support.serve_process import serve_process
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "sk-stub"
@@ -161,37 +160,14 @@ def test_unusable_server_and_flag_misuse_are_messages(stub, tmp_path, capsys):
         assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_paged_serve_against_in_process(tiny_model_factory, tmp_path):
     """Against a real `paged serve`: the in-process run's prompt and output token counts, and the throughput ratio."""
     model = str(tiny_model_factory("llama"))
     engine_flags = ["--model", model, "--num-blocks", "256", "--max-num-seqs", "8", "--max-model-len", "512"]
-    port = _free_port()
-    cmd = [sys.executable, "-m", "integrations.cli", "serve", "--port", str(port), "--log-level", "WARNING",
-           "--drain-timeout", "0.5", *engine_flags]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PAGED_API_KEY": "sk-serve"}, stderr=subprocess.PIPE, text=True)
-    try:
-        root = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                with urllib.request.urlopen(root + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() is not None else ""
-            time.sleep(0.2)
+    flags = ["--log-level", "WARNING", "--drain-timeout", "0.5", *engine_flags]
+    with serve_process(*flags, api_key="sk-serve") as (_, root):
         report = _bench(root, tmp_path, "--api-key", "sk-serve", "--num-requests", "4", "--max-tokens", "4",
                         "--compare-in-process", "--no-ceiling", *engine_flags)  # fmt: skip
-    finally:
-        proc.terminate()
-        proc.wait(30)
     engine, http = report["results"]
     assert engine["name"] == "paged engine" and http["name"] == "HTTP, all at once"
     assert engine["num_new_tokens"] == http["num_new_tokens"] == 16

@@ -4,23 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 
 from integrations.engine_flags import FlagError, engine_config
 from integrations.openai_server.command import add_arguments, api_keys, is_loopback
 from integrations.openai_server.state import key_id
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.serve_process import serve_process
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -43,37 +35,11 @@ def test_flags_map_to_engine_config_and_keys(monkeypatch):
     assert is_loopback("127.0.0.1") and is_loopback("::1") and not is_loopback("0.0.0.0")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            return resp.status
-    except urllib.error.HTTPError as err:
-        return err.code
-
-
 def test_serve_process_drains_on_sigterm(tiny_model_factory):
     """A stream in flight at SIGTERM gets a terminal error event and [DONE] after the drain timeout; the process exits 0."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "integrations.cli", "serve", "--model", str(tiny_model_factory("llama")),
-           "--port", str(port), "--num-blocks", "64", "--drain-timeout", "0.5", "--log-level", "WARNING"]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PAGED_API_KEY": ""}, stderr=subprocess.PIPE, text=True)
-    try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if _get(base + "/health") == 200:
-                    break
-            except OSError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() is not None else ""
-            time.sleep(0.2)
+    flags = ["--model", str(tiny_model_factory("llama")), "--num-blocks", "64", "--drain-timeout", "0.5",
+             "--log-level", "WARNING"]  # fmt: skip
+    with serve_process(*flags) as (proc, base):
         models = json.load(urllib.request.urlopen(base + "/v1/models", timeout=5))
         body = {"model": models["data"][0]["id"], "prompt": "hi", "max_tokens": 2000, "ignore_eos": True, "stream": True}
         request = urllib.request.Request(base + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
@@ -84,10 +50,6 @@ def test_serve_process_drains_on_sigterm(tiny_model_factory):
         assert lines[-1] == b"data: [DONE]"
         assert json.loads(lines[-2][6:])["error"]["code"] == "shutdown"
         assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_serve_rejects_bad_settings_before_binding(tmp_path):

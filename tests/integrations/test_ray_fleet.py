@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import subprocess
 import sys
 import time
@@ -21,17 +20,12 @@ serve = pytest.importorskip("ray.serve")
 
 from integrations.openai_server.app import create_app  # noqa: E402
 from integrations.ray.workload import measure  # noqa: E402
+from tests.support.serve_process import free_port  # noqa: E402
 
 KEY = "sk-fleet"
 ENGINE = {"num_blocks": 512, "block_size": 16, "max_num_seqs": 16, "max_model_len": 512}
 APP = "paged"
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +45,7 @@ def fleet(model_dir, audit_path):
 
     logging.getLogger("ray.serve").setLevel(logging.ERROR)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
-    port = _free_port()
+    port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         flags = {"model": model_dir, "replicas": 2, "replica_cpus": 0.5, "api_key": [KEY], "audit_log": str(audit_path), **ENGINE}

@@ -3,34 +3,15 @@ openai client with transformers' greedy tokens, and exits cleanly (its rank proc
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.serve_process import serve_process
+
 PROMPT = [500, 501, 502, 503, 504, 505, 506]
 MAX_TOKENS = 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _healthy(root: str) -> bool:
-    try:
-        with urllib.request.urlopen(root + "/health", timeout=2) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
 
 
 def _rank_processes(pid: int) -> list[int]:
@@ -49,16 +30,9 @@ def test_serve_with_two_ranks_answers_the_openai_client(tiny_model_factory) -> N
     with torch.inference_mode():
         expected_ids = hf.generate(torch.tensor([PROMPT]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(PROMPT):]
     expected = AutoTokenizer.from_pretrained(model_dir).decode(expected_ids)
-    port = _free_port()
-    cmd = [sys.executable, "-m", "integrations.cli", "serve", "--model", str(model_dir), "--port", str(port),
-           "--num-blocks", "64", "--tensor-parallel-size", "2", "--dtype", "float32", "--log-level", "WARNING"]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PAGED_API_KEY": ""}, stderr=subprocess.PIPE, text=True)
-    root = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while not _healthy(root):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() is not None else ""
-            time.sleep(0.2)
+    flags = ["--model", str(model_dir), "--num-blocks", "64", "--tensor-parallel-size", "2", "--dtype", "float32",
+             "--log-level", "WARNING"]  # fmt: skip
+    with serve_process(*flags, timeout=120) as (proc, root):
         ranks = _rank_processes(proc.pid)
         assert len(ranks) == 1
         client = openai.OpenAI(base_url=f"{root}/v1", api_key="none", max_retries=0, timeout=60)
@@ -74,7 +48,3 @@ def test_serve_with_two_ranks_answers_the_openai_client(tiny_model_factory) -> N
         assert proc.wait(30) == 0
         for pid in ranks:
             assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()

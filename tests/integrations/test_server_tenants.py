@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,7 +11,6 @@ import tomllib
 import urllib.error
 import urllib.request
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -30,8 +27,7 @@ from sdk import AsyncClient, RateLimited, TenantPolicy
 from sdk.hooks import Hook, RegexFilter, RequestContext
 from tests.integrations.fake_engine import FakeEngine
 from tests.support.hooks import BLOCKED_WORD
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.serve_process import serve_process
 
 CHAT = "/v1/chat/completions"
 HI = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -248,39 +244,14 @@ async def test_hooks_see_the_tenant_address_and_headers_without_credentials(serv
 # --------------------------------------------------------------------------- a request path no one can stall
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_ten_huge_prompts_leave_a_serve_process_answering(tiny_model_factory, tmp_path) -> None:
     """A ``paged serve --policy --hook`` process: ten concurrent 3.5 MB prompts each get a 400 naming the limit while
     /health answers within 250 ms throughout; the policy's keys and the --hook filter hold."""
     (tmp_path / "tenants.toml").write_text(POLICY_FILE)
-    port = _free_port()
-    cmd = [sys.executable, "-m", "integrations.cli", "serve", "--model", str(tiny_model_factory("llama")),
-           "--port", str(port), "--num-blocks", "64", "--log-level", "WARNING", "--policy", str(tmp_path / "tenants.toml"),
-           "--hook", "tests.support.hooks:make_hooks"]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PAGED_API_KEY": ""}, stderr=subprocess.PIPE, text=True)
-    root = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while not _healthy(root):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() is not None else ""
-            time.sleep(0.2)
-        asyncio.run(_flood(root, port))
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-def _healthy(root: str) -> bool:
-    try:
-        with urllib.request.urlopen(root + "/health", timeout=2) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
+    flags = ["--model", str(tiny_model_factory("llama")), "--num-blocks", "64", "--log-level", "WARNING",
+             "--policy", str(tmp_path / "tenants.toml"), "--hook", "tests.support.hooks:make_hooks"]  # fmt: skip
+    with serve_process(*flags) as (_, root):
+        asyncio.run(_flood(root))
 
 
 # GET /health every 10 ms over one kept-alive connection until stdin closes, then print each latency (inf: not 200).
@@ -301,7 +272,7 @@ print(json.dumps(latencies))
 """
 
 
-async def _flood(root: str, port: int) -> None:
+async def _flood(root: str) -> None:
     big = "x" * 3_500_000
     bodies = [(json.dumps({"messages": [{"role": "user", "content": big}]}).encode(), CHAT) for _ in range(5)]
     bodies += [(json.dumps({"prompt": big}).encode(), "/v1/completions") for _ in range(5)]
@@ -313,7 +284,7 @@ async def _flood(root: str, port: int) -> None:
 
         # NOTE: the prober is a process of its own, so what it measures is the server's loop, not this
         # process's GIL while it sends 35 MB.
-        probe = [sys.executable, "-c", PROBE, str(port)]
+        probe = [sys.executable, "-c", PROBE, root.rsplit(":", 1)[1]]
         prober = subprocess.Popen(probe, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert prober.stdout.readline() == "probing\n"
         await asyncio.sleep(0.05)

@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 
+from sdk import AsyncClient
+from sdk.errors import EngineRestarting
 from tests.support.quiescence import assert_quiescent, running_tasks
 
 # A small cache and short sequences: every request ends within a few dozen steps.
@@ -32,3 +34,14 @@ async def quiescent() -> Callable[..., Awaitable[None]]:
             await assert_quiescent(target, tasks_before=before, timeout=timeout)
 
     return check
+
+
+async def stream_until_restart(client: AsyncClient, prompt: list[int], num_tokens: int) -> tuple[int, BaseException | None]:
+    """Tokens a greedy stream received, and the retryable error that ended it (None: it finished)."""
+    received = 0
+    try:
+        async for delta in client.stream(prompt=prompt, max_tokens=num_tokens, temperature=0.0, ignore_eos=True):
+            received += len(delta.token_ids)
+    except EngineRestarting as exc:
+        return received, exc
+    return received, None

@@ -17,20 +17,11 @@ from engine.supervisor import RestartPolicy
 from sdk import AsyncClient
 from sdk.errors import EngineRestarting
 from sdk.transport import InProcessTransport
-from tests.reliability.conftest import ENGINE_CONFIG
+from tests.reliability.conftest import ENGINE_CONFIG, stream_until_restart
 
 PROMPTS = [list(range(300 + 37 * i, 300 + 37 * i + 5 + i % 7)) for i in range(6)]
 NUM_TOKENS = 60  # far more steps than the rank survives
 
-
-async def _stream(client: AsyncClient, prompt: list[int]) -> tuple[int, BaseException | None]:
-    received = 0
-    try:
-        async for delta in client.stream(prompt=prompt, max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True):
-            received += len(delta.token_ids)
-    except EngineRestarting as exc:
-        return received, exc
-    return received, None
 
 
 async def test_killing_a_rank_mid_stream_fails_every_request_returns_every_block_and_a_fresh_group_serves(
@@ -43,7 +34,7 @@ async def test_killing_a_rank_mid_stream_fails_every_request_returns_every_block
         dead = engine.engine
         rank1 = dead.runner.workers.processes[0]
         client = AsyncClient(transport=InProcessTransport(engine))
-        tasks = [asyncio.ensure_future(_stream(client, p)) for p in PROMPTS]
+        tasks = [asyncio.ensure_future(stream_until_restart(client, p, NUM_TOKENS)) for p in PROMPTS]
         while engine.stats()["generation_tokens"] < 2 * len(PROMPTS):
             await asyncio.sleep(0.01)
         os.kill(rank1.pid, signal.SIGKILL)

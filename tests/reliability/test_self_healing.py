@@ -28,7 +28,7 @@ from sdk.errors import EngineRestarting, from_wire
 from sdk.http_transport import HttpTransport
 from sdk.transport import InProcessTransport
 from tests.integrations.conftest import LiveServer
-from tests.reliability.conftest import ENGINE_CONFIG
+from tests.reliability.conftest import ENGINE_CONFIG, stream_until_restart
 from tests.support.faults import InjectedFault, inject_fault
 from tests.support.quiescence import assert_quiescent
 
@@ -60,16 +60,6 @@ def test_engine_restarting_round_trips_the_wire() -> None:
         assert type(again) is EngineRestarting and again.retry_after == 1.0  # the server's Retry-After
 
 
-async def _stream(client: AsyncClient, prompt: list[int]) -> tuple[int, BaseException | None]:
-    """Tokens received, and the retryable error that ended the stream (None: it finished)."""
-    received = 0
-    try:
-        async for delta in client.stream(prompt=prompt, max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True):
-            received += len(delta.token_ids)
-    except EngineRestarting as exc:
-        return received, exc
-    return received, None
-
 
 async def test_killing_the_driver_mid_load_ends_every_request_and_a_fresh_engine_serves(model_dir, quiescent) -> None:
     """32 streams, the driver killed on its 4th step: streams that had tokens end with EngineRestarting, the
@@ -83,8 +73,8 @@ async def test_killing_the_driver_mid_load_ends_every_request_and_a_fresh_engine
         retrying = AsyncClient(transport=InProcessTransport(engine), max_retries=5)
         with inject_fault(engine, "schedule", after=3) as fault:
             start = time.monotonic()
-            tasks = [asyncio.ensure_future(_stream(plain, p)) for p in PROMPTS[:8]]
-            tasks += [asyncio.ensure_future(_stream(retrying, p)) for p in PROMPTS[8:]]
+            tasks = [asyncio.ensure_future(stream_until_restart(plain, p, NUM_TOKENS)) for p in PROMPTS[:8]]
+            tasks += [asyncio.ensure_future(stream_until_restart(retrying, p, NUM_TOKENS)) for p in PROMPTS[8:]]
             results = await asyncio.wait_for(asyncio.gather(*tasks), 20.0)
         elapsed = time.monotonic() - start
         assert fault.num_fired == 1

@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 
 from sdk.errors import EngineFailure, InvalidRequestError, from_wire
+from sdk.images import ImageInfo, inspect_data_url
 from sdk.transport import EngineRequest, PrefixPin, Transport
 from sdk.types import ChatMessage, Delta, RequestLatency, SamplingOptions, TokenLogprob, TopLogprob, Usage
 from sdk.tools import ToolSpec
@@ -41,7 +42,7 @@ class ChatPrompt(str):
     add_generation_prompt: bool
 
     def __new__(cls, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> ChatPrompt:
-        prompt = super().__new__(cls, "\n".join(f"{m.role}: {m.content or ''}" for m in messages))
+        prompt = super().__new__(cls, "\n".join(f"{m.role}: {m.text}" for m in messages))
         prompt.messages = tuple(messages)
         prompt.add_generation_prompt = add_generation_prompt
         return prompt
@@ -129,6 +130,14 @@ class HttpTransport(Transport):
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> str:  # fmt: skip
         return ChatPrompt(messages, add_generation_prompt)
+
+    def prompt_images(self, prompt: str | list[int]) -> list[ImageInfo]:
+        """The data-URL images of a chat prompt, read from their headers (the server checks and decodes them);
+        a remote URL, or one that does not read, has none here."""
+        if not isinstance(prompt, ChatPrompt):
+            return []
+        infos = (inspect_data_url(part.image_url.url) for m in prompt.messages for _, part in m.image_parts)
+        return [info for info in infos if info is not None]
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[Delta]:
         if isinstance(request.prompt, ChatPrompt) and not request.prompt.add_generation_prompt:

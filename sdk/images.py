@@ -25,11 +25,13 @@ import urllib.parse
 import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sdk.errors import InvalidRequestError
 from sdk.prompt_worker import PROMPT_WORKER
-from sdk.types import ChatMessage
+
+if TYPE_CHECKING:
+    from sdk.types import ChatMessage
 
 # Pillow's format name -> the MIME type a data URL declares for it
 FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp", "GIF": "image/gif"}

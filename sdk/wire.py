@@ -195,6 +195,9 @@ def message_from_wire(body: dict[str, Any]) -> Any:
         raise invalid_request(exc) from None
 
 
+IMAGE_DETAILS = ("auto", "low", "high")  # OpenAI's image_url.detail values
+
+
 def _content_parts(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
     """A message's wire content parts: their text joined when all are text, else text and image parts.
 
@@ -208,6 +211,8 @@ def _content_parts(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
             out.append({"type": "text", "text": part["text"]})
         elif kind == "image_url" and isinstance((part.get("image_url") or {}).get("url"), str):
             image_url = {k: v for k, v in part["image_url"].items() if k in ("url", "detail") and v is not None}
+            if image_url.get("detail", "auto") not in IMAGE_DETAILS:
+                raise InvalidRequestError.about(f"content.{j}.image_url.detail", f"must be one of {', '.join(IMAGE_DETAILS)}")
             out.append({"type": "image_url", "image_url": image_url})
         elif kind in ("text", "image_url"):
             raise InvalidRequestError.about(f"content.{j}", f"a {kind} part needs its {'text' if kind == 'text' else 'image_url.url'}")

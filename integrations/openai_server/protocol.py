@@ -55,7 +55,7 @@ class ImageUrlParam(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     url: str
-    detail: Literal["auto", "low", "high"] | None = None
+    detail: str | None = None  # sdk.wire checks it, naming its path in the message
 
 
 class ContentPart(BaseModel):

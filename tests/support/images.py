@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 import struct
 import zlib
 
@@ -17,6 +18,13 @@ def image_bytes(fmt: str = "PNG", size: tuple[int, int] = (24, 16), color: tuple
         image.putpixel((i, i), (0, 0, 0) if mode == "RGB" else (0, 0, 0, 255))
     out = io.BytesIO()
     image.save(out, format=fmt)
+    return out.getvalue()
+
+
+def noise_png(size: tuple[int, int]) -> bytes:
+    """A PNG of random pixels: about 3 bytes a pixel, as incompressible as images get."""
+    out = io.BytesIO()
+    Image.frombytes("RGB", size, os.urandom(size[0] * size[1] * 3)).save(out, format="PNG")
     return out.getvalue()
 
 

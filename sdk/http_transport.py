@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 
 from sdk.errors import EngineFailure, InvalidRequestError, from_wire
-from sdk.images import ImageInfo, inspect_data_url
+from sdk.images import ImageInfo, data_url_infos
 from sdk.transport import EngineRequest, PrefixPin, Transport
 from sdk.types import ChatMessage, Delta, RequestLatency, SamplingOptions, TokenLogprob, TopLogprob, Usage
 from sdk.tools import ToolSpec
@@ -131,13 +131,9 @@ class HttpTransport(Transport):
     ) -> str:  # fmt: skip
         return ChatPrompt(messages, add_generation_prompt)
 
-    def prompt_images(self, prompt: str | list[int]) -> list[ImageInfo]:
-        """The data-URL images of a chat prompt, read from their headers (the server checks and decodes them);
-        a remote URL, or one that does not read, has none here."""
-        if not isinstance(prompt, ChatPrompt):
-            return []
-        infos = (inspect_data_url(part.image_url.url) for m in prompt.messages for _, part in m.image_parts)
-        return [info for info in infos if info is not None]
+    async def prompt_images(self, prompt: str | list[int]) -> list[ImageInfo]:
+        """The data-URL images of a chat prompt (``sdk.images.data_url_infos``: the server checks them with its limits)."""
+        return await data_url_infos(prompt.messages) if isinstance(prompt, ChatPrompt) else []
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[Delta]:
         if isinstance(request.prompt, ChatPrompt) and not request.prompt.add_generation_prompt:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import hashlib
 import io
 import re
 import urllib.parse
@@ -27,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from engine.multimodal import image_hash
 from sdk.errors import InvalidRequestError
 from sdk.prompt_worker import PROMPT_WORKER
 
@@ -79,7 +79,8 @@ class ImageInfo:
     """What an audit record says of an image: never its bytes."""
 
     hash: str
-    """sha256 of the encoded bytes, hex."""
+    """``engine.multimodal.image_hash`` of its pixels: the key the prefix cache and the encoder cache know it by
+    (equal for equal pixels, whatever file they came in)."""
     num_bytes: int
     width: int
     height: int
@@ -223,25 +224,27 @@ def load_image(data: bytes, limits: ImageLimits, field: str, declared_mime: str 
         rgb = image if image.mode == "RGB" else image.convert("RGB")
     except (OSError, SyntaxError, ValueError, EOFError):
         raise InvalidRequestError.about(field, f"is a corrupt or truncated {mime.removeprefix('image/').upper()} image") from None
-    info = ImageInfo(hashlib.sha256(data).hexdigest(), len(data), width, height, mime)
-    return LoadedImage(rgb, info)
+    return LoadedImage(rgb, ImageInfo(image_hash(rgb), len(data), width, height, mime))
 
 
-def inspect_data_url(url: str) -> ImageInfo | None:
-    """An image data URL's ``ImageInfo`` from its header alone (no limits, no pixel decoding); None if unreadable.
+async def data_url_infos(messages: Sequence[ChatMessage]) -> list[ImageInfo]:
+    """The ``ImageInfo`` of each data-URL image of ``messages`` that passes the default ``ImageLimits``.
 
-    What a remote client's audit record says of an image the server checks and decodes.
+    What a remote client's audit record says of the images a server checks (with its own limits)
+    and serves; an image past the defaults, or a remote URL, has none here.
     """
-    from PIL import Image
-
-    try:
-        data, _ = decode_data_url(url, ImageLimits(max_image_bytes=1 << 62), "image_url")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data), formats=list(FORMATS))
-    except (InvalidRequestError, Image.DecompressionBombError, OSError, SyntaxError, ValueError):
-        return None
-    return ImageInfo(hashlib.sha256(data).hexdigest(), len(data), image.size[0], image.size[1], FORMATS[image.format])
+    infos = []
+    for i, message in enumerate(messages):
+        for j, part in message.image_parts:
+            if not part.image_url.url.startswith("data:"):
+                continue
+            try:
+                field = f"messages.{i}.content.{j}.image_url"
+                data, mime = decode_data_url(part.image_url.url, ImageLimits(), field)
+                infos.append((await PROMPT_WORKER.run(None, load_image, data, ImageLimits(), field, mime)).info)
+            except InvalidRequestError:
+                continue
+    return infos
 
 
 def to_data_url(data: bytes, mime_type: str | None = None) -> str:

@@ -116,7 +116,7 @@ class RequestRun:
         tools = request.tools if is_chat else None  # type: ignore[union-attr]
         template_kwargs = request.chat_template_kwargs if is_chat else None  # type: ignore[union-attr]
         prompt = await client.transport.prepare_prompt(client.tenant, ctx.messages, ctx.prompt, tools, template_kwargs)
-        ctx.images = client.transport.prompt_images(prompt)
+        ctx.images = await client.transport.prompt_images(prompt)
         if lease is not None:
             lease.take_tokens(_num_reserved_tokens(prompt, request.n, terms.max_tokens))
         ctx.engine_request = EngineRequest(

@@ -102,7 +102,7 @@ class Transport(abc.ABC):
         """The reasoning of a chat ``prompt``'s reply, to parse here; None = none (or parsed by a remote server)."""
         return None
 
-    def prompt_images(self, prompt: str | list[int]) -> list[ImageInfo]:
+    async def prompt_images(self, prompt: str | list[int]) -> list[ImageInfo]:
         """What the audit record says of a prepared prompt's images (hash, size, MIME type); never their bytes."""
         return [image.info for image in prompt.images] if isinstance(prompt, ImagePrompt) else []
 

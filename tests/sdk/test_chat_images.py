@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from engine.multimodal import image_hash
 from sdk.chat_template import reads_content_parts, render_chat
 from sdk.errors import ContentBlocked, InvalidRequestError
 from sdk.hooks import AuditLog, Hook, RegexFilter
@@ -79,8 +80,6 @@ class _Seen(Hook):
 
 
 async def test_in_process_client_sends_ids_and_images_and_audits_hashes(make_client, fake_engine, tmp_path: Path) -> None:
-    import hashlib
-
     fake_engine.accepts_images = True
     seen = _Seen()
     audit = AuditLog(tmp_path / "audit.jsonl", include_text=True)
@@ -93,8 +92,8 @@ async def test_in_process_client_sends_ids_and_images_and_audits_hashes(make_cli
     assert seen.texts == ["the secret is"]  # the filters read the text parts only
     record = json.loads((tmp_path / "audit.jsonl").read_text())
     assert record["images"] == [
-        {"hash": hashlib.sha256(PNG).hexdigest(), "num_bytes": len(PNG), "width": 24, "height": 16, "mime_type": "image/png"},
-        {"hash": hashlib.sha256(jpeg).hexdigest(), "num_bytes": len(jpeg), "width": 40, "height": 30, "mime_type": "image/jpeg"},
+        {"hash": image_hash(images[0]), "num_bytes": len(PNG), "width": 24, "height": 16, "mime_type": "image/png"},
+        {"hash": image_hash(images[1]), "num_bytes": len(jpeg), "width": 40, "height": 30, "mime_type": "image/jpeg"},
     ]
     raw = (tmp_path / "audit.jsonl").read_text()
     assert URL.split(",")[1][:40] not in raw and "data:(omitted)" in raw  # never the bytes

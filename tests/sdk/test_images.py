@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 from aiohttp import web
 from PIL import Image
 
+from engine.multimodal import image_hash
 from sdk.errors import InvalidRequestError
 from sdk.images import ImageLimits, decode_data_url, fetch_url, load_image, load_message_images, to_data_url
 from sdk.types import ChatMessage, ImagePart
@@ -22,7 +21,7 @@ def test_each_format_decodes_with_its_hash_and_size(fmt: str, mime: str) -> None
     raw, declared = decode_data_url(data_url(data, mime), ImageLimits(), FIELD)
     loaded = load_image(raw, ImageLimits(), FIELD, declared)
     assert raw == data and declared == mime
-    assert loaded.info.hash == hashlib.sha256(data).hexdigest()
+    assert loaded.info.hash == image_hash(loaded.image)
     assert (loaded.info.num_bytes, loaded.info.width, loaded.info.height, loaded.info.mime_type) == (len(data), 24, 16, mime)
     assert loaded.image.mode == "RGB" and loaded.image.size == (24, 16)
 

@@ -21,7 +21,7 @@ from tests.support.images import data_url, image_part, noise_png, png_declaring
 
 MAX_TOKENS = 8
 ENGINE_CONFIG = dict(dtype="float32", device="cpu", block_size=4, num_blocks=256, max_num_seqs=8, max_model_len=512)
-CAT, DOG = noise_png((50, 40)), noise_png((30, 70))
+CAT, DOG = noise_png((50, 40), seed=1), noise_png((30, 70), seed=2)
 QUESTION = [
     {"role": "system", "content": "Describe images."},
     {"role": "user", "content": [{"type": "text", "text": "Compare"}, image_part(data_url(CAT)), {"type": "text", "text": "with"}, image_part(data_url(DOG))]},

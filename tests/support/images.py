@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
-import os
+import random
 import struct
 import zlib
 
@@ -21,10 +21,10 @@ def image_bytes(fmt: str = "PNG", size: tuple[int, int] = (24, 16), color: tuple
     return out.getvalue()
 
 
-def noise_png(size: tuple[int, int]) -> bytes:
-    """A PNG of random pixels: about 3 bytes a pixel, as incompressible as images get."""
+def noise_png(size: tuple[int, int], seed: int = 0) -> bytes:
+    """A PNG of seeded random pixels: about 3 bytes a pixel, as incompressible as images get."""
     out = io.BytesIO()
-    Image.frombytes("RGB", size, os.urandom(size[0] * size[1] * 3)).save(out, format="PNG")
+    Image.frombytes("RGB", size, random.Random(seed).randbytes(size[0] * size[1] * 3)).save(out, format="PNG")
     return out.getvalue()
 
 

@@ -26,7 +26,7 @@ from engine.commands import Abort, Add, Call, Channel, Command, Pin, engine_pin_
 from engine.config import EngineConfig
 from engine.errors import EngineOverloaded, EngineRestarting, ParameterError
 from engine.llm_engine import Engine, Prompt, check_params, tokenize
-from engine.multimodal.inputs import ProcessedPrompt, process_prompt
+from engine.multimodal.inputs import ProcessedPrompt, attach_images, split_prompt
 from engine.outputs import Delta, OutputAccumulator, PinnedPrefix, RequestOutput
 from engine.request_options import RequestOptions, TenantOptions
 from engine.sampling_params import SamplingParams
@@ -120,9 +120,15 @@ class AsyncEngine:
         """The text that stands for one image in a prompt (``Engine.image_placeholder``); None for text only."""
         return None if self._image_prompts is None else self._image_prompts.placeholder
 
-    def _process(self, prompt: Prompt) -> ProcessedPrompt:
-        """The prompt's token ids and images, in the caller's thread, checked as the engine would."""
-        processed = process_prompt(prompt, lambda text: tokenize(self._tokenizer, text), self._image_prompts)
+    async def _process(self, prompt: Prompt) -> ProcessedPrompt:
+        """The prompt's token ids and images (``Engine.process_prompt``), checked as the engine would; images are
+        preprocessed on a worker thread, off the event loop."""
+        text, images = split_prompt(prompt)
+        token_ids = tokenize(self._tokenizer, text)
+        if images and self._image_prompts is not None:
+            processed = await asyncio.to_thread(attach_images, token_ids, images, self._image_prompts)
+        else:
+            processed = attach_images(token_ids, images, self._image_prompts)
         self.engine.validate_prompt(processed.prompt_token_ids)  # reads immutable settings only
         return processed
 
@@ -208,7 +214,7 @@ class AsyncEngine:
             params = check_params(params)
             RequestOptions(request_id, priority, cache_salt)
             TenantOptions(tenant, weight)
-            processed = self._process(prompt)
+            processed = await self._process(prompt)
             grammar = None
             if params.structured_output is not None:
                 grammar = await self._compile(params.structured_output)
@@ -258,7 +264,7 @@ class AsyncEngine:
             EngineError: The engine failed the pin, or is dead.
         """
         generation = self._supervisor.check_alive()
-        processed = self._process(prompt)
+        processed = await self._process(prompt)
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self._inbox.put(Pin(processed.prompt_token_ids, cache_salt, generation, loop, future, processed.images))

@@ -121,7 +121,8 @@ LLAVA_CHAT_TEMPLATE = (
 def save_tiny_llava(out, tokenizer_source, **overrides) -> None:
     """Saves a seeded random-weight ``LlavaForConditionalGeneration`` and its ``LlavaProcessor`` in ``out``.
 
-    ``overrides`` set LlavaConfig fields (``vision_feature_layer``, ``vision_feature_select_strategy``, ...).
+    ``overrides`` set LlavaConfig fields (``vision_feature_layer``, ``vision_feature_select_strategy``, ...); a tuple
+    is given as a list (the factory's arguments are hashable).
     """
     import torch
     import transformers
@@ -134,7 +135,8 @@ def save_tiny_llava(out, tokenizer_source, **overrides) -> None:
         tie_word_embeddings=False, **TINY,
     )
     vision = transformers.CLIPVisionConfig(**TINY_VISION)
-    fields = {"vision_feature_layer": -2, "vision_feature_select_strategy": "default", **overrides}
+    fields = {"vision_feature_layer": -2, "vision_feature_select_strategy": "default"}
+    fields.update((name, list(value) if isinstance(value, tuple) else value) for name, value in overrides.items())
     full = fields["vision_feature_select_strategy"] == "full"
     num_tokens = (TINY_VISION["image_size"] // TINY_VISION["patch_size"]) ** 2 + full
     config = transformers.LlavaConfig(

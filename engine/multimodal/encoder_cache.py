@@ -42,6 +42,7 @@ class EncoderCache:
         if nbytes > self.max_bytes:
             return
         while self._entries and self.num_bytes + nbytes > self.max_bytes:
-            self.num_bytes -= self._entries.popitem(last=False)[1]
+            _, (_, evicted) = self._entries.popitem(last=False)
+            self.num_bytes -= evicted
         self._entries[image_hash] = (embeddings, nbytes)
         self.num_bytes += nbytes

@@ -151,11 +151,18 @@ def process_prompt(
             the images (the image errors name the field ``multi_modal_data.image``).
     """
     text, given = split_prompt(prompt)
-    token_ids = tokenize(text)
+    return attach_images(tokenize(text), given, images)
+
+
+def attach_images(token_ids: list[int], given: list[Any], images: ImagePrompts | None) -> ProcessedPrompt:
+    """A tokenized prompt and its images (``split_prompt``'s) as the engine queues them: the images' share of
+    ``process_prompt``, which may run on another thread (it uses no tokenizer).
+
+    Raises:
+        RequestRejected: images for a text-only model, or placeholders that do not match the images.
+    """
     if images is None:
         if given:
-            raise RequestRejected(
-                f"{IMAGE_FIELD}: this model takes no images (got {len(given)})", param=IMAGE_FIELD
-            )
+            raise RequestRejected(f"{IMAGE_FIELD}: this model takes no images (got {len(given)})", param=IMAGE_FIELD)
         return ProcessedPrompt(token_ids)
     return images.process(token_ids, given)

@@ -206,3 +206,64 @@ def test_async_engine_streams_image_prompts(model_dir, cases) -> None:
             await engine.aclose()
 
     assert asyncio.run(main()) == expected
+
+
+def test_full_strategy_and_several_feature_layers_equal_transformers(tiny_model_factory) -> None:
+    """The "full" strategy keeps the class token's row (26 image tokens); several feature layers are joined."""
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    model_dir = tiny_model_factory("llava", vision_feature_select_strategy="full", vision_feature_layer=(-1, -3))
+    processor = AutoProcessor.from_pretrained(model_dir)
+    hf = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    text, images = chat(processor, picture(7), "and", picture(8), "?"), [picture(7), picture(8)]
+    inputs = processor(text=text, images=images, return_tensors="pt")
+    with torch.no_grad():
+        expected = hf.generate(**inputs, max_new_tokens=GREEDY.max_tokens, do_sample=False, min_new_tokens=GREEDY.max_tokens)
+    engine = make_engine(model_dir, max_num_batched_tokens=16)
+    assert engine.process_prompt(request(text, images)).images[0].length == 26
+    assert engine.tokenize(request(text, images)) == inputs["input_ids"][0].tolist()
+    out = engine.generate(request(text, images), GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == expected[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+@pytest.mark.parametrize("layout", ["hub", "transformers4"])
+def test_checkpoint_layouts_load_alike(model_dir, cases, tmp_path, layout: str) -> None:
+    """The Hub's llava-hf names (the tower under ``vision_model.``) and transformers 4's (``model.`` prefixes,
+    ``lm_head``) load the same weights as the layout transformers 5 saves."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    for path in model_dir.iterdir():
+        shutil.copy(path, tmp_path / path.name)
+    tensors = load_file(model_dir / "model.safetensors")
+
+    def rename(name: str) -> str:
+        name = name.replace("vision_tower.", "vision_tower.vision_model.", 1)
+        if layout == "transformers4":
+            name = name.replace("language_model.model.", "model.language_model.").replace("language_model.lm_head.", "lm_head.")
+            for part in ("vision_tower.", "multi_modal_projector."):
+                name = name.replace(part, f"model.{part}", 1) if name.startswith(part) else name
+        return name
+
+    save_file({rename(name): t for name, t in tensors.items()}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    text, images, expected = cases[1]
+    engine = make_engine(tmp_path)
+    assert engine.generate(request(text, images), GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected
+
+
+def test_kv_cache_dir_keeps_the_text_before_an_image_and_never_its_blocks(model_dir, reference, tmp_path) -> None:
+    """A pinned image prompt saves the blocks of its text before the image only (a block origin holds tokens and
+    salt, not images); a fresh engine hits those, computes the image's blocks and gives the same tokens."""
+    processor, generate = reference
+    image = picture(20)
+    text = chat(processor, "A long enough question before the picture:", image, "What is it?")
+    offset = make_engine(model_dir, num_blocks=8).process_prompt(request(text, [image])).images[0].offset
+    with make_engine(model_dir, kv_cache_dir=tmp_path, kv_cache_save_hot_blocks=0) as engine:
+        engine.pin_prefix(request(text, [image]))
+        while engine.has_unfinished_requests():
+            engine.step()
+    fresh = make_engine(model_dir, kv_cache_dir=tmp_path)
+    out = fresh.generate(request(text, [image]), GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == offset // BLOCK * BLOCK > 0
+    assert out.outputs[0].token_ids == generate(text, [image])

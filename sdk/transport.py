@@ -228,14 +228,14 @@ class InProcessTransport(Transport):
         tokenizer = self.engine.tokenizer
         if messages is not None:
             placeholder = self._image_placeholder()
-            images = []  # NOTE: render_chat refuses the images of a text model, before any is decoded
-            if placeholder is not None and any(m.image_parts for m in messages):
-                images = await load_message_images(messages, self.image_limits, tenant)
+            # NOTE: rendered first: a text model's images, or text spelling the placeholder, are refused before any is decoded
             token_ids = await PROMPT_WORKER.run(
                 tenant, render_chat, tokenizer, messages, True, tools, self.engine.max_model_len, chat_template_kwargs,
                 placeholder,
             )  # fmt: skip
-            return ImagePrompt(token_ids, images) if images else token_ids
+            if placeholder is None or not any(m.image_parts for m in messages):
+                return token_ids
+            return ImagePrompt(token_ids, await load_message_images(messages, self.image_limits, tenant))
         if isinstance(prompt, str):
             await self.check_prompt_size(len(prompt))
             from engine.llm_engine import tokenize

@@ -74,6 +74,27 @@ def test_bad_images_are_400s_naming_the_field_and_the_server_serves_on(server, m
     assert len(engine.images_seen) == 2
 
 
+def test_allowed_hosts_are_fetched_by_the_server(live_server, tokenizer) -> None:
+    """With --allowed-media-domains, a remote URL on an allowed host is fetched; another host is still a 400."""
+    from aiohttp import web
+
+    async def cat(request: web.Request) -> web.Response:
+        return web.Response(body=PNG, content_type="image/png")
+
+    images = web.Application()
+    images.router.add_get("/cat.png", cat)
+    host = live_server(images, wait_healthy=False)
+    engine = FakeEngine(tokenizer)
+    engine.accepts_images = True
+    limits = ImageLimits(allowed_media_domains=("127.0.0.1",))
+    live = live_server(create_app(serving_factory=lambda: Serving(engine, image_limits=limits)))
+    client = live.openai("none")
+    out = client.chat.completions.create(model="fake-model", messages=_ask(image_part(f"{host.root}/cat.png")), max_tokens=1)
+    assert out.choices[0].message.content == " ok" and [i.size for i in engine.images_seen[0]] == [(24, 16)]
+    with pytest.raises(openai.BadRequestError, match="not in --allowed-media-domains"):
+        client.chat.completions.create(model="fake-model", messages=_ask(image_part("http://localhost:1/cat.png")), max_tokens=1)
+
+
 def test_a_text_model_refuses_images_with_a_400(live_server, tokenizer) -> None:
     live = live_server(create_app(serving_factory=lambda: Serving(FakeEngine(tokenizer))))
     with pytest.raises(openai.BadRequestError, match="takes no images") as info:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from aiohttp import web
 from PIL import Image
@@ -146,9 +148,14 @@ async def test_allowed_hosts_are_fetched_within_the_limits() -> None:
     async def away(request: web.Request) -> web.Response:
         raise web.HTTPFound("http://example.com/cat.png")
 
+    async def slow(request: web.Request) -> web.Response:
+        await asyncio.sleep(2)
+        return web.Response(body=png, content_type="image/png")
+
     app = web.Application()
     app.router.add_get("/cat.png", cat)
     app.router.add_get("/away.png", away)
+    app.router.add_get("/slow.png", slow)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -170,3 +177,5 @@ async def _fetches(base: str) -> None:
     assert info.value.param == FIELD
     with pytest.raises(InvalidRequestError, match="HTTP 302"):  # redirects are not followed
         await fetch_url(f"{base}/away.png", limits, FIELD)
+    with pytest.raises(InvalidRequestError, match=r"longer than 0.2s \(fetch_timeout\)"):
+        await fetch_url(f"{base}/slow.png", ImageLimits(allowed_media_domains=("127.0.0.1",), fetch_timeout=0.2), FIELD)

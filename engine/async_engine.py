@@ -120,18 +120,6 @@ class AsyncEngine:
         """The text that stands for one image in a prompt (``Engine.image_placeholder``); None for text only."""
         return None if self._image_prompts is None else self._image_prompts.placeholder
 
-    async def _process(self, prompt: Prompt) -> ProcessedPrompt:
-        """The prompt's token ids and images (``Engine.process_prompt``), checked as the engine would; images are
-        preprocessed on a worker thread, off the event loop."""
-        text, images = split_prompt(prompt)
-        token_ids = tokenize(self._tokenizer, text)
-        if images and self._image_prompts is not None:
-            processed = await asyncio.to_thread(attach_images, token_ids, images, self._image_prompts)
-        else:
-            processed = attach_images(token_ids, images, self._image_prompts)
-        self.engine.validate_prompt(processed.prompt_token_ids)  # reads immutable settings only
-        return processed
-
     @property
     def max_model_len(self) -> int:
         return self._max_model_len
@@ -156,6 +144,18 @@ class AsyncEngine:
         return {**stats, "requests_rejected": stats["requests_rejected"] + self._admission.num_rejected}
 
     # ---------------------------------------------------------------------------- requests
+
+    async def _process(self, prompt: Prompt) -> ProcessedPrompt:
+        """The prompt's token ids and images (``Engine.process_prompt``), checked as the engine would; images are
+        preprocessed on a worker thread, off the event loop."""
+        text, images = split_prompt(prompt)
+        token_ids = tokenize(self._tokenizer, text)
+        if images and self._image_prompts is not None:
+            processed = await asyncio.to_thread(attach_images, token_ids, images, self._image_prompts)
+        else:
+            processed = attach_images(token_ids, images, self._image_prompts)
+        self.engine.validate_prompt(processed.prompt_token_ids)  # reads immutable settings only
+        return processed
 
     async def generate(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None, priority: int = 0,

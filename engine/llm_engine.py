@@ -43,7 +43,6 @@ from engine.structured_output.compiler import GrammarCompiler
 logger = logging.getLogger(__name__)
 
 
-
 class MultiModalData(TypedDict, total=False):
     """A prompt's images: one PIL image or a list, in the order of their placeholders."""
 
@@ -203,6 +202,9 @@ class Engine:
     def __enter__(self) -> Engine:
         return self
 
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def _image_prompts(self) -> ImagePrompts | None:
         if getattr(self.runner, "encoder_cache", None) is None:
             return None
@@ -221,9 +223,6 @@ class Engine:
     def image_placeholder(self) -> str | None:
         """The text that stands for one image in a prompt (LLaVA: ``<image>``); None for a text-only model."""
         return None if self.image_prompts is None else self.image_prompts.placeholder
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     # ---------------------------------------------------------------------------- requests in
 

@@ -2,15 +2,8 @@
 embedding space, and a Llama-family language model whose prompt rows at the image token take the projected
 image features instead of the token's embedding.
 
-A multimodal model class offers, besides a causal LM's ``forward``/``compute_logits``:
-
-- ``image_token_id`` and ``image_token_count``: the placeholder token and how many of them stand for one image;
-- ``encode_images(pixel_values [B, C, H, W]) -> [B, image_token_count, hidden]``: the rows that replace them;
-- ``forward(input_ids, positions, image_embeds, image_rows)``: ``image_rows`` (indices into the flat batch)
-  take ``image_embeds``' rows, in order.
-
-Idefics3/SmolVLM (pixel shuffle) and Qwen2-VL (rows per image size, M-RoPE) would each bring their own
-tower and projector behind the same two methods.
+The engine reads it through ``engine.models.vision.SupportsImages``. Idefics3/SmolVLM (pixel shuffle) and
+Qwen2-VL (rows per image size, M-RoPE) would each bring their own tower and projector behind the same interface.
 """
 
 from __future__ import annotations
@@ -48,7 +41,8 @@ class LlavaMultiModalProjector(nn.Module):
 
 
 class LlavaForConditionalGeneration(nn.Module):
-    """LLaVA 1.5-style: every image is one tile of the tower's size, ``image_token_count`` rows."""
+    """LLaVA 1.5-style (``SupportsImages``): every image is one tile of the tower's size, ``image_token_count``
+    rows."""
 
     def __init__(self, config) -> None:
         super().__init__()

@@ -10,11 +10,33 @@ The towers run on plain ``torch.nn`` layers in the compute dtype (never quantize
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import ModelLoadError
+
+@runtime_checkable
+class SupportsImages(Protocol):
+    """A model that takes images: what the engine reads of it besides a causal LM's ``forward``/``compute_logits``.
+
+    ``forward(input_ids, positions, image_embeds, image_rows)`` gives rows ``image_rows`` of the flat batch
+    ``image_embeds``' rows, in order, instead of their tokens' embeddings.
+    """
+
+    image_token_id: int  # the placeholder token each of an image's rows holds
+
+    @property
+    def image_token_count(self) -> int:
+        """The rows (tokens) one image takes."""
+        ...
+
+    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """``[B, C, H, W]`` preprocessed images -> ``[B, image_token_count, hidden]`` rows for the language model."""
+        ...
+
 
 ACTIVATIONS = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from engine.errors import RequestRejected
+from engine.errors import ModelLoadError, RequestRejected
 
 IMAGE_FIELD = "multi_modal_data.image"
 
@@ -54,18 +54,17 @@ def split_prompt(prompt: Any) -> tuple[str | list[int], list[Any]]:
         raise RequestRejected(f"prompt_token_ids must be a list of token ids; got {type(text).__name__}")
     data = prompt.get("multi_modal_data") or {}
     if not isinstance(data, dict) or set(data) - {"image"}:
-        raise RequestRejected(
-            "multi_modal_data must be a dict with an 'image' entry only", param="multi_modal_data"
-        )
+        raise RequestRejected("multi_modal_data must be a dict with an 'image' entry only", param="multi_modal_data")
     images = data.get("image", [])
     images = list(images) if isinstance(images, (list, tuple)) else [images]
-    from PIL import Image
+    if images:
+        from PIL import Image  # NOTE: only where images are given: text prompts never need Pillow
 
-    for i, image in enumerate(images):
-        if not isinstance(image, Image.Image):
-            raise RequestRejected(
-                f"{IMAGE_FIELD}[{i}] must be a PIL.Image.Image; got {type(image).__name__}", param=IMAGE_FIELD
-            )
+        for i, image in enumerate(images):
+            if not isinstance(image, Image.Image):
+                raise RequestRejected(
+                    f"{IMAGE_FIELD}[{i}] must be a PIL.Image.Image; got {type(image).__name__}", param=IMAGE_FIELD
+                )
     return (text if isinstance(text, str) else list(text)), images
 
 
@@ -108,6 +107,9 @@ class ImagePrompts:
         image_token_id: the model's image token.
         placeholder: the image token's text.
         tokens_per_image: the embedding rows the model gives one image.
+
+    Raises:
+        ModelLoadError: the directory has no image processor config.
     """
 
     def __init__(self, model_dir: Any, image_token_id: int, placeholder: str, tokens_per_image: int) -> None:
@@ -116,7 +118,10 @@ class ImagePrompts:
         self.image_token_id = image_token_id
         self.placeholder = placeholder
         self.tokens_per_image = tokens_per_image
-        self._image_processor = AutoImageProcessor.from_pretrained(model_dir, local_files_only=True)
+        try:
+            self._image_processor = AutoImageProcessor.from_pretrained(model_dir, local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"{str(model_dir)!r} has no image processor a multimodal model needs: {e}") from None
 
     def process(self, token_ids: Sequence[int], images: list[Any]) -> ProcessedPrompt:
         """Expands the placeholders and preprocesses the images as the model's Hugging Face processor does.

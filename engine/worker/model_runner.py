@@ -37,6 +37,7 @@ from engine.model_files.checkpoint import Checkpoint, GGUFCheckpoint, Safetensor
 from engine.model_files.gguf import GGUFError, GGUFFile
 from engine.multimodal.encoder_cache import EncoderCache
 from engine.models.registry import get_model_class
+from engine.models.vision import SupportsImages
 from engine.worker.forward_context import ForwardContext, set_forward_context
 from engine.worker.decoder_plan import DecoderPlan
 from engine.worker.image_rows import ENCODER_CACHE_BYTES, image_rows
@@ -121,7 +122,7 @@ class ModelRunner:
         self.vocab_size: int = self.text_config.vocab_size
         self.model = self._load_model(Path(model_dir))
         # a multimodal model's image embeddings by image hash (engine.multimodal); None for a text-only model
-        self.encoder_cache = EncoderCache(ENCODER_CACHE_BYTES) if hasattr(self.model, "encode_images") else None
+        self.encoder_cache = EncoderCache(ENCODER_CACHE_BYTES) if isinstance(self.model, SupportsImages) else None
         self.max_model_len = self._max_model_len()
         layer = self._attention_layers()[0]
         self.attn_backend = get_attention_backend(

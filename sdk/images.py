@@ -130,7 +130,7 @@ def decode_data_url(url: str, limits: ImageLimits, field: str) -> tuple[bytes, s
         InvalidRequestError: not a base64 image data URL, past ``max_image_bytes``, or not valid base64.
     """
     match = _DATA_URL.match(url)
-    if match is None or "base64" not in match["params"].split(";"):
+    if match is None or "base64" not in match["params"].lower().split(";"):
         raise InvalidRequestError.about(field, "must be a base64 data URL (data:image/png;base64,...)")
     mime = (match["mime"] or "").lower()
     if not mime.startswith("image/"):

@@ -15,6 +15,7 @@ from sdk.types import ChatMessage, ImagePart
 from tests.support.images import data_url, image_bytes, image_part, png_declaring
 
 FIELD = "messages.2.content.1.image_url"
+PNG_BYTES = image_bytes("PNG")
 
 
 @pytest.mark.parametrize(("fmt", "mime"), [("PNG", "image/png"), ("JPEG", "image/jpeg"), ("WEBP", "image/webp"), ("GIF", "image/gif")])
@@ -33,6 +34,8 @@ def test_alpha_images_become_rgb_and_jpg_is_jpeg() -> None:
     assert loaded.image.mode == "RGB"
     _, mime = decode_data_url(data_url(image_bytes("JPEG"), "image/jpg"), ImageLimits(), FIELD)
     assert mime == "image/jpeg"
+    data, mime = decode_data_url(data_url(PNG_BYTES, "IMAGE/PNG").replace(";base64", ";charset=binary;BASE64"), ImageLimits(), FIELD)
+    assert (data, mime) == (PNG_BYTES, "image/png")
 
 
 def _refused(fn, *args, match: str) -> InvalidRequestError:

@@ -13,7 +13,8 @@ reasoning (``sdk.reasoning``) comes as the reply's ``ThinkingBlock``, and while 
 each response's ``additional_kwargs["thinking_delta"]`` (where LlamaIndex's agents read it).
 A reply cut at ``max_tokens`` inside its constraint (``sdk.cut_off``) raises
 ``LengthFinishReasonError``, so structured prediction and agents never see a half object or call.
-Every call goes through an SDK client, so hooks and audit apply.
+``ImageBlock``s in a message's blocks reach a multimodal model as image parts (``sdk.images``), in
+order with its text. Every call goes through an SDK client, so hooks and audit apply.
 
     from sdk.integrations.llamaindex import PagedLLM
     from llama_index.core import Settings

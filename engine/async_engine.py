@@ -26,6 +26,7 @@ from engine.commands import Abort, Add, Call, Channel, Command, Pin, engine_pin_
 from engine.config import EngineConfig
 from engine.errors import EngineOverloaded, EngineRestarting, ParameterError
 from engine.llm_engine import Engine, Prompt, check_params, tokenize
+from engine.multimodal.inputs import ProcessedPrompt, attach_images, split_prompt
 from engine.outputs import Delta, OutputAccumulator, PinnedPrefix, RequestOutput
 from engine.request_options import RequestOptions, TenantOptions
 from engine.sampling_params import SamplingParams
@@ -71,6 +72,7 @@ class AsyncEngine:
         # NOTE: callers' threads get a tokenizer of their own: the driver decodes with the
         # engine's while callers encode, and a Rust tokenizer must not be borrowed by both.
         self._tokenizer = copy.deepcopy(engine.tokenizer)
+        self._image_prompts = engine.image_prompts  # NOTE: stateless: callers' threads preprocess their images
         self._ids = itertools.count()
         self._id_prefix = uuid.uuid4().hex[:8]
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -109,6 +111,16 @@ class AsyncEngine:
         return self._model_name
 
     @property
+    def accepts_images(self) -> bool:
+        """Whether the model takes images (``Engine.accepts_images``)."""
+        return self._image_prompts is not None
+
+    @property
+    def image_placeholder(self) -> str | None:
+        """The text that stands for one image in a prompt (``Engine.image_placeholder``); None for text only."""
+        return None if self._image_prompts is None else self._image_prompts.placeholder
+
+    @property
     def max_model_len(self) -> int:
         return self._max_model_len
 
@@ -132,6 +144,18 @@ class AsyncEngine:
         return {**stats, "requests_rejected": stats["requests_rejected"] + self._admission.num_rejected}
 
     # ---------------------------------------------------------------------------- requests
+
+    async def _process(self, prompt: Prompt) -> ProcessedPrompt:
+        """The prompt's token ids and images (``Engine.process_prompt``), checked as the engine would; images are
+        preprocessed on a worker thread, off the event loop."""
+        text, images = split_prompt(prompt)
+        token_ids = tokenize(self._tokenizer, text)
+        if images and self._image_prompts is not None:
+            processed = await asyncio.to_thread(attach_images, token_ids, images, self._image_prompts)
+        else:
+            processed = attach_images(token_ids, images, self._image_prompts)
+        self.engine.validate_prompt(processed.prompt_token_ids)  # reads immutable settings only
+        return processed
 
     async def generate(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None, priority: int = 0,
@@ -163,7 +187,8 @@ class AsyncEngine:
 
         Raises:
             RequestRejected: From the first ``__anext__``: empty prompt, a token id outside
-                the vocabulary, longer than max_model_len or than the KV cache holds.
+                the vocabulary, longer than max_model_len or than the KV cache holds; images the model
+                cannot take (field ``multi_modal_data.image``, ``Engine.process_prompt``).
             EngineOverloaded: From the first ``__anext__``: admission limits are full.
             ParameterError: Bad ``params``, ``request_id``, ``priority``, ``cache_salt``,
                 ``tenant`` or ``weight``, a request id already in use, or a structured-output constraint that does not
@@ -189,20 +214,22 @@ class AsyncEngine:
             params = check_params(params)
             RequestOptions(request_id, priority, cache_salt)
             TenantOptions(tenant, weight)
-            prompt_token_ids = tokenize(self._tokenizer, prompt)
-            self.engine.validate_prompt(prompt_token_ids)  # reads immutable settings only
+            processed = await self._process(prompt)
             grammar = None
             if params.structured_output is not None:
                 grammar = await self._compile(params.structured_output)
             if request_id is None:
                 request_id = f"{self._id_prefix}-{next(self._ids)}"
-            channel = Channel(asyncio.get_running_loop(), len(prompt_token_ids), generation)
+            channel = Channel(asyncio.get_running_loop(), len(processed.prompt_token_ids), generation)
             self._admission.admit(request_id, channel)
         except (ParameterError, EngineOverloaded):
             self._admission.reject()
             raise
         try:
-            self._inbox.put(Add(request_id, prompt_token_ids, params, priority, cache_salt, tenant, weight, channel, grammar))
+            self._inbox.put(Add(
+                request_id, processed.prompt_token_ids, params, priority, cache_salt, tenant, weight, channel, grammar,
+                processed.images,
+            ))  # fmt: skip
             if (error := supervisor.failure(generation)) is not None:
                 raise error  # NOTE: a driver that died before draining this Add may never answer it
             while True:
@@ -237,11 +264,10 @@ class AsyncEngine:
             EngineError: The engine failed the pin, or is dead.
         """
         generation = self._supervisor.check_alive()
-        prompt_token_ids = tokenize(self._tokenizer, prompt)
-        self.engine.validate_prompt(prompt_token_ids)
+        processed = await self._process(prompt)
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._inbox.put(Pin(prompt_token_ids, cache_salt, generation, loop, future))
+        self._inbox.put(Pin(processed.prompt_token_ids, cache_salt, generation, loop, future, processed.images))
         return await self._wait(future, generation)
 
     async def unpin_prefix(self, pin_id: str) -> None:

@@ -20,6 +20,7 @@ from engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from engine.errors import EngineError
     from engine.llm_engine import Engine
+    from engine.multimodal.inputs import ImageInput
 
 
 class Channel:
@@ -53,6 +54,7 @@ class Add:
     weight: float
     channel: Channel
     grammar: Any = None  # params.structured_output, compiled
+    images: tuple[ImageInput, ...] = ()  # the prompt's, preprocessed (engine.multimodal)
 
 
 @dataclass(slots=True)
@@ -77,6 +79,7 @@ class Pin:
     generation: int
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future = field(repr=False)
+    images: tuple[ImageInput, ...] = ()
 
 
 class Stop:

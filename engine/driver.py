@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from engine.admission import Admission
 from engine.commands import Abort, Add, Call, Channel, Command, Pin, Stop, posted_to, public_pin_id, refuse, resolve
 from engine.errors import EngineError
+from engine.multimodal.inputs import ProcessedPrompt
 from engine.outputs import Delta, PinnedPrefix
 
 if TYPE_CHECKING:
@@ -99,7 +100,8 @@ class Driver:
             return
         if isinstance(command, Add):
             try:
-                engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                prompt = ProcessedPrompt(command.prompt_token_ids, command.images)
+                engine.add_request(command.request_id, prompt, command.params,
                                    command.priority, command.cache_salt, tenant=command.tenant,
                                    weight=command.weight, grammar=command.grammar)
             except Exception as exc:  # noqa: BLE001 - the caller gets it
@@ -115,7 +117,7 @@ class Driver:
             self._emit(generation, engine.pop_deltas(), {})
         elif isinstance(command, Pin):
             try:
-                pin_id = engine.pin_prefix(command.prompt_token_ids, command.cache_salt)
+                pin_id = engine.pin_prefix(ProcessedPrompt(command.prompt_token_ids, command.images), command.cache_salt)
             except Exception as exc:  # noqa: BLE001
                 resolve(command.loop, command.future, error=exc)
                 return

@@ -19,7 +19,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Required, TypedDict
 
 from engine import debug_log
 from engine.config import EngineConfig, step_token_budget
@@ -29,6 +29,7 @@ from engine.core.scheduler_output import SchedulerOutput
 from engine.errors import EngineError, ParameterError, RequestRejected, WorkerGroupFailed
 from engine.metrics import RequestStats, SpecDecodeStats
 from engine.model_info import eos_token_ids, model_name
+from engine.multimodal.inputs import ImageInput, ImagePrompts, ProcessedPrompt, process_prompt
 from engine.output_processor import OutputProcessor, ParentRequest
 from engine.persisted_kv import PersistedKVCache
 from engine.outputs import Delta, RequestMetrics, RequestOutput
@@ -41,7 +42,29 @@ from engine.structured_output.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | list[int]
+
+class MultiModalData(TypedDict, total=False):
+    """A prompt's images: one PIL image or a list, in the order of their placeholders."""
+
+    image: Any
+
+
+class TextPrompt(TypedDict, total=False):
+    """Text holding the model's image placeholder (``Engine.image_placeholder``) once per image, and the images."""
+
+    prompt: Required[str]
+    multi_modal_data: MultiModalData
+
+
+class TokensPrompt(TypedDict, total=False):
+    """Token ids holding the image token once per image (or each image's run, expanded), and the images."""
+
+    prompt_token_ids: Required[list[int]]
+    multi_modal_data: MultiModalData
+
+
+# text, token ids, or either with images (vLLM's input form; ``engine.multimodal``)
+Prompt = str | list[int] | TextPrompt | TokensPrompt
 
 
 def check_params(params: SamplingParams | None) -> SamplingParams:
@@ -96,6 +119,8 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
         self.vocab_size: int = self.runner.vocab_size
         self.max_model_len: int = self.runner.max_model_len
+        # a multimodal model's image inputs (placeholder, tokens per image, image processor); None: text only
+        self.image_prompts = self._image_prompts()
         self.kv = KVCacheManager(
             self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching,
             self.runner.kv_cache_windows,
@@ -180,11 +205,40 @@ class Engine:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    def _image_prompts(self) -> ImagePrompts | None:
+        if getattr(self.runner, "encoder_cache", None) is None:
+            return None
+        model = self.runner.model
+        placeholder = self.tokenizer.convert_ids_to_tokens(model.image_token_id)
+        return ImagePrompts(self.model_dir, model.image_token_id, placeholder, model.image_token_count)
+
+    # ---------------------------------------------------------------------------- model
+
+    @property
+    def accepts_images(self) -> bool:
+        """Whether the model takes images (the dict prompt forms' ``multi_modal_data.image``)."""
+        return self.image_prompts is not None
+
+    @property
+    def image_placeholder(self) -> str | None:
+        """The text that stands for one image in a prompt (LLaVA: ``<image>``); None for a text-only model."""
+        return None if self.image_prompts is None else self.image_prompts.placeholder
+
     # ---------------------------------------------------------------------------- requests in
 
     def tokenize(self, prompt: Prompt) -> list[int]:
-        """A prompt's token ids: a str is encoded (with the tokenizer's special tokens), ids pass through."""
-        return tokenize(self.tokenizer, prompt)
+        """A prompt's token ids: a str is encoded (with the tokenizer's special tokens), ids pass through, a
+        prompt with images gets each placeholder expanded to the image's tokens."""
+        return self.process_prompt(prompt).prompt_token_ids
+
+    def process_prompt(self, prompt: Prompt) -> ProcessedPrompt:
+        """A prompt's token ids and its images, preprocessed (``engine.multimodal.inputs.process_prompt``).
+
+        Raises:
+            RequestRejected: a malformed prompt; images for a text-only model, a non-PIL image, or images that do
+                not match the placeholders (field ``multi_modal_data.image``).
+        """
+        return process_prompt(prompt, lambda text: tokenize(self.tokenizer, text), self.image_prompts)
 
     def validate_prompt(self, prompt_token_ids: Sequence[int]) -> None:
         """Checks a prompt can ever be served; reads only immutable settings (safe from any thread).
@@ -213,7 +267,7 @@ class Engine:
     def add_request(
         self,
         request_id: str | None,
-        prompt: Prompt,
+        prompt: Prompt | ProcessedPrompt,
         params: SamplingParams | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
@@ -226,7 +280,8 @@ class Engine:
 
         Args:
             request_id: Unique among unfinished requests; None = one is made up.
-            prompt: Text, or token ids.
+            prompt: Text, token ids, either with images (``TextPrompt``, ``TokensPrompt``), or a prompt
+                ``process_prompt`` made already.
             params: How to sample; None = ``SamplingParams()``.
             priority: Smaller runs first; FIFO within one priority.
             cache_salt: Requests with different salts never share KV blocks.
@@ -240,7 +295,8 @@ class Engine:
             The request id.
 
         Raises:
-            RequestRejected: The prompt can never be served (see ``validate_prompt``).
+            RequestRejected: The prompt can never be served (see ``validate_prompt``), or its images cannot
+                (``process_prompt``).
             ParameterError: The id is in use, ``params`` is not a SamplingParams, or
                 ``request_id``, ``priority``, ``cache_salt``, ``tenant`` or ``weight`` is out
                 of bounds, or the structured-output constraint does not compile.
@@ -253,7 +309,7 @@ class Engine:
             raise
 
     def _add_request(
-        self, request_id: str | None, prompt: Prompt, params: SamplingParams | None, priority: int,
+        self, request_id: str | None, prompt: Prompt | ProcessedPrompt, params: SamplingParams | None, priority: int,
         cache_salt: str | None, tenant: str | None, weight: float, grammar: Any,
     ) -> str:
         params = check_params(params)
@@ -262,11 +318,14 @@ class Engine:
         request_id = f"req-{next(self._ids)}" if request_id is None else request_id
         if request_id in self._parents or request_id in self._pins:
             raise ParameterError("request_id", f"request id {request_id!r} is already in use")
-        prompt_token_ids = self.tokenize(prompt)
-        self.validate_prompt(prompt_token_ids)
+        processed = prompt if isinstance(prompt, ProcessedPrompt) else self.process_prompt(prompt)
+        self.validate_prompt(processed.prompt_token_ids)
         if params.structured_output is not None and grammar is None:
             grammar = self.grammars.compile(params.structured_output)
-        self._add(request_id, prompt_token_ids, params, priority, cache_salt, grammar=grammar, tenant=tenant, weight=weight)
+        self._add(
+            request_id, processed.prompt_token_ids, params, priority, cache_salt, grammar=grammar, tenant=tenant,
+            weight=weight, images=processed.images,
+        )
         return request_id
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
@@ -294,7 +353,7 @@ class Engine:
             self._retire(parent, metrics)
         return outputs
 
-    def pin_prefix(self, prompt: Prompt, cache_salt: str | None = None) -> str:
+    def pin_prefix(self, prompt: Prompt | ProcessedPrompt, cache_salt: str | None = None) -> str:
         """Computes the prompt's KV once and keeps its blocks referenced until ``unpin_prefix``.
 
         The pin request runs like any other (one greedy token); its blocks are held once
@@ -304,10 +363,13 @@ class Engine:
             The pin id, also the id of the request that computes it.
         """
         pin_id = f"pin-{next(self._ids)}"
-        prompt_token_ids = self.tokenize(prompt)
-        self.validate_prompt(prompt_token_ids)
+        processed = prompt if isinstance(prompt, ProcessedPrompt) else self.process_prompt(prompt)
+        self.validate_prompt(processed.prompt_token_ids)
         RequestOptions(pin_id, 0, cache_salt)
-        self._add(pin_id, prompt_token_ids, SamplingParams(max_tokens=1, temperature=0.0), 0, cache_salt, keep_blocks=True)
+        self._add(
+            pin_id, processed.prompt_token_ids, SamplingParams(max_tokens=1, temperature=0.0), 0, cache_salt,
+            keep_blocks=True, images=processed.images,
+        )
         self._pins.add(pin_id)
         return pin_id
 
@@ -328,7 +390,7 @@ class Engine:
     def _add(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
         cache_salt: str | None, keep_blocks: bool = False, grammar: Any = None,
-        tenant: str | None = None, weight: float = 1.0,
+        tenant: str | None = None, weight: float = 1.0, images: tuple[ImageInput, ...] = (),
     ) -> None:
         if self._closed:
             raise EngineError("the engine is closed")
@@ -341,6 +403,7 @@ class Engine:
                 priority=priority,
                 arrival_seq=next(self._arrivals),
                 cache_salt=cache_salt,
+                images=images,
                 tenant=tenant,
                 weight=weight,
                 stop_token_ids=stop_ids,
@@ -555,7 +618,7 @@ class Engine:
         """Runs a batch of prompts to completion, all at once under continuous batching.
 
         Args:
-            prompts: One prompt or a list (str, or token-id lists).
+            prompts: One prompt or a list (str, token-id lists, or either with images: ``Prompt``).
             params: One SamplingParams for all, or one per prompt; None = defaults.
             use_tqdm: Show a progress bar (batches of more than one prompt).
 
@@ -567,17 +630,17 @@ class Engine:
             ParameterError: ``params`` is not a SamplingParams (or a list of one per prompt).
             EngineError: The engine failed one of the requests (the others are aborted).
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ParameterError("params", f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        token_lists = [self.tokenize(p) for p in prompts]
-        for ids in token_lists:
-            self.validate_prompt(ids)
-        ids = [self.add_request(None, t, p) for t, p in zip(token_lists, params)]
+        processed = [self.process_prompt(p) for p in prompts]
+        for one in processed:
+            self.validate_prompt(one.prompt_token_ids)
+        ids = [self.add_request(None, one, p) for one, p in zip(processed, params)]
         results: dict[str, RequestOutput] = {}
         pending = set(ids)
         from tqdm.auto import tqdm

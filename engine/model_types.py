@@ -14,6 +14,7 @@ MODEL_CLASSES: dict[str, str] = {
     "gemma2": "engine.models.gemma:Gemma2ForCausalLM",
     "gemma3_text": "engine.models.gemma:Gemma3ForCausalLM",
     "phi3": "engine.models.phi3:Phi3ForCausalLM",  # Phi-3, Phi-3.5, Phi-4-mini
+    "llava": "engine.models.llava:LlavaForConditionalGeneration",  # a vision tower, projector and Llama-family LM
 }
 SUPPORTED_MODEL_TYPES = tuple(MODEL_CLASSES)
 

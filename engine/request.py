@@ -7,6 +7,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from engine.multimodal.inputs import ImageInput
     from engine.sampling_params import SamplingParams
 
 
@@ -61,6 +62,8 @@ class Request:
         "arrival_seq",
         "arrival_time",
         "cache_salt",
+        "images",
+        "mm_spans",
         "tenant",
         "weight",
         "stop_token_ids",
@@ -86,6 +89,7 @@ class Request:
         priority: int = 0,
         arrival_seq: int = 0,
         cache_salt: str | None = None,
+        images: tuple[ImageInput, ...] = (),
         tenant: str | None = None,
         weight: float = 1.0,
         stop_token_ids: frozenset[int] = frozenset(),
@@ -102,6 +106,9 @@ class Request:
         self.arrival_seq = arrival_seq
         self.arrival_time = time.perf_counter()
         self.cache_salt = cache_salt
+        # NOTE: the prompt's images, by position: the runner fills their rows, their hashes key their blocks.
+        self.images = images
+        self.mm_spans = tuple((image.offset, image.length, image.hash) for image in images)
         # NOTE: who the request is for and its share of the token budget (engine.core.fair_share).
         self.tenant = tenant
         self.weight = weight

@@ -12,9 +12,11 @@ from pydantic import ValidationError
 
 from sdk.closing import AsyncClosing, Closing
 from sdk.cut_off import CutOffWatch
+from sdk.errors import InvalidRequestError
 from sdk.fields import invalid_request
 from sdk.hooks import Hook, HookChain, ModelSource, RequestOrigin
 from sdk.hooks.replay import model_source
+from sdk.images import ImageLimits
 from sdk.policy import TenantPolicy, engine_salt
 from sdk.rate_limit import RateLimiter
 from sdk.reasoning import check_parser_name
@@ -159,12 +161,14 @@ class AsyncClient(AsyncClosing):
         reasoning_parser: how a thinking model's reasoning is split from its replies' text
             (``sdk.reasoning``): ``"auto"`` (from the chat template), ``"none"``, ``"qwen3"`` or
             ``"deepseek_r1"``. In-process only: a remote server parses with its own.
+        image_limits: what a request's images may be (``sdk.images.ImageLimits``: count, bytes,
+            pixels, remote hosts); None = its defaults. In-process only: a remote server has its own.
         **engine_config: ``engine.EngineConfig`` fields for the in-process engine.
 
     Raises:
         ValueError: ``runtime`` or ``transport`` with any of model/base_url/api_key/engine_config
             (or each other), ``base_url`` with engine_config, ``api_key`` without ``base_url``,
-            ``reasoning_parser`` with ``base_url`` or ``transport``, or a policy that isolates
+            ``reasoning_parser`` or ``image_limits`` with ``base_url`` or ``transport``, or a policy that isolates
             the cache without a ``tenant``.
         InvalidRequestError: an unknown ``reasoning_parser``.
     """
@@ -183,6 +187,7 @@ class AsyncClient(AsyncClosing):
         route: str = "client",
         max_retries: int = 0,
         reasoning_parser: str = "auto",
+        image_limits: ImageLimits | None = None,
         **engine_config: Any,
     ) -> None:
         if policy is not None and policy.isolate_cache and tenant is None:
@@ -190,7 +195,7 @@ class AsyncClient(AsyncClosing):
         self._owns_transport = transport is None
         self._owns_runtime = runtime is None
         self._transport, self._runtime = _make_transport(
-            transport, runtime, model, base_url, api_key, engine_config, check_parser_name(reasoning_parser)
+            transport, runtime, model, base_url, api_key, engine_config, check_parser_name(reasoning_parser), image_limits
         )
         self.hooks = HookChain(hooks)
         self.tenant = tenant
@@ -320,6 +325,9 @@ class AsyncClient(AsyncClosing):
         """
         await self.start()
         messages = [ChatMessage(role="system", content=prefix)] if isinstance(prefix, str) else to_messages(prefix)
+        images = [f"{i}.content.{j}" for i, m in enumerate(messages) for j, _ in m.image_parts]
+        if images:
+            raise InvalidRequestError.about(f"prefix.{images[0]}", "a pinned prefix is text only")
         token_ids = self._transport.render_chat(messages, add_generation_prompt=False)
         salt = engine_salt(self.policy, self.tenant, cache_salt)
         handle = PrefixHandle(self, await self._transport.pin_prefix(token_ids, salt), messages)
@@ -424,6 +432,7 @@ def _make_transport(
     api_key: str | None,
     engine_config: dict[str, Any],
     reasoning_parser: str,
+    image_limits: ImageLimits | None = None,
 ) -> tuple[Transport, Runtime]:
     """Where requests run, and the runtime they belong to.
 
@@ -437,10 +446,12 @@ def _make_transport(
     named = {"model": model, "base_url": base_url, "api_key": api_key}
     if runtime is not None:
         _refuse("runtime", {**named, "transport": transport}, engine_config, "the runtime's engine serves the requests")
-        return InProcessTransport(runtime, reasoning_parser), runtime
+        return InProcessTransport(runtime, reasoning_parser, image_limits), runtime
+    where = "transport" if transport is not None else "base_url"
     if reasoning_parser != "auto" and (transport is not None or base_url is not None):
-        where = "transport" if transport is not None else "base_url"
         raise ValueError(f"reasoning_parser and {where} both given: the {where} parses replies with its own")
+    if image_limits is not None and (transport is not None or base_url is not None):
+        raise ValueError(f"image_limits and {where} both given: the {where} checks images with its own")
     if transport is not None:
         _refuse("transport", named, engine_config, "the transport fixes where requests run")
         return transport, Runtime()
@@ -448,7 +459,7 @@ def _make_transport(
         if api_key is not None:
             raise ValueError("api_key given without base_url: the in-process engine takes no key")
         runtime = Runtime(model, **engine_config)
-        return InProcessTransport(runtime, reasoning_parser), runtime
+        return InProcessTransport(runtime, reasoning_parser, image_limits), runtime
     if engine_config:
         fields = ", ".join(sorted(engine_config))
         raise ValueError(f"base_url and engine fields ({fields}) both given: a remote engine is set up by its server")

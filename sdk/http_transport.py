@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 
 from sdk.errors import EngineFailure, InvalidRequestError, from_wire
+from sdk.images import ImageInfo, data_url_infos
 from sdk.transport import EngineRequest, PrefixPin, Transport
 from sdk.types import ChatMessage, Delta, RequestLatency, SamplingOptions, TokenLogprob, TopLogprob, Usage
 from sdk.tools import ToolSpec
@@ -41,7 +42,7 @@ class ChatPrompt(str):
     add_generation_prompt: bool
 
     def __new__(cls, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> ChatPrompt:
-        prompt = super().__new__(cls, "\n".join(f"{m.role}: {m.content or ''}" for m in messages))
+        prompt = super().__new__(cls, "\n".join(f"{m.role}: {m.text}" for m in messages))
         prompt.messages = tuple(messages)
         prompt.add_generation_prompt = add_generation_prompt
         return prompt
@@ -129,6 +130,10 @@ class HttpTransport(Transport):
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> str:  # fmt: skip
         return ChatPrompt(messages, add_generation_prompt)
+
+    async def prompt_images(self, prompt: str | list[int]) -> list[ImageInfo]:
+        """The data-URL images of a chat prompt (``sdk.images.data_url_infos``: the server checks them with its limits)."""
+        return await data_url_infos(prompt.messages) if isinstance(prompt, ChatPrompt) else []
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[Delta]:
         if isinstance(request.prompt, ChatPrompt) and not request.prompt.add_generation_prompt:

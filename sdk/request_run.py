@@ -116,6 +116,7 @@ class RequestRun:
         tools = request.tools if is_chat else None  # type: ignore[union-attr]
         template_kwargs = request.chat_template_kwargs if is_chat else None  # type: ignore[union-attr]
         prompt = await client.transport.prepare_prompt(client.tenant, ctx.messages, ctx.prompt, tools, template_kwargs)
+        ctx.images = await client.transport.prompt_images(prompt)
         if lease is not None:
             lease.take_tokens(_num_reserved_tokens(prompt, request.n, terms.max_tokens))
         ctx.engine_request = EngineRequest(
@@ -196,9 +197,9 @@ def _abandoned(error: BaseException | None) -> bool:
 
 
 def _num_chars(request: ChatRequest | CompletionRequest) -> int:
-    """Characters of a request's text: its messages' contents, or its prompt string (0 for token ids)."""
+    """Characters of a request's text: its messages' text, or its prompt string (0 for token ids)."""
     if isinstance(request, ChatRequest):
-        return sum(len(m.content or "") for m in request.messages)
+        return sum(len(m.text) for m in request.messages)
     return len(request.prompt) if isinstance(request.prompt, str) else 0
 
 

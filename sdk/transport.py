@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from sdk.chat_template import check_prompt_chars, render_chat
 from sdk.errors import EngineFailure, EngineRestarting, OverloadedError
 from sdk.fields import from_engine
+from sdk.images import ImageInfo, ImageLimits, LoadedImage, load_message_images
 from sdk.prompt_worker import PROMPT_WORKER
 from sdk.reasoning import PromptReasoning, ReasoningParser, after_reasoning, check_parser_name, reasoning_format
 from sdk.response_format import to_structured_output
@@ -48,6 +49,20 @@ class EngineRequest:
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # rendered into the prompt already (sent to a remote server)
     reasoning: PromptReasoning | None = None  # parse the reply's reasoning; constraints apply after it
+
+
+class ImagePrompt(list):  # type: ignore[type-arg]
+    """A chat prompt's token ids (a ``list[int]``) with the checked images its placeholders stand for, in order."""
+
+    images: tuple[LoadedImage, ...]
+
+    def __init__(self, token_ids: list[int], images: Sequence[LoadedImage]) -> None:
+        super().__init__(token_ids)
+        self.images = tuple(images)
+
+    def engine_input(self) -> dict[str, Any]:
+        """The engine's multimodal input (vLLM's form): the token ids and the images' pixels."""
+        return {"prompt_token_ids": list(self), "multi_modal_data": {"image": [i.image for i in self.images]}}
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +101,10 @@ class Transport(abc.ABC):
     def prompt_reasoning(self, prompt: str | list[int]) -> PromptReasoning | None:
         """The reasoning of a chat ``prompt``'s reply, to parse here; None = none (or parsed by a remote server)."""
         return None
+
+    async def prompt_images(self, prompt: str | list[int]) -> list[ImageInfo]:
+        """What the audit record says of a prepared prompt's images (hash, size, MIME type); never their bytes."""
+        return [image.info for image in prompt.images] if isinstance(prompt, ImagePrompt) else []
 
     async def check_prompt_size(self, num_chars: int) -> None:
         """Refuse a prompt of ``num_chars`` characters that cannot fit ``max_model_len`` (before any work).
@@ -146,14 +165,18 @@ class InProcessTransport(Transport):
             served through a ``Runtime(engine=...)``, which leaves it running when closed.
         reasoning_parser: how chat replies' reasoning is split from their text: ``"auto"``
             (from the chat template), ``"none"``, or a family (``sdk.reasoning.REASONING_PARSERS``).
+        image_limits: what a request's images may be (``sdk.images.ImageLimits``); None = its defaults.
 
     Raises:
         InvalidRequestError: an unknown ``reasoning_parser``.
     """
 
-    def __init__(self, runtime: Runtime | AsyncEngine, reasoning_parser: str = "auto") -> None:
+    def __init__(
+        self, runtime: Runtime | AsyncEngine, reasoning_parser: str = "auto", image_limits: ImageLimits | None = None
+    ) -> None:
         self.runtime = runtime if isinstance(runtime, Runtime) else Runtime(engine=runtime)
         self.reasoning_parser = check_parser_name(reasoning_parser)
+        self.image_limits = image_limits or ImageLimits()
 
     @property
     def engine(self) -> AsyncEngine:
@@ -175,7 +198,16 @@ class InProcessTransport(Transport):
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:  # fmt: skip
         engine = self.engine
-        return render_chat(engine.tokenizer, messages, add_generation_prompt, tools, engine.max_model_len, chat_template_kwargs)
+        return render_chat(
+            engine.tokenizer, messages, add_generation_prompt, tools, engine.max_model_len, chat_template_kwargs,
+            self._image_placeholder(),
+        )  # fmt: skip
+
+    def _image_placeholder(self) -> str | None:
+        """The text that stands for an image in the engine's prompts; None when its model takes no images."""
+        engine = self.engine
+        # NOTE: an engine (or a stand-in) that does not say takes no images
+        return engine.image_placeholder if getattr(engine, "accepts_images", False) else None
 
     def prompt_reasoning(self, prompt: str | list[int]) -> PromptReasoning | None:
         tokenizer = self.engine.tokenizer
@@ -195,9 +227,15 @@ class InProcessTransport(Transport):
     ) -> str | list[int]:  # fmt: skip
         tokenizer = self.engine.tokenizer
         if messages is not None:
-            return await PROMPT_WORKER.run(
-                tenant, render_chat, tokenizer, messages, True, tools, self.engine.max_model_len, chat_template_kwargs
-            )
+            placeholder = self._image_placeholder()
+            # NOTE: rendered first: a text model's images, or text spelling the placeholder, are refused before any is decoded
+            token_ids = await PROMPT_WORKER.run(
+                tenant, render_chat, tokenizer, messages, True, tools, self.engine.max_model_len, chat_template_kwargs,
+                placeholder,
+            )  # fmt: skip
+            if placeholder is None or not any(m.image_parts for m in messages):
+                return token_ids
+            return ImagePrompt(token_ids, await load_message_images(messages, self.image_limits, tenant))
         if isinstance(prompt, str):
             await self.check_prompt_size(len(prompt))
             from engine.llm_engine import tokenize
@@ -213,8 +251,9 @@ class InProcessTransport(Transport):
         stream = None
         try:
             params = SamplingParams(**request.sampling.sampling_kwargs(), structured_output=engine_constraint(request))
+            prompt = request.prompt.engine_input() if isinstance(request.prompt, ImagePrompt) else request.prompt
             stream = self.engine.stream(
-                request.prompt, params, request_id=request.request_id, priority=request.priority,
+                prompt, params, request_id=request.request_id, priority=request.priority,
                 cache_salt=request.cache_salt, tenant=request.tenant, weight=request.weight,
             )  # fmt: skip
             parse_calls = request.tools is not None and request.tool_choice != "none"

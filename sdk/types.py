@@ -18,16 +18,62 @@ from sdk.response_format import ResponseFormat, to_response_format
 from sdk.tools import ToolCall, ToolChoice, ToolSpec, to_tools
 
 __all__ = [
-    "ChatMessage", "ChatRequest", "ChatResult", "Choice", "CompletionRequest", "CompletionResult", "Delta",
-    "FinishReason", "RequestLatency", "Role", "SamplingOptions", "TokenLogprob", "TopLogprob", "Usage",
+    "ChatMessage", "ChatRequest", "ChatResult", "Choice", "CompletionRequest", "CompletionResult", "ContentPart",
+    "Delta", "FinishReason", "ImagePart", "ImageUrl", "RequestLatency", "Role", "SamplingOptions", "TextPart",
+    "TokenLogprob", "TopLogprob", "Usage",
 ]  # fmt: skip
 
 Role = Literal["system", "user", "assistant", "tool"]
 FinishReason = Literal["stop", "length", "abort", "content_filter", "tool_calls"]
 
 
+class TextPart(BaseModel):
+    """A text part of a message's content (OpenAI's ``{"type": "text", "text": ...}``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ImageUrl(BaseModel):
+    """Where an image part's bytes are: a base64 ``data:`` URL, or a remote URL a server allows."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+    """OpenAI's resolution hint; accepted and ignored (the model's processor sets the resolution)."""
+
+
+class ImagePart(BaseModel):
+    """An image part of a message's content (OpenAI's ``{"type": "image_url", "image_url": {"url": ...}}``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    type: Literal["image_url"] = "image_url"
+    image_url: ImageUrl
+
+    @classmethod
+    def of(cls, image: bytes | str, mime_type: str | None = None) -> ImagePart:
+        """An image part from raw bytes (as a data URL; ``mime_type`` None = read from the bytes) or a URL.
+
+        Raises:
+            InvalidRequestError: bytes that are not a PNG, JPEG, WebP or GIF image.
+        """
+        if isinstance(image, str):
+            return cls(image_url=ImageUrl(url=image))
+        from sdk.images import to_data_url  # NOTE: Pillow loads only for callers with images
+
+        return cls(image_url=ImageUrl(url=to_data_url(image, mime_type)))
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class ChatMessage(BaseModel):
-    """One message of a conversation: text, an assistant's tool calls, or a tool's result.
+    """One message of a conversation: text (a string, or text and image parts), an assistant's
+    tool calls, or a tool's result.
 
     Raises:
         ValidationError: a message without content that is not an assistant's tool calls, tool
@@ -43,8 +89,23 @@ class ChatMessage(BaseModel):
     """The calls an assistant message made (``ChatResult.message`` carries them)."""
     tool_call_id: str | None = Field(default=None, validate_default=True)
     """The call a tool message answers."""
-    content: str | None = Field(default=None, validate_default=True)
+    content: str | list[ContentPart] | None = Field(default=None, validate_default=True)
+    """A string, or OpenAI content parts (``TextPart``, ``ImagePart``) in order."""
     name: str | None = None
+
+    @property
+    def text(self) -> str:
+        """The message's text: its string content, or its text parts joined (what input filters read)."""
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content if isinstance(part, TextPart))
+        return self.content or ""
+
+    @property
+    def image_parts(self) -> list[tuple[int, ImagePart]]:
+        """The image parts of the content, with their index in it."""
+        if not isinstance(self.content, list):
+            return []
+        return [(j, part) for j, part in enumerate(self.content) if isinstance(part, ImagePart)]
 
     @field_validator("tool_calls")
     @classmethod
@@ -62,7 +123,7 @@ class ChatMessage(BaseModel):
 
     @field_validator("content")
     @classmethod
-    def _content_or_calls(cls, content: str | None, info: ValidationInfo) -> str | None:
+    def _content_or_calls(cls, content: str | list[Any] | None, info: ValidationInfo) -> str | list[Any] | None:
         if content is None and not info.data.get("tool_calls") and "role" in info.data:
             raise ValueError("a message needs content (or, from the assistant, tool_calls)")
         return content

@@ -149,7 +149,10 @@ def wire_param(route: Route, param: str | None, format_field: str | None = None)
 
 def message_to_wire(message: Any) -> dict[str, Any]:
     """An SDK ``ChatMessage`` as an OpenAI chat message (a call's arguments as JSON text)."""
-    body: dict[str, Any] = {"role": message.role, "content": message.content}
+    content = message.content
+    if isinstance(content, list):
+        content = [part.model_dump(exclude_none=True) for part in content]
+    body: dict[str, Any] = {"role": message.role, "content": content}
     if message.name is not None:
         body["name"] = message.name
     if message.tool_calls:
@@ -162,18 +165,16 @@ def message_to_wire(message: Any) -> dict[str, Any]:
 def message_from_wire(body: dict[str, Any]) -> Any:
     """An OpenAI chat message as an SDK ``ChatMessage``: the reverse of ``message_to_wire``.
 
-    ``developer`` is ``system``, content parts (text only) are joined, and a call's arguments
-    are parsed from their JSON text.
+    ``developer`` is ``system``, text-only content parts are joined (as a string), text and
+    ``image_url`` parts are kept in order, and a call's arguments are parsed from their JSON text.
 
     Raises:
         InvalidRequestError: not a message the SDK can take; ``param`` is the path inside the
-            message (``content``, ``tool_call_id``, ``tool_calls.M.function.arguments`` ...).
+            message (``content.N``, ``tool_call_id``, ``tool_calls.M.function.arguments`` ...).
     """
     content = body.get("content")
     if isinstance(content, list):
-        if any(part.get("type") != "text" or not isinstance(part.get("text"), str) for part in content):
-            raise InvalidRequestError.about("content", "only text parts are supported")
-        content = "".join(part["text"] for part in content)
+        content = _content_parts(content)
     calls = []
     for m, raw in enumerate(body.get("tool_calls") or ()):
         function = raw.get("function") or {}
@@ -192,6 +193,34 @@ def message_from_wire(body: dict[str, Any]) -> Any:
         )
     except ValidationError as exc:
         raise invalid_request(exc) from None
+
+
+IMAGE_DETAILS = ("auto", "low", "high")  # OpenAI's image_url.detail values
+
+
+def _content_parts(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """A message's wire content parts: their text joined when all are text, else text and image parts.
+
+    Raises:
+        InvalidRequestError: a part of another type, or without its text / image URL (``content.N``).
+    """
+    out: list[dict[str, Any]] = []
+    for j, part in enumerate(parts):
+        kind = part.get("type")
+        if kind == "text" and isinstance(part.get("text"), str):
+            out.append({"type": "text", "text": part["text"]})
+        elif kind == "image_url" and isinstance((part.get("image_url") or {}).get("url"), str):
+            image_url = {k: v for k, v in part["image_url"].items() if k in ("url", "detail") and v is not None}
+            if image_url.get("detail", "auto") not in IMAGE_DETAILS:
+                raise InvalidRequestError.about(f"content.{j}.image_url.detail", f"must be one of {', '.join(IMAGE_DETAILS)}")
+            out.append({"type": "image_url", "image_url": image_url})
+        elif kind in ("text", "image_url"):
+            raise InvalidRequestError.about(f"content.{j}", f"a {kind} part needs its {'text' if kind == 'text' else 'image_url.url'}")
+        else:
+            raise InvalidRequestError.about(f"content.{j}", f"{kind} parts are not supported; text and image_url are")
+    if all(part["type"] == "text" for part in out):
+        return "".join(part["text"] for part in out)
+    return out
 
 
 def tool_call_to_wire(call: Any) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-from tiny_models import RANDOM_NORMS, TINY, TINY_ARCHS
+from tiny_models import RANDOM_NORMS, TINY, TINY_ARCHS, TINY_MULTIMODAL
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -60,7 +60,7 @@ def tiny_model_factory(
     tmp_path_factory: pytest.TempPathFactory, bundled_model_dir: Path
 ) -> Callable[..., Path]:
     """``factory(arch="llama", tokenizer_dir=None, **config_overrides) -> Path``: a tiny random-weight HF
-    model directory.
+    model directory (``TINY_ARCHS``, or a multimodal one of ``TINY_MULTIMODAL`` saved with its processor).
 
     Weights are seeded, so the same arguments give the same model; the tokenizer is the
     bundled model's (or ``tokenizer_dir``'s, and the vocab its size), so prompts and
@@ -75,6 +75,11 @@ def tiny_model_factory(
         key = (arch, tokenizer_dir, tuple(sorted(overrides.items(), key=lambda kv: kv[0])))
         if key in built:
             return built[key]
+        if arch in TINY_MULTIMODAL:  # a model saved with its processor
+            out = tmp_path_factory.mktemp(f"tiny-{arch}")
+            TINY_MULTIMODAL[arch](out, tokenizer_dir or bundled_model_dir, **overrides)
+            built[key] = out
+            return out
         config_cls, arch_kwargs = TINY_ARCHS[arch]
         source = tokenizer_dir or bundled_model_dir
         tokenizer = transformers.AutoTokenizer.from_pretrained(source)

@@ -101,3 +101,64 @@ TINY_ARCHS: dict[str, tuple[str, dict]] = {
         ),
     ),
 }
+
+# A tiny LLaVA: a CLIP tower of 30x30 images in 6x6 patches (25 patches and a class token; the "default" strategy
+# drops the class token: 25 image tokens, not a multiple of the tests' blocks of 4), a Llama language model, and
+# the processor: the bundled tokenizer plus an "<image>" token, CLIP's image processor, a chat template that
+# renders {"type": "image"} content parts as "<image>".
+TINY_VISION = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, image_size=30, patch_size=6,
+    projection_dim=32,
+)
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<image>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def save_tiny_llava(out, tokenizer_source, **overrides) -> None:
+    """Saves a seeded random-weight ``LlavaForConditionalGeneration`` and its ``LlavaProcessor`` in ``out``.
+
+    ``overrides`` set LlavaConfig fields (``vision_feature_layer``, ``vision_feature_select_strategy``, ...); a tuple
+    is given as a list (the factory's arguments are hashable).
+    """
+    import torch
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_source)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    image_token_id = tokenizer.convert_tokens_to_ids("<image>")
+    text = transformers.LlamaConfig(
+        vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False, **TINY,
+    )
+    vision = transformers.CLIPVisionConfig(**TINY_VISION)
+    fields = {"vision_feature_layer": -2, "vision_feature_select_strategy": "default"}
+    fields.update((name, list(value) if isinstance(value, tuple) else value) for name, value in overrides.items())
+    full = fields["vision_feature_select_strategy"] == "full"
+    num_tokens = (TINY_VISION["image_size"] // TINY_VISION["patch_size"]) ** 2 + full
+    config = transformers.LlavaConfig(
+        vision_config=vision, text_config=text, image_token_id=image_token_id, image_seq_length=num_tokens, **fields
+    )
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration(config).to(torch.float32)
+    with torch.no_grad():  # the projector's default init is tiny next to the embeddings: make images matter
+        for param in model.model.multi_modal_projector.parameters():
+            param.normal_(0.0, 0.5)
+    model.save_pretrained(out)
+    side = TINY_VISION["image_size"]
+    image_processor = transformers.CLIPImageProcessorPil(
+        size={"shortest_edge": side}, crop_size={"height": side, "width": side}
+    )
+    processor = transformers.LlavaProcessor(
+        image_processor=image_processor, tokenizer=tokenizer, patch_size=TINY_VISION["patch_size"],
+        vision_feature_select_strategy=config.vision_feature_select_strategy, chat_template=LLAVA_CHAT_TEMPLATE,
+        image_token="<image>", num_additional_image_tokens=1,
+    )
+    processor.save_pretrained(out)
+
+
+# multimodal architectures the tiny_model_factory builds with a saver of their own: arch -> saver(out, tokenizer dir)
+TINY_MULTIMODAL = {"llava": save_tiny_llava}

@@ -18,6 +18,7 @@ from hashlib import blake2b
 
 BlockHash = bytes  # 16-byte digest
 ExtraKey = str | int | bytes
+MultiModalSpan = tuple[int, int, str]  # an image's (first position, number of tokens, content hash)
 
 HASH_SIZE = 16
 _ROOT_PARENT = blake2b(b"paged.kv.block.root", digest_size=HASH_SIZE).digest()  # the first block's parent
@@ -66,13 +67,16 @@ def extend_block_hashes(
     num_tokens: int,
     block_size: int,
     cache_salt: str | None = None,
+    mm_spans: Sequence[MultiModalSpan] = (),
 ) -> None:
     """Appends the hashes of the full blocks within ``token_ids[:num_tokens]`` not hashed yet.
 
     Work is proportional to the new blocks only, so a running request pays nothing on
     the steps that do not fill a block.
 
-    NOTE: ``cache_salt`` enters the first block only; the chain carries it to the rest.
+    NOTE: ``cache_salt`` enters the first block only; the chain carries it to the rest. An image
+    (``mm_spans``, by position) enters the hash of every block that holds some of its tokens, as its
+    content hash and its offset from the block's start: its placeholder tokens alone say nothing of it.
     """
     start = len(block_hashes)
     stop = min(num_tokens, len(token_ids)) // block_size
@@ -82,9 +86,22 @@ def extend_block_hashes(
     stride = block_size * _TOKEN_BYTES
     parent = block_hashes[-1] if block_hashes else None
     for i in range(stop - start):
-        extra = encode_extra_keys((cache_salt,)) if (start + i == 0 and cache_salt is not None) else b""
+        keys: list[ExtraKey] = [cache_salt] if (start + i == 0 and cache_salt is not None) else []
+        if mm_spans:
+            keys += block_image_keys(mm_spans, (start + i) * block_size, block_size)
+        extra = encode_extra_keys(keys)
         parent = _hash_packed(parent, packed[i * stride : (i + 1) * stride], extra)
         block_hashes.append(parent)
+
+
+def block_image_keys(mm_spans: Sequence[MultiModalSpan], block_start: int, block_size: int) -> list[ExtraKey]:
+    """The extra keys of the block at ``block_start``: (hash, offset from the block's start) of each image it holds
+    tokens of, in position order; empty for a block of text only."""
+    keys: list[ExtraKey] = []
+    for offset, length, content_hash in mm_spans:
+        if offset < block_start + block_size and offset + length > block_start:
+            keys += (content_hash, offset - block_start)
+    return keys
 
 
 def group_block_hash(block_hash: BlockHash, group: int) -> BlockHash:

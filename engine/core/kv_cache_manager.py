@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from engine.core.block_hash import BlockHash, extend_block_hashes, group_block_hash
+from engine.core.block_hash import BlockHash, MultiModalSpan, block_image_keys, extend_block_hashes, group_block_hash
 from engine.core.block_pool import BlockPool, check_invariant
 
 logger = logging.getLogger(__name__)
@@ -105,12 +105,14 @@ class _RequestState:
     num_slots: int  # tokens the tables cover (computed by the end of the last allocated step)
     num_tokens: int  # len(token_ids) at the last allocation
     cache_salt: str | None
+    mm_spans: Sequence[MultiModalSpan]  # the request's images, by position: they enter their blocks' hashes
 
 
 @dataclass(slots=True)
 class _Lookup:
     req_id: str
     cache_salt: str | None
+    mm_spans: Sequence[MultiModalSpan]
     token_ids: Sequence[int]  # identity-checked: the hashes are reused only for the same list
     block_hashes: list[BlockHash]
 
@@ -181,7 +183,8 @@ class KVCacheManager:
         return low
 
     def get_computed_blocks(
-        self, req_id: str, token_ids: Sequence[int], cache_salt: str | None = None
+        self, req_id: str, token_ids: Sequence[int], cache_salt: str | None = None,
+        mm_spans: Sequence[MultiModalSpan] = (),
     ) -> ComputedBlocks:
         """Finds the longest prefix of ``token_ids`` whose blocks every group has cached.
 
@@ -197,6 +200,7 @@ class KVCacheManager:
             req_id: The request, new to the manager.
             token_ids: The request's tokens (prompt, plus output when readmitted).
             cache_salt: Isolates the request's blocks from other salts' (tenant, adapter).
+            mm_spans: The request's images: a block holding an image's tokens hits only for the same image.
 
         Returns:
             Each group's hit blocks and the number of tokens they hold.
@@ -206,10 +210,13 @@ class KVCacheManager:
         lookup = self._last_lookup
         if lookup is None or not (
             lookup.req_id == req_id and lookup.cache_salt == cache_salt and lookup.token_ids is token_ids
+            and lookup.mm_spans == mm_spans
         ):
-            lookup = self._last_lookup = _Lookup(req_id, cache_salt, token_ids, [])
+            lookup = self._last_lookup = _Lookup(req_id, cache_salt, mm_spans, token_ids, [])
         max_blocks = max(len(token_ids) - 1, 0) // self.block_size
-        extend_block_hashes(lookup.block_hashes, token_ids, max_blocks * self.block_size, self.block_size, cache_salt)
+        extend_block_hashes(
+            lookup.block_hashes, token_ids, max_blocks * self.block_size, self.block_size, cache_salt, mm_spans
+        )
         hashes, get_cached_block = lookup.block_hashes, self.block_pool.get_cached_block
 
         def cached(group: int, i: int) -> int | None:
@@ -229,6 +236,7 @@ class KVCacheManager:
         num_new_tokens: int,
         computed: ComputedBlocks | None = None,
         cache_salt: str | None = None,
+        mm_spans: Sequence[MultiModalSpan] = (),
     ) -> BlockTables | None:
         """Grows the request's tables to cover ``num_computed_tokens + num_new_tokens`` slots.
 
@@ -248,7 +256,7 @@ class KVCacheManager:
             num_new_tokens: Tokens to compute this step.
             computed: A new request's hit, from ``get_computed_blocks``; counts the
                 admission in the prefix-cache figures.
-            cache_salt: As given to ``get_computed_blocks``.
+            cache_salt, mm_spans: As given to ``get_computed_blocks``.
 
         Returns:
             Every group's whole block table, or None when the pool is short: then nothing
@@ -277,8 +285,8 @@ class KVCacheManager:
                 f"new request {req_id}: num_computed_tokens {num_computed_tokens} != computed blocks "
                 f"{[len(t) for t in computed_tables]} (one table per group of {self.num_groups}) x {self.block_size}"
             )
-        block_hashes = self._lookup_hashes(req_id, token_ids, cache_salt)
-        self._check_computed(req_id, computed_tables, block_hashes, token_ids, cache_salt)
+        block_hashes = self._lookup_hashes(req_id, token_ids, cache_salt, mm_spans)
+        self._check_computed(req_id, computed_tables, block_hashes, token_ids, cache_salt, mm_spans)
         pool = self.block_pool
         hit_ids = [i for table in computed_tables for i in table if i != NULL_BLOCK]
         num_needed = max(-(-num_slots // self.block_size) - num_hit, 0) * self.num_groups
@@ -291,7 +299,7 @@ class KVCacheManager:
         tables = tuple(list(table) for table in computed_tables)
         num_released = [table.count(NULL_BLOCK) for table in tables]
         state = self._requests[req_id] = _RequestState(
-            tables, num_released, block_hashes, num_hit, 0, 0, cache_salt
+            tables, num_released, block_hashes, num_hit, 0, 0, cache_salt, mm_spans
         )
         self._last_lookup = None
         if computed is not None:
@@ -369,7 +377,7 @@ class KVCacheManager:
         num_computed = num_shared * self.block_size
         self._requests[child_req_id] = _RequestState(
             tables, [table.count(NULL_BLOCK) for table in tables], parent.block_hashes[:num_shared], num_shared,
-            num_computed, parent.num_tokens, parent.cache_salt,
+            num_computed, parent.num_tokens, parent.cache_salt, parent.mm_spans,
         )
         logger.debug("fork %s -> %s: %d shared blocks", parent_req_id, child_req_id, num_shared)
         return num_computed
@@ -562,9 +570,11 @@ class KVCacheManager:
             tables.append(table)
         return tuple(tables)  # type: ignore[arg-type]  # present() held for every block taken
 
-    def _lookup_hashes(self, req_id: str, token_ids: Sequence[int], cache_salt: str | None) -> list[BlockHash]:
+    def _lookup_hashes(
+        self, req_id: str, token_ids: Sequence[int], cache_salt: str | None, mm_spans: Sequence[MultiModalSpan]
+    ) -> list[BlockHash]:
         lookup = self._last_lookup
-        if lookup is not None and (lookup.req_id, lookup.cache_salt) == (req_id, cache_salt):
+        if lookup is not None and (lookup.req_id, lookup.cache_salt, lookup.mm_spans) == (req_id, cache_salt, mm_spans):
             if lookup.token_ids is token_ids:
                 return lookup.block_hashes
         return []
@@ -576,13 +586,14 @@ class KVCacheManager:
         block_hashes: list[BlockHash],
         token_ids: Sequence[int],
         cache_salt: str | None,
+        mm_spans: Sequence[MultiModalSpan],
     ) -> None:
         num_hit = len(computed[0])
         if not num_hit:
             return
         if not self.enable_prefix_caching:
             raise ValueError(f"request {req_id}: computed blocks given with prefix caching off")
-        extend_block_hashes(block_hashes, token_ids, num_hit * self.block_size, self.block_size, cache_salt)
+        extend_block_hashes(block_hashes, token_ids, num_hit * self.block_size, self.block_size, cache_salt, mm_spans)
         for group, table in enumerate(computed):
             first = self._first_needed(group, num_hit * self.block_size)
             for i, block_id in enumerate(table):
@@ -634,7 +645,7 @@ class KVCacheManager:
         if num_full <= state.num_cached_blocks:
             return
         extend_block_hashes(state.block_hashes, token_ids, num_full * self.block_size, self.block_size,
-                            state.cache_salt)
+                            state.cache_salt, state.mm_spans)
         pool, hashes = self.block_pool, state.block_hashes
         origins = self._origins_with_room()
         for group, table in enumerate(state.tables):
@@ -642,6 +653,8 @@ class KVCacheManager:
                 key = hashes[i] if group == 0 else group_block_hash(hashes[i], group)
                 if pool.cache_full_block(pool.blocks[table[i]], key) and origins is not None and group == 0:
                     start = i * self.block_size
+                    if state.mm_spans and block_image_keys(state.mm_spans, start, self.block_size):
+                        continue  # NOTE: an image's blocks are not persisted (an origin holds tokens and salt only)
                     parent = hashes[i - 1] if i else None
                     origins[hashes[i]] = BlockOrigin(
                         parent, tuple(token_ids[start : start + self.block_size]), state.cache_salt

@@ -196,7 +196,9 @@ class Scheduler:
                     break
                 budget += freed
                 continue
-            computed = self.kv.get_computed_blocks(request.req_id, request.all_token_ids, request.cache_salt)
+            computed = self.kv.get_computed_blocks(
+                request.req_id, request.all_token_ids, request.cache_salt, request.mm_spans
+            )
             num_new = min(request.num_tokens - computed.num_computed_tokens, budget)
             block_ids = self.kv.allocate_slots(
                 request.req_id,
@@ -205,6 +207,7 @@ class Scheduler:
                 num_new,
                 computed=computed,
                 cache_salt=request.cache_salt,
+                mm_spans=request.mm_spans,
             )
             if block_ids is None:
                 if not running:  # nothing will ever free blocks for it (pinned prefixes hold them)
@@ -309,7 +312,7 @@ class Scheduler:
     def _allocate(self, request: Request, num_new: int) -> BlockTables | None:
         return self.kv.allocate_slots(
             request.req_id, request.all_token_ids, request.num_computed_tokens, num_new,
-            cache_salt=request.cache_salt,
+            cache_salt=request.cache_salt, mm_spans=request.mm_spans,
         )
 
     def _schedule(self, request: Request, num_new: int, block_ids: BlockTables) -> ScheduledRequest:
@@ -324,6 +327,7 @@ class Scheduler:
             num_computed_tokens=start,
             block_ids=block_ids,
             needs_logits=end == request.num_tokens,
+            images=request.images if start < request.num_prompt_tokens else (),
         )
 
     def _preempt_for(self, request: Request, scheduled: list[ScheduledRequest], made_room: set[str]) -> int | None:

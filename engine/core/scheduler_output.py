@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.multimodal.inputs import ImageInput
 
 
 @dataclass(slots=True)
@@ -25,6 +29,7 @@ class ScheduledRequest:
     block_ids: tuple[list[int], ...]  # per KV cache group, the whole block table (logical block i -> physical block)
     needs_logits: bool  # True when this step reaches the end of the request's known tokens
     num_draft_tokens: int = 0  # speculative tokens at the end of token_ids (not yet the request's)
+    images: tuple[ImageInput, ...] = ()  # a prefill's: the request's images (the runner takes the rows it computes)
 
     @property
     def draft_token_ids(self) -> list[int]:

@@ -194,8 +194,12 @@ class LlamaModel(nn.Module):
             rows = rows * torch.tensor(self.embed_scale, dtype=rows.dtype)
         return rows.to(self.norm.weight.dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x, residual = self.embed(input_ids), None  # [T, hidden]
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The last norm's output ``[T, hidden]``; ``inputs_embeds`` (a multimodal model's rows) replaces
+        ``embed(input_ids)``."""
+        x, residual = (self.embed(input_ids) if inputs_embeds is None else inputs_embeds), None  # [T, hidden]
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
         x, _ = self.norm(x, residual)

@@ -35,9 +35,12 @@ from engine.layers.rotary import RotaryEmbedding
 from engine.loader import gguf_source
 from engine.model_files.checkpoint import Checkpoint, GGUFCheckpoint, SafetensorsCheckpoint
 from engine.model_files.gguf import GGUFError, GGUFFile
+from engine.multimodal.encoder_cache import EncoderCache
 from engine.models.registry import get_model_class
+from engine.models.vision import SupportsImages
 from engine.worker.forward_context import ForwardContext, set_forward_context
 from engine.worker.decoder_plan import DecoderPlan
+from engine.worker.image_rows import ENCODER_CACHE_BYTES, image_rows
 from engine.worker.input_batch import prepare_inputs
 from engine.worker.weight_formats import LoadPlan, WeightsSummary, load_weights
 
@@ -110,13 +113,16 @@ class ModelRunner:
         self.model_dir = Path(model_dir)
         self.tp = tp
         self.hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        self.text_config = self.hf_config.get_text_config()  # a multimodal model's language model's config
         self.device = resolve_device(config.device)
         self.gguf = gguf_source(model_dir)
         stored = None if self.gguf is not None else checkpoint_dtype(self.hf_config)
         self.dtype, self.weight_dtype = resolve_dtypes(config.dtype, self.device, stored)  # compute, weights
         self.block_size = config.block_size
-        self.vocab_size: int = self.hf_config.vocab_size
+        self.vocab_size: int = self.text_config.vocab_size
         self.model = self._load_model(Path(model_dir))
+        # a multimodal model's image embeddings by image hash (engine.multimodal); None for a text-only model
+        self.encoder_cache = EncoderCache(ENCODER_CACHE_BYTES) if isinstance(self.model, SupportsImages) else None
         self.max_model_len = self._max_model_len()
         layer = self._attention_layers()[0]
         self.attn_backend = get_attention_backend(
@@ -161,11 +167,14 @@ class ModelRunner:
         if not scheduled:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         inputs = prepare_inputs(scheduled, self.block_size, self.device)
+        images = None if self.encoder_cache is None else image_rows(scheduled, self.model, self.encoder_cache, self.device)
         if self.decoder_plan is not None:
             hidden = self.decoder_plan.forward(inputs.input_ids, inputs.positions, inputs.attn_metadata[0])
         else:
             with set_forward_context(ForwardContext(inputs.attn_metadata)):
-                hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
+                # NOTE: a multimodal model's image rows take the image embeddings (the modules path only)
+                extra = {} if images is None else {"image_embeds": images[0], "image_rows": images[1]}
+                hidden = self.model(inputs.input_ids, inputs.positions, **extra)  # [T, hidden]
         # NOTE: the LM head runs only on the rows whose next token is sampled.
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
         return None if logits is None else logits.float()
@@ -206,13 +215,13 @@ class ModelRunner:
     # ------------------------------------------------------------------------------------ set-up
 
     def _max_model_len(self) -> int:
-        max_positions = self.hf_config.max_position_embeddings
+        max_positions = self.text_config.max_position_embeddings
         if self.config.max_model_len is not None and self.config.max_model_len > max_positions:
             raise ValueError(
                 f"max_model_len={self.config.max_model_len} exceeds the model's max_position_embeddings={max_positions}"
             )
         max_len = self.config.max_model_len or max_positions
-        window = getattr(self.hf_config, "sliding_window", None)
+        window = getattr(self.text_config, "sliding_window", None)
         windowed = any(layer.sliding_window is not None for layer in self._attention_layers())
         if window and window < max_len and not windowed:  # a model file without its window: exact up to it
             logger.info("max_model_len capped at the sliding window its layers do not apply: %d", window)

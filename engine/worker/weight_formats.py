@@ -2,7 +2,8 @@
 
 ``load_weights`` fills a model built on the meta device, module by module, so that no more than one layer's
 weight exists twice at any moment (peak memory about the model's own size); a model's ``checkpoint_renames``
-(pairs of name fragments) map its module names to its checkpoint's. A ``Linear`` (the embedding among
+(pairs of name fragments, or a method that picks them for the checkpoint at hand) map its module names to its
+checkpoint's. A ``Linear`` (the embedding among
 them) is served:
 
 - from a GGUF file (``quantization`` None or ``"gguf"``, on the CPU kernels): in the file's own types, read as
@@ -102,6 +103,8 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint, plan: LoadPlan) -> We
         module.weight = None
     model.to_empty(device=plan.device)
     renames = getattr(model, "checkpoint_renames", ())
+    if callable(renames):  # a model whose checkpoints come in several layouts picks the pairs by the names present
+        renames = renames(checkpoint)
     for name, param in model.named_parameters():
         if name.endswith(".bias") and name.rpartition(".")[0] in linears:
             continue  # with its layer

@@ -32,6 +32,7 @@ from integrations.openai_server.policy import ROUTES, ServerPolicy
 from integrations.openai_server.responses import rate_limit_headers
 from integrations.openai_server.serving import Serving
 from integrations.openai_server.state import STATE, TENANT, Phase, ServerState, parse_keys
+from sdk.images import ImageLimits
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ def create_app(
     serving_factory: Callable[[], Serving] | None = None,
     restart: RestartPolicy | None = None,
     reasoning_parser: str = "auto",
+    image_limits: ImageLimits | None = None,
     **engine_config: Any,
 ) -> web.Application:
     """Build the OpenAI-compatible application; the engine starts with the app and stops with it.
@@ -73,6 +75,8 @@ def create_app(
         reasoning_parser: how chat replies' reasoning is split from their content, sent as
             ``reasoning_content``: ``"auto"`` (from the chat template), ``"none"`` or a family
             (``sdk.reasoning.REASONING_PARSERS``).
+        image_limits: what a request's images may be (count, bytes, pixels, remote hosts);
+            None = ``sdk.images.ImageLimits()``: no remote URLs.
         **engine_config: ``EngineConfig`` fields (block_size, num_blocks, max_num_seqs, ...).
 
     Returns:
@@ -90,7 +94,7 @@ def create_app(
     def default_factory() -> Serving:
         return Serving.create(
             model, served_model_name=served_model_name, hooks=hooks, restart=restart,
-            reasoning_parser=reasoning_parser, **engine_config,
+            reasoning_parser=reasoning_parser, image_limits=image_limits, **engine_config,
         )  # fmt: skip
 
     factory = serving_factory or default_factory

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import ipaddress
+import json
 import logging
 import os
 from collections.abc import Iterable
@@ -22,6 +23,13 @@ from integrations.engine_flags import (
     restart_policy,
 )
 from integrations.openai_server.app import DEFAULT_CLIENT_MAX_SIZE, DEFAULT_DRAIN_TIMEOUT, create_app
+from sdk.images import (
+    DEFAULT_FETCH_TIMEOUT,
+    DEFAULT_MAX_IMAGE_BYTES,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_MAX_IMAGES,
+    ImageLimits,
+)
 from sdk.reasoning import REASONING_PARSERS
 
 logger = logging.getLogger(__name__)
@@ -78,6 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "or in a token store beside it (digest); needs --audit-log",
     )
     server.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
+    add_image_arguments(parser)
     fleet = parser.add_argument_group("fleet (Ray Serve; needs the 'ray' extra, see docs/scale_out.md)")
     fleet.add_argument(
         "--replicas", type=_positive_int, default=None, metavar="N",
@@ -102,6 +111,56 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_engine_arguments(parser)
     add_restart_arguments(parser)
+
+
+def add_image_arguments(parser: argparse.ArgumentParser) -> None:
+    """The image intake's limits (``sdk.images.ImageLimits``), under vLLM's names where vLLM has them."""
+    images = parser.add_argument_group("images (multimodal models; see docs/multimodal.md)")
+    images.add_argument(
+        "--limit-mm-per-prompt", type=_image_count, default=DEFAULT_MAX_IMAGES, metavar="JSON",
+        help=f'images per request, as vLLM spells it: \'{{"image": N}}\' (default: {DEFAULT_MAX_IMAGES})',
+    )
+    images.add_argument(
+        "--max-image-bytes", type=parse_size, default=DEFAULT_MAX_IMAGE_BYTES,
+        help="largest encoded image (after base64 decoding); larger gets 400 (default: 10MiB)",
+    )
+    images.add_argument(
+        "--max-image-pixels", type=_positive_int, default=DEFAULT_MAX_IMAGE_PIXELS,
+        help="most pixels (width x height, read from the header before decoding) of one image (default: %(default)s)",
+    )
+    images.add_argument(
+        "--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+        help="hosts whose http(s) image URLs the server fetches; without it remote image URLs get 400 (default: none)",
+    )
+    images.add_argument(
+        "--image-fetch-timeout", type=float, default=DEFAULT_FETCH_TIMEOUT,
+        help="seconds to fetch one remote image (default: %(default)s)",
+    )
+
+
+def image_limits(args: argparse.Namespace) -> ImageLimits:
+    """The ``ImageLimits`` of the image flags.
+
+    Raises:
+        ValueError: a limit ``ImageLimits`` refuses, naming it.
+    """
+    return ImageLimits(
+        max_images=args.limit_mm_per_prompt, max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
+        allowed_media_domains=tuple(args.allowed_media_domains or ()), fetch_timeout=args.image_fetch_timeout,
+    )  # fmt: skip
+
+
+def _image_count(value: str) -> int:
+    """``--limit-mm-per-prompt``: vLLM's ``{"image": N}``; other modalities are refused (images are the only one)."""
+    try:
+        limits = json.loads(value)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(f'expected JSON such as {{"image": 4}}, got {value!r}') from None
+    if not isinstance(limits, dict) or set(limits) - {"image"} or not isinstance(limits.get("image", 0), int):
+        raise argparse.ArgumentTypeError(f'only {{"image": N}} is supported (images are the one modality), got {value}')
+    if limits.get("image", 0) < 0:
+        raise argparse.ArgumentTypeError(f"the image limit must be >= 0, got {limits['image']}")
+    return limits.get("image", DEFAULT_MAX_IMAGES)
 
 
 def _positive_int(value: str) -> int:
@@ -202,6 +261,7 @@ def make_app(args: argparse.Namespace) -> web.Application:
         client_max_size=args.max_body_size,
         drain_timeout=args.drain_timeout,
         restart=restart,
+        image_limits=image_limits(args),
         **config,
     )
 

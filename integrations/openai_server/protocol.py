@@ -51,11 +51,21 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class ImageUrlParam(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    url: str
+    detail: str | None = None  # sdk.wire checks it, naming its path in the message
+
+
 class ContentPart(BaseModel):
+    """A content part: ``text`` or ``image_url`` (``sdk.wire.message_from_wire`` refuses other types, naming them)."""
+
     model_config = ConfigDict(extra="ignore")
 
     type: str
     text: str | None = None
+    image_url: ImageUrlParam | None = None
 
 
 class FunctionCallParam(BaseModel):

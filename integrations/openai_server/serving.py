@@ -19,6 +19,7 @@ from engine.supervisor import EngineHealth, RestartPolicy
 from sdk.chat_template import longest_token_chars
 from sdk.client import AsyncClient
 from sdk.hooks import Hook, RequestOrigin
+from sdk.images import ImageLimits
 from sdk.policy import TenantPolicy
 from sdk.rate_limit import RateLimiter
 from sdk.transport import InProcessTransport
@@ -34,6 +35,7 @@ class Serving:
         served_model_name: the model id clients use; defaults to the engine's model name.
         reasoning_parser: how chat replies' reasoning is split from their content
             (``sdk.reasoning.REASONING_PARSERS``; ``"auto"`` reads the chat template).
+        image_limits: what a request's images may be (``sdk.images.ImageLimits``); None = its defaults.
     """
 
     def __init__(
@@ -44,9 +46,10 @@ class Serving:
         served_model_name: str | None = None,
         owns_engine: bool = True,
         reasoning_parser: str = "auto",
+        image_limits: ImageLimits | None = None,
     ) -> None:
         self.engine = engine
-        self._transport = InProcessTransport(engine, reasoning_parser)
+        self._transport = InProcessTransport(engine, reasoning_parser, image_limits)
         self._hooks = tuple(hooks)
         self._served_name = served_model_name
         self._owns_engine = owns_engine
@@ -61,13 +64,17 @@ class Serving:
         served_model_name: str | None = None,
         restart: RestartPolicy | None = None,
         reasoning_parser: str = "auto",
+        image_limits: ImageLimits | None = None,
         **engine_config: Any,
     ) -> Serving:
         """Load a new engine (blocks while the weights load; call from a thread); ``restart``: its self-healing."""
         from engine import AsyncEngine
 
         engine = AsyncEngine(model, restart=restart, **engine_config)
-        return cls(engine, hooks=hooks, served_model_name=served_model_name, reasoning_parser=reasoning_parser)
+        return cls(
+            engine, hooks=hooks, served_model_name=served_model_name, reasoning_parser=reasoning_parser,
+            image_limits=image_limits,
+        )  # fmt: skip
 
     async def start(self) -> None:
         """Start the transport and read the vocabulary's longest token, while /health still says starting.

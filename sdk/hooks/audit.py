@@ -14,6 +14,7 @@ from typing import Any
 
 from sdk.hooks.base import Hook, RequestContext
 from sdk.hooks.replay import REPLAY_MODES, ReplayMode, TokenStore, replay_part
+from sdk.types import ChatMessage
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +42,22 @@ def _iso(seconds: float) -> str:
     return dt.datetime.fromtimestamp(seconds, dt.UTC).isoformat(timespec="milliseconds")
 
 
+def _without_image_bytes(message: ChatMessage) -> dict[str, Any]:
+    """A message as the record writes it: an image part's URL only when it is a remote one, never a data URL's bytes."""
+    body = message.model_dump(exclude_none=True)
+    for j, part in message.image_parts:
+        if part.image_url.url.startswith("data:"):
+            body["content"][j]["image_url"]["url"] = "data:(omitted)"
+    return body
+
+
 class AuditLog(Hook):
     """Writes one JSON line per request end, each carrying the hash of the one before.
 
     A record holds who, when, what model, token counts, finish reason, filter decisions
-    and latency; never prompt or completion text unless ``include_text=True``. Each line
+    and latency, and for a request with images each one's sha256, bytes, width, height and
+    MIME type (``images``); never prompt or completion text unless ``include_text=True``,
+    and never an image's bytes (with ``include_text``, a data URL is written as ``data:(omitted)``). Each line
     is appended and flushed on its own, so a crash loses at most the record in flight; an
     unterminated last line (a crash mid-write) is cut off when the log is reopened.
     Failures to write are logged and counted by the client, never silent, and never fail
@@ -127,8 +139,10 @@ class AuditLog(Hook):
             "reasoning_chars": sum(map(len, ctx.reasoning_texts)),
             "tool_calls": [c.name for calls in ctx.tool_calls for c in calls],
         }
+        if ctx.images:  # NOTE: each image's hash and size, never its bytes
+            record["images"] = [image.to_dict() for image in ctx.images]
         if self.include_text:
-            record["messages"] = None if ctx.messages is None else [m.model_dump(exclude_none=True) for m in ctx.messages]
+            record["messages"] = None if ctx.messages is None else [_without_image_bytes(m) for m in ctx.messages]
             record["prompt"] = ctx.prompt
             # one completion (the usual case) as a str, n > 1 of them as a list
             record["completion"] = ctx.output_text if len(ctx.output_texts) == 1 else list(ctx.output_texts)

@@ -4,7 +4,9 @@ A hook subclasses ``Hook`` and overrides what it needs; the client runs the hook
 request in the order given:
 
 - ``on_request(ctx)`` before the request reaches the engine: may rewrite ``ctx.messages`` /
-  ``ctx.prompt`` (redact) or raise ``ContentBlocked`` (block). Nothing is allocated yet.
+  ``ctx.prompt`` (redact) or raise ``ContentBlocked`` (block). Nothing is allocated yet, and
+  images are not decoded yet: a filter reads a message's text (``ChatMessage.text``), and
+  ``ctx.images`` (hash and size of each) is filled once the prompt is prepared.
 - ``on_chunk(ctx, delta)`` for each output delta before the caller sees it: returning
   ``Stop(reason)`` withholds the delta, aborts the engine request (its blocks are freed)
   and ends the stream with ``finish_reason="content_filter"``.
@@ -31,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from sdk.errors import ContentBlocked, HookFailed
+from sdk.images import ImageInfo
 from sdk.tools import ToolCall, ToolCallDelta, collect_calls
 from sdk.types import ChatMessage, Delta, FinishReason, Usage
 
@@ -112,6 +115,8 @@ class RequestContext:
     prompt_token_ids: list[int] | None = None  # the engine's prompt ids, once its first output came
     # per completion, the token ids emitted so far (as output_texts)
     output_token_ids: list[list[int]] = field(default_factory=lambda: [[]])
+    # the request's images as checked (hash, bytes, width, height, MIME type; never the bytes), once its prompt is prepared
+    images: list[ImageInfo] = field(default_factory=list)
 
     @property
     def output_texts(self) -> list[str]:

@@ -7,7 +7,7 @@ from typing import Literal
 
 from sdk.errors import ContentBlocked
 from sdk.hooks.base import Hook, RequestContext, Stop
-from sdk.types import Delta
+from sdk.types import ChatMessage, Delta, TextPart
 
 
 class RegexFilter(Hook):
@@ -64,7 +64,7 @@ class RegexFilter(Hook):
         if self.on != "input":
             return
         if ctx.messages is not None:
-            texts = [m.content or "" for m in ctx.messages]
+            texts = [m.text for m in ctx.messages]  # NOTE: text parts only: images are not text
         elif isinstance(ctx.prompt, str):
             texts = [ctx.prompt]
         else:
@@ -75,13 +75,20 @@ class RegexFilter(Hook):
         if self.action == "block":
             raise ContentBlocked(f"input matched the {self.name} filter", hook=self.name)
         if ctx.messages is not None:
-            ctx.messages = [
-                m if m.content is None else m.model_copy(update={"content": self.pattern.sub(self.replacement, m.content)})
-                for m in ctx.messages
-            ]
+            ctx.messages = [self._redacted(m) for m in ctx.messages]
         else:
             ctx.prompt = self.pattern.sub(self.replacement, texts[0])
         ctx.record(self.name, "input", "redact", f"{num_matches} match(es)")
+
+    def _redacted(self, message: ChatMessage) -> ChatMessage:
+        """``message`` with its text (a string, or each text part) redacted; image parts kept."""
+        content = message.content
+        if content is None:
+            return message
+        if isinstance(content, str):
+            return message.model_copy(update={"content": self.pattern.sub(self.replacement, content)})
+        parts = [p.model_copy(update={"text": self.pattern.sub(self.replacement, p.text)}) if isinstance(p, TextPart) else p for p in content]
+        return message.model_copy(update={"content": parts})
 
     async def on_chunk(self, ctx: RequestContext, delta: Delta) -> Stop | None:
         if self.on != "output" or not (delta.text or delta.reasoning or delta.tool_calls):

@@ -9,12 +9,15 @@ per-call ``response_format`` (any spelling ``sdk.response_format`` takes). Tool 
 A reply cut at ``max_tokens`` inside its constraint (``sdk.cut_off``) raises
 ``LengthFinishReasonError``, as ``ChatOpenAI`` does; ``with_structured_output(include_raw=True)``
 returns it as ``parsing_error`` with the raw reply.
-Multimodal inputs are not supported.
+Image content blocks (OpenAI's ``image_url``, LangChain's standard ``image`` with ``base64`` and
+``mime_type`` or ``url``, Anthropic's ``image`` with a base64 ``source``) reach a multimodal model as
+image parts (``sdk.images``); a text-only model refuses them with ``InvalidRequestError``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import aclosing
@@ -28,6 +31,7 @@ try:
     from langchain_core.language_models.llms import LLM
     from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage, SystemMessage, ToolMessage
     from langchain_core.messages import ChatMessage as LCChatMessage
+    from langchain_core.messages import convert_to_openai_image_block, is_data_content_block
     from langchain_core.messages.ai import UsageMetadata
     from langchain_core.messages.tool import tool_call_chunk
     from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
@@ -51,7 +55,7 @@ from sdk.policy import TenantPolicy
 from sdk.runtime import Runtime
 from sdk.sync import Client
 from sdk.tools import ToolCall, new_call_id
-from sdk.types import ChatMessage, Delta, TokenLogprob
+from sdk.types import ChatMessage, Delta, ImagePart, TextPart, TokenLogprob
 
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
 PROVIDER = "paged"
@@ -184,8 +188,8 @@ class _PagedParams(_SamplingKnobs, Closing, AsyncClosing):  # type: ignore[misc,
 
 
 def to_sdk_messages(messages: Sequence[BaseMessage]) -> list[ChatMessage]:
-    """LangChain messages as SDK messages, with an AI message's tool calls and a tool result's call id;
-    non-text content blocks are refused (no multimodal input)."""
+    """LangChain messages as SDK messages, with an AI message's tool calls, a tool result's call id,
+    and image content blocks as image parts; other non-text blocks are refused."""
     out = []
     for message in messages:
         if isinstance(message, LCChatMessage):
@@ -195,19 +199,22 @@ def to_sdk_messages(messages: Sequence[BaseMessage]) -> list[ChatMessage]:
         else:
             raise ValueError(f"unsupported message type {type(message).__name__}")
         if isinstance(message.content, str):
-            content = message.content
+            content: str | list[Any] = message.content
         else:
-            parts = []
+            parts: list[Any] = []
             for block in message.content:
                 if isinstance(block, str):
-                    parts.append(block)
+                    parts.append(TextPart(text=block))
                 elif block.get("type") == "text":
-                    parts.append(block["text"])
+                    parts.append(TextPart(text=block["text"]))
                 elif block.get("type") in _CALL_BLOCKS and isinstance(message, AIMessage):
                     continue  # the same call is in message.tool_calls
+                elif block.get("type") in ("image", "image_url"):
+                    parts.append(_image_part(block))
                 else:
-                    raise ValueError(f"unsupported content block type {block.get('type')!r}: text only")
-            content = "".join(parts)
+                    raise ValueError(f"unsupported content block type {block.get('type')!r}: text and images only")
+            images = any(isinstance(p, ImagePart) for p in parts)
+            content = parts if images else "".join(p.text for p in parts)
         calls = None
         if isinstance(message, AIMessage) and message.tool_calls:
             calls = [ToolCall(id=c.get("id") or new_call_id(), name=c["name"], arguments=c["args"]) for c in message.tool_calls]
@@ -215,6 +222,27 @@ def to_sdk_messages(messages: Sequence[BaseMessage]) -> list[ChatMessage]:
         out.append(ChatMessage(role=role, content=None if calls and not content else content, name=message.name,  # type: ignore[arg-type]
                                tool_calls=calls, tool_call_id=call_id))  # fmt: skip
     return out
+
+
+def _image_part(block: dict[str, Any]) -> ImagePart:
+    """An image content block as an SDK image part: OpenAI's ``image_url`` (an object or a bare URL), LangChain's
+    standard ``image`` (``base64`` + ``mime_type``, or ``url``; v0's ``source_type`` too) or Anthropic's base64 ``source``.
+
+    Raises:
+        ValueError: an image block of another form (a provider file id), naming it.
+    """
+    if block["type"] == "image_url":
+        url = block["image_url"]["url"] if isinstance(block["image_url"], dict) else block["image_url"]
+        return ImagePart.of(url)
+    source = block.get("source")
+    if isinstance(source, dict) and source.get("type") == "base64":  # Anthropic's
+        return ImagePart.of(f"data:{source.get('media_type', '')};base64,{source['data']}")
+    if is_data_content_block(block) and (block.get("mime_type") or block.get("url") or block.get("source_type") == "url"):
+        return ImagePart.of(convert_to_openai_image_block(block)["image_url"]["url"])
+    data = block.get("base64") or (block.get("data") if block.get("source_type") == "base64" else None)
+    if data is not None:  # no MIME type given: read it from the bytes
+        return ImagePart.of(base64.b64decode(data))
+    raise ValueError(f"unsupported image block {sorted(block)}: give base64 data (with mime_type) or a url")
 
 
 def _logprob_dict(logprob: TokenLogprob) -> dict[str, Any]:

@@ -13,7 +13,8 @@ reasoning (``sdk.reasoning``) comes as the reply's ``ThinkingBlock``, and while 
 each response's ``additional_kwargs["thinking_delta"]`` (where LlamaIndex's agents read it).
 A reply cut at ``max_tokens`` inside its constraint (``sdk.cut_off``) raises
 ``LengthFinishReasonError``, so structured prediction and agents never see a half object or call.
-Every call goes through an SDK client, so hooks and audit apply.
+``ImageBlock``s in a message's blocks reach a multimodal model as image parts (``sdk.images``), in
+order with its text. Every call goes through an SDK client, so hooks and audit apply.
 
     from sdk.integrations.llamaindex import PagedLLM
     from llama_index.core import Settings
@@ -44,6 +45,7 @@ try:
         CompletionResponse,
         CompletionResponseAsyncGen,
         CompletionResponseGen,
+        ImageBlock,
         LLMMetadata,
         MessageRole,
         TextBlock,
@@ -68,7 +70,7 @@ from sdk.policy import TenantPolicy
 from sdk.runtime import Runtime
 from sdk.sync import Client
 from sdk.tools import ToolCall, ToolCallDelta, collect_calls, new_call_id
-from sdk.types import ChatMessage, ChatResult, CompletionResult, Delta
+from sdk.types import ChatMessage, ChatResult, CompletionResult, Delta, ImagePart, TextPart
 
 if TYPE_CHECKING:
     from llama_index.core.tools.types import BaseTool
@@ -87,8 +89,9 @@ _ROLES = {
 
 
 def to_sdk_messages(messages: Sequence[LIChatMessage]) -> list[ChatMessage]:
-    """LlamaIndex messages as SDK messages: text, an assistant's ``ToolCallBlock``s, and tool
-    results (role ``tool``, the call's id in ``additional_kwargs["tool_call_id"]``)."""
+    """LlamaIndex messages as SDK messages: text, ``ImageBlock``s (as image parts, in order with the
+    text), an assistant's ``ToolCallBlock``s, and tool results (role ``tool``, the call's id in
+    ``additional_kwargs["tool_call_id"]``)."""
     out = []
     for message in messages:
         if message.role not in _ROLES:
@@ -98,15 +101,30 @@ def to_sdk_messages(messages: Sequence[LIChatMessage]) -> list[ChatMessage]:
             ToolCall(id=b.tool_call_id or new_call_id(), name=b.tool_name, arguments=_arguments(b.tool_kwargs))
             for b in message.blocks if isinstance(b, ToolCallBlock)
         ]  # fmt: skip
+        images = any(isinstance(b, ImageBlock) for b in message.blocks)
         out.append(
             ChatMessage(
                 role=role,  # type: ignore[arg-type]
-                content=message.content or "",
+                content=_parts(message.blocks) if images else message.content or "",
                 tool_calls=calls or None,
                 tool_call_id=message.additional_kwargs.get("tool_call_id") if role == "tool" else None,
             )
         )
     return out
+
+
+def _parts(blocks: Sequence[Any]) -> list[TextPart | ImagePart]:
+    """A message's text and image blocks as SDK content parts, in order: an image given by URL alone is
+    sent as its URL (the engine's intake decides whether it may be fetched), else as its bytes."""
+    parts: list[TextPart | ImagePart] = []
+    for block in blocks:
+        if isinstance(block, TextBlock):
+            parts.append(TextPart(text=block.text))
+        elif isinstance(block, ImageBlock) and block.image is None and block.path is None and block.url is not None:
+            parts.append(ImagePart.of(str(block.url)))
+        elif isinstance(block, ImageBlock):
+            parts.append(ImagePart.of(block.resolve_image().read(), block.image_mimetype))
+    return parts
 
 
 def _arguments(tool_kwargs: dict[str, Any] | str) -> dict[str, Any]:

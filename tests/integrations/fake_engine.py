@@ -36,11 +36,19 @@ class FakeEngine:
         self.num_finished = 0
         self.is_running = True
         self.token_id = tokenizer.encode(" ok", add_special_tokens=False)[0]
+        self.accepts_images = False  # a LLaVA-like stand-in when True: "<image>" stands for an image
+        self.image_placeholder = "<image>"
+        self.images_seen: list[list[Any]] = []  # per multimodal request, the PIL images it was given
 
     async def stream(
         self, prompt: Any, params: Any, request_id: str | None = None, priority: int = 0, cache_salt: str | None = None,
         tenant: str | None = None, weight: float = 1.0,
     ):  # fmt: skip
+        if isinstance(prompt, dict):  # vLLM's multimodal form, as the real engine takes it
+            if not self.accepts_images:
+                raise RequestRejected("multi_modal_data.image: this model takes no images")
+            self.images_seen.append(list(prompt["multi_modal_data"]["image"]))
+            prompt = prompt["prompt_token_ids"]
         ids = list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt, add_special_tokens=False)
         if not ids or len(ids) >= self.max_model_len:
             raise RequestRejected(f"prompt of {len(ids)} tokens does not fit max_model_len {self.max_model_len}")

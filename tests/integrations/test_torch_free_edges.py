@@ -63,6 +63,16 @@ import integrations.cli
 SamplingParams(max_tokens=4, temperature=0.5, structured_output=StructuredOutput(regex="a+"))
 EngineConfig(block_size=16)
 ChatRequest(messages=[ChatMessage(role="user", content="hi")], max_tokens=2)
+
+import io
+from PIL import Image
+from sdk.images import ImageLimits, load_image
+from sdk.types import ImagePart, TextPart
+
+_png = io.BytesIO()
+Image.new("RGB", (4, 4)).save(_png, format="PNG")
+ChatMessage(role="user", content=[TextPart(text="hi"), ImagePart.of(_png.getvalue())])
+load_image(_png.getvalue(), ImageLimits(), "image")  # checked, decoded and hashed without torch
 """
 
 

@@ -39,6 +39,9 @@ class FakeAsyncEngine:
         self.requests_seen: list[str] = []
         self.overloaded_times = 0  # the next N generate() calls raise EngineOverloaded
         self.counters = dict(prefix_cache_queries=0, prefix_cache_hits=0, prompt_tokens_computed=0, generation_tokens=0)
+        self.accepts_images = False  # a LLaVA-like stand-in when True: "<image>" stands for an image
+        self.image_placeholder = "<image>"
+        self.images_seen: list[list[Any]] = []  # per multimodal request, the PIL images it was given
         self._pin_ids = itertools.count()
 
     def _num_cached(self, ids: list[int]) -> int:
@@ -52,10 +55,15 @@ class FakeAsyncEngine:
             self.cached.add(tuple(ids[:end]))
 
     async def stream(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+        self, prompt: str | list[int] | dict[str, Any], params: SamplingParams, request_id: str | None = None,
         priority: int = 0, cache_salt: str | None = None, tenant: str | None = None, weight: float = 1.0,
     ) -> AsyncIterator[Delta]:  # fmt: skip
         request_id = request_id or f"fake-{len(self.requests_seen)}"
+        if isinstance(prompt, dict):  # vLLM's multimodal form, as the real engine takes it
+            if not self.accepts_images:
+                raise RequestRejected("multi_modal_data.image: this model takes no images")
+            self.images_seen.append(list(prompt["multi_modal_data"]["image"]))
+            prompt = prompt["prompt_token_ids"]
         ids = list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt, add_special_tokens=False)
         if len(ids) >= self.max_model_len:
             raise RequestRejected(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")

@@ -9,6 +9,7 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.errors import RequestRejected
 from engine.multimodal.encoder_cache import EncoderCache
 from engine.multimodal.inputs import expand_image_runs
+from tests.support.fresh_interpreter import run_fresh
 
 IMG = 99
 TOKENS = [1, 2, 3] + [IMG] * 6 + [4, 5, 6, 7]  # blocks of 4: [1 2 3 I] [I I I I] [I 4 5 6] [7]
@@ -63,3 +64,20 @@ def test_placeholders_expand_or_pass_when_expanded_already() -> None:
         with pytest.raises(RequestRejected) as info:
             expand_image_runs(ids, IMG, count, 3)
         assert info.value.param == "multi_modal_data.image"
+
+
+def test_image_hash_and_prompt_checks_need_no_torch() -> None:
+    """The SDK may hash images for audit records and check prompt dicts without importing torch."""
+    result = run_fresh(
+        """
+import json, sys
+from PIL import Image
+from engine.multimodal import image_hash
+from engine.multimodal.inputs import IMAGE_FIELD, split_prompt
+digest = image_hash(Image.new("RGB", (3, 2), (1, 2, 3)))
+text, images = split_prompt({"prompt": "a <image>", "multi_modal_data": {"image": Image.new("L", (2, 2))}})
+print(json.dumps({"torch": "torch" in sys.modules, "digest": digest, "images": len(images), "field": IMAGE_FIELD}))
+"""
+    )
+    assert result == {"torch": False, "digest": result["digest"], "images": 1, "field": "multi_modal_data.image"}
+    assert len(result["digest"]) == 32

@@ -1,10 +1,11 @@
-"""llama.cpp's conventions per GGUF architecture that both reading and writing a GGUF follow: tensor names, Gemma's
-norm weights stored as ``1 + w``, and what a Gemma file's metadata leaves to llama.cpp's rules (its layers'
-sliding pattern, its query scale). No torch, no numpy."""
+"""llama.cpp's conventions per GGUF architecture that both reading and writing a GGUF follow: tensor names (a
+mixture of experts' experts stacked in one 3-D tensor per projection, Phi-3's fused projections), Gemma's norm
+weights stored as ``1 + w``, and what a Gemma file's metadata leaves to llama.cpp's rules (its layers' sliding
+pattern, its query scale). No torch, no numpy."""
 
 from __future__ import annotations
 
-from typing import Any
+import re
 
 # Hugging Face names of a decoder layer's tensors (without .weight / .bias) -> llama.cpp's
 LAYER_NAMES = {
@@ -12,7 +13,15 @@ LAYER_NAMES = {
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",  # a mixture of experts' router
 }  # fmt: skip
+# Phi-3: q/k/v in one tensor, and gate and up in one (ffn_up, gate rows first)
+_PHI3_LAYER_NAMES = {**LAYER_NAMES, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+# an expert's Hugging Face tensor (Qwen3-MoE's mlp.experts.E.gate_proj, Mixtral's block_sparse_moe.experts.E.w1)
+EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+# an expert's projection -> the layer's 3-D tensor [experts, rows, K] holding every expert's rows of it
+EXPERT_NAMES = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+                "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}  # fmt: skip
 # Gemma 2/3: a norm after the attention and after the MLP; the MLP's input norm is ffn_norm
 _GEMMA_LAYER_NAMES = {
     **LAYER_NAMES, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
@@ -28,7 +37,18 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 def layer_names(architecture: str) -> dict[str, str]:
     """Hugging Face layer tensor names -> GGUF ones for a GGUF architecture."""
+    if architecture == "phi3":
+        return _PHI3_LAYER_NAMES
     return _GEMMA_LAYER_NAMES if architecture in GEMMA_ARCHITECTURES else LAYER_NAMES
+
+
+def expert_tensor(name: str) -> tuple[str, int] | None:
+    """The GGUF tensor holding an expert's Hugging Face weight ``name`` and the expert's index in it (None for a
+    tensor that is not an expert's)."""
+    match = EXPERT.fullmatch(name)
+    if match is None or match[3] not in EXPERT_NAMES:
+        return None
+    return f"blk.{match[1]}.{EXPERT_NAMES[match[3]]}.weight", int(match[2])
 
 
 def norms_stored_plus_one(architecture: str) -> bool:
@@ -47,22 +67,3 @@ def gemma_query_pre_attn_scalar(architecture: str, hidden_size: int, num_heads: 
     """The query scale's ``query_pre_attn_scalar`` llama.cpp uses for a Gemma file: head_dim, but hidden / heads for
     the 27B models."""
     return hidden_size // num_heads if num_layers == _GEMMA_27B_LAYERS[architecture] else head_dim
-
-
-def apply_gguf_metadata(config: Any, metadata: dict[str, Any]) -> None:
-    """Completes a transformers config read from a Gemma GGUF with what transformers does not map: the soft caps the
-    file records, Gemma 3's linear rope scaling of its full layers, and llama.cpp's layer pattern and query scale.
-    Other architectures are left as they are."""
-    arch = str(metadata.get("general.architecture", ""))
-    if arch not in GEMMA_ARCHITECTURES:
-        return
-    config.layer_types = gemma_layer_types(arch, config.num_hidden_layers)
-    config.query_pre_attn_scalar = gemma_query_pre_attn_scalar(
-        arch, config.hidden_size, config.num_attention_heads, config.head_dim, config.num_hidden_layers
-    )
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if f"{arch}.{key}" in metadata:
-            setattr(config, key, float(metadata[f"{arch}.{key}"]))
-    if arch == "gemma3" and metadata.get(f"{arch}.rope.scaling.type") == "linear":
-        full = config.rope_parameters["full_attention"]
-        full.update(rope_type="linear", factor=float(metadata[f"{arch}.rope.scaling.factor"]))

@@ -89,9 +89,7 @@ def _complete_phi3(config: Any, gguf: GGUFFile) -> None:
     metadata = gguf.metadata
     head_dim = config.hidden_size // config.num_attention_heads
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(metadata.get("phi3.rope.freq_base", 10000.0))}
-    rotated = int(metadata.get("phi3.rope.dimension_count", head_dim))
-    if rotated != head_dim:
-        rope["partial_rotary_factor"] = rotated / head_dim
+    rope["partial_rotary_factor"] = int(metadata.get("phi3.rope.dimension_count", head_dim)) / head_dim
     window = int(metadata.get("phi3.attention.sliding_window", 0))
     config.sliding_window = window or None  # llama.cpp's convert writes 0 for none
     if "rope_factors_long.weight" in gguf.tensors:

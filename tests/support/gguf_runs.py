@@ -1,13 +1,20 @@
-"""Running GGUF files the tests write: one prompt's last logits from a runner, and the Hugging Face model whose
-weights are a file type's values (the float32 model a quantized file dequantizes to)."""
+"""Running GGUF files the tests write: one prompt's last logits from a runner, and the Hugging Face model holding a
+file's weights (a quantized file's dequantized values: the float32 model its blocks stand for)."""
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import torch
 
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from engine.model_files.gguf_quants import dequantize, quantize
+from engine.model_files.checkpoint import GGUFCheckpoint
+from engine.model_files.gguf import GGUFFile
 from engine.worker.model_runner import ModelRunner
+
+# transformers' in-memory experts: [experts, 2 * width, hidden] gate rows first, and [experts, hidden, width]
+_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)")
 
 
 def last_logits(runner: ModelRunner, prompt: list[int]) -> torch.Tensor:
@@ -17,11 +24,17 @@ def last_logits(runner: ModelRunner, prompt: list[int]) -> torch.Tensor:
     return runner.execute_model(SchedulerOutput(scheduled=[ScheduledRequest("r", prompt, 0, tables, True)]))[0]
 
 
-def round_to_type(hf, type_name: str) -> None:
-    """Every matrix of ``hf`` (a 3-D experts tensor: its rows in turn) replaced by its ``type_name`` blocks' values,
-    as a file of that type stores every weight; norms and routers (``*.gate.weight``) stay as they are."""
+def load_gguf_weights(hf, path: Path) -> None:
+    """Every parameter of ``hf`` set to the GGUF file's values of it (dequantized to float32 by gguf-py), read by
+    Hugging Face name through ``GGUFCheckpoint``; a 3-D experts parameter from its experts' weights in turn."""
+    config = hf.config
+    checkpoint = GGUFCheckpoint(GGUFFile(path), config.num_attention_heads, config.num_key_value_heads)
     with torch.no_grad():
         for name, param in hf.named_parameters():
-            if param.dim() >= 2 and not name.endswith(".gate.weight"):
-                rows = param.view(-1, param.shape[-1]).numpy()
-                rows[:] = dequantize(quantize(rows, type_name), type_name).reshape(rows.shape)
+            if match := _EXPERTS.fullmatch(name):
+                base, kind = match.groups()
+                parts = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
+                for e in range(param.shape[0]):
+                    param[e] = torch.cat([checkpoint.tensor(f"{base}.{e}.{part}.weight") for part in parts]).float()
+            else:
+                param.copy_(checkpoint.tensor(name).float())

@@ -69,7 +69,7 @@ def _mixtral(config: Any, metadata: dict[str, Any]) -> Any:
     from transformers import MixtralConfig
 
     _check_routing("llama", metadata)
-    fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures", "head_dim")}
+    fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")}
     return MixtralConfig(
         **fields, num_local_experts=int(metadata["llama.expert_count"]),
         num_experts_per_tok=int(metadata["llama.expert_used_count"]), sliding_window=None,
@@ -97,7 +97,8 @@ def _complete_phi3(config: Any, gguf: GGUFFile) -> None:
         config.original_max_position_embeddings = original
         rope.update(
             rope_type="longrope", original_max_position_embeddings=original,
-            long_factor=_floats(gguf, "rope_factors_long.weight"), short_factor=_floats(gguf, "rope_factors_short.weight"),
+            long_factor=_floats(gguf, "rope_factors_long.weight"),
+            short_factor=_floats(gguf, "rope_factors_short.weight"),
         )  # fmt: skip
         stored = metadata.get("phi3.rope.scaling.attn_factor")
         scale = config.max_position_embeddings / original

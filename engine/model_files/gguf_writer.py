@@ -73,7 +73,7 @@ class HParams:
     rope_theta: float
     rope_scaling: dict[str, Any]  # {} when none; else its rope_type and parameters
     tie_word_embeddings: bool
-    sliding_window: int | None = None  # Gemma's, on its sliding layers
+    sliding_window: int | None = None  # Gemma's, on its sliding layers; Phi-3's, on every layer
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     num_experts: int = 0  # a mixture of experts': experts per layer, per token, and each expert's width

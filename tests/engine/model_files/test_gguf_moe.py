@@ -190,6 +190,27 @@ def _set_tensor_type(path: Path, name: str, type_id: int) -> None:
     path.write_bytes(bytes(data))
 
 
+@native
+def test_experts_of_a_type_not_served_natively_are_dequantized_and_named_once(
+    moe, private_cache: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """IQ4_NL gate experts (as many bytes as Q4_0's blocks, so a Q4_0 file relabelled) load dequantized with the up
+    experts they are fused with, each 3-D tensor named once in the summary and the warning; the other layer's
+    experts stay Q4_0; the logits are those of the file's dequantized weights."""
+    _, source, hf = moe
+    path = write_gguf(source, tmp_path / "moe-Q4_0.gguf", "Q4_0")
+    _set_tensor_type(path, "blk.0.ffn_gate_exps.weight", 20)  # IQ4_NL
+    runner = _runner(path)
+    assert runner.weights.dequantized == ["blk.0.ffn_gate_exps.weight (IQ4_NL)", "blk.0.ffn_up_exps.weight (Q4_0)"]
+    assert "2 GGUF tensors dequantized" in caplog.text
+    assert runner.model.model.layers[1].mlp.experts[0].gate_up_proj.quantized.kind == "Q4_0"
+    hf = copy.deepcopy(hf)
+    load_gguf_weights(hf, path)
+    got, want = last_logits(runner, PROMPT), hf_logits(hf, PROMPT)[-1]
+    err = float((got - want).abs().max() / want.abs().max())
+    assert err <= 0.015  # measured 0.010 (mixtral), 0.0086 (qwen3_moe): the Q4_0 experts' int8 blocks of x
+
+
 def test_experts_of_a_type_that_holds_no_weights_are_refused_by_name(
     moe, private_cache: Path, tmp_path: Path
 ) -> None:

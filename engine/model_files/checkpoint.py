@@ -4,7 +4,8 @@
   dtype (bfloat16 stays bfloat16), read with plain file reads into its own buffer.
 - ``GGUFCheckpoint``: a GGUF file under Hugging Face names (``model.layers.3.self_attn.q_proj.weight`` is
   ``blk.3.attn_q.weight``, by ``gguf_arch``'s names; expert E's weight is expert E's rows of the layer's 3-D
-  ``ffn_*_exps`` tensor); ``blocks`` gives a tensor's rows as the file stores them
+  ``ffn_*_exps`` tensor, or in older files its own ``ffn_*.E``); ``blocks`` gives a tensor's rows as the file
+  stores them
   (ggml's types, llama.cpp's reordering of query and key rows undone), ``tensor`` its float values (Gemma's norm
   weights with the 1 llama.cpp adds taken off).
 
@@ -101,7 +102,7 @@ class GGUFCheckpoint:
     """A GGUF file's tensors under Hugging Face names; ``num_heads`` and ``num_kv_heads`` undo the reordering
     of the query and key rows. An expert's weight (``model.layers.L.mlp.experts.E.gate_proj.weight``, Mixtral's
     ``block_sparse_moe.experts.E.w1``) is expert E's rows of the layer's 3-D tensor (``blk.L.ffn_gate_exps``),
-    read alone, in the file's type."""
+    read alone, in the file's type; in a file that stores each expert alone, its own tensor (``blk.L.ffn_gate.E``)."""
 
     def __init__(self, gguf: GGUFFile, num_heads: int, num_kv_heads: int) -> None:
         self.file = gguf
@@ -112,9 +113,9 @@ class GGUFCheckpoint:
 
     def gguf_name(self, name: str) -> str:
         """The GGUF name of a Hugging Face tensor name (itself where no rule maps it); an expert's is its 3-D
-        tensor's."""
+        tensor's, or its own in a file that stores each expert alone."""
         if expert := expert_tensor(name):
-            return expert[0]
+            return expert.single if expert.single in self.file.tensors else expert.stacked
         if match := _LAYER.fullmatch(name):
             return f"blk.{match[1]}.{self._layer_names.get(match[2], match[2])}.{match[3]}"
         if match := _TOP.fullmatch(name):
@@ -179,13 +180,13 @@ class GGUFCheckpoint:
         Raises:
             KeyError: no tensor of the file holds ``name``.
         """
-        if expert := expert_tensor(name):
-            tensor, index = expert
-            info = self.file.tensors.get(tensor)
-            if info is None or len(info.shape) != 3 or not 0 <= index < info.shape[0]:
+        expert = expert_tensor(name)
+        if expert is not None and expert.single not in self.file.tensors:
+            info = self.file.tensors.get(expert.stacked)
+            if info is None or len(info.shape) != 3 or not 0 <= expert.index < info.shape[0]:
                 raise KeyError(name)
             rows = info.shape[1]
-            return info, range(index * rows, (index + 1) * rows), info.shape[1:]
+            return info, range(expert.index * rows, (expert.index + 1) * rows), info.shape[1:]
         info = self.file.tensors[self.gguf_name(name)]
         return info, None, info.shape
 

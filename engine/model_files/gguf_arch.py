@@ -6,6 +6,7 @@ pattern, its query scale). No torch, no numpy."""
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 # Hugging Face names of a decoder layer's tensors (without .weight / .bias) -> llama.cpp's
 LAYER_NAMES = {
@@ -19,9 +20,19 @@ LAYER_NAMES = {
 _PHI3_LAYER_NAMES = {**LAYER_NAMES, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 # an expert's Hugging Face tensor (Qwen3-MoE's mlp.experts.E.gate_proj, Mixtral's block_sparse_moe.experts.E.w1)
 EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
-# an expert's projection -> the layer's 3-D tensor [experts, rows, K] holding every expert's rows of it
-EXPERT_NAMES = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
-                "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}  # fmt: skip
+# an expert's projection -> llama.cpp's name of it
+EXPERT_NAMES = {"gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down", "w1": "ffn_gate", "w3": "ffn_up",
+                "w2": "ffn_down"}  # fmt: skip
+
+
+class ExpertTensor(NamedTuple):
+    """Where a GGUF holds an expert's weight: expert ``index``'s rows of the layer's 3-D ``stacked`` tensor
+    ``[experts, rows, K]`` (``blk.L.ffn_gate_exps.weight``), or in files llama.cpp wrote before it stacked experts
+    (April 2024), a 2-D tensor of its own (``single``: ``blk.L.ffn_gate.E.weight``)."""
+
+    stacked: str
+    index: int
+    single: str
 # Gemma 2/3: a norm after the attention and after the MLP; the MLP's input norm is ffn_norm
 _GEMMA_LAYER_NAMES = {
     **LAYER_NAMES, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
@@ -42,13 +53,13 @@ def layer_names(architecture: str) -> dict[str, str]:
     return _GEMMA_LAYER_NAMES if architecture in GEMMA_ARCHITECTURES else LAYER_NAMES
 
 
-def expert_tensor(name: str) -> tuple[str, int] | None:
-    """The GGUF tensor holding an expert's Hugging Face weight ``name`` and the expert's index in it (None for a
-    tensor that is not an expert's)."""
+def expert_tensor(name: str) -> ExpertTensor | None:
+    """Where a GGUF holds an expert's Hugging Face weight ``name`` (None for a tensor that is not an expert's)."""
     match = EXPERT.fullmatch(name)
     if match is None or match[3] not in EXPERT_NAMES:
         return None
-    return f"blk.{match[1]}.{EXPERT_NAMES[match[3]]}.weight", int(match[2])
+    layer, index, base = match[1], int(match[2]), EXPERT_NAMES[match[3]]
+    return ExpertTensor(f"blk.{layer}.{base}_exps.weight", index, f"blk.{layer}.{base}.{index}.weight")
 
 
 def norms_stored_plus_one(architecture: str) -> bool:

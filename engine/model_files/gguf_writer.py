@@ -241,8 +241,8 @@ def _plan(hparams: HParams, reader: SafetensorsReader) -> list[_Planned]:
     plan = []
     experts: dict[str, dict[int, str]] = {}  # a 3-D tensor -> its experts' sources by index
     for source in reader.names():
-        if stacked := expert_tensor(source):
-            experts.setdefault(stacked[0], {})[stacked[1]] = source
+        if expert := expert_tensor(source):
+            experts.setdefault(expert.stacked, {})[expert.index] = source
             continue
         name = _gguf_name(source, hparams.arch)
         if name is None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGUFReader
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 from engine import Engine, SamplingParams, cpu_kernels
 from engine.config import EngineConfig
@@ -177,6 +177,44 @@ def test_q4_k_m_experts_run_in_their_k_quant_blocks(arch: str, tiny_model_factor
     err = float((got - want).abs().max() / want.abs().max())
     # measured 0.016 (mixtral), 0.030 (qwen3_moe): the inputs' int8 blocks of 256; from the source's 0.17, 0.16
     assert err <= 0.045
+
+
+def _split_experts(stacked: Path, out: Path) -> Path:
+    """``stacked`` rewritten as llama.cpp wrote Mixtral files before April 2024: each expert a 2-D tensor of its
+    own (``blk.L.ffn_gate.E.weight``), the rest as it is."""
+    reader = GGUFReader(stacked)
+    writer = GGUFWriter(out, str(reader.fields["general.architecture"].contents()))
+    for key, field in reader.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
+    for tensor in reader.tensors:
+        raw = {} if tensor.tensor_type.name == "F32" else {"raw_dtype": tensor.tensor_type}
+        if tensor.name.endswith("_exps.weight"):
+            for e, rows in enumerate(tensor.data):
+                name = tensor.name.replace("_exps.weight", f".{e}.weight")
+                writer.add_tensor(name, np.ascontiguousarray(rows), **raw)
+        else:
+            writer.add_tensor(tensor.name, np.ascontiguousarray(tensor.data), **raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+@native
+def test_a_file_of_one_tensor_per_expert_runs_as_the_stacked_one(moe, private_cache: Path, tmp_path: Path) -> None:
+    """llama.cpp's earlier Mixtral files (``blk.L.ffn_gate.E.weight``, ...) load each expert from its own tensor, in
+    its type, to the stacked file's logits exactly."""
+    _, source, _ = moe
+    stacked = write_gguf(source, tmp_path / "moe-Q8_0.gguf", "Q8_0")
+    single = _split_experts(stacked, tmp_path / "moe-single-Q8_0.gguf")
+    tensors = GGUFFile(single).tensors
+    assert "blk.0.ffn_up.3.weight" in tensors and "blk.0.ffn_up_exps.weight" not in tensors
+    runner = _runner(single)
+    assert runner.model.model.layers[0].mlp.experts[3].gate_up_proj.quantized.kind == "Q8_0"
+    assert torch.equal(last_logits(runner, PROMPT), last_logits(_runner(stacked), PROMPT))
 
 
 def _set_tensor_type(path: Path, name: str, type_id: int) -> None:

@@ -102,12 +102,15 @@ def test_q4_k_m_file_holds_the_mix_names_and_metadata(model_dir, tmp_path: Path)
     assert "<|im_start|>" in _field(reader, "tokenizer.chat_template")
 
 
-def test_transformers_reads_stacked_qwen3moe_experts_back_to_the_source_logits(tiny_model_factory,
-                                                                             small_tokenizer_dir: Path) -> None:
-    """transformers' own GGUF reader splits the 3-D ``ffn_*_exps`` tensors back into the source's experts (given the
-    config: its GGUF mapping has no expert width): an F32 file's logits are the source's exactly."""
-    source = tiny_model_factory("qwen3_moe", tokenizer_dir=small_tokenizer_dir, mlp_only_layers=None,
-                                norm_topk_prob=True)  # fmt: skip
+@pytest.mark.parametrize("arch", ["qwen3_moe", "phi3"])
+def test_transformers_reads_qwen3moe_and_phi3_files_back_to_the_source_logits(
+    arch: str, tiny_model_factory, small_tokenizer_dir: Path
+) -> None:
+    """transformers' own GGUF reader splits the 3-D ``ffn_*_exps`` tensors back into the source's experts, and reads
+    Phi-3's fused ``attn_qkv`` and ``ffn_up`` (given the config: its GGUF mapping has neither the experts' width nor
+    LongRoPE): an F32 file's logits are the source's exactly."""
+    overrides = dict(mlp_only_layers=None, norm_topk_prob=True) if arch == "qwen3_moe" else {}
+    source = tiny_model_factory(arch, tokenizer_dir=small_tokenizer_dir, **overrides)
     write_gguf(source, source / "model-F32.gguf", "F32")
     try:
         config = transformers.AutoConfig.from_pretrained(source)

@@ -5,9 +5,8 @@
 - ``GGUFCheckpoint``: a GGUF file under Hugging Face names (``model.layers.3.self_attn.q_proj.weight`` is
   ``blk.3.attn_q.weight``, by ``gguf_arch``'s names; expert E's weight is expert E's rows of the layer's 3-D
   ``ffn_*_exps`` tensor, or in older files its own ``ffn_*.E``); ``blocks`` gives a tensor's rows as the file
-  stores them
-  (ggml's types, llama.cpp's reordering of query and key rows undone), ``tensor`` its float values (Gemma's norm
-  weights with the 1 llama.cpp adds taken off).
+  stores them (ggml's types, llama.cpp's reordering of query and key rows undone), ``tensor`` its float values
+  (Gemma's norm weights with the 1 llama.cpp adds taken off).
 
 Neither maps the file, so loading a model costs the memory of what is kept, not of the file as well.
 """

@@ -18,11 +18,22 @@ LAYER_NAMES = {
 }  # fmt: skip
 # Phi-3: q/k/v in one tensor, and gate and up in one (ffn_up, gate rows first)
 _PHI3_LAYER_NAMES = {**LAYER_NAMES, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+# Gemma 2/3: a norm after the attention and after the MLP; the MLP's input norm is ffn_norm
+_GEMMA_LAYER_NAMES = {
+    **LAYER_NAMES, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}  # fmt: skip
 # an expert's Hugging Face tensor (Qwen3-MoE's mlp.experts.E.gate_proj, Mixtral's block_sparse_moe.experts.E.w1)
-EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
 # an expert's projection -> llama.cpp's name of it
-EXPERT_NAMES = {"gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down", "w1": "ffn_gate", "w3": "ffn_up",
-                "w2": "ffn_down"}  # fmt: skip
+_EXPERT_NAMES = {"gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
+                 "w1": "ffn_gate", "w3": "ffn_up", "w2": "ffn_down"}  # fmt: skip
+TOP_NAMES = {"model.embed_tokens": "token_embd", "lm_head": "output", "model.norm": "output_norm"}
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
+# llama.cpp's layer pattern where a file names none: every n-th layer full, the others sliding
+_GEMMA_FULL_EVERY = {"gemma2": 2, "gemma3": 6}
+# the 27B models, whose query scale is hidden_size / num_heads in llama.cpp (it tells them by their layer count)
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
 class ExpertTensor(NamedTuple):
@@ -33,17 +44,6 @@ class ExpertTensor(NamedTuple):
     stacked: str
     index: int
     single: str
-# Gemma 2/3: a norm after the attention and after the MLP; the MLP's input norm is ffn_norm
-_GEMMA_LAYER_NAMES = {
-    **LAYER_NAMES, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
-    "post_feedforward_layernorm": "post_ffw_norm",
-}  # fmt: skip
-TOP_NAMES = {"model.embed_tokens": "token_embd", "lm_head": "output", "model.norm": "output_norm"}
-GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
-# llama.cpp's layer pattern where a file names none: every n-th layer full, the others sliding
-_GEMMA_FULL_EVERY = {"gemma2": 2, "gemma3": 6}
-# the 27B models, whose query scale is hidden_size / num_heads in llama.cpp (it tells them by their layer count)
-_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
 def layer_names(architecture: str) -> dict[str, str]:
@@ -55,10 +55,10 @@ def layer_names(architecture: str) -> dict[str, str]:
 
 def expert_tensor(name: str) -> ExpertTensor | None:
     """Where a GGUF holds an expert's Hugging Face weight ``name`` (None for a tensor that is not an expert's)."""
-    match = EXPERT.fullmatch(name)
-    if match is None or match[3] not in EXPERT_NAMES:
+    match = _EXPERT.fullmatch(name)
+    if match is None or match[3] not in _EXPERT_NAMES:
         return None
-    layer, index, base = match[1], int(match[2]), EXPERT_NAMES[match[3]]
+    layer, index, base = match[1], int(match[2]), _EXPERT_NAMES[match[3]]
     return ExpertTensor(f"blk.{layer}.{base}_exps.weight", index, f"blk.{layer}.{base}.{index}.weight")
 
 

@@ -13,6 +13,7 @@
  */
 
 #include <math.h>
+#include <omp.h>
 #include <stddef.h>
 
 #include "kernels.h"
@@ -77,32 +78,33 @@ static int run_linear(const linear_plan *w, const float *x, int64_t ld_x, int64_
 /* The scratch's parts for T tokens, in floats, laid out one after another. */
 typedef struct {
     float *residual[2], *normed, *out, *qkv, *q_normed, *k_normed, *q, *k, *attn, *gate_up, *act;
-    /* a mixture-of-experts layer's: router probabilities [T, E]; each token's top-k experts and weights; one
-     * expert's tokens, its gathered rows [T, hidden], their gate_up, activation and output */
+    /* a mixture-of-experts layer's: router probabilities [T, E]; each token's top-k weights [T, k]; the (token,
+     * pick) pairs' rows [T * k, hidden] by expert, their gate_up, activation and output */
     float *probs, *pick_weights, *expert_rows, *expert_gate_up, *expert_act, *expert_out;
-    int32_t *picks, *expert_tokens;
+    int32_t *moe_ints; /* each token's picks, each pair's token, each pick's pair, each expert's first pair */
 } scratch_parts;
 
 static int64_t layout(const decoder_plan *p, int64_t T, float *base, scratch_parts *s) {
     const int64_t q_width = p->num_heads * p->head_dim, kv_width = p->num_kv_heads * p->head_dim;
     const int has_qk_norm = p->num_layers > 0 && p->layers[0].q_norm != NULL;
-    float *picks, *tokens;
+    float *ints;
     const int64_t sizes[] = {
         T * p->hidden, T * p->hidden, T * p->hidden, T * p->hidden, T * (q_width + 2 * kv_width),
         has_qk_norm ? T * q_width : 0, has_qk_norm ? T * kv_width : 0, T * q_width, T * kv_width, T * q_width,
         T * 2 * p->intermediate, T * p->intermediate,
-        T * p->num_experts, T * p->top_k, T * p->hidden, T * 2 * p->expert_intermediate, T * p->expert_intermediate,
-        T * p->hidden, T * p->top_k, T, /* the last two: int32s, as many as floats */
+        T * p->num_experts, T * p->top_k, T * p->top_k * p->hidden, T * p->top_k * 2 * p->expert_intermediate,
+        T * p->top_k * p->expert_intermediate, T * p->top_k * p->hidden,
+        p->num_experts > 0 ? 3 * T * p->top_k + p->num_experts + 1 : 0, /* int32s, as many as floats */
     };
     float **parts[] = {&s->residual[0], &s->residual[1], &s->normed, &s->out, &s->qkv, &s->q_normed,
                        &s->k_normed, &s->q, &s->k, &s->attn, &s->gate_up, &s->act, &s->probs, &s->pick_weights,
-                       &s->expert_rows, &s->expert_gate_up, &s->expert_act, &s->expert_out, &picks, &tokens};
+                       &s->expert_rows, &s->expert_gate_up, &s->expert_act, &s->expert_out, &ints};
     int64_t used = 0;
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; ++i) {
         *parts[i] = base == NULL ? NULL : base + used;
         used += (sizes[i] + 15) / 16 * 16; /* each part on its own 64-byte lines */
     }
-    s->picks = (int32_t *)picks, s->expert_tokens = (int32_t *)tokens;
+    s->moe_ints = (int32_t *)ints;
     return used;
 }
 
@@ -152,7 +154,7 @@ static int attention_half(const decoder_plan *p, const layer_plan *L, const deco
 }
 
 /* Each token's top-k experts (largest router probability first; the lower index on a tie) and their weights,
- * renormalized to sum to 1 where the plan says, from the softmax of its router logits. */
+ * renormalized to sum to 1 where the plan says, from the softmax of its router logits `probs` [T, E]. */
 static void route(const decoder_plan *p, int64_t T, float *probs, int32_t *picks, float *weights) {
     const int64_t E = p->num_experts, k = p->top_k;
     for (int64_t t = 0; t < T; ++t) {
@@ -177,43 +179,67 @@ static void route(const decoder_plan *p, int64_t T, float *probs, int32_t *picks
     }
 }
 
-/* A mixture-of-experts MLP of x [T, hidden] (ld hidden) into out: each expert that a token chose runs its
- * gate_up, silu_and_mul and down once on all of its tokens' rows (in token order), and each row, times its
- * weight, is added to its token's output, experts in ascending order. An expert no token chose costs nothing. */
+/* One expert's SwiGLU on its `count` gathered rows of s->expert_rows from `first` on. */
+static int run_expert(const decoder_plan *p, const layer_plan *L, int64_t e, int64_t first, int64_t count,
+                      const scratch_parts *s) {
+    const int64_t n = p->hidden, I = p->expert_intermediate;
+    float *gate_up = s->expert_gate_up + first * 2 * I, *act = s->expert_act + first * I;
+    int status = run_linear(&L->experts[2 * e], s->expert_rows + first * n, n, count, gate_up);
+    if (status) return status;
+    silu_and_mul_f32(gate_up, 2 * I, count, I, act, I);
+    return run_linear(&L->experts[2 * e + 1], act, I, count, s->expert_out + first * n);
+}
+
+/* A mixture-of-experts MLP of x [T, hidden] (ld hidden) into out [T, hidden]. The (token, pick) pairs are
+ * ordered by expert, then token (the modules' stable sort), and each expert that a token chose runs its gate_up,
+ * silu_and_mul and down once on all of its rows; a token's output is the sum, experts in ascending order, of its
+ * rows times their weights. An expert no token chose costs nothing. With at least as many chosen experts as
+ * threads, each thread runs whole experts (the linear kernels inside then run on one thread: fewer barriers, as
+ * one decoding row per expert has little to split); with fewer, the experts run in turn, each on every thread. */
 static int moe_mlp(const decoder_plan *p, const layer_plan *L, int64_t T, const float *x, scratch_parts *s,
                    float *out) {
-    const int64_t n = p->hidden, E = p->num_experts, k = p->top_k, I = p->expert_intermediate;
+    const int64_t n = p->hidden, E = p->num_experts, k = p->top_k, pairs = T * k;
+    int32_t *picks = s->moe_ints, *pair_token = picks + pairs, *pair_of_pick = pair_token + pairs;
+    int32_t *first = pair_of_pick + pairs; /* [E + 1]: each expert's first pair, then the end */
     linear_f32(x, n, T, L->router, E, n, NULL, s->probs, E);
-    route(p, T, s->probs, s->picks, s->pick_weights);
-    for (int64_t i = 0; i < T * n; ++i) out[i] = 0.0f;
-    for (int64_t e = 0; e < E; ++e) {
-        int64_t count = 0;
-        for (int64_t t = 0; t < T; ++t)
-            for (int64_t j = 0; j < k; ++j)
-                if (s->picks[t * k + j] == e) s->expert_tokens[count++] = (int32_t)t; /* at most once a token */
-        if (count == 0) continue;
-#pragma omp parallel for schedule(static) if (count * n >= 1 << 16)
-        for (int64_t r = 0; r < count; ++r) {
-            const int64_t t = s->expert_tokens[r];
-            const float *src = x + t * n;
-            float *dst = s->expert_rows + r * n;
-            for (int64_t i = 0; i < n; ++i) dst[i] = src[i];
-        }
-        int status = run_linear(&L->experts[2 * e], s->expert_rows, n, count, s->expert_gate_up);
-        if (status) return status;
-        silu_and_mul_f32(s->expert_gate_up, 2 * I, count, I, s->expert_act, I);
-        status = run_linear(&L->experts[2 * e + 1], s->expert_act, I, count, s->expert_out);
-        if (status) return status;
-#pragma omp parallel for schedule(static) if (count * n >= 1 << 16)
-        for (int64_t r = 0; r < count; ++r) {
-            const int64_t t = s->expert_tokens[r];
-            float w = 0.0f;
-            for (int64_t j = 0; j < k; ++j)
-                if (s->picks[t * k + j] == e) w = s->pick_weights[t * k + j];
-            const float *y = s->expert_out + r * n;
-            float *o = out + t * n;
-            for (int64_t i = 0; i < n; ++i) o[i] += y[i] * w;
-        }
+    route(p, T, s->probs, picks, s->pick_weights);
+    for (int64_t e = 0; e <= E; ++e) first[e] = 0;
+    for (int64_t i = 0; i < pairs; ++i) ++first[picks[i] + 1];
+    int64_t active = 0;
+    for (int64_t e = 0; e < E; ++e) active += first[e + 1] > 0, first[e + 1] += first[e];
+    for (int64_t i = 0; i < pairs; ++i) { /* token order within an expert: i runs over tokens in order */
+        const int32_t slot = first[picks[i]]++;
+        pair_token[slot] = (int32_t)(i / k), pair_of_pick[i] = slot;
+    }
+    for (int64_t e = E; e > 0; --e) first[e] = first[e - 1]; /* the fill moved each start to the next's */
+    first[0] = 0;
+#pragma omp parallel for schedule(static) if (pairs * n >= 1 << 16)
+    for (int64_t r = 0; r < pairs; ++r) {
+        const float *src = x + (int64_t)pair_token[r] * n;
+        float *dst = s->expert_rows + r * n;
+        for (int64_t i = 0; i < n; ++i) dst[i] = src[i];
+    }
+    int failed = 0;
+    if (active >= omp_get_max_threads()) {
+#pragma omp parallel for schedule(dynamic, 1) reduction(| : failed)
+        for (int64_t e = 0; e < E; ++e)
+            if (first[e + 1] > first[e]) failed |= run_expert(p, L, e, first[e], first[e + 1] - first[e], s);
+    } else {
+        for (int64_t e = 0; e < E && !failed; ++e)
+            if (first[e + 1] > first[e]) failed = run_expert(p, L, e, first[e], first[e + 1] - first[e], s);
+    }
+    if (failed) return failed;
+#pragma omp parallel for schedule(static) if (pairs * n >= 1 << 16)
+    for (int64_t t = 0; t < T; ++t) {
+        float *o = out + t * n;
+        for (int64_t i = 0; i < n; ++i) o[i] = 0.0f;
+        for (int64_t e = 0, done = 0; done < k; ++e) /* the picks in ascending expert order */
+            for (int64_t j = 0; j < k; ++j) {
+                if (picks[t * k + j] != e) continue;
+                const float w = s->pick_weights[t * k + j], *y = s->expert_out + (int64_t)pair_of_pick[t * k + j] * n;
+                for (int64_t i = 0; i < n; ++i) o[i] += y[i] * w;
+                ++done;
+            }
     }
     return 0;
 }

@@ -158,19 +158,30 @@ def test_bfloat16_experts_give_the_logits_of_their_rounded_weights(tiny_model_fa
 
 
 @pytest.mark.skipif(cpu_kernels.library() is None, reason="the decoder plan is the C kernels'")
-@pytest.mark.parametrize("fmt", ["float32", "float32:int8", pytest.param("bfloat16", marks=_WIDENED_BF16)])
+@pytest.mark.parametrize(
+    ("fmt", "threads"),
+    [("float32", None), ("float32", 8), ("float32:int8", None), pytest.param("bfloat16", None, marks=_WIDENED_BF16)],
+)
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
-def test_decoder_plan_gives_the_modules_logits(tiny_model_factory, arch: str, fmt: str) -> None:
+def test_decoder_plan_gives_the_modules_logits(tiny_model_factory, arch: str, fmt: str, threads: int | None) -> None:
     """The same steps on the decoder plan and on the modules (``enforce_eager``), experts in float32, int8 blocks
-    or bfloat16: the logits agree within float32 rounding (the router's matmul is the only kernel that differs)."""
+    or bfloat16: the logits agree within float32 rounding (the router's matmul is the only kernel that differs).
+    8 threads, more than the 4 experts: the plan runs the chosen experts in turn, each on every thread, rather
+    than a thread an expert."""
     dtype, _, quantization = fmt.partition(":")
     logits = []
-    for eager in (False, True):
-        config = EngineConfig(dtype=dtype, block_size=4, num_blocks=40, quantization=quantization or None,
-                              enforce_eager=eager)  # fmt: skip
-        runner = ModelRunner(config, tiny_model_factory(arch))
-        assert (runner.decoder_plan is None) == eager
-        logits.append(_drive(runner)[1])
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        for eager in (False, True):
+            config = EngineConfig(dtype=dtype, block_size=4, num_blocks=40, quantization=quantization or None,
+                                  enforce_eager=eager)  # fmt: skip
+            runner = ModelRunner(config, tiny_model_factory(arch))
+            assert (runner.decoder_plan is None) == eager
+            logits.append(_drive(runner)[1])
+    finally:
+        torch.set_num_threads(before)
     for (req_id, position, plan), (_, _, modules) in zip(*logits, strict=True):
         torch.testing.assert_close(plan, modules, atol=2e-6, rtol=0, msg=f"{req_id} at {position}")
 

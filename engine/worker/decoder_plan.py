@@ -68,10 +68,10 @@ class DecoderPlan:
     """A loaded Llama-family model's decoder layers, ready to run a step in one C call.
 
     ``build`` returns None where the plan cannot run the model (not the CPU kernels' path: another
-    device or attention backend, a weight left unpacked; an MLP that is not SiLU's, or mixtures of experts of
-    different shapes; layers with different sliding windows, whose attention tiles differ, or scales, or
-    soft-capped scores; Gemma's norms
-    (``1 + weight``, one after each block too) or rope per layer type); the modules then run it.
+    device or attention backend, a weight left unpacked; an MLP that is not SiLU's, dense MLPs or mixtures of
+    experts of different shapes; layers with different sliding windows, whose attention tiles differ, or
+    scales, or soft-capped scores; Gemma's norms (``1 + weight``, one after each block too) or rope per layer
+    type); the modules then run it.
     """
 
     def __init__(self, model: LlamaForCausalLM, plan: _Plan, layers: ctypes.Array, keep: list[object],
@@ -96,9 +96,10 @@ class DecoderPlan:
         sparse = [layer.mlp for layer in body.layers if isinstance(layer.mlp, SparseMoeBlock)]
         if not all(isinstance(mlp, LlamaMLP) and type(mlp.act) is SiluAndMul for mlp in dense):
             return None  # decoder.c runs SiLU MLPs only (gelu runs on the modules)
-        if len({(len(m.experts), m.gate.top_k, m.gate.renormalize, m.experts[0].down_proj.in_features)
-                for m in sparse}) > 1:
-            return None  # one mixture shape for every layer in decoder.c
+        if len({mlp.down_proj.in_features for mlp in dense}) > 1 or len(
+            {(len(m.experts), m.gate.top_k, m.gate.renormalize, m.experts[0].down_proj.in_features) for m in sparse}
+        ) > 1:
+            return None  # one dense MLP shape and one mixture shape for every layer in decoder.c
         first = body.layers[0].self_attn
         attns = [layer.self_attn.attn for layer in body.layers]
         if len({(a.sliding_window, a.scale) for a in attns}) != 1 or any(a.logit_softcap is not None for a in attns):

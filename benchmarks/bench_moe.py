@@ -4,9 +4,9 @@ Both are random-weight models of ``--layers`` layers and ``--hidden`` features: 
 experts of ``--expert-intermediate`` a layer, ``--top-k`` a token; the dense one an MLP of ``top_k x
 expert-intermediate``, so a token multiplies as many weights in each. Each model runs twice: on the
 one-C-call decoder plan (as it serves) and on the modules (``enforce_eager``). All runners are loaded first and
-each step is timed on them in turn, round after round (``bench_forward``'s protocol: medians of the rounds), so
-the ``vs dense`` ratios (against the dense model on the plan) compare them under the same load; the load average
-before and after the run and the CPU's vector flags are printed with the table.
+each step is timed on them in turn, round after round: ``forward ms`` is the median of the rounds, ``vs dense``
+the median over rounds of the dense plan's time over the runner's in the same round, so a change of load between
+rounds does not move it; the load average before and after and the CPU's vector flags are printed with it.
 
     python benchmarks/bench_moe.py                       # hidden 1024, 8 experts top-2 of 1024, 8 layers
     python benchmarks/bench_moe.py --batches 1,16,64 --formats float32,bfloat16,float32:int8
@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import tempfile
 from pathlib import Path
 
 import torch
-from bench_forward import _decode_step, _prefill_step, _save_random, _time_formats
+from bench_forward import _decode_step, _prefill_step, _save_random, _time_rounds
 
 from engine.config import EngineConfig
 from engine.worker.model_runner import ModelRunner
@@ -92,11 +93,12 @@ def main() -> None:
         if args.prefill:
             steps.append((f"prefill {args.prefill}", args.prefill, _prefill_step(args.prefill, block_size)))
         for label, tokens, step in steps:
-            times = _time_formats(runners, step, args.repeats)
-            for i, ((fmt, model), seconds) in enumerate(zip(names, times)):
-                dense = times[i - i % 4]  # the format's dense runner on the decoder plan
-                print(f"| {fmt} | {model} | {label} | {seconds * 1e3:.1f} | {tokens / seconds:.0f} "
-                      f"| {dense / seconds:.2f}x |")
+            rounds = _time_rounds(runners, step, args.repeats)
+            for i, ((fmt, model), spent) in enumerate(zip(names, rounds)):
+                dense = rounds[i - i % 4]  # the format's dense runner on the decoder plan
+                seconds = statistics.median(spent)
+                ratio = statistics.median(d / t for d, t in zip(dense, spent))
+                print(f"| {fmt} | {model} | {label} | {seconds * 1e3:.1f} | {tokens / seconds:.0f} | {ratio:.2f}x |")
     print(f"load average {os.getloadavg()[0]:.2f} (1 min) after")
 
 

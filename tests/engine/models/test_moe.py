@@ -208,3 +208,42 @@ def test_engine_on_the_plan_gives_transformers_greedy_tokens(tiny_model_factory,
         assert (engine.stats()["prefix_cache_hits"] > 0) == caching
         engine.kv.check_integrity()
         assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+@pytest.mark.skipif(cpu_kernels.library() is None, reason="the decoder plan is the C kernels'")
+def test_decoder_plan_runs_only_the_chosen_experts(tiny_model_factory) -> None:
+    """A one-token step on the plan: with every expert its token did not choose (as the modules route it) poisoned
+    with NaN the logits are unchanged; poisoning a chosen one makes them NaN."""
+    path = tiny_model_factory("mixtral")
+    modules = ModelRunner(EngineConfig(block_size=4, num_blocks=40, enforce_eager=True), path)
+    chosen: dict[int, set[int]] = {}
+    for index, layer in enumerate(modules.model.model.layers):
+
+        def record(_module, _args, routing, index: int = index) -> None:
+            chosen.setdefault(index, set()).update(routing.experts.flatten().tolist())
+
+        layer.mlp.gate.register_forward_hook(record)
+    driver = PagedDriver(modules, seed=1)
+    driver.add("a", [77])
+    driver.step({"a": None})
+    assert all(len(experts) == TOP_K for experts in chosen.values())
+
+    plan = ModelRunner(EngineConfig(block_size=4, num_blocks=40), path)
+
+    def logits() -> torch.Tensor:
+        driver = PagedDriver(plan, seed=1)
+        driver.add("a", [77])
+        return driver.step({"a": None})["a"]
+
+    def poison(layer: int, expert: int) -> None:
+        for linear in (plan.model.model.layers[layer].mlp.experts[expert].gate_up_proj,
+                       plan.model.model.layers[layer].mlp.experts[expert].down_proj):  # fmt: skip
+            linear.packed.fill_(float("nan"))
+
+    expected = logits()
+    for layer, experts in chosen.items():
+        for expert in set(range(len(plan.model.model.layers[layer].mlp.experts))) - experts:
+            poison(layer, expert)
+    assert torch.equal(logits(), expected)
+    poison(0, min(chosen[0]))
+    assert logits().isnan().all()

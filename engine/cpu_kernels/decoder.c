@@ -3,9 +3,10 @@
  *   -> rms_norm (+ residual) -> gate_up -> silu_and_mul -> down
  *      (or a mixture of experts: router -> softmax top-k -> each chosen expert's gate_up, silu, down on its tokens),
  * then the final norm. Each step is the kernel the Python module calls, with the same arguments, so the
- * outputs are the same bits; what goes is the Python between them (about 100 us a layer: a module call,
- * argument checks and a ctypes call per operator): on the bundled model a 64-row decode step is 1.1-1.2x
- * faster, a one-row step 1.4-2x (docs/performance.md, "The decoder layers in one C call").
+ * outputs are the same bits (but for a router's matmul: the packed kernel here, F.linear in its module); what
+ * goes is the Python between them (about 100 us a layer: a module call, argument checks and a ctypes call per
+ * operator): on the bundled model a 64-row decode step is 1.1-1.2x faster, a one-row step 1.4-2x
+ * (docs/performance.md, "The decoder layers in one C call").
  *
  * The plan (weights, caches, sizes) is built once per model; a step passes its tokens' positions and
  * cache slots, the rows' block tables and the attention tiles. Intermediates live in one scratch of

@@ -13,14 +13,6 @@ from engine.errors import ModelLoadError
 from engine.loader import MANIFEST, bundled_gguf_path, gguf_source, is_valid_entry, resolve_model
 
 
-@pytest.fixture()
-def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """An empty metadata cache, so a test sees the first load."""
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("PAGED_CACHE", str(cache))
-    return cache
-
-
 @pytest.fixture(scope="module")
 def small_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama GGUF (random float32 weights) written with the gguf package."""

@@ -51,3 +51,23 @@ def _stepper(hf):
         return out.logits[0, -1].float()
 
     return step
+
+
+def assert_engine_greedy_matches(model_dir, hf, prompts: list[list[int]], max_tokens: int) -> list:
+    """The engine's greedy tokens are transformers' for each prompt alone and all batched, with prefix caching on
+    and off, and every block comes back; returns the two engines (cached, uncached) for further checks."""
+    from engine import Engine, SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    expected = [hf_greedy(hf, p, max_tokens) for p in prompts]
+    engines = []
+    for caching in (True, False):
+        engine = Engine(str(model_dir), num_blocks=64, block_size=4, enable_prefix_caching=caching)
+        alone = [engine.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+        together = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+        assert alone == expected and together == expected
+        assert (engine.stats()["prefix_cache_hits"] > 0) == caching
+        engine.kv.check_integrity()
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+        engines.append(engine)
+    return engines

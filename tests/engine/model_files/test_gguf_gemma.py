@@ -25,12 +25,6 @@ OVERRIDES = {"gemma2": dict(query_pre_attn_scalar=16), "gemma3_text": dict(num_h
 PROMPT = [5, 9, 77, 120, 3, 200, 31, 64, 500, 17, 2, 900, 13, 14, 15]  # past the window of 8
 
 
-@pytest.fixture
-def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("PAGED_CACHE", str(tmp_path / "cache"))
-    return tmp_path / "cache"
-
-
 @pytest.fixture(scope="module", params=sorted(OVERRIDES))
 def gemma(request, tiny_model_factory, small_tokenizer_dir: Path):
     from transformers import AutoModelForCausalLM

@@ -33,12 +33,6 @@ PROMPT = [5, 9, 77, 120, 3, 200, 31, 64, 500, 17, 2, 900, 13, 14, 15]
 native = pytest.mark.skipif(cpu_kernels.library() is None, reason="GGUF types run natively on the CPU kernels")
 
 
-@pytest.fixture
-def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("PAGED_CACHE", str(tmp_path / "cache"))
-    return tmp_path / "cache"
-
-
 @pytest.fixture(scope="module", params=sorted(OVERRIDES))
 def moe(request, tiny_model_factory, small_tokenizer_dir: Path):
     from transformers import AutoModelForCausalLM

@@ -28,12 +28,6 @@ PROMPT = [5, 9, 77, 120, 3, 200, 31, 64, 500, 17, 2, 900, 13, 14, 15, 16, 40, 41
           700, 8, 9, 10, 11, 12, 19, 21, 22, 23]  # past the window of 24 and LongRoPE's switch at 32 # fmt: skip
 
 
-@pytest.fixture
-def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("PAGED_CACHE", str(tmp_path / "cache"))
-    return tmp_path / "cache"
-
-
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def phi(request, tiny_model_factory, small_tokenizer_dir: Path):
     from transformers import AutoModelForCausalLM

@@ -10,11 +10,11 @@ import pytest
 import torch
 from runner_driver import assert_forks_match
 
-from engine import Engine, SamplingParams, cpu_kernels
+from engine import cpu_kernels
 from engine.config import EngineConfig
 from engine.layers.norm import GemmaRMSNorm
 from engine.worker.model_runner import ModelRunner
-from tests.support.hf_reference import hf_greedy, hf_logits
+from tests.support.hf_reference import assert_engine_greedy_matches, hf_logits
 
 FAMILIES = ["gemma2", "gemma3_text", "phi3", "phi4_mini"]
 ATOL = 1e-4
@@ -74,13 +74,4 @@ def test_engine_greedy_tokens_match_transformers_with_prefix_caching_on_and_off(
     _, path, hf = family
     shared = list(range(300, 322))  # 22 tokens: past the window; the decodes run past position 32
     prompts = [shared + [500 + i] * (i + 1) for i in range(3)] + [list(range(700, 709))]
-    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
-    expected = [hf_greedy(hf, p, 14) for p in prompts]
-    for caching in (True, False):
-        engine = Engine(str(path), num_blocks=64, block_size=4, enable_prefix_caching=caching)
-        alone = [engine.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
-        together = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
-        assert alone == expected and together == expected
-        assert (engine.stats()["prefix_cache_hits"] > 0) == caching
-        engine.kv.check_integrity()
-        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert_engine_greedy_matches(path, hf, prompts, 14)

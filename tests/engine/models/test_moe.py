@@ -8,14 +8,14 @@ import pytest
 import torch
 from runner_driver import PagedDriver
 
-from engine import Engine, SamplingParams, cpu_kernels
+from engine import cpu_kernels
 from engine.config import EngineConfig
 from engine.layers.linear import Linear
 from engine.layers.moe import SparseMoeBlock
 from engine.layers.quantization import quantize_int8
 from engine.worker.model_runner import ModelRunner, resolve_dtypes
 from tests.support.bf16_paths import bf16_path
-from tests.support.hf_reference import hf_greedy
+from tests.support.hf_reference import assert_engine_greedy_matches
 
 HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 64, 32, 4, 2
 _WIDENED_BF16 = pytest.mark.skipif(
@@ -197,17 +197,8 @@ def test_engine_on_the_plan_gives_transformers_greedy_tokens(tiny_model_factory,
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     shared = list(range(300, 318))
     prompts = [shared + [500 + i] * (i + 1) for i in range(3)] + [list(range(700, 709))]
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    expected = [hf_greedy(hf, p, 10) for p in prompts]
-    for caching in (True, False):
-        engine = Engine(str(path), num_blocks=64, block_size=4, enable_prefix_caching=caching)
-        assert engine.runner.decoder_plan is not None
-        alone = [engine.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
-        together = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
-        assert alone == expected and together == expected
-        assert (engine.stats()["prefix_cache_hits"] > 0) == caching
-        engine.kv.check_integrity()
-        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    engines = assert_engine_greedy_matches(path, hf, prompts, 10)
+    assert all(engine.runner.decoder_plan is not None for engine in engines)
 
 
 @pytest.mark.skipif(cpu_kernels.library() is None, reason="the decoder plan is the C kernels'")

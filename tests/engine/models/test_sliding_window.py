@@ -16,7 +16,7 @@ from engine import Engine, SamplingParams, cpu_kernels
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import NULL_BLOCK
 from engine.worker.model_runner import ModelRunner
-from tests.support.hf_reference import hf_greedy, hf_logits
+from tests.support.hf_reference import assert_engine_greedy_matches, hf_greedy, hf_logits
 
 ATOL = 1e-4
 BS = 4
@@ -112,16 +112,7 @@ def test_engine_greedy_tokens_match_transformers_with_prefix_caching_on_and_off(
     """Prompts sharing a prefix longer than the window: greedy tokens are HF's, alone or batched, cached or not."""
     shared = list(range(300, 330))  # 30 tokens: past the window
     prompts = [shared + [500 + i] * (i + 1) for i in range(3)] + [list(range(700, 709))]
-    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)  # decodes run past the window too
-    expected = [hf_greedy(hf, p, 14) for p in prompts]
-    for caching in (True, False):
-        engine = Engine(str(model_dir), num_blocks=64, block_size=4, enable_prefix_caching=caching)
-        alone = [engine.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
-        together = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
-        assert alone == expected and together == expected
-        assert (engine.stats()["prefix_cache_hits"] > 0) == caching
-        engine.kv.check_integrity()
-        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert_engine_greedy_matches(model_dir, hf, prompts, 14)  # decodes run past the window too
 
 
 def test_preempted_requests_recompute_transformers_tokens(model_dir, hf, arch: str) -> None:

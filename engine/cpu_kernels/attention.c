@@ -196,7 +196,7 @@ static inline __attribute__((always_inline)) void softmax_chunk(vs *restrict s, 
  * Every lane takes the steps own_keys (attention_rows.h) takes for one query, in the same order, so a row's
  * attention is the same bits in a tile as alone, whatever it is batched with: chunks of RW keys within a
  * block; a score as RW partial sums (element d into sum d % RW, in order) folded pairwise as transpose_sum
- * folds them; the running maximum moved, and what came before rescaled by expf, only where a chunk's maximum
+ * folds them; the running maximum moved, and what came before rescaled, only where a chunk's maximum
  * exceeds it; key t of each chunk into partial sum t; each value weighted key by key. `shared` must end a
  * chunk (attend_tile rounds it down). With `dot` (a bfloat16 cache where the build has AVX512-BF16)
  * VDPBF16PS multiplies, dot_shared_phase: faster, its queries and weights rounded to bfloat16. */
@@ -220,39 +220,38 @@ static inline __attribute__((always_inline)) void shared_phase(const vs *restric
         const int64_t base = chunk_base(table, pos, block_size, token_stride) + head_offset;
         const kv_t *restrict k = k_cache + base;
         const kv_t *restrict v = v_cache + base;
-        /* scores: key t's element d broadcast into partial sum d % RW of every lane, then the pairwise folds */
+        /* scores: key t's element d into partial sum d % RW of every lane; the partial sums come in the order of
+         * transpose_sum's folds (partial i at step bit_reverse(i)), each fold made as soon as both its halves are
+         * there, so five levels of RW / 2^level partial sums stay in registers rather than RW of them */
         for (int64_t t = 0; t < n; ++t) {
             const kv_t *restrict kt = k + t * token_stride;
-            for (int j = 0; j < QV; ++j) {
-                vs part[MAX_ROW_WIDTH];
+            vs level[5][MAX_LANE_VECTORS];
 #pragma GCC unroll 16
-                for (int i = 0; i < RW; ++i) part[i] = (vs){0};
-                for (int c = 0; c < D; c += RW)
-#pragma GCC unroll 16
-                    for (int i = 0; i < RW; ++i) part[i] = vs_fma(qt[(c + i) * QV + j], KV_TO_F32(kt[c + i]) - (vs){0}, part[i]);
-#pragma GCC unroll 4
-                for (int half = RW / 2; half >= 1; half /= 2)
-#pragma GCC unroll 8
-                    for (int i = 0; i < half; ++i) part[i] += part[i + half];
-                s[t * QV + j] = part[0];
+            for (int step = 0; step < RW; ++step) {
+                int i = 0; /* step's bits reversed, over log2(RW) of them */
+                for (int bit = 1, rev = RW / 2; bit < RW; bit <<= 1, rev >>= 1) i |= step & bit ? rev : 0;
+                vs part[MAX_LANE_VECTORS];
+                for (int j = 0; j < QV; ++j) part[j] = (vs){0};
+                for (int d = i; d < D; d += RW) {
+                    const vs kb = KV_TO_F32(kt[d]) - (vs){0};
+                    for (int j = 0; j < QV; ++j) part[j] = vs_fma(qt[d * QV + j], kb, part[j]);
+                }
+                int height = 0;
+                for (int done = step; done & 1; done >>= 1, ++height)
+                    for (int j = 0; j < QV; ++j) part[j] = level[height][j] + part[j];
+                for (int j = 0; j < QV; ++j) level[height][j] = part[j];
             }
+            const int top = RW == 16 ? 4 : 3;
+            for (int j = 0; j < QV; ++j) s[t * QV + j] = level[top][j];
         }
         vs correction[MAX_LANE_VECTORS];
         for (int j = 0; j < QV; ++j) {
             vs top = s[j];
             for (int64_t t = 1; t < n; ++t) top = vs_max(top, s[t * QV + j]);
-            float mf[SHARED_W], tf[SHARED_W], cf[SHARED_W];
-            memcpy(mf, &m[j], sizeof mf);
-            memcpy(tf, &top, sizeof tf);
-            for (int lane = 0; lane < SHARED_W; ++lane) {
-                cf[lane] = 1.0f;
-                if (tf[lane] > mf[lane]) {
-                    cf[lane] = mf[lane] == -INFINITY ? 0.0f : expf(mf[lane] - tf[lane]);
-                    mf[lane] = tf[lane];
-                }
-            }
-            memcpy(&m[j], mf, sizeof mf);
-            memcpy(&correction[j], cf, sizeof cf);
+            const vsi moved = top > m[j]; /* own_keys rescales only where the maximum moves */
+            const vs rescale = VEXP_S(m[j] - top), one = (vs){0} + 1.0f;
+            correction[j] = (vs)(((vsi)rescale & moved) | ((vsi)one & ~moved));
+            m[j] = vs_max(top, m[j]);
             for (int64_t t = 0; t < n; ++t) s[t * QV + j] = VEXP_S(s[t * QV + j] - m[j]);
             for (int t = 0; t < n; ++t) l[t * QV + j] = vs_fma(l[t * QV + j], correction[j], s[t * QV + j]);
             for (int t = n; t < RW; ++t) l[t * QV + j] = l[t * QV + j] * correction[j]; /* own_keys adds a weight 0 */

@@ -168,7 +168,7 @@ static inline __attribute__((always_inline)) void ROWS(own_keys)(const float *re
                 const float chunk_max = ROWS(allmax)(scores)[0];
                 correction[g] = 1.0f;
                 if (chunk_max > mh[g]) { /* the running maximum moves: what came before is rescaled */
-                    correction[g] = mh[g] == -INFINITY ? 0.0f : expf(mh[g] - chunk_max);
+                    correction[g] = RVEXP((mh[g] - chunk_max) - (RF){0})[0]; /* 0 while mh is -inf */
                     mh[g] = chunk_max;
                 }
                 const RF p = RVEXP(scores - mh[g]);

@@ -16,7 +16,9 @@
  * AVX512-BF16, VDPBF16PS multiplies pairs of them (attention_dot.h). Each row
  * then continues alone over its own keys for all the item's KV heads in one pass over its
  * blocks (own_keys, attention_rows.h). Softmax is online: running max, running sum, rescaled
- * accumulator, carried from one phase to the next in the output row.
+ * accumulator, carried from one phase to the next in the output row. The widened shared phase
+ * rounds every lane as own_keys rounds that query alone, so a row's output is the same bits in
+ * any tile (batch-invariant); the AMX and VDPBF16PS paths round queries to bfloat16 and are not.
  *
  * Built at run time with -O3 -march=native -fopenmp; vectors as in vec.h (16 lanes where the
  * build has AVX-512), so head_dim must be a multiple of 8. This file builds the float32-cache

@@ -16,7 +16,9 @@
  * AVX512-BF16, VDPBF16PS multiplies pairs of them (attention_dot.h). Each row
  * then continues alone over its own keys for all the item's KV heads in one pass over its
  * blocks (own_keys, attention_rows.h). Softmax is online: running max, running sum, rescaled
- * accumulator, carried from one phase to the next in the output row.
+ * accumulator, carried from one phase to the next in the output row. The widened shared phase
+ * rounds every lane as own_keys rounds that query alone, so a row's output is the same bits in
+ * any tile (batch-invariant); the AMX and VDPBF16PS paths round queries to bfloat16 and are not.
  *
  * Built at run time with -O3 -march=native -fopenmp; vectors as in vec.h (16 lanes where the
  * build has AVX-512), so head_dim must be a multiple of 8. This file builds the float32-cache
@@ -37,11 +39,13 @@
 #if KV_BF16
 typedef uint16_t kv_t;
 #define KV_LOAD(p) load_bf16(p)
+#define KV_TO_F32(x) bf16_to_f32(x)
 #define KV_FROM_F32(x) f32_to_bf16(x)
 #define KV_NAME(name) name##_bf16
 #else
 typedef float kv_t;
 #define KV_LOAD(p) load(p)
+#define KV_TO_F32(x) (x)
 #define KV_FROM_F32(x) (x)
 #define KV_NAME(name) name##_f32
 #endif
@@ -61,30 +65,20 @@ typedef vi vsi;
 #define VEXP_S vexp
 #endif
 
+/* a * b + c as own_keys' ROWS(fma) rounds it (attention_rows.h). */
+static inline vs vs_fma(vs a, vs b, vs c) {
+#if SHARED_W == 16
+    return (vs)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__) && defined(__AVX2__)
+    return (vs)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
+
 static inline vs vs_max(vs a, vs b) {
     const vsi a_larger = a > b;
     return (vs)(((vsi)a & a_larger) | ((vsi)b & ~a_larger));
-}
-
-/* Cache elements p[0] and p[1], each broadcast to a vector: for bfloat16 one 32-bit broadcast of
- * the pair, split by a shift and a mask (3 operations where two widened scalars take 8). */
-static inline void splat2(const kv_t *p, vs *a, vs *b) {
-#if KV_BF16
-#if SHARED_W == 16 /* broadcast from memory: built from a general register, the pair costs a slow transfer */
-    const vsi v = (vsi)_mm512_broadcastd_epi32(_mm_loadu_si32(p));
-#elif defined(__AVX2__)
-    const vsi v = (vsi)_mm256_broadcastd_epi32(_mm_loadu_si32(p));
-#else
-    uint32_t pair;
-    memcpy(&pair, p, sizeof pair);
-    const vsi v = (vsi){0} + (int32_t)pair;
-#endif
-    *a = (vs)(v << 16);
-    *b = (vs)(v & ((vsi){0} - 65536)); /* 0xffff0000 */
-#else
-    *a = (vs){0} + p[0];
-    *b = (vs){0} + p[1];
-#endif
 }
 
 /* Fetches the cache lines of one token's head (D elements) ahead of their use: into every cache level, or
@@ -187,71 +181,93 @@ static inline __attribute__((always_inline)) void softmax_chunk(vs *restrict s, 
 #include "attention_dot.h"
 #endif
 
-/* Attention over the shared keys [0, shared) of one table for Q <= MAX_LANES queries held
- * as vector lanes: qt[d * QV + j] holds element d of the queries of lanes j * SHARED_W .. (j + 1) * SHARED_W - 1
- * (scaled; padding lanes 0). Carries per-lane state: maxima m[QV], sums l[QV] and
- * accumulators ot[d * QV + j]. QV and D are compile-time constants in the callers. With `dot` (a bfloat16
- * cache where the build has AVX512-BF16) VDPBF16PS multiplies, dot_shared_phase; else float32 FMAs. */
+/* The width of own_keys' vectors for head_dim D: 16 lanes where the build has AVX-512 and D allows, else 8.
+ * A row's keys come in chunks of this many (within a block), and its softmax sums in this many lanes. */
+#ifdef __AVX512F__
+#define ROW_WIDTH(D) ((D) % 16 == 0 ? 16 : 8)
+#else
+#define ROW_WIDTH(D) 8
+#endif
+#define MAX_ROW_WIDTH 16
+
+/* Attention over the shared keys [0, shared) of one table for Q <= MAX_LANES queries held as vector lanes:
+ * qt[d * QV + j] holds element d of the queries of lanes j * SHARED_W .. (j + 1) * SHARED_W - 1 (scaled;
+ * padding lanes 0). Carries per-lane state: maxima m[QV], the softmax sums as RW partial sums l[t * QV + j]
+ * (RW = ROW_WIDTH(D)) and accumulators ot[d * QV + j]. QV, D and RW are compile-time constants in the callers.
+ *
+ * Every lane takes the steps own_keys (attention_rows.h) takes for one query, in the same order, so a row's
+ * attention is the same bits in a tile as alone, whatever it is batched with: chunks of RW keys within a
+ * block; a score as RW partial sums (element d into sum d % RW, in order) folded pairwise as transpose_sum
+ * folds them; the running maximum moved, and what came before rescaled, only where a chunk's maximum
+ * exceeds it; key t of each chunk into partial sum t; each value weighted key by key. `shared` must end a
+ * chunk (attend_tile rounds it down). With `dot` (a bfloat16 cache where the build has AVX512-BF16)
+ * VDPBF16PS multiplies, dot_shared_phase: faster, its queries and weights rounded to bfloat16. */
 static inline __attribute__((always_inline)) void shared_phase(const vs *restrict qt, const int QV,
                                                                const kv_t *restrict k_cache,
                                                                const kv_t *restrict v_cache,
                                                                const int32_t *restrict table, int64_t shared,
                                                                int64_t block_size, int64_t token_stride,
-                                                               int64_t head_offset, const int D, int dot,
+                                                               int64_t head_offset, const int D, const int RW, int dot,
                                                                vs *restrict m, vs *restrict l, vs *restrict ot) {
 #ifdef HAVE_DOT_ATTENTION
-    if (dot) {
+    if (dot) { /* its sums in partial sum 0 */
         dot_shared_phase(qt, QV, k_cache, v_cache, table, shared, block_size, token_stride, head_offset, D, m, l, ot);
         return;
     }
 #endif
     (void)dot;
-    vs s[MAX_BLOCK_SIZE * MAX_LANE_VECTORS];
+    vs s[MAX_ROW_WIDTH * MAX_LANE_VECTORS];
     for (int64_t pos = 0; pos < shared;) {
-        const int64_t n = chunk_len(pos, shared, block_size, block_size);
+        const int64_t n = chunk_len(pos, shared, block_size, RW);
         const int64_t base = chunk_base(table, pos, block_size, token_stride) + head_offset;
         const kv_t *restrict k = k_cache + base;
         const kv_t *restrict v = v_cache + base;
-        /* scores: four keys at a time against every lane, each key element broadcast once */
-        int64_t t = 0;
-        for (; t + 4 <= n; t += 4) {
-            vs a[4][MAX_LANE_VECTORS] = {{{0}}};
-            const kv_t *restrict k0 = k + t * token_stride;
-            for (int d = 0; d < D; d += 2)
-                for (int u = 0; u < 4; ++u) {
-                    vs kb0, kb1;
-                    splat2(k0 + u * token_stride + d, &kb0, &kb1);
-                    for (int j = 0; j < QV; ++j) a[u][j] += kb0 * qt[d * QV + j];
-                    for (int j = 0; j < QV; ++j) a[u][j] += kb1 * qt[(d + 1) * QV + j];
-                }
-            for (int u = 0; u < 4; ++u)
-                for (int j = 0; j < QV; ++j) s[(t + u) * QV + j] = a[u][j];
-        }
-        for (; t < n; ++t) {
-            vs a[MAX_LANE_VECTORS] = {{0}};
+        /* scores: key t's element d into partial sum d % RW of every lane; the partial sums come in the order of
+         * transpose_sum's folds (partial i at step bit_reverse(i)), each fold made as soon as both its halves are
+         * there, so five levels of RW / 2^level partial sums stay in registers rather than RW of them */
+        for (int64_t t = 0; t < n; ++t) {
             const kv_t *restrict kt = k + t * token_stride;
-            for (int d = 0; d < D; d += 2) {
-                vs kb0, kb1;
-                splat2(kt + d, &kb0, &kb1);
-                for (int j = 0; j < QV; ++j) a[j] += kb0 * qt[d * QV + j];
-                for (int j = 0; j < QV; ++j) a[j] += kb1 * qt[(d + 1) * QV + j];
+            vs level[5][MAX_LANE_VECTORS];
+#pragma GCC unroll 16
+            for (int step = 0; step < RW; ++step) {
+                int i = 0; /* step's bits reversed, over log2(RW) of them */
+                for (int bit = 1, rev = RW / 2; bit < RW; bit <<= 1, rev >>= 1) i |= step & bit ? rev : 0;
+                vs part[MAX_LANE_VECTORS];
+                for (int j = 0; j < QV; ++j) part[j] = (vs){0};
+                for (int d = i; d < D; d += RW) {
+                    const vs kb = KV_TO_F32(kt[d]) - (vs){0};
+                    for (int j = 0; j < QV; ++j) part[j] = vs_fma(qt[d * QV + j], kb, part[j]);
+                }
+                int height = 0;
+                for (int done = step; done & 1; done >>= 1, ++height)
+                    for (int j = 0; j < QV; ++j) part[j] = level[height][j] + part[j];
+                for (int j = 0; j < QV; ++j) level[height][j] = part[j];
             }
-            for (int j = 0; j < QV; ++j) s[t * QV + j] = a[j];
+            const int top = RW == 16 ? 4 : 3;
+            for (int j = 0; j < QV; ++j) s[t * QV + j] = level[top][j];
         }
         vs correction[MAX_LANE_VECTORS];
-        softmax_chunk(s, n, QV, m, l, correction);
-        /* values: four head-dim elements at a time, each value element broadcast once */
+        for (int j = 0; j < QV; ++j) {
+            vs top = s[j];
+            for (int64_t t = 1; t < n; ++t) top = vs_max(top, s[t * QV + j]);
+            const vsi moved = top > m[j]; /* own_keys rescales only where the maximum moves */
+            const vs rescale = VEXP_S(m[j] - top), one = (vs){0} + 1.0f;
+            correction[j] = (vs)(((vsi)rescale & moved) | ((vsi)one & ~moved));
+            m[j] = vs_max(top, m[j]);
+            for (int64_t t = 0; t < n; ++t) s[t * QV + j] = VEXP_S(s[t * QV + j] - m[j]);
+            for (int t = 0; t < n; ++t) l[t * QV + j] = vs_fma(l[t * QV + j], correction[j], s[t * QV + j]);
+            for (int t = n; t < RW; ++t) l[t * QV + j] = l[t * QV + j] * correction[j]; /* own_keys adds a weight 0 */
+        }
+        /* values: four head-dim elements at a time, key by key */
         for (int d0 = 0; d0 < D; d0 += 4) {
             vs a[4][MAX_LANE_VECTORS];
             for (int e = 0; e < 4; ++e)
                 for (int j = 0; j < QV; ++j) a[e][j] = ot[(d0 + e) * QV + j] * correction[j];
             for (int64_t u = 0; u < n; ++u) {
                 const kv_t *restrict vt = v + u * token_stride + d0;
-                for (int e = 0; e < 4; e += 2) {
-                    vs vb0, vb1;
-                    splat2(vt + e, &vb0, &vb1);
-                    for (int j = 0; j < QV; ++j) a[e][j] += vb0 * s[u * QV + j];
-                    for (int j = 0; j < QV; ++j) a[e + 1][j] += vb1 * s[u * QV + j];
+                for (int e = 0; e < 4; ++e) {
+                    const float x = KV_TO_F32(vt[e]);
+                    for (int j = 0; j < QV; ++j) a[e][j] = vs_fma(s[u * QV + j], x - (vs){0}, a[e][j]);
                 }
             }
             for (int e = 0; e < 4; ++e)
@@ -301,8 +317,8 @@ static inline __attribute__((always_inline)) void scaled_queries(const float *re
     }
 }
 
-/* The own keys of one row from its query heads' state: the row-wide pass of attention_rows.h, 16 lanes
- * where the build has AVX-512 and D allows (split into AVX halves, the 16-lane folds cost 5x). With
+/* The own keys of one row from its query heads' state: the row-wide pass of attention_rows.h, ROW_WIDTH(D)
+ * lanes (16 where the build has AVX-512 and D allows: split into AVX halves, the 16-lane folds cost 5x). With
  * `specialized` (the head_dim-specific builds), the group sizes up to FUSED_GROUP as constants, so that
  * their accumulators stay in registers. */
 static inline __attribute__((always_inline)) void own_keys(const float *restrict q, const kv_t *restrict k_cache,
@@ -310,9 +326,10 @@ static inline __attribute__((always_inline)) void own_keys(const float *restrict
                                                            int64_t start, int64_t end, int64_t block_size,
                                                            int64_t token_stride, int64_t h0, int64_t h1, int G,
                                                            const int D, const int specialized, float softcap,
-                                                           float *restrict m, float *restrict l, float *restrict acc) {
-#define OWN(width, g) \
-    own_keys_##width(q, k_cache, v_cache, table, start, end, block_size, token_stride, h0, h1, g, D, softcap, m, l, acc)
+                                                           float *restrict m, float *restrict sums, float *restrict acc) {
+#define OWN(width, g)                                                                                              \
+    own_keys_##width(q, k_cache, v_cache, table, start, end, block_size, token_stride, h0, h1, g, D, softcap, m, sums, \
+                     acc)
 #define OWN_GROUPS(width)                                                                                   \
     switch (specialized ? G : 0) {                                                                          \
     case 1: OWN(width, 1); break;                                                                           \
@@ -347,11 +364,12 @@ static inline __attribute__((always_inline)) void prefetch_chunk(const kv_t *k_c
     }
 }
 
-/* One work item: the rows[0..R) of a tile (their shared keys: [0, shared)) for KV heads [h0, h1), at most
- * MAX_GROUP query heads. A multi-row tile's shared phase runs head by head, leaving each row's
- * accumulators in out (unnormalized) and its maxima and sums in ml; each row then takes its own keys
- * for all the item's heads in one pass (own_keys) and normalizes its outputs in place. With a window,
- * a row's own keys start at seq_lens - window (its tile then shares none past it, paged_attention checks). */
+/* One work item: the rows[0..R) of a tile (their shared keys: [0, shared), rounded down to the end of a chunk of
+ * own_keys) for KV heads [h0, h1), at most MAX_GROUP query heads. A multi-row tile's shared phase runs head by
+ * head, leaving each row's accumulators in out (unnormalized) and its maxima and partial sums in row_max and
+ * row_sums; each row then takes its own keys for all the item's heads in one pass (own_keys), adds up its
+ * partial sums lane by lane and normalizes its outputs in place. With a window, a row's own keys start at
+ * seq_lens - window (its tile then shares none past it, paged_attention checks). */
 static inline __attribute__((always_inline)) void attend_tile(
     const float *restrict q, int64_t q_row, int64_t q_head, int64_t q_col, const kv_t *restrict k_cache,
     const kv_t *restrict v_cache, const int32_t *restrict block_tables, int64_t table_stride,
@@ -360,18 +378,22 @@ static inline __attribute__((always_inline)) void attend_tile(
     float scale, int64_t window, float softcap, int path, float *restrict out) {
     const int64_t token_stride = num_kv_heads * D;
     const int Q = (int)R * G, QV = (Q + SHARED_W - 1) / SHARED_W, heads = (int)(h1 - h0) * G; /* a row's here */
-    float ml[MAX_LANES * MAX_GROUP][2]; /* row r's query head j of the item: [r * heads + j] = (max, sum) */
+    const int RW = ROW_WIDTH(D);
+    /* row r's query head j of the item: its maximum [r * heads + j], its partial sums from [(r * heads + j) * RW] */
+    float row_max[MAX_LANES * MAX_GROUP], row_sums[MAX_LANES * MAX_GROUP * MAX_ROW_WIDTH];
+    shared -= shared % block_size % RW; /* where a row alone ends a chunk */
     if (R > 1 && shared > 0) {
         prefetch_chunk(k_cache, v_cache, block_tables + rows[0] * table_stride, shared, seq_lens[rows[0]], block_size,
                        token_stride, h0, h1, D);
         const int32_t *table = block_tables + rows[0] * table_stride;
         vs qt[MAX_HEAD_DIM * MAX_LANE_VECTORS], ot[MAX_HEAD_DIM * MAX_LANE_VECTORS];
-        vs mt[MAX_LANE_VECTORS], lt[MAX_LANE_VECTORS];
+        vs mt[MAX_LANE_VECTORS], lt[MAX_ROW_WIDTH * MAX_LANE_VECTORS]; /* lt: partial sum t of lane i at [t * QV][i] */
         float *restrict qtf = (float *)qt;
         for (int64_t h = h0; h < h1; ++h) {
             const int64_t head_offset = h * D;
             /* the shared phase leaves query lane's element d at ot[lane * lane_step + d * d_step] */
             int64_t lane_step = 0, d_step = 0;
+            memset(lt, 0, sizeof(vs) * (size_t)(RW * QV)); /* AMX's and the dot products' sums: partial sum 0 */
 #if KV_BF16 && defined(HAVE_AMX)
             if (path == ATTENTION_AMX && Q <= AMX_QUERIES) {
                 scaled_queries(q, q_row, q_head, q_col, rows, Q, G, h, D, scale, D, 1, qtf);
@@ -383,21 +405,17 @@ static inline __attribute__((always_inline)) void attend_tile(
             if (lane_step == 0) {
                 memset(qt, 0, sizeof(vs) * (size_t)(D * QV));
                 memset(ot, 0, sizeof(vs) * (size_t)(D * QV));
-                for (int j = 0; j < QV; ++j) {
-                    mt[j] = (vs){0} - INFINITY;
-                    lt[j] = (vs){0};
-                }
+                for (int j = 0; j < QV; ++j) mt[j] = (vs){0} - INFINITY;
                 scaled_queries(q, q_row, q_head, q_col, rows, Q, G, h, D, scale, 1, QV * SHARED_W, qtf);
                 const int dot = path == ATTENTION_DOT;
-                if (QV == 1)
-                    shared_phase(qt, 1, k_cache, v_cache, table, shared, block_size, token_stride, head_offset, D, dot,
-                                 mt, lt, ot);
-                else if (QV == 2)
-                    shared_phase(qt, 2, k_cache, v_cache, table, shared, block_size, token_stride, head_offset, D, dot,
-                                 mt, lt, ot);
+#define SHARED(qv, rw) \
+    shared_phase(qt, qv, k_cache, v_cache, table, shared, block_size, token_stride, head_offset, D, rw, dot, mt, lt, ot)
+                /* QV and RW as constants: the loops unroll, and every product is contracted as own_keys' are */
+                if (RW == 16)
+                    QV == 1 ? SHARED(1, 16) : QV == 2 ? SHARED(2, 16) : SHARED(3, 16);
                 else
-                    shared_phase(qt, 3, k_cache, v_cache, table, shared, block_size, token_stride, head_offset, D, dot,
-                                 mt, lt, ot);
+                    QV == 1 ? SHARED(1, 8) : QV == 2 ? SHARED(2, 8) : SHARED(3, 8);
+#undef SHARED
                 lane_step = 1, d_step = QV * SHARED_W;
             }
             const float *restrict otf = (const float *)ot, *restrict mtf = (const float *)mt;
@@ -406,8 +424,8 @@ static inline __attribute__((always_inline)) void attend_tile(
                 const int r = lane / G, j = (int)(h - h0) * G + lane % G;
                 float *restrict o = out + (rows[r] * num_heads + h0 * G + j) * D;
                 for (int d = 0; d < D; ++d) o[d] = otf[lane * lane_step + d * d_step];
-                ml[r * heads + j][0] = mtf[lane];
-                ml[r * heads + j][1] = ltf[lane];
+                row_max[r * heads + j] = mtf[lane];
+                for (int t = 0; t < RW; ++t) row_sums[(r * heads + j) * RW + t] = ltf[t * QV * SHARED_W + lane];
             }
         }
     } else {
@@ -419,24 +437,26 @@ static inline __attribute__((always_inline)) void attend_tile(
         if (r + 1 < R)
             prefetch_chunk(k_cache, v_cache, block_tables + rows[r + 1] * table_stride, ROW_START(rows[r + 1]),
                            seq_lens[rows[r + 1]], block_size, token_stride, h0, h1, D);
-        float qs[MAX_GROUP * MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP];
+        float qs[MAX_GROUP * MAX_HEAD_DIM], m[MAX_GROUP], sums[MAX_GROUP * MAX_ROW_WIDTH];
         float *restrict acc = out + (i * num_heads + h0 * G) * D;
         for (int64_t h = h0; h < h1; ++h)
             scaled_queries(q, q_row, q_head, q_col, rows + r, G, G, h, D, scale, D, 1, qs + (h - h0) * G * D);
         for (int j = 0; j < heads; ++j) {
             if (shared > 0) {
-                m[j] = ml[r * heads + j][0];
-                l[j] = ml[r * heads + j][1];
+                m[j] = row_max[r * heads + j];
+                memcpy(sums + j * RW, row_sums + (r * heads + j) * RW, sizeof(float) * (size_t)RW);
             } else {
                 m[j] = -INFINITY;
-                l[j] = 0.0f;
+                memset(sums + j * RW, 0, sizeof(float) * (size_t)RW);
                 memset(acc + j * D, 0, sizeof(float) * (size_t)D);
             }
         }
         own_keys(qs, k_cache, v_cache, block_tables + i * table_stride, ROW_START(i), seq_lens[i], block_size,
-                 token_stride, h0, h1, G, D, specialized, softcap, m, l, acc);
+                 token_stride, h0, h1, G, D, specialized, softcap, m, sums, acc);
         for (int j = 0; j < heads; ++j) {
-            const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;
+            float l = 0.0f;
+            for (int t = 0; t < RW; ++t) l += sums[j * RW + t];
+            const float inv = l > 0.0f ? 1.0f / l : 0.0f;
             for (int d = 0; d < D; ++d) acc[j * D + d] *= inv;
         }
     }

@@ -29,6 +29,18 @@
 
 typedef uint16_t ROWS(rh) __attribute__((vector_size(ROW_W * sizeof(uint16_t)), aligned(2)));
 
+/* a * b + c, rounded once where the build has FMA: spelled out, not left to the compiler's contraction (which
+ * it may apply in one loop and not another), so attention.c's shared_phase rounds every lane as this file does. */
+static inline RF ROWS(fma)(RF a, RF b, RF c) {
+#if ROW_W == 16
+    return (RF)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__) && defined(__AVX2__)
+    return (RF)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
+
 static inline RF ROWS(load)(const float *p) {
     RF x;
     memcpy(&x, p, sizeof x);
@@ -46,12 +58,6 @@ static inline RF ROWS(load_kv)(const kv_t *p) {
 #else
     return (RF)(__builtin_convertvector(*(const ROWS(rh) *)p, RI) << 16);
 #endif
-}
-
-static inline float ROWS(hsum)(RF x) {
-    float s = 0.0f;
-    for (int i = 0; i < ROW_W; ++i) s += x[i];
-    return s;
 }
 
 /* The largest lane of x, in every lane: log2(ROW_W) swaps of halves. */
@@ -114,21 +120,20 @@ static inline RF ROWS(soft_cap)(RF s, float cap) {
 
 /* Continues the online softmax of one row's query heads of KV heads [h0, h1) over its context positions
  * [start, end). q: the row's scaled queries of those heads, [(h1 - h0) * G][D]; for each query head j
- * of them, the running maximum m[j], sum l[j] and accumulator acc[j * D ..]. G and D are constants in
- * the callers, so the accumulators live in registers. softcap > 0 soft-caps the scores (soft_cap). */
+ * of them, the running maximum m[j], the softmax sum as ROW_W partial sums sums[j * ROW_W + t] (key t of
+ * every chunk: the caller adds them up, lane by lane, at the end) and the accumulator acc[j * D ..]. G and
+ * D are constants in the callers, so the accumulators live in registers. softcap > 0 soft-caps the scores
+ * (soft_cap). attention.c's shared_phase takes a tile's shared keys by these same steps. */
 static inline __attribute__((always_inline)) void ROWS(own_keys)(const float *restrict q, const kv_t *restrict k_cache,
                                                                const kv_t *restrict v_cache,
                                                                const int32_t *restrict table, int64_t start,
                                                                int64_t end, int64_t block_size, int64_t token_stride,
                                                                int64_t h0, int64_t h1, const int G, const int D,
-                                                               float softcap, float *restrict m, float *restrict l,
-                                                               float *restrict acc) {
+                                                               float softcap, float *restrict m,
+                                                               float *restrict sums_io, float *restrict acc) {
     RF part[MAX_GROUP][ROW_W], sums[MAX_GROUP]; /* sums: each query head's softmax sum, spread over the lanes */
     float weights[MAX_GROUP][ROW_W], correction[MAX_GROUP];
-    for (int j = 0; j < (int)(h1 - h0) * G; ++j) {
-        sums[j] = (RF){0};
-        sums[j][0] = l[j];
-    }
+    for (int j = 0; j < (int)(h1 - h0) * G; ++j) sums[j] = ROWS(load)(sums_io + j * ROW_W);
     RI lane;
     for (int i = 0; i < ROW_W; ++i) lane[i] = i;
     const RF minus_inf = (RF){0} - INFINITY;
@@ -150,7 +155,7 @@ static inline __attribute__((always_inline)) void ROWS(own_keys)(const float *re
                 for (int g = 0; g < G; ++g) a[g] = (RF){0};
                 for (int c = 0; c < D; c += ROW_W) {
                     const RF x = ROWS(load_kv)(kt + c);
-                    for (int g = 0; g < G; ++g) a[g] += ROWS(load)(qh + g * D + c) * x;
+                    for (int g = 0; g < G; ++g) a[g] = ROWS(fma)(ROWS(load)(qh + g * D + c), x, a[g]);
                 }
                 for (int g = 0; g < G; ++g) part[g][t] = a[g];
             }
@@ -163,12 +168,12 @@ static inline __attribute__((always_inline)) void ROWS(own_keys)(const float *re
                 const float chunk_max = ROWS(allmax)(scores)[0];
                 correction[g] = 1.0f;
                 if (chunk_max > mh[g]) { /* the running maximum moves: what came before is rescaled */
-                    correction[g] = mh[g] == -INFINITY ? 0.0f : expf(mh[g] - chunk_max);
+                    correction[g] = RVEXP((mh[g] - chunk_max) - (RF){0})[0]; /* 0 while mh is -inf */
                     mh[g] = chunk_max;
                 }
                 const RF p = RVEXP(scores - mh[g]);
                 memcpy(weights[g], &p, sizeof p);
-                sh[g] = sh[g] * correction[g] + p;
+                sh[g] = ROWS(fma)(sh[g], correction[g] - (RF){0}, p);
             }
             /* values: up to FUSED_GROUP query heads and four vectors of D at a time, each value vector loaded once */
             for (int g0 = 0; g0 < G; g0 += FUSED_GROUP) {
@@ -184,7 +189,7 @@ static inline __attribute__((always_inline)) void ROWS(own_keys)(const float *re
                         const kv_t *restrict vt = v + t * token_stride + c0;
                         for (int c = 0; c < cn; ++c) {
                             const RF x = ROWS(load_kv)(vt + c * ROW_W);
-                            for (int g = 0; g < gn; ++g) a[g][c] += weights[g0 + g][t] * x;
+                            for (int g = 0; g < gn; ++g) a[g][c] = ROWS(fma)(weights[g0 + g][t] - (RF){0}, x, a[g][c]);
                         }
                     }
                     for (int g = 0; g < gn; ++g)
@@ -194,7 +199,7 @@ static inline __attribute__((always_inline)) void ROWS(own_keys)(const float *re
         }
         pos += n;
     }
-    for (int j = 0; j < (int)(h1 - h0) * G; ++j) l[j] = ROWS(hsum)(sums[j]);
+    for (int j = 0; j < (int)(h1 - h0) * G; ++j) memcpy(sums_io + j * ROW_W, &sums[j], sizeof(RF));
 }
 
 #undef RF

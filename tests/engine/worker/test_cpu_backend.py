@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import numpy as np
@@ -136,3 +137,48 @@ def test_describe_names_the_path_that_runs(attention: str) -> None:
     lanes = cpu_kernels.tile_lanes(64, torch.float32)
     expected = f"cpu (float32 cache; tiles of {lanes} queries, their shared keys on float32 vectors)"
     assert backend.describe(torch.float32, 64) == expected
+
+
+@pytest.mark.parametrize(
+    "heads, head_dim, block_size, dtype",
+    [
+        ((9, 3), 64, 16, torch.float32),
+        ((16, 1), 64, 24, torch.float32),  # chunks end at blocks' ends as well as every 16 (or 8) keys
+        ((4, 4), 40, 8, torch.float32),  # 8-lane rows even on AVX-512 (40 is no multiple of 16)
+        ((9, 3), 64, 16, torch.bfloat16),
+    ],
+)
+def test_a_row_is_the_same_bits_tiled_as_alone(
+    heads: tuple[int, int], head_dim: int, block_size: int, dtype: torch.dtype
+) -> None:
+    """Batch invariance: each row's output is bitwise what it is alone (no tile, every key its own), whatever tile
+    and shared keys it gets: prefill tokens of a fresh prompt and of chunks over a cached prefix, and decode rows
+    behind a shared prompt. A quantized model's next matmul rounds its input to int8 steps, where one bit of
+    difference here can move a step (tests/engine/models/test_gguf_batch_invariance.py)."""
+    num_heads, num_kv_heads = heads
+    gen = torch.Generator().manual_seed(block_size + head_dim)
+    num_blocks = 96
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    pool = torch.randperm(num_blocks, generator=gen).tolist()
+    prefix = [pool.pop() for _ in range(-(-50 // block_size))]  # a 50-token prompt, cached once
+    lens, tables = [], []
+    for cached, new in [(0, 45), (50, 37), (53, 1), (61, 1), (80, 1), (50, 20)]:
+        seq_len = cached + new
+        table = (prefix + [pool.pop() for _ in range(-(-seq_len // block_size) - len(prefix))]) if cached else [
+            pool.pop() for _ in range(-(-seq_len // block_size))
+        ]
+        for t in range(cached, seq_len):
+            lens.append(t + 1)
+            tables.append(table + [-1] * (12 - len(table)))
+    seq_lens, tables = np.array(lens, dtype=np.int64), np.array(tables, dtype=np.int32)
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    tiles = plan_tiles(seq_lens, tables, block_size, num_heads // num_kv_heads,
+                       cpu_kernels.tile_lanes(head_dim, dtype))
+    assert (tiles.shared > 0).sum() >= 3 and (tiles.shared % block_size % 8 != 0).any()  # unaligned shares too
+    args = (torch.from_numpy(tables), torch.from_numpy(seq_lens), 0.125)
+    context = attention_path("widened") if dtype == torch.bfloat16 else contextlib.nullcontext()
+    with context:
+        tiled = cpu_kernels.attention(q, k_cache, v_cache, *args, tiles)
+        alone = cpu_kernels.attention(q, k_cache, v_cache, *args)
+    assert torch.equal(tiled, alone)

@@ -54,7 +54,7 @@ _SOURCES = (
     "vec.h", "kernels.h", "linear.h", "linear_tiles16.h", "bf16_kernels.h", "attention_amx.h", "attention_dot.h",
     "attention_rows.h", "attention.c", "attention_bf16.c", "elementwise.c", "linear.c", "linear_bf16.c",
     "linear_int8.c", "token_mask.c", "argmax.c", "decoder.c", "ggml_blocks.h", "ggml_generic.h", "ggml_avx2.h",
-    "linear_ggml.c",
+    "ggml_x16.h", "ggml_avx512.h", "linear_ggml.c",
 )
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 # Fixed-size scratch of the kernels (see MAX_* in the sources).
@@ -70,8 +70,9 @@ BF16_LINEAR_PATHS = ("widened", "avx512-bf16", "amx")
 BF16_ATTENTION_PATHS = ("widened", "avx512-bf16", "amx")
 # What linear_w8a8 multiplies on, by the C enum's value: int8 sums in plain C, AVX512-VNNI.
 INT8_LINEAR_PATHS = ("generic", "avx512-vnni")
-# What linear_ggml runs on, by the C enum's value: plain C, AVX2.
-GGML_LINEAR_PATHS = ("generic", "avx2")
+# What linear_ggml runs on, by the C enum's value: plain C, AVX2, AVX512-VNNI (Q4_0, Q4_K and Q6_K repacked in
+# groups of 16 rows at load, ggml_x16.h; the other types on AVX2).
+GGML_LINEAR_PATHS = ("generic", "avx2", "avx512-vnni")
 # Where attention fetches the cache lines of the next chunk, by attention_fetch_into's level: the machine's
 # default (L2 where the L1 data cache holds under 48 KiB, else L1), L1, L2 only.
 ATTENTION_FETCH = ("auto", "l1", "l2")
@@ -182,6 +183,8 @@ _SIGNATURES = {
     "ggml_type_row_bytes": [ctypes.c_int32, _I64],
     "ggml_linear_path": [],
     "ggml_linear_limit": [ctypes.c_int],
+    "ggml_x16_type_for": [ctypes.c_int32, _I64],  # ggml type, rows
+    "ggml_x16_pack": [ctypes.c_int32, _PTR, _I64, _I64, _PTR],  # ggml type, data, rows, in features, out
     # plan, tokens (decoder.c)
     "decoder_scratch": [_PTR, _I64],
     # plan, step, x, out, scratch, the failing kernel (out)
@@ -194,6 +197,7 @@ _RETURN_STATUS = {
     "paged_attention_f32", "paged_attention_bf16", "store_kv_f32", "store_kv_bf16", "rotary_f32", "linear_q8_f32",
     "linear_w8a8_f32", "linear_int8_path", "linear_bf16", "linear_bf16_path", "attention_bf16_path", "attention_max_lanes",
     "attention_fetch_level", "decoder_forward", "linear_ggml_f32", "ggml_dequantize_rows", "ggml_linear_path",
+    "ggml_x16_type_for", "ggml_x16_pack",
 }
 _RESTYPES = {name: ctypes.c_int for name in _RETURN_STATUS} | {
     "decoder_scratch": ctypes.c_int64, "ggml_type_row_bytes": ctypes.c_int64,
@@ -650,6 +654,20 @@ def ggml_parts(parts: list[tuple[int, torch.Tensor]]) -> ctypes.Array:
     return array
 
 
+def ggml_repacked(type_id: int, data: torch.Tensor, in_features: int) -> tuple[int, torch.Tensor]:
+    """A part ``(ggml type id, uint8 rows [rows, row bytes])`` in the layout this CPU's path multiplies fastest:
+    Q4_0, Q4_K and Q6_K rows in groups of 16 (``ggml_x16.h``, a new tensor of the same bytes, under the x16 type
+    id) on the AVX512-VNNI path; else the part as it is."""
+    lib = _lib()
+    x16 = lib.ggml_x16_type_for(type_id, data.shape[0])
+    if x16 < 0:
+        return type_id, data
+    out = torch.empty_like(data)
+    if lib.ggml_x16_pack(type_id, data.data_ptr(), data.shape[0], in_features, out.data_ptr()):
+        raise ValueError(f"ggml type {type_id} with {in_features} features has no 16-row layout")
+    return x16, out
+
+
 def linear_ggml(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x W^T + b`` for ``x [M, K]`` (float32 CPU, any strides) and ``W`` in ggml types
     (``engine.layers.ggml_weight.GGMLWeight``); returns ``[M, N]``, contiguous."""
@@ -663,7 +681,7 @@ def linear_ggml(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> to
     if status == -1:
         raise ValueError(f"a weight part's type does not divide {in_features} features into its blocks")
     if status:
-        raise MemoryError("the ggml linear kernel could not allocate its activations' scratch")
+        raise MemoryError("the ggml linear kernel could not allocate its scratch")
     return y
 
 
@@ -674,6 +692,10 @@ def ggml_rows(type_id: int, data: torch.Tensor, index: torch.Tensor, in_features
     if len(index) and not 0 <= int(index.min()) <= int(index.max()) < data.shape[0]:
         raise IndexError(f"a row index outside [0, {data.shape[0]})")
     out = torch.empty(len(index), in_features)
-    if _lib().ggml_dequantize_rows(type_id, data.data_ptr(), in_features, index.data_ptr(), len(index), out.data_ptr()):
+    status = _lib().ggml_dequantize_rows(type_id, data.data_ptr(), in_features, index.data_ptr(), len(index),
+                                         out.data_ptr())
+    if status == -1:
         raise ValueError(f"ggml type {type_id} with {in_features} features is not served by the kernels")
+    if status:
+        raise MemoryError("the ggml row lookup could not allocate its scratch")
     return out

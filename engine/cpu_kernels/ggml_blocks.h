@@ -30,6 +30,7 @@
 enum {
     GGML_F32 = 0, GGML_F16 = 1, GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8,
     GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14, GGML_BF16 = 30,
+    GGML_X16 = 1000, /* + a type: its rows repacked in groups of 16 (ggml_x16.h), the same bytes a row */
 };
 
 typedef struct { uint16_t d; int8_t qs[QK]; } block_q8_0;
@@ -90,8 +91,9 @@ static inline void k4_scales(const uint8_t *q, uint8_t sc[8], uint8_t mn[8]) {
     memcpy(sc, word, 8), memcpy(mn, word + 2, 8);
 }
 
-/* Bytes per row of K features of a type, 0 for a type not served here or K not a multiple of its block. */
+/* Bytes per row of K features of a type (an x16 type: its file type's), 0 for a type not served here or K not a multiple of its block. */
 static inline int64_t ggml_row_bytes(int type, int64_t K) {
+    if (type == GGML_X16 + GGML_Q4_0 || type == GGML_X16 + GGML_Q4_K || type == GGML_X16 + GGML_Q6_K) type -= GGML_X16;
     switch (type) {
     case GGML_F32: return 4 * K;
     case GGML_F16: case GGML_BF16: return 2 * K;
@@ -110,6 +112,7 @@ static inline int64_t ggml_row_bytes(int type, int64_t K) {
 /* Which activations a type multiplies: float rows, act_q8 blocks or act_q8_K super-blocks. */
 enum { ACT_FLOAT = 0, ACT_Q8 = 1, ACT_Q8_K = 2 };
 static inline int ggml_act(int type) {
+    if (type >= GGML_X16) type -= GGML_X16;
     switch (type) {
     case GGML_Q4_K: case GGML_Q5_K: case GGML_Q6_K: return ACT_Q8_K;
     case GGML_F32: case GGML_F16: case GGML_BF16: return ACT_FLOAT;

@@ -10,7 +10,9 @@
  *
  * Threads split the output columns in groups of GROUP_COLS; a group's weight rows stay in cache while
  * every tile of up to GGML_TILE_ROWS rows of x passes over them, the weight codes of a block unpacked
- * once a tile.
+ * once a tile. On AVX512-VNNI, Q4_0, Q4_K and Q6_K weights are repacked at load into groups of 16 rows
+ * (ggml_x16.h, ggml_x16_pack) that give 16 columns a dot product (ggml_avx512.h); the other paths unpack an
+ * x16 row back to the file's layout before their dot product.
  */
 
 #include <stdlib.h>
@@ -18,21 +20,27 @@
 #include "ggml_blocks.h"
 #include "ggml_generic.h"
 #include "ggml_avx2.h"
+#include "ggml_avx512.h"
+#include "ggml_x16.h"
 #include "kernels.h"
 
 #ifndef GGML_TILE_ROWS
 #define GGML_TILE_ROWS 4
 #endif
-#define GROUP_COLS 8
+#define GROUP_COLS X16
 
-enum { GGML_PATH_GENERIC = 0, GGML_PATH_AVX2 = 1 };
-static int ggml_limit = GGML_PATH_AVX2;
+enum { GGML_PATH_GENERIC = 0, GGML_PATH_AVX2 = 1, GGML_PATH_AVX512 = 2 };
+static int ggml_limit = GGML_PATH_AVX512;
 
-/* Caps the path linear_ggml_f32 may take at `limit` (0 generic, 1 avx2). */
+/* Caps the path linear_ggml_f32 may take at `limit` (0 generic, 1 avx2, 2 avx512-vnni). */
 void ggml_linear_limit(int limit) { ggml_limit = limit; }
 
-/* What linear_ggml_f32 runs on this CPU: GGML_PATH_AVX2 or GGML_PATH_GENERIC. */
+/* What linear_ggml_f32 runs on this CPU: GGML_PATH_AVX512 (AVX2 for the types without x16 kernels),
+ * GGML_PATH_AVX2 or GGML_PATH_GENERIC. */
 int ggml_linear_path(void) {
+#if defined(GGML_AVX512) && defined(GGML_AVX2)
+    if (ggml_limit >= GGML_PATH_AVX512) return GGML_PATH_AVX512;
+#endif
 #ifdef GGML_AVX2
     if (ggml_limit >= GGML_PATH_AVX2) return GGML_PATH_AVX2;
 #endif
@@ -41,6 +49,24 @@ int ggml_linear_path(void) {
 
 /* Bytes of a row of K features of `type`, or 0 where the type is not served (or K does not fit its blocks). */
 int64_t ggml_type_row_bytes(int32_t type, int64_t K) { return ggml_row_bytes(type, K); }
+
+/* The x16 type that a weight of `rows` rows of `type` is repacked into on this path (ggml_x16_pack), or -1 where
+ * it stays in the file's layout: the path has no 16-row kernels, the type no x16 layout, or rows is not a
+ * multiple of 16. */
+int ggml_x16_type_for(int32_t type, int64_t rows) {
+    if (ggml_linear_path() < GGML_PATH_AVX512 || rows % X16) return -1;
+    return ggml_x16_type(type);
+}
+
+/* `rows` rows of K features of `type` (a multiple of 16, a type with an x16 layout) repacked into dst (as many
+ * bytes). Returns 0, or -1 where the type or rows do not fit. */
+int ggml_x16_pack(int32_t type, const uint8_t *src, int64_t rows, int64_t K, uint8_t *dst) {
+    const int64_t row_bytes = ggml_row_bytes(type, K);
+    if (ggml_x16_type(type) < 0 || rows % X16 || row_bytes == 0) return -1;
+#pragma omp parallel for schedule(static) if (rows * K > PARALLEL_MIN)
+    for (int64_t g = 0; g < rows / X16; ++g) x16_pack_group(type, src + g * X16 * row_bytes, K, dst + g * X16 * row_bytes);
+    return 0;
+}
 
 /* ------------------------------------------------------------------------- activation quantization */
 
@@ -150,6 +176,26 @@ static void tile_avx2(int type, const uint8_t *w, const activations *a, int64_t 
 #undef TYPE_CASE
 #endif
 
+#ifdef GGML_AVX512
+/* A group of 16 rows of an x16 type times rows m0 .. m0 + R - 1 of the activations, into out[R][16]. */
+static void tile_x16(int type, const uint8_t *w, const activations *a, int64_t m0, int R, float *out) {
+    const int64_t K = a->K;
+#define ROWS_CASE(KERNEL, ACT, BLOCK)                                                    \
+    switch (R) {                                                                         \
+    case 1: KERNEL(w, a->ACT + m0 * (K / BLOCK), K / BLOCK, 1, K, out); return;          \
+    case 2: KERNEL(w, a->ACT + m0 * (K / BLOCK), K / BLOCK, 2, K, out); return;          \
+    case 3: KERNEL(w, a->ACT + m0 * (K / BLOCK), K / BLOCK, 3, K, out); return;          \
+    default: KERNEL(w, a->ACT + m0 * (K / BLOCK), K / BLOCK, GGML_TILE_ROWS, K, out); return; \
+    }
+    switch (type) {
+    case GGML_X16 + GGML_Q4_0: ROWS_CASE(tile_q4_0_x16, q8, QK)
+    case GGML_X16 + GGML_Q4_K: ROWS_CASE(tile_q4_K_x16, q8_K, QK_K)
+    default: ROWS_CASE(tile_q6_K_x16, q8_K, QK_K)
+    }
+#undef ROWS_CASE
+}
+#endif
+
 /* ------------------------------------------------------------------------------------- the layer */
 
 /* x [M, K] (leading dimension ld_x) times the parts' rows (their output columns one after another),
@@ -157,12 +203,15 @@ static void tile_avx2(int type, const uint8_t *w, const activations *a, int64_t 
  * its blocks do not divide; -3 when the activations' scratch cannot be allocated. */
 int linear_ggml_f32(const float *x, int64_t ld_x, int64_t M, const ggml_part *parts, int64_t num_parts, int64_t K,
                     const float *bias, float *y, int64_t ld_y) {
-    int needs_q8 = 0, needs_q8_K = 0;
-    int64_t N = 0;
+    int needs_q8 = 0, needs_q8_K = 0, any_x16 = 0, failed = 0;
+    int64_t N = 0, max_row_bytes = 0;
     for (int64_t p = 0; p < num_parts; ++p) {
-        if (ggml_row_bytes(parts[p].type, K) == 0) return -1;
+        const int64_t row_bytes = ggml_row_bytes(parts[p].type, K);
+        if (row_bytes == 0 || (ggml_is_x16(parts[p].type) && parts[p].rows % X16)) return -1;
         needs_q8 |= ggml_act(parts[p].type) == ACT_Q8;
         needs_q8_K |= ggml_act(parts[p].type) == ACT_Q8_K;
+        any_x16 |= ggml_is_x16(parts[p].type);
+        max_row_bytes = row_bytes > max_row_bytes ? row_bytes : max_row_bytes;
         N += parts[p].rows;
     }
     if (M == 0 || N == 0) return 0;
@@ -175,7 +224,7 @@ int linear_ggml_f32(const float *x, int64_t ld_x, int64_t M, const ggml_part *pa
         return -3;
     }
     a.q8 = q8, a.q8_K = q8_K;
-    const int avx2 = ggml_linear_path() == GGML_PATH_AVX2;
+    const int path = ggml_linear_path();
     const int64_t groups = (N + GROUP_COLS - 1) / GROUP_COLS;
 #pragma omp parallel if (M * N * K > PARALLEL_MIN)
     {
@@ -184,6 +233,7 @@ int linear_ggml_f32(const float *x, int64_t ld_x, int64_t M, const ggml_part *pa
             if (needs_q8) quantize_row_q8(x + m * ld_x, K, q8 + m * (K / QK));
             if (needs_q8_K) quantize_row_q8_K(x + m * ld_x, K, q8_K + m * (K / QK_K));
         }
+        uint8_t *unpacked = any_x16 ? malloc((size_t)max_row_bytes) : NULL; /* an x16 row in the file's layout */
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; ++g) {
             const int64_t n0 = g * GROUP_COLS, n1 = n0 + GROUP_COLS < N ? n0 + GROUP_COLS : N;
@@ -193,32 +243,76 @@ int linear_ggml_f32(const float *x, int64_t ld_x, int64_t M, const ggml_part *pa
                 while (n0 >= first + parts[p].rows) first += parts[p++].rows;
                 for (int64_t n = n0; n < n1; ++n) {
                     if (n >= first + parts[p].rows) first += parts[p++].rows;
-                    const int type = parts[p].type;
-                    const uint8_t *w = parts[p].data + (n - first) * ggml_row_bytes(type, K);
+                    int type = parts[p].type;
+                    const int64_t row_bytes = ggml_row_bytes(type, K), local = n - first;
+                    const uint8_t *w = parts[p].data + local * row_bytes;
+                    float b = bias != NULL ? bias[n] : 0.0f;
+                    if (ggml_is_x16(type)) {
+                        const uint8_t *group = parts[p].data + (local - local % X16) * row_bytes;
+#ifdef GGML_AVX512
+                        if (path == GGML_PATH_AVX512 && local % X16 == 0 && n + X16 <= n1) {
+                            float out16[GGML_TILE_ROWS * X16];
+                            tile_x16(type, group, &a, m0, R, out16);
+                            for (int c = 0; c < X16; ++c, ++n) {
+                                b = bias != NULL ? bias[n] : 0.0f;
+                                for (int r = 0; r < R; ++r) y[(m0 + r) * ld_y + n] = out16[X16 * r + c] + b;
+                            }
+                            --n;
+                            continue;
+                        }
+#endif
+                        if (unpacked == NULL) continue; /* out of memory: reported after the region */
+                        x16_unpack_row(type, group, (int)(local % X16), K, unpacked);
+                        type = ggml_base_type(type), w = unpacked;
+                    }
                     float out[GGML_TILE_ROWS];
 #ifdef GGML_AVX2
-                    if (avx2) tile_avx2(type, w, &a, m0, R, out);
+                    if (path >= GGML_PATH_AVX2) tile_avx2(type, w, &a, m0, R, out);
                     else
 #endif
                         tile_generic(type, w, &a, m0, R, out);
-                    const float b = bias != NULL ? bias[n] : 0.0f;
                     for (int r = 0; r < R; ++r) y[(m0 + r) * ld_y + n] = out[r] + b;
                 }
             }
         }
+        if (any_x16 && unpacked == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        free(unpacked);
     }
-    (void)avx2;
+    (void)path;
     free(q8);
     free(q8_K);
-    return 0;
+    return failed ? -3 : 0;
 }
 
-/* Rows index[0 .. n - 1] of a [rows, K] weight of `type`, dequantized to float32 into out [n, K]: an embedding
- * lookup. Returns 0, or -1 for a type not served. */
+/* Rows index[0 .. n - 1] of a [rows, K] weight of `type` (x16 types too), dequantized to float32 into out [n, K]:
+ * an embedding lookup. Returns 0, -1 for a type not served, -3 when a row's scratch cannot be allocated. */
 int ggml_dequantize_rows(int32_t type, const uint8_t *data, int64_t K, const int64_t *index, int64_t n, float *out) {
     const int64_t row_bytes = ggml_row_bytes(type, K);
     if (row_bytes == 0) return -1;
+    if (!ggml_is_x16(type)) {
 #pragma omp parallel for schedule(static) if (n * K > PARALLEL_MIN)
-    for (int64_t i = 0; i < n; ++i) dequantize_row(type, data + index[i] * row_bytes, K, out + i * K);
-    return 0;
+        for (int64_t i = 0; i < n; ++i) dequantize_row(type, data + index[i] * row_bytes, K, out + i * K);
+        return 0;
+    }
+    int failed = 0;
+#pragma omp parallel if (n * K > PARALLEL_MIN)
+    {
+        uint8_t *row = malloc((size_t)row_bytes);
+        if (row == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n; ++i) {
+            if (row == NULL) continue;
+            const int64_t g = index[i] / X16;
+            x16_unpack_row(type, data + g * X16 * row_bytes, (int)(index[i] % X16), K, row);
+            dequantize_row(ggml_base_type(type), row, K, out + i * K);
+        }
+        free(row);
+    }
+    return failed ? -3 : 0;
 }

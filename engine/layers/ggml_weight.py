@@ -5,6 +5,8 @@ A ``GGMLWeight`` is a ``[N, K]`` weight as one or more parts of consecutive outp
 kernel multiplies the blocks in place (``cpu_kernels.linear_ggml``, ``linear_ggml.c``): x is quantized to int8
 blocks as llama.cpp does and the products are integer sums, so a layer reads its weights' bytes and nothing
 more. ``GGML_NATIVE`` lists the types served so; a model's tensors of other types are dequantized at load.
+On the AVX512-VNNI path, Q4_0, Q4_K and Q6_K parts are repacked once, here, into groups of 16 rows in the same
+bytes (``cpu_kernels.ggml_repacked``), which that path multiplies 16 columns at a time.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ GGML_NATIVE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4
 
 
 class GGMLPart(NamedTuple):
-    """``rows`` consecutive output rows of one ggml type: ``data`` uint8 ``[rows, row bytes]``."""
+    """``rows`` consecutive output rows of one ggml type: ``data`` uint8 ``[rows, row bytes]`` (as the file stores
+    them; a ``GGMLWeight``'s own parts hold them in the kernels' layout)."""
 
     type_name: str
     data: torch.Tensor
@@ -48,10 +51,12 @@ class GGMLWeight:
                     f"a {part.type_name} part of {in_features} features needs contiguous uint8 rows of {expected} "
                     f"bytes; got {part.data.dtype} {list(part.data.shape)}"
                 )
-        self.parts = tuple(parts)
+        laid_out = [cpu_kernels.ggml_repacked(TYPE_IDS[p.type_name], p.data, in_features) for p in parts]
+        self.parts = tuple(GGMLPart(p.type_name, data) for p, (_, data) in zip(parts, laid_out))
+        self._type_ids = [type_id for type_id, _ in laid_out]  # the kernels' ids: an x16 one for a repacked part
         self.in_features = in_features
         self.out_features = sum(part.data.shape[0] for part in parts)
-        self.c_parts = cpu_kernels.ggml_parts([(TYPE_IDS[p.type_name], p.data) for p in parts])
+        self.c_parts = cpu_kernels.ggml_parts(laid_out)
 
     @classmethod
     def from_numpy(cls, parts: list[tuple[str, np.ndarray]], in_features: int) -> GGMLWeight:
@@ -81,12 +86,11 @@ class GGMLWeight:
             raise IndexError(f"a row index outside [0, {self.out_features})")
         out = torch.empty(len(index), self.in_features)
         first = 0
-        for part in self.parts:
+        for part, type_id in zip(self.parts, self._type_ids):
             rows = part.data.shape[0]
             inside = (index >= first) & (index < first + rows)
             if bool(inside.any()):
-                out[inside] = cpu_kernels.ggml_rows(TYPE_IDS[part.type_name], part.data, index[inside] - first,
-                                                    self.in_features)
+                out[inside] = cpu_kernels.ggml_rows(type_id, part.data, index[inside] - first, self.in_features)
             first += rows
         return out
 

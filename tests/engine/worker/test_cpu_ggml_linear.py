@@ -19,6 +19,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from engine import cpu_kernels
 from engine.layers.ggml_weight import GGML_NATIVE, GGMLPart, GGMLWeight
+from engine.model_files.gguf import TYPE_IDS
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler for the CPU kernels")
 
@@ -94,9 +95,11 @@ def _largest(reference: np.ndarray) -> float:
 
 @pytest.mark.parametrize("type_name", GGML_NATIVE)
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])
-def test_matmul_equals_float64_of_the_dequantized_weight(path: str, type_name: str, rows: int) -> None:
-    """Batch 1 and batched (tiles of 1-4 rows of x), 37 output columns (groups of 8 and a remainder), a bias."""
-    features, out = 512, 37
+@pytest.mark.parametrize("out", [37, 48])
+def test_matmul_equals_float64_of_the_dequantized_weight(path: str, type_name: str, rows: int, out: int) -> None:
+    """Batch 1 and batched (tiles of 1-4 rows of x), a bias; 48 output columns (on AVX512-VNNI, Q4_0, Q4_K and Q6_K
+    repacked in groups of 16) or 37 (groups of 16 and a remainder, the file's layout)."""
+    features = 512
     raw = random_rows(type_name, out, features)
     reference_w = dequantized(type_name, raw, features)
     x = np.random.default_rng(5).standard_normal((rows, features)).astype(np.float32)
@@ -119,12 +122,13 @@ def test_legacy_types_take_any_multiple_of_32_features(path: str, type_name: str
     assert np.abs(y - expected).max() <= 1e-5 * _largest(expected)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0", "BF16"])
-def test_a_row_of_x_gives_the_same_bits_alone_and_batched(path: str, type_name: str) -> None:
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q4_0", "Q8_0", "BF16"])
+@pytest.mark.parametrize("out", [21, 32])
+def test_a_row_of_x_gives_the_same_bits_alone_and_batched(path: str, type_name: str, out: int) -> None:
     """x's rows are quantized one by one and every output computed by the same steps, so a request's results do
-    not depend on the rows it is batched with."""
+    not depend on the rows it is batched with (32 columns: two groups of 16 on AVX512-VNNI)."""
     features = 768
-    weight = weight_of(type_name, random_rows(type_name, 21, features, seed=4), features)
+    weight = weight_of(type_name, random_rows(type_name, out, features, seed=4), features)
     x = torch.from_numpy(np.random.default_rng(7).standard_normal((11, features)).astype(np.float32))
     batched = weight.matmul(x, None)
     for r in range(len(x)):
@@ -132,45 +136,70 @@ def test_a_row_of_x_gives_the_same_bits_alone_and_batched(path: str, type_name: 
     assert torch.equal(weight.matmul(x[3:7], None), batched[3:7])
 
 
-def test_the_paths_agree(tmp_path) -> None:
-    """Where the CPU has AVX2, its path and plain C give the same outputs up to float32's summation order."""
+def test_the_paths_agree(path: str) -> None:
+    """Each vector path and plain C give the same outputs up to float32's summation order; a weight laid out for
+    one path (repacked in groups of 16 on AVX512-VNNI) gives every path's own outputs, bit for bit."""
+    if path == "generic":
+        pytest.skip("the reference path")
     lib = cpu_kernels.library()
-    if "avx2" not in cpu_kernels.GGML_LINEAR_PATHS or cpu_kernels.ggml_linear_path() != "avx2":
-        pytest.skip("no AVX2 path here")
     x = torch.from_numpy(np.random.default_rng(8).standard_normal((5, 512)).astype(np.float32))
+    top = cpu_kernels.GGML_LINEAR_PATHS.index(path)
     for type_name in GGML_NATIVE:
-        weight = weight_of(type_name, random_rows(type_name, 16, 512, seed=9), 512)
+        raw = random_rows(type_name, 32, 512, seed=9)
+        weight = weight_of(type_name, raw, 512)
+        repacked = path == "avx512-vnni" and type_name in ("Q4_0", "Q4_K", "Q6_K")
+        assert weight.c_parts[0].type == TYPE_IDS[type_name] + (1000 if repacked else 0)
         fast = weight.matmul(x, None)
-        lib.ggml_linear_limit(0)
+        outputs = {}
         try:
-            plain = weight.matmul(x, None)
+            for lower in range(top):
+                lib.ggml_linear_limit(lower)
+                outputs[lower] = (weight.matmul(x, None), weight_of(type_name, raw, 512).matmul(x, None))
         finally:
-            lib.ggml_linear_limit(1)
+            lib.ggml_linear_limit(top)
+        plain = outputs[0][1]
         torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5 * float(plain.abs().max()), msg=type_name)
+        for lower, (laid_out_here, own) in outputs.items():
+            assert torch.equal(laid_out_here, own), (type_name, lower)
 
 
 def test_parts_of_different_types_are_one_weight(path: str) -> None:
     """A fused weight whose shards differ in type (Q4_K rows, then Q6_K, then Q8_0) equals its parts side by
     side, and looks up rows across the parts."""
     features = 256
-    shards = [("Q4_K", 12), ("Q6_K", 9), ("Q8_0", 3)]
+    shards = [("Q4_K", 32), ("Q6_K", 16), ("Q4_0", 16), ("Q8_0", 3)]
     raws = [random_rows(name, rows, features, seed=i) for i, (name, rows) in enumerate(shards)]
     weight = GGMLWeight.from_numpy([(name, raw) for (name, _), raw in zip(shards, raws)], features)
-    assert (weight.out_features, weight.kind) == (24, "Q4_K+Q6_K+Q8_0")
+    assert (weight.out_features, weight.kind) == (67, "Q4_K+Q6_K+Q4_0+Q8_0")
     x = torch.from_numpy(np.random.default_rng(10).standard_normal((3, features)).astype(np.float32))
     fused = weight.matmul(x, None)
     alone = torch.cat([weight_of(name, raw, features).matmul(x, None) for (name, _), raw in zip(shards, raws)], 1)
     assert torch.equal(fused, alone)
-    index = torch.tensor([0, 23, 12, 20, 21, 5])
+    index = torch.tensor([0, 66, 12, 40, 21, 5, 63, 50])
     full = np.concatenate([dequantized(name, raw, features) for (name, _), raw in zip(shards, raws)])
     assert np.array_equal(weight.rows(index).numpy(), full[index.numpy()].astype(np.float32))
 
 
+def test_a_repacked_part_off_a_group_boundary_is_served(path: str) -> None:
+    """A part whose rows do not start on a group of 16 columns (after 3 Q8_0 rows) runs a row at a time, within
+    the float64 reference's bound."""
+    features = 256
+    shards = [("Q8_0", 3), ("Q4_0", 16), ("Q6_K", 32)]
+    raws = [random_rows(name, rows, features, seed=12 + i) for i, (name, rows) in enumerate(shards)]
+    weight = GGMLWeight.from_numpy([(name, raw) for (name, _), raw in zip(shards, raws)], features)
+    x = np.random.default_rng(13).standard_normal((2, features)).astype(np.float32)
+    y = weight.matmul(torch.from_numpy(x), None).numpy()
+    expected = np.concatenate([int8_activations(x, name) @ dequantized(name, raw, features).T
+                               for (name, _), raw in zip(shards, raws)], 1)  # fmt: skip
+    assert np.abs(y - expected).max() <= 1e-5 * _largest(expected)
+
+
 @pytest.mark.parametrize("type_name", GGML_NATIVE)
-def test_rows_dequantize_as_gguf_py(type_name: str) -> None:
-    """An embedding lookup gives gguf-py's float32 weights exactly, in any order, repeats included."""
-    raw = random_rows(type_name, 10, 256, seed=11)
-    index = torch.tensor([9, 0, 3, 3, 7])
+def test_rows_dequantize_as_gguf_py(path: str, type_name: str) -> None:
+    """An embedding lookup gives gguf-py's float32 weights exactly, in any order, repeats included (of a weight
+    repacked in groups of 16 too)."""
+    raw = random_rows(type_name, 32, 256, seed=11)
+    index = torch.tensor([9, 0, 3, 3, 7, 31, 16, 17])
     expected = dequantized(type_name, raw, 256)[index.numpy()].astype(np.float32)
     assert np.array_equal(weight_of(type_name, raw, 256).rows(index).numpy(), expected)
 

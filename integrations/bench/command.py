@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         default=None,
         metavar="DIR",
-        help="the llama.cpp build whose bin/llama-bench and bin/llama-server --baselines llamacpp runs "
+        help="the llama.cpp build whose bin/llama-bench (batch1) or bin/llama-server (the rest) --baselines llamacpp runs "
         f"(default: ${llamacpp_runs.DIR_ENV_VAR}, else {llamacpp_runs.DEFAULT_DIR})",
     )
     parser.add_argument(
@@ -180,7 +180,8 @@ def run(args: argparse.Namespace) -> int:
             skipped["llama.cpp"] = llamacpp_runs.SKIP_HF_DIR
             logger.warning("llama.cpp skipped: %s", llamacpp_runs.SKIP_HF_DIR)
         else:
-            llamacpp = llamacpp_runs.find_llamacpp(args.llamacpp_dir)
+            tool = llamacpp_runs.BENCH_TOOL if args.workload == BATCH1 else llamacpp_runs.SERVER_TOOL
+            llamacpp = llamacpp_runs.find_llamacpp(args.llamacpp_dir, (tool,))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     import transformers

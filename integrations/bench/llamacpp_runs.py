@@ -32,6 +32,7 @@ from integrations.engine_flags import FlagError
 from integrations.errors import CommandError
 
 LLAMACPP = "llamacpp"  # its name in --baselines
+BENCH_TOOL, SERVER_TOOL = "llama-bench", "llama-server"  # the binaries under bin/
 DIR_ENV_VAR = "PAGED_LLAMACPP_DIR"
 DEFAULT_DIR = Path("~/.cache/paged-peers/llama.cpp")
 BUILD_HINT = (
@@ -60,11 +61,11 @@ class LlamaCpp:
 
     @property
     def bench(self) -> Path:
-        return self.bin_dir / "llama-bench"
+        return self.bin_dir / BENCH_TOOL
 
     @property
     def server(self) -> Path:
-        return self.bin_dir / "llama-server"
+        return self.bin_dir / SERVER_TOOL
 
     def version(self) -> str:
         """The build's ``--version`` line (``version: 1234 (abcdef0)``), or ``unknown``."""
@@ -76,18 +77,19 @@ class LlamaCpp:
         return lines[0].removeprefix("version:").strip() if lines else "unknown"
 
 
-def find_llamacpp(path: Path | None) -> LlamaCpp:
-    """llama.cpp's build under ``path``, else ``$PAGED_LLAMACPP_DIR``, else ``DEFAULT_DIR``.
+def find_llamacpp(path: Path | None, tools: tuple[str, ...] = (BENCH_TOOL, SERVER_TOOL)) -> LlamaCpp:
+    """llama.cpp's build under ``path``, else ``$PAGED_LLAMACPP_DIR``, else ``DEFAULT_DIR``, holding ``tools``
+    (the binaries the run needs: llama-bench for batch1, llama-server for the offline workloads).
 
     Raises:
-        LlamaCppMissing: no executable ``bin/llama-bench`` and ``bin/llama-server`` there.
+        LlamaCppMissing: one of ``tools`` is not an executable in ``bin/`` there.
     """
     source = "--llamacpp-dir"
     if path is None:
         env = os.environ.get(DIR_ENV_VAR)
         path, source = (Path(env), f"${DIR_ENV_VAR}") if env else (DEFAULT_DIR, "the default")
     build = LlamaCpp(path.expanduser() / "bin")
-    missing = [p.name for p in (build.bench, build.server) if not (p.is_file() and os.access(p, os.X_OK))]
+    missing = [name for name in tools if not ((p := build.bin_dir / name).is_file() and os.access(p, os.X_OK))]
     if missing:
         raise LlamaCppMissing(
             f"--llamacpp-dir: no {' or '.join(missing)} in {str(build.bin_dir)!r} ({source}); {BUILD_HINT}"

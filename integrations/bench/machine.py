@@ -7,7 +7,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx")  # in machine_info; "amx" stands for any amx_* flag
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx")  # in machine_info; "amx": any amx_* flag
 
 
 def machine_info() -> dict[str, Any]:

@@ -141,7 +141,7 @@ def test_structured_workload_reports_mask_cost_and_validity(tiny_dir: Path, tmp_
         "mask_share_of_step", "mask_share_from_ratio", "valid_fraction", "output_tokens",
     }
     assert structured["valid_fraction"] == 1.0 and structured["num_requests"] == 4
-    assert set(report["machine"]["cpu_flags"]) <= {"avx2", "avx512f", "avx512_bf16", "amx"}
+    assert set(report["machine"]["cpu_flags"]) <= {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx"}
     assert structured["output_tokens"]["max"] < 256
     assert structured["ratio"] == pytest.approx(constrained["ratio_to_engine"])
     assert structured["tokens_per_s"]["unconstrained"] == pytest.approx(plain["tokens_per_s"])

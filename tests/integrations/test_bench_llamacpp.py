@@ -123,6 +123,16 @@ def test_missing_binaries_are_a_usage_error_naming_the_folder(tmp_path: Path, mo
         find_llamacpp(None)
 
 
+def test_only_the_binary_a_run_needs_is_required(fake_llamacpp: Path) -> None:
+    """A build with llama-bench alone serves batch1; asked for llama-server, it names just that one."""
+    (fake_llamacpp / "bin" / "llama-server").unlink()
+    assert find_llamacpp(fake_llamacpp, (llamacpp_runs.BENCH_TOOL,)) == LlamaCpp(fake_llamacpp / "bin")
+    with pytest.raises(LlamaCppMissing, match=r"no llama-server in .*bin'"):
+        find_llamacpp(fake_llamacpp, (llamacpp_runs.SERVER_TOOL,))
+    with pytest.raises(LlamaCppMissing, match=r"no llama-server in"):
+        find_llamacpp(fake_llamacpp)
+
+
 def test_binaries_come_from_the_flag_then_the_environment(fake_llamacpp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--llamacpp-dir wins; without it $PAGED_LLAMACPP_DIR; the build reports its version."""
     monkeypatch.setenv(llamacpp_runs.DIR_ENV_VAR, str(fake_llamacpp))
@@ -245,11 +255,12 @@ def test_batch1_compares_with_llamacpp_alone(tiny_gguf: Path, capsys: pytest.Cap
 
 
 def test_llamacpp_without_binaries_is_a_usage_error(tiny_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """Missing binaries stop the run before anything loads, exit status 2, the message naming --llamacpp-dir."""
+    """Missing binaries stop the run before anything loads, exit status 2, the message naming --llamacpp-dir and
+    the one binary the workload runs (llama-server for shared-prefix)."""
     with pytest.raises(SystemExit) as exc:
         main(["bench", "--model", str(tiny_gguf), "--compare", "--baselines", "llamacpp", "--llamacpp-dir",
               str(tmp_path / "none"), "--no-progress"])  # fmt: skip
-    assert exc.value.code == 2 and "--llamacpp-dir: no llama-bench or llama-server" in capsys.readouterr().err
+    assert exc.value.code == 2 and "--llamacpp-dir: no llama-server in" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------- the real binaries, when built

@@ -694,6 +694,7 @@ class Engine:
             **self.spec_stats.snapshot(),
             "kv_token_usage": kv.token_utilization,
             "kv_evictions": kv.num_evictions,
+            **self._encoder_stats(),
             "tenant_requests": {
                 tenant or "": {"running": running, "waiting": waiting}
                 for tenant, (running, waiting) in fair.tenant_requests().items()
@@ -709,6 +710,14 @@ class Engine:
             "attention": self.runner.attention,
             # what runs the decoder layers: "one C call a step" (DecoderPlan) or "modules" (enforce_eager, GPU, ...)
             "layers": self.runner.layers,
+        }
+
+    def _encoder_stats(self) -> dict[str, int]:
+        """Images the vision encoder ran on, and images whose rows came from the encoder cache (0 for a text model)."""
+        cache = getattr(self.runner, "encoder_cache", None)
+        return {
+            "mm_encoder_runs": 0 if cache is None else cache.num_encoded,
+            "mm_encoder_cache_hits": 0 if cache is None else cache.num_hits,
         }
 
 

@@ -148,6 +148,8 @@ def test_prefix_cache_and_encoder_cache_are_keyed_by_the_image(model_dir, refere
     hits = cache.num_hits
     run(other, a)  # its image blocks follow other text: computed again, from the cached embeddings
     assert cache.num_encoded == 2 and cache.num_hits == hits + 1
+    stats = engine.stats()
+    assert (stats["mm_encoder_runs"], stats["mm_encoder_cache_hits"]) == (2, hits + 1)
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
     engine.kv.check_integrity()
 

@@ -23,6 +23,7 @@ from typing import Any, Required, TypedDict
 
 from engine import debug_log
 from engine.config import EngineConfig, step_token_budget
+from engine.core.encoder_budget import EncoderBudget
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput
@@ -130,7 +131,9 @@ class Engine:
         self.drafter = Drafter(spec) if spec is not None else None
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec is not None else 0)
         propose = self.drafter.propose if self.drafter is not None else None
-        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, budget, propose)
+        encoder_cache = getattr(self.runner, "encoder_cache", None)
+        encoder_budget = None if encoder_cache is None else EncoderBudget(budget, encoder_cache.__contains__)
+        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, budget, propose, encoder_budget)
         self.sampler = Sampler(self.vocab_size, self.runner.device, seed=self.config.seed)
         self.eos_token_ids = eos_token_ids(self.model_dir, self.runner.hf_config, self.tokenizer)
         # NOTE: thread-safe; xgrammar loads on the first constrained request.

@@ -154,6 +154,26 @@ def test_prefix_cache_and_encoder_cache_are_keyed_by_the_image(model_dir, refere
     engine.kv.check_integrity()
 
 
+def test_a_step_encodes_images_within_its_token_budget(model_dir, reference) -> None:
+    """Requests whose prefill chunks reach their images in one step: at 44 tokens a step two images' 50 rows do not
+    fit, so the second image waits a step (vLLM's encoder budget); without the budget both encode in one step. The
+    tokens are transformers' either way."""
+    processor, generate = reference
+    prompts = [(chat(processor, "Q" * (3 * i + 1), picture(30 + i), "what?"), [picture(30 + i)]) for i in range(3)]
+    expected = [generate(text, images) for text, images in prompts]
+    for budgeted, batches_expected in ((True, [1, 1, 1]), (False, [2, 1])):
+        engine = make_engine(model_dir, max_num_batched_tokens=44)
+        if not budgeted:
+            engine.scheduler.encoder_budget = None
+        batches: list[int] = []
+        encode = engine.runner.model.encode_images
+        engine.runner.model.encode_images = lambda pixels: (batches.append(len(pixels)), encode(pixels))[1]
+        outs = engine.generate([request(text, images) for text, images in prompts], GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert batches == batches_expected  # images encoded per step
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
 def test_image_hash_is_the_content(model_dir) -> None:
     assert image_hash(picture(5)) == image_hash(picture(5).copy())
     assert image_hash(picture(5)) != image_hash(picture(6))

@@ -10,8 +10,8 @@ A chat with images (a model with an ``ImageLayout``) is rendered with the image 
 placeholder expanded to the image's run of tokens, as the engine lays the prompt out; the blocks
 holding an image's tokens take the image's key as the engine's do (``block_image_keys``). That key is
 a digest of the ``image_url`` part's URL, not the engine's ``image_hash`` of the pixels: decoding
-every image in the ingress (8 ms for a 336-pixel PNG, 100+ ms for a photo, on the ingress's quarter
-CPU) would cost what the replica spends again. So the same image sent again (the same data URL, or
+every image in the ingress (8 ms for a 336x336 PNG, over 100 ms for a 2048x1536 JPEG on one core;
+the ingress has a quarter of a CPU) would cost what the replica spends again. So the same image sent again (the same data URL, or
 the same remote URL) routes where it went before, by the router's memory of what it sent where; the
 text before the first image still matches the blocks replicas report cached, the blocks from the
 image on never do (the engine hashes them by pixels).

@@ -78,8 +78,8 @@ def _time(runner: ModelRunner, step: SchedulerOutput, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _time_formats(runners: list[ModelRunner], step: SchedulerOutput, repeats: int) -> list[float]:
-    """Median step time of each runner, the runners taking turns each round (the first round warms up)."""
+def _time_rounds(runners: list[ModelRunner], step: SchedulerOutput, repeats: int) -> list[list[float]]:
+    """Each runner's step time in each round, the runners taking turns each round (the first round warms up)."""
     times: list[list[float]] = [[] for _ in runners]
     for repeat in range(repeats + 1):
         for runner, spent in zip(runners, times):
@@ -87,7 +87,12 @@ def _time_formats(runners: list[ModelRunner], step: SchedulerOutput, repeats: in
             runner.execute_model(step)
             if repeat:
                 spent.append(time.perf_counter() - start)
-    return [statistics.median(spent) for spent in times]
+    return times
+
+
+def _time_formats(runners: list[ModelRunner], step: SchedulerOutput, repeats: int) -> list[float]:
+    """Median step time of each runner over ``_time_rounds``."""
+    return [statistics.median(spent) for spent in _time_rounds(runners, step, repeats)]
 
 
 def _time_pair(runner: ModelRunner, step: SchedulerOutput, repeats: int) -> tuple[float, float]:

@@ -2,26 +2,32 @@
 
 Both are random-weight models of ``--layers`` layers and ``--hidden`` features: the MoE one has ``--experts``
 experts of ``--expert-intermediate`` a layer, ``--top-k`` a token; the dense one an MLP of ``top_k x
-expert-intermediate``, so a token multiplies as many weights in each. The dense model runs twice: on the
-one-C-call decoder plan (as it serves) and on the modules (``enforce_eager``, the path the MoE layers take).
-All runners are loaded first and each step is timed on them in turn, round after round (``bench_forward``'s
-protocol), so the ``vs dense`` ratios compare them under the same load.
+expert-intermediate``, so a token multiplies as many weights in each. Each model runs twice: on the
+one-C-call decoder plan (as it serves) and on the modules (``enforce_eager``). All runners are loaded first and
+each step is timed on them in turn, round after round: ``forward ms`` is the median of the rounds, ``vs dense``
+the median over rounds of the dense plan's time over the runner's in the same round, so a change of load between
+rounds does not move it; the load average before and after and the CPU's vector flags are printed with it.
 
     python benchmarks/bench_moe.py                       # hidden 1024, 8 experts top-2 of 1024, 8 layers
     python benchmarks/bench_moe.py --batches 1,16,64 --formats float32,bfloat16,float32:int8
+    python benchmarks/bench_moe.py --threads 1          # on a shared machine: no thread waits at a barrier
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import tempfile
 from pathlib import Path
 
 import torch
-from bench_forward import _decode_step, _prefill_step, _save_random, _time_formats
+from bench_forward import _decode_step, _prefill_step, _save_random, _time_rounds
 
 from engine.config import EngineConfig
 from engine.worker.model_runner import ModelRunner
+
+_CPU_FLAGS = {"avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile"}
 
 
 def main() -> None:
@@ -37,7 +43,10 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256, help="context length of every decode sequence")
     parser.add_argument("--prefill", type=int, default=256, help="tokens of the prefill step (0: skip)")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (the kernels' too)")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     import transformers
 
     shape = dict(
@@ -47,6 +56,9 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     block_size = 16
     needed = max(batches) * -(-args.context // block_size) + -(-args.prefill // block_size)
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = sorted(_CPU_FLAGS & set(cpuinfo.read_text().split())) if cpuinfo.exists() else []
+    print(f"load average {os.getloadavg()[0]:.2f} (1 min) before; CPU flags: {' '.join(flags)}")
     print(
         f"threads={torch.get_num_threads()} hidden={args.hidden} layers={args.layers} experts={args.experts} "
         f"top_k={args.top_k} expert_intermediate={args.expert_intermediate} vocab={args.vocab} "
@@ -70,7 +82,7 @@ def main() -> None:
         for fmt in args.formats.split(","):
             dtype, _, quantization = fmt.partition(":")
             for model, path, eager in (("dense", dense_dir, False), ("dense modules", dense_dir, True),
-                                       ("moe", moe_dir, False)):
+                                       ("moe", moe_dir, False), ("moe modules", moe_dir, True)):
                 config = EngineConfig(
                     dtype=dtype, block_size=block_size, num_blocks=needed, quantization=quantization or None,
                     enforce_eager=eager,
@@ -81,11 +93,13 @@ def main() -> None:
         if args.prefill:
             steps.append((f"prefill {args.prefill}", args.prefill, _prefill_step(args.prefill, block_size)))
         for label, tokens, step in steps:
-            times = _time_formats(runners, step, args.repeats)
-            for i, ((fmt, model), seconds) in enumerate(zip(names, times)):
-                dense = times[i - i % 3]  # the format's dense runner on the decoder plan
-                print(f"| {fmt} | {model} | {label} | {seconds * 1e3:.1f} | {tokens / seconds:.0f} "
-                      f"| {dense / seconds:.2f}x |")
+            rounds = _time_rounds(runners, step, args.repeats)
+            for i, ((fmt, model), spent) in enumerate(zip(names, rounds)):
+                dense = rounds[i - i % 4]  # the format's dense runner on the decoder plan
+                seconds = statistics.median(spent)
+                ratio = statistics.median(d / t for d, t in zip(dense, spent))
+                print(f"| {fmt} | {model} | {label} | {seconds * 1e3:.1f} | {tokens / seconds:.0f} | {ratio:.2f}x |")
+    print(f"load average {os.getloadavg()[0]:.2f} (1 min) after")
 
 
 if __name__ == "__main__":

@@ -140,8 +140,9 @@ class Engine:
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.structured_output = StructuredOutputManager(self.vocab_size)
         # NOTE: a sequence never outgrows max_model_len nor what the whole KV cache holds of one request
-        # (sliding-window layers hold their windows only: with no full-attention layer, any length).
-        self.max_num_tokens = self.kv.max_num_tokens(self.max_model_len, budget)
+        # (sliding-window layers hold their windows only: with no full-attention layer, any length; the
+        # scheduler cuts a prefill chunk to what they hold, down to one token a step).
+        self.max_num_tokens = self.kv.max_num_tokens(self.max_model_len, max_chunk=1)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.request_stats = RequestStats()
         debug_log.configure_from_env()

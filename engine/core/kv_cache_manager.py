@@ -185,6 +185,35 @@ class KVCacheManager:
                 high = mid - 1
         return low
 
+    @property
+    def has_sliding_groups(self) -> bool:
+        """Whether a group releases the blocks behind its window (so a shorter step now needs fewer blocks)."""
+        return bool(self._sliding_groups)
+
+    def num_tokens_that_fit(
+        self, req_id: str, num_computed_tokens: int, num_new_tokens: int, computed: ComputedBlocks | None = None
+    ) -> int:
+        """The most of ``num_new_tokens`` that ``allocate_slots`` (same arguments) can place now: up to the last
+        block the free blocks cover in every group, counting those each sliding group releases first (a running
+        request's blocks behind its window that no other table holds) and, for a new request, less the
+        evictable hit blocks it revives; 0 when not one more block fits."""
+        pool = self.block_pool
+        state = self._requests.get(req_id)
+        if state is not None:
+            num_blocks = len(state.tables[0])
+            available = pool.num_free_blocks
+            for group, window in self._sliding_groups:
+                table = state.tables[group]
+                stop = min(max(num_computed_tokens - window + 1, 0) // self.block_size, len(table))
+                available += sum(pool.blocks[i].ref_cnt == 1 for i in table[state.num_released[group] : stop])
+        else:
+            tables = computed.block_ids if computed is not None else self._no_blocks
+            num_blocks = num_computed_tokens // self.block_size
+            revived = sum(pool.blocks[i].ref_cnt == 0 for table in tables for i in table if i != NULL_BLOCK)
+            available = pool.num_free_blocks - revived
+        most = (num_blocks + max(available, 0) // self.num_groups) * self.block_size - num_computed_tokens
+        return max(min(num_new_tokens, most), 0)
+
     def get_computed_blocks(
         self, req_id: str, token_ids: Sequence[int], cache_salt: str | None = None,
         mm_spans: Sequence[MultiModalSpan] = (),

@@ -15,6 +15,9 @@ Queues::
 
 Out of seats or blocks, a waiting request preempts the last running one when it has a
 better priority, or takes a seat from a tenant over its fair share (``FairShare.victim_for``).
+With sliding-window layers, a prefill chunk the free blocks cannot hold is first cut to what
+they can (the windows release blocks as the prompt advances); only a chunk of which not one
+block fits preempts.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 
 from engine.core.encoder_budget import EncoderBudget
 from engine.core.fair_share import FairShare
-from engine.core.kv_cache_manager import BlockTables, KVCacheManager
+from engine.core.kv_cache_manager import BlockTables, ComputedBlocks, KVCacheManager
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.request import Request, RequestStatus
 
@@ -164,6 +167,8 @@ class Scheduler:
                     i += 1
                     continue
                 block_ids = self._allocate(request, num_new)
+                if block_ids is None and (cut := self._cut(request.req_id, start, num_new)):
+                    num_new, block_ids = cut, self._allocate(request, cut)
             while block_ids is None:
                 victim = running[-1]
                 if victim is request and i == 0:
@@ -209,15 +214,10 @@ class Scheduler:
             num_new = self._encoder_cut(request, computed.num_computed_tokens, num_new)
             if num_new == 0:
                 break  # its next tokens reach an image this step cannot encode: a later step admits it
-            block_ids = self.kv.allocate_slots(
-                request.req_id,
-                request.all_token_ids,
-                computed.num_computed_tokens,
-                num_new,
-                computed=computed,
-                cache_salt=request.cache_salt,
-                mm_spans=request.mm_spans,
-            )
+            block_ids = self._admit(request, computed, num_new)
+            start = computed.num_computed_tokens
+            if block_ids is None and (cut := self._cut(request.req_id, start, num_new, computed)):
+                num_new, block_ids = cut, self._admit(request, computed, cut)
             if block_ids is None:
                 if not running:  # nothing will ever free blocks for it (pinned prefixes hold them)
                     self._finish(request, RequestStatus.FINISHED_LENGTH_CAPPED)
@@ -323,6 +323,21 @@ class Scheduler:
         if self.encoder_budget is None or not request.mm_spans or num_new <= 0:
             return num_new
         return self.encoder_budget.cut(request.mm_spans, start, num_new)
+
+    def _cut(self, req_id: str, start: int, num_new: int, computed: ComputedBlocks | None = None) -> int:
+        """A shorter prefill chunk the cache can hold now where the whole one did not fit: with sliding-window
+        groups, which release blocks as the prompt advances, later chunks reuse what earlier ones free, so
+        a cut chunk goes on instead of preempting or refusing; 0 without such groups (full attention needs
+        every block in the end, so a chunk preempts for its room as before) or where not one block fits."""
+        if not self.kv.has_sliding_groups:
+            return 0
+        return self.kv.num_tokens_that_fit(req_id, start, num_new, computed)
+
+    def _admit(self, request: Request, computed: ComputedBlocks, num_new: int) -> BlockTables | None:
+        return self.kv.allocate_slots(
+            request.req_id, request.all_token_ids, computed.num_computed_tokens, num_new, computed=computed,
+            cache_salt=request.cache_salt, mm_spans=request.mm_spans,
+        )
 
     def _allocate(self, request: Request, num_new: int) -> BlockTables | None:
         return self.kv.allocate_slots(

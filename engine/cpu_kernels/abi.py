@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ctypes
 
-ABI_VERSION = 2  # decoder.c's ABI_VERSION
+ABI_VERSION = 3  # decoder.c's ABI_VERSION
 
 
 class LinearPlan(ctypes.Structure):
@@ -31,6 +31,7 @@ class LayerPlan(ctypes.Structure):
         ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
         ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
         ("qkv", LinearPlan), ("o", LinearPlan), ("gate_up", LinearPlan), ("down", LinearPlan),
+        ("router", ctypes.c_void_p), ("experts", ctypes.c_void_p),
     ]  # fmt: skip
 
 
@@ -44,6 +45,8 @@ class DecoderPlan(ctypes.Structure):
             "max_positions", "block_size", "num_blocks", "window",
         )],
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kv_bf16", ctypes.c_int32),
+        ("renormalize", ctypes.c_int32), ("num_experts", ctypes.c_int64), ("top_k", ctypes.c_int64),
+        ("expert_intermediate", ctypes.c_int64),
     ]  # fmt: skip
 
 

@@ -3,9 +3,10 @@
 - ``SafetensorsCheckpoint``: a Hugging Face directory's ``*.safetensors``; a tensor comes back in its stored
   dtype (bfloat16 stays bfloat16), read with plain file reads into its own buffer.
 - ``GGUFCheckpoint``: a GGUF file under Hugging Face names (``model.layers.3.self_attn.q_proj.weight`` is
-  ``blk.3.attn_q.weight``, by ``gguf_arch``'s names); ``blocks`` gives a tensor's rows as the file stores them
-  (ggml's types, llama.cpp's reordering of query and key rows undone), ``tensor`` its float values (Gemma's norm
-  weights with the 1 llama.cpp adds taken off).
+  ``blk.3.attn_q.weight``, by ``gguf_arch``'s names; expert E's weight is expert E's rows of the layer's 3-D
+  ``ffn_*_exps`` tensor, or in older files its own ``ffn_*.E``); ``blocks`` gives a tensor's rows as the file
+  stores them (ggml's types, llama.cpp's reordering of query and key rows undone), ``tensor`` its float values
+  (Gemma's norm weights with the 1 llama.cpp adds taken off).
 
 Neither maps the file, so loading a model costs the memory of what is kept, not of the file as well.
 """
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 from engine.model_files.gguf import GGUFFile, TensorInfo
-from engine.model_files.gguf_arch import TOP_NAMES, layer_names, norms_stored_plus_one
+from engine.model_files.gguf_arch import TOP_NAMES, expert_tensor, layer_names, norms_stored_plus_one
 
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
@@ -98,7 +99,9 @@ class SafetensorsCheckpoint:
 
 class GGUFCheckpoint:
     """A GGUF file's tensors under Hugging Face names; ``num_heads`` and ``num_kv_heads`` undo the reordering
-    of the query and key rows."""
+    of the query and key rows. An expert's weight (``model.layers.L.mlp.experts.E.gate_proj.weight``, Mixtral's
+    ``block_sparse_moe.experts.E.w1``) is expert E's rows of the layer's 3-D tensor (``blk.L.ffn_gate_exps``),
+    read alone, in the file's type; in a file that stores each expert alone, its own tensor (``blk.L.ffn_gate.E``)."""
 
     def __init__(self, gguf: GGUFFile, num_heads: int, num_kv_heads: int) -> None:
         self.file = gguf
@@ -108,7 +111,10 @@ class GGUFCheckpoint:
         self._norms_plus_one = norms_stored_plus_one(gguf.architecture)
 
     def gguf_name(self, name: str) -> str:
-        """The GGUF name of a Hugging Face tensor name (itself where no rule maps it)."""
+        """The GGUF name of a Hugging Face tensor name (itself where no rule maps it); an expert's is its 3-D
+        tensor's, or its own in a file that stores each expert alone."""
+        if expert := expert_tensor(name):
+            return expert.single if expert.single in self.file.tensors else expert.stacked
         if match := _LAYER.fullmatch(name):
             return f"blk.{match[1]}.{self._layer_names.get(match[2], match[2])}.{match[3]}"
         if match := _TOP.fullmatch(name):
@@ -116,50 +122,80 @@ class GGUFCheckpoint:
         return name
 
     def __contains__(self, name: str) -> bool:
-        return self.gguf_name(name) in self.file.tensors
-
-    def info(self, name: str) -> TensorInfo:
-        return self.file.tensors[self.gguf_name(name)]
+        try:
+            self._locate(name)
+        except KeyError:
+            return False
+        return True
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self.info(name).shape
+        return self._locate(name)[2]
 
     def type_name(self, name: str) -> str:
-        return self.info(name).type_name
+        return self._locate(name)[0].type_name
 
     def blocks(self, name: str) -> np.ndarray:
         """The tensor's rows as the file stores them, ``uint8 [rows, row bytes]``, in Hugging Face's row order (a
         1-D tensor is one row)."""
-        rows = self.file.read(self.gguf_name(name))
-        order = self._row_order(name)
-        return rows if order is None or len(self.info(name).shape) == 1 else rows[order]
+        info, rows, shape = self._locate(name)
+        stored = self.file.read(info.name, rows=rows)
+        order = self._row_order(name, shape)
+        return stored if order is None or len(shape) == 1 else stored[order]
 
     def tensor(self, name: str) -> torch.Tensor:
         """The tensor's values: F32, F16 and BF16 as stored, any other type dequantized to float32 (gguf-py); a Gemma
-        norm's weight w where the file stores 1 + w."""
-        info = self.info(name)
-        raw = self.file.read(info.name)
+        norm's weight w where the file stores 1 + w.
+
+        Raises:
+            ValueError: a type that holds no weights gguf-py can read (integers, F64, the activations' Q8_1/Q8_K).
+        """
+        info, rows, shape = self._locate(name)
+        raw = self.file.read(info.name, rows=rows)
         if info.type_name in ("F32", "F16"):
             values = torch.from_numpy(raw.view(np.float32 if info.type_name == "F32" else np.float16))
         elif info.type_name == "BF16":
             values = torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16)
         else:
+            from gguf import GGMLQuantizationType
             from gguf.quants import dequantize
 
-            values = torch.from_numpy(np.ascontiguousarray(dequantize(raw, info.type_id), dtype=np.float32))
-        values = values.reshape(info.shape)
+            try:
+                values = dequantize(raw, GGMLQuantizationType(info.type_id))
+                values = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+            except NotImplementedError:
+                raise ValueError(
+                    f"tensor {info.name!r} is {info.type_name}, which holds no weights this engine reads; "
+                    f"weights are float (F32, F16, BF16) or a ggml quantized type (Q4_K, Q8_0, ...)"
+                ) from None
+        values = values.reshape(shape)
         if self._norms_plus_one and name.endswith("norm.weight"):
             values = values - 1  # exact where 1 + w is in [0.5, 2], as a norm weight is
-        order = self._row_order(name)
+        order = self._row_order(name, shape)
         return values if order is None else values[torch.from_numpy(order)]
 
-    def _row_order(self, name: str) -> np.ndarray | None:
+    def _locate(self, name: str) -> tuple[TensorInfo, range | None, tuple[int, ...]]:
+        """The file's tensor holding ``name``, the rows of it that are ``name``'s (None: all), and ``name``'s shape.
+
+        Raises:
+            KeyError: no tensor of the file holds ``name``.
+        """
+        expert = expert_tensor(name)
+        if expert is not None and expert.single not in self.file.tensors:
+            info = self.file.tensors.get(expert.stacked)
+            if info is None or len(info.shape) != 3 or not 0 <= expert.index < info.shape[0]:
+                raise KeyError(name)
+            rows = info.shape[1]
+            return info, range(expert.index * rows, (expert.index + 1) * rows), info.shape[1:]
+        info = self.file.tensors[self.gguf_name(name)]
+        return info, None, info.shape
+
+    def _row_order(self, name: str, shape: tuple[int, ...]) -> np.ndarray | None:
         """Which stored row each Hugging Face row is, where llama.cpp reordered them (else None): it interleaves
         the two rotary halves of each query and key head, rows (head, i, half) stored as (head, half, i)."""
         kind = name.rsplit(".", 2)[-2]
         if not self._permuted or kind not in self._heads:
             return None
-        rows, heads = self.info(name).shape[0], self._heads[kind]
+        rows, heads = shape[0], self._heads[kind]
         return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(rows)
 
 

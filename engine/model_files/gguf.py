@@ -86,28 +86,35 @@ class GGUFFile:
     def architecture(self) -> str:
         return str(self.metadata.get("general.architecture", ""))
 
-    def read(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
+    def read(self, name: str, out: np.ndarray | None = None, rows: range | None = None) -> np.ndarray:
         """The rows of tensor ``name`` as stored, ``uint8 [rows, row bytes]``, read into ``out`` when given (a
-        C-contiguous buffer of that many bytes, e.g. a view of a torch tensor) or into a new array.
+        C-contiguous buffer of that many bytes, e.g. a view of a torch tensor) or into a new array. ``rows``: only
+        these consecutive rows (of all the tensor's leading dimensions flattened: expert ``e`` of a 3-D
+        ``[experts, R, K]`` tensor is ``range(e * R, (e + 1) * R)``), read alone.
 
         Raises:
             KeyError: no tensor of that name.
+            ValueError: ``rows`` outside the tensor's, or an ``out`` of another size.
         """
         info = self.tensors[name]
+        rows = range(info.rows) if rows is None else rows
+        if rows.step != 1 or not 0 <= rows.start <= rows.stop <= info.rows:
+            raise ValueError(f"rows {rows} of tensor {name!r}, which has {info.rows} rows")
+        nbytes = len(rows) * info.row_bytes
         if out is None:
-            out = np.empty((info.rows, info.row_bytes), dtype=np.uint8)
+            out = np.empty((len(rows), info.row_bytes), dtype=np.uint8)
         view = out.reshape(-1).view(np.uint8)
-        if view.nbytes != info.nbytes:
-            raise ValueError(f"a buffer of {view.nbytes} bytes for tensor {name!r} of {info.nbytes}")
+        if view.nbytes != nbytes:
+            raise ValueError(f"a buffer of {view.nbytes} bytes for {nbytes} bytes of tensor {name!r}")
         with self.path.open("rb", buffering=0) as f:
-            f.seek(info.offset)
+            f.seek(info.offset + rows.start * info.row_bytes)
             done = 0
-            while done < info.nbytes:  # readinto may return less than asked for
+            while done < nbytes:  # readinto may return less than asked for
                 got = f.readinto(memoryview(view)[done:])
                 if not got:
                     raise GGUFError(f"{self.path}: tensor {name!r} is truncated")
                 done += got
-        return out.reshape(info.rows, info.row_bytes) if out.ndim == 1 else out
+        return out.reshape(len(rows), info.row_bytes) if out.ndim == 1 else out
 
 
 def _read_header(f: BinaryIO, path: Path) -> tuple[dict[str, Any], dict[str, TensorInfo]]:

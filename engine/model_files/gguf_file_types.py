@@ -5,7 +5,7 @@ embedding) in Q6_K, and the attention values and FFN down-projections of "more b
 Q6_K. ``tensor_types`` follows llama-quantize's choice for dense Llama and Qwen models (its
 ``llama_tensor_get_type``, without an importance matrix), including the fallback to a 32-block
 type for a row length that is not a multiple of 256; F32, F16 and BF16 follow
-convert_hf_to_gguf.py (every 2-D weight in that type). Vectors (norms, biases) stay F32.
+convert_hf_to_gguf.py (every 2-D weight in that type). Vectors (norms, biases) and routers stay F32.
 """
 
 from __future__ import annotations
@@ -79,7 +79,9 @@ def tensor_types(tensors: Sequence[tuple[str, tuple[int, ...]]], file_type: str,
 
 
 def _is_quantizable(name: str, shape: tuple[int, ...]) -> bool:
-    return len(shape) >= 2 and name.endswith("weight") and "_norm.weight" not in name
+    """Weights of two or more dimensions, but not norms, nor a mixture of experts' router (``ffn_gate_inp``: F32 in
+    every file type, as convert_hf_to_gguf.py and llama-quantize keep it)."""
+    return len(shape) >= 2 and name.endswith("weight") and "_norm.weight" not in name and "ffn_gate_inp" not in name
 
 
 def _mix_choice(

@@ -1,15 +1,20 @@
 """Hugging Face directories written as GGUF files, with llama.cpp's conventions, one tensor at a time.
 
 ``write_gguf(hf_dir, out_path, "Q4_K_M")`` writes what ``convert_hf_to_gguf.py`` followed by
-``llama-quantize`` would for the llama (SmolLM2 included), mistral, qwen2, qwen3, gemma2 and gemma3
-(text) architectures: tensors named ``token_embd``, ``blk.N.attn_q`` ... ``output_norm``, ``output``
-(``gguf_arch``); the llama architecture's q/k rows permuted into GGML's rotary layout; qwen2's q/k/v
-biases and qwen3's q/k norms; Gemma's norm weights w as ``1 + w``, its sliding window and soft caps
-(a Gemma whose layer pattern or query scale llama.cpp would not infer is refused); llama3 rope
-scaling as a ``rope_freqs`` tensor; the ``<arch>.*`` hyperparameters, ``general.file_type`` and the
-tokenizer. Each tensor is read from the safetensors files in row
-chunks, quantized and written before the next one is read, so memory is about the largest output
-tensor.
+``llama-quantize`` would for the llama (SmolLM2 included), mistral, mixtral, qwen2, qwen3, qwen3_moe,
+gemma2, gemma3 (text) and phi3 architectures: tensors named ``token_embd``, ``blk.N.attn_q`` ...
+``output_norm``, ``output`` (``gguf_arch``); the llama architecture's q/k rows permuted into GGML's
+rotary layout; qwen2's q/k/v biases and qwen3's q/k norms; Gemma's norm weights w as ``1 + w``, its
+sliding window and soft caps (a Gemma whose layer pattern or query scale llama.cpp would not infer is
+refused); a mixture of experts' experts stacked per projection into 3-D ``ffn_{gate,up,down}_exps``
+tensors ``[experts, rows, K]`` and its router as an F32 ``ffn_gate_inp`` (Mixtral as architecture
+llama with ``llama.expert_count``; Qwen3-MoE as ``qwen3moe``, refused where llama.cpp would run it
+otherwise: dense layers, top-k weights not renormalized); Phi-3's fused ``attn_qkv`` and ``ffn_up``
+(gate rows first), its rotated head part, sliding window (0 for none) and LongRoPE factors as
+``rope_factors_long`` / ``rope_factors_short`` tensors; llama3 rope scaling as a ``rope_freqs``
+tensor; the ``<arch>.*`` hyperparameters, ``general.file_type`` and the tokenizer. Each tensor is read
+from the safetensors files in row chunks, quantized and written before the next one is read, so memory
+is about the largest output tensor.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from gguf import GGML_QUANT_VERSION, GGUFWriter, RopeScalingType
 
 from engine.model_files.gguf_arch import (
     TOP_NAMES,
+    expert_tensor,
     gemma_layer_types,
     gemma_query_pre_attn_scalar,
     layer_names,
@@ -41,8 +47,8 @@ from engine.model_files.safetensors_io import SafetensorsReader
 
 logger = logging.getLogger(__name__)
 
-GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-                      "gemma3_text": "gemma3"}
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+                      "qwen3_moe": "qwen3moe", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
 _CHUNK_ELEMENTS = 1 << 22  # rows read and quantized per step: about 16 MB of float32
 
 _BIASED = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")  # the layer tensors that may have a bias
@@ -67,9 +73,14 @@ class HParams:
     rope_theta: float
     rope_scaling: dict[str, Any]  # {} when none; else its rope_type and parameters
     tie_word_embeddings: bool
-    sliding_window: int | None = None  # Gemma's, on its sliding layers
+    sliding_window: int | None = None  # Gemma's, on its sliding layers; Phi-3's, on every layer
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    num_experts: int = 0  # a mixture of experts': experts per layer, per token, and each expert's width
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    rotary_dim: int | None = None  # Phi-3: the rotated part of each head
+    original_max_positions: int | None = None  # Phi-3's LongRoPE
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> HParams:
@@ -107,6 +118,8 @@ class HParams:
             rope_scaling=scaling,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             **(_gemma_fields(config) if model_type in ("gemma2", "gemma3_text") else {}),
+            **(_moe_fields(config) if model_type in ("mixtral", "qwen3_moe") else {}),
+            **(_phi3_fields(config, rope, heads) if model_type == "phi3" else {}),
         )
 
     @property
@@ -134,13 +147,42 @@ def _gemma_fields(config: dict[str, Any]) -> dict[str, Any]:
     return {key: config.get(key) for key in ("sliding_window", "attn_logit_softcapping", "final_logit_softcapping")}
 
 
+def _moe_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """A mixture of experts' sizes, after checking that llama.cpp runs it as Hugging Face does (every layer sparse,
+    the top-k weights renormalized: its rule for both architectures)."""
+    if config["model_type"] == "mixtral":
+        if config.get("sliding_window") is not None:
+            raise ValueError(f"sliding_window={config['sliding_window']} cannot be written: llama.cpp runs a "
+                             "mixtral file (architecture llama) with full attention")  # fmt: skip
+        return {"num_experts": config["num_local_experts"], "experts_per_token": config["num_experts_per_tok"]}
+    if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
+        raise ValueError(f"mlp_only_layers={config.get('mlp_only_layers')}, decoder_sparse_step="
+                         f"{config.get('decoder_sparse_step')} cannot be written: llama.cpp runs every qwen3moe layer "
+                         "as a mixture of experts")  # fmt: skip
+    if not config.get("norm_topk_prob", False):
+        raise ValueError("norm_topk_prob=False cannot be written: llama.cpp renormalizes a qwen3moe token's top-k "
+                         "expert weights")  # fmt: skip
+    experts = config.get("num_experts", config.get("num_local_experts"))  # transformers 5 saves the latter
+    return {"num_experts": experts, "experts_per_token": config["num_experts_per_tok"],
+            "expert_intermediate_size": config["moe_intermediate_size"]}  # fmt: skip
+
+
+def _phi3_fields(config: dict[str, Any], rope: dict[str, Any], heads: int) -> dict[str, Any]:
+    """Phi-3's rotated part of each head, its window and LongRoPE's original context."""
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    original = rope.get("original_max_position_embeddings", config.get("original_max_position_embeddings"))
+    return {"rotary_dim": int(partial * config["hidden_size"]) // heads, "original_max_positions": original,
+            "sliding_window": config.get("sliding_window")}  # fmt: skip
+
+
 @dataclass(frozen=True)
 class _Planned:
     name: str  # GGUF name
-    source: str | None  # the safetensors tensor; None for rope_freqs, computed here
-    shape: tuple[int, ...]  # numpy order: [rows, row length] or [length]
+    source: str | None  # the safetensors tensor; None for rope factors, computed here, and for stacked experts
+    shape: tuple[int, ...]  # numpy order: [rows, row length], [length], or [experts, rows, row length]
     permute_heads: int = 0  # llama q/k: the head count to permute rows by (0: no permutation)
     plus_one: bool = False  # Gemma's norm weights: stored as 1 + w
+    experts: tuple[str, ...] = ()  # a 3-D experts tensor's sources, one per expert in order
 
 
 def write_gguf(
@@ -197,7 +239,11 @@ def write_gguf(
 def _plan(hparams: HParams, reader: SafetensorsReader) -> list[_Planned]:
     """Every tensor of the GGUF in llama-quantize's order (layer, then name; model-wide tensors first)."""
     plan = []
+    experts: dict[str, dict[int, str]] = {}  # a 3-D tensor -> its experts' sources by index
     for source in reader.names():
+        if expert := expert_tensor(source):
+            experts.setdefault(expert.stacked, {})[expert.index] = source
+            continue
         name = _gguf_name(source, hparams.arch)
         if name is None:
             continue
@@ -210,8 +256,19 @@ def _plan(hparams: HParams, reader: SafetensorsReader) -> list[_Planned]:
             heads = hparams.num_kv_heads
         plus_one = norms_stored_plus_one(hparams.arch) and source.endswith("norm.weight")
         plan.append(_Planned(name, source, reader.entries[source].shape, heads, plus_one))
+    for name, by_index in experts.items():
+        if sorted(by_index) != list(range(hparams.num_experts)):
+            raise ValueError(f"{name}: experts {sorted(by_index)} in the checkpoint, of {hparams.num_experts}")
+        sources = tuple(by_index[i] for i in range(hparams.num_experts))
+        shapes = {reader.entries[source].shape for source in sources}
+        if len(shapes) != 1:
+            raise ValueError(f"{name}: experts of different shapes {sorted(shapes)}")
+        plan.append(_Planned(name, None, (len(sources), *shapes.pop()), experts=sources))
     if hparams.rope_scaling.get("rope_type") == "llama3":
         plan.append(_Planned("rope_freqs.weight", None, (hparams.head_dim // 2,)))
+    if hparams.rope_scaling.get("rope_type") == "longrope":
+        for kind in ("long", "short"):
+            plan.append(_Planned(f"rope_factors_{kind}.weight", None, (len(hparams.rope_scaling[f"{kind}_factor"]),)))
     names = [p.name for p in plan]
     if len(set(names)) != len(names):
         raise ValueError(f"two tensors map to the same GGUF name in {sorted(names)}")
@@ -238,7 +295,7 @@ def _gguf_name(source: str, arch: str) -> str | None:
     names = layer_names(arch)
     if match and match.group(2) in names and (kind == "weight" or match.group(2) in _BIASED):
         return f"blk.{match.group(1)}.{names[match.group(2)]}.{kind}"
-    raise ValueError(f"tensor {source!r} has no GGUF name; expected a Llama/Mistral/Qwen2/Qwen3/Gemma checkpoint")
+    raise ValueError(f"tensor {source!r} has no GGUF name; expected a checkpoint of {', '.join(GGUF_ARCHITECTURES)}")
 
 
 def permute_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:
@@ -275,8 +332,13 @@ def llama3_rope_factors(hparams: HParams) -> np.ndarray:
 
 def _encoded(p: _Planned, type_name: str, reader: SafetensorsReader, hparams: HParams) -> np.ndarray:
     """The bytes of one tensor as the GGUF stores them."""
-    if p.source is None:
+    if p.experts:  # each expert's rows after the previous one's
+        return np.stack([_encoded_rows(source, type_name, reader) for source in p.experts])
+    if p.name == "rope_freqs.weight":
         return llama3_rope_factors(hparams).view(np.uint8)
+    if p.source is None:  # LongRoPE's rope_factors_long / _short
+        kind = p.name.removeprefix("rope_factors_").removesuffix(".weight")
+        return np.asarray(hparams.rope_scaling[f"{kind}_factor"], dtype=np.float32).view(np.uint8)
     if len(p.shape) == 1:
         values = reader.read(p.source)
         if p.plus_one:
@@ -284,13 +346,18 @@ def _encoded(p: _Planned, type_name: str, reader: SafetensorsReader, hparams: HP
         if p.permute_heads:
             values = permute_rows(values, p.permute_heads)
         return quantize(values.reshape(1, -1), type_name).reshape(-1)
-    rows, length = p.shape
     if p.permute_heads:
         return quantize(permute_rows(reader.read(p.source), p.permute_heads), type_name)
+    return _encoded_rows(p.source, type_name, reader)
+
+
+def _encoded_rows(source: str, type_name: str, reader: SafetensorsReader) -> np.ndarray:
+    """A 2-D tensor's rows quantized, read and quantized a chunk of rows at a time."""
+    rows, length = reader.entries[source].shape
     out = np.empty((rows, row_bytes(type_name, length)), dtype=np.uint8)
     step = max(1, _CHUNK_ELEMENTS // length)
     for first in range(0, rows, step):
-        out[first : first + step] = quantize(reader.read_rows(p.source, first, first + step), type_name)
+        out[first : first + step] = quantize(reader.read_rows(source, first, first + step), type_name)
     return out
 
 
@@ -306,11 +373,22 @@ def _add_metadata(writer: GGUFWriter, hp: HParams, hf_dir: Path, file_type: str)
     writer.add_head_count_kv(hp.num_kv_heads)
     writer.add_rope_freq_base(hp.rope_theta)
     writer.add_layer_norm_rms_eps(hp.rms_norm_eps)
-    if hp.head_dim != hp.hidden_size // hp.num_heads and not norms_stored_plus_one(hp.arch):
+    # qwen3moe: always, as convert_hf_to_gguf.py writes a config's head_dim (transformers reads it only from there)
+    if (hp.head_dim != hp.hidden_size // hp.num_heads or hp.arch == "qwen3moe") and not norms_stored_plus_one(hp.arch):
         writer.add_key_length(hp.head_dim)
         writer.add_value_length(hp.head_dim)
     if hp.arch == "llama":
         writer.add_rope_dimension_count(hp.head_dim)
+    if hp.num_experts:
+        writer.add_expert_count(hp.num_experts)
+        writer.add_expert_used_count(hp.experts_per_token)
+    if hp.expert_intermediate_size:
+        writer.add_expert_feed_forward_length(hp.expert_intermediate_size)
+    if hp.arch == "phi3":
+        writer.add_rope_dimension_count(hp.rotary_dim)
+        writer.add_sliding_window(hp.sliding_window or 0)  # llama.cpp's convert: 0 for none
+        if hp.original_max_positions is not None:
+            writer.add_rope_scaling_orig_ctx_len(hp.original_max_positions)
     if norms_stored_plus_one(hp.arch):  # Gemma: transformers reads head_dim from key_length, whatever the width
         writer.add_key_length(hp.head_dim)
         writer.add_value_length(hp.head_dim)
@@ -328,8 +406,15 @@ def _add_metadata(writer: GGUFWriter, hp: HParams, hf_dir: Path, file_type: str)
         writer.add_rope_scaling_type(RopeScalingType.YARN)
         writer.add_rope_scaling_factor(hp.rope_scaling["factor"])
         writer.add_rope_scaling_orig_ctx_len(hp.rope_scaling["original_max_position_embeddings"])
+    elif rope_type == "longrope" and hp.arch == "phi3":
+        scale = hp.max_positions / hp.original_max_positions
+        factor = hp.rope_scaling.get("attention_factor")
+        if factor is None:  # transformers' and llama.cpp's default
+            factor = math.sqrt(1 + math.log(scale) / math.log(hp.original_max_positions)) if scale > 1 else 1.0
+        writer.add_rope_scaling_attn_factors(factor)
     elif rope_type not in (None, "llama3"):
-        raise ValueError(f"rope scaling {rope_type!r} cannot be written; supported: llama3, linear, yarn")
+        raise ValueError(f"rope scaling {rope_type!r} cannot be written; supported: llama3, linear, yarn, "
+                         "longrope (phi3)")  # fmt: skip
     writer.add_file_type(FILE_TYPES[file_type][0])
     writer.add_quantization_version(GGML_QUANT_VERSION)
     add_tokenizer(writer, hf_dir, hp.vocab_size)

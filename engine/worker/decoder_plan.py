@@ -6,6 +6,11 @@ kinds the kernels take. A step then runs every layer in C, the same kernels with
 the modules would call, so the hidden states and the cache are the same bits; the Python between the
 kernels (a module call, the argument checks and a ctypes call per operator, about 100 us a layer) is
 gone. ``EngineConfig.enforce_eager`` keeps the module path, as vLLM's flag of that name keeps eager mode.
+
+A mixture-of-experts layer (Mixtral, Qwen3-MoE) runs in C too: its router (float32 panels packed from the
+module's weight) picks each token's top-k experts, and every chosen expert runs its projections once on
+all of its tokens' rows; the router's matmul is the packed kernel's, not ``F.linear``'s, so its logits, and
+the step's, may differ from the modules' by float32 rounding.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from engine.attention import AttentionBackend, AttentionMetadata, CpuAttentionBa
 from engine.layers.ggml_weight import GGMLWeight
 from engine.layers.activation import SiluAndMul
 from engine.layers.linear import Linear
+from engine.layers.moe import SparseMoeBlock
 from engine.layers.norm import RMSNorm
 from engine.models.llama import LlamaForCausalLM, LlamaMLP
 
@@ -50,20 +56,30 @@ def _linear(module: Linear) -> _Linear | None:
     return _Linear(module.packed.data_ptr(), None, bias, module.out_features, module.in_features, kind, 0)
 
 
+def _experts(block: SparseMoeBlock) -> ctypes.Array | None:
+    """Each expert's gate_up and down plans in turn (decoder.c's ``experts``); None if one is not packed."""
+    plans = [_linear(m) for expert in block.experts for m in (expert.gate_up_proj, expert.down_proj)]
+    if any(w is None for w in plans):
+        return None
+    return (_Linear * len(plans))(*plans)
+
+
 class DecoderPlan:
     """A loaded Llama-family model's decoder layers, ready to run a step in one C call.
 
     ``build`` returns None where the plan cannot run the model (not the CPU kernels' path: another
-    device or attention backend, a weight left unpacked; a layer whose MLP is not the dense SiLU one; layers with
-    different sliding windows, whose attention tiles differ, or scales, or soft-capped scores; Gemma's norms
-    (``1 + weight``, one after each block too) or rope per layer type); the modules then run it.
+    device or attention backend, a weight left unpacked; an MLP that is not SiLU's, dense MLPs or mixtures of
+    experts of different shapes; layers with different sliding windows, whose attention tiles differ, or
+    scales, or soft-capped scores; Gemma's norms (``1 + weight``, one after each block too) or rope per layer
+    type); the modules then run it.
     """
 
-    def __init__(self, model: LlamaForCausalLM, plan: _Plan, layers: ctypes.Array, backend: CpuAttentionBackend,
-                 k_cache: torch.Tensor, window: int | None) -> None:
+    def __init__(self, model: LlamaForCausalLM, plan: _Plan, layers: ctypes.Array, keep: list[object],
+                 backend: CpuAttentionBackend, k_cache: torch.Tensor, window: int | None) -> None:
         self._model = model
         self._window = window  # every layer's: the step's tiles are the same for all of them
-        self._plan, self._layers = plan, layers  # the layers array lives as long as the plan points at it
+        # the layers array, the routers' panels and the experts' plans live as long as the plan points at them
+        self._plan, self._layers, self._keep = plan, layers, keep
         self._backend = backend
         self._k_cache = k_cache  # the first layer's: its shape and dtype size the attention tiles
         self._lib = cpu_kernels.library()
@@ -76,8 +92,14 @@ class DecoderPlan:
         if dtype != torch.float32 or cpu_kernels.library() is None:
             return None
         body = model.model
-        if not all(isinstance(layer.mlp, LlamaMLP) and type(layer.mlp.act) is SiluAndMul for layer in body.layers):
-            return None  # decoder.c runs the dense SiLU MLP only (a mixture of experts, gelu run on the modules)
+        dense = [layer.mlp for layer in body.layers if not isinstance(layer.mlp, SparseMoeBlock)]
+        sparse = [layer.mlp for layer in body.layers if isinstance(layer.mlp, SparseMoeBlock)]
+        if not all(isinstance(mlp, LlamaMLP) and type(mlp.act) is SiluAndMul for mlp in dense):
+            return None  # decoder.c runs SiLU MLPs only (gelu runs on the modules)
+        if len({mlp.down_proj.in_features for mlp in dense}) > 1 or len(
+            {(len(m.experts), m.gate.top_k, m.gate.renormalize, m.experts[0].down_proj.in_features) for m in sparse}
+        ) > 1:
+            return None  # one dense MLP shape and one mixture shape for every layer in decoder.c
         first = body.layers[0].self_attn
         attns = [layer.self_attn.attn for layer in body.layers]
         if len({(a.sliding_window, a.scale) for a in attns}) != 1 or any(a.logit_softcap is not None for a in attns):
@@ -95,9 +117,20 @@ class DecoderPlan:
         if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
             return None
         layers = (_Layer * len(body.layers))()
+        keep: list[object] = []  # what the layers point at: the routers' panels, the experts' plans
         for entry, layer in zip(layers, body.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            linears = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            linears = [_linear(m) for m in (attn.qkv_proj, attn.o_proj)]
+            if isinstance(mlp, SparseMoeBlock):
+                experts = _experts(mlp)
+                if experts is None or mlp.gate.weight.dtype != torch.float32:
+                    return None
+                router = cpu_kernels.pack_linear_weight(mlp.gate.weight.data)
+                entry.router, entry.experts = router.data_ptr(), ctypes.addressof(experts)
+                keep += [router, experts]
+                linears += [_Linear(), _Linear()]
+            else:
+                linears += [_linear(mlp.gate_up_proj), _linear(mlp.down_proj)]
             if any(w is None for w in linears):
                 return None
             kv = attn.attn.kv_cache
@@ -109,14 +142,17 @@ class DecoderPlan:
             entry.qkv, entry.o, entry.gate_up, entry.down = linears
         k_cache = first.attn.kv_cache[0]  # [num_blocks, block_size, Hkv, D]
         rotary = body.rotary
+        moe = sparse[0] if sparse else None
         plan = _Plan(
             ctypes.addressof(layers), body.norm.weight.data_ptr(), rotary.cos_sin_cache.data_ptr(),
             len(body.layers), body.norm.weight.shape[0], first.num_heads, first.num_kv_heads, first.head_dim,
-            body.layers[0].mlp.down_proj.in_features, rotary.cos_sin_cache.shape[1], rotary.cos_sin_cache.shape[0],
-            k_cache.shape[1], k_cache.shape[0], first.attn.sliding_window or 0, norms[0].eps, first.attn.scale,
-            int(k_cache.dtype == torch.bfloat16),
+            max((mlp.down_proj.in_features for mlp in dense), default=0), rotary.cos_sin_cache.shape[1],
+            rotary.cos_sin_cache.shape[0], k_cache.shape[1], k_cache.shape[0], first.attn.sliding_window or 0,
+            norms[0].eps, first.attn.scale, int(k_cache.dtype == torch.bfloat16),
+            int(moe is not None and moe.gate.renormalize), len(moe.experts) if moe else 0, moe.gate.top_k if moe else 0,
+            moe.experts[0].down_proj.in_features if moe else 0,
         )
-        return cls(model, plan, layers, backend, k_cache, first.attn.sliding_window)
+        return cls(model, plan, layers, keep, backend, k_cache, first.attn.sliding_window)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The final norm's output ``[T, hidden]`` of the step's tokens, their keys and values written to the cache.

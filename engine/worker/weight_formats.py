@@ -117,6 +117,7 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint, plan: LoadPlan) -> We
             _fill(module.bias.data, module, [f"{shard}.bias" for shard in shards], checkpoint)
         kind = _serve(module, [f"{shard}.weight" for shard in shards], checkpoint, plan, module is head, summary)
         summary.modules[kind] += 1
+    summary.dequantized = list(dict.fromkeys(summary.dequantized))  # a 3-D experts tensor once, not per expert
     if summary.dequantized:
         why = "the CPU kernels do not serve their types" if plan.packed else "GGUF types run natively on the CPU kernels only"
         logger.warning(

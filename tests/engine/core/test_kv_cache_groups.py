@@ -186,3 +186,29 @@ def test_scheduler_returns_every_block_after_preemption_abort_and_finish(windows
     assert scheduler.num_preemptions > 0 or windows == (8,)
     assert kv.num_free_blocks == kv.num_blocks and kv.block_pool.num_used_blocks == 0
     kv.check_integrity()
+
+
+@pytest.mark.parametrize("windows", [(8,), (None, 8)])
+def test_a_prefill_chunk_is_cut_to_what_the_sliding_groups_hold(windows: tuple[int | None, ...]) -> None:
+    """A long prompt beside a decoding request, its 60-token chunks (19 blocks a sliding group) more than the
+    pool's free blocks: each chunk is cut to what the groups hold now (never past the budget), nobody is
+    preempted or capped, both finish, and every block comes back."""
+    full = None in windows
+    kv = KVCacheManager(40 if full else 14, BS, True, windows)
+    scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=61)
+    scheduler.add_request(_request("r0", list(range(300, 306)), max_tokens=40))
+    scheduler.add_request(_request("r1", list(range(100, 200)), max_tokens=3))
+    chunks = []
+    while scheduler.has_unfinished_requests():
+        out = scheduler.schedule()
+        for share in out.scheduled:
+            sliding = share.block_ids[-1]
+            assert len(held(sliding)) <= -(-(8 - 1 + share.num_tokens) // BS) + 1
+            if share.req_id == "r1" and share.num_computed_tokens < 100:
+                chunks.append(share.num_tokens)
+        rows = [scheduler.requests[s.req_id] for s in out.scheduled if s.needs_logits]
+        scheduler.update_from_output(rows, [7] * len(rows))
+        kv.check_integrity()
+    assert sum(chunks) == 100 and 1 < len(chunks) and max(chunks) < 60  # cut, every time, to under the budget
+    assert scheduler.num_preemptions == 0 and not scheduler.capped
+    assert kv.num_free_blocks == kv.num_blocks and kv.block_pool.num_used_blocks == 0

@@ -102,6 +102,26 @@ def test_q4_k_m_file_holds_the_mix_names_and_metadata(model_dir, tmp_path: Path)
     assert "<|im_start|>" in _field(reader, "tokenizer.chat_template")
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "phi3"])
+def test_transformers_reads_qwen3moe_and_phi3_files_back_to_the_source_logits(
+    arch: str, tiny_model_factory, small_tokenizer_dir: Path
+) -> None:
+    """transformers' own GGUF reader splits the 3-D ``ffn_*_exps`` tensors back into the source's experts, and reads
+    Phi-3's fused ``attn_qkv`` and ``ffn_up`` (given the config: its GGUF mapping has neither the experts' width nor
+    LongRoPE): an F32 file's logits are the source's exactly."""
+    overrides = dict(mlp_only_layers=None, norm_topk_prob=True) if arch == "qwen3_moe" else {}
+    source = tiny_model_factory(arch, tokenizer_dir=small_tokenizer_dir, **overrides)
+    write_gguf(source, source / "model-F32.gguf", "F32")
+    try:
+        config = transformers.AutoConfig.from_pretrained(source)
+        model = transformers.AutoModelForCausalLM.from_pretrained(source, gguf_file="model-F32.gguf", config=config,
+                                                                  dtype=torch.float32)  # fmt: skip
+        with torch.no_grad():
+            assert torch.equal(model(PROMPTS).logits, _logits(source))
+    finally:
+        (source / "model-F32.gguf").unlink()
+
+
 def test_qwen3_head_dim_is_recorded_where_it_differs(model_dir, tmp_path: Path) -> None:
     """qwen3 at head_dim 128 over a width of 256 with 4 heads: key/value lengths recorded, q/k norms written."""
     reader = GGUFReader(write_gguf(model_dir("qwen3"), tmp_path / "q.gguf", "Q8_0"))

@@ -138,3 +138,24 @@ def test_preempted_requests_recompute_transformers_tokens(model_dir, hf, arch: s
     assert outputs == [hf_greedy(hf, p, 14) for p in prompts]
     engine.kv.check_integrity()
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_long_prompt_on_a_small_cache_is_cut_into_chunks_that_fit(model_dir, hf, arch: str) -> None:
+    """A 150-token prompt under the default step budget (512 tokens) on a cache far smaller than one step of it:
+    the scheduler cuts its chunks to what the groups hold, so it is admitted and finishes with the greedy tokens
+    of a big cache (and HF's), and every block comes back."""
+    prompt = [random.Random(9).randrange(3, 1000) for _ in range(150)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    big = Engine(str(model_dir), num_blocks=256, block_size=BS)
+    expected = big.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert expected == _hf_greedy(hf, prompt, 6)
+    window = ARCHS[arch][0]
+    sliding_groups = sum(w is not None for w in ARCHS[arch][2])
+    full_blocks = -(-(len(prompt) + 6) // BS) if None in ARCHS[arch][2] else 0
+    small = Engine(str(model_dir), num_blocks=full_blocks + sliding_groups * (-(-window // BS) + 3), block_size=BS)
+    assert small.kv.num_blocks_needed(len(prompt), max_chunk=512) > small.kv.num_blocks  # one whole chunk: no room
+    output = small.generate([prompt], params, use_tqdm=False)[0]
+    assert output.outputs[0].token_ids == expected
+    assert small.stats()["num_preemptions"] == 0
+    small.kv.check_integrity()
+    assert small.kv.num_free_blocks == small.kv.num_blocks

@@ -23,6 +23,7 @@ from typing import Any, Required, TypedDict
 
 from engine import debug_log
 from engine.config import EngineConfig, step_token_budget
+from engine.core.encoder_budget import EncoderBudget
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput
@@ -130,7 +131,9 @@ class Engine:
         self.drafter = Drafter(spec) if spec is not None else None
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec is not None else 0)
         propose = self.drafter.propose if self.drafter is not None else None
-        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, budget, propose)
+        encoder_cache = getattr(self.runner, "encoder_cache", None)
+        encoder_budget = None if encoder_cache is None else EncoderBudget(budget, encoder_cache.__contains__)
+        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, budget, propose, encoder_budget)
         self.sampler = Sampler(self.vocab_size, self.runner.device, seed=self.config.seed)
         self.eos_token_ids = eos_token_ids(self.model_dir, self.runner.hf_config, self.tokenizer)
         # NOTE: thread-safe; xgrammar loads on the first constrained request.
@@ -695,6 +698,7 @@ class Engine:
             **self.spec_stats.snapshot(),
             "kv_token_usage": kv.token_utilization,
             "kv_evictions": kv.num_evictions,
+            **self._encoder_stats(),
             "tenant_requests": {
                 tenant or "": {"running": running, "waiting": waiting}
                 for tenant, (running, waiting) in fair.tenant_requests().items()
@@ -710,6 +714,14 @@ class Engine:
             "attention": self.runner.attention,
             # what runs the decoder layers: "one C call a step" (DecoderPlan) or "modules" (enforce_eager, GPU, ...)
             "layers": self.runner.layers,
+        }
+
+    def _encoder_stats(self) -> dict[str, int]:
+        """Images the vision encoder ran on, and images whose rows came from the encoder cache (0 for a text model)."""
+        cache = getattr(self.runner, "encoder_cache", None)
+        return {
+            "mm_encoder_runs": 0 if cache is None else cache.num_encoded,
+            "mm_encoder_cache_hits": 0 if cache is None else cache.num_hits,
         }
 
 

@@ -15,7 +15,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.kv_persistence import KVBlockStore
+from engine.core.kv_persistence import ANOTHER_FORMAT, KVBlockStore
 from engine.errors import ParameterError
 
 if TYPE_CHECKING:
@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("engine.core.kv_cache_manager")
 
 _BATCH = 64  # blocks moved into the KV tensors at a time on load
-_BENIGN = ("another layout", "cached already", "no room in the KV cache")  # skips that are no damage: logged at INFO
+# skips that are no damage: logged at INFO
+_BENIGN = ("another layout", ANOTHER_FORMAT, "cached already", "no room in the KV cache")
 
 
 class PersistedKVCache:

@@ -39,7 +39,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from engine.core.block_hash import BlockHash, MultiModalSpan, block_image_keys, extend_block_hashes, group_block_hash
+from engine.core.block_hash import (
+    BlockHash, ExtraKey, MultiModalSpan, block_image_keys, extend_block_hashes, group_block_hash,
+)  # fmt: skip
 from engine.core.block_pool import BlockPool, check_invariant
 
 logger = logging.getLogger(__name__)
@@ -69,6 +71,7 @@ class BlockOrigin(NamedTuple):
     parent_hash: BlockHash | None  # None for a chain's first block
     token_ids: tuple[int, ...]
     cache_salt: str | None  # the chain's salt (it enters the first block's hash only)
+    image_keys: tuple[ExtraKey, ...] = ()  # (image hash, offset from the block's start) of each image it holds
 
 
 class ComputedBlocks(NamedTuple):
@@ -414,7 +417,7 @@ class KVCacheManager:
     # ---------------------------------------------------------------------------- persistence
 
     def track_block_origins(self) -> None:
-        """Keeps the origin (parent hash, tokens, salt) of every block registered from now on.
+        """Keeps the origin (parent hash, tokens, salt, image keys) of every block registered from now on.
 
         Persisting the cache needs them (``persistable_blocks``); without persistence nothing is kept.
         """
@@ -682,11 +685,10 @@ class KVCacheManager:
                 key = hashes[i] if group == 0 else group_block_hash(hashes[i], group)
                 if pool.cache_full_block(pool.blocks[table[i]], key) and origins is not None and group == 0:
                     start = i * self.block_size
-                    if state.mm_spans and block_image_keys(state.mm_spans, start, self.block_size):
-                        continue  # NOTE: an image's blocks are not persisted (an origin holds tokens and salt only)
+                    images = block_image_keys(state.mm_spans, start, self.block_size) if state.mm_spans else []
                     parent = hashes[i - 1] if i else None
                     origins[hashes[i]] = BlockOrigin(
-                        parent, tuple(token_ids[start : start + self.block_size]), state.cache_salt
+                        parent, tuple(token_ids[start : start + self.block_size]), state.cache_salt, tuple(images)
                     )
         state.num_cached_blocks = num_full
 

@@ -10,18 +10,22 @@ A directory (``EngineConfig.kv_cache_dir``) holds blocks of any number of layout
 
 One file per full block, named by its hash::
 
-    "PAGEDKV\\x01" | header length (u32 LE) | header (JSON) | payload | BLAKE2b-256 of all before
+    "PAGEDKV" | format version (1 byte, FORMAT_VERSION) | header length (u32 LE) | header (JSON) | payload
+        | BLAKE2b-256 of all before
 
-The header holds the layout key, the block's hash, its parent's hash, the chain's cache salt
-and the block's token ids; the payload is the block's K and V for every layer, as the
-runner's ``read_kv_blocks`` gives them. A file is written to a temporary name and renamed,
-so a crash mid-write leaves the old file or none.
+The header holds the layout key, the block's hash, its parent's hash, the chain's cache salt,
+the block's token ids and its image keys (the hash of each image it holds tokens of and the
+image's offset from the block's start, as they entered the block's hash); the payload is the
+block's K and V for every layer, as the runner's ``read_kv_blocks`` gives them. A file is
+written to a temporary name and renamed, so a crash mid-write leaves the old file or none.
 
-On load a file counts only if its checksum, layout key and payload size match, its name and
-directory match its header, and its hash recomputes from (parent hash, tokens, salt): a file
-cannot claim a hash it does not have, so it is served only to prompts with its exact prefix
-under its exact salt. A block also needs its parent loaded (from the same salt's directory).
-Pure Python: the engine moves the payloads in and out of the KV tensors.
+On load a file counts only if its format version, checksum, layout key and payload size match,
+its name and directory match its header, and its hash recomputes from (parent hash, tokens,
+salt, image keys): a file cannot claim a hash it does not have, so it is served only to
+prompts with its exact prefix and images under its exact salt. A block also needs its parent
+loaded (from the same salt's directory). A file of another format version is skipped (and
+removed by the next save). Pure Python: the engine moves the payloads in and out of the KV
+tensors.
 """
 
 from __future__ import annotations
@@ -35,16 +39,20 @@ from dataclasses import asdict, dataclass
 from hashlib import blake2b
 from pathlib import Path
 
-from engine.core.block_hash import BlockHash, hash_block_tokens
+from engine.core.block_hash import BlockHash, ExtraKey, hash_block_tokens
 from engine.core.kv_cache_manager import BlockOrigin
 
-MAGIC = b"PAGEDKV\x01"
+FORMAT_VERSION = 2  # 2: headers hold image keys (1: tokens and salt only)
+MAGIC = b"PAGEDKV" + bytes([FORMAT_VERSION])
 SUFFIX = ".kvb"
 CHECKSUM_SIZE = 32
 _HEADER_LEN = struct.Struct("<I")
 _SAMPLES_PER_FILE = 16  # chunks of each weight file a model fingerprint reads
 _SAMPLE_BYTES = 64 << 10
 _Key = tuple[str, BlockHash]  # (salt directory, block hash): a block's identity on disk
+
+
+ANOTHER_FORMAT = "another format version"  # a skip reason that is no damage (files of an older release)
 
 
 class CorruptBlockFile(ValueError):
@@ -113,6 +121,7 @@ def encode_block(layout_key: str, block_hash: BlockHash, origin: BlockOrigin, pa
         "parent": None if origin.parent_hash is None else origin.parent_hash.hex(),
         "salt": origin.cache_salt,
         "tokens": list(origin.token_ids),
+        "images": list(origin.image_keys),
     }).encode()  # fmt: skip
     body = b"".join((MAGIC, _HEADER_LEN.pack(len(header)), header, payload))
     return body + blake2b(body, digest_size=CHECKSUM_SIZE).digest()
@@ -122,13 +131,15 @@ def decode_block(data: bytes, layout: KVLayout) -> tuple[BlockHash, BlockOrigin,
     """A block file's hash, origin and payload, every check passed.
 
     Raises:
-        CorruptBlockFile: torn, checksum mismatch, another layout, wrong sizes, or a hash that
-            does not recompute from its parent, tokens and salt.
+        CorruptBlockFile: torn, another format version, checksum mismatch, another layout, wrong sizes, or a
+            hash that does not recompute from its parent, tokens, salt and image keys.
     """
     view = memoryview(data)
     fixed = len(MAGIC) + _HEADER_LEN.size
-    if len(data) < fixed + CHECKSUM_SIZE or view[: len(MAGIC)] != MAGIC:
+    if len(data) < fixed + CHECKSUM_SIZE or view[: len(MAGIC) - 1] != MAGIC[:-1]:
         raise CorruptBlockFile("torn or not a block file")
+    if view[len(MAGIC) - 1] != FORMAT_VERSION:
+        raise CorruptBlockFile(ANOTHER_FORMAT)
     if blake2b(view[:-CHECKSUM_SIZE], digest_size=CHECKSUM_SIZE).digest() != view[-CHECKSUM_SIZE:]:
         raise CorruptBlockFile("checksum mismatch")
     (header_len,) = _HEADER_LEN.unpack_from(view, len(MAGIC))
@@ -136,7 +147,9 @@ def decode_block(data: bytes, layout: KVLayout) -> tuple[BlockHash, BlockOrigin,
         header = json.loads(bytes(view[fixed : fixed + header_len]))
         block_hash = bytes.fromhex(header["hash"])
         parent = None if header["parent"] is None else bytes.fromhex(header["parent"])
-        origin = BlockOrigin(parent, tuple(int(t) for t in header["tokens"]), header["salt"])
+        origin = BlockOrigin(
+            parent, tuple(int(t) for t in header["tokens"]), header["salt"], _image_keys(header["images"])
+        )
         layout_key = header["layout"]
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptBlockFile(f"unreadable header ({type(exc).__name__})") from None
@@ -145,12 +158,22 @@ def decode_block(data: bytes, layout: KVLayout) -> tuple[BlockHash, BlockOrigin,
     payload = view[fixed + header_len : -CHECKSUM_SIZE]
     if len(payload) != layout.block_bytes or len(origin.token_ids) != layout.block_size:
         raise CorruptBlockFile("wrong size")
-    extra = None if parent is not None or origin.cache_salt is None else (origin.cache_salt,)
+    salt = () if parent is not None or origin.cache_salt is None else (origin.cache_salt,)
     if not isinstance(origin.cache_salt, (str, type(None))) or (
-        hash_block_tokens(parent, origin.token_ids, extra) != block_hash
+        hash_block_tokens(parent, origin.token_ids, (*salt, *origin.image_keys)) != block_hash
     ):
         raise CorruptBlockFile("hash does not match its tokens")
     return block_hash, origin, payload
+
+
+def _image_keys(value: object) -> tuple[ExtraKey, ...]:
+    """A header's image keys: (image hash, offset) pairs, flattened as they enter the block's hash."""
+    if not isinstance(value, list) or len(value) % 2:
+        raise TypeError("image keys must be a list of (hash, offset) pairs")
+    pairs = zip(value[::2], value[1::2])
+    if not all(isinstance(h, str) and isinstance(o, int) and not isinstance(o, bool) for h, o in pairs):
+        raise TypeError("image keys must be a list of (hash, offset) pairs")
+    return tuple(value)
 
 
 @dataclass(frozen=True, slots=True)

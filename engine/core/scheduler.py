@@ -27,6 +27,7 @@ import logging
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 
+from engine.core.encoder_budget import EncoderBudget
 from engine.core.fair_share import FairShare
 from engine.core.kv_cache_manager import BlockTables, ComputedBlocks, KVCacheManager
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -48,6 +49,7 @@ class Scheduler:
         propose: ``propose(request, max_drafts)``: the draft tokens to verify after a decoding
             request's next token (speculative decoding; ``engine.spec_decode``), None = none.
             Drafts take budget like prompt tokens, after one token for each request behind.
+        encoder_budget: bounds the image rows a step encodes (a multimodal model), None = no images.
     """
 
     def __init__(
@@ -56,9 +58,11 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         propose: Callable[[Request, int], Sequence[int]] | None = None,
+        encoder_budget: EncoderBudget | None = None,
     ) -> None:
         self.kv = kv_cache_manager
         self.propose = propose
+        self.encoder_budget = encoder_budget
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.requests: dict[str, Request] = {}  # unfinished requests by req_id
@@ -125,6 +129,8 @@ class Scheduler:
         when this returns.
         """
         budget = self.max_num_batched_tokens
+        if self.encoder_budget is not None:
+            self.encoder_budget.start_step()
         scheduled: list[ScheduledRequest] = []
         fair = self.fair
         running = self.running
@@ -156,7 +162,7 @@ class Scheduler:
             else:
                 # NOTE: a prefill chunk leaves one token of budget to every request behind it,
                 # so a long prompt never stalls the others' next token.
-                num_new = min(num_new, budget - (len(running) - i - 1))
+                num_new = self._encoder_cut(request, start, min(num_new, budget - (len(running) - i - 1)))
                 if num_new <= 0:
                     i += 1
                     continue
@@ -205,6 +211,9 @@ class Scheduler:
                 request.req_id, request.all_token_ids, request.cache_salt, request.mm_spans
             )
             num_new = min(request.num_tokens - computed.num_computed_tokens, budget)
+            num_new = self._encoder_cut(request, computed.num_computed_tokens, num_new)
+            if num_new == 0:
+                break  # its next tokens reach an image this step cannot encode: a later step admits it
             block_ids = self._admit(request, computed, num_new)
             start = computed.num_computed_tokens
             if block_ids is None and (cut := self._cut(request.req_id, start, num_new, computed)):
@@ -308,6 +317,12 @@ class Scheduler:
         if request.max_num_tokens is not None and request.num_tokens >= request.max_num_tokens:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
+
+    def _encoder_cut(self, request: Request, start: int, num_new: int) -> int:
+        """``num_new`` cut before the first image the step's encoder budget cannot take (``EncoderBudget.cut``)."""
+        if self.encoder_budget is None or not request.mm_spans or num_new <= 0:
+            return num_new
+        return self.encoder_budget.cut(request.mm_spans, start, num_new)
 
     def _cut(self, req_id: str, start: int, num_new: int, computed: ComputedBlocks | None = None) -> int:
         """A shorter prefill chunk the cache can hold now where the whole one did not fit: with sliding-window

@@ -14,6 +14,7 @@ from torch import nn
 from engine.errors import ModelLoadError
 from engine.models.registry import get_model_class
 from engine.models.vision import ACTIVATIONS, vision_tower
+from engine.multimodal.layout import llava_tokens_per_image
 
 
 def feature_layers(config) -> list[int]:
@@ -56,16 +57,13 @@ class LlavaForConditionalGeneration(nn.Module):
         deepest = max(layer + vision.num_hidden_layers + 1 if layer < 0 else layer for layer in self.feature_layers)
         self.vision_tower = vision_tower(vision, deepest)
         self.multi_modal_projector = LlavaMultiModalProjector(config)
+        self.image_token_count: int = llava_tokens_per_image(config)
         self.language_model = get_model_class(config.text_config)(config.text_config)
 
     @property
     def lm_head(self) -> nn.Module:
         """The output head (the loader keeps it unquantized)."""
         return self.language_model.lm_head
-
-    @property
-    def image_token_count(self) -> int:
-        return self.vision_tower.num_positions - self.drop_first
 
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:  # [B, C, H, W] -> [B, tokens, text hidden]
         states = self.vision_tower.hidden_states(pixel_values, self.feature_layers)

@@ -43,6 +43,8 @@ COUNTERS = {
     "requests_rejected": "Requests refused before entering the engine (invalid, or admission limits full).",
     "spec_decode_num_draft_tokens": "Draft tokens verified (speculative decoding).",
     "spec_decode_num_accepted_tokens": "Draft tokens accepted (speculative decoding).",
+    "mm_encoder_runs": "Images the vision encoder encoded (multimodal models).",
+    "mm_encoder_cache_hits": "Images whose embeddings came from the encoder cache (multimodal models).",
 }
 HISTOGRAMS = {
     "ttft_seconds": "Time to first token.",

@@ -54,14 +54,17 @@ class Ingress:
     """
 
     def __init__(self, engine: DeploymentHandle, args: argparse.Namespace, max_attempts: int = DEFAULT_MAX_ATTEMPTS) -> None:
-        from transformers import AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
         from engine.loader import resolve_model
+        from engine.multimodal.layout import image_layout
         from integrations.engine_flags import engine_config
 
         config = engine_config(args)
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.model), local_files_only=True)
-        self._hasher = PrefixHasher(tokenizer, config.block_size)
+        model_dir = resolve_model(config.model)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        images = image_layout(AutoConfig.from_pretrained(model_dir, local_files_only=True), tokenizer)
+        self._hasher = PrefixHasher(tokenizer, config.block_size, images=images)
         self._engine = engine.options(stream=True)
         self._deployment = (engine.app_name, engine.deployment_name)
         self._max_attempts = max_attempts

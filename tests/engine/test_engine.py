@@ -15,7 +15,8 @@ STATS_KEYS = {
     "requests_received", "requests_rejected", "requests_aborted", "request_success", "e2e_request_latency_seconds",
     "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds", "kv_token_usage",
     "kv_evictions", "tenant_requests", "tenant_computed_tokens", "spec_decode_num_draft_tokens",
-    "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos",
+    "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", "mm_encoder_runs",
+    "mm_encoder_cache_hits",
 }
 
 

@@ -145,6 +145,25 @@ def test_blocks_of_another_layout_are_ignored(model_dir, reference, tmp_path, ca
         assert tokens == reference and cached == [0, 40, 40]
 
 
+def test_files_of_the_previous_format_are_skipped_quietly_and_replaced_on_close(
+    model_dir, reference, tmp_path, caplog
+) -> None:
+    """Format-1 files (before image keys) are no damage: skipped at INFO; the engine's close writes format 2."""
+    from engine.core.kv_persistence import MAGIC
+
+    pinned_and_closed(model_dir, tmp_path)
+    for path in tmp_path.rglob("*.kvb"):
+        path.write_bytes(b"PAGEDKV\x01" + path.read_bytes()[len(MAGIC) :])
+    with caplog.at_level(logging.INFO, logger="engine.core.kv_cache_manager"):
+        engine = Engine(model_dir, **CONFIG, kv_cache_dir=tmp_path)
+    (line,) = [r for r in caplog.records if "kv_cache_dir" in r.getMessage()]
+    assert line.levelno == logging.INFO and "skipped 10 (10 another format version)" in line.getMessage()
+    assert answer(engine, QUESTIONS[:1]) == (reference[:1], [0])
+    engine.close()
+    assert {p.read_bytes()[: len(MAGIC)] for p in tmp_path.rglob("*.kvb")} == {MAGIC}
+    assert answer(Engine(model_dir, **CONFIG, kv_cache_dir=tmp_path), QUESTIONS[:1]) == (reference[:1], [40])
+
+
 def test_salted_blocks_are_restored_under_their_salt_only(model_dir, reference, tmp_path) -> None:
     pinned_and_closed(model_dir, tmp_path, cache_salt="tenant-a")
     assert {p.parent.name for p in tmp_path.rglob("*.kvb")} != {"shared"}

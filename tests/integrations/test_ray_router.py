@@ -104,3 +104,105 @@ def test_routing_key_is_the_engines_block_hashes(tiny_model_factory):
     assert hasher.hashes("/v1/completions", completion) == hasher.block_hashes(engine.tokenize(SYSTEM))
     assert hasher.hashes("/v1/chat/completions", b"{not json") == []
     assert hasher.hashes("/v1/models", b"") == []
+
+
+def _picture_url(seed: int) -> str:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from sdk.images import to_data_url
+
+    png = io.BytesIO()
+    Image.fromarray(np.random.RandomState(seed).randint(0, 256, (20, 30, 3), dtype=np.uint8)).save(png, format="PNG")
+    return to_data_url(png.getvalue())
+
+
+def _image_chat(url: str, question: str) -> bytes:
+    image = {"type": "image_url", "image_url": {"url": url}}
+    content = [{"type": "text", "text": SYSTEM}, image, {"type": "text", "text": question}]
+    return json.dumps({"model": "m", "messages": [{"role": "user", "content": content}]}).encode()
+
+
+async def test_image_chats_route_by_the_text_before_the_image_and_then_the_image(tiny_model_factory):
+    """The ingress lays an image chat out as the engine does (same tokens, same image offsets); the text before the
+    image keys the engine's own cached blocks, the image joins the key from its first block, so the same image with
+    another question follows the replica that has it and another image shares only the text."""
+    from transformers import AutoConfig
+
+    from engine import Engine, SamplingParams
+    from engine.core.block_hash import extend_block_hashes
+    from engine.multimodal.layout import image_layout
+    from integrations.ray.prefix import PrefixHasher, image_key
+    from sdk.chat_template import render_chat
+    from sdk.images import ImageLimits, decode_data_url, load_image
+    from sdk.wire import message_from_wire
+
+    model_dir = tiny_model_factory("llava")
+    engine = Engine(str(model_dir), num_blocks=256, block_size=4, dtype="float32")
+    layout = image_layout(AutoConfig.from_pretrained(model_dir), engine.tokenizer)
+    prompts = engine.image_prompts
+    assert layout == (prompts.image_token_id, engine.image_placeholder, prompts.tokens_per_image)
+    hasher = PrefixHasher(engine.tokenizer, block_size=4, max_blocks=64, images=layout)
+    url, other_url = _picture_url(1), _picture_url(2)
+    body = _image_chat(url, "What is it?")
+
+    messages = [message_from_wire(m) for m in json.loads(body)["messages"]]
+    ids = render_chat(engine.tokenizer, messages, image_placeholder=engine.image_placeholder)
+    image = load_image(*decode_data_url(url, ImageLimits(), "f")[:1], ImageLimits(), "f").image
+    processed = engine.process_prompt({"prompt_token_ids": ids, "multi_modal_data": {"image": [image]}})
+    token_ids, spans = hasher._chat_ids(json.loads(body))
+    assert token_ids == processed.prompt_token_ids
+    [(offset, length, key)] = spans
+    first = processed.images[0]
+    assert (offset, length, key) == (first.offset, first.length, image_key(messages[0].image_parts[0][1]))
+
+    hashes = hasher.hashes("/v1/chat/completions", body)
+    text_blocks = offset // 4
+    assert len(hashes) == len(token_ids) // 4 and text_blocks >= 4 and len(hashes) > (offset + length) // 4
+    engine.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": [image]}}], SamplingParams(max_tokens=1))
+    pool = engine.kv.block_pool
+    assert all(pool.get_cached_block(h) is not None for h in hashes[:text_blocks])
+    # with the engine's image hash in its place the same layout gives exactly the engine's cached blocks
+    engine_hashes: list[bytes] = []
+    extend_block_hashes(engine_hashes, token_ids, len(token_ids) - 1, 4, None, [(offset, length, first.hash)])
+    assert all(pool.get_cached_block(h) is not None for h in engine_hashes)
+    assert hashes[:text_blocks] == engine_hashes[:text_blocks] and hashes[text_blocks] != engine_hashes[text_blocks]
+
+    same = hasher.hashes("/v1/chat/completions", _image_chat(url, "And its colour?"))
+    other = hasher.hashes("/v1/chat/completions", _image_chat(other_url, "What is it?"))
+    assert same[: (offset + length) // 4] == hashes[: (offset + length) // 4]
+    assert other[:text_blocks] == hashes[:text_blocks] and other[text_blocks] != hashes[text_blocks]
+
+    router = _router()
+    a, b = StandIn("a"), StandIn("b")
+    chosen = _ids(await router.choose_replicas([a, b], _request(prefix=hashes)))[0][0]
+    holder = a if chosen == "a" else b
+    assert router.match_length(holder, same) == (offset + length) // 4 and router.match_length(holder, other) == text_blocks
+    router.replica_queue_len_cache.update(a.replica_id, 0)
+    router.replica_queue_len_cache.update(b.replica_id, 0)
+    assert _ids(await router.choose_replicas([a, b], _request(prefix=same)))[0] == [chosen]
+    assert PrefixHasher(engine.tokenizer, 4).hashes("/v1/chat/completions", body) == []  # text-only layout: no key
+
+
+def test_the_ingress_reads_the_image_layout_of_the_served_model(tiny_model_factory):
+    """The fleet's ingress hashes image chats of a LLaVA model with its layout, and text models' with none."""
+    import argparse
+
+    from integrations.openai_server import command
+    from integrations.ray.ingress import Ingress
+
+    class Handle:  # what the ingress reads of the engine deployment's handle
+        app_name, deployment_name = "test", "engine"
+
+        def options(self, **_):
+            return self
+
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    for arch, accepts_images in (("llava", True), ("llama", False)):
+        args = parser.parse_args(["--model", str(tiny_model_factory(arch)), "--block-size", "4"])
+        hasher = Ingress(Handle(), args)._hasher
+        assert (hasher.images is not None, hasher.block_size) == (accepts_images, 4)
+        assert bool(hasher.hashes("/v1/chat/completions", _image_chat(_picture_url(1), "What is it?"))) == accepts_images

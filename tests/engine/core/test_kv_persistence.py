@@ -12,6 +12,7 @@ import pytest
 from engine.core.block_hash import extend_block_hashes
 from engine.core.kv_cache_manager import BlockOrigin, KVCacheManager
 from engine.core.kv_persistence import (
+    MAGIC,
     CorruptBlockFile,
     KVBlockStore,
     KVLayout,
@@ -30,10 +31,14 @@ LAYOUT = KVLayout(
 SYSTEM = list(range(100, 100 + 3 * BS + 1))  # 3 full blocks and one token
 
 
-def admit(kv: KVCacheManager, req_id: str, token_ids: list[int], cache_salt: str | None = None) -> list[int]:
-    computed = kv.get_computed_blocks(req_id, token_ids, cache_salt)
+def admit(
+    kv: KVCacheManager, req_id: str, token_ids: list[int], cache_salt: str | None = None, mm_spans: tuple = ()
+) -> list[int]:
+    computed = kv.get_computed_blocks(req_id, token_ids, cache_salt, mm_spans)
     num_new = len(token_ids) - computed.num_computed_tokens
-    tables = kv.allocate_slots(req_id, token_ids, computed.num_computed_tokens, num_new, computed, cache_salt)
+    tables = kv.allocate_slots(
+        req_id, token_ids, computed.num_computed_tokens, num_new, computed, cache_salt, mm_spans=mm_spans
+    )
     assert tables is not None
     (table,) = tables  # one full-attention group
     return table
@@ -113,6 +118,46 @@ def test_block_file_round_trips_and_every_check_refuses_damage() -> None:
     assert refused(salted) == "hash does not match its tokens"
     short = encode_block(LAYOUT.key, child_hash, child_origin, payload_of(block_id)[:-4])
     assert refused(short) == "wrong size"
+
+
+IMAGE = (BS + 2, BS + 1, "a" * 32)  # an image's tokens from position 6 to 10: in blocks 1 and 2 (after a text block)
+
+
+def test_image_blocks_persist_with_their_image_keys_and_load_for_that_image_only(tmp_path: Path) -> None:
+    """Each block file of an image's blocks records the image keys its hash took; a restored chain is a hit for the
+    same tokens and image, another image with the same tokens hits only the text block before it."""
+    kv = tracked()
+    admit(kv, "p", SYSTEM, mm_spans=(IMAGE,))
+    chosen = kv.persistable_blocks(["p"], 0)
+    assert [origin.image_keys for _, _, origin in chosen] == [(), (IMAGE[2], 2), (IMAGE[2], -2)]
+    (block_id, block_hash, origin) = chosen[1]
+    data = encode_block(LAYOUT.key, block_hash, origin, payload_of(block_id))
+    assert decode_block(data, LAYOUT) == (block_hash, origin, payload_of(block_id))
+    for lie in ((), ("b" * 32, 2), (IMAGE[2], 3)):  # no image, another image, another offset: the hash refutes it
+        with pytest.raises(CorruptBlockFile, match="hash does not match its tokens"):
+            decode_block(encode_block(LAYOUT.key, block_hash, origin._replace(image_keys=lie), payload_of(block_id)), LAYOUT)
+    with pytest.raises(CorruptBlockFile, match="unreadable header"):  # an offset that is no int
+        decode_block(encode_block(LAYOUT.key, block_hash, origin._replace(image_keys=(IMAGE[2], "2")), b""), LAYOUT)
+    saved_store(tmp_path, kv, ["p"])
+    fresh, restored, skipped = restore(tmp_path)
+    assert len(restored) == 3 and not skipped
+    assert fresh.get_computed_blocks("q", SYSTEM, None, (IMAGE,)).num_computed_tokens == 3 * BS
+    assert fresh.get_computed_blocks("r", SYSTEM, None, ((*IMAGE[:2], "b" * 32),)).num_computed_tokens == BS
+    assert fresh.get_computed_blocks("s", SYSTEM).num_computed_tokens == BS
+
+
+def test_files_of_another_format_version_are_skipped_and_replaced_by_the_next_save(tmp_path: Path) -> None:
+    kv = tracked()
+    admit(kv, "p", SYSTEM)
+    store = saved_store(tmp_path, kv, ["p"])
+    assert MAGIC == b"PAGEDKV\x02"
+    for path in store.dir.glob("*/*.kvb"):  # as the release before image keys wrote them
+        path.write_bytes(b"PAGEDKV\x01" + path.read_bytes()[len(MAGIC) :])
+    _, restored, skipped = restore(tmp_path)
+    assert not restored and skipped == {"another format version": 3}
+    saved_store(tmp_path, kv, ["p"])  # a fresh store writes every block again
+    _, restored, skipped = restore(tmp_path)
+    assert len(restored) == 3 and not skipped
 
 
 def saved_store(tmp_path: Path, kv: KVCacheManager, req_ids: list[str], num_hot: int = 0) -> KVBlockStore:

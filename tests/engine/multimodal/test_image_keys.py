@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.core.block_hash import block_image_keys, extend_block_hashes
+from engine.core.encoder_budget import EncoderBudget
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.errors import RequestRejected
 from engine.multimodal.encoder_cache import EncoderCache
@@ -54,6 +55,20 @@ def test_encoder_cache_keeps_the_most_recently_used_within_its_bytes() -> None:
     cache.add("huge", "H", 101)
     assert "huge" not in cache and cache.num_bytes == 80
     assert (cache.num_encoded, cache.num_hits, len(cache)) == (4, 3, 2)
+
+
+def test_encoder_budget_cuts_chunks_before_the_image_past_the_steps_rows() -> None:
+    cached = {"c"}
+    budget = EncoderBudget(max_rows=10, is_cached=cached.__contains__)
+    budget.start_step()
+    assert budget.cut([(2, 8, "a")], 0, 5) == 5  # the first image always goes (8 rows of 10)
+    assert budget.cut([(2, 8, "a"), (20, 8, "b")], 5, 30) == 15  # "a" counted already; "b" would make 16: cut before it
+    assert budget.cut([(0, 8, "c")], 0, 10) == 10  # cached: costs nothing
+    assert budget.cut([(0, 2, "d")], 0, 4) == 4  # 10 rows in all
+    assert budget.cut([(3, 8, "e")], 5, 4) == 4  # a chunk starting inside an image encodes it whatever the budget
+    budget.start_step()
+    assert budget.cut([(20, 30, "b")], 0, 60) == 60  # a new step: one image larger than the budget goes alone
+    assert budget.cut([(0, 1, "f")], 0, 3) == 0
 
 
 def test_placeholders_expand_or_pass_when_expanded_already() -> None:

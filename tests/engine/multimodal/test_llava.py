@@ -148,8 +148,30 @@ def test_prefix_cache_and_encoder_cache_are_keyed_by_the_image(model_dir, refere
     hits = cache.num_hits
     run(other, a)  # its image blocks follow other text: computed again, from the cached embeddings
     assert cache.num_encoded == 2 and cache.num_hits == hits + 1
+    stats = engine.stats()
+    assert (stats["mm_encoder_runs"], stats["mm_encoder_cache_hits"]) == (2, hits + 1)
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
     engine.kv.check_integrity()
+
+
+def test_a_step_encodes_images_within_its_token_budget(model_dir, reference) -> None:
+    """Requests whose prefill chunks reach their images in one step: at 44 tokens a step two images' 50 rows do not
+    fit, so the second image waits a step (vLLM's encoder budget); without the budget both encode in one step. The
+    tokens are transformers' either way."""
+    processor, generate = reference
+    prompts = [(chat(processor, "Q" * (3 * i + 1), picture(30 + i), "what?"), [picture(30 + i)]) for i in range(3)]
+    expected = [generate(text, images) for text, images in prompts]
+    for budgeted, batches_expected in ((True, [1, 1, 1]), (False, [2, 1])):
+        engine = make_engine(model_dir, max_num_batched_tokens=44)
+        if not budgeted:
+            engine.scheduler.encoder_budget = None
+        batches: list[int] = []
+        encode = engine.runner.model.encode_images
+        engine.runner.model.encode_images = lambda pixels: (batches.append(len(pixels)), encode(pixels))[1]
+        outs = engine.generate([request(text, images) for text, images in prompts], GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert batches == batches_expected  # images encoded per step
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
 def test_image_hash_is_the_content(model_dir) -> None:
@@ -252,18 +274,24 @@ def test_checkpoint_layouts_load_alike(model_dir, cases, tmp_path, layout: str) 
     assert engine.generate(request(text, images), GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected
 
 
-def test_kv_cache_dir_keeps_the_text_before_an_image_and_never_its_blocks(model_dir, reference, tmp_path) -> None:
-    """A pinned image prompt saves the blocks of its text before the image only (a block origin holds tokens and
-    salt, not images); a fresh engine hits those, computes the image's blocks and gives the same tokens."""
+def test_kv_cache_dir_keeps_image_blocks_for_the_same_image_only(model_dir, reference, tmp_path) -> None:
+    """A pinned image prompt saves every full block, its image's too (their files hold the image keys); a fresh engine
+    given the same image prompt hits them all and never runs the encoder, one given another image with the same text
+    hits the text before the image only; both give transformers' tokens."""
     processor, generate = reference
-    image = picture(20)
+    image, other = picture(20), picture(21)
     text = chat(processor, "A long enough question before the picture:", image, "What is it?")
-    offset = make_engine(model_dir, num_blocks=8).process_prompt(request(text, [image])).images[0].offset
+    processed = make_engine(model_dir, num_blocks=8).process_prompt(request(text, [image]))
+    offset, num_tokens = processed.images[0].offset, len(processed.prompt_token_ids)
     with make_engine(model_dir, kv_cache_dir=tmp_path, kv_cache_save_hot_blocks=0) as engine:
         engine.pin_prefix(request(text, [image]))
         while engine.has_unfinished_requests():
             engine.step()
-    fresh = make_engine(model_dir, kv_cache_dir=tmp_path)
-    out = fresh.generate(request(text, [image]), GREEDY, use_tqdm=False)[0]
-    assert out.num_cached_tokens == offset // BLOCK * BLOCK > 0
-    assert out.outputs[0].token_ids == generate(text, [image])
+    cases = ((image, (num_tokens - 1) // BLOCK * BLOCK, 0), (other, offset // BLOCK * BLOCK, 1))
+    for given, num_cached, num_encoded in cases:
+        with make_engine(model_dir, kv_cache_dir=tmp_path) as fresh:  # on close it saves what it used (hot blocks)
+            out = fresh.generate(request(text, [given]), GREEDY, use_tqdm=False)[0]
+            assert out.num_cached_tokens == num_cached
+            assert out.outputs[0].token_ids == generate(text, [given])
+            assert fresh.stats()["mm_encoder_runs"] == num_encoded  # 0: every image row came from the restored blocks
+    assert (num_tokens - 1) // BLOCK * BLOCK > offset + processed.images[0].length and offset // BLOCK > 0

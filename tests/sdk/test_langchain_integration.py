@@ -14,7 +14,7 @@ from sdk.integrations.langchain import PagedChat
 
 # NOTE: the jokes' strings have no length bound, and greedy decoding on a 135M model can loop
 # inside one; a mild repetition penalty lets the reply close its JSON within max_tokens.
-STRUCTURED_PARAMS = {"max_tokens": 128, "repetition_penalty": 1.1}
+STRUCTURED_PARAMS = {"max_tokens": 128, "repetition_penalty": 1.2}
 # NOTE: room for a whole call (the unicode test's names take several tokens a character).
 TOOL_PARAMS = {"max_tokens": 64}
 TOOL_TESTS = {"test_agent_loop", "test_structured_few_shot_examples"}

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -68,14 +69,19 @@ def _prefill_step(num_tokens: int, block_size: int) -> SchedulerOutput:
     return SchedulerOutput(scheduled=[ScheduledRequest("p", tokens, 0, (blocks,), True)])
 
 
-def _time(runner: ModelRunner, step: SchedulerOutput, repeats: int) -> float:
-    runner.execute_model(step)  # warm-up
+def median_seconds(call: Callable[[], object], repeats: int) -> float:
+    """The median wall time of ``call()`` over ``repeats`` runs, after one warm-up run."""
+    call()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        runner.execute_model(step)
+        call()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def _time(runner: ModelRunner, step: SchedulerOutput, repeats: int) -> float:
+    return median_seconds(lambda: runner.execute_model(step), repeats)
 
 
 def _time_rounds(runners: list[ModelRunner], step: SchedulerOutput, repeats: int) -> list[list[float]]:

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_forward import _decode_step, _save_random
+from bench_forward import _decode_step, _save_random, median_seconds
 
 from engine.config import EngineConfig
 from engine.distributed.communicator import Communicator, open_store
@@ -117,13 +117,7 @@ def _all_reduce_alone(shapes: list[tuple[int, int]], repeats: int) -> list[float
     medians = []
     for shape in shapes:
         x = torch.ones(shape)
-        comm.all_reduce(x)  # warm-up
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            comm.all_reduce(x)
-            times.append(time.perf_counter() - start)
-        medians.append(statistics.median(times))
+        medians.append(median_seconds(lambda: comm.all_reduce(x), repeats))
     peer.join()
     return medians
 

@@ -113,12 +113,12 @@ class AsyncEngine:
     @property
     def accepts_images(self) -> bool:
         """Whether the model takes images (``Engine.accepts_images``)."""
-        return self._image_prompts is not None
+        return self.engine.accepts_images
 
     @property
     def image_placeholder(self) -> str | None:
         """The text that stands for one image in a prompt (``Engine.image_placeholder``); None for text only."""
-        return None if self._image_prompts is None else self._image_prompts.placeholder
+        return self.engine.image_placeholder
 
     @property
     def max_model_len(self) -> int:

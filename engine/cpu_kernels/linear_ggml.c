@@ -8,9 +8,9 @@
  * depends on that row alone and every output is computed by the same steps whatever the number of rows,
  * so a request's results do not depend on what it is batched with.
  *
- * Threads split the output columns in groups of GROUP_COLS; a group's weight rows stay in cache while
- * every tile of up to GGML_TILE_ROWS rows of x passes over them, the weight codes of a block unpacked
- * once a tile. On AVX512-VNNI, Q4_0, Q4_K and Q6_K weights are repacked at load into groups of 16 rows
+ * Threads split a row's blocks to quantize it, then the output columns in groups of GROUP_COLS; a group's
+ * weight rows stay in cache while every tile of up to GGML_TILE_ROWS rows of x passes over them, the weight
+ * codes of a block unpacked once a tile. On AVX512-VNNI, Q4_0, Q4_K and Q6_K weights are repacked at load into groups of 16 rows
  * (ggml_x16.h, ggml_x16_pack) that give 16 columns a dot product (ggml_avx512.h); the other paths unpack an
  * x16 row back to the file's layout before their dot product.
  */
@@ -70,40 +70,65 @@ int ggml_x16_pack(int32_t type, const uint8_t *src, int64_t rows, int64_t K, uin
 
 /* ------------------------------------------------------------------------- activation quantization */
 
-static inline float absmax(const float *x, int n) {
-    float m = 0.0f;
-    for (int i = 0; i < n; ++i) m = fmaxf(m, fabsf(x[i]));
-    return m;
+/* 16 floats rounded to int32, to nearest, ties to even: nearbyintf's result in the default rounding mode (which
+ * the vector conversions use too). */
+static inline vi16 round16(vf16 v) {
+#if defined(__AVX512F__)
+    return (vi16)_mm512_cvtps_epi32((__m512)v);
+#elif defined(__AVX2__)
+    __m256 half[2];
+    __m256i r[2];
+    memcpy(half, &v, sizeof v);
+    r[0] = _mm256_cvtps_epi32(half[0]), r[1] = _mm256_cvtps_epi32(half[1]);
+    vi16 out;
+    memcpy(&out, r, sizeof out);
+    return out;
+#else
+    vi16 out;
+    for (int l = 0; l < 16; ++l) out[l] = (int32_t)nearbyintf(v[l]);
+    return out;
+#endif
 }
 
-/* n values as int8 q = round(x / d), d = max |x| / 127 (ties to even); returns d. */
-static inline float quantize_int8(const float *x, int n, int8_t *q) {
-    const float d = absmax(x, n) / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-    for (int i = 0; i < n; ++i) q[i] = (int8_t)nearbyintf(x[i] * id);
+/* n values (a multiple of 16) as int8 q = round(x / d), d = max |x| / 127 (ties to even); sums[j] = the sum of
+ * q[16 j .. 16 j + 15]. Returns d. Sixteen lanes at a time: a maximum is exact in any order, and a NaN never wins
+ * it (as with fmaxf). */
+static inline float quantize_int8(const float *x, int n, int8_t *q, int32_t *sums) {
+    const vi16 magnitude = (vi16){0} + 0x7fffffff;
+    vf16 m = (vf16){0};
+    for (int i = 0; i < n; i += 16) {
+        vf16 v;
+        memcpy(&v, x + i, sizeof v);
+        const vf16 a = (vf16)((vi16)v & magnitude);
+        const vi16 larger = a > m;
+        m = (vf16)(((vi16)a & larger) | ((vi16)m & ~larger));
+    }
+    float amax = 0.0f;
+    for (int l = 0; l < 16; ++l) amax = m[l] > amax ? m[l] : amax;
+    const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+    for (int i = 0; i < n; i += 16) {
+        vf16 v;
+        memcpy(&v, x + i, sizeof v);
+        const vi16 r = round16(v * id);
+        int32_t sum = 0;
+        for (int l = 0; l < 16; ++l) q[i + l] = (int8_t)r[l], sum += r[l];
+        sums[i / 16] = sum;
+    }
     return d;
 }
 
-static void quantize_row_q8(const float *x, int64_t K, act_q8 *out) {
-    for (int64_t i = 0; i < K / QK; ++i) {
-        out[i].d = quantize_int8(x + i * QK, QK, out[i].qs);
-        int32_t sum = 0;
-        for (int l = 0; l < QK; ++l) sum += out[i].qs[l];
-        out[i].s = out[i].d * (float)sum;
-    }
+static void quantize_block_q8(const float *x, act_q8 *out) {
+    int32_t sums[QK / 16];
+    out->d = quantize_int8(x, QK, out->qs, sums);
+    out->s = out->d * (float)(sums[0] + sums[1]);
 }
 
-static void quantize_row_q8_K(const float *x, int64_t K, act_q8_K *out) {
-    for (int64_t i = 0; i < K / QK_K; ++i) {
-        act_q8_K *b = out + i;
-        b->d = quantize_int8(x + i * QK_K, QK_K, b->qs);
-        for (int s = 0; s < QK_K / 16; ++s) {
-            int32_t sum = 0;
-            for (int l = 0; l < 16; ++l) sum += b->qs[16 * s + l];
-            b->bsums[s] = (int16_t)sum;
-        }
-        for (int s = 0; s < QK_K / 32; ++s) b->dsums[s] = b->d * (float)(b->bsums[2 * s] + b->bsums[2 * s + 1]);
-        memset(b->pad, 0, sizeof b->pad);
-    }
+static void quantize_block_q8_K(const float *x, act_q8_K *b) {
+    int32_t sums[QK_K / 16];
+    b->d = quantize_int8(x, QK_K, b->qs, sums);
+    for (int s = 0; s < QK_K / 16; ++s) b->bsums[s] = (int16_t)sums[s];
+    for (int s = 0; s < QK_K / 32; ++s) b->dsums[s] = b->d * (float)(sums[2 * s] + sums[2 * s + 1]);
+    memset(b->pad, 0, sizeof b->pad);
 }
 
 /* ------------------------------------------------------------------------------------- the tiles */
@@ -228,13 +253,20 @@ int linear_ggml_f32(const float *x, int64_t ld_x, int64_t M, const ggml_part *pa
     const int64_t groups = (N + GROUP_COLS - 1) / GROUP_COLS;
 #pragma omp parallel if (M * N * K > PARALLEL_MIN)
     {
+        /* every block of every row on its own: one row's blocks split across the threads too */
+        if (needs_q8) {
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; ++m) {
-            if (needs_q8) quantize_row_q8(x + m * ld_x, K, q8 + m * (K / QK));
-            if (needs_q8_K) quantize_row_q8_K(x + m * ld_x, K, q8_K + m * (K / QK_K));
+            for (int64_t i = 0; i < M * (K / QK); ++i) quantize_block_q8(x + i / (K / QK) * ld_x + i % (K / QK) * QK, q8 + i);
+        }
+        if (needs_q8_K) {
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < M * (K / QK_K); ++i)
+                quantize_block_q8_K(x + i / (K / QK_K) * ld_x + i % (K / QK_K) * QK_K, q8_K + i);
         }
         uint8_t *unpacked = any_x16 ? malloc((size_t)max_row_bytes) : NULL; /* an x16 row in the file's layout */
-#pragma omp for schedule(static)
+        /* guided: a fused projection's parts differ in bytes a column (Q4_K query and key, Q6_K value), so equal
+         * counts of groups are not equal work; chunks that shrink as the groups run out even it out */
+#pragma omp for schedule(guided)
         for (int64_t g = 0; g < groups; ++g) {
             const int64_t n0 = g * GROUP_COLS, n1 = n0 + GROUP_COLS < N ? n0 + GROUP_COLS : N;
             for (int64_t m0 = 0; m0 < M; m0 += GGML_TILE_ROWS) {

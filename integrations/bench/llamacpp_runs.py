@@ -157,6 +157,7 @@ def run_llama_bench(
 @dataclass
 class _Request:
     tokens: list[int]
+    num_tokens: int = 0  # new tokens, as the server counts them (``tokens`` can miss some: _complete)
     ttft_s: float | None = None
     itl_s: list[float] | None = None
     num_evaluated: int | None = None  # prompt tokens the server computed (the rest came from its slot's cache)
@@ -255,15 +256,20 @@ async def _complete(
     try:
         async for event in stream_events(client, base + "/completion", body):
             new = [int(t) for t in event.get("tokens") or ()]
-            if new:
+            # NOTE: llama-server holds back a token that ends inside a UTF-8 character and streams it with the next
+            # one, listing only the latter's id in "tokens"; its "tokens_predicted" counts both
+            predicted = event.get("tokens_predicted")
+            count = predicted - request.num_tokens if isinstance(predicted, int) else len(new)
+            if count > 0:
                 now = time.perf_counter()
                 if request.ttft_s is None:
                     request.ttft_s = now - start
                 else:
                     request.itl_s.append(now - last)  # type: ignore[union-attr]
                 last = now
-                request.tokens.extend(new)
-                progress(len(new))
+                request.num_tokens += count
+                progress(count)
+            request.tokens.extend(new)
             if event.get("stop"):
                 request.num_evaluated = (event.get("timings") or {}).get("prompt_n")  # the stream's last event
     except StreamFailed as exc:
@@ -272,8 +278,8 @@ async def _complete(
     except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as exc:
         request.error = f"{type(exc).__name__}: {exc}"
         return request
-    if len(request.tokens) != max_tokens:
-        request.error = f"{len(request.tokens)} new tokens where {max_tokens} were asked for"
+    if request.num_tokens != max_tokens:
+        request.error = f"{request.num_tokens} new tokens where {max_tokens} were asked for"
     return request
 
 
@@ -287,7 +293,7 @@ def _to_run_result(
     return RunResult(
         name=f"llama.cpp llama-server, {slots} slots",
         num_requests=len(requests),
-        num_new_tokens=sum(len(r.tokens) for r in requests),
+        num_new_tokens=sum(r.num_tokens for r in requests),
         wall_s=wall_s,
         num_prompt_tokens=num_prompt,
         ttft_s=[r.ttft_s for r in requests if r.ttft_s is not None],
@@ -299,6 +305,7 @@ def _to_run_result(
             f"build {version}, {gguf.name}, {threads} threads, /completion with the engine's token ids; "
             f"start-up {startup_s:.0f} s (not timed)"
         ),
-        output_token_ids=[r.tokens for r in requests],
+        # the ids only where the stream listed every one: else no agreement with the engine is claimed
+        output_token_ids=[r.tokens for r in requests] if all(len(r.tokens) == r.num_tokens for r in requests) else [],
         prompt_indices=list(range(len(prompts))),
     )

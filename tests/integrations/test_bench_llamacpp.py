@@ -70,8 +70,11 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
+        hold = os.environ.get("FAKE_LLAMACPP_HOLD")  # as the real one does with a token inside a UTF-8 character
         for i in range(n):
-            event = {"content": "x", "tokens": [prompt[i % len(prompt)]], "stop": False}
+            if hold and i == 0 and n > 1:
+                continue  # streamed with the next event, which lists only the next token's id
+            event = {"content": "x", "tokens": [prompt[i % len(prompt)]], "stop": False, "tokens_predicted": i + 1}
             self.wfile.write(b"data: " + json.dumps(event).encode() + b"\\n\\n")
             self.wfile.flush()
         done = {"content": "", "stop": True, "timings": {"prompt_n": len(prompt) - 1, "predicted_n": n}}
@@ -168,6 +171,17 @@ def test_llama_server_runs_the_workload_greedy_and_all_at_once(fake_llamacpp: Pa
     assert len(result.ttft_s) == 3 and len(result.itl_s) == 3 * 3 and result.startup_s > 0
     assert result.name == "llama.cpp llama-server, 2 slots" and "build 4242 (fakecafe)" in result.notes
     assert not list(tmp_path.glob("paged-bench-llamacpp-*"))
+
+
+def test_tokens_the_stream_holds_back_still_count(
+    fake_llamacpp: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A token llama-server streams together with the next one (its ids list only the next) counts by the server's
+    tokens_predicted; with ids missing, no token agreement is reported."""
+    monkeypatch.setenv("FAKE_LLAMACPP_HOLD", "1")
+    result = llamacpp_runs.run_llama_server(LlamaCpp(fake_llamacpp / "bin"), tmp_path / "m.gguf", [[5, 6, 7]], 4, 1, 1)
+    assert result.num_new_tokens == 4 and len(result.itl_s) == 2
+    assert result.output_token_ids == []
 
 
 def test_a_server_that_fails_to_start_is_one_error_naming_its_log(

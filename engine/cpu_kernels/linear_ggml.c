@@ -10,9 +10,9 @@
  *
  * Threads split a row's blocks to quantize it, then the output columns in groups of GROUP_COLS; a group's
  * weight rows stay in cache while every tile of up to GGML_TILE_ROWS rows of x passes over them, the weight
- * codes of a block unpacked once a tile. On AVX512-VNNI, Q4_0, Q4_K and Q6_K weights are repacked at load into groups of 16 rows
- * (ggml_x16.h, ggml_x16_pack) that give 16 columns a dot product (ggml_avx512.h); the other paths unpack an
- * x16 row back to the file's layout before their dot product.
+ * codes of a block unpacked once a tile. On AVX512-VNNI, Q4_0, Q4_K and Q6_K weights are repacked at load
+ * into groups of 16 rows (ggml_x16.h, ggml_x16_pack) that give 16 columns a dot product (ggml_avx512.h); the
+ * other paths unpack an x16 row back to the file's layout before their dot product.
  */
 
 #include <stdlib.h>
@@ -256,7 +256,8 @@ int linear_ggml_f32(const float *x, int64_t ld_x, int64_t M, const ggml_part *pa
         /* every block of every row on its own: one row's blocks split across the threads too */
         if (needs_q8) {
 #pragma omp for schedule(static)
-            for (int64_t i = 0; i < M * (K / QK); ++i) quantize_block_q8(x + i / (K / QK) * ld_x + i % (K / QK) * QK, q8 + i);
+            for (int64_t i = 0; i < M * (K / QK); ++i)
+                quantize_block_q8(x + i / (K / QK) * ld_x + i % (K / QK) * QK, q8 + i);
         }
         if (needs_q8_K) {
 #pragma omp for schedule(static)

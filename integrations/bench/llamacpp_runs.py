@@ -235,7 +235,9 @@ async def _run_all(
     base: str, prompts: list[list[int]], max_tokens: int, progress: Progress
 ) -> tuple[list[_Request], float]:
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=3600)
-    connector = aiohttp.TCPConnector(limit=len(prompts) + 1)
+    # NOTE: a connection a request: one kept alive from the warm-up can be closed by the server's keep-alive timer
+    # just as a timed request goes out on it (aiohttp's ServerDisconnectedError, 1 request in 64 in a run)
+    connector = aiohttp.TCPConnector(limit=len(prompts) + 1, force_close=True)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
         warm = await _complete(client, base, WARM_UP_PROMPT, 2, lambda n: None)
         if warm.error is not None:

@@ -28,7 +28,8 @@ def engine_batch1(
     """The engine's batch-1 decode and prefill rates.
 
     Returns:
-        ``{"name", "decode_tok_s", "prefill_tok_s", "decode_samples", "prefill_samples"}``.
+        ``{"name", "decode_tok_s", "prefill_tok_s", "decode_samples", "prefill_samples", "weights"}``, the last what
+        its linear weights ran as (``stats()["weights"]``).
     """
     engine = make_engine(model, engine_kwargs)
     rng = random.Random(engine_kwargs.get("seed") or 0)
@@ -54,6 +55,7 @@ def engine_batch1(
         "prefill_tok_s": sum(prefill) / len(prefill),
         "decode_samples": decode,
         "prefill_samples": prefill,
+        "weights": engine.stats().get("weights"),
     }
 
 

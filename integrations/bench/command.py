@@ -17,6 +17,7 @@ from typing import Any
 
 from integrations.bench import http_command, llamacpp_runs, vllm_runs
 from integrations.bench.machine import machine_info
+from integrations.bench.records import RESULTS_FILE
 from integrations.bench.workloads import WORKLOADS
 from integrations.engine_flags import FlagError, add_engine_arguments, engine_config, engine_kwargs
 
@@ -94,6 +95,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run one-by-one generation on this many requests only (its rate is per token served)",
     )
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument(
+        "--record",
+        type=Path,
+        nargs="?",
+        const=RESULTS_FILE,
+        default=None,
+        metavar="PATH",
+        help="append the run, with the date, the engine's commit and this command line, to the results file that "
+        f"`paged figures` renders the docs' tables from (default: {RESULTS_FILE})",
+    )
     parser.add_argument("--plot", type=Path, default=None, help="write PNG plots into this folder")
     parser.add_argument("--profile", action="store_true", help="per-phase step times and a torch profiler trace")
     parser.add_argument("--profile-dir", type=Path, default=Path("bench-out"), help="where --profile writes")
@@ -166,6 +177,8 @@ def run(args: argparse.Namespace) -> int:
     if args.workload == BATCH1 and args.compare and args.baselines != [llamacpp_runs.LLAMACPP]:
         raise FlagError(f"--workload {BATCH1} compares the engine with llama.cpp alone: pass --baselines llamacpp")
     if args.base_url is not None:
+        if args.record is not None:
+            raise FlagError("--record records in-process runs; a --base-url run's figures are the server's")
         return http_command.run(args)
     http_command.refuse_http_flags(args)
     config = engine_config(args)
@@ -191,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
     from engine.worker.model_runner import resolve_device, resolve_dtypes
     from integrations.bench import baselines, engine_runs, profiling
     from integrations.bench.ceiling import measure_ceiling
+    from integrations.bench.records import append_record, describe_model, make_record
     from integrations.bench.report import (
         build_report, format_poisson, format_profile, format_structured, format_sweep, format_table, median_round,
         round_rates,
@@ -316,7 +330,9 @@ def run(args: argparse.Namespace) -> int:
             "greedy": True,
             "ignore_eos": args.workload != "structured",
             "submitted": "all at once" if args.workload != "poisson" else f"poisson arrivals from {args.rate} req/s",
+            **({"vllm_dtype": args.vllm_dtype or dtype_name} if vllm_python is not None else {}),
         },
+        model=describe_model(model, model_dir),
         ceiling=ceiling,
         poisson=poisson,
         sweep=sweep,
@@ -330,6 +346,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
+    if args.record:
+        append_record(args.record, make_record(report, args.command_line))
+        logger.info("recorded in %s; `paged figures` renders the docs' tables from it", args.record)
     if args.plot:
         from integrations.bench.plots import write_plots
 

@@ -86,6 +86,7 @@ def run_batch(engine: Any, prompts: list[list[int]], params: Sequence[Any], prog
         prompt_tokens_computed=_stat_delta(before, after, "prompt_tokens_computed"),
         prefix_cache_hit_rate=hits / queries if queries else None,
         num_preemptions=_stat_delta(before, after, "num_preemptions"),
+        weights=after.get("weights"),
         output_token_ids=outputs,
         prompt_indices=list(range(len(prompts))),
     )

@@ -61,6 +61,25 @@ class RunResult:
     output_token_ids: list[list[int]] = field(default_factory=list, repr=False)
     prompt_indices: list[int] = field(default_factory=list, repr=False)  # which workload prompts ran
 
+    @classmethod
+    def of_outputs(
+        cls, name: str, prompts: list[list[int]], outputs: list[list[int]], wall_s: float,
+        indices: list[int] | None = None, **fields: Any,
+    ) -> RunResult:  # fmt: skip
+        """The run of ``prompts[i] for i in indices`` (default: all of them) whose new tokens are ``outputs``, in
+        that order; ``fields`` are the rest (``ttft_s``, ``notes``, ...)."""
+        indices = list(range(len(prompts))) if indices is None else list(indices)
+        return cls(
+            name=name,
+            num_requests=len(indices),
+            num_new_tokens=sum(len(o) for o in outputs),
+            wall_s=wall_s,
+            num_prompt_tokens=sum(len(prompts[i]) for i in indices),
+            output_token_ids=outputs,
+            prompt_indices=indices,
+            **fields,
+        )
+
     @property
     def tokens_per_s(self) -> float:
         return self.num_new_tokens / self.wall_s if self.wall_s > 0 else 0.0

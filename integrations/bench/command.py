@@ -103,7 +103,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="PATH",
         help="append the run, with the date, the engine's commit and this command line, to the results file that "
-        f"`paged figures` renders the docs' tables from (default: {RESULTS_FILE})",
+        f"`paged figures` renders the docs' tables from (default: {RESULTS_FILE}, from the project's folder)",
     )
     parser.add_argument("--plot", type=Path, default=None, help="write PNG plots into this folder")
     parser.add_argument("--profile", action="store_true", help="per-phase step times and a torch profiler trace")

@@ -8,12 +8,12 @@ import sys
 from pathlib import Path
 
 from integrations.bench.figures import PAGES, render_page
-from integrations.bench.records import PROJECT_ROOT, RESULTS_FILE, load_records
+from integrations.bench.records import RESULTS_FILE, load_records
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--root", type=Path, default=PROJECT_ROOT, help=f"the project's folder, holding {', '.join(PAGES)}"
+        "--root", type=Path, default=Path("."), help=f"the project's folder, holding {', '.join(PAGES)} (default: .)"
     )
     parser.add_argument(
         "--results", type=Path, default=None, help=f"the results file (default: {RESULTS_FILE} under --root)"

@@ -28,10 +28,10 @@ from typing import Any
 
 from integrations.errors import CommandError
 
-RESULTS_FILE = Path("docs/results/benchmarks.jsonl")  # relative to the project's root
+RESULTS_FILE = Path("docs/results/benchmarks.jsonl")  # from the project's folder
+PROJECT_ROOT = Path(__file__).resolve().parents[2]  # the checkout whose commit a record names
 RECORD_SOURCE = "paged bench --record"
 REQUIRED = ("schema", "date", "command", "machine", "model", "workload", "protocol", "results")
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
 # What changes a run's speed besides its flags: the OpenMP runtime's, vLLM's CPU binding and the engine's kernel
 # choices. Nothing else is recorded (other variables can hold keys and paths).
 SPEED_ENV_PREFIXES = ("OMP_", "KMP_", "VLLM_CPU_")

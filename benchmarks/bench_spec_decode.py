@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from engine import Engine, SamplingParams
-from integrations.bench.engine_runs import greedy_params, make_engine, run_batch
+from integrations.bench.engine_runs import EngineSpec, greedy_params, run_batch
 from integrations.bench.machine import machine_info
 from integrations.bench.workloads import apply_chat_template, build_workload
 
@@ -55,8 +55,8 @@ def spec_counts(engine: Engine) -> dict[str, Any]:
 
 
 def batch1(model: str | None, spec: dict[str, Any], max_tokens: int, rounds: int) -> dict[str, Any]:
-    engines = {"off": make_engine(model, {"max_num_seqs": 1}),
-               "ngram": make_engine(model, {"max_num_seqs": 1, "speculative_config": spec})}
+    engines = {"off": EngineSpec(model, {"max_num_seqs": 1}).build(),
+               "ngram": EngineSpec(model, {"max_num_seqs": 1, "speculative_config": spec}).build()}
     prompt = apply_chat_template(engines["off"].tokenizer, "You are a helpful assistant.",
                                  f"Repeat the following text exactly, word for word:\n\n{PASSAGE}")  # fmt: skip
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
@@ -77,7 +77,7 @@ def w1(model: str | None, spec: dict[str, Any], num_requests: int, max_tokens: i
     outputs, counts = {}, {}
     for _ in range(rounds):
         for name, extra in (("off", {}), ("ngram", {"speculative_config": spec})):
-            engine = make_engine(model, {"max_num_seqs": num_requests, **extra})  # fresh: no prefix cached
+            engine = EngineSpec(model, {"max_num_seqs": num_requests, **extra}).build()  # fresh: no prefix cached
             prompts = build_workload("shared-prefix", engine.tokenizer, num_requests).prompts
             result = run_batch(engine, prompts, [greedy_params(max_tokens)] * num_requests, lambda _: None)
             rates[name].append(result.tokens_per_s)

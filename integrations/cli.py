@@ -1,5 +1,5 @@
 """The ``paged`` command: ``paged serve``, ``paged bench``, ``paged chat``, ``paged top``, ``paged replay``,
-``paged make-model``."""
+``paged make-model``, ``paged figures``."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import argparse
 import importlib
 import sys
 
-# Each subcommand lives in its own module exposing add_arguments(parser) and run(args) -> int;
-# modules import lazily so `paged --help` stays fast. A FlagError from run() (an engine flag
-# value EngineConfig refuses) is reported like any other bad flag: usage, message, status 2;
-# a CommandError as its message alone, status 1.
+# Each subcommand lives in its own module exposing add_arguments(parser) and run(args) -> int
+# (``args.command_line`` holds the words as typed, from "paged"); modules import lazily so `paged --help`
+# stays fast. A FlagError from run() (an engine flag value EngineConfig refuses) is reported like any
+# other bad flag: usage, message, status 2; a CommandError as its message alone, status 1.
 _COMMANDS = {
     "serve": ("integrations.openai_server.command", "run the OpenAI-compatible HTTP server"),
     "bench": ("integrations.bench.command", "benchmark the engine against the alternatives"),
@@ -18,6 +18,7 @@ _COMMANDS = {
     "top": ("integrations.top", "a live terminal monitor of a running server's /metrics"),
     "replay": ("integrations.replay", "re-run audited greedy and seeded requests and compare their tokens"),
     "make-model": ("integrations.make_model", "write a random-weight model of a real shape (HF directory, GGUF)"),
+    "figures": ("integrations.bench.figures_command", "render the docs' benchmark tables from the results file"),
 }
 
 
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         if argv[:1] == [name]:
             module = importlib.import_module(module_name)
             module.add_arguments(sub_parser)
-            sub_parser.set_defaults(_run=module.run)
+            sub_parser.set_defaults(_run=module.run, command_line=["paged", *argv])
             chosen = sub_parser
     args = parser.parse_args(argv)
     from integrations.engine_flags import FlagError

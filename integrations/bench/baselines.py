@@ -99,19 +99,11 @@ def run_one_by_one(
         itl.extend(b - a for a, b in zip(stamps, stamps[1:]))
         progress(len(tokens[0]))
     sub = "" if len(indices) == len(prompts) else f"; {len(indices)} of {len(prompts)} requests"
-    return RunResult(
-        name="HF generate, one by one",
-        num_requests=len(indices),
-        num_new_tokens=sum(len(o) for o in outputs),
-        wall_s=wall,
-        num_prompt_tokens=sum(len(prompts[i]) for i in indices),
-        prompt_tokens_computed=sum(len(prompts[i]) for i in indices),
-        ttft_s=ttft,
-        itl_s=itl,
+    return RunResult.of_outputs(
+        "HF generate, one by one", prompts, outputs, wall, indices,
+        prompt_tokens_computed=sum(len(prompts[i]) for i in indices), ttft_s=ttft, itl_s=itl,
         notes=f"TTFT from each request's own start (no queueing){sub}",
-        output_token_ids=outputs,
-        prompt_indices=list(indices),
-    )
+    )  # fmt: skip
 
 
 def run_static_batches(
@@ -130,19 +122,11 @@ def run_static_batches(
         itl.extend(b - a for a, b in zip(stamps, stamps[1:]) for _ in batch)
         progress(sum(len(t) for t in tokens))
     wall = time.perf_counter() - start
-    return RunResult(
-        name=f"HF generate, static batches of {batch_size}",
-        num_requests=len(prompts),
-        num_new_tokens=sum(len(o) for o in outputs),
-        wall_s=wall,
-        num_prompt_tokens=sum(len(p) for p in prompts),
-        prompt_tokens_computed=padded_prompt_tokens,
-        ttft_s=ttft,
-        itl_s=itl,
+    return RunResult.of_outputs(
+        f"HF generate, static batches of {batch_size}", prompts, outputs, wall,
+        prompt_tokens_computed=padded_prompt_tokens, ttft_s=ttft, itl_s=itl,
         notes="prompt tokens computed include left padding",
-        output_token_ids=outputs,
-        prompt_indices=list(range(len(prompts))),
-    )
+    )  # fmt: skip
 
 
 @torch.inference_mode()
@@ -183,17 +167,9 @@ def run_continuous_batching(model: Any, prompts: list[list[int]], max_tokens: in
             itl.extend(b - a for a, b in zip(stamps, stamps[1:]))
     outputs = [list(r.generated_tokens) for r in ordered]
     progress(sum(len(o) for o in outputs))
-    return RunResult(
-        name="transformers continuous batching",
-        num_requests=len(prompts),
-        num_new_tokens=sum(len(o) for o in outputs),
-        wall_s=wall,
-        num_prompt_tokens=sum(len(p) for p in prompts),
-        ttft_s=ttft,
-        itl_s=itl,
+    return RunResult.of_outputs(
+        "transformers continuous batching", prompts, outputs, wall, ttft_s=ttft, itl_s=itl,
         notes=f"generate_batch, page size {page_size}, {CB_MAX_BATCH_TOKENS} tokens per batch",
-        output_token_ids=outputs,
-        prompt_indices=list(range(len(prompts))),
     )
 
 

@@ -16,22 +16,21 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from integrations.bench.engine_runs import greedy_params, make_engine, run_batch
+from integrations.bench.engine_runs import EngineSpec, greedy_params, run_batch
 from integrations.bench.report import ENGINE
 
 WARM_UP_TOKENS = 8
 
 
-def engine_batch1(
-    model: str | None, engine_kwargs: dict[str, Any], prompt_tokens: int, gen_tokens: int, repetitions: int
-) -> dict[str, Any]:
+def engine_batch1(spec: EngineSpec, prompt_tokens: int, gen_tokens: int, repetitions: int) -> dict[str, Any]:
     """The engine's batch-1 decode and prefill rates.
 
     Returns:
-        ``{"name", "decode_tok_s", "prefill_tok_s", "decode_samples", "prefill_samples"}``.
+        ``{"name", "decode_tok_s", "prefill_tok_s", "decode_samples", "prefill_samples", "weights"}``, the last what
+        its linear weights ran as (``stats()["weights"]``).
     """
-    engine = make_engine(model, engine_kwargs)
-    rng = random.Random(engine_kwargs.get("seed") or 0)
+    engine = spec.build()
+    rng = random.Random(spec.settings.get("seed") or 0)
 
     def fresh(length: int) -> list[int]:
         return [rng.randrange(engine.vocab_size) for _ in range(length)]
@@ -54,6 +53,7 @@ def engine_batch1(
         "prefill_tok_s": sum(prefill) / len(prefill),
         "decode_samples": decode,
         "prefill_samples": prefill,
+        "weights": engine.stats().get("weights"),
     }
 
 

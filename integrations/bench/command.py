@@ -17,6 +17,7 @@ from typing import Any
 
 from integrations.bench import http_command, llamacpp_runs, vllm_runs
 from integrations.bench.machine import machine_info
+from integrations.bench.records import RESULTS_FILE
 from integrations.bench.workloads import WORKLOADS
 from integrations.engine_flags import FlagError, add_engine_arguments, engine_config, engine_kwargs
 
@@ -94,6 +95,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run one-by-one generation on this many requests only (its rate is per token served)",
     )
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument(
+        "--record",
+        type=Path,
+        nargs="?",
+        const=RESULTS_FILE,
+        default=None,
+        metavar="PATH",
+        help="append the run, with the date, the engine's commit and this command line, to the results file that "
+        f"`paged figures` renders the docs' tables from (default: {RESULTS_FILE}, from the project's folder)",
+    )
     parser.add_argument("--plot", type=Path, default=None, help="write PNG plots into this folder")
     parser.add_argument("--profile", action="store_true", help="per-phase step times and a torch profiler trace")
     parser.add_argument("--profile-dir", type=Path, default=Path("bench-out"), help="where --profile writes")
@@ -166,6 +177,8 @@ def run(args: argparse.Namespace) -> int:
     if args.workload == BATCH1 and args.compare and args.baselines != [llamacpp_runs.LLAMACPP]:
         raise FlagError(f"--workload {BATCH1} compares the engine with llama.cpp alone: pass --baselines llamacpp")
     if args.base_url is not None:
+        if args.record is not None:
+            raise FlagError("--record records in-process runs; a --base-url run's figures are the server's")
         return http_command.run(args)
     http_command.refuse_http_flags(args)
     config = engine_config(args)
@@ -191,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
     from engine.worker.model_runner import resolve_device, resolve_dtypes
     from integrations.bench import baselines, engine_runs, profiling
     from integrations.bench.ceiling import measure_ceiling
+    from integrations.bench.records import append_record, describe_model, make_record
     from integrations.bench.report import (
         build_report, format_poisson, format_profile, format_structured, format_sweep, format_table, median_round,
         round_rates,
@@ -220,39 +234,41 @@ def run(args: argparse.Namespace) -> int:
     )
     engine_fields = engine_kwargs(args)
     model = engine_fields.pop("model")
-    results, poisson, sweep, structured, profile, rounds, batch1 = [], None, None, None, None, None, None
+    spec = engine_runs.EngineSpec(model, engine_fields)
+    results: list[Any] = []
+    sections: dict[str, Any] = {}  # the report's parts beside the results: batch1, poisson, sweep, structured, ...
 
     if args.workload == BATCH1:
         from integrations.bench.batch1 import batch1_report, engine_batch1
 
         bar.set_postfix_str("engine")
-        rows = [engine_batch1(model, engine_fields, args.prompt_tokens, args.max_tokens, args.rounds)]
+        rows = [engine_batch1(spec, args.prompt_tokens, args.max_tokens, args.rounds)]
         if llamacpp is not None:
             bar.set_postfix_str("llama-bench")
             rows.append(
                 llamacpp_runs.run_llama_bench(llamacpp, gguf, threads, args.prompt_tokens, args.max_tokens, args.rounds)
             )
-        batch1 = batch1_report(rows, args.prompt_tokens, args.max_tokens, threads, args.rounds)
+        sections["batch1"] = batch1_report(rows, args.prompt_tokens, args.max_tokens, threads, args.rounds)
     elif args.workload == "poisson":
-        poisson = engine_runs.poisson_search(
-            model, engine_fields, workload.prompts, args.max_tokens, args.rate, args.itl_bound,
+        sections["poisson"] = engine_runs.poisson_search(
+            spec, workload.prompts, args.max_tokens, args.rate, args.itl_bound,
             args.rate_trials, bar.update,
         )
     elif args.workload == "sweep":
         hf_model = baselines.load_hf_model(model_dir, weight_dtype, device) if args.compare else None
-        sweep = engine_runs.concurrency_sweep(
-            model, engine_fields, workload.prompts, args.max_tokens, levels, hf_model,
+        sections["sweep"] = engine_runs.concurrency_sweep(
+            spec, workload.prompts, args.max_tokens, levels, hf_model,
             pad_token_id, bar.update,
         )
     elif args.workload == "structured":
         from integrations.bench.structured import structured_compare
 
-        results, structured = structured_compare(model, engine_fields, workload.prompts, args.max_tokens, bar.update)
+        results, sections["structured"] = structured_compare(spec, workload.prompts, args.max_tokens, bar.update)
     else:
         hf_names = [n for n in baseline_names if n not in (vllm_runs.VLLM, llamacpp_runs.LLAMACPP)]
         each_round = []
         for number in range(1, args.rounds + 1):
-            one = [engine_runs.run_offline(model, engine_fields, workload.prompts, args.max_tokens, bar.update)]
+            one = [engine_runs.run_offline(spec, workload.prompts, args.max_tokens, bar.update)]
             if hf_names:
                 # NOTE: a model of its own each round: generate_batch switches the model's attention to its
                 # paged variant, so it runs last.
@@ -285,11 +301,11 @@ def run(args: argparse.Namespace) -> int:
             each_round.append(one)
             bar.set_postfix_str(f"round {number} of {args.rounds} done")
         results = [median_round([one[i] for one in each_round]) for i in range(len(each_round[0]))]
-        rounds = round_rates(each_round) if args.rounds > 1 else None
+        sections["rounds"] = round_rates(each_round) if args.rounds > 1 else None
     if args.profile:
         bar.set_postfix_str("profile")
-        profile = profiling.profile_steps(
-            model, engine_fields, workload.prompts[: min(len(workload.prompts), 64)], args.max_tokens,
+        sections["profile"] = profiling.profile_steps(
+            spec, workload.prompts[: min(len(workload.prompts), 64)], args.max_tokens,
             args.profile_dir,
         )
     ceiling = None
@@ -316,20 +332,20 @@ def run(args: argparse.Namespace) -> int:
             "greedy": True,
             "ignore_eos": args.workload != "structured",
             "submitted": "all at once" if args.workload != "poisson" else f"poisson arrivals from {args.rate} req/s",
+            **({"vllm_dtype": args.vllm_dtype or dtype_name} if vllm_python is not None else {}),
         },
+        model=describe_model(model, model_dir),
         ceiling=ceiling,
-        poisson=poisson,
-        sweep=sweep,
-        structured=structured,
-        profile=profile,
-        rounds=rounds,
-        batch1=batch1,
         skipped=skipped,
+        **sections,
     )
     print(_render(report, format_table, format_poisson, format_sweep, format_structured, format_profile))  # noqa: T201
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
+    if args.record:
+        append_record(args.record, make_record(report, args.command_line))
+        logger.info("recorded in %s; `paged figures` renders the docs' tables from it", args.record)
     if args.plot:
         from integrations.bench.plots import write_plots
 

@@ -11,6 +11,7 @@ import asyncio
 import random
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from integrations.bench.report import ENGINE, RunResult, summarize
@@ -24,13 +25,22 @@ def greedy_params(max_tokens: int) -> Any:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def make_engine(model: str | None, engine_kwargs: dict[str, Any]) -> Any:
-    """An engine, warmed up on a prompt unrelated to the workloads (first-call costs are not measured)."""
-    from engine import Engine
+@dataclass(frozen=True)
+class EngineSpec:
+    """The engine a bench's runs build, each a fresh one: ``Engine(model, **settings)`` (``None``: the bundled
+    model; ``settings``: every engine flag but ``--model``)."""
 
-    engine = Engine(model, **engine_kwargs)
-    engine.generate([[1, 2, 3, 4]], greedy_params(2), use_tqdm=False)
-    return engine
+    model: str | None
+    settings: dict[str, Any]
+
+    def build(self, **overrides: Any) -> Any:
+        """A fresh engine (``overrides`` replacing settings), warmed up on a prompt unrelated to the workloads, so
+        that first-call costs are not measured."""
+        from engine import Engine
+
+        engine = Engine(self.model, **{**self.settings, **overrides})
+        engine.generate([[1, 2, 3, 4]], greedy_params(2), use_tqdm=False)
+        return engine
 
 
 def _stat_delta(before: dict[str, Any], after: dict[str, Any], key: str) -> int:
@@ -75,35 +85,27 @@ def run_batch(engine: Any, prompts: list[list[int]], params: Sequence[Any], prog
     after = engine.stats()
     queries = _stat_delta(before, after, "prefix_cache_queries")
     hits = _stat_delta(before, after, "prefix_cache_hits")
-    return RunResult(
-        name=ENGINE,
-        num_requests=len(prompts),
-        num_new_tokens=sum(len(o) for o in outputs),
-        wall_s=wall,
-        num_prompt_tokens=sum(len(p) for p in prompts),
+    return RunResult.of_outputs(
+        ENGINE, prompts, outputs, wall,
         ttft_s=ttft,
         itl_s=itl,
         prompt_tokens_computed=_stat_delta(before, after, "prompt_tokens_computed"),
         prefix_cache_hit_rate=hits / queries if queries else None,
         num_preemptions=_stat_delta(before, after, "num_preemptions"),
-        output_token_ids=outputs,
-        prompt_indices=list(range(len(prompts))),
-    )
+        weights=after.get("weights"),
+    )  # fmt: skip
 
 
-def run_offline(
-    model: str | None, engine_kwargs: dict[str, Any], prompts: list[list[int]], max_tokens: int, progress: Progress
-) -> RunResult:
+def run_offline(spec: EngineSpec, prompts: list[list[int]], max_tokens: int, progress: Progress) -> RunResult:
     """The protocol run: a fresh engine, every request submitted at once."""
-    return run_batch(make_engine(model, engine_kwargs), prompts, [greedy_params(max_tokens)] * len(prompts), progress)
+    return run_batch(spec.build(), prompts, [greedy_params(max_tokens)] * len(prompts), progress)
 
 
 # ------------------------------------------------------------------------------------ concurrency sweep
 
 
 def concurrency_sweep(
-    model: str | None,
-    engine_kwargs: dict[str, Any],
+    spec: EngineSpec,
     prompts: list[list[int]],
     max_tokens: int,
     levels: list[int],
@@ -126,7 +128,7 @@ def concurrency_sweep(
     rows = []
     for c in levels:
         batch = [prompts[i % len(prompts)] for i in range(c)]
-        engine = make_engine(model, {**engine_kwargs, "max_num_seqs": max(c, 1)})
+        engine = spec.build(max_num_seqs=max(c, 1))
         result = run_batch(engine, batch, [greedy_params(max_tokens)] * c, progress)
         row: dict[str, Any] = {"concurrency": c, "tokens_per_s": {ENGINE: result.tokens_per_s}}
         row["itl_s"] = {ENGINE: summarize(result.itl_s)}
@@ -194,8 +196,7 @@ async def _poisson_once(
 
 
 def poisson_search(
-    model: str | None,
-    engine_kwargs: dict[str, Any],
+    spec: EngineSpec,
     prompts: list[list[int]],
     max_tokens: int,
     first_rate: float,
@@ -211,7 +212,7 @@ def poisson_search(
     from engine import AsyncEngine
 
     async def search() -> dict[str, Any]:
-        async with AsyncEngine(model, **engine_kwargs) as engine:
+        async with AsyncEngine(spec.model, **spec.settings) as engine:
             async for _ in engine.generate([1, 2, 3, 4], greedy_params(2)):  # warm-up
                 pass
             runs: list[dict[str, Any]] = []

@@ -184,7 +184,7 @@ def _in_process(
     import transformers
 
     from engine.loader import resolve_model
-    from integrations.bench.engine_runs import run_offline
+    from integrations.bench.engine_runs import EngineSpec, run_offline
     from integrations.bench.workloads import apply_chat_template
 
     if args.threads is not None:
@@ -195,4 +195,4 @@ def _in_process(
     model = fields.pop("model")
     tokenizer = transformers.AutoTokenizer.from_pretrained(resolve_model(model))
     prompts = [apply_chat_template(tokenizer, t["system"], t["user"]) for t in turns]
-    return fields, run_offline(model, fields, prompts, args.max_tokens, progress)
+    return fields, run_offline(EngineSpec(model, fields), prompts, args.max_tokens, progress)

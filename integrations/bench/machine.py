@@ -11,24 +11,33 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx")  # in machi
 
 
 def machine_info() -> dict[str, Any]:
-    """CPU model and flags (``CPU_FLAGS``), cores, library versions: enough to tell whether two runs are comparable."""
+    """CPU model, family and flags (``CPU_FLAGS``), cores, library versions: enough to tell whether two runs are
+    comparable. A VM's model name is often only the vendor's line ("AMD EPYC"); family and model tell its cores
+    apart."""
     import torch
     import transformers
 
     cpu = platform.processor() or platform.machine()
-    flags: list[str] = []
+    family, model, flags = None, None, []
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                present = set(line.split(":", 1)[1].split())
+            key, _, value = (part.strip() for part in line.partition(":"))
+            if key == "model name":
+                cpu = value
+            elif key == "cpu family" and value.isdigit():
+                family = int(value)
+            elif key == "model" and value.isdigit():
+                model = int(value)
+            elif key == "flags":
+                present = set(value.split())
                 flags = [f for f in CPU_FLAGS if f in present or any(p.startswith(f"{f}_") for p in present)]
                 break
     except OSError:
         pass
     return {
         "cpu": cpu,
+        "cpu_family": family,
+        "cpu_model": model,
         "cpu_flags": flags,
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from integrations.bench.engine_runs import greedy_params, make_engine, run_batch
+from integrations.bench.engine_runs import EngineSpec, greedy_params, run_batch
 
 
 class PhaseTimer:
@@ -40,8 +40,7 @@ class PhaseTimer:
 
 
 def profile_steps(
-    model: str | None,
-    engine_kwargs: dict[str, Any],
+    spec: EngineSpec,
     prompts: list[list[int]],
     max_tokens: int,
     out_dir: Any,
@@ -59,7 +58,7 @@ def profile_steps(
     import engine.detokenizer as detokenizer_module
     import engine.worker.model_runner as runner_module
 
-    engine = make_engine(model, engine_kwargs)
+    engine = spec.build()
     timer = PhaseTimer()
     targets = [
         (engine.scheduler, "schedule", "schedule"),

@@ -3,10 +3,12 @@
 JSON layout (``paged bench --json PATH``), stable so that later runs can be compared::
 
     {"schema": 1, "workload": {...}, "machine": {...}, "protocol": {...},
+     "model": {"name", "shape", "model_type", "hidden_size", ..., "file_type"} | null,
      "results": [{"name", "tokens_per_s", "ratio_to_engine", "wall_s", "num_requests",
                   "num_new_tokens", "num_prompt_tokens", "prompt_tokens_computed",
                   "prefix_cache_hit_rate", "num_preemptions", "ttft_s": {"p50", "p99", "mean"},
-                  "itl_s": {...}, "matches_engine", "mean_common_prefix", "startup_s", "notes"}, ...],
+                  "itl_s": {...}, "matches_engine", "mean_common_prefix", "startup_s", "notes",
+                  "weights": the engine's {"quantization", "modules", "bytes", "products"} | null}, ...],
      "ceiling": {...} | null, "poisson": {...} | null, "sweep": {"levels": [...], "saturation_concurrency"} | null,
      "structured": {"schema", "num_requests", "tokens_per_s": {"constrained", "unconstrained"}, "ratio",
                     "num_steps", "step_ms", "mask_ms_per_step": {"mask fill", "mask apply", "matcher advance"},
@@ -55,8 +57,28 @@ class RunResult:
     num_preemptions: int | None = None
     startup_s: float | None = None
     notes: str = ""
+    weights: dict[str, Any] | None = None  # the engine's: what its linear weights ran as (``stats()["weights"]``)
     output_token_ids: list[list[int]] = field(default_factory=list, repr=False)
     prompt_indices: list[int] = field(default_factory=list, repr=False)  # which workload prompts ran
+
+    @classmethod
+    def of_outputs(
+        cls, name: str, prompts: list[list[int]], outputs: list[list[int]], wall_s: float,
+        indices: list[int] | None = None, **fields: Any,
+    ) -> RunResult:  # fmt: skip
+        """The run of ``prompts[i] for i in indices`` (default: all of them) whose new tokens are ``outputs``, in
+        that order; ``fields`` are the rest (``ttft_s``, ``notes``, ...)."""
+        indices = list(range(len(prompts))) if indices is None else list(indices)
+        return cls(
+            name=name,
+            num_requests=len(indices),
+            num_new_tokens=sum(len(o) for o in outputs),
+            wall_s=wall_s,
+            num_prompt_tokens=sum(len(prompts[i]) for i in indices),
+            output_token_ids=outputs,
+            prompt_indices=indices,
+            **fields,
+        )
 
     @property
     def tokens_per_s(self) -> float:
@@ -132,6 +154,7 @@ def result_to_dict(result: RunResult, engine: RunResult | None) -> dict[str, Any
         "mean_common_prefix": None if same is None else same.mean_common_prefix,
         "startup_s": result.startup_s,
         "notes": result.notes,
+        "weights": result.weights,
     }
 
 
@@ -164,6 +187,7 @@ def build_report(
     workload: dict[str, Any],
     machine: dict[str, Any],
     protocol: dict[str, Any],
+    model: dict[str, Any] | None = None,
     ceiling: dict[str, Any] | None = None,
     poisson: dict[str, Any] | None = None,
     sweep: dict[str, Any] | None = None,
@@ -183,6 +207,7 @@ def build_report(
         "workload": workload,
         "machine": machine,
         "protocol": protocol,
+        "model": model,
         "results": [result_to_dict(r, engine) for r in results],
         "ceiling": ceiling,
         "poisson": poisson,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from integrations.bench.engine_runs import Progress, greedy_params, make_engine, run_batch
+from integrations.bench.engine_runs import EngineSpec, Progress, greedy_params, run_batch
 from integrations.bench.extraction import Extraction, is_valid
 from integrations.bench.profiling import PhaseTimer
 from integrations.bench.report import RunResult
@@ -23,7 +23,7 @@ MASK_PHASES = ("mask fill", "mask apply", "matcher advance")
 
 
 def structured_compare(
-    model: str | None, engine_kwargs: dict[str, Any], prompts: list[list[int]], max_tokens: int, progress: Progress
+    spec: EngineSpec, prompts: list[list[int]], max_tokens: int, progress: Progress
 ) -> tuple[list[RunResult], dict[str, Any]]:
     """Both runs, each on a fresh engine; at most ``max_tokens`` per constrained reply.
 
@@ -38,13 +38,13 @@ def structured_compare(
 
     constraint = StructuredOutput(json_schema=Extraction.model_json_schema())
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, structured_output=constraint)
-    engine = make_engine(model, engine_kwargs)
+    engine = spec.build()
     engine.grammars.compile(constraint)  # NOTE: compiled before the clock starts, as a served schema is cached
     constrained, timer = _timed_run(engine, prompts, [params] * len(prompts), progress)
     texts = [engine.tokenizer.decode(ids, skip_special_tokens=True) for ids in constrained.output_token_ids]
     del engine
     lengths = [len(ids) for ids in constrained.output_token_ids]
-    plain, _ = _timed_run(make_engine(model, engine_kwargs), prompts, [greedy_params(n) for n in lengths], progress)
+    plain, _ = _timed_run(spec.build(), prompts, [greedy_params(n) for n in lengths], progress)
 
     constrained.name = CONSTRAINED
     constrained.notes = "ends when the structure completes; the unconstrained run decodes as many tokens per prompt"

@@ -135,12 +135,8 @@ def to_run_result(result: dict[str, Any], prompts: list[list[int]]) -> RunResult
     num_prompt_tokens = sum(len(p) for p in prompts)
     cached = result["num_cached_tokens"]
     num_cached = None if None in cached else sum(cached)
-    return RunResult(
-        name=f"vLLM {result['vllm']}",
-        num_requests=len(result["token_ids"]),
-        num_new_tokens=result["num_new_tokens"],
-        wall_s=result["wall_s"],
-        num_prompt_tokens=num_prompt_tokens,
+    return RunResult.of_outputs(
+        f"vLLM {result['vllm']}", prompts, result["token_ids"], result["wall_s"],
         prompt_tokens_computed=None if num_cached is None else num_prompt_tokens - num_cached,
         prefix_cache_hit_rate=None if num_cached is None else num_cached / num_prompt_tokens,
         startup_s=result["init_s"],
@@ -148,6 +144,4 @@ def to_run_result(result: dict[str, Any], prompts: list[list[int]]) -> RunResult
             f"CPU build, offline LLM.generate in {result['dtype']}; start-up {result['init_s']:.0f} s "
             "(not timed); TTFT and ITL not measured"
         ),
-        output_token_ids=result["token_ids"],
-        prompt_indices=list(range(len(prompts))),
-    )
+    )  # fmt: skip

@@ -24,6 +24,9 @@ from pathlib import Path
 from typing import Any
 
 WARM_UP_PROMPT = [1, 2, 3, 4]
+# The REQUEST keys that are ``LLM``'s arguments of the same name.
+LLM_ARGUMENTS = ("model", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
+                 "seed")  # fmt: skip
 
 
 def run(request: dict[str, Any]) -> dict[str, Any]:
@@ -33,15 +36,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     from vllm.inputs import TokensPrompt
 
     start = time.perf_counter()
-    llm = LLM(
-        model=request["model"],
-        dtype=request["dtype"],
-        max_model_len=request["max_model_len"],
-        max_num_seqs=request["max_num_seqs"],
-        max_num_batched_tokens=request["max_num_batched_tokens"],
-        enable_prefix_caching=request["enable_prefix_caching"],
-        seed=request["seed"],
-    )
+    llm = LLM(**{key: request[key] for key in LLM_ARGUMENTS})
     init_s = time.perf_counter() - start
     llm.generate([TokensPrompt(prompt_token_ids=WARM_UP_PROMPT)], SamplingParams(max_tokens=2), use_tqdm=False)
     llm.reset_prefix_cache()

@@ -13,7 +13,7 @@ Two derived gauges: ``paged_kv_cache_usage`` (used / total blocks) and
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
@@ -60,6 +60,16 @@ SUCCESS_REASONS = ("stop", "length")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
+def _labelled(
+    family: type[Any], name: str, doc: str, labels: list[str], samples: Iterable[tuple[list[str], float]]
+) -> Any:
+    """A metric family of labelled samples: ``(label values, value)`` each."""
+    metric = family(PREFIX + name, doc, labels=labels)
+    for values, value in samples:
+        metric.add_metric(values, float(value))
+    return metric
+
+
 class EngineCollector(Collector):
     """A collector over a ``stats()`` callable; reports nothing until one is bound."""
 
@@ -92,39 +102,30 @@ class EngineCollector(Collector):
                 value=hits / queries if queries else 0.0,
             )
         if "request_success" in stats:
-            success = CounterMetricFamily(
-                PREFIX + "request_success", "Requests finished, by finish reason (aborts apart).",
-                labels=["finished_reason"],
-            )  # fmt: skip
             counts = {reason: 0 for reason in SUCCESS_REASONS} | dict(stats["request_success"])
-            for reason, n in counts.items():
-                success.add_metric([reason], float(n))
-            yield success
+            yield _labelled(
+                CounterMetricFamily, "request_success", "Requests finished, by finish reason (aborts apart).",
+                ["finished_reason"], (([reason], n) for reason, n in counts.items()),
+            )  # fmt: skip
         if "tenant_requests" in stats:
-            tenants = GaugeMetricFamily(
-                PREFIX + "tenant_requests", "Requests of each active tenant, running or waiting.",
-                labels=["tenant", "state"],
+            yield _labelled(
+                GaugeMetricFamily, "tenant_requests", "Requests of each active tenant, running or waiting.",
+                ["tenant", "state"],
+                (([tenant, state], states[state]) for tenant, states in stats["tenant_requests"].items()
+                 for state in ("running", "waiting")),
             )  # fmt: skip
-            for tenant, states in stats["tenant_requests"].items():
-                for state in ("running", "waiting"):
-                    tenants.add_metric([tenant, state], float(states[state]))
-            yield tenants
         if "tenant_computed_tokens" in stats:
-            computed = CounterMetricFamily(
-                PREFIX + "tenant_computed_tokens", "Tokens computed for each tenant (its fair-share usage).",
-                labels=["tenant"],
+            yield _labelled(
+                CounterMetricFamily, "tenant_computed_tokens",
+                "Tokens computed for each tenant (its fair-share usage).", ["tenant"],
+                (([tenant], n) for tenant, n in stats["tenant_computed_tokens"].items()),
             )  # fmt: skip
-            for tenant, n in stats["tenant_computed_tokens"].items():
-                computed.add_metric([tenant], float(n))
-            yield computed
         if "spec_decode_num_accepted_tokens_per_pos" in stats:
-            per_pos = CounterMetricFamily(
-                PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the drafts.",
-                labels=["position"],
+            yield _labelled(
+                CounterMetricFamily, "spec_decode_num_accepted_tokens_per_pos",
+                "Draft tokens accepted, by position in the drafts.", ["position"],
+                (([str(position)], n) for position, n in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"])),
             )  # fmt: skip
-            for position, n in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"]):
-                per_pos.add_metric([str(position)], float(n))
-            yield per_pos
         for key, doc in HISTOGRAMS.items():
             if key in stats:
                 buckets, _, total_sum = histogram_parts(stats[key])

@@ -242,11 +242,17 @@ class ChatChoice(BaseModel):
     token_ids: list[int] | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class Reply(BaseModel):
+    """What every completion object begins with: its id, its kind (``object``), when it was made and the model."""
+
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
+    object: str
     created: int = Field(default_factory=now)
     model: str
+
+
+class ChatCompletionResponse(Reply):
+    object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: Usage
     prompt_token_ids: list[int] | None = None
@@ -260,11 +266,8 @@ class ChatChunkChoice(BaseModel):
     token_ids: list[int] | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(Reply):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=now)
-    model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     prompt_token_ids: list[int] | None = None
@@ -279,11 +282,8 @@ class CompletionChoice(BaseModel):
     prompt_token_ids: list[int] | None = None
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(Reply):
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=now)
-    model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 from pydantic import BaseModel
@@ -24,6 +24,7 @@ from sdk.tools import collect_calls
 from sdk.types import Delta
 from sdk.wire import Route, tool_call_delta_to_wire, tool_call_to_wire
 
+ReplyT = TypeVar("ReplyT", bound=p.Reply)
 DISCONNECT_POLL = 0.2  # seconds between checks that the client is still connected
 
 
@@ -215,10 +216,8 @@ class _Run:
         ordered = [choices[i] for i in sorted(choices)]
         want_ids = self.body.return_token_ids
         if self.is_chat:
-            chat = p.ChatCompletionResponse(
-                id=self.request_id,
-                created=self.created,
-                model=self.serving.model_name,
+            chat = self._reply(
+                p.ChatCompletionResponse,
                 choices=[
                     p.ChatChoice(
                         index=c[0].index,
@@ -233,10 +232,8 @@ class _Run:
                 prompt_token_ids=list(self._prompt_ids(ordered[0][-1])) if want_ids else None,
             )
             return _json(chat)
-        completion = p.CompletionResponse(
-            id=self.request_id,
-            created=self.created,
-            model=self.serving.model_name,
+        completion = self._reply(
+            p.CompletionResponse,
             choices=[
                 p.CompletionChoice(
                     index=c[0].index,
@@ -272,18 +269,8 @@ class _Run:
             if delta.finish_reason is not None:
                 finals.append(delta)
         if self.body.include_usage():
-            totals = usage(finals)
-            if self.is_chat:
-                event: BaseModel = p.ChatCompletionChunk(
-                    id=self.request_id, created=self.created, model=self.serving.model_name,
-                    choices=[], usage=totals,
-                )  # fmt: skip
-            else:
-                event = p.CompletionResponse(
-                    id=self.request_id, created=self.created, model=self.serving.model_name,
-                    choices=[], usage=totals,
-                )  # fmt: skip
-            await self.events.send(event)
+            kind = p.ChatCompletionChunk if self.is_chat else p.CompletionResponse
+            await self.events.send(self._reply(kind, choices=[], usage=usage(finals)))
         return await self.events.done()
 
     def _event(self, delta: Delta, prompt_ids: list[int] | None) -> BaseModel:
@@ -305,10 +292,8 @@ class _Run:
             offset = self.text_offsets.get(delta.index, 0)
             logprobs = completion_logprobs([delta], offset)
             self.text_offsets[delta.index] = offset + sum(map(len, logprobs.tokens))
-        return p.CompletionResponse(
-            id=self.request_id,
-            created=self.created,
-            model=self.serving.model_name,
+        return self._reply(
+            p.CompletionResponse,
             choices=[
                 p.CompletionChoice(
                     index=delta.index,
@@ -322,9 +307,8 @@ class _Run:
         )
 
     def _chat_chunk(self, index: int, delta: p.DeltaMessage, **choice: Any) -> p.ChatCompletionChunk:
-        return p.ChatCompletionChunk(
-            id=self.request_id,
-            created=self.created,
-            model=self.serving.model_name,
-            choices=[p.ChatChunkChoice(index=index, delta=delta, **choice)],
-        )
+        return self._reply(p.ChatCompletionChunk, choices=[p.ChatChunkChoice(index=index, delta=delta, **choice)])
+
+    def _reply(self, kind: type[ReplyT], **fields: Any) -> ReplyT:
+        """A ``kind`` of this request: its id, its creation time and the served model's name, with ``fields``."""
+        return kind(id=self.request_id, created=self.created, model=self.serving.model_name, **fields)

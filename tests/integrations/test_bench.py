@@ -89,8 +89,8 @@ def test_engine_runs_get_every_engine_flag(tiny_dir: Path, monkeypatch: pytest.M
 
     seen = {}
 
-    def fake_run_offline(model, engine_kwargs, prompts, max_tokens, progress):
-        seen.update(engine_kwargs, model=model)
+    def fake_run_offline(spec, prompts, max_tokens, progress):
+        seen.update(spec.settings, model=spec.model)
         raise Stop
 
     monkeypatch.setattr(engine_runs, "run_offline", fake_run_offline)

@@ -1,4 +1,7 @@
-"""A tenant's rate quotas as the ``x-ratelimit-*`` headers report them: what ``RateLimiter`` measures and ``RateLimited`` carries."""
+"""A tenant's rate quotas as the ``x-ratelimit-*`` headers report them.
+
+``sdk.rate_limit.RateLimiter`` measures them; ``sdk.errors.RateLimited`` carries them to the caller.
+"""
 
 from __future__ import annotations
 

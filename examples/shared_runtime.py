@@ -28,7 +28,7 @@ def main(max_tokens: int) -> None:
         for client, question in [(desk, "When do you open on Saturday?"), (search, "How long can I keep a book?")]:
             result = client.chat([("system", SYSTEM), ("user", question)], max_tokens=max_tokens, temperature=0)
             usage = result.usage
-            print(f"[{client.aclient.tenant}] {question}\n  {result.text.strip()}")
+            print(f"[{client.settings.tenant}] {question}\n  {result.text.strip()}")
             print(f"  prompt tokens from the shared cache: {usage.cached_tokens}/{usage.prompt_tokens}")
         print(f"\none engine for both clients: {desk.runtime.engine is search.runtime.engine}")
     print(f"runtime closed, engine shut down: {runtime.closed}")

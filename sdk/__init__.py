@@ -1,10 +1,10 @@
 """paged SDK: clients over an in-process engine, shared prefixes, hooks and framework adapters.
 
-    from sdk import AsyncClient, Client, Runtime, TenantPolicy
+    from sdk import AsyncClient, Client, ClientSettings, Runtime, TenantPolicy
     from sdk.hooks import Hook, AuditLog, RegexFilter, ContentBlocked
 """
 
-from sdk.client import AsyncClient, PrefixHandle
+from sdk.client import AsyncClient
 from sdk.errors import (
     AuthenticationError,
     ContentBlocked,
@@ -19,7 +19,9 @@ from sdk.errors import (
 )
 from sdk.hooks import Hook, RequestContext, Stop
 from sdk.policy import TenantPolicy
+from sdk.prefix import PrefixHandle
 from sdk.runtime import Runtime
+from sdk.settings import ClientSettings
 from sdk.sync import Client
 from sdk.types import (
     ChatMessage,
@@ -40,6 +42,7 @@ __all__ = [
     "ChatRequest",
     "ChatResult",
     "Client",
+    "ClientSettings",
     "CompletionRequest",
     "CompletionResult",
     "ContentBlocked",

@@ -7,10 +7,9 @@ for bad input, the offending ``param``: the server renders them from these attri
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
-if TYPE_CHECKING:
-    from sdk.rate_limit import RateLimitState
+from sdk.quota import RateLimitState
 
 # NOTE: the one status -> OpenAI error type table, for the SDK's errors and the server's own.
 ERROR_TYPES: dict[int, str] = {

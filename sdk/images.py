@@ -27,14 +27,13 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine.multimodal import image_hash
+from sdk.data_url import FORMATS
 from sdk.errors import InvalidRequestError
 from sdk.prompt_worker import PROMPT_WORKER
 
 if TYPE_CHECKING:
     from sdk.types import ChatMessage
 
-# Pillow's format name -> the MIME type a data URL declares for it
-FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp", "GIF": "image/gif"}
 _MIME_ALIASES = {"image/jpg": "image/jpeg", "image/pjpeg": "image/jpeg", "image/x-png": "image/png"}
 _DATA_URL = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(?:;[^,;]*)*),", re.ASCII)
 
@@ -245,25 +244,6 @@ async def data_url_infos(messages: Sequence[ChatMessage]) -> list[ImageInfo]:
             except InvalidRequestError:
                 continue
     return infos
-
-
-def to_data_url(data: bytes, mime_type: str | None = None) -> str:
-    """Raw image bytes as a base64 data URL; ``mime_type`` None = read from the bytes' header.
-
-    Raises:
-        InvalidRequestError: ``mime_type`` None and the bytes are not a PNG, JPEG, WebP or GIF image.
-    """
-    if mime_type is None:
-        from PIL import Image, UnidentifiedImageError
-
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-                fmt = Image.open(io.BytesIO(data), formats=list(FORMATS)).format
-        except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError):
-            raise InvalidRequestError("image bytes are not a PNG, JPEG, WebP or GIF image", param="image") from None
-        mime_type = FORMATS[fmt]
-    return f"data:{mime_type};base64,{base64.b64encode(data).decode('ascii')}"
 
 
 def _too_big(field: str, num_bytes: int, limits: ImageLimits) -> InvalidRequestError:

@@ -19,27 +19,10 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from sdk.errors import InvalidRequestError, RateLimited
 from sdk.policy import TenantPolicy
-
-
-@dataclass(frozen=True, slots=True)
-class Quota:
-    """One limit as the ``x-ratelimit-*`` headers report it."""
-
-    limit: int
-    remaining: int
-    reset: float  # seconds until the bucket is full again
-
-
-@dataclass(frozen=True, slots=True)
-class RateLimitState:
-    """The tenant's request and token quotas now; None for a limit the policy does not set."""
-
-    requests: Quota | None
-    tokens: Quota | None
+from sdk.quota import Quota, RateLimitState
 
 
 class _Bucket:

@@ -18,33 +18,65 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from sdk.errors import EngineRestarting, InvalidRequestError, OverloadedError, RequestTimeout
-from sdk.hooks import RequestContext, RequestOrigin
-from sdk.policy import ENGINE_MAX_TOKENS, Terms, request_terms
-from sdk.rate_limit import Lease
+from sdk.hooks import HookChain, ModelSource, RequestContext, RequestOrigin
+from sdk.hooks.replay import model_source
+from sdk.policy import ENGINE_MAX_TOKENS, TenantPolicy, Terms, request_terms
+from sdk.prefix import PinnedPrefixes
+from sdk.rate_limit import Lease, RateLimiter
 from sdk.tools import to_tool_choice
-from sdk.transport import EngineRequest
+from sdk.transport import EngineRequest, Transport
 from sdk.types import ChatRequest, CompletionRequest, Delta, SamplingOptions, Usage
-
-if TYPE_CHECKING:
-    from sdk.client import AsyncClient
 
 RETRY_BACKOFF = 0.05  # seconds, doubled per retry of an overloaded or restarting engine
 
 
+class Startup:
+    """Starts a client's transport once (loads the engine or connects), and knows the engine that serves."""
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        self.is_started = False
+        self.model_source: ModelSource | None = None
+        """The in-process engine that serves (after the start); None for a remote one."""
+
+    async def __call__(self) -> ModelSource | None:
+        """Start the transport unless it started; the model source. Idempotent."""
+        if not self.is_started:
+            await self.transport.start()
+            self.model_source = model_source(self.transport)
+            self.is_started = True
+        return self.model_source
+
+
+@dataclass(frozen=True, slots=True)
+class RequestScope:
+    """What a client's requests run under: the client builds it once, and each ``RequestRun`` reads it."""
+
+    transport: Transport
+    hooks: HookChain
+    tenant: str | None
+    policy: TenantPolicy | None
+    limiter: RateLimiter | None  # the tenant's rate state; None without limits
+    route: str
+    max_retries: int
+    prefixes: PinnedPrefixes  # credited with each finished request's prompt
+    startup: Startup  # run before each request: the first one starts the transport
+
+
 class RequestRun:
-    """One chat or completion request of ``client``, from its checks to its audit record.
+    """One chat or completion request, from its checks to its audit record.
 
     Args:
-        client: whose transport, hooks, policy and limits the request runs under.
+        scope: the transport, hooks, policy and limits the request runs under.
         request: the typed request, options applied.
         origin: who sent it, for the hooks' context.
     """
 
-    def __init__(self, client: AsyncClient, request: ChatRequest | CompletionRequest, origin: RequestOrigin | None) -> None:
-        self.client = client
+    def __init__(self, scope: RequestScope, request: ChatRequest | CompletionRequest, origin: RequestOrigin | None) -> None:
+        self.scope = scope
         self.request = request
         self.origin = origin or RequestOrigin()
         self.in_engine = False  # the engine holds the request: abort it unless it finished
@@ -52,13 +84,13 @@ class RequestRun:
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """The request's deltas; the last has ``usage`` (see ``AsyncClient.stream``)."""
-        client, request = self.client, self.request
-        await client.start()
-        terms = request_terms(client.policy, client.tenant, request)
-        await client.transport.check_prompt_size(_num_chars(request))
+        scope, request = self.scope, self.request
+        model_source = await scope.startup()
+        terms = request_terms(scope.policy, scope.tenant, request)
+        await scope.transport.check_prompt_size(_num_chars(request))
         sampling = request.sampling(terms.max_tokens)
-        ctx = self._context(sampling)
-        lease = client.limiter.enter() if client.limiter is not None else None
+        ctx = self._context(sampling, model_source)
+        lease = scope.limiter.enter() if scope.limiter is not None else None
         try:
             engine_request = await self._engine_request(ctx, terms, sampling, lease)
             deadline = None if request.timeout is None else time.monotonic() + request.timeout
@@ -83,18 +115,18 @@ class RequestRun:
         finally:
             await self._finish(ctx, lease)
 
-    def _context(self, sampling: SamplingOptions) -> RequestContext:
+    def _context(self, sampling: SamplingOptions, model_source: ModelSource | None) -> RequestContext:
         """What the hooks see of the request; ``params`` are the knobs sent, caps applied."""
-        request, client, origin = self.request, self.client, self.origin
+        request, scope, origin = self.request, self.scope, self.origin
         is_chat = isinstance(request, ChatRequest)
         num_choices = request.n or 1
         return RequestContext(
             request_id=request.request_id or f"{'chat' if is_chat else 'cmpl'}-{uuid.uuid4().hex}",
-            model=client.model_name,
-            route=client.route,
+            model=scope.transport.model_name,
+            route=scope.route,
             kind="chat" if is_chat else "completion",
             params=sampling.sampling_kwargs(),
-            tenant=client.tenant,
+            tenant=scope.tenant,
             client_address=origin.client_address,
             headers=origin.headers,
             messages=list(request.messages) if is_chat else None,  # type: ignore[union-attr]
@@ -102,7 +134,7 @@ class RequestRun:
             output_pieces=[[] for _ in range(num_choices)],
             reasoning_pieces=[[] for _ in range(num_choices)],
             tool_call_deltas=[[] for _ in range(num_choices)],
-            model_source=client._model_source,
+            model_source=model_source,
             output_token_ids=[[] for _ in range(num_choices)],
         )
 
@@ -110,20 +142,20 @@ class RequestRun:
         self, ctx: RequestContext, terms: Terms, sampling: SamplingOptions, lease: Lease | None
     ) -> EngineRequest:
         """Runs the input hooks, renders the prompt they leave and takes its tokens from the rate limit."""
-        client, request = self.client, self.request
-        await client.hooks.on_request(ctx)
+        scope, request = self.scope, self.request
+        await scope.hooks.on_request(ctx)
         is_chat = isinstance(request, ChatRequest)
         tools = request.tools if is_chat else None  # type: ignore[union-attr]
         template_kwargs = request.chat_template_kwargs if is_chat else None  # type: ignore[union-attr]
-        prompt = await client.transport.prepare_prompt(client.tenant, ctx.messages, ctx.prompt, tools, template_kwargs)
-        ctx.images = await client.transport.prompt_images(prompt)
+        prompt = await scope.transport.prepare_prompt(scope.tenant, ctx.messages, ctx.prompt, tools, template_kwargs)
+        ctx.images = await scope.transport.prompt_images(prompt)
         if lease is not None:
             lease.take_tokens(_num_reserved_tokens(prompt, request.n, terms.max_tokens))
         ctx.engine_request = EngineRequest(
             ctx.request_id, prompt, sampling, terms.priority, terms.cache_salt,
-            tenant=client.tenant, weight=terms.weight, response_format=request.response_format, tools=tools,
+            tenant=scope.tenant, weight=terms.weight, response_format=request.response_format, tools=tools,
             tool_choice=_tool_choice(request), parallel_tool_calls=getattr(request, "parallel_tool_calls", None) is not False,
-            chat_template_kwargs=template_kwargs, reasoning=client.transport.prompt_reasoning(prompt) if is_chat else None,
+            chat_template_kwargs=template_kwargs, reasoning=scope.transport.prompt_reasoning(prompt) if is_chat else None,
         )  # fmt: skip
         return ctx.engine_request
 
@@ -136,9 +168,9 @@ class RequestRun:
         caller yet, so a retry is invisible to it. A retry that could not start before
         ``deadline`` is not tried.
         """
-        max_retries = self.client.max_retries
+        max_retries = self.scope.max_retries
         for attempt in range(max_retries + 1):
-            stream = self.client.transport.generate(request)
+            stream = self.scope.transport.generate(request)
             try:
                 first = await _next(stream, deadline)
             except (OverloadedError, EngineRestarting) as exc:
@@ -161,7 +193,7 @@ class RequestRun:
             self.num_completion_tokens += len(delta.token_ids)
             # NOTE: the engine's usage comes on the last delta; until then the hooks see the counts so far
             ctx.usage = delta.usage or Usage(self.num_prompt_tokens, self.num_completion_tokens, self.num_cached_tokens)
-            if (delta.text or delta.reasoning or delta.token_ids or delta.tool_calls) and await self.client.hooks.on_chunk(ctx, delta) is not None:
+            if (delta.text or delta.reasoning or delta.token_ids or delta.tool_calls) and await self.scope.hooks.on_chunk(ctx, delta) is not None:
                 ctx.finish_reason = "content_filter"
                 yield Delta(ctx.request_id, delta.index, prompt_token_ids=delta.prompt_token_ids,
                             finish_reason="content_filter", usage=ctx.usage)  # fmt: skip
@@ -183,12 +215,12 @@ class RequestRun:
         if lease is not None:
             lease.release(ctx.usage.total_tokens)
         if self.in_engine:
-            await self.client.transport.abort(ctx.request_id)
+            await self.scope.transport.abort(ctx.request_id)
         if ctx.finish_reason is None and (self.in_engine and ctx.error is not None or _abandoned(ctx.error)):
             ctx.finish_reason = "abort"  # NOTE: wherever it was: queued, rendering or in the engine
         ctx.end_monotonic = time.monotonic()
-        self.client._count_prefix_hits(ctx.prompt_token_ids or (), ctx.usage.cached_tokens)
-        await self.client.hooks.on_finish(ctx)
+        self.scope.prefixes.count_hits(ctx.prompt_token_ids or (), ctx.usage.cached_tokens)
+        await self.scope.hooks.on_finish(ctx)
 
 
 def _abandoned(error: BaseException | None) -> bool:

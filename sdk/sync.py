@@ -8,12 +8,10 @@ import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from sdk.client import AsyncClient, MessagesLike, PrefixHandle, PromptLike
+from sdk.client import AsyncClient, MessagesLike, PromptLike
 from sdk.closing import Closing
-from sdk.hooks import Hook
-from sdk.policy import TenantPolicy
-from sdk.runtime import Runtime
-from sdk.transport import Transport
+from sdk.prefix import PrefixHandle
+from sdk.settings import ClientSettings
 from sdk.types import ChatResult, CompletionResult, Delta
 
 _END = object()
@@ -24,7 +22,7 @@ class Client(Closing):
 
     Requests run on the loop thread of the client's runtime (``runtime``, or its own, which
     ``close()`` closes); ``stream()`` reads the same delta channel as the async client
-    through a thread-safe queue. Arguments as ``AsyncClient``.
+    through a thread-safe queue. Arguments as ``AsyncClient`` (``model``, ``settings=`` or keywords).
 
     Example:
         client = Client()  # or Client(base_url="http://gpu-box:8000/v1", api_key=KEY)
@@ -32,32 +30,12 @@ class Client(Closing):
             print(client.chat([*system.messages, ("user", "Hi")]).text)
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        runtime: Runtime | None = None,
-        base_url: str | None = None,
-        api_key: str | None = None,
-        hooks: Iterable[Hook] = (),
-        tenant: str | None = None,
-        policy: TenantPolicy | None = None,
-        transport: Transport | None = None,
-        route: str = "client",
-        max_retries: int = 0,
-        reasoning_parser: str = "auto",
-        **engine_config: Any,
-    ) -> None:
-        self.aclient = AsyncClient(
-            model, runtime=runtime, base_url=base_url, api_key=api_key, hooks=list(hooks), tenant=tenant,
-            policy=policy, transport=transport, route=route, max_retries=max_retries,
-            reasoning_parser=reasoning_parser, **engine_config,
-        )  # fmt: skip
-
-    @property
-    def runtime(self) -> Runtime:
+    def __init__(self, model: str | None = None, *, settings: ClientSettings | None = None, **keywords: Any) -> None:
+        self.aclient = AsyncClient(model, settings=settings, **keywords)
+        self.settings = self.aclient.settings
+        """``AsyncClient.settings``: what the client was given."""
+        self.runtime = self.aclient.runtime
         """``AsyncClient.runtime``: the engine's owner, whose loop thread runs this client's calls."""
-        return self.aclient.runtime
 
     @property
     def model_name(self) -> str:

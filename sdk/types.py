@@ -12,6 +12,7 @@ from typing import Annotated, Any, ClassVar, Literal, Self
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, create_model, field_validator
 
 from engine.outputs import Delta, RequestLatency, TokenLogprob, TopLogprob, Usage
+from sdk.data_url import to_data_url
 from sdk.errors import LengthFinishReasonError
 from sdk.fields import REQUEST_KNOBS, SAMPLING_FIELDS, field, sampling_fields
 from sdk.response_format import ResponseFormat, to_response_format
@@ -63,8 +64,6 @@ class ImagePart(BaseModel):
         """
         if isinstance(image, str):
             return cls(image_url=ImageUrl(url=image))
-        from sdk.images import to_data_url  # NOTE: Pillow loads only for callers with images
-
         return cls(image_url=ImageUrl(url=to_data_url(image, mime_type)))
 
 

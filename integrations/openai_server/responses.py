@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from integrations.openai_server import protocol as p
-from sdk.rate_limit import RateLimitState
+from sdk.quota import RateLimitState
 from sdk.types import Delta, RequestLatency, TokenLogprob
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -22,6 +23,7 @@ from sdk.hooks import Hook, RequestOrigin
 from sdk.images import ImageLimits
 from sdk.policy import TenantPolicy
 from sdk.rate_limit import RateLimiter
+from sdk.settings import ClientSettings
 from sdk.transport import InProcessTransport
 from sdk.types import ChatRequest, CompletionRequest, Delta
 
@@ -50,7 +52,7 @@ class Serving:
     ) -> None:
         self.engine = engine
         self._transport = InProcessTransport(engine, reasoning_parser, image_limits)
-        self._hooks = tuple(hooks)
+        self._settings = ClientSettings(transport=self._transport, hooks=hooks, route="http")  # client() adds a tenant and its policy
         self._served_name = served_model_name
         self._owns_engine = owns_engine
         self._clients: dict[str, AsyncClient] = {}
@@ -114,7 +116,7 @@ class Serving:
         """The tenant's SDK client, made with ``policy`` on its first request."""
         client = self._clients.get(tenant)
         if client is None:
-            client = AsyncClient(transport=self._transport, hooks=self._hooks, tenant=tenant, policy=policy, route="http")
+            client = AsyncClient(settings=dataclasses.replace(self._settings, tenant=tenant, policy=policy))
             self._clients[tenant] = client
         return client
 

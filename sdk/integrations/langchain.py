@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import dataclasses
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from contextlib import aclosing
+from contextlib import aclosing, closing
 from operator import itemgetter
-from typing import Any, ClassVar, Literal, Self, TypeVar
+from typing import Any, ClassVar, Literal
 
 try:
     from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
@@ -43,111 +42,31 @@ try:
     from langchain_core.utils.pydantic import is_basemodel_subclass
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("sdk.integrations.langchain needs langchain-core: pip install 'paged[langchain]'") from exc
-from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, create_model, model_validator
+from pydantic import PrivateAttr
 
-from sdk.client import AsyncClient
-from sdk.closing import AsyncClosing, Closing
 from sdk.cut_off import CutOffWatch
 from sdk.errors import LengthFinishReasonError
-from sdk.fields import REQUEST_KNOBS, SAMPLING_FIELDS, SAMPLING_KNOBS, field, sampling_fields
-from sdk.hooks import Hook
-from sdk.policy import TenantPolicy
-from sdk.runtime import Runtime
-from sdk.sync import Client
-from sdk.tools import ToolCall, new_call_id
+from sdk.integrations.base import (
+    KNOBS, GenerationAdapter, awatched, finish_info, named_tool_choice, tool_call, watch_of, watched,
+)  # fmt: skip
 from sdk.types import ChatMessage, Delta, ImagePart, TextPart, TokenLogprob
 
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
 PROVIDER = "paged"
-# NOTE: LangChain chat models return one generation per call (batch() for more): n is not a knob here.
-_UNSUPPORTED = {"n"}
-_KNOBS = [name for name in SAMPLING_FIELDS if name not in _UNSUPPORTED]
-_PER_CALL = frozenset({*_KNOBS, "request_id", "priority", "cache_salt", "timeout", "response_format"})
+_PER_CALL = frozenset({*KNOBS, "request_id", "priority", "cache_salt", "timeout", "response_format"})
 _CHAT_OPTIONS = frozenset({"tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs"})
-_Chunk = TypeVar("_Chunk", ChatGenerationChunk, GenerationChunk)
 _CALL_BLOCKS = {"tool_use", "tool_call"}  # an AI message's calls as content blocks (Anthropic's, LangChain's)
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool", "user": "user", "assistant": "assistant"}
 
 
-# The engine's sampling knobs as adapter fields, with their bounds and help (sdk.fields).
-_SamplingKnobs = create_model(
-    "_SamplingKnobs",
-    __module__=__name__,
-    **{
-        **sampling_fields(exclude=_UNSUPPORTED),
-        "stop": field(SAMPLING_KNOBS["stop"], alias="stop_sequences"),
-        "cache_salt": field(REQUEST_KNOBS["cache_salt"]),
-    },
-)
+class _PagedParams(GenerationAdapter):  # type: ignore[misc, valid-type]
+    """What the LangChain adapters share: the settings and sampling knobs (``sdk.integrations.base``), the
+    per-call options LangChain passes, and the one stream both models' calls run through."""
 
-
-class _PagedParams(_SamplingKnobs, Closing, AsyncClosing):  # type: ignore[misc, valid-type]
-    """Settings shared by the LangChain adapters; the sampling knobs are the engine's (None = its default)."""
-
-    model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
-
-    model: str | None = Field(default=None, alias="model_name")
-    """HF model directory or ``.gguf`` path; None = the bundled SmolLM2-135M-Instruct.
-    With ``base_url``: the remote model id; None = the first one the endpoint lists."""
-    base_url: str | None = None
-    """An OpenAI-compatible endpoint (``paged serve``, vLLM) to run on; None = in-process."""
-    api_key: SecretStr | None = None
-    """Bearer token for ``base_url``; unused in-process (LangChain passes keys to every model)."""
-    timeout: float | None = None
-    """Seconds before a request is aborted (``RequestTimeout``)."""
-    max_retries: int = 2
-    """Retries, with backoff, of requests the engine refused as overloaded."""
-    reasoning_parser: str = "auto"
-    """How a thinking model's reasoning is split from the reply (``sdk.reasoning``); in-process only."""
-    hooks: list[Hook] = Field(default_factory=list)
-    """SDK hooks (filters, audit) run on every call."""
-    tenant: str | None = None
-    """Tenant id written to hook contexts and audit records, and the engine's fair share."""
-    policy: TenantPolicy | None = Field(default=None, exclude=True)
-    """The tenant's priority cap, limits and cache isolation (``sdk.policy.TenantPolicy``); None = none."""
-    engine_config: dict[str, Any] = Field(default_factory=dict)
-    """``engine.EngineConfig`` fields for the in-process engine (e.g. ``num_blocks``); not with ``base_url``."""
-    runtime: Runtime | None = Field(default=None, exclude=True)
-    """Share one engine between adapters and clients; None = the adapter owns a runtime of its own."""
-
-    _client: Client = PrivateAttr()
     _raise_cut_offs: bool = PrivateAttr(default=True)  # False: a cut-off reply is returned, marked "length"
-
-    @model_validator(mode="after")
-    def _build_client(self) -> Any:
-        # NOTE: cheap: the engine loads on the first request, not here.
-        # NOTE: the key goes only to a remote engine; in-process, a key (as LangChain's suites pass) is unused.
-        api_key = self.api_key.get_secret_value() if self.api_key is not None and self.base_url is not None else None
-        self._client = Client(
-            self.model, runtime=self.runtime, base_url=self.base_url, api_key=api_key, hooks=self.hooks,
-            tenant=self.tenant, policy=self.policy, route=self._route, max_retries=self.max_retries,
-            reasoning_parser=self.reasoning_parser, **self.engine_config,
-        )  # fmt: skip
-        return self
 
     _route: ClassVar[str] = "langchain"
     _per_call: ClassVar[frozenset[str]] = _PER_CALL
-
-    @property
-    def client(self) -> Client:
-        """The SDK client behind the adapter (in-process: on the engine of ``runtime``, or of its own)."""
-        return self._client
-
-    @property
-    def aclient(self) -> AsyncClient:
-        return self._client.aclient
-
-    def start(self) -> None:
-        """Load the engine (or connect to ``base_url``) now, so the first call does not wait for it."""
-        self._client.start()
-
-    def close(self) -> None:
-        """Close the adapter's connections and its own runtime (``Client.close``); a shared ``runtime`` stays open."""
-        self._client.close()
-
-    async def aclose(self) -> None:
-        """``close()`` from async code (``AsyncClient.aclose``)."""
-        await self.aclient.aclose()
 
     @property
     def _model_display_name(self) -> str:
@@ -164,19 +83,48 @@ class _PagedParams(_SamplingKnobs, Closing, AsyncClosing):  # type: ignore[misc,
         unknown = set(kwargs) - self._per_call - {"model"}
         if unknown:
             raise ValueError(f"unsupported argument(s): {', '.join(sorted(unknown))}")
-        options: dict[str, Any] = {name: getattr(self, name) for name in _KNOBS}
-        options.update(timeout=self.timeout, cache_salt=self.cache_salt)
-        options.update((k, v) for k, v in kwargs.items() if k != "model")
+        options = {k: v for k, v in kwargs.items() if k != "model"}
         if stop is not None:
             options["stop"] = stop
-        options["stop"] = options["stop"] or None
-        return {k: v for k, v in options.items() if v is not None}
+        return self._request_options(options)
 
     def _watch(self, options: dict[str, Any]) -> CutOffWatch | None:
         """What raises a reply cut inside the call's constraint; None when cut-off replies are returned."""
-        if not self._raise_cut_offs:
-            return None
-        return CutOffWatch(options.get("response_format"), options.get("tools"), options.get("tool_choice"))
+        return watch_of(options) if self._raise_cut_offs else None
+
+    def _input(self, call_input: Any) -> dict[str, Any]:
+        """A call's input as the SDK client's ``stream`` arguments: ``messages`` or ``prompt``."""
+        raise NotImplementedError
+
+    def _to_chunk(self, delta: Delta) -> Any:
+        """An SDK delta as the model's chunk (``ChatGenerationChunk`` or ``GenerationChunk``)."""
+        raise NotImplementedError
+
+    def _stream(
+        self, call_input: Any, stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any,
+    ) -> Iterator[Any]:  # fmt: skip
+        options = self._options(stop, kwargs)
+        stream = self.client.stream(**self._input(call_input), **options)
+        with closing(watched(stream, self._watch(options))) as deltas:
+            for delta in deltas:
+                chunk = self._to_chunk(delta)
+                if run_manager:
+                    run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                yield chunk
+
+    async def _astream(
+        self, call_input: Any, stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any,
+    ) -> AsyncIterator[Any]:  # fmt: skip
+        options = self._options(stop, kwargs)
+        stream = self.aclient.stream(**self._input(call_input), **options)
+        async with aclosing(awatched(stream, self._watch(options))) as deltas:
+            async for delta in deltas:
+                chunk = self._to_chunk(delta)
+                if run_manager:
+                    await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                yield chunk
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
@@ -217,7 +165,7 @@ def to_sdk_messages(messages: Sequence[BaseMessage]) -> list[ChatMessage]:
             content = parts if images else "".join(p.text for p in parts)
         calls = None
         if isinstance(message, AIMessage) and message.tool_calls:
-            calls = [ToolCall(id=c.get("id") or new_call_id(), name=c["name"], arguments=c["args"]) for c in message.tool_calls]
+            calls = [tool_call(c.get("id"), c["name"], c["args"]) for c in message.tool_calls]
         call_id = message.tool_call_id if isinstance(message, ToolMessage) else None
         out.append(ChatMessage(role=role, content=None if calls and not content else content, name=message.name,  # type: ignore[arg-type]
                                tool_calls=calls, tool_call_id=call_id))  # fmt: skip
@@ -249,44 +197,6 @@ def _logprob_dict(logprob: TokenLogprob) -> dict[str, Any]:
     """A token's logprob as ChatOpenAI's ``response_metadata`` spells it (without bytes)."""
     top = [{"token": c.token, "logprob": c.logprob} for c in logprob.top_logprobs]
     return {"token": logprob.token, "logprob": logprob.logprob, "top_logprobs": top}
-
-
-def _relay(
-    stream: Any, to_chunk: Callable[[Delta], _Chunk], run_manager: CallbackManagerForLLMRun | None,
-    watch: CutOffWatch | None,
-) -> Iterator[_Chunk]:  # fmt: skip
-    """SDK deltas -> LangChain chunks, reporting each token; closing the chunks closes (aborts) the stream.
-
-    Raises:
-        LengthFinishReasonError: the reply was cut inside its constraint (``watch``), in place of its last chunk.
-    """
-    try:
-        for delta in stream:
-            if watch is not None and (cut := watch.add(delta)) is not None:
-                raise cut
-            chunk = to_chunk(delta)
-            if run_manager:
-                run_manager.on_llm_new_token(chunk.text, chunk=chunk)
-            yield chunk
-    finally:
-        stream.close()
-
-
-async def _arelay(
-    stream: Any, to_chunk: Callable[[Delta], _Chunk], run_manager: AsyncCallbackManagerForLLMRun | None,
-    watch: CutOffWatch | None,
-) -> AsyncIterator[_Chunk]:  # fmt: skip
-    """The async ``_relay``."""
-    try:
-        async for delta in stream:
-            if watch is not None and (cut := watch.add(delta)) is not None:
-                raise cut
-            chunk = to_chunk(delta)
-            if run_manager:
-                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
-            yield chunk
-    finally:
-        await stream.aclose()
 
 
 class PagedChat(_PagedParams, BaseChatModel):
@@ -389,46 +299,19 @@ class PagedChat(_PagedParams, BaseChatModel):
         )  # fmt: skip
         return ChatGenerationChunk(message=message, generation_info={"finish_reason": delta.finish_reason})
 
-    def _stream(
-        self,
-        messages: list[BaseMessage],
-        stop: list[str] | None = None,
-        run_manager: CallbackManagerForLLMRun | None = None,
-        **kwargs: Any,
-    ) -> Iterator[ChatGenerationChunk]:
-        options = self._options(stop, kwargs)
-        stream = self.client.stream(to_sdk_messages(messages), **options)
-        yield from _relay(stream, self._to_chunk, run_manager, self._watch(options))
-
-    async def _astream(
-        self,
-        messages: list[BaseMessage],
-        stop: list[str] | None = None,
-        run_manager: AsyncCallbackManagerForLLMRun | None = None,
-        **kwargs: Any,
-    ) -> AsyncIterator[ChatGenerationChunk]:
-        options = self._options(stop, kwargs)
-        stream = self.aclient.stream(to_sdk_messages(messages), **options)
-        async with aclosing(_arelay(stream, self._to_chunk, run_manager, self._watch(options))) as chunks:
-            async for chunk in chunks:
-                yield chunk
+    def _input(self, call_input: list[BaseMessage]) -> dict[str, Any]:
+        return {"messages": to_sdk_messages(call_input)}
 
     def _generate(
-        self,
-        messages: list[BaseMessage],
-        stop: list[str] | None = None,
-        run_manager: CallbackManagerForLLMRun | None = None,
-        **kwargs: Any,
-    ) -> ChatResult:
+        self, messages: list[BaseMessage], stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any,
+    ) -> ChatResult:  # fmt: skip
         return generate_from_stream(self._stream(messages, stop, run_manager, **kwargs))
 
     async def _agenerate(
-        self,
-        messages: list[BaseMessage],
-        stop: list[str] | None = None,
-        run_manager: AsyncCallbackManagerForLLMRun | None = None,
-        **kwargs: Any,
-    ) -> ChatResult:
+        self, messages: list[BaseMessage], stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any,
+    ) -> ChatResult:  # fmt: skip
         return await agenerate_from_stream(self._astream(messages, stop, run_manager, **kwargs))
 
     def bind_tools(
@@ -545,11 +428,7 @@ def _tool_choice(choice: dict[str, Any] | str | bool, names: list[str]) -> dict[
         if len(names) != 1:
             raise ValueError(f"tool_choice=True needs exactly one tool; got {len(names)}")
         choice = names[0]
-    if choice == "any":
-        return "required"
-    if isinstance(choice, str) and choice not in ("auto", "none", "required"):
-        return {"type": "function", "function": {"name": choice}}
-    return choice  # type: ignore[return-value]
+    return "required" if choice == "any" else named_tool_choice(choice)
 
 
 class PagedLLM(_PagedParams, LLM):
@@ -577,45 +456,16 @@ class PagedLLM(_PagedParams, LLM):
         params["ls_model_name"] = kwargs.get("model") or self._model_display_name
         return params
 
-    @staticmethod
-    def _to_chunk(delta: Delta) -> GenerationChunk:
-        if delta.finish_reason is None:
-            return GenerationChunk(text=delta.text)
-        assert delta.usage is not None
-        info = {"finish_reason": delta.finish_reason, "usage": dataclasses.asdict(delta.usage)}
-        return GenerationChunk(text=delta.text, generation_info=info)
+    def _to_chunk(self, delta: Delta) -> GenerationChunk:
+        return GenerationChunk(text=delta.text, generation_info=finish_info(delta) or None)
 
-    def _stream(
-        self,
-        prompt: str,
-        stop: list[str] | None = None,
-        run_manager: CallbackManagerForLLMRun | None = None,
-        **kwargs: Any,
-    ) -> Iterator[GenerationChunk]:
-        options = self._options(stop, kwargs)
-        stream = self.client.stream(prompt=prompt, **options)
-        yield from _relay(stream, self._to_chunk, run_manager, self._watch(options))
-
-    async def _astream(
-        self,
-        prompt: str,
-        stop: list[str] | None = None,
-        run_manager: AsyncCallbackManagerForLLMRun | None = None,
-        **kwargs: Any,
-    ) -> AsyncIterator[GenerationChunk]:
-        options = self._options(stop, kwargs)
-        stream = self.aclient.stream(prompt=prompt, **options)
-        async with aclosing(_arelay(stream, self._to_chunk, run_manager, self._watch(options))) as chunks:
-            async for chunk in chunks:
-                yield chunk
+    def _input(self, call_input: str) -> dict[str, Any]:
+        return {"prompt": call_input}
 
     def _generate(
-        self,
-        prompts: list[str],
-        stop: list[str] | None = None,
-        run_manager: CallbackManagerForLLMRun | None = None,
-        **kwargs: Any,
-    ) -> LLMResult:
+        self, prompts: list[str], stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any,
+    ) -> LLMResult:  # fmt: skip
         generations = []
         for prompt in prompts:
             generation = GenerationChunk(text="")
@@ -625,12 +475,9 @@ class PagedLLM(_PagedParams, LLM):
         return LLMResult(generations=generations)
 
     async def _agenerate(
-        self,
-        prompts: list[str],
-        stop: list[str] | None = None,
-        run_manager: AsyncCallbackManagerForLLMRun | None = None,
-        **kwargs: Any,
-    ) -> LLMResult:
+        self, prompts: list[str], stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any,
+    ) -> LLMResult:  # fmt: skip
         async def one(prompt: str) -> GenerationChunk:
             generation = GenerationChunk(text="")
             async for chunk in self._astream(prompt, stop, run_manager, **kwargs):
@@ -641,10 +488,7 @@ class PagedLLM(_PagedParams, LLM):
         return LLMResult(generations=[[g] for g in generations])
 
     def _call(
-        self,
-        prompt: str,
-        stop: list[str] | None = None,
-        run_manager: CallbackManagerForLLMRun | None = None,
-        **kwargs: Any,
-    ) -> str:
+        self, prompt: str, stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any,
+    ) -> str:  # fmt: skip
         return self._generate([prompt], stop, run_manager, **kwargs).generations[0][0].text

@@ -23,10 +23,9 @@ order with its text. Every call goes through an SDK client, so hooks and audit a
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from collections.abc import AsyncGenerator, Generator, Sequence
-from typing import TYPE_CHECKING, Any, Optional, Union
+from contextlib import aclosing, closing
+from typing import TYPE_CHECKING, Any, ClassVar, Optional, Union
 
 try:
     from llama_index.core.base.llms.generic_utils import (
@@ -59,18 +58,13 @@ try:
     from llama_index.core.types import Model, PydanticProgramMode
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("sdk.integrations.llamaindex needs llama-index-core: pip install 'paged[llamaindex]'") from exc
-from pydantic import Field, PrivateAttr, create_model
+from pydantic import Field
 
-from sdk.client import AsyncClient
-from sdk.closing import AsyncClosing, Closing
-from sdk.cut_off import CutOffWatch
-from sdk.fields import REQUEST_KNOBS, SAMPLING_FIELDS, field, sampling_fields
-from sdk.hooks import Hook
-from sdk.policy import TenantPolicy
-from sdk.runtime import Runtime
-from sdk.sync import Client
-from sdk.tools import ToolCall, ToolCallDelta, collect_calls, new_call_id
-from sdk.types import ChatMessage, ChatResult, CompletionResult, Delta, ImagePart, TextPart
+from sdk.integrations.base import (
+    GenerationAdapter, awatched, finish_info, named_tool_choice, tool_arguments, tool_call, watch_of, watched,
+)  # fmt: skip
+from sdk.tools import ToolCall, ToolCallDelta, collect_calls
+from sdk.types import ChatMessage, ChatResult, Delta, ImagePart, TextPart
 
 if TYPE_CHECKING:
     from llama_index.core.tools.types import BaseTool
@@ -97,10 +91,7 @@ def to_sdk_messages(messages: Sequence[LIChatMessage]) -> list[ChatMessage]:
         if message.role not in _ROLES:
             raise ValueError(f"unsupported message role {message.role!s}")
         role = _ROLES[message.role]
-        calls = [
-            ToolCall(id=b.tool_call_id or new_call_id(), name=b.tool_name, arguments=_arguments(b.tool_kwargs))
-            for b in message.blocks if isinstance(b, ToolCallBlock)
-        ]  # fmt: skip
+        calls = [tool_call(b.tool_call_id, b.tool_name, b.tool_kwargs) for b in message.blocks if isinstance(b, ToolCallBlock)]
         images = any(isinstance(b, ImageBlock) for b in message.blocks)
         out.append(
             ChatMessage(
@@ -125,11 +116,6 @@ def _parts(blocks: Sequence[Any]) -> list[TextPart | ImagePart]:
         elif isinstance(block, ImageBlock):
             parts.append(ImagePart.of(block.resolve_image().read(), block.image_mimetype))
     return parts
-
-
-def _arguments(tool_kwargs: dict[str, Any] | str) -> dict[str, Any]:
-    """A ``ToolCallBlock``'s arguments as a dict (they may be given as their JSON text)."""
-    return json.loads(tool_kwargs) if isinstance(tool_kwargs, str) else tool_kwargs
 
 
 def _assistant(text: str, calls: Sequence[ToolCall] | None, reasoning: str | None = None) -> LIChatMessage:
@@ -162,25 +148,7 @@ class _StreamedReply:
         return ChatResponse(message=message, delta=delta.text, additional_kwargs=additional_kwargs)
 
 
-def _watch(options: dict[str, Any]) -> CutOffWatch:
-    """What raises a streamed reply cut inside the call's constraint (``sdk.cut_off``), in place of its last response."""
-    return CutOffWatch(options.get("response_format"), options.get("tools"), options.get("tool_choice"))
-
-
-# NOTE: a LlamaIndex LLM returns one response per call: n is not a knob here.
-_UNSUPPORTED = {"n"}
-_KNOBS = [name for name in SAMPLING_FIELDS if name not in _UNSUPPORTED]
-
-# The engine's sampling knobs as fields, with their bounds and help (sdk.fields); None = the engine's default.
-_SamplingKnobs = create_model(
-    "_SamplingKnobs",
-    __base__=FunctionCallingLLM,
-    __module__=__name__,
-    **{**sampling_fields(exclude=_UNSUPPORTED), "cache_salt": field(REQUEST_KNOBS["cache_salt"])},
-)
-
-
-class PagedLLM(_SamplingKnobs, Closing, AsyncClosing):  # type: ignore[misc, valid-type]
+class PagedLLM(GenerationAdapter, FunctionCallingLLM):  # type: ignore[misc, valid-type]
     """paged's engine, in-process or at ``base_url``, as a LlamaIndex function-calling chat LLM
     (sync, async and streaming).
 
@@ -195,31 +163,7 @@ class PagedLLM(_SamplingKnobs, Closing, AsyncClosing):  # type: ignore[misc, val
             print(llm.get_tool_calls_from_response(response))
     """
 
-    model: str | None = Field(
-        default=None,
-        description="HF model directory or .gguf path; None = the bundled model. With base_url: the remote model id.",
-    )
-    base_url: str | None = Field(
-        default=None, description="OpenAI-compatible endpoint (paged serve, vLLM) to run on; None = in-process."
-    )
-    api_key: str | None = Field(default=None, description="Bearer token for base_url.", exclude=True, repr=False)
     context_window: int | None = Field(default=None, description="Prompt budget; None = the engine's max_model_len.")
-    timeout: float | None = Field(default=None, description="Seconds before a request is aborted.")
-    max_retries: int = Field(default=2, description="Retries of requests refused as overloaded.")
-    reasoning_parser: str = Field(
-        default="auto", description="How a thinking model's reasoning is split from the reply (sdk.reasoning); in-process only."
-    )
-    hooks: list[Hook] = Field(default_factory=list, description="SDK hooks run on every call.", exclude=True)
-    tenant: str | None = Field(default=None, description="Tenant id for hook contexts, audit records and the fair share.")
-    policy: TenantPolicy | None = Field(
-        default=None, description="The tenant's priority cap, limits and cache isolation; None = none.", exclude=True
-    )
-    engine_config: dict[str, Any] = Field(
-        default_factory=dict, description="engine.EngineConfig fields for the in-process engine (not with base_url)."
-    )
-    runtime: Runtime | None = Field(
-        default=None, description="Share one engine between adapters and clients; None = a runtime of its own.", exclude=True
-    )
     # NOTE: the base class defaults to FunctionCallingProgram for a function-calling LLM; the text
     # program, whose reply the engine holds to the output class's schema, needs no tool prompt.
     pydantic_program_mode: PydanticProgramMode = Field(
@@ -227,40 +171,11 @@ class PagedLLM(_SamplingKnobs, Closing, AsyncClosing):  # type: ignore[misc, val
         description="How structured_predict runs: LLM = a reply held to the output class's schema; FUNCTION = a tool call.",
     )
 
-    _client: Client | None = PrivateAttr(default=None)
+    _route: ClassVar[str] = "llamaindex"
 
     @classmethod
     def class_name(cls) -> str:
         return "PagedLLM"
-
-    @property
-    def client(self) -> Client:
-        """The SDK client (built on first use; in-process: on the engine of ``runtime``, or of its own)."""
-        if self._client is None:
-            self._client = Client(
-                self.model, runtime=self.runtime, base_url=self.base_url, api_key=self.api_key, hooks=self.hooks,
-                tenant=self.tenant, policy=self.policy, route="llamaindex", max_retries=self.max_retries,
-                reasoning_parser=self.reasoning_parser, **self.engine_config,
-            )  # fmt: skip
-        return self._client
-
-    @property
-    def aclient(self) -> AsyncClient:
-        return self.client.aclient
-
-    def start(self) -> None:
-        """Load the engine (or connect to ``base_url``) now, so the first call does not wait for it."""
-        self.client.start()
-
-    def close(self) -> None:
-        """Close the adapter's connections and its own runtime (``Client.close``); a shared ``runtime`` stays open."""
-        if self._client is not None:
-            self._client.close()
-
-    async def aclose(self) -> None:
-        """``close()`` from async code (``AsyncClient.aclose``)."""
-        if self._client is not None:
-            await self._client.aclient.aclose()
 
     @property
     def metadata(self) -> LLMMetadata:
@@ -272,65 +187,45 @@ class PagedLLM(_SamplingKnobs, Closing, AsyncClosing):  # type: ignore[misc, val
             model_name=self.client.model_name,
         )
 
-    def _options(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        options = {name: getattr(self, name) for name in _KNOBS}
-        options.update(timeout=self.timeout, cache_salt=self.cache_salt, **kwargs)
-        options["stop"] = options["stop"] or None
-        return {k: v for k, v in options.items() if v is not None}
-
-    @staticmethod
-    def _extra(delta: Delta | CompletionResult) -> dict[str, Any]:
-        if delta.finish_reason is None or delta.usage is None:
-            return {}
-        return {"finish_reason": delta.finish_reason, "usage": dataclasses.asdict(delta.usage)}
-
     def _response(self, result: ChatResult) -> ChatResponse:
         message = _assistant(result.text, result.tool_calls, result.reasoning)
-        return ChatResponse(message=message, raw=result.model_dump(), additional_kwargs=self._extra(result))
+        return ChatResponse(message=message, raw=result.model_dump(), additional_kwargs=finish_info(result))
 
     # --- chat: the native path ----------------------------------------------------------
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[LIChatMessage], **kwargs: Any) -> ChatResponse:
-        result = self.client.chat(to_sdk_messages(messages), **self._options(kwargs))
+        result = self.client.chat(to_sdk_messages(messages), **self._request_options(kwargs))
         return self._response(result.raise_for_cut_off())
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[LIChatMessage], **kwargs: Any) -> ChatResponse:
-        result = await self.aclient.chat(to_sdk_messages(messages), **self._options(kwargs))
+        result = await self.aclient.chat(to_sdk_messages(messages), **self._request_options(kwargs))
         return self._response(result.raise_for_cut_off())
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[LIChatMessage], **kwargs: Any) -> ChatResponseGen:
-        options = self._options(kwargs)
-        stream = self.client.stream(to_sdk_messages(messages), **options)
+        options = self._request_options(kwargs)
+        deltas = watched(self.client.stream(to_sdk_messages(messages), **options), watch_of(options))
 
         def gen() -> ChatResponseGen:
-            reply, watch = _StreamedReply(), _watch(options)
-            try:
-                for delta in stream:
-                    if (cut := watch.add(delta)) is not None:
-                        raise cut
-                    yield reply.add(delta, self._extra(delta))
-            finally:
-                stream.close()  # type: ignore[attr-defined]
+            reply = _StreamedReply()
+            with closing(deltas):
+                for delta in deltas:
+                    yield reply.add(delta, finish_info(delta))
 
         return gen()
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[LIChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        options = self._options(kwargs)
-        stream = self.aclient.stream(to_sdk_messages(messages), **options)
+        options = self._request_options(kwargs)
+        deltas = awatched(self.aclient.stream(to_sdk_messages(messages), **options), watch_of(options))
 
         async def gen() -> ChatResponseAsyncGen:
-            reply, watch = _StreamedReply(), _watch(options)
-            try:
-                async for delta in stream:
-                    if (cut := watch.add(delta)) is not None:
-                        raise cut
-                    yield reply.add(delta, self._extra(delta))
-            finally:
-                await stream.aclose()  # type: ignore[attr-defined]
+            reply = _StreamedReply()
+            async with aclosing(deltas):
+                async for delta in deltas:
+                    yield reply.add(delta, finish_info(delta))
 
         return gen()
 
@@ -340,33 +235,29 @@ class PagedLLM(_SamplingKnobs, Closing, AsyncClosing):  # type: ignore[misc, val
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         if not formatted:
             return chat_to_completion_decorator(self.chat)(prompt, **kwargs)
-        result = self.client.complete(prompt, **self._options(kwargs)).raise_for_cut_off()
-        return CompletionResponse(text=result.text, raw=result.model_dump(), additional_kwargs=self._extra(result))
+        result = self.client.complete(prompt, **self._request_options(kwargs)).raise_for_cut_off()
+        return CompletionResponse(text=result.text, raw=result.model_dump(), additional_kwargs=finish_info(result))
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         if not formatted:
             return await achat_to_completion_decorator(self.achat)(prompt, **kwargs)
-        result = (await self.aclient.complete(prompt, **self._options(kwargs))).raise_for_cut_off()
-        return CompletionResponse(text=result.text, raw=result.model_dump(), additional_kwargs=self._extra(result))
+        result = (await self.aclient.complete(prompt, **self._request_options(kwargs))).raise_for_cut_off()
+        return CompletionResponse(text=result.text, raw=result.model_dump(), additional_kwargs=finish_info(result))
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
         if not formatted:
             return stream_chat_to_completion_decorator(self.stream_chat)(prompt, **kwargs)
-        options = self._options(kwargs)
-        stream = self.client.stream(prompt=prompt, **options)
+        options = self._request_options(kwargs)
+        deltas = watched(self.client.stream(prompt=prompt, **options), watch_of(options))
 
         def gen() -> CompletionResponseGen:
-            text, watch = "", _watch(options)
-            try:
-                for delta in stream:
-                    if (cut := watch.add(delta)) is not None:
-                        raise cut
+            text = ""
+            with closing(deltas):
+                for delta in deltas:
                     text += delta.text
-                    yield CompletionResponse(text=text, delta=delta.text, additional_kwargs=self._extra(delta))
-            finally:
-                stream.close()  # type: ignore[attr-defined]
+                    yield CompletionResponse(text=text, delta=delta.text, additional_kwargs=finish_info(delta))
 
         return gen()
 
@@ -374,19 +265,15 @@ class PagedLLM(_SamplingKnobs, Closing, AsyncClosing):  # type: ignore[misc, val
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
         if not formatted:
             return await astream_chat_to_completion_decorator(self.astream_chat)(prompt, **kwargs)
-        options = self._options(kwargs)
-        stream = self.aclient.stream(prompt=prompt, **options)
+        options = self._request_options(kwargs)
+        deltas = awatched(self.aclient.stream(prompt=prompt, **options), watch_of(options))
 
         async def gen() -> CompletionResponseAsyncGen:
-            text, watch = "", _watch(options)
-            try:
-                async for delta in stream:
-                    if (cut := watch.add(delta)) is not None:
-                        raise cut
+            text = ""
+            async with aclosing(deltas):
+                async for delta in deltas:
                     text += delta.text
-                    yield CompletionResponse(text=text, delta=delta.text, additional_kwargs=self._extra(delta))
-            finally:
-                await stream.aclose()  # type: ignore[attr-defined]
+                    yield CompletionResponse(text=text, delta=delta.text, additional_kwargs=finish_info(delta))
 
         return gen()
 
@@ -416,10 +303,8 @@ class PagedLLM(_SamplingKnobs, Closing, AsyncClosing):  # type: ignore[misc, val
             return {"messages": messages, **kwargs}
         if tool_choice is None:
             tool_choice = "required" if tool_required else "auto"
-        elif isinstance(tool_choice, str) and tool_choice not in ("auto", "none", "required"):
-            tool_choice = {"type": "function", "function": {"name": tool_choice}}
         return {
-            "messages": messages, "tools": specs, "tool_choice": tool_choice,
+            "messages": messages, "tools": specs, "tool_choice": named_tool_choice(tool_choice),
             "parallel_tool_calls": allow_parallel_tool_calls, **kwargs,
         }  # fmt: skip
 
@@ -432,7 +317,7 @@ class PagedLLM(_SamplingKnobs, Closing, AsyncClosing):  # type: ignore[misc, val
             ValueError: the reply made no call and ``error_on_no_tool_call`` is set.
         """
         selections = [
-            ToolSelection(tool_id=b.tool_call_id or "", tool_name=b.tool_name, tool_kwargs=_arguments(b.tool_kwargs))
+            ToolSelection(tool_id=b.tool_call_id or "", tool_name=b.tool_name, tool_kwargs=tool_arguments(b.tool_kwargs))
             for b in response.message.blocks if isinstance(b, ToolCallBlock)
         ]  # fmt: skip
         if not selections and error_on_no_tool_call:

@@ -112,7 +112,7 @@ def _picture_url(seed: int) -> str:
     import numpy as np
     from PIL import Image
 
-    from sdk.images import to_data_url
+    from sdk.data_url import to_data_url
 
     png = io.BytesIO()
     Image.fromarray(np.random.RandomState(seed).randint(0, 256, (20, 30, 3), dtype=np.uint8)).save(png, format="PNG")

@@ -10,7 +10,8 @@ from PIL import Image
 
 from engine.multimodal import image_hash
 from sdk.errors import InvalidRequestError
-from sdk.images import ImageLimits, decode_data_url, fetch_url, load_image, load_message_images, to_data_url
+from sdk.data_url import to_data_url
+from sdk.images import ImageLimits, decode_data_url, fetch_url, load_image, load_message_images
 from sdk.types import ChatMessage, ImagePart
 from tests.support.images import data_url, image_bytes, image_part, png_declaring
 

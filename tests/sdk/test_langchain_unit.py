@@ -12,7 +12,7 @@ from langchain_core.tools import tool
 from langchain_tests.unit_tests import ChatModelUnitTests
 from paged_chat_capabilities import PagedChatCapabilities
 
-from sdk import ContentBlocked
+from sdk import ClientSettings, ContentBlocked
 from sdk.hooks import AuditLog, RegexFilter
 from sdk.integrations.langchain import PagedChat, PagedLLM, to_sdk_messages
 from sdk.tools import ToolCall, format_call
@@ -85,6 +85,17 @@ def test_chat_hooks_apply(fake_runtime, tmp_path):
         chat.invoke("my password is hunter2")
     assert AuditLog.verify(audit.path) == 2
     assert '"route": "langchain"' in audit.path.read_text()
+
+
+def test_adapters_take_client_settings_whole(fake_runtime):
+    """``settings=`` gives both adapters their client whole (their route their own); with a settings field too, it is refused."""
+    settings = ClientSettings(runtime=fake_runtime, tenant="t1")
+    chat, llm = PagedChat(settings=settings, max_tokens=2), PagedLLM(settings=settings, max_tokens=2)
+    assert chat.client.settings == PagedChat(runtime=fake_runtime, tenant="t1", max_retries=0).client.settings  # whole: its 0
+    assert (chat.tenant, chat.client.settings.route, llm.client.settings.route) == ("t1", "langchain", "langchain")
+    assert chat.invoke("hi").usage_metadata["output_tokens"] == 2
+    with pytest.raises(ValueError, match="settings and tenant both given"):
+        PagedChat(settings=settings, tenant="t2")
 
 
 async def test_llm_complete_stream_and_usage(fake_runtime):

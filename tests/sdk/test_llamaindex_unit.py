@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 from llama_index.core.base.llms.base import BaseLLM
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
 
+from sdk import ClientSettings
 from sdk.integrations.llamaindex import PagedLLM
 
 EXPECTED = " The quick brown"
@@ -31,3 +33,14 @@ async def test_llamaindex_contract(fake_runtime):
     meta = llm.metadata
     assert meta.is_chat_model and meta.num_output == 3
     assert meta.context_window == 512 and meta.model_name == "fake-model"
+
+
+def test_llamaindex_settings_checked_at_construction(fake_runtime):
+    """The client is built with the adapter: ``settings=`` is taken whole, and contradicting settings fail at once."""
+    llm = PagedLLM(settings=ClientSettings(runtime=fake_runtime, tenant="t"), max_tokens=3)
+    assert (llm.tenant, llm.client.settings.route) == ("t", "llamaindex")
+    assert llm.complete("Hi").text == EXPECTED
+    with pytest.raises(ValueError, match=r"base_url and engine fields \(num_blocks\)"):
+        PagedLLM(base_url="http://127.0.0.1:1", engine_config={"num_blocks": 8})
+    with pytest.raises(ValueError, match="settings and model, tenant both given"):
+        PagedLLM(settings=ClientSettings(), model="m", tenant="t")

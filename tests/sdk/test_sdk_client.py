@@ -8,7 +8,7 @@ import contextlib
 import pytest
 from pydantic import ValidationError
 
-from sdk import ChatMessage, Client, InvalidRequestError, OverloadedError, RequestTimeout
+from sdk import AsyncClient, ChatMessage, Client, ClientSettings, InvalidRequestError, OverloadedError, RequestTimeout
 from sdk.chat_template import render_chat
 from sdk.transport import InProcessTransport
 
@@ -164,3 +164,18 @@ async def test_dropped_prefix_handle_unpins(make_client, fake_engine):
             break
         await asyncio.sleep(0.01)
     assert fake_engine.pins == {}
+
+
+async def test_settings_given_whole_or_as_keywords(fake_runtime, fake_engine):
+    """``settings=`` and the keywords build the same client; given together, or contradicting each other, they are refused."""
+    settings = ClientSettings(runtime=fake_runtime, tenant="t", route="batch")
+    assert AsyncClient(runtime=fake_runtime, tenant="t", route="batch").settings == settings
+    assert ClientSettings.of(None, num_blocks=8, tenant="t").engine_config == {"num_blocks": 8}
+    client = Client(settings=settings)
+    assert client.settings is settings and client.runtime is fake_runtime
+    assert client.chat("hi", max_tokens=2).usage.completion_tokens == 2
+    with pytest.raises(ValueError, match="settings and model, tenant both given"):
+        AsyncClient("other", settings=settings, tenant="u")
+    with pytest.raises(ValueError, match="runtime and num_blocks both given"):
+        ClientSettings(runtime=fake_runtime, engine_config={"num_blocks": 8})
+    assert "secret" not in repr(ClientSettings(base_url="http://127.0.0.1:1", api_key="secret"))

@@ -66,7 +66,7 @@ async def test_logprobs_and_prompt_ids_match_the_engine(tiny_model):
     got = [t for d in deltas for t in d.logprobs or ()]
     final = None
     params = SamplingParams(max_tokens=4, temperature=0, logprobs=3)
-    async for final in client._transport.engine.generate(ids, params, cache_salt="reference"):
+    async for final in client.transport.engine.generate(ids, params, cache_salt="reference"):
         pass
     ref = final.outputs[0]
     assert [t for d in deltas for t in d.token_ids] == ref.token_ids and len(got) == len(ref.token_ids)
@@ -116,7 +116,7 @@ def test_concurrent_langchain_calls_compute_system_prompt_once(tiny_model):
     stats_before = chat.client.stats()
     replies = chat.batch(prompts, config={"max_concurrency": n})
     stats = chat.client.stats()
-    system_ids = chat.client.aclient._transport.render_chat(  # the system prompt's tokens, as rendered
+    system_ids = chat.client.aclient.transport.render_chat(  # the system prompt's tokens, as rendered
         [ChatMessage(role="system", content=system)], add_generation_prompt=False
     )
     shared = len(system_ids) // 16 * 16

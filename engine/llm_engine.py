@@ -15,7 +15,6 @@ Single owner, not thread-safe: ``AsyncEngine`` drives one from a thread of its o
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -23,11 +22,12 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from engine import debug_log
-from engine.config import EngineConfig, step_token_budget
+from engine.config import EngineConfig, make_config, step_token_budget
 from engine.core.encoder_budget import EncoderBudget
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput
+from engine.engine_stats import engine_stats
 from engine.errors import EngineError, ParameterError, WorkerGroupFailed
 from engine.metrics import RequestStats, SpecDecodeStats
 from engine.model_info import eos_token_ids, model_name
@@ -43,15 +43,6 @@ from engine.spec_decode.verify import verify_drafts
 from engine.structured_output.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
-
-
-def make_config(model: str | None, config: EngineConfig | None, overrides: dict[str, Any]) -> EngineConfig:
-    """``Engine(model, **config)`` / ``Engine(config=...)`` -> one EngineConfig."""
-    if config is None:
-        return EngineConfig(model=model, **overrides)
-    if model is not None:
-        overrides = {**overrides, "model": model}
-    return dataclasses.replace(config, **overrides) if overrides else config
 
 
 class Engine:
@@ -594,65 +585,8 @@ class Engine:
     # ---------------------------------------------------------------------------- figures
 
     def stats(self) -> dict[str, Any]:
-        """The engine's figures (names shared with ``/metrics`` and ``paged bench``).
-
-        ``tenant_requests`` maps each active tenant ("" for requests without one) to its
-        ``{"running", "waiting"}`` requests; ``tenant_computed_tokens`` maps every tenant seen
-        to the tokens computed for it; ``request_success`` maps finish reasons to requests.
-        """
-        kv, processor, fair = self.kv.stats(), self.output_processor, self.scheduler.fair
-        return {
-            "num_requests_running": self.scheduler.num_running,
-            "num_requests_waiting": self.scheduler.num_waiting,
-            "kv_blocks_total": kv.num_blocks,
-            "kv_blocks_used": kv.num_used_blocks,
-            "kv_blocks_cached": kv.num_cached_blocks,
-            "prefix_cache_queries": kv.prefix_cache_queries,
-            "prefix_cache_hits": kv.prefix_cache_hits,
-            "prompt_tokens_computed": self.scheduler.num_prompt_tokens_computed,
-            "generation_tokens": processor.num_generation_tokens,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "ttft_seconds": processor.ttft.snapshot(),
-            "itl_seconds": processor.itl.snapshot(),
-            **self.request_stats.snapshot(),
-            **self.spec_stats.snapshot(),
-            "kv_token_usage": kv.token_utilization,
-            "kv_evictions": kv.num_evictions,
-            **self._encoder_stats(),
-            "tenant_requests": {
-                tenant or "": {"running": running, "waiting": waiting}
-                for tenant, (running, waiting) in fair.tenant_requests().items()
-            },
-            "tenant_computed_tokens": {tenant or "": n for tenant, n in fair.computed_tokens().items()},
-            # output tokens per second of time spent stepping
-            "generation_tokens_per_second": (
-                processor.num_generation_tokens / self._busy_seconds if self._busy_seconds else 0.0
-            ),
-            # what the linear weights run as: {"quantization", "modules": {kind: count}, "bytes", "products"}
-            "weights": self.runner.weights.as_dict(),
-            # what serves attention, e.g. "cpu (bfloat16 cache; tiles of 48 queries, their shared keys on avx512-bf16)"
-            "attention": self.runner.attention,
-            # what runs the decoder layers: "one C call a step" (DecoderPlan) or "modules" (enforce_eager, GPU, ...)
-            "layers": self.runner.layers,
-        }
-
-    def _encoder_stats(self) -> dict[str, int]:
-        """Images the vision encoder ran on, and images whose rows came from the encoder cache (0 for a text model)."""
-        cache = getattr(self.runner, "encoder_cache", None)
-        return {
-            "mm_encoder_runs": 0 if cache is None else cache.num_encoded,
-            "mm_encoder_cache_hits": 0 if cache is None else cache.num_hits,
-        }
-
-
-def tokenize(tokenizer: Any, prompt: Prompt) -> list[int]:
-    """A prompt's token ids: a str is encoded (with the tokenizer's special tokens), ids pass through.
-
-    Raises:
-        RequestRejected: ``prompt`` is neither a str nor a list of ids.
-    """
-    if isinstance(prompt, str):
-        return tokenizer.encode(prompt)
-    if not isinstance(prompt, (list, tuple)):
-        raise RequestRejected(f"prompt must be a str or a list of token ids; got {type(prompt).__name__}")
-    return list(prompt)
+        """The engine's figures (names shared with ``/metrics`` and ``paged bench``; ``engine.engine_stats``)."""
+        return engine_stats(
+            self.scheduler, self.kv, self.output_processor, self.runner, self.request_stats, self.spec_stats,
+            self._busy_seconds,
+        )  # fmt: skip

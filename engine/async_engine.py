@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import itertools
 import queue
 import time
@@ -25,13 +24,10 @@ from engine.admission import Admission
 from engine.commands import Abort, Add, Call, Channel, Command, Pin, engine_pin_id
 from engine.config import EngineConfig
 from engine.errors import EngineOverloaded, EngineRestarting, ParameterError
-from engine.llm_engine import Engine, Prompt, check_params, tokenize
-from engine.multimodal.inputs import ProcessedPrompt, attach_images, split_prompt
+from engine.llm_engine import Engine
 from engine.outputs import Delta, OutputAccumulator, PinnedPrefix, RequestOutput
-from engine.request_options import RequestOptions, TenantOptions
+from engine.processor import Prompt
 from engine.sampling_params import SamplingParams
-from engine.structured_output.compiler import MAX_COMPILE_SECONDS, too_slow
-from engine.structured_output.params import StructuredOutput
 from engine.supervisor import EngineHealth, RestartPolicy, Supervisor, restart_config
 
 _LIVENESS_POLL_S = 0.5  # a waiter re-checks the driver at least this often
@@ -44,6 +40,13 @@ class AsyncEngine:
     and a fresh ``Engine`` is loaded from the same configuration under ``restart``; once
     that policy is spent the engine is dead and every call raises ``EngineError``
     (``engine.supervisor``). ``health()`` says which.
+
+    Each request is checked and prepared once, on the caller's side (``engine.processor``),
+    before its command is posted: a bad one raises before anything reaches the driver.
+
+    Attributes:
+        tokenizer: the model's Hugging Face tokenizer, for the caller's thread(s).
+        model_name, max_model_len, accepts_images, image_placeholder: as ``Engine``'s.
 
     Args:
         model: A Hugging Face model directory or a ``.gguf`` file; None = the bundled SmolLM2.
@@ -67,12 +70,13 @@ class AsyncEngine:
         load_s = time.monotonic() - started
         self.config = engine.config
         self._restart_config = restart_config(engine.config, engine.runner.num_blocks)
-        self._model_name = engine.model_name
-        self._max_model_len = engine.max_model_len
-        # NOTE: callers' threads get a tokenizer of their own: the driver decodes with the
-        # engine's while callers encode, and a Rust tokenizer must not be borrowed by both.
-        self._tokenizer = copy.deepcopy(engine.tokenizer)
-        self._image_prompts = engine.image_prompts  # NOTE: stateless: callers' threads preprocess their images
+        # NOTE: a fresh engine has the same settings and KV cache size: this intake serves it too.
+        self._processor = engine.processor.for_callers()
+        self.tokenizer = self._processor.tokenizer
+        self.model_name = engine.model_name
+        self.max_model_len = engine.max_model_len
+        self.accepts_images = engine.accepts_images
+        self.image_placeholder = engine.image_placeholder
         self._ids = itertools.count()
         self._id_prefix = uuid.uuid4().hex[:8]
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -102,29 +106,6 @@ class AsyncEngine:
         return self._supervisor.engine
 
     @property
-    def tokenizer(self) -> Any:
-        """The model's Hugging Face tokenizer, for the caller's thread(s)."""
-        return self._tokenizer
-
-    @property
-    def model_name(self) -> str:
-        return self._model_name
-
-    @property
-    def accepts_images(self) -> bool:
-        """Whether the model takes images (``Engine.accepts_images``)."""
-        return self.engine.accepts_images
-
-    @property
-    def image_placeholder(self) -> str | None:
-        """The text that stands for one image in a prompt (``Engine.image_placeholder``); None for text only."""
-        return self.engine.image_placeholder
-
-    @property
-    def max_model_len(self) -> int:
-        return self._max_model_len
-
-    @property
     def is_running(self) -> bool:
         """True while an engine serves: not while a fresh one starts, once dead or shut down."""
         return self._supervisor.is_running
@@ -144,18 +125,6 @@ class AsyncEngine:
         return {**stats, "requests_rejected": stats["requests_rejected"] + self._admission.num_rejected}
 
     # ---------------------------------------------------------------------------- requests
-
-    async def _process(self, prompt: Prompt) -> ProcessedPrompt:
-        """The prompt's token ids and images (``Engine.process_prompt``), checked as the engine would; images are
-        preprocessed on a worker thread, off the event loop."""
-        text, images = split_prompt(prompt)
-        token_ids = tokenize(self._tokenizer, text)
-        if images and self._image_prompts is not None:
-            processed = await asyncio.to_thread(attach_images, token_ids, images, self._image_prompts)
-        else:
-            processed = attach_images(token_ids, images, self._image_prompts)
-        self.engine.validate_prompt(processed.prompt_token_ids)  # reads immutable settings only
-        return processed
 
     async def generate(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None, priority: int = 0,
@@ -188,7 +157,7 @@ class AsyncEngine:
         Raises:
             RequestRejected: From the first ``__anext__``: empty prompt, a token id outside
                 the vocabulary, longer than max_model_len or than the KV cache holds; images the model
-                cannot take (field ``multi_modal_data.image``, ``Engine.process_prompt``).
+                cannot take (field ``multi_modal_data.image``, ``Processor.process_prompt``).
             EngineOverloaded: From the first ``__anext__``: admission limits are full.
             ParameterError: Bad ``params``, ``request_id``, ``priority``, ``cache_salt``,
                 ``tenant`` or ``weight``, a request id already in use, or a structured-output constraint that does not
@@ -210,26 +179,19 @@ class AsyncEngine:
         """The request's deltas, a step's at a time (see ``stream``)."""
         supervisor = self._supervisor
         generation = supervisor.check_alive()
+        if request_id is None:
+            request_id = f"{self._id_prefix}-{next(self._ids)}"
         try:
-            params = check_params(params)
-            RequestOptions(request_id, priority, cache_salt)
-            TenantOptions(tenant, weight)
-            processed = await self._process(prompt)
-            grammar = None
-            if params.structured_output is not None:
-                grammar = await self._compile(params.structured_output)
-            if request_id is None:
-                request_id = f"{self._id_prefix}-{next(self._ids)}"
-            channel = Channel(asyncio.get_running_loop(), len(processed.prompt_token_ids), generation)
+            request = await self._processor.process_async(
+                request_id, prompt, params, priority, cache_salt, tenant=tenant, weight=weight
+            )
+            channel = Channel(asyncio.get_running_loop(), len(request.prompt_token_ids), generation)
             self._admission.admit(request_id, channel)
         except (ParameterError, EngineOverloaded):
             self._admission.reject()
             raise
         try:
-            self._inbox.put(Add(
-                request_id, processed.prompt_token_ids, params, priority, cache_salt, tenant, weight, channel, grammar,
-                processed.images,
-            ))  # fmt: skip
+            self._inbox.put(Add(request, channel))
             if (error := supervisor.failure(generation)) is not None:
                 raise error  # NOTE: a driver that died before draining this Add may never answer it
             while True:
@@ -260,14 +222,15 @@ class AsyncEngine:
 
         Raises:
             RequestRejected: The prompt can never be served.
+            ParameterError: ``cache_salt`` is of the wrong type or too long.
             EngineRestarting: The driver died while pinning, or a fresh engine is starting.
             EngineError: The engine failed the pin, or is dead.
         """
         generation = self._supervisor.check_alive()
-        processed = await self._process(prompt)
+        request = await self._processor.process_async(None, prompt, cache_salt=cache_salt, pin=True)
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._inbox.put(Pin(processed.prompt_token_ids, cache_salt, generation, loop, future, processed.images))
+        self._inbox.put(Pin(request, generation, loop, future))
         return await self._wait(future, generation)
 
     async def unpin_prefix(self, pin_id: str) -> None:
@@ -319,14 +282,6 @@ class AsyncEngine:
         return await self._wait(future, generation)
 
     # ---------------------------------------------------------------------------- caller side
-
-    async def _compile(self, constraint: StructuredOutput) -> Any:
-        """A structured-output constraint compiled on the compiler's threads: never on the step loop."""
-        future = asyncio.wrap_future(self.engine.grammars.submit(constraint))
-        try:
-            return await asyncio.wait_for(future, MAX_COMPILE_SECONDS)
-        except TimeoutError:
-            raise too_slow(constraint) from None
 
     # NOTE: both waits poll with asyncio.wait, not wait_for: on Python 3.11 wait_for returns
     # the result and drops the caller's cancellation when both land in one loop iteration, so

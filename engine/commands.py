@@ -15,12 +15,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from engine.outputs import Delta
-from engine.sampling_params import SamplingParams
+from engine.processor import ProcessedRequest
 
 if TYPE_CHECKING:
     from engine.errors import EngineError
     from engine.llm_engine import Engine
-    from engine.multimodal.inputs import ImageInput
 
 
 class Channel:
@@ -45,16 +44,10 @@ class Channel:
 
 @dataclass(slots=True)
 class Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int
-    cache_salt: str | None
-    tenant: str | None
-    weight: float
+    """Queues ``request`` (made on the caller's side, its id set) and streams its deltas to ``channel``."""
+
+    request: ProcessedRequest
     channel: Channel
-    grammar: Any = None  # params.structured_output, compiled
-    images: tuple[ImageInput, ...] = ()  # the prompt's, preprocessed (engine.multimodal)
 
 
 @dataclass(slots=True)
@@ -74,12 +67,12 @@ class Call:
 
 @dataclass(slots=True)
 class Pin:
-    prompt_token_ids: list[int]
-    cache_salt: str | None
+    """Queues the pin ``request`` and resolves ``future`` with its ``PinnedPrefix`` once computed."""
+
+    request: ProcessedRequest
     generation: int
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future = field(repr=False)
-    images: tuple[ImageInput, ...] = ()
 
 
 class Stop:

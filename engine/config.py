@@ -8,7 +8,8 @@ same default and help.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from engine.errors import ParameterError
 from engine.knobs import check_knobs, knob
@@ -142,3 +143,12 @@ def step_token_budget(max_num_batched_tokens: int | None, device_type: str) -> i
     if max_num_batched_tokens is not None:
         return max_num_batched_tokens
     return 512 if device_type == "cpu" else 2048
+
+
+def make_config(model: str | None, config: EngineConfig | None, overrides: dict[str, Any]) -> EngineConfig:
+    """``Engine(model, **config)`` / ``Engine(config=...)`` -> one EngineConfig."""
+    if config is None:
+        return EngineConfig(model=model, **overrides)
+    if model is not None:
+        overrides = {**overrides, "model": model}
+    return replace(config, **overrides) if overrides else config

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 from engine.admission import Admission
 from engine.commands import Abort, Add, Call, Channel, Command, Pin, Stop, posted_to, public_pin_id, refuse, resolve
 from engine.errors import EngineError
-from engine.multimodal.inputs import ProcessedPrompt
 from engine.outputs import Delta, PinnedPrefix
 
 if TYPE_CHECKING:
@@ -100,14 +99,11 @@ class Driver:
             return
         if isinstance(command, Add):
             try:
-                prompt = ProcessedPrompt(command.prompt_token_ids, command.images)
-                engine.add_request(command.request_id, prompt, command.params,
-                                   command.priority, command.cache_salt, tenant=command.tenant,
-                                   weight=command.weight, grammar=command.grammar)
+                request_id = engine.enqueue(command.request)
             except Exception as exc:  # noqa: BLE001 - the caller gets it
                 command.channel.send(exc)
                 return
-            self._channels[command.request_id] = command.channel
+            self._channels[request_id] = command.channel
         elif isinstance(command, Abort):
             if command.request_id in self._pins:
                 self.unpin(engine, command.request_id)
@@ -117,7 +113,7 @@ class Driver:
             self._emit(generation, engine.pop_deltas(), {})
         elif isinstance(command, Pin):
             try:
-                pin_id = engine.pin_prefix(ProcessedPrompt(command.prompt_token_ids, command.images), command.cache_salt)
+                pin_id = engine.enqueue(command.request)
             except Exception as exc:  # noqa: BLE001
                 resolve(command.loop, command.future, error=exc)
                 return
@@ -142,7 +138,7 @@ class Driver:
             if request_id in self._pins:
                 if usage is not None:
                     pin = self._pins.pop(request_id)
-                    result = PinnedPrefix(public_pin_id(request_id, generation), len(pin.prompt_token_ids), usage.cached_tokens)
+                    result = PinnedPrefix(public_pin_id(request_id, generation), len(pin.request.prompt_token_ids), usage.cached_tokens)
                     resolve(pin.loop, pin.future, result, failures.get(request_id))
                 continue
             channel = self._channels.get(request_id)

@@ -1,7 +1,8 @@
 """Engine: requests in, outputs out. One step = schedule -> run -> sample -> process -> update.
 
-The engine owns request intake, the step loop and the request lifecycle (abort, failure,
-pins); ``OutputProcessor`` turns the sampled tokens into text, ``Delta``s and outputs, and
+The engine owns the step loop and the request lifecycle (queueing, abort, failure, pins);
+its ``Processor`` (``engine.processor``) checks and prepares each request once before it is
+queued, ``OutputProcessor`` turns the sampled tokens into text, ``Delta``s and outputs, and
 the scheduler appends them and decides which requests finish. ``step_deltas()`` streams
 (each step's new output only); ``step()`` and ``generate()`` give cumulative
 ``RequestOutput``s built from what the processor recorded.
@@ -14,80 +15,34 @@ Single owner, not thread-safe: ``AsyncEngine`` drives one from a thread of its o
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any, Required, TypedDict
+from typing import Any
 
 from engine import debug_log
-from engine.config import EngineConfig, step_token_budget
+from engine.config import EngineConfig, make_config, step_token_budget
 from engine.core.encoder_budget import EncoderBudget
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput
-from engine.errors import EngineError, ParameterError, RequestRejected, WorkerGroupFailed
+from engine.engine_stats import engine_stats
+from engine.errors import EngineError, ParameterError, WorkerGroupFailed
 from engine.metrics import RequestStats, SpecDecodeStats
 from engine.model_info import eos_token_ids, model_name
-from engine.multimodal.inputs import ImageInput, ImagePrompts, ProcessedPrompt, process_prompt
+from engine.multimodal.inputs import ImagePrompts
 from engine.output_processor import OutputProcessor, ParentRequest
-from engine.persisted_kv import PersistedKVCache
 from engine.outputs import Delta, RequestMetrics, RequestOutput
+from engine.persisted_kv import PersistedKVCache
+from engine.processor import ProcessedRequest, Processor, Prompt
 from engine.request import Request, RequestStatus
-from engine.request_options import RequestOptions, TenantOptions
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.drafter import Drafter
 from engine.spec_decode.verify import verify_drafts
 from engine.structured_output.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
-
-
-class MultiModalData(TypedDict, total=False):
-    """A prompt's images: one PIL image or a list, in the order of their placeholders."""
-
-    image: Any
-
-
-class TextPrompt(TypedDict, total=False):
-    """Text holding the model's image placeholder (``Engine.image_placeholder``) once per image, and the images."""
-
-    prompt: Required[str]
-    multi_modal_data: MultiModalData
-
-
-class TokensPrompt(TypedDict, total=False):
-    """Token ids holding the image token once per image (or each image's run, expanded), and the images."""
-
-    prompt_token_ids: Required[list[int]]
-    multi_modal_data: MultiModalData
-
-
-# text, token ids, or either with images (vLLM's input form; ``engine.multimodal``)
-Prompt = str | list[int] | TextPrompt | TokensPrompt
-
-
-def check_params(params: SamplingParams | None) -> SamplingParams:
-    """``params``, or the defaults for None.
-
-    Raises:
-        ParameterError: ``params`` is not a SamplingParams.
-    """
-    if params is None:
-        return SamplingParams()
-    if not isinstance(params, SamplingParams):
-        raise ParameterError("params", f"params must be a SamplingParams; got {type(params).__name__}")
-    return params
-
-
-def make_config(model: str | None, config: EngineConfig | None, overrides: dict[str, Any]) -> EngineConfig:
-    """``Engine(model, **config)`` / ``Engine(config=...)`` -> one EngineConfig."""
-    if config is None:
-        return EngineConfig(model=model, **overrides)
-    if model is not None:
-        overrides = {**overrides, "model": model}
-    return dataclasses.replace(config, **overrides) if overrides else config
 
 
 class Engine:
@@ -122,6 +77,10 @@ class Engine:
         self.max_model_len: int = self.runner.max_model_len
         # a multimodal model's image inputs (placeholder, tokens per image, image processor); None: text only
         self.image_prompts = self._image_prompts()
+        # whether the model takes images (the dict prompt forms' ``multi_modal_data.image``), and the text that
+        # stands for one in a prompt (LLaVA: ``<image>``; None for a text-only model)
+        self.accepts_images = self.image_prompts is not None
+        self.image_placeholder = None if self.image_prompts is None else self.image_prompts.placeholder
         self.kv = KVCacheManager(
             self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching,
             self.runner.kv_cache_windows,
@@ -143,6 +102,9 @@ class Engine:
         # (sliding-window layers hold their windows only: with no full-attention layer, any length; the
         # scheduler cuts a prefill chunk to what they hold, down to one token a step).
         self.max_num_tokens = self.kv.max_num_tokens(self.max_model_len, max_chunk=1)
+        self.processor = Processor(
+            self.tokenizer, self.vocab_size, self.max_model_len, self.max_num_tokens, self.image_prompts, self.grammars
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.request_stats = RequestStats()
         debug_log.configure_from_env()
@@ -216,121 +178,116 @@ class Engine:
         placeholder = self.tokenizer.convert_ids_to_tokens(model.image_token_id)
         return ImagePrompts(self.model_dir, model.image_token_id, placeholder, model.image_token_count)
 
-    # ---------------------------------------------------------------------------- model
-
-    @property
-    def accepts_images(self) -> bool:
-        """Whether the model takes images (the dict prompt forms' ``multi_modal_data.image``)."""
-        return self.image_prompts is not None
-
-    @property
-    def image_placeholder(self) -> str | None:
-        """The text that stands for one image in a prompt (LLaVA: ``<image>``); None for a text-only model."""
-        return None if self.image_prompts is None else self.image_prompts.placeholder
-
     # ---------------------------------------------------------------------------- requests in
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         """A prompt's token ids: a str is encoded (with the tokenizer's special tokens), ids pass through, a
-        prompt with images gets each placeholder expanded to the image's tokens."""
-        return self.process_prompt(prompt).prompt_token_ids
-
-    def process_prompt(self, prompt: Prompt) -> ProcessedPrompt:
-        """A prompt's token ids and its images, preprocessed (``engine.multimodal.inputs.process_prompt``).
-
-        Raises:
-            RequestRejected: a malformed prompt; images for a text-only model, a non-PIL image, or images that do
-                not match the placeholders (field ``multi_modal_data.image``).
-        """
-        return process_prompt(prompt, lambda text: tokenize(self.tokenizer, text), self.image_prompts)
-
-    def validate_prompt(self, prompt_token_ids: Sequence[int]) -> None:
-        """Checks a prompt can ever be served; reads only immutable settings (safe from any thread).
-
-        Raises:
-            RequestRejected: Empty, a token id outside the vocabulary, too long for
-                ``max_model_len`` or for the whole KV cache.
-        """
-        num = len(prompt_token_ids)
-        if num == 0:
-            raise RequestRejected("prompt is empty")
-        # NOTE: sizes first, so an absurdly long prompt is turned away without reading it.
-        if num >= self.max_model_len:
-            raise RequestRejected(
-                f"prompt has {num} tokens; max_model_len is {self.max_model_len} (room for one generated token needed)"
-            )
-        if num >= self.max_num_tokens:
-            raise RequestRejected(
-                f"prompt has {num} tokens; the KV cache holds at most {self.max_num_tokens} tokens of one request"
-            )
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_token_ids):
-            raise RequestRejected("prompt token ids must be integers")
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
-            raise RequestRejected(f"prompt token ids must be in the vocabulary [0, {self.vocab_size})")
+        prompt with images gets each placeholder expanded to the image's tokens (``Processor.process_prompt``)."""
+        return self.processor.process_prompt(prompt).prompt_token_ids
 
     def add_request(
         self,
         request_id: str | None,
-        prompt: Prompt | ProcessedPrompt,
+        prompt: Prompt,
         params: SamplingParams | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
         *,
         tenant: str | None = None,
         weight: float = 1.0,
-        grammar: Any = None,
     ) -> str:
         """Queues a request; it joins the running batch at the next step that has room.
 
         Args:
             request_id: Unique among unfinished requests; None = one is made up.
-            prompt: Text, token ids, either with images (``TextPrompt``, ``TokensPrompt``), or a prompt
-                ``process_prompt`` made already.
+            prompt: Text, token ids, or either with images (``TextPrompt``, ``TokensPrompt``).
             params: How to sample; None = ``SamplingParams()``.
             priority: Smaller runs first; FIFO within one priority.
             cache_salt: Requests with different salts never share KV blocks.
             tenant: Who the request is for; within a priority level tenants share the token
                 budget by ``weight`` (``engine.core.fair_share``). None = one shared tenant.
             weight: The tenant's share, relative to the other tenants' (> 0).
-            grammar: ``params.structured_output`` compiled beforehand by ``self.grammars``
-                (``AsyncEngine`` compiles off the step loop); None compiles it here.
 
         Returns:
             The request id.
 
         Raises:
-            RequestRejected: The prompt can never be served (see ``validate_prompt``), or its images cannot
-                (``process_prompt``).
+            RequestRejected: The prompt can never be served, or its images cannot (``Processor.process``).
             ParameterError: The id is in use, ``params`` is not a SamplingParams, or
                 ``request_id``, ``priority``, ``cache_salt``, ``tenant`` or ``weight`` is out
                 of bounds, or the structured-output constraint does not compile.
             Either is counted in ``stats()["requests_rejected"]``.
         """
+        request = self._process(request_id, prompt, params, priority, cache_salt, tenant=tenant, weight=weight)
+        return self.enqueue(request)
+
+    def enqueue(self, request: ProcessedRequest) -> str:
+        """Queues a request a ``Processor`` made (this engine's, or a caller-side one: ``AsyncEngine``) as it is.
+
+        Returns:
+            The request id (a pin's: its pin id).
+
+        Raises:
+            ParameterError: The id is in use (counted in ``stats()["requests_rejected"]``).
+            EngineError: The engine is closed.
+        """
+        if request.pin:
+            request_id = f"pin-{next(self._ids)}"
+        elif request.request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        elif request.request_id in self._parents or request.request_id in self._pins:
+            self.request_stats.num_rejected += 1
+            raise ParameterError("request_id", f"request id {request.request_id!r} is already in use")
+        else:
+            request_id = request.request_id
+        if self._closed:
+            raise EngineError("the engine is closed")
+        params = request.params
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        children = [
+            Request(
+                request_id if params.n == 1 else f"{index}_{request_id}",
+                request.prompt_token_ids,
+                params if params.n == 1 else params.for_completion(index),
+                priority=request.priority,
+                arrival_seq=next(self._arrivals),
+                cache_salt=request.cache_salt,
+                images=request.images,
+                tenant=request.tenant,
+                weight=request.weight,
+                stop_token_ids=stop_ids,
+                max_num_tokens=self.max_num_tokens,
+                keep_blocks=request.pin,
+                parent_id=request_id,
+                index=index,
+            )
+            for index in range(params.n)
+        ]
+        for child in children:
+            self.output_processor.add_request(child)
+            if request.grammar is not None:
+                self.structured_output.add_request(child.req_id, request.grammar)
+            self.scheduler.add_request(child)
+        self._parents[request_id] = ParentRequest(request_id, request.prompt_token_ids, children)
+        if request.pin:
+            self._pins.add(request_id)
+        else:  # NOTE: pins are the engine's own requests, not counted as taken
+            self.request_stats.num_received += 1
+        if debug_log.is_enabled():
+            for child in children:
+                self.step_log.added(child)
+        return request_id
+
+    def _process(
+        self, request_id: str | None, prompt: Prompt, params: SamplingParams | None, priority: int = 0,
+        cache_salt: str | None = None, *, tenant: str | None = None, weight: float = 1.0,
+    ) -> ProcessedRequest:  # fmt: skip
+        """``self.processor.process``; a refusal is counted in ``stats()["requests_rejected"]``."""
         try:
-            return self._add_request(request_id, prompt, params, priority, cache_salt, tenant, weight, grammar)
+            return self.processor.process(request_id, prompt, params, priority, cache_salt, tenant=tenant, weight=weight)
         except ParameterError:
             self.request_stats.num_rejected += 1
             raise
-
-    def _add_request(
-        self, request_id: str | None, prompt: Prompt | ProcessedPrompt, params: SamplingParams | None, priority: int,
-        cache_salt: str | None, tenant: str | None, weight: float, grammar: Any,
-    ) -> str:
-        params = check_params(params)
-        RequestOptions(request_id, priority, cache_salt)
-        TenantOptions(tenant, weight)
-        request_id = f"req-{next(self._ids)}" if request_id is None else request_id
-        if request_id in self._parents or request_id in self._pins:
-            raise ParameterError("request_id", f"request id {request_id!r} is already in use")
-        processed = prompt if isinstance(prompt, ProcessedPrompt) else self.process_prompt(prompt)
-        self.validate_prompt(processed.prompt_token_ids)
-        if params.structured_output is not None and grammar is None:
-            grammar = self.grammars.compile(params.structured_output)
-        self._add(
-            request_id, processed.prompt_token_ids, params, priority, cache_salt, grammar=grammar, tenant=tenant,
-            weight=weight, images=processed.images,
-        )
-        return request_id
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Finishes requests now (finish_reason "abort") and frees their blocks; unknown ids are skipped.
@@ -357,7 +314,7 @@ class Engine:
             self._retire(parent, metrics)
         return outputs
 
-    def pin_prefix(self, prompt: Prompt | ProcessedPrompt, cache_salt: str | None = None) -> str:
+    def pin_prefix(self, prompt: Prompt, cache_salt: str | None = None) -> str:
         """Computes the prompt's KV once and keeps its blocks referenced until ``unpin_prefix``.
 
         The pin request runs like any other (one greedy token); its blocks are held once
@@ -365,17 +322,12 @@ class Engine:
 
         Returns:
             The pin id, also the id of the request that computes it.
+
+        Raises:
+            RequestRejected: The prompt can never be served.
+            ParameterError: ``cache_salt`` is of the wrong type or too long.
         """
-        pin_id = f"pin-{next(self._ids)}"
-        processed = prompt if isinstance(prompt, ProcessedPrompt) else self.process_prompt(prompt)
-        self.validate_prompt(processed.prompt_token_ids)
-        RequestOptions(pin_id, 0, cache_salt)
-        self._add(
-            pin_id, processed.prompt_token_ids, SamplingParams(max_tokens=1, temperature=0.0), 0, cache_salt,
-            keep_blocks=True, images=processed.images,
-        )
-        self._pins.add(pin_id)
-        return pin_id
+        return self.enqueue(self.processor.process(None, prompt, cache_salt=cache_salt, pin=True))
 
     def unpin_prefix(self, pin_id: str) -> None:
         """Releases a pinned prefix's blocks (they stay cached until evicted); unknown ids are a no-op.
@@ -390,45 +342,6 @@ class Engine:
             self.scheduler.finish_requests([pin_id], RequestStatus.FINISHED_ABORTED)
             self.output_processor.free(parent)
         self.kv.free(pin_id)
-
-    def _add(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
-        cache_salt: str | None, keep_blocks: bool = False, grammar: Any = None,
-        tenant: str | None = None, weight: float = 1.0, images: tuple[ImageInput, ...] = (),
-    ) -> None:
-        if self._closed:
-            raise EngineError("the engine is closed")
-        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        children = [
-            Request(
-                request_id if params.n == 1 else f"{index}_{request_id}",
-                prompt_token_ids,
-                params if params.n == 1 else params.for_completion(index),
-                priority=priority,
-                arrival_seq=next(self._arrivals),
-                cache_salt=cache_salt,
-                images=images,
-                tenant=tenant,
-                weight=weight,
-                stop_token_ids=stop_ids,
-                max_num_tokens=self.max_num_tokens,
-                keep_blocks=keep_blocks,
-                parent_id=request_id,
-                index=index,
-            )
-            for index in range(params.n)
-        ]
-        for child in children:
-            self.output_processor.add_request(child)
-            if grammar is not None:
-                self.structured_output.add_request(child.req_id, grammar)
-            self.scheduler.add_request(child)
-        self._parents[request_id] = ParentRequest(request_id, prompt_token_ids, children)
-        if not keep_blocks:  # NOTE: pins are the engine's own requests, not counted as taken
-            self.request_stats.num_received += 1
-        if debug_log.is_enabled():
-            for child in children:
-                self.step_log.added(child)
 
     # ---------------------------------------------------------------------------- stepping
 
@@ -641,10 +554,8 @@ class Engine:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ParameterError("params", f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        processed = [self.process_prompt(p) for p in prompts]
-        for one in processed:
-            self.validate_prompt(one.prompt_token_ids)
-        ids = [self.add_request(None, one, p) for one, p in zip(processed, params)]
+        requests = [self._process(None, prompt, p) for prompt, p in zip(prompts, params)]
+        ids = [self.enqueue(request) for request in requests]
         results: dict[str, RequestOutput] = {}
         pending = set(ids)
         from tqdm.auto import tqdm
@@ -674,65 +585,8 @@ class Engine:
     # ---------------------------------------------------------------------------- figures
 
     def stats(self) -> dict[str, Any]:
-        """The engine's figures (names shared with ``/metrics`` and ``paged bench``).
-
-        ``tenant_requests`` maps each active tenant ("" for requests without one) to its
-        ``{"running", "waiting"}`` requests; ``tenant_computed_tokens`` maps every tenant seen
-        to the tokens computed for it; ``request_success`` maps finish reasons to requests.
-        """
-        kv, processor, fair = self.kv.stats(), self.output_processor, self.scheduler.fair
-        return {
-            "num_requests_running": self.scheduler.num_running,
-            "num_requests_waiting": self.scheduler.num_waiting,
-            "kv_blocks_total": kv.num_blocks,
-            "kv_blocks_used": kv.num_used_blocks,
-            "kv_blocks_cached": kv.num_cached_blocks,
-            "prefix_cache_queries": kv.prefix_cache_queries,
-            "prefix_cache_hits": kv.prefix_cache_hits,
-            "prompt_tokens_computed": self.scheduler.num_prompt_tokens_computed,
-            "generation_tokens": processor.num_generation_tokens,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "ttft_seconds": processor.ttft.snapshot(),
-            "itl_seconds": processor.itl.snapshot(),
-            **self.request_stats.snapshot(),
-            **self.spec_stats.snapshot(),
-            "kv_token_usage": kv.token_utilization,
-            "kv_evictions": kv.num_evictions,
-            **self._encoder_stats(),
-            "tenant_requests": {
-                tenant or "": {"running": running, "waiting": waiting}
-                for tenant, (running, waiting) in fair.tenant_requests().items()
-            },
-            "tenant_computed_tokens": {tenant or "": n for tenant, n in fair.computed_tokens().items()},
-            # output tokens per second of time spent stepping
-            "generation_tokens_per_second": (
-                processor.num_generation_tokens / self._busy_seconds if self._busy_seconds else 0.0
-            ),
-            # what the linear weights run as: {"quantization", "modules": {kind: count}, "bytes", "products"}
-            "weights": self.runner.weights.as_dict(),
-            # what serves attention, e.g. "cpu (bfloat16 cache; tiles of 48 queries, their shared keys on avx512-bf16)"
-            "attention": self.runner.attention,
-            # what runs the decoder layers: "one C call a step" (DecoderPlan) or "modules" (enforce_eager, GPU, ...)
-            "layers": self.runner.layers,
-        }
-
-    def _encoder_stats(self) -> dict[str, int]:
-        """Images the vision encoder ran on, and images whose rows came from the encoder cache (0 for a text model)."""
-        cache = getattr(self.runner, "encoder_cache", None)
-        return {
-            "mm_encoder_runs": 0 if cache is None else cache.num_encoded,
-            "mm_encoder_cache_hits": 0 if cache is None else cache.num_hits,
-        }
-
-
-def tokenize(tokenizer: Any, prompt: Prompt) -> list[int]:
-    """A prompt's token ids: a str is encoded (with the tokenizer's special tokens), ids pass through.
-
-    Raises:
-        RequestRejected: ``prompt`` is neither a str nor a list of ids.
-    """
-    if isinstance(prompt, str):
-        return tokenizer.encode(prompt)
-    if not isinstance(prompt, (list, tuple)):
-        raise RequestRejected(f"prompt must be a str or a list of token ids; got {type(prompt).__name__}")
-    return list(prompt)
+        """The engine's figures (names shared with ``/metrics`` and ``paged bench``; ``engine.engine_stats``)."""
+        return engine_stats(
+            self.scheduler, self.kv, self.output_processor, self.runner, self.request_stats, self.spec_stats,
+            self._busy_seconds,
+        )  # fmt: skip

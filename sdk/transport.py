@@ -238,7 +238,7 @@ class InProcessTransport(Transport):
             return ImagePrompt(token_ids, await load_message_images(messages, self.image_limits, tenant))
         if isinstance(prompt, str):
             await self.check_prompt_size(len(prompt))
-            from engine.llm_engine import tokenize
+            from engine.processor import tokenize
 
             return await PROMPT_WORKER.run(tenant, tokenize, tokenizer, prompt)
         assert prompt is not None

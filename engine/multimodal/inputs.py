@@ -148,7 +148,7 @@ def process_prompt(
 
     Args:
         prompt: what the caller gave.
-        tokenize: text or ids -> ids (``engine.llm_engine.tokenize`` with a tokenizer).
+        tokenize: text or ids -> ids (``engine.processor.tokenize`` with a tokenizer).
         images: the model's image inputs; None for a text-only model.
 
     Raises:

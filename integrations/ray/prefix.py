@@ -31,7 +31,7 @@ from typing import Any
 
 from engine.core.block_hash import BlockHash, MultiModalSpan, extend_block_hashes
 from engine.errors import RequestRejected
-from engine.llm_engine import tokenize
+from engine.processor import tokenize
 from engine.multimodal.inputs import expand_image_runs
 from engine.multimodal.layout import ImageLayout
 from sdk.chat_template import render_chat

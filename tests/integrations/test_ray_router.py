@@ -151,7 +151,7 @@ async def test_image_chats_route_by_the_text_before_the_image_and_then_the_image
     messages = [message_from_wire(m) for m in json.loads(body)["messages"]]
     ids = render_chat(engine.tokenizer, messages, image_placeholder=engine.image_placeholder)
     image = load_image(*decode_data_url(url, ImageLimits(), "f")[:1], ImageLimits(), "f").image
-    processed = engine.process_prompt({"prompt_token_ids": ids, "multi_modal_data": {"image": [image]}})
+    processed = engine.processor.process_prompt({"prompt_token_ids": ids, "multi_modal_data": {"image": [image]}})
     token_ids, spans = hasher._chat_ids(json.loads(body))
     assert token_ids == processed.prompt_token_ids
     [(offset, length, key)] = spans

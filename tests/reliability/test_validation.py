@@ -102,7 +102,7 @@ def test_absurd_sizes_are_rejected_in_milliseconds_without_allocating(model_dir)
         ("stop", lambda: SamplingParams(stop=[huge_str])),
         ("stop_token_ids", lambda: SamplingParams(stop_token_ids=huge_ids)),
         ("temperature", lambda: SamplingParams(temperature=10**5000)),
-        ("max_model_len", lambda: engine.validate_prompt(huge_ids)),
+        ("max_model_len", lambda: engine.processor.validate_prompt(huge_ids)),
         ("request_id", lambda: RequestOptions(huge_str, 0, None)),
         ("priority", lambda: RequestOptions("r", 10**5000, None)),
         ("cache_salt", lambda: RequestOptions("r", 0, huge_str)),

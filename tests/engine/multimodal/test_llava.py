@@ -132,7 +132,7 @@ def test_prefix_cache_and_encoder_cache_are_keyed_by_the_image(model_dir, refere
     a, b = picture(10), picture(11)
     text = chat(processor, "Look:", a, "What is it?")
     num_tokens = len(engine.tokenize(request(text, [a])))
-    offset = engine.process_prompt(request(text, [a])).images[0].offset
+    offset = engine.processor.process_prompt(request(text, [a])).images[0].offset
 
     def run(prompt_text: str, image: Image.Image) -> int:
         out = engine.generate(request(prompt_text, [image]), GREEDY, use_tqdm=False)[0]
@@ -242,7 +242,7 @@ def test_full_strategy_and_several_feature_layers_equal_transformers(tiny_model_
     with torch.no_grad():
         expected = hf.generate(**inputs, max_new_tokens=GREEDY.max_tokens, do_sample=False, min_new_tokens=GREEDY.max_tokens)
     engine = make_engine(model_dir, max_num_batched_tokens=16)
-    assert engine.process_prompt(request(text, images)).images[0].length == 26
+    assert engine.processor.process_prompt(request(text, images)).images[0].length == 26
     assert engine.tokenize(request(text, images)) == inputs["input_ids"][0].tolist()
     out = engine.generate(request(text, images), GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == expected[0, inputs["input_ids"].shape[1] :].tolist()
@@ -281,7 +281,7 @@ def test_kv_cache_dir_keeps_image_blocks_for_the_same_image_only(model_dir, refe
     processor, generate = reference
     image, other = picture(20), picture(21)
     text = chat(processor, "A long enough question before the picture:", image, "What is it?")
-    processed = make_engine(model_dir, num_blocks=8).process_prompt(request(text, [image]))
+    processed = make_engine(model_dir, num_blocks=8).processor.process_prompt(request(text, [image]))
     offset, num_tokens = processed.images[0].offset, len(processed.prompt_token_ids)
     with make_engine(model_dir, kv_cache_dir=tmp_path, kv_cache_save_hot_blocks=0) as engine:
         engine.pin_prefix(request(text, [image]))

@@ -27,7 +27,6 @@ from engine.config import (
 from engine.core.kv_cache_manager import blocks_per_request
 from engine.core.kv_persistence import KVLayout, model_fingerprint
 from engine.core.scheduler_output import SchedulerOutput
-from engine.distributed.parallel_state import SINGLE, TensorParallel, tensor_parallel
 from engine.errors import ModelLoadError, ParameterError
 from engine.layers.attention import Attention
 from engine.layers.ggml_weight import GGMLWeight
@@ -36,9 +35,10 @@ from engine.layers.rotary import RotaryEmbedding
 from engine.loader import gguf_source
 from engine.model_files.checkpoint import Checkpoint, GGUFCheckpoint, SafetensorsCheckpoint
 from engine.model_files.gguf import GGUFError, GGUFFile
-from engine.multimodal.encoder_cache import EncoderCache
 from engine.models.registry import get_model_class
 from engine.models.vision import SupportsImages
+from engine.multimodal.encoder_cache import EncoderCache
+from engine.parallel_state import SINGLE, TensorParallel, tensor_parallel
 from engine.worker.decoder_plan import DecoderPlan
 from engine.worker.image_rows import ENCODER_CACHE_BYTES, image_rows
 from engine.worker.input_batch import prepare_inputs

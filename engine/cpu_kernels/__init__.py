@@ -46,7 +46,7 @@ from typing import NamedTuple
 import torch
 
 from engine.cpu_kernels import abi
-from engine.loader import cache_root
+from engine.paths import cache_root
 
 logger = logging.getLogger(__name__)
 

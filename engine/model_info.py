@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+from engine.paths import bundled_gguf_path
 
 
 def model_name(model: Any) -> str:
     """A short name for outputs and /v1/models: the file or directory name, without a quantisation suffix."""
-    from pathlib import Path
-
-    from engine.loader import bundled_gguf_path
-
     path = bundled_gguf_path() if model is None else Path(model)
     name = path.name.rstrip("/") or str(model)
     return name.split(".")[0] if path.suffix == ".gguf" else name

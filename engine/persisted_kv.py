@@ -1,9 +1,9 @@
 """PersistedKVCache: the engine's cached KV blocks saved to ``kv_cache_dir`` and loaded back at start-up.
 
-It joins three owners: the KV cache manager picks the blocks and registers restored ones,
-the model runner moves their K/V in and out of its tensors, and ``KVBlockStore``
-(``engine.core.kv_persistence``) owns the files and their checks. The engine calls it
-between steps only, so no step runs while blocks are read or written.
+It joins three owners: ``BlockOrigins`` (``engine.core.kv_persistence``) picks the KV cache manager's
+blocks to save and registers restored ones, the model runner moves their K/V in and out of its tensors,
+and ``KVBlockStore`` (the same module) owns the files and their checks. The engine calls it between
+steps only, so no step runs while blocks are read or written.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.kv_persistence import ANOTHER_FORMAT, KVBlockStore
+from engine.core.kv_persistence import ANOTHER_FORMAT, BlockOrigins, KVBlockStore
 from engine.errors import ParameterError
 
 if TYPE_CHECKING:
@@ -53,11 +53,11 @@ class PersistedKVCache:
             message = f"kv_cache_dir {str(directory)!r} is not a writable directory: {exc}"
             raise ParameterError("kv_cache_dir", message) from None
         self.kv = kv
+        self.origins = BlockOrigins(kv)
         self.runner = runner
         self.num_hot = num_hot
         self.interval_s = interval_s
         self._next_save = time.monotonic() + interval_s if interval_s is not None else None
-        kv.track_block_origins()
 
     def load(self) -> int:
         """Restores the directory's valid blocks as cached (evictable) blocks; logs one line.
@@ -73,7 +73,7 @@ class PersistedKVCache:
         payloads: list[memoryview] = []
         num_loaded = 0
         for block in blocks:
-            block_id = self.kv.restore_cached_block(block.block_hash, block.origin)
+            block_id = self.origins.restore_cached_block(block.block_hash, block.origin)
             if block_id is None:
                 skipped["cached already"] += 1
                 continue
@@ -95,7 +95,7 @@ class PersistedKVCache:
             The block files written (those already on disk are kept as they are).
         """
         start = time.perf_counter()
-        blocks = self.kv.persistable_blocks(pinned_req_ids, self.num_hot)
+        blocks = self.origins.persistable_blocks(pinned_req_ids, self.num_hot)
         num_written = self.store.save(blocks, self.runner.read_kv_blocks)
         if self.interval_s is not None:
             self._next_save = time.monotonic() + self.interval_s

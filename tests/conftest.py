@@ -40,7 +40,7 @@ def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
 def bundled_model_dir() -> Path:
     """The bundled SmolLM2-135M-Instruct as a float32 Hugging Face directory: transformers' dequantization of the
     GGUF file, the tests' reference (made once)."""
-    from engine.loader import bundled_gguf_path
+    from engine.paths import bundled_gguf_path
     from engine.model_files.dequantized import dequantized_hf_directory
 
     return dequantized_hf_directory(bundled_gguf_path())

@@ -73,10 +73,10 @@ cpu_attempts = list(attempts)
 
 import torch
 from engine.attention import get_attention_backend
-from engine.layers.attention import Attention
 
 try:  # the selector checks only the device's type, so a CUDA device object reaches the import
-    get_attention_backend("triton", torch.device("cuda"), torch.bfloat16, Attention(4, 2, 16, 0.25), 16)
+    get_attention_backend("triton", torch.device("cuda"), torch.bfloat16, num_heads=4, num_kv_heads=2, head_dim=16,
+                          block_size=16)
     triton_error = None
 except ModuleNotFoundError as exc:
     triton_error = str(exc)

@@ -1,4 +1,5 @@
-"""Attention over the paged KV cache: one interface, a backend per device, and the selector.
+"""Attention over the paged KV cache: one interface, a backend per device, the selector, and the forward
+context (``forward_context``) that hands a step's metadata to the attention layers.
 
 The Triton backend is not exported here: ``engine.attention.triton_backend`` imports Triton
 and binds its kernels to the device, so only ``get_attention_backend`` imports it, when it

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from engine import cpu_kernels
@@ -11,13 +9,13 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
 
-if TYPE_CHECKING:
-    from engine.layers.attention import Attention
 
-
-def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype, layer: Attention,
-                          block_size: int) -> AttentionBackend:
-    """The backend called ``name`` for ``layer``'s head shapes.
+def get_attention_backend(
+    name: str, device: torch.device, dtype: torch.dtype, *, num_heads: int, num_kv_heads: int, head_dim: int,
+    block_size: int,
+) -> AttentionBackend:
+    """The backend called ``name`` for layers of ``num_heads`` query and ``num_kv_heads`` KV heads of
+    ``head_dim`` over a cache of ``block_size``-token blocks.
 
     ``"auto"`` picks Triton on CUDA; on CPU the C decode kernel (``"cpu"``) when it builds
     here and handles the dtype and shapes, else plain PyTorch (``"torch"``).
@@ -26,9 +24,7 @@ def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype, l
         ValueError: an unknown name, or a backend that cannot serve this device, dtype or shape.
         ModuleNotFoundError: the Triton backend without Triton installed (the ``gpu`` extra).
     """
-    kernel_ok = device.type == "cpu" and cpu_kernels.supports(
-        layer.num_heads, layer.num_kv_heads, layer.head_dim, block_size, dtype
-    )
+    kernel_ok = device.type == "cpu" and cpu_kernels.supports(num_heads, num_kv_heads, head_dim, block_size, dtype)
     if name == "auto":
         if device.type == "cuda":
             name = "triton"
@@ -41,12 +37,12 @@ def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype, l
             raise ValueError(
                 f"the cpu attention backend needs float32 on a CPU device, head_dim a multiple of 8 and at most "
                 f"{cpu_kernels.MAX_HEAD_DIM}, at most {cpu_kernels.MAX_GROUP} query heads per KV head and "
-                f"block_size <= {cpu_kernels.MAX_BLOCK_SIZE}; got {dtype} on {device}, {layer.num_heads} query / "
-                f"{layer.num_kv_heads} KV heads of {layer.head_dim}, block_size {block_size}"
+                f"block_size <= {cpu_kernels.MAX_BLOCK_SIZE}; got {dtype} on {device}, {num_heads} query / "
+                f"{num_kv_heads} KV heads of {head_dim}, block_size {block_size}"
             )
         if cpu_kernels.library() is None:
             raise ValueError("the cpu attention backend could not compile its kernel here (see the log)")
-        return CpuAttentionBackend(layer.num_heads // layer.num_kv_heads)
+        return CpuAttentionBackend(num_heads // num_kv_heads)
     if name == "triton":
         if device.type != "cuda":
             raise ValueError(f"the triton attention backend needs a CUDA device, got {device}")

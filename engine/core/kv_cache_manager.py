@@ -10,13 +10,13 @@ The scheduler admits a request with::
 then calls ``allocate_slots(req_id, token_ids, num_computed_tokens, num_new_tokens)``
 every step the request runs, and ``free(req_id)`` when it finishes or is preempted.
 
-KV cache groups: the model's attention layers are grouped by sliding window (``sliding_windows``,
-one entry per group; None = full attention). Each request has one block table per group, all of
-the same length, their blocks taken from the one pool: logical block i of group g holds the K/V of
-positions ``i * bs .. i * bs + bs - 1`` for that group's layers. A full-attention group keeps every
-block; a sliding group of window W releases, as the request advances, the blocks that lie wholly
-before ``num_computed_tokens - W + 1`` (the first key the next token's query reads). A released
-entry becomes ``NULL_BLOCK``, which no attention kernel reads.
+KV cache groups (``kv_cache_groups``): the model's attention layers are grouped by sliding window
+(``sliding_windows``, one entry per group; None = full attention). Each request has one block table
+per group, all of the same length, their blocks taken from the one pool: logical block i of group g
+holds the K/V of positions ``i * bs .. i * bs + bs - 1`` for that group's layers. A full-attention
+group keeps every block; a sliding group of window W releases, as the request advances, the blocks
+that lie wholly before ``num_computed_tokens - W + 1`` (the first key the next token's query reads).
+A released entry becomes ``NULL_BLOCK``, which no attention kernel reads.
 
 A request's table and hash chain, positions in tokens (a sliding group: released blocks first)::
 
@@ -32,7 +32,6 @@ fills a block.
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -43,35 +42,13 @@ from engine.core.block_hash import (
     BlockHash, ExtraKey, MultiModalSpan, block_image_keys, extend_block_hashes, group_block_hash,
 )  # fmt: skip
 from engine.core.block_pool import BlockPool, check_invariant
+from engine.core.kv_cache_groups import NULL_BLOCK, BlockTables, KVCacheGroups, blocks_per_request
 
 logger = logging.getLogger(__name__)
 
-NULL_BLOCK = -1  # a table entry a sliding-window group released (or never took): no kernel reads it
-
-BlockTables = tuple[list[int], ...]  # one block table per KV cache group
-
-
-def blocks_per_request(
-    sliding_windows: Sequence[int | None], block_size: int, num_tokens: int, max_chunk: int | None = None
-) -> int:
-    """The most blocks one request of ``num_tokens`` tokens holds at once over all KV cache groups, computed
-    in steps of at most ``max_chunk`` tokens (None: all in one step).
-
-    A sliding group of window W holds at most ``ceil((W - 1 + n) / bs) + 1`` blocks in a step of n
-    tokens (``ceil(W / bs) + 1`` in a decode), and never more than a full-attention group.
-    """
-    chunk = num_tokens if max_chunk is None else min(num_tokens, max_chunk)
-    full = -(-num_tokens // block_size)
-    return sum(full if w is None else min(full, -(-(w - 1 + chunk) // block_size) + 1) for w in sliding_windows)
-
-
-class BlockOrigin(NamedTuple):
-    """What a full block's hash is computed from: enough to recompute it, so to persist the block."""
-
-    parent_hash: BlockHash | None  # None for a chain's first block
-    token_ids: tuple[int, ...]
-    cache_salt: str | None  # the chain's salt (it enters the first block's hash only)
-    image_keys: tuple[ExtraKey, ...] = ()  # (image hash, offset from the block's start) of each image it holds
+# Told of each full block as it is registered: its hash and what the hash is computed from (the parent's hash,
+# None for a chain's first block; its tokens; the chain's cache salt; its images' keys). Persistence listens.
+BlockListener = Callable[[BlockHash, BlockHash | None, Sequence[int], str | None, Sequence[ExtraKey]], None]
 
 
 class ComputedBlocks(NamedTuple):
@@ -146,6 +123,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.sliding_windows = tuple(sliding_windows)
+        self._groups = KVCacheGroups(self.sliding_windows, block_size)
         self._sliding_groups = [(g, w) for g, w in enumerate(self.sliding_windows) if w is not None]
         self._no_blocks: BlockTables = tuple([] for _ in self.sliding_windows)  # read only: a miss's tables
         self.block_pool = BlockPool(num_blocks)
@@ -153,8 +131,7 @@ class KVCacheManager:
         self._last_lookup: _Lookup | None = None  # spares an admission its second hashing pass
         self._prefix_cache_queries = 0
         self._prefix_cache_hits = 0
-        # NOTE: None until track_block_origins(); then every registered hash's origin (pruned to the hash index).
-        self.block_origins: dict[BlockHash, BlockOrigin] | None = None
+        self.block_listener: BlockListener | None = None  # persistence sets it to keep the blocks' origins
 
     @property
     def num_groups(self) -> int:
@@ -255,8 +232,8 @@ class KVCacheManager:
             block = get_cached_block(hashes[i] if group == 0 else group_block_hash(hashes[i], group))
             return None if block is None else block.block_id
 
-        num_hit = self._longest_prefix(max_blocks, lambda g, i: cached(g, i) is not None)
-        tables = self._hit_tables(num_hit, cached)
+        num_hit = self._groups.longest_prefix(max_blocks, lambda g, i: cached(g, i) is not None)
+        tables = self._groups.hit_tables(num_hit, cached)
         logger.debug("lookup %s: %d of %d full blocks cached", req_id, num_hit, max_blocks)
         return ComputedBlocks(tables, num_hit * self.block_size)
 
@@ -403,8 +380,8 @@ class KVCacheManager:
         if child_req_id in self._requests:
             raise ValueError(f"fork: child request {child_req_id!r} already exists")
         most = max(min(parent.num_slots, parent.num_tokens - 1), 0) // self.block_size
-        num_shared = self._longest_prefix(most, lambda g, i: parent.tables[g][i] != NULL_BLOCK)
-        tables = self._hit_tables(num_shared, lambda g, i: parent.tables[g][i])
+        num_shared = self._groups.longest_prefix(most, lambda g, i: parent.tables[g][i] != NULL_BLOCK)
+        tables = self._groups.hit_tables(num_shared, lambda g, i: parent.tables[g][i])
         self.block_pool.touch(i for table in tables for i in table if i != NULL_BLOCK)
         num_computed = num_shared * self.block_size
         self._requests[child_req_id] = _RequestState(
@@ -414,17 +391,7 @@ class KVCacheManager:
         logger.debug("fork %s -> %s: %d shared blocks", parent_req_id, child_req_id, num_shared)
         return num_computed
 
-    # ---------------------------------------------------------------------------- persistence
-
-    def track_block_origins(self) -> None:
-        """Keeps the origin (parent hash, tokens, salt, image keys) of every block registered from now on.
-
-        Persisting the cache needs them (``persistable_blocks``); without persistence nothing is kept.
-        """
-        if self.block_origins is None:
-            self.block_origins = {}
-
-    def restore_cached_block(self, block_hash: BlockHash, origin: BlockOrigin) -> int | None:
+    def restore_cached_block(self, block_hash: BlockHash) -> int | None:
         """Registers a block read back from disk as cached: unreferenced, evictable, its hash indexed.
 
         The caller writes the block's K/V before the next lookup. Restored blocks are evicted
@@ -434,59 +401,12 @@ class KVCacheManager:
             The block's id; None when the pool has no free block or the hash is cached already.
         """
         block = self.block_pool.restore_cached_block(block_hash)
-        if block is None:
-            return None
-        if self.block_origins is not None:
-            self.block_origins[block_hash] = origin
-        return block.block_id
+        return None if block is None else block.block_id
 
-    def persistable_blocks(self, req_ids: Sequence[str], num_hot: int) -> list[tuple[int, BlockHash, BlockOrigin]]:
-        """The cached blocks worth persisting, each after its parent, as (block id, hash, origin).
-
-        First every registered full block of ``req_ids`` (pinned prefixes); then up to ``num_hot``
-        more, the most recently used first (referenced blocks, then the evictable ones most
-        recently freed first), each with the ancestors it needs to be hit. A block whose chain
-        is no longer cached whole, or whose origin was not tracked, is left out.
-        """
-        origins = self.block_origins or {}
-        pool = self.block_pool
-        chosen: dict[BlockHash, tuple[int, BlockOrigin]] = {}
-
-        def chain_to(block_hash: BlockHash) -> list[tuple[BlockHash, int, BlockOrigin]] | None:
-            """The blocks from ``block_hash`` back to the first one not chosen yet, deepest first; None if broken."""
-            chain: list[tuple[BlockHash, int, BlockOrigin]] = []
-            current: BlockHash | None = block_hash
-            while current is not None and current not in chosen:
-                block, origin = pool.get_cached_block(current), origins.get(current)
-                if block is None or origin is None:
-                    return None
-                chain.append((current, block.block_id, origin))
-                current = origin.parent_hash
-            return chain
-
-        def choose(chain: list[tuple[BlockHash, int, BlockOrigin]]) -> None:
-            for block_hash, block_id, origin in reversed(chain):
-                chosen[block_hash] = (block_id, origin)
-
-        for req_id in req_ids:
-            state = self._requests.get(req_id)
-            if state is not None and state.num_cached_blocks:
-                for block_hash in state.block_hashes[: state.num_cached_blocks]:
-                    chain = chain_to(block_hash)
-                    if chain is None:
-                        break
-                    choose(chain)
-        budget = num_hot
-        referenced = (block.block_id for block in pool.blocks if block.ref_cnt > 0 and block.block_hash is not None)
-        for block_id in itertools.chain(referenced, reversed(pool.evictable)):
-            if budget <= 0:
-                break
-            block_hash = pool.blocks[block_id].block_hash
-            chain = chain_to(block_hash) if block_hash is not None else None
-            if chain and len(chain) <= budget:
-                choose(chain)
-                budget -= len(chain)
-        return [(block_id, block_hash, origin) for block_hash, (block_id, origin) in chosen.items()]
+    def cached_block_hashes(self, req_id: str) -> list[BlockHash]:
+        """The hashes of the request's registered full blocks, first to last (none for a request without blocks)."""
+        state = self._requests.get(req_id)
+        return [] if state is None else state.block_hashes[: state.num_cached_blocks]
 
     def reset_prefix_cache(self) -> None:
         """Forgets the hashes of every unreferenced block (their content may be unwritten)."""
@@ -560,48 +480,6 @@ class KVCacheManager:
                 f"block {block.block_id} has ref_cnt {block.ref_cnt} but {holders[block.block_id]} tables hold it",
             )
 
-    def _first_needed(self, group: int, num_tokens: int) -> int:
-        """The first logical block group ``group`` reads to compute the token at position ``num_tokens``."""
-        window = self.sliding_windows[group]
-        return 0 if window is None else max(num_tokens - window + 1, 0) // self.block_size
-
-    def _longest_prefix(self, most: int, present: Callable[[int, int], bool]) -> int:
-        """The most blocks k <= ``most`` such that every group has ``present(group, i)`` for the blocks it
-        reads past them: all of 0 .. k - 1 for full attention, those of its window for a sliding group."""
-        num_blocks, num_stable, group = most, 0, 0
-        while num_stable < self.num_groups:  # until every group in turn keeps the count
-            fewer = self._group_prefix(group, num_blocks, present)
-            num_stable = num_stable + 1 if fewer == num_blocks else 1
-            num_blocks, group = fewer, (group + 1) % self.num_groups
-        return num_blocks
-
-    def _group_prefix(self, group: int, most: int, present: Callable[[int, int], bool]) -> int:
-        """The most blocks k <= ``most`` whose needed blocks group ``group`` has (see ``_longest_prefix``)."""
-        if self.sliding_windows[group] is None:
-            k = 0
-            while k < most and present(group, k):
-                k += 1
-            return k
-        k = most
-        while k > 0:  # a miss at block i rules out every k > i whose window reaches back to it
-            first = self._first_needed(group, k * self.block_size)
-            i = k - 1
-            while i >= first and present(group, i):
-                i -= 1
-            if i < first:
-                return k
-            k = i
-        return 0
-
-    def _hit_tables(self, num_blocks: int, block_at: Callable[[int, int], int | None]) -> BlockTables:
-        """Each group's table of the first ``num_blocks`` blocks: NULL_BLOCK before its window."""
-        tables = []
-        for group in range(self.num_groups):
-            first = self._first_needed(group, num_blocks * self.block_size)
-            table = [NULL_BLOCK] * first + [block_at(group, i) for i in range(first, num_blocks)]
-            tables.append(table)
-        return tuple(tables)  # type: ignore[arg-type]  # present() held for every block taken
-
     def _lookup_hashes(
         self, req_id: str, token_ids: Sequence[int], cache_salt: str | None, mm_spans: Sequence[MultiModalSpan]
     ) -> list[BlockHash]:
@@ -627,7 +505,7 @@ class KVCacheManager:
             raise ValueError(f"request {req_id}: computed blocks given with prefix caching off")
         extend_block_hashes(block_hashes, token_ids, num_hit * self.block_size, self.block_size, cache_salt, mm_spans)
         for group, table in enumerate(computed):
-            first = self._first_needed(group, num_hit * self.block_size)
+            first = self._groups.first_needed(group, num_hit * self.block_size)
             for i, block_id in enumerate(table):
                 if i < first:
                     stale = block_id != NULL_BLOCK  # blocks before the window are not taken
@@ -678,24 +556,13 @@ class KVCacheManager:
             return
         extend_block_hashes(state.block_hashes, token_ids, num_full * self.block_size, self.block_size,
                             state.cache_salt, state.mm_spans)
-        pool, hashes = self.block_pool, state.block_hashes
-        origins = self._origins_with_room()
+        pool, hashes, listener = self.block_pool, state.block_hashes, self.block_listener
         for group, table in enumerate(state.tables):
             for i in range(max(state.num_cached_blocks, state.num_released[group]), num_full):
                 key = hashes[i] if group == 0 else group_block_hash(hashes[i], group)
-                if pool.cache_full_block(pool.blocks[table[i]], key) and origins is not None and group == 0:
+                if pool.cache_full_block(pool.blocks[table[i]], key) and listener is not None and group == 0:
                     start = i * self.block_size
-                    images = block_image_keys(state.mm_spans, start, self.block_size) if state.mm_spans else []
-                    parent = hashes[i - 1] if i else None
-                    origins[hashes[i]] = BlockOrigin(
-                        parent, tuple(token_ids[start : start + self.block_size]), state.cache_salt, tuple(images)
-                    )
+                    images = block_image_keys(state.mm_spans, start, self.block_size) if state.mm_spans else ()
+                    listener(hashes[i], hashes[i - 1] if i else None, token_ids[start : start + self.block_size],
+                             state.cache_salt, images)
         state.num_cached_blocks = num_full
-
-    def _origins_with_room(self) -> dict[BlockHash, BlockOrigin] | None:
-        """``block_origins``, first pruned to the indexed hashes once it holds twice as many as there are blocks."""
-        origins = self.block_origins
-        if origins is not None and len(origins) >= 2 * self.num_blocks:  # NOTE: amortised O(1) per block cached
-            index = self.block_pool.cached_block_hash_to_id
-            self.block_origins = origins = {h: o for h, o in origins.items() if h in index}
-        return origins

@@ -1,4 +1,9 @@
-"""KV blocks on disk: the file format, the layout they belong to, and the checks on load.
+"""KV blocks on disk: which cached blocks are saved, the file format, the layout they belong to, and the
+checks on load.
+
+``BlockOrigins`` keeps what each full block's hash was computed from (its ``BlockOrigin``), as the KV cache
+manager registers the block, and chooses the blocks worth saving: the pinned prefixes' and the hottest others,
+each with the ancestors it needs to be hit.
 
 A directory (``EngineConfig.kv_cache_dir``) holds blocks of any number of layouts::
 
@@ -30,6 +35,7 @@ tensors.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import struct
@@ -38,9 +44,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from hashlib import blake2b
 from pathlib import Path
+from typing import NamedTuple
 
 from engine.core.block_hash import BlockHash, ExtraKey, hash_block_tokens
-from engine.core.kv_cache_manager import BlockOrigin
+from engine.core.kv_cache_manager import KVCacheManager
 
 FORMAT_VERSION = 2  # 2: headers hold image keys (1: tokens and salt only)
 MAGIC = b"PAGEDKV" + bytes([FORMAT_VERSION])
@@ -53,6 +60,92 @@ _Key = tuple[str, BlockHash]  # (salt directory, block hash): a block's identity
 
 
 ANOTHER_FORMAT = "another format version"  # a skip reason that is no damage (files of an older release)
+
+
+class BlockOrigin(NamedTuple):
+    """What a full block's hash is computed from: enough to recompute it, so to persist the block."""
+
+    parent_hash: BlockHash | None  # None for a chain's first block
+    token_ids: tuple[int, ...]
+    cache_salt: str | None  # the chain's salt (it enters the first block's hash only)
+    image_keys: tuple[ExtraKey, ...] = ()  # (image hash, offset from the block's start) of each image it holds
+
+
+class BlockOrigins:
+    """The origin of every full block ``kv`` registers from now on, and the cached blocks worth persisting.
+
+    The origins are pruned to the blocks still cached once they number twice the pool's blocks.
+    """
+
+    def __init__(self, kv: KVCacheManager) -> None:
+        self.kv = kv
+        self.origins: dict[BlockHash, BlockOrigin] = {}
+        kv.block_listener = self._registered
+
+    def restore_cached_block(self, block_hash: BlockHash, origin: BlockOrigin) -> int | None:
+        """Registers a block read back from disk as cached, with its origin (``KVCacheManager.restore_cached_block``).
+
+        Returns:
+            The block's id; None when the pool has no free block or the hash is cached already.
+        """
+        block_id = self.kv.restore_cached_block(block_hash)
+        if block_id is not None:
+            self.origins[block_hash] = origin
+        return block_id
+
+    def persistable_blocks(self, req_ids: Sequence[str], num_hot: int) -> list[tuple[int, BlockHash, BlockOrigin]]:
+        """The cached blocks worth persisting, each after its parent, as (block id, hash, origin).
+
+        First every registered full block of ``req_ids`` (pinned prefixes); then up to ``num_hot``
+        more, the most recently used first (referenced blocks, then the evictable ones most
+        recently freed first), each with the ancestors it needs to be hit. A block whose chain
+        is no longer cached whole, or whose origin was not tracked, is left out.
+        """
+        origins, pool = self.origins, self.kv.block_pool
+        chosen: dict[BlockHash, tuple[int, BlockOrigin]] = {}
+
+        def chain_to(block_hash: BlockHash) -> list[tuple[BlockHash, int, BlockOrigin]] | None:
+            """The blocks from ``block_hash`` back to the first one not chosen yet, deepest first; None if broken."""
+            chain: list[tuple[BlockHash, int, BlockOrigin]] = []
+            current: BlockHash | None = block_hash
+            while current is not None and current not in chosen:
+                block, origin = pool.get_cached_block(current), origins.get(current)
+                if block is None or origin is None:
+                    return None
+                chain.append((current, block.block_id, origin))
+                current = origin.parent_hash
+            return chain
+
+        def choose(chain: list[tuple[BlockHash, int, BlockOrigin]]) -> None:
+            for block_hash, block_id, origin in reversed(chain):
+                chosen[block_hash] = (block_id, origin)
+
+        for req_id in req_ids:
+            for block_hash in self.kv.cached_block_hashes(req_id):
+                chain = chain_to(block_hash)
+                if chain is None:
+                    break
+                choose(chain)
+        budget = num_hot
+        referenced = (block.block_id for block in pool.blocks if block.ref_cnt > 0 and block.block_hash is not None)
+        for block_id in itertools.chain(referenced, reversed(pool.evictable)):
+            if budget <= 0:
+                break
+            block_hash = pool.blocks[block_id].block_hash
+            chain = chain_to(block_hash) if block_hash is not None else None
+            if chain and len(chain) <= budget:
+                choose(chain)
+                budget -= len(chain)
+        return [(block_id, block_hash, origin) for block_hash, (block_id, origin) in chosen.items()]
+
+    def _registered(
+        self, block_hash: BlockHash, parent_hash: BlockHash | None, token_ids: Sequence[int], cache_salt: str | None,
+        image_keys: Sequence[ExtraKey],
+    ) -> None:  # fmt: skip
+        if len(self.origins) >= 2 * self.kv.num_blocks:  # NOTE: amortised O(1) per block registered
+            index = self.kv.block_pool.cached_block_hash_to_id
+            self.origins = {h: o for h, o in self.origins.items() if h in index}
+        self.origins[block_hash] = BlockOrigin(parent_hash, tuple(token_ids), cache_salt, tuple(image_keys))
 
 
 class CorruptBlockFile(ValueError):

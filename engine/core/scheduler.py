@@ -29,7 +29,8 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 
 from engine.core.encoder_budget import EncoderBudget
 from engine.core.fair_share import FairShare
-from engine.core.kv_cache_manager import BlockTables, ComputedBlocks, KVCacheManager
+from engine.core.kv_cache_groups import BlockTables
+from engine.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.request import Request, RequestStatus
 

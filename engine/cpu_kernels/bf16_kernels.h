@@ -2,7 +2,7 @@
  * linear.c): x rounded to bfloat16 and VDPBF16PS tiles (AVX512-BF16), and AMX-BF16 tiles.
  *
  * Every tile register is 16 rows x 64 bytes: an A tile 16 rows x 32 bfloat16 of x, a B tile
- * 16 pairs of input features x 16 columns (linear.h's bfloat16 panel layout, as it lies in
+ * 16 pairs of input features x 16 columns (linear_layout.h's bfloat16 panel layout, as it lies in
  * memory), a C tile 16 x 16 float32. A block is 32 rows x 2 panels: 4 accumulators and 2 + 2
  * operand tiles fill the 8 registers. Linux hands a process the tile state only on request
  * (arch_prctl ARCH_REQ_XCOMP_PERM), which amx_permitted makes once.
@@ -11,7 +11,7 @@
 #ifndef PAGED_BF16_KERNELS_H
 #define PAGED_BF16_KERNELS_H
 
-#include "linear.h"
+#include "linear_layout.h"
 #include "vec.h"
 
 #define AMX_ROWS 32 /* rows of x an AMX block: two A tiles; x's bfloat16 copy is padded to a multiple */
@@ -19,7 +19,7 @@
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 
-int dot_outruns_fma(void); /* linear_bf16.c: whether VDPBF16PS out-runs FMAs on the widened values here */
+int dot_outruns_fma(void); /* linear_path.c: whether VDPBF16PS out-runs FMAs on the widened values here */
 
 /* Columns 0 .. cols - 1 plus bias of one row of y. */
 static inline void bf16_store_row(__m512 acc, const float *bias, float *y, int64_t cols) {

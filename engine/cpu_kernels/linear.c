@@ -21,6 +21,8 @@
 #include "vec.h"
 #include "kernels.h"
 #include "linear.h"
+#include "linear_layout.h"
+#include "linear_path.h"
 #include "bf16_kernels.h"
 
 #define TILE_ROWS 6 /* rows of x a tile: 12 accumulators, two weight vectors and a broadcast fill AVX2's 16 registers */
@@ -203,8 +205,6 @@ void linear_f32(const float *x, int64_t ld_x, int64_t M, const float *packed, in
     linear(x, ld_x, M, packed, 0, N, K, bias, y, ld_y);
 }
 
-/* The bfloat16 weight widened to float32 (any CPU): linear_bf16 (linear_bf16.c) runs it where the
- * CPU has no bfloat16 arithmetic, or where it is the path chosen. */
 void linear_bf16_widened(const float *x, int64_t ld_x, int64_t M, const uint16_t *packed, int64_t N, int64_t K,
                          const float *bias, float *y, int64_t ld_y) {
     linear(x, ld_x, M, packed, 1, N, K, bias, y, ld_y);
@@ -383,7 +383,7 @@ static inline __attribute__((always_inline)) void q_panel_tile(const float *x, i
 #ifdef __AVX512BF16__
 #define Q_AHEAD 4096 /* bytes of codes (and of scales) fetched ahead of the dequantization: the stream runs on into the next panel */
 
-/* A quantized panel as bfloat16 pairs [K / 2][PANEL][2] (linear.h's layout), each weight d q + m (one
+/* A quantized panel as bfloat16 pairs [K / 2][PANEL][2] (linear_layout.h's layout), each weight d q + m (one
  * rounding) rounded to nearest even: a pair of input features' 16 columns at a time, two 16-lane vectors
  * of weights converted together and put in place by one permutation. */
 static inline __attribute__((always_inline)) void q_dequantize_bf16(const uint8_t *codes, const float *scales,

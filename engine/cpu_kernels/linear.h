@@ -1,42 +1,12 @@
-/* The packed weight layouts the linear kernels share (linear.c, linear_bf16.c). */
+/* What linear.c lends the other linear kernels: the float32 kernel over a bfloat16 weight widened. */
 
 #ifndef PAGED_LINEAR_H
 #define PAGED_LINEAR_H
 
 #include <stdint.h>
-#include <string.h>
 
-#define PANEL 16 /* output columns of a panel */
-#define BF16_K_ALIGN 32 /* a bfloat16 panel's input features are padded to a multiple of this: one AMX tile's K */
-
-/* The input features of a bfloat16 panel: K rounded up to BF16_K_ALIGN (the padding is zero). */
-static inline int64_t bf16_padded(int64_t K) { return (K + BF16_K_ALIGN - 1) / BF16_K_ALIGN * BF16_K_ALIGN; }
-
-/* What linear_bf16 runs (linear_bf16.c), and from how many rows AMX: below one A tile's rows the
- * dot products are as fast. */
-enum { PATH_WIDENED = 0, PATH_DOT = 1, PATH_AMX = 2 };
-#define AMX_MIN_ROWS 16
-
-/* The bias entries of panel p (zero past N, or all zero without a bias), and the panel's width. */
-static inline int64_t panel_bias(const float *bias, int64_t N, int64_t p, float b[PANEL]) {
-    const int64_t n0 = p * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
-    memset(b, 0, PANEL * sizeof(float));
-    if (bias != NULL) memcpy(b, bias + n0, cols * sizeof(float));
-    return cols;
-}
-
-/* The bias entries of panels p0 and p0 + 1 into b (2 PANEL entries, zero past N) and their widths;
- * returns whether N has the second panel. */
-static inline int pair_bias(const float *bias, int64_t N, int64_t p0, float b[2 * PANEL], int64_t *cols0,
-                            int64_t *cols1) {
-    const int two = (p0 + 1) * PANEL < N;
-    *cols0 = panel_bias(bias, N, p0, b);
-    *cols1 = two ? panel_bias(bias, N, p0 + 1, b + PANEL) : 0;
-    if (!two) memset(b + PANEL, 0, PANEL * sizeof(float));
-    return two;
-}
-
-int linear_bf16_path(int64_t M);
+/* The bfloat16 weight widened to float32 (any CPU): linear_bf16 (linear_bf16.c) runs it where the CPU has no
+ * bfloat16 arithmetic, or where it is the path chosen. */
 void linear_bf16_widened(const float *x, int64_t ld_x, int64_t M, const uint16_t *packed, int64_t N, int64_t K,
                          const float *bias, float *y, int64_t ld_y);
 

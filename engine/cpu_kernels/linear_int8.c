@@ -23,7 +23,7 @@
 
 #include "vec.h"
 #include "kernels.h"
-#include "linear.h"
+#include "linear_layout.h"
 
 #define QBLOCK 32
 #define GROUPS (QBLOCK / 4) /* 4-feature groups of a block: one VPDPBUSD each */

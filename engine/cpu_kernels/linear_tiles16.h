@@ -12,7 +12,7 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 
-#include "linear.h"
+#include "linear_layout.h"
 
 #define TILE16_ROWS 12 /* rows of x a tile: 12 x 2 accumulators, 4 widened weight vectors and 2 broadcasts */
 

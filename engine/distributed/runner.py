@@ -11,9 +11,9 @@ import torch
 from engine.config import EngineConfig
 from engine.core.scheduler_output import SchedulerOutput
 from engine.distributed.communicator import START_TIMEOUT_S, Communicator
-from engine.distributed.parallel_state import TensorParallel, check_tensor_parallel
 from engine.distributed.workers import WorkerGroup
 from engine.errors import ModelLoadError, ParameterError, WorkerGroupFailed
+from engine.parallel_state import TensorParallel, check_tensor_parallel
 from engine.worker.model_runner import ModelRunner, resolve_device
 
 logger = logging.getLogger(__name__)
@@ -46,8 +46,8 @@ class TensorParallelRunner(ModelRunner):
         self.workers = WorkerGroup(config, model_dir, size)
         try:
             try:
-                comm = Communicator(self.workers.store, 0, size, device, self.workers.timeout_s)
-                super().__init__(config, model_dir, TensorParallel(0, size, comm))
+                self.comm = Communicator(self.workers.store, 0, size, device, self.workers.timeout_s)
+                super().__init__(config, model_dir, TensorParallel(0, size, self.comm))
             except RuntimeError as exc:  # joining the group, or a collective of the start-up, failed: a worker says why
                 raise ModelLoadError(self.workers.start_error() or f"tensor-parallel start-up failed: {exc}") from exc
             self.workers.wait_ready(START_TIMEOUT_S)
@@ -59,7 +59,7 @@ class TensorParallelRunner(ModelRunner):
     @property
     def all_reduce_seconds(self) -> float:
         """Time rank 0 spent in all-reduces so far (the cost of splitting the model, waits on other ranks included)."""
-        return self.tp.comm.all_reduce_seconds
+        return self.comm.all_reduce_seconds
 
     def close(self) -> None:
         """Stops the other ranks' processes."""

@@ -22,8 +22,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.distributed.communicator import Communicator, open_store
-from engine.distributed.parallel_state import TensorParallel
 from engine.errors import ModelLoadError
+from engine.parallel_state import TensorParallel
 
 logger = logging.getLogger(__name__)
 

@@ -53,15 +53,22 @@ def check_paged_cache(
     return tuple(key_cache.shape)  # type: ignore[return-value]
 
 
-def check_heads(q: torch.Tensor, num_kv_heads: int, head_dim: int) -> int:
-    """Check ``q`` [T, Hq, D] against the cache; returns the GQA group size ``Hq // Hkv``."""
+def check_attention_operands(
+    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor
+) -> tuple[int, int, int, int]:
+    """Check what both attention kernels read: ``q`` [T, Hq, D] against the paged caches, and the block tables;
+    returns ``(block_size, num_kv_heads, head_dim, group)``, ``group`` the GQA group size ``Hq // Hkv``."""
+    device = q.device
+    _, block_size, num_kv_heads, head_dim = check_paged_cache(key_cache, value_cache, q.dtype, device)
+    check_tensor("q", q, 3, (torch.float32, torch.float16, torch.bfloat16), device)
     if q.shape[2] != head_dim:
         raise ValueError(f"q head_dim {q.shape[2]} != cache head_dim {head_dim}")
     if q.stride(-1) != 1:
         raise ValueError(f"q's head_dim must be contiguous, got strides {q.stride()}")
     if q.shape[1] % num_kv_heads:
         raise ValueError(f"num_q_heads {q.shape[1]} is not a multiple of num_kv_heads {num_kv_heads}")
-    return q.shape[1] // num_kv_heads
+    check_tensor("block_tables", block_tables, 2, torch.int32, device)
+    return block_size, num_kv_heads, head_dim, q.shape[1] // num_kv_heads
 
 
 def check_launchable(kernel: object, device: torch.device) -> None:

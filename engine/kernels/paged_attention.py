@@ -24,15 +24,14 @@ import triton
 import triton.language as tl
 
 from engine.kernels._checks import (
-    check_heads,
+    check_attention_operands,
     check_launchable,
-    check_paged_cache,
     check_tensor,
     dot_precision,
     get_num_sms,
     head_block,
 )
-from engine.kernels.soft_cap import soft_cap
+from engine.kernels.context_tile import load_kv_tile, softmax_update, tile_scores
 
 TILE_N = 64  # context tokens per inner-loop step; independent of the cache block size
 MIN_PARTITION = 256  # tokens; below this the reduce's cost outweighs the parallelism (untuned on GPU)
@@ -117,23 +116,12 @@ def _paged_decode_kernel(
     for tile_start in range(start, end, TILE_N):
         pos = tile_start + tl.arange(0, TILE_N)  # [TILE_N] context positions
         pos_mask = pos < end
-        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
-        row = blk * stride_c_blk + (pos % BLOCK_SIZE) * stride_c_slot + kv_head * stride_c_head
-        kv_mask = pos_mask[:, None] & d_mask[None, :]
-        k = tl.load(key_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(value_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_G, TILE_N]
-        if SOFTCAP:
-            s = soft_cap(s, softcap_log2)
+        k, v = load_kv_tile(key_cache_ptr, value_cache_ptr, bt_row, pos, pos_mask, d, d_mask, kv_head,
+                            stride_c_blk, stride_c_slot, stride_c_head, BLOCK_SIZE)
+        s = tile_scores(q, k, scale_log2, softcap_log2, DOT_PRECISION, SOFTCAP)  # [BLOCK_G, TILE_N]
         s = tl.where(pos_mask[None, :], s, float("-inf"))
-        # NOTE: every tile holds >= 1 valid position, so m_new is finite and nothing is NaN.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        # NOTE: every tile holds >= 1 valid position, so the maximum is finite and nothing is NaN.
+        m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, DOT_PRECISION, False)
 
     acc = acc / l_i[:, None]
     out_mask = g_mask[:, None] & d_mask[None, :]
@@ -218,10 +206,7 @@ def paged_decode_attention(
         ValueError / TypeError: on shapes, strides, dtypes or devices the kernel cannot take.
     """
     device = q.device
-    _, block_size, num_kv_heads, head_dim = check_paged_cache(key_cache, value_cache, q.dtype, device)
-    check_tensor("q", q, 3, (torch.float32, torch.float16, torch.bfloat16), device)
-    group = check_heads(q, num_kv_heads, head_dim)
-    check_tensor("block_tables", block_tables, 2, torch.int32, device)
+    block_size, num_kv_heads, head_dim, group = check_attention_operands(q, key_cache, value_cache, block_tables)
     check_tensor("seq_lens", seq_lens, 1, torch.int32, device)
     num_seqs, num_q_heads = q.shape[0], q.shape[1]
     if seq_lens.shape[0] != num_seqs or block_tables.shape[0] != num_seqs:

@@ -27,14 +27,13 @@ import triton
 import triton.language as tl
 
 from engine.kernels._checks import (
-    check_heads,
+    check_attention_operands,
     check_launchable,
-    check_paged_cache,
     check_tensor,
     dot_precision,
     head_block,
 )
-from engine.kernels.soft_cap import soft_cap
+from engine.kernels.context_tile import load_kv_tile, softmax_update, tile_scores
 
 BLOCK_M = 64  # query rows (tokens x heads of a group) per program
 TILE_N = 64  # context tokens per inner-loop step; independent of the cache block size
@@ -108,30 +107,17 @@ def _prefill_attention_kernel(
     for tile_start in range(kv_start, kv_end, TILE_N):
         pos = tile_start + tl.arange(0, TILE_N)  # [TILE_N] context positions
         pos_mask = pos < kv_end
-        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
-        row = blk * stride_c_blk + (pos % BLOCK_SIZE) * stride_c_slot + kv_head * stride_c_head
-        kv_mask = pos_mask[:, None] & d_mask[None, :]
-        k = tl.load(key_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(value_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
-        if SOFTCAP:
-            s = soft_cap(s, softcap_log2)
+        k, v = load_kv_tile(key_cache_ptr, value_cache_ptr, bt_row, pos, pos_mask, d, d_mask, kv_head,
+                            stride_c_blk, stride_c_slot, stride_c_head, BLOCK_SIZE)
+        s = tile_scores(q, k, scale_log2, softcap_log2, DOT_PRECISION, SOFTCAP)  # [BLOCK_M, TILE_N]
         visible = (pos[None, :] <= q_pos[:, None]) & pos_mask[None, :]
         if SLIDING:
             visible = visible & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
-        # NOTE: without a window, position 0 is visible to every row and sits in the first tile, so m_i
-        # is finite from then on and fully masked rows of later tiles give p = 0. With one, a row may
-        # see nothing of a tile yet: its maximum stays -inf and the subtraction uses 0, never NaN.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        if SLIDING:
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        # NOTE: without a window, position 0 is visible to every row and sits in the first tile, so the
+        # maximum is finite from then on and fully masked rows of later tiles give p = 0. With one, a row
+        # may see nothing of a tile yet.
+        m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, DOT_PRECISION, SLIDING)
 
     if SLIDING:  # padding rows past the chunk may have seen no key at all
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
@@ -174,10 +160,7 @@ def prefill_attention(
         ValueError / TypeError: on shapes, strides, dtypes or devices the kernel cannot take.
     """
     device = q.device
-    _, block_size, num_kv_heads, head_dim = check_paged_cache(key_cache, value_cache, q.dtype, device)
-    check_tensor("q", q, 3, (torch.float32, torch.float16, torch.bfloat16), device)
-    group = check_heads(q, num_kv_heads, head_dim)
-    check_tensor("block_tables", block_tables, 2, torch.int32, device)
+    block_size, num_kv_heads, head_dim, group = check_attention_operands(q, key_cache, value_cache, block_tables)
     check_tensor("query_start_loc", query_start_loc, 1, torch.int32, device)
     check_tensor("seq_lens", seq_lens, 1, torch.int32, device)
     num_seqs = seq_lens.shape[0]

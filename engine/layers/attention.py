@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from engine.worker.forward_context import get_forward_context
+from engine.attention.forward_context import get_forward_context
 
 if TYPE_CHECKING:
     from engine.attention import AttentionBackend

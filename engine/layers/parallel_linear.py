@@ -1,6 +1,6 @@
 """Megatron-style tensor-parallel layers: each rank holds a slice of a weight and the collectives join them.
 
-Built inside ``engine.distributed.parallel_state.tensor_parallel(tp)`` they take rank ``tp.rank``'s slice and
+Built inside ``engine.parallel_state.tensor_parallel(tp)`` they take rank ``tp.rank``'s slice and
 call ``tp.comm``'s collectives (a group of one rank calls them too: the GPU check runs NCCL so); built outside
 they are the plain layers they extend, with no collective and the same checkpoint tensors whole.
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.distributed.parallel_state import TensorParallel, current_tensor_parallel, shard_units
 from engine.layers.linear import CheckpointSlice, Linear, MergedLinear, VocabEmbedding
+from engine.parallel_state import TensorParallel, current_tensor_parallel, shard_units
 
 
 def _slice(tp: TensorParallel, dim: int, start: int, size: int) -> CheckpointSlice | None:

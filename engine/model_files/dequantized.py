@@ -12,7 +12,7 @@ import os
 import shutil
 from pathlib import Path
 
-from engine.loader import cache_root
+from engine.paths import cache_root
 
 
 def dequantized_hf_directory(gguf: Path) -> Path:

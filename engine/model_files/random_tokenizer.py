@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 from engine.model_files.gguf_tokenizer import QWEN2_SPLIT
+from engine.paths import bundled_gguf_path, cache_root
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 # NOTE: transformers loads a qwen2 model's tokenizer as its Qwen2Tokenizer, which replaces tokenizer.json's
@@ -35,8 +36,6 @@ _NORMALIZERS = {"qwen2": {"type": "NFC"}}
 
 def base_tokenizer_dir() -> Path:
     """The bundled model's tokenizer files, built from its GGUF on first use under ``$PAGED_CACHE/tokenizers``."""
-    from engine.loader import bundled_gguf_path, cache_root
-
     gguf_path = bundled_gguf_path()
     target = cache_root() / "tokenizers" / gguf_path.stem
     if all((target / name).is_file() for name in TOKENIZER_FILES):

@@ -9,18 +9,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.distributed.parallel_state import current_tensor_parallel, shard_units
 from engine.layers.activation import gated_activation
 from engine.layers.attention import Attention
 from engine.layers.linear import default_weight_loader
+from engine.layers.norm import RMSNorm
 from engine.layers.parallel_linear import (
     MergedColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, rope_parameters, rotary_embedding
+from engine.parallel_state import current_tensor_parallel, shard_units
 
 # checkpoint name fragment -> (our fused parameter's fragment, shard)
 FUSED_SHARDS = {

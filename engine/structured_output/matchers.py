@@ -8,12 +8,17 @@ KV is recomputed), so its matcher stays valid and is never rolled back.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from engine import cpu_kernels
-from engine.request import Request
+
+
+class Row(Protocol):
+    """A step's row as the matchers read it (a ``Request``): the id its matcher is kept under."""
+
+    req_id: str
 
 
 class TokenMask(NamedTuple):
@@ -49,7 +54,7 @@ class StructuredOutputManager:
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._matchers
 
-    def token_mask(self, rows: Sequence[Request]) -> TokenMask | None:
+    def token_mask(self, rows: Sequence[Row]) -> TokenMask | None:
         """The allowed next tokens of the constrained ``rows``; None when no row is constrained."""
         constrained = [(i, self._matchers[r.req_id]) for i, r in enumerate(rows) if r.req_id in self._matchers]
         if not constrained:
@@ -59,7 +64,7 @@ class StructuredOutputManager:
             matcher.fill_next_token_bitmask(bitmask, i)
         return TokenMask(bitmask, [i for i, _ in constrained])
 
-    def accept(self, rows: Sequence[Request], token_ids: Sequence[int]) -> tuple[set[str], dict[str, str]]:
+    def accept(self, rows: Sequence[Row], token_ids: Sequence[int]) -> tuple[set[str], dict[str, str]]:
         """Advances each constrained row's matcher by its sampled token.
 
         Returns:

@@ -16,6 +16,7 @@ import torch
 
 from engine import cpu_kernels
 from engine.attention import CpuAttentionBackend, get_attention_backend
+from engine.attention.forward_context import ForwardContext, set_forward_context
 from engine.config import (
     DEFAULT_CPU_KV_CACHE_FRACTION,
     DEFAULT_CPU_KV_CACHE_MIN,
@@ -23,10 +24,9 @@ from engine.config import (
     EngineConfig,
     step_token_budget,
 )
-from engine.core.kv_cache_manager import blocks_per_request
+from engine.core.kv_cache_groups import blocks_per_request
 from engine.core.kv_persistence import KVLayout, model_fingerprint
 from engine.core.scheduler_output import SchedulerOutput
-from engine.distributed.parallel_state import SINGLE, TensorParallel, tensor_parallel
 from engine.errors import ModelLoadError, ParameterError
 from engine.layers.attention import Attention
 from engine.layers.ggml_weight import GGMLWeight
@@ -35,10 +35,10 @@ from engine.layers.rotary import RotaryEmbedding
 from engine.loader import gguf_source
 from engine.model_files.checkpoint import Checkpoint, GGUFCheckpoint, SafetensorsCheckpoint
 from engine.model_files.gguf import GGUFError, GGUFFile
-from engine.multimodal.encoder_cache import EncoderCache
 from engine.models.registry import get_model_class
 from engine.models.vision import SupportsImages
-from engine.worker.forward_context import ForwardContext, set_forward_context
+from engine.multimodal.encoder_cache import EncoderCache
+from engine.parallel_state import SINGLE, TensorParallel, tensor_parallel
 from engine.worker.decoder_plan import DecoderPlan
 from engine.worker.image_rows import ENCODER_CACHE_BYTES, image_rows
 from engine.worker.input_batch import prepare_inputs
@@ -126,7 +126,8 @@ class ModelRunner:
         self.max_model_len = self._max_model_len()
         layer = self._attention_layers()[0]
         self.attn_backend = get_attention_backend(
-            config.attention_backend, self.device, self.dtype, layer, self.block_size
+            config.attention_backend, self.device, self.dtype, num_heads=layer.num_heads,
+            num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim, block_size=self.block_size,
         )
         # bfloat16 weights computed in float32 keep a bfloat16 KV cache too where the C kernel reads it
         cpu_backend = isinstance(self.attn_backend, CpuAttentionBackend)

@@ -101,7 +101,7 @@ def gguf_of(model: str | None) -> Path | None:
     """The GGUF file llama.cpp runs for the engine's ``--model``: the bundled one for None, the file itself for a
     ``.gguf``, None for a Hugging Face directory (llama.cpp reads GGUF only)."""
     if model is None:
-        from engine.loader import bundled_gguf_path
+        from engine.paths import bundled_gguf_path
 
         return bundled_gguf_path()
     path = Path(model).expanduser()

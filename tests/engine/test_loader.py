@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from engine.errors import ModelLoadError
-from engine.loader import MANIFEST, bundled_gguf_path, gguf_source, is_valid_entry, resolve_model
+from engine.loader import MANIFEST, gguf_source, is_valid_entry, resolve_model
+from engine.paths import bundled_gguf_path
 
 
 @pytest.fixture(scope="module")

@@ -294,7 +294,7 @@ needs_llamacpp = pytest.mark.skipif(REAL is None, reason="llama.cpp's binaries a
 @needs_llamacpp
 def test_real_llama_bench_on_the_bundled_gguf() -> None:
     """llama-bench runs the bundled model's GGUF: pp16 and tg8 rates come back positive."""
-    from engine.loader import bundled_gguf_path
+    from engine.paths import bundled_gguf_path
 
     out = llamacpp_runs.run_llama_bench(REAL, bundled_gguf_path(), min(os.cpu_count() or 1, 2), 16, 8, 1)
     assert out["prefill_tok_s"] > 0 and out["decode_tok_s"] > 0
@@ -304,7 +304,7 @@ def test_real_llama_bench_on_the_bundled_gguf() -> None:
 def test_real_llama_server_on_the_bundled_gguf() -> None:
     """llama-server serves the bundled GGUF: two prompts, exactly 4 greedy tokens each, the same tokens for the
     same prompt."""
-    from engine.loader import bundled_gguf_path
+    from engine.paths import bundled_gguf_path
 
     prompts = [[1, 9690, 198, 2683, 359, 253], [1, 9690, 198, 2683, 359, 253]]
     result = llamacpp_runs.run_llama_server(REAL, bundled_gguf_path(), prompts, 4, 2, min(os.cpu_count() or 1, 2))

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core.kv_cache_manager import NULL_BLOCK, KVCacheManager
+from engine.core.kv_cache_groups import NULL_BLOCK
+from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams

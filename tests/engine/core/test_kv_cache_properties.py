@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from engine.core.block_hash import BlockHash
-from engine.core.kv_cache_manager import NULL_BLOCK, KVCacheManager
+from engine.core.kv_cache_groups import NULL_BLOCK
+from engine.core.kv_cache_manager import KVCacheManager
 
 BS = 4
 NUM_BLOCKS = 6  # per group

@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 
 from engine.core.block_hash import extend_block_hashes
-from engine.core.kv_cache_manager import BlockOrigin, KVCacheManager
+from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_persistence import (
     MAGIC,
+    BlockOrigin,
+    BlockOrigins,
     CorruptBlockFile,
     KVBlockStore,
     KVLayout,
@@ -49,44 +51,45 @@ def payload_of(block_id: int) -> bytes:
     return bytes([block_id % 256]) * LAYOUT.block_bytes
 
 
-def tracked(num_blocks: int = 16) -> KVCacheManager:
-    kv = KVCacheManager(num_blocks, block_size=BS)
-    kv.track_block_origins()
-    return kv
+def tracked(num_blocks: int = 16) -> BlockOrigins:
+    """The origins of a fresh manager's blocks (the manager is its ``kv``)."""
+    return BlockOrigins(KVCacheManager(num_blocks, block_size=BS))
 
 
 def test_pinned_chain_then_hottest_blocks_each_after_its_parent() -> None:
     """Pinned blocks come first and whole; hot blocks are added most recent first, with their ancestors,
     within the budget; an untracked or evicted chain is left out."""
-    kv = tracked()
+    origins = tracked()
+    kv = origins.kv
     pin = admit(kv, "pin", SYSTEM)
     admit(kv, "a", list(range(500, 500 + 2 * BS)))
     kv.free("a")
     admit(kv, "b", list(range(700, 700 + 2 * BS)))
     kv.free("b")
-    chosen = kv.persistable_blocks(["pin"], num_hot=0)
+    chosen = origins.persistable_blocks(["pin"], num_hot=0)
     assert [block_id for block_id, _, _ in chosen] == pin[:3]
     parents = [origin.parent_hash for _, _, origin in chosen]
     assert parents == [None, chosen[0][1], chosen[1][1]]
     assert [origin.token_ids for _, _, origin in chosen] == [tuple(SYSTEM[i * BS : (i + 1) * BS]) for i in range(3)]
 
     def first_tokens(req_ids: list[str], num_hot: int) -> list[int]:
-        return [origin.token_ids[0] for _, _, origin in kv.persistable_blocks(req_ids, num_hot)]
+        return [origin.token_ids[0] for _, _, origin in origins.persistable_blocks(req_ids, num_hot)]
 
     # hot: referenced blocks first, then cached ones most recently freed first ("b", freed last, head first)
     assert first_tokens([], 5) == [100, 104, 108, 700, 704]
     assert first_tokens(["pin"], 1) == [100, 104, 108, 700]
     assert first_tokens(["unknown"], 0) == []
     kv.free("pin")
-    kv.block_origins.pop(chosen[0][1])  # an untracked head: its chain cannot be saved
+    origins.origins.pop(chosen[0][1])  # an untracked head: its chain cannot be saved
     assert first_tokens(["pin"], 16) == [700, 704, 500, 504]
     kv.check_integrity()
 
 
 def test_salted_chain_keeps_its_salt_and_hashes() -> None:
-    kv = tracked()
+    origins = tracked()
+    kv = origins.kv
     admit(kv, "t", SYSTEM, cache_salt="tenant-a")
-    chosen = kv.persistable_blocks(["t"], 0)
+    chosen = origins.persistable_blocks(["t"], 0)
     assert {origin.cache_salt for _, _, origin in chosen} == {"tenant-a"}
     hashes: list[bytes] = []
     extend_block_hashes(hashes, SYSTEM, len(SYSTEM), BS, "tenant-a")
@@ -94,9 +97,10 @@ def test_salted_chain_keeps_its_salt_and_hashes() -> None:
 
 
 def test_block_file_round_trips_and_every_check_refuses_damage() -> None:
-    kv = tracked()
+    origins = tracked()
+    kv = origins.kv
     admit(kv, "p", SYSTEM)
-    (block_id, block_hash, origin), (_, child_hash, child_origin) = kv.persistable_blocks(["p"], 0)[:2]
+    (block_id, block_hash, origin), (_, child_hash, child_origin) = origins.persistable_blocks(["p"], 0)[:2]
     data = encode_block(LAYOUT.key, block_hash, origin, payload_of(block_id))
     assert decode_block(data, LAYOUT) == (block_hash, origin, payload_of(block_id))
 
@@ -126,9 +130,10 @@ IMAGE = (BS + 2, BS + 1, "a" * 32)  # an image's tokens from position 6 to 10: i
 def test_image_blocks_persist_with_their_image_keys_and_load_for_that_image_only(tmp_path: Path) -> None:
     """Each block file of an image's blocks records the image keys its hash took; a restored chain is a hit for the
     same tokens and image, another image with the same tokens hits only the text block before it."""
-    kv = tracked()
+    origins = tracked()
+    kv = origins.kv
     admit(kv, "p", SYSTEM, mm_spans=(IMAGE,))
-    chosen = kv.persistable_blocks(["p"], 0)
+    chosen = origins.persistable_blocks(["p"], 0)
     assert [origin.image_keys for _, _, origin in chosen] == [(), (IMAGE[2], 2), (IMAGE[2], -2)]
     (block_id, block_hash, origin) = chosen[1]
     data = encode_block(LAYOUT.key, block_hash, origin, payload_of(block_id))
@@ -138,7 +143,7 @@ def test_image_blocks_persist_with_their_image_keys_and_load_for_that_image_only
             decode_block(encode_block(LAYOUT.key, block_hash, origin._replace(image_keys=lie), payload_of(block_id)), LAYOUT)
     with pytest.raises(CorruptBlockFile, match="unreadable header"):  # an offset that is no int
         decode_block(encode_block(LAYOUT.key, block_hash, origin._replace(image_keys=(IMAGE[2], "2")), b""), LAYOUT)
-    saved_store(tmp_path, kv, ["p"])
+    saved_store(tmp_path, origins, ["p"])
     fresh, restored, skipped = restore(tmp_path)
     assert len(restored) == 3 and not skipped
     assert fresh.get_computed_blocks("q", SYSTEM, None, (IMAGE,)).num_computed_tokens == 3 * BS
@@ -147,33 +152,35 @@ def test_image_blocks_persist_with_their_image_keys_and_load_for_that_image_only
 
 
 def test_files_of_another_format_version_are_skipped_and_replaced_by_the_next_save(tmp_path: Path) -> None:
-    kv = tracked()
+    origins = tracked()
+    kv = origins.kv
     admit(kv, "p", SYSTEM)
-    store = saved_store(tmp_path, kv, ["p"])
+    store = saved_store(tmp_path, origins, ["p"])
     assert MAGIC == b"PAGEDKV\x02"
     for path in store.dir.glob("*/*.kvb"):  # as the release before image keys wrote them
         path.write_bytes(b"PAGEDKV\x01" + path.read_bytes()[len(MAGIC) :])
     _, restored, skipped = restore(tmp_path)
     assert not restored and skipped == {"another format version": 3}
-    saved_store(tmp_path, kv, ["p"])  # a fresh store writes every block again
+    saved_store(tmp_path, origins, ["p"])  # a fresh store writes every block again
     _, restored, skipped = restore(tmp_path)
     assert len(restored) == 3 and not skipped
 
 
-def saved_store(tmp_path: Path, kv: KVCacheManager, req_ids: list[str], num_hot: int = 0) -> KVBlockStore:
+def saved_store(tmp_path: Path, origins: BlockOrigins, req_ids: list[str], num_hot: int = 0) -> KVBlockStore:
     store = KVBlockStore(tmp_path, LAYOUT)
-    blocks = kv.persistable_blocks(req_ids, num_hot)
+    blocks = origins.persistable_blocks(req_ids, num_hot)
     assert store.save(blocks, lambda ids: [payload_of(i) for i in ids]) == len(blocks)
     return store
 
 
 def restore(tmp_path: Path, num_blocks: int = 16) -> tuple[KVCacheManager, list[tuple[int, bytes]], dict[str, int]]:
     """A fresh manager with the directory's blocks restored: (manager, [(block id, payload)], skip reasons)."""
-    kv = tracked(num_blocks)
+    origins = tracked(num_blocks)
+    kv = origins.kv
     blocks, skipped = KVBlockStore(tmp_path, LAYOUT).load(kv.block_pool.num_free_blocks)
     restored = []
     for block in blocks:
-        block_id = kv.restore_cached_block(block.block_hash, block.origin)
+        block_id = origins.restore_cached_block(block.block_hash, block.origin)
         assert block_id is not None
         restored.append((block_id, bytes(block.payload)))
     kv.check_integrity()
@@ -181,10 +188,11 @@ def restore(tmp_path: Path, num_blocks: int = 16) -> tuple[KVCacheManager, list[
 
 
 def test_restored_blocks_are_hits_for_the_same_prefix_and_salt_only(tmp_path: Path) -> None:
-    kv = tracked()
+    origins = tracked()
+    kv = origins.kv
     pin = admit(kv, "pin", SYSTEM)
     admit(kv, "tenant", list(range(900, 900 + 2 * BS + 1)), cache_salt="a")
-    saved_store(tmp_path, kv, ["pin", "tenant"])
+    saved_store(tmp_path, origins, ["pin", "tenant"])
     assert Counter(p.parent.name for p in tmp_path.rglob("*.kvb")) == {"shared": 3, salt_dir_name("a"): 2}
 
     fresh, restored, skipped = restore(tmp_path)
@@ -208,10 +216,11 @@ def test_restored_blocks_are_hits_for_the_same_prefix_and_salt_only(tmp_path: Pa
 
 
 def test_damaged_files_are_skipped_with_their_descendants(tmp_path: Path) -> None:
-    kv = tracked()
+    origins = tracked()
+    kv = origins.kv
     admit(kv, "pin", SYSTEM)
     admit(kv, "other", list(range(600, 600 + BS + 1)))
-    saved_store(tmp_path, kv, ["pin", "other"])
+    saved_store(tmp_path, origins, ["pin", "other"])
     middle = next(p for p in tmp_path.rglob("*.kvb") if decode_block(p.read_bytes(), LAYOUT)[1].token_ids[0] == SYSTEM[BS])
     data = bytearray(middle.read_bytes())
     data[100] ^= 0x01
@@ -225,9 +234,10 @@ def test_damaged_files_are_skipped_with_their_descendants(tmp_path: Path) -> Non
 
 
 def test_truncated_file_and_a_file_changed_after_the_scan(tmp_path: Path) -> None:
-    kv = tracked()
+    origins = tracked()
+    kv = origins.kv
     admit(kv, "pin", SYSTEM)
-    saved_store(tmp_path, kv, ["pin"])
+    saved_store(tmp_path, origins, ["pin"])
     root = next(p for p in tmp_path.rglob("*.kvb") if decode_block(p.read_bytes(), LAYOUT)[1].parent_hash is None)
     store = KVBlockStore(tmp_path, LAYOUT)
     blocks, skipped = store.load(16)
@@ -237,31 +247,33 @@ def test_truncated_file_and_a_file_changed_after_the_scan(tmp_path: Path) -> Non
 
 
 def test_save_mirrors_the_selection_and_writes_only_new_blocks(tmp_path: Path) -> None:
-    kv = tracked()
+    origins = tracked()
+    kv = origins.kv
     admit(kv, "pin", SYSTEM)
-    store = saved_store(tmp_path, kv, ["pin"])
+    store = saved_store(tmp_path, origins, ["pin"])
     reads: list[list[int]] = []
 
     def read(ids: list[int]) -> list[bytes]:
         reads.append(ids)
         return [payload_of(i) for i in ids]
 
-    assert store.save(kv.persistable_blocks(["pin"], 0), read) == 0 and reads == []
+    assert store.save(origins.persistable_blocks(["pin"], 0), read) == 0 and reads == []
     admit(kv, "more", SYSTEM[:-1] + list(range(50, 50 + BS + 1)))
-    assert store.save(kv.persistable_blocks(["more"], 0), read) == 1 and len(reads[0]) == 1
+    assert store.save(origins.persistable_blocks(["more"], 0), read) == 1 and len(reads[0]) == 1
     assert len(list(tmp_path.rglob("*.kvb"))) == 4
     assert store.save([], read) == 0
     assert not list(tmp_path.rglob("*.kvb")) and not [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]
 
 
 def test_restore_takes_free_blocks_only(tmp_path: Path) -> None:
-    kv = tracked()
+    origins = tracked()
+    kv = origins.kv
     admit(kv, "pin", SYSTEM)
-    saved_store(tmp_path, kv, ["pin"])
+    saved_store(tmp_path, origins, ["pin"])
     fresh, restored, skipped = restore(tmp_path, num_blocks=2)
     assert len(restored) == 2 and skipped == {"no room in the KV cache": 1}
     full = tracked(2)
-    admit(full, "x", list(range(2 * BS)))
+    admit(full.kv, "x", list(range(2 * BS)))
     assert full.restore_cached_block(b"\0" * 16, BlockOrigin(None, (1,) * BS, None)) is None
 
 

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from engine import cpu_kernels
-from engine.distributed.parallel_state import SINGLE, TensorParallel, tensor_parallel
 from engine.layers.linear import Linear, MergedLinear
 from engine.layers.parallel_linear import RowParallelLinear
 from engine.model_files.checkpoint import Checkpoint, GGUFCheckpoint, SafetensorsCheckpoint
 from engine.model_files.gguf import GGUFFile
 from engine.model_files.gguf_writer import write_gguf
 from engine.models.llama import LlamaForCausalLM
+from engine.parallel_state import SINGLE, TensorParallel, tensor_parallel
 from engine.worker.weight_formats import LoadPlan, load_weights
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="the quantized formats run on the C kernels")

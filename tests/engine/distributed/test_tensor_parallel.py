@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.distributed.parallel_state import TensorParallel, check_tensor_parallel, shard_units
 from engine.errors import ParameterError
+from engine.parallel_state import TensorParallel, check_tensor_parallel, shard_units
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)

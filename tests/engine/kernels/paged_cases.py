@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.core.kv_cache_manager import NULL_BLOCK
+from engine.core.kv_cache_groups import NULL_BLOCK
 
 
 @dataclass

@@ -19,8 +19,9 @@ from runner_driver import PagedDriver
 from engine import Engine, SamplingParams, cpu_kernels
 from engine.config import EngineConfig
 from engine.layers.ggml_weight import GGMLWeight
-from engine.loader import bundled_gguf_path, resolve_model
+from engine.loader import resolve_model
 from engine.model_files.gguf_writer import write_gguf
+from engine.paths import bundled_gguf_path
 from engine.worker.model_runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler for the CPU kernels")

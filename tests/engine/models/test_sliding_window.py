@@ -14,7 +14,7 @@ from runner_driver import assert_forks_match
 
 from engine import Engine, SamplingParams, cpu_kernels
 from engine.config import EngineConfig
-from engine.core.kv_cache_manager import NULL_BLOCK
+from engine.core.kv_cache_groups import NULL_BLOCK
 from engine.worker.model_runner import ModelRunner
 from tests.support.hf_reference import assert_engine_greedy_matches, hf_greedy, hf_logits
 

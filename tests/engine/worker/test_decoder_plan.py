@@ -11,7 +11,7 @@ from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.layers.activation import GeluTanhAndMul
 from engine.layers.norm import GemmaRMSNorm
 from engine.layers.rotary import RotaryEmbedding
-from engine.worker.forward_context import ForwardContext, set_forward_context
+from engine.attention.forward_context import ForwardContext, set_forward_context
 from engine.worker.input_batch import prepare_inputs
 from engine.worker.decoder_plan import DecoderPlan
 from engine.worker.model_runner import ModelRunner

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from engine.worker.forward_context import ForwardContext, get_forward_context, set_forward_context
+from engine.attention.forward_context import ForwardContext, get_forward_context, set_forward_context
 
 
 def test_scoped_nested_and_per_thread() -> None:

@@ -167,16 +167,18 @@ def test_backend_reused_across_steps_and_layers(name: str) -> None:
 
 def test_get_attention_backend_choices() -> None:
     """auto picks the C kernel on CPU in float32 (plain PyTorch otherwise); misfits are named errors."""
-    cpu, layer = torch.device("cpu"), Attention(9, 3, 64, 0.125)
+    cpu = torch.device("cpu")
 
-    def get(name: str, dtype=torch.float32, layer=layer, block_size: int = 16):
-        return get_attention_backend(name, cpu, dtype, layer, block_size)
+    def get(name: str, dtype=torch.float32, heads=(9, 3, 64), block_size: int = 16):
+        num_heads, num_kv_heads, head_dim = heads
+        return get_attention_backend(name, cpu, dtype, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                     head_dim=head_dim, block_size=block_size)
 
     expected_auto = TorchAttentionBackend if cpu_kernels.library() is None else CpuAttentionBackend
     assert type(get("auto")) is expected_auto
     assert type(get("auto", torch.bfloat16)) is TorchAttentionBackend
-    odd_head_dim = Attention(4, 4, 20, 1.0)  # not a multiple of 8
-    assert type(get("auto", layer=odd_head_dim)) is TorchAttentionBackend
+    odd_head_dim = (4, 4, 20)  # not a multiple of 8
+    assert type(get("auto", heads=odd_head_dim)) is TorchAttentionBackend
     assert type(get("torch")) is TorchAttentionBackend
     with pytest.raises(ValueError, match="float32.*got torch.bfloat16"):
         get("cpu", torch.bfloat16)

@@ -10,12 +10,24 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
+
+import torch
 
 from engine.errors import ParameterError
 
-if TYPE_CHECKING:
-    from engine.distributed.communicator import Communicator
+
+class Collectives(Protocol):
+    """The collectives the parallel layers call on their group (``engine.distributed.communicator``)."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` summed over the ranks, in place."""
+
+    def all_reduce_min(self, value: int) -> int:
+        """The least of each rank's ``value``."""
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor | None:
+        """On rank 0, every rank's ``x`` side by side along the last dimension (rank order); None elsewhere."""
 
 
 @dataclass(frozen=True)
@@ -24,7 +36,7 @@ class TensorParallel:
 
     rank: int = 0
     size: int = 1
-    comm: Communicator | None = None
+    comm: Collectives | None = None
 
     @property
     def is_first(self) -> bool:

@@ -5,10 +5,9 @@ from __future__ import annotations
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
-if TYPE_CHECKING:
-    from engine.attention import AttentionMetadata
+from engine.attention.backend import AttentionMetadata
 
 
 @dataclass(slots=True)

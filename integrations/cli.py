@@ -12,7 +12,7 @@ import sys
 # stays fast. A FlagError from run() (an engine flag value EngineConfig refuses) is reported like any
 # other bad flag: usage, message, status 2; a CommandError as its message alone, status 1.
 _COMMANDS = {
-    "serve": ("integrations.openai_server.command", "run the OpenAI-compatible HTTP server"),
+    "serve": ("integrations.serve_command", "run the OpenAI-compatible HTTP server"),
     "bench": ("integrations.bench.command", "benchmark the engine against the alternatives"),
     "chat": ("integrations.chat_command", "an interactive chat in the terminal"),
     "top": ("integrations.top", "a live terminal monitor of a running server's /metrics"),

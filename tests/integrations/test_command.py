@@ -54,7 +54,7 @@ def test_serve_process_drains_on_sigterm(tiny_model_factory):
 
 def test_serve_rejects_bad_settings_before_binding(tmp_path):
     """Invalid engine flags (a usage error) or a missing model path stop serve instead of serving a dead engine."""
-    from integrations.openai_server.command import run
+    from integrations.serve_command import run
 
     with pytest.raises(FlagError, match="--max-num-seqs"):
         run(_parse("--max-num-seqs", "0"))
@@ -67,33 +67,35 @@ def test_serve_warns_when_exposed_without_key(monkeypatch, caplog):
     """Binding beyond loopback without a key logs a warning; the runner gets handler cancellation and the drain budget."""
     from aiohttp import web
 
+    from integrations import serve_command
     from integrations.openai_server import command
 
     calls = []
-    monkeypatch.setattr(command.web, "run_app", lambda app, **kwargs: calls.append((app, kwargs)))
+    monkeypatch.setattr(serve_command.web, "run_app", lambda app, **kwargs: calls.append((app, kwargs)))
     monkeypatch.delenv("PAGED_API_KEY", raising=False)
     with caplog.at_level("WARNING", logger=command.__name__):
-        assert command.run(_parse("--host", "0.0.0.0", "--drain-timeout", "3")) == 0
+        assert serve_command.run(_parse("--host", "0.0.0.0", "--drain-timeout", "3")) == 0
     assert any("without --api-key" in r.message for r in caplog.records)
     app, kwargs = calls[0]
     assert isinstance(app, web.Application) and kwargs["host"] == "0.0.0.0"
     assert kwargs["handler_cancellation"] is True and kwargs["shutdown_timeout"] > 3
     caplog.clear()
-    assert command.run(_parse("--api-key", "k")) == 0
+    assert serve_command.run(_parse("--api-key", "k")) == 0
     assert not any("without --api-key" in r.message for r in caplog.records)
     assert calls[1][1]["host"] == "127.0.0.1"
 
 
 def test_audit_replay_flag_reaches_the_audit_log(monkeypatch, tmp_path):
     """--audit-replay digest gives the server's AuditLog a token store beside the log; without --audit-log it is refused."""
+    from integrations import serve_command
     from integrations.openai_server import command
 
     made = []
     monkeypatch.setattr(command, "create_app", lambda model, **kwargs: made.append(kwargs["hooks"]))
     monkeypatch.setattr(command.web, "run_app", lambda app, **kwargs: None)
-    assert command.run(_parse("--audit-replay", "inline")) == 2
+    assert serve_command.run(_parse("--audit-replay", "inline")) == 2
     log = tmp_path / "audit.jsonl"
-    assert command.run(_parse("--audit-log", str(log), "--audit-replay", "digest")) == 0
+    assert serve_command.run(_parse("--audit-log", str(log), "--audit-replay", "digest")) == 0
     (audit,) = made[0]
     assert audit.path == log and audit.replay == "digest" and audit.store is not None
 
@@ -101,13 +103,14 @@ def test_audit_replay_flag_reaches_the_audit_log(monkeypatch, tmp_path):
 def test_self_healing_flags_reach_the_engine(monkeypatch):
     """--max-restarts and --restart-*-s build the engine's RestartPolicy; a value out of bounds names its flag."""
     from engine.supervisor import RestartPolicy
+    from integrations import serve_command
     from integrations.openai_server import command
 
     made = []
     monkeypatch.setattr(command, "create_app", lambda model, **kwargs: made.append(kwargs["restart"]))
     monkeypatch.setattr(command.web, "run_app", lambda app, **kwargs: None)
-    assert command.run(_parse()) == 0
-    assert command.run(_parse("--max-restarts", "0", "--restart-backoff-s", "2", "--restart-window-s", "30")) == 0
+    assert serve_command.run(_parse()) == 0
+    assert serve_command.run(_parse("--max-restarts", "0", "--restart-backoff-s", "2", "--restart-window-s", "30")) == 0
     assert made == [RestartPolicy(), RestartPolicy(max_restarts=0, backoff_s=2.0, window_s=30.0)]
     with pytest.raises(FlagError, match=r"--restart-max-backoff-s must be in \[0"):
-        command.run(_parse("--restart-max-backoff-s", "-1"))
+        serve_command.run(_parse("--restart-max-backoff-s", "-1"))

@@ -13,7 +13,7 @@ from engine.knobs import knobs_of
 from integrations.cli import main
 from integrations.engine_flags import FlagError, engine_config, engine_kwargs, flag_name, parse_size
 
-COMMANDS = {"serve": "integrations.openai_server.command", "bench": "integrations.bench.command"}
+COMMANDS = {"serve": "integrations.serve_command", "bench": "integrations.bench.command"}
 KNOBS = knobs_of(EngineConfig)
 
 

@@ -202,7 +202,7 @@ async def test_killed_replica_every_request_ends_and_fleet_recovers(fleet):
 def test_serve_command_imports_without_ray():
     """``paged serve`` (no --replicas) never imports ray: the extra stays optional."""
     code = (
-        "import sys, integrations.cli, integrations.openai_server.command; "
+        "import sys, integrations.cli, integrations.serve_command; "
         "assert not any(m == 'ray' or m.startswith('ray.') for m in sys.modules), 'ray imported'"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

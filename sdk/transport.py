@@ -303,11 +303,11 @@ class InProcessTransport(Transport):
 
 
 def engine_constraint(request: EngineRequest) -> Any:
-    """The engine constraint of a request: its response format's, or its tool choice's, after its reasoning."""
+    """The engine constraint of a request: its tool choice's over its response format's (``sdk.tools.tool_constraint``),
+    after its reasoning."""
+    constraint = to_structured_output(request.response_format)
     if request.tools is not None and request.tool_choice is not None:
-        constraint = tool_constraint(request.tools, request.tool_choice, request.parallel_tool_calls)
-    else:
-        constraint = to_structured_output(request.response_format)
+        constraint = tool_constraint(request.tools, request.tool_choice, request.parallel_tool_calls, constraint)
     if request.reasoning is None:
         return constraint
     return after_reasoning(constraint, request.reasoning.format, request.reasoning.start)

@@ -153,6 +153,11 @@ class Transport(abc.ABC):
     def stats(self) -> dict[str, Any]:
         """The engine's figures (keys as ``engine.AsyncEngine.stats()``)."""
 
+    async def respond(self, request: Any) -> AsyncIterator[Any] | None:
+        """Run a Responses API request (``sdk.responses.ResponseRequest``) on a server that keeps its
+        conversations: its stream events. None: the client runs it here (``sdk.responses.service``)."""
+        return None
+
     async def close(self) -> None:
         """Release what the transport holds open (connections); it stays usable. Idempotent."""
 
@@ -300,6 +305,11 @@ class InProcessTransport(Transport):
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV cache block."""
+        return self.engine.config.block_size
 
 
 def engine_constraint(request: EngineRequest) -> Any:

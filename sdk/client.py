@@ -234,7 +234,10 @@ class AsyncClient(AsyncClosing):
             PagedError: as ``chat``, and after the start (not streamed) what failed the reply.
         """
         try:
-            request = input if isinstance(input, ResponseRequest) and not fields else ResponseRequest(input=input, **fields)
+            if isinstance(input, ResponseRequest):
+                request = ResponseRequest.model_validate({**input.model_dump(exclude_unset=True), **fields}) if fields else input
+            else:
+                request = ResponseRequest(input=input, **fields)
         except ValidationError as exc:
             raise invalid_request(exc) from None
         await self.start()

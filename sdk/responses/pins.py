@@ -7,7 +7,8 @@ latest response's: continuing it releases the pin before. A pin is released:
 
 - ``superseded``: the conversation went on, and its new response holds the pin;
 - ``ttl``: ``pin_ttl_s`` passed since it was made;
-- ``budget``: pins may hold at most ``pin_max_fraction`` of the KV cache; the oldest make room;
+- ``budget``: pins may hold at most ``pin_max_fraction`` of the KV cache, and always leave room for one
+  request of ``max_model_len`` tokens; the oldest make room;
 - ``pressure``: requests have been waiting to be admitted at two checks in a row (``TICK_S`` apart):
   every pin goes, so that no pin can keep a request out of a full KV cache;
 - ``deleted`` / ``dropped``: its response was deleted, or left the store (age, size);
@@ -76,13 +77,18 @@ class ConversationPins:
     def __contains__(self, key: tuple[str, str]) -> bool:
         return key in self._pins
 
-    def pin(self, key: tuple[str, str], transport: Transport, token_ids: list[int], cache_salt: str | None, capacity: int) -> None:
+    def pin(
+        self, key: tuple[str, str], transport: Transport, token_ids: list[int], cache_salt: str | None, capacity: int,
+        reserve: int = 0,
+    ) -> None:  # fmt: skip
         """Start pinning ``token_ids`` for the conversation of ``key`` (on the running loop).
 
         Args:
             capacity: tokens the engine's KV cache holds; pins keep within ``pin_max_fraction`` of it.
+            reserve: tokens pins always leave free: the room of the longest request, which the engine
+                would cut short if pins held it while nothing else runs.
         """
-        budget = int(self.config.pin_max_fraction * capacity)
+        budget = min(int(self.config.pin_max_fraction * capacity), capacity - reserve)
         if self.config.pin_ttl_s == 0 or len(token_ids) > budget:
             return
         while self._pins and self.num_tokens + len(token_ids) > budget:

@@ -97,7 +97,6 @@ class Responder:
         if (name := request.unsupported()) is not None:
             raise InvalidRequestError.about(name, "is not supported by this server")
         tenant = client.settings.tenant or ""
-        self.sweep()
         previous = None
         if request.previous_response_id is not None:
             previous = self.lookup(tenant, request.previous_response_id, "previous_response_id")
@@ -130,6 +129,7 @@ class Responder:
         Raises:
             NotFoundError: none (unknown, expired, deleted, or another tenant's); ``param`` is the field that named it.
         """
+        self.sweep()  # NOTE: what aged out goes with its pin
         stored = self.store.get(tenant, response_id)
         if stored is None:
             raise NotFoundError(f"{param}: no stored response {response_id!r} (unknown, expired or deleted)", param=param)
@@ -245,8 +245,10 @@ class _Run:
             )  # fmt: skip
             settings = self.client.settings
             salt = engine_salt(settings.policy, settings.tenant, self.cache_salt)
-            capacity = transport.block_size * (transport.stats().get("kv_blocks_total") or 0)
-            responder.pins.pin(stored.key, transport, list(token_ids), salt, capacity)
+            block = transport.block_size
+            capacity = block * (transport.stats().get("kv_blocks_total") or 0)
+            reserve = -(-transport.max_model_len // block) * block  # NOTE: whole blocks
+            responder.pins.pin(stored.key, transport, list(token_ids), salt, capacity, reserve)
 
 
 def _chat_request(request: Any, conversation: Conversation, cache_salt: str | None) -> ChatRequest:

@@ -111,6 +111,16 @@ async def test_a_conversation_sends_only_new_items_and_reads_its_history_from_th
     assert [item["type"] for item in later["data"]] == ["function_call_output", "function_call"]
 
 
+async def test_a_conversation_past_the_context_is_refused_or_truncated(server) -> None:
+    """Past max_model_len: ``truncation: disabled`` is a 400 naming the input; ``auto`` drops the oldest items until it fits."""
+    items = [{"role": "user", "content": f"Note {n}: " + "the quick brown fox jumps over the lazy dog " * 12} for n in range(12)]
+    _error(*await _post(server, {"input": items, **SHORT}), 400, "input")
+    status, fitted = await _post(server, {"input": items, "truncation": "auto", **SHORT})
+    assert status == 200 and fitted["truncation"] == "auto" and fitted["usage"]["input_tokens"] <= 1024 - SHORT["max_output_tokens"]
+    status, page = await _call(server, "GET", f"/v1/responses/{fitted['id']}/input_items?order=asc&limit=100")
+    assert 0 < len(page["data"]) < len(items) and page["data"][-1]["content"] == items[-1]["content"]
+
+
 async def test_another_tenants_response_is_not_found(server) -> None:
     """Tenant b can neither read, list, continue nor delete a's response: the same 404 as an unknown id."""
     status, mine = await _post(server, {"input": "Hello", **SHORT})
@@ -215,6 +225,25 @@ async def test_nothing_is_left_pinned_or_held(server) -> None:
             metrics = await resp.text()
     assert "paged_conversation_pins 0.0" in metrics and 'paged_conversation_pins_released_total{reason="ttl"}' in metrics
     server.call(assert_quiescent(server.app[STATE].serving, timeout=10.0))
+
+
+async def test_pins_leave_room_for_the_longest_request(tiny_model_factory) -> None:
+    """Conversations pinned over as much of a small KV cache as pins may hold; a request of max_model_len still runs
+    to its end alone (the engine cuts short a lone request that the cache cannot hold)."""
+    config = ResponsesConfig(pin_max_fraction=1.0)
+    app = create_app(str(tiny_model_factory("llama")), api_key="sk-a", responses=config,
+                     **{**ENGINE, "num_blocks": 32, "max_model_len": 256})  # fmt: skip
+    live = LiveServer(app).start()
+    responder = app[RESPONDER]
+    try:
+        for n in range(4):
+            status, made = await _post(live, {"input": f"Conversation {n}: " + "lorem ipsum dolor sit amet " * 8, **SHORT})
+            live.call(responder.pins.ready((key_id("sk-a"), made["id"])))
+        assert responder.pins.released["budget"] >= 1 and responder.pins.num_tokens <= 32 * 16 - 256
+        status, long = await _post(live, {"input": "Read this: " + "consectetur adipiscing elit " * 21, "store": False, **SHORT})
+        assert status == 200 and long["usage"]["input_tokens"] > 200 and long["usage"]["output_tokens"] == SHORT["max_output_tokens"]
+    finally:
+        live.stop()
 
 
 async def test_the_store_keeps_to_its_bound_and_outlives_a_restart(tiny_model_factory, tmp_path) -> None:

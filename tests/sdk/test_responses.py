@@ -245,6 +245,8 @@ async def test_pins_keep_to_their_budget_and_time() -> None:
     assert ("a", "r1") not in pins and pins.num_tokens == 30 and pins.released["budget"] == 1
     pins.pin(("a", "big"), transport, [1] * 51, None, capacity=100)  # never fits
     assert ("a", "big") not in pins
+    pins.pin(("a", "r3"), transport, [1] * 15, None, capacity=100, reserve=80)  # the longest request's room stays free
+    assert ("a", "r3") in pins and ("a", "r2") not in pins and pins.released["budget"] == 2
     now[0] = 11
     pins.sweep()
     assert pins.num_pins == 0 and pins.released["ttl"] == 1

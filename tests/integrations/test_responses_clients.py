@@ -36,7 +36,7 @@ class Report(BaseModel):
 
 @pytest.fixture(scope="module")
 def server() -> Any:
-    live = LiveServer(create_app(api_key=KEY, num_blocks=512, max_num_seqs=8)).start()
+    live = LiveServer(create_app(api_key=KEY, num_blocks=512, max_num_seqs=8, max_model_len=2048)).start()
     yield live
     live.stop()
 

@@ -175,9 +175,8 @@ class Conversation:
             kind = item["type"]
             if kind == "reasoning":
                 continue
-            is_assistant = kind == "function_call" or (kind == "message" and item["role"] == "assistant")
-            starts_another = kind == "message" and (builder is not None and (builder["calls"] or builder["content"] is not None))
-            if builder is not None and (not is_assistant or starts_another):
+            # NOTE: an assistant message begins a new assistant turn; the calls after it join it
+            if builder is not None and kind != "function_call":
                 self._add_assistant(builder)
                 builder = None
             if kind == "message" and item["role"] != "assistant":

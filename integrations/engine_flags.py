@@ -2,7 +2,9 @@
 
 ``RestartPolicy`` (how a driver that died is restarted, ``engine.supervisor``) gets its flags
 the same way, each named for restarts: ``--max-restarts``, ``--restart-window-s``,
-``--restart-backoff-s``, ``--restart-max-backoff-s``.
+``--restart-backoff-s``, ``--restart-max-backoff-s``; so does ``paged serve``'s
+``ResponsesConfig`` (``sdk.responses``), each named for responses: ``--responses-store-max-bytes``,
+``--responses-store-max-age-s``, ``--responses-pin-ttl-s``, ``--responses-pin-max-fraction``.
 
 ``paged serve`` and ``paged bench`` take their engine flags from here, so a flag's type,
 choices, default and help are those of the knob (``engine/config.py``) and never drift from
@@ -19,13 +21,16 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from engine.config import EngineConfig
 from engine.errors import ParameterError
 from engine.knobs import Kind, Knob, knobs_of
 from engine.supervisor import RestartPolicy
+from sdk.responses.config import ResponsesConfig
 
+T = TypeVar("T")
 # Fields shown in their own help group; every other field is in "engine".
 ADMISSION_FIELDS = ("max_queued_requests", "max_queued_tokens")
 
@@ -81,9 +86,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def add_restart_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds one flag per ``RestartPolicy`` field, in the "self-healing" group."""
     group = parser.add_argument_group("self-healing", "how a fresh engine replaces one whose driver died")
-    for k in knobs_of(RestartPolicy):
-        dest = _restart_dest(k.name)
-        group.add_argument(flag_name(dest), dest=dest, default=k.default, help=_help(k), **_parse_options(k))
+    _add_knobs(group, RestartPolicy, _restart_dest)
 
 
 def restart_policy(args: argparse.Namespace) -> RestartPolicy:
@@ -92,18 +95,53 @@ def restart_policy(args: argparse.Namespace) -> RestartPolicy:
     Raises:
         FlagError: a value the policy refuses, with the fields spelled as flags.
     """
-    try:
-        return RestartPolicy(**{k.name: getattr(args, _restart_dest(k.name)) for k in knobs_of(RestartPolicy)})
-    except ParameterError as exc:
-        message = str(exc)
-        for k in sorted(knobs_of(RestartPolicy), key=lambda k: len(k.name), reverse=True):
-            message = re.sub(rf"\b{k.name}\b", flag_name(_restart_dest(k.name)), message)
-        raise FlagError(message) from exc
+    return _settings(args, RestartPolicy, _restart_dest)
+
+
+def add_responses_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds one flag per ``ResponsesConfig`` field, each named for responses (``--responses-store-max-bytes`` ...)."""
+    group = parser.add_argument_group("responses", "how long stored responses and their pinned conversations live")
+    _add_knobs(group, ResponsesConfig, _responses_dest)
+
+
+def responses_config(args: argparse.Namespace) -> ResponsesConfig:
+    """The ``ResponsesConfig`` the responses flags describe.
+
+    Raises:
+        FlagError: a value the config refuses, with the fields spelled as flags.
+    """
+    return _settings(args, ResponsesConfig, _responses_dest)
 
 
 def _restart_dest(field: str) -> str:
     """``window_s`` -> ``restart_window_s``; a field already named for restarts keeps its name."""
     return field if "restart" in field else "restart_" + field
+
+
+def _responses_dest(field: str) -> str:
+    return "responses_" + field
+
+
+def _add_knobs(group: Any, cls: type, dest: Callable[[str], str]) -> None:
+    """One flag per knob of ``cls``, its destination (and flag) ``dest(field)``."""
+    for k in knobs_of(cls):
+        group.add_argument(flag_name(dest(k.name)), dest=dest(k.name), default=k.default, help=_help(k), **_parse_options(k))
+
+
+def _settings(args: argparse.Namespace, cls: type[T], dest: Callable[[str], str]) -> T:
+    """``cls`` of the flags ``_add_knobs`` added.
+
+    Raises:
+        FlagError: a value ``cls`` refuses, with the fields spelled as flags.
+    """
+    knobs = knobs_of(cls)
+    try:
+        return cls(**{k.name: getattr(args, dest(k.name)) for k in knobs})
+    except ParameterError as exc:
+        message = str(exc)
+        for k in sorted(knobs, key=lambda k: len(k.name), reverse=True):
+            message = re.sub(rf"\b{k.name}\b", flag_name(dest(k.name)), message)
+        raise FlagError(message) from exc
 
 
 def _parse_options(k: Knob) -> dict[str, Any]:

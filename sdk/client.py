@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import weakref
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -12,7 +13,7 @@ from pydantic import ValidationError
 
 from sdk.closing import AsyncClosing
 from sdk.cut_off import CutOffWatch
-from sdk.errors import InvalidRequestError
+from sdk.errors import EngineFailure, InvalidRequestError, from_wire
 from sdk.fields import invalid_request
 from sdk.hooks import HookChain, RequestOrigin
 from sdk.policy import engine_salt
@@ -20,6 +21,8 @@ from sdk.prefix import PinnedPrefixes, PrefixHandle
 from sdk.rate_limit import RateLimiter
 from sdk.request_run import RequestRun, RequestScope, Startup
 from sdk.response_format import parse
+from sdk.responses.service import Responder
+from sdk.responses.types import TERMINAL_EVENTS, ResponseRequest
 from sdk.runtime import Runtime
 from sdk.settings import ClientSettings
 from sdk.tools import collect_calls
@@ -108,6 +111,7 @@ class AsyncClient(AsyncClosing):
         self.limiter = RateLimiter(settings.policy) if settings.policy is not None and settings.policy.has_limits else None
         """The tenant's rate state (``sdk.rate_limit``); None without limits."""
         self._prefixes = PinnedPrefixes()
+        self._responder = Responder()  # NOTE: in process: this client's stored responses and conversation pins
         self._startup = Startup(self.transport)
         self._scope = RequestScope(
             self.transport, self.hooks, settings.tenant, settings.policy, self.limiter, settings.route,
@@ -204,6 +208,55 @@ class AsyncClient(AsyncClosing):
         coros = [self.chat(r, **options) for r in requests]
         return list(await asyncio.gather(*coros, return_exceptions=return_exceptions))
 
+    async def respond(
+        self, input: Any = None, *, stream: bool = False, origin: RequestOrigin | None = None, **fields: Any
+    ) -> Any:
+        """Run a Responses API request: OpenAI's ``responses.create`` on this client's engine.
+
+        In process, the client keeps its stored responses (in memory) and pins their
+        conversations, so ``previous_response_id`` continues one; with ``base_url`` the server does.
+
+        Args:
+            input: a user message's text, a list of input items, or a ``ResponseRequest`` (then no ``fields``).
+            stream: return the stream events (``ResponseEvent``, from ``response.created`` to
+                ``response.completed`` / ``incomplete`` / ``failed``) instead of the response.
+            origin: who sent it (client address, headers), for the hooks' context.
+            **fields: ``ResponseRequest`` fields: ``instructions``, ``tools``, ``tool_choice``,
+                ``text``, ``previous_response_id``, ``max_output_tokens``, ``temperature`` ...
+
+        Returns:
+            The ``Response`` (``output``, ``output_text``, ``status``, ``usage``), or with ``stream``
+            an async iterator of its events (closing it early aborts the reply).
+
+        Raises:
+            InvalidRequestError: a field the request cannot have (``param`` names it: ``input.2.call_id``).
+            NotFoundError: ``previous_response_id`` is no stored response of this client's tenant.
+            PagedError: as ``chat``, and after the start (not streamed) what failed the reply.
+        """
+        try:
+            if isinstance(input, ResponseRequest):
+                request = ResponseRequest.model_validate({**input.model_dump(exclude_unset=True), **fields}) if fields else input
+            else:
+                request = ResponseRequest(input=input, **fields)
+        except ValidationError as exc:
+            raise invalid_request(exc) from None
+        await self.start()
+        events = await self.transport.respond(request)
+        if events is None:
+            events = await self._responder.open(self, request, origin=origin, stream=stream)
+        if stream:
+            return events
+        response = None
+        async with contextlib.aclosing(events):
+            async for event in events:
+                if event.type in TERMINAL_EVENTS:
+                    response = event.response
+        if response is None:
+            raise EngineFailure("the response ended without its last event")
+        if response.status == "failed" and response.error is not None:  # a remote server's failure
+            raise from_wire(500, response.error.model_dump())
+        return response
+
     async def prefix(
         self, prefix: str | Sequence[ChatMessage | dict[str, Any] | tuple[str, str]], *, cache_salt: str | None = None
     ) -> PrefixHandle:
@@ -237,6 +290,7 @@ class AsyncClient(AsyncClosing):
         the client stays usable; on its own runtime, in-process calls raise RuntimeError afterwards.
         """
         await self._prefixes.aclose()
+        await self._responder.aclose()
         if self._owns_transport:
             await self.transport.close()
         if self._owns_runtime:

@@ -93,6 +93,14 @@ class AuthenticationError(PagedError):
     code = "invalid_api_key"
 
 
+class NotFoundError(PagedError):
+    """What the request names is not there for the caller: an unknown, expired or deleted stored
+    response, or another tenant's (HTTP 404; ``param`` names the field that named it)."""
+
+    status_code = 404
+    code = "not_found"
+
+
 class ContentBlocked(PagedError):
     """An input filter blocked the request before it reached the engine.
 
@@ -234,6 +242,8 @@ def from_wire(status: int, error: dict[str, Any], retry_after: float | None = No
         return RateLimited(message, retry_after=wait)
     if status in _BY_STATUS:
         return _BY_STATUS[status](message)
+    if status == NotFoundError.status_code:
+        return NotFoundError(message, param=param)
     if 400 <= status < 500:
         return InvalidRequestError(message, param=param)
     return EngineFailure(f"HTTP {status}: {message}")

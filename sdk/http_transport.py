@@ -21,6 +21,7 @@ import aiohttp
 
 from sdk.errors import EngineFailure, InvalidRequestError, from_wire
 from sdk.images import ImageInfo, data_url_infos
+from sdk.responses.types import ResponseEvent
 from sdk.transport import EngineRequest, PrefixPin, Transport
 from sdk.types import ChatMessage, Delta, RequestLatency, SamplingOptions, TokenLogprob, TopLogprob, Usage
 from sdk.tools import ToolSpec
@@ -203,6 +204,21 @@ class HttpTransport(Transport):
         """Nothing: a remote engine's figures are on its ``/metrics`` route."""
         return {}
 
+    async def respond(self, request: Any) -> AsyncIterator[ResponseEvent]:
+        """``POST /v1/responses``, streamed: the server keeps the conversation. Errors before the first event raise here.
+
+        Raises:
+            PagedError: the server's answer (``from_wire``): ``NotFoundError`` for an unknown
+                ``previous_response_id``, ``InvalidRequestError`` naming the field ...
+        """
+        body = request.model_dump(mode="json", exclude_none=True, exclude={"stream"})
+        body.update(stream=True, model=request.model or self.model_name)
+        resp = await self._client().post(self._base + "/responses", json=body, headers=self._headers)
+        if resp.status != 200:
+            async with resp:
+                await _json_or_raise(resp)
+        return _response_events(resp)
+
 
 async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
     """The JSON events of an OpenAI-style server-sent event stream, up to ``data: [DONE]``."""
@@ -268,6 +284,15 @@ async def _read_stream(resp: aiohttp.ClientResponse, request_id: str, num_choice
         last.prompt_token_ids = list(prompt_ids)
     last.usage = Usage(len(prompt_ids), num_tokens, num_cached, latency)
     yield last
+
+
+async def _response_events(resp: aiohttp.ClientResponse) -> AsyncIterator[ResponseEvent]:
+    """A streamed response's events; closing them closes the connection (the server aborts the reply)."""
+    async with resp:
+        async for event in sse_events(resp):
+            if "error" in event and "sequence_number" not in event:
+                raise from_wire(resp.status, event["error"])
+            yield ResponseEvent.model_validate(event)
 
 
 def _tool_choice_to_wire(choice: str | None) -> Any:

@@ -16,12 +16,12 @@ thinking, so the model thinks freely and only its answer is held to the constrai
 from __future__ import annotations
 
 import enum
-import json
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-from engine.structured_output import StructuredOutput, json_grammar
+from engine.structured_output import StructuredOutput
 from sdk.errors import InvalidRequestError
+from sdk.response_format import tag_format
 from sdk.tools import partial_suffix
 
 THINK_START = "<think>"
@@ -187,25 +187,9 @@ def after_reasoning(constraint: StructuredOutput | None, fmt: ReasoningFormat, s
     """
     if constraint is None or start is Start.ANSWER:
         return constraint
-    answer = _as_format(constraint)
+    answer = tag_format(constraint)
     thinking = {"type": "tag", "begin": "" if start is Start.THINKING else fmt.start,
                 "content": {"type": "any_text"}, "end": fmt.end}  # fmt: skip
     thought_then_answer = {"type": "sequence", "elements": [thinking, {"type": "regex", "pattern": r"\s*"}, answer]}
     fmt_dict = thought_then_answer if start is Start.THINKING else {"type": "or", "elements": [thought_then_answer, answer]}
     return StructuredOutput(structural_tag={"type": "structural_tag", "format": fmt_dict})
-
-
-def _as_format(constraint: StructuredOutput) -> dict[str, Any]:
-    """A constraint as a structural-tag format element; JSON written as ``json.dumps`` writes it, as unwrapped."""
-    if constraint.json_schema is not None:
-        return {"type": "grammar", "grammar": json_grammar(constraint.json_schema)}
-    if constraint.json_object:
-        return {"type": "grammar", "grammar": json_grammar('{"type":"object"}')}
-    if constraint.regex is not None:
-        return {"type": "regex", "pattern": constraint.regex}
-    if constraint.choice is not None:
-        return {"type": "or", "elements": [{"type": "const_string", "value": c} for c in constraint.choice]}
-    if constraint.structural_tag is not None:
-        return json.loads(constraint.structural_tag)["format"]
-    return {"type": "grammar", "grammar": constraint.grammar}
-

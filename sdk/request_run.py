@@ -20,7 +20,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from sdk.errors import EngineRestarting, InvalidRequestError, OverloadedError, RequestTimeout
+from sdk.errors import EngineRestarting, OverloadedError, RequestTimeout
 from sdk.hooks import HookChain, ModelSource, RequestContext, RequestOrigin
 from sdk.hooks.replay import model_source
 from sdk.policy import ENGINE_MAX_TOKENS, TenantPolicy, Terms, request_terms
@@ -248,10 +248,7 @@ def _tool_choice(request: ChatRequest | CompletionRequest) -> str | None:
     """The request's normalized tool choice (``sdk.tools.to_tool_choice``); None without tools."""
     if not isinstance(request, ChatRequest):
         return None
-    choice = to_tool_choice(request.tool_choice, request.tools)
-    if choice not in (None, "none") and request.response_format is not None:
-        raise InvalidRequestError("response_format and tool calls cannot constrain one reply; set tool_choice to none", param="response_format")
-    return choice
+    return to_tool_choice(request.tool_choice, request.tools)
 
 
 async def _next(stream: AsyncIterator[Delta], deadline: float | None) -> Delta | None:

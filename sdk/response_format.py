@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError
 
 from engine.errors import ParameterError
-from engine.structured_output import StructuredOutput
+from engine.structured_output import StructuredOutput, json_grammar
 from sdk.errors import InvalidRequestError
 from sdk.fields import from_engine
 
@@ -152,6 +152,22 @@ def to_structured_output(response_format: Any) -> StructuredOutput | None:
         return StructuredOutput(grammar=response_format.grammar)
     except ParameterError as exc:
         raise from_engine(exc).at(PARAM) from None  # NOTE: a limit of the whole constraint
+
+
+def tag_format(constraint: StructuredOutput) -> dict[str, Any]:
+    """An engine constraint as an element of a structural tag's format (to combine it with others);
+    JSON is written as ``json.dumps`` writes it, as the constraint alone would be."""
+    if constraint.json_schema is not None:
+        return {"type": "grammar", "grammar": json_grammar(constraint.json_schema)}
+    if constraint.json_object:
+        return {"type": "grammar", "grammar": json_grammar('{"type":"object"}')}
+    if constraint.regex is not None:
+        return {"type": "regex", "pattern": constraint.regex}
+    if constraint.choice is not None:
+        return {"type": "or", "elements": [{"type": "const_string", "value": c} for c in constraint.choice]}
+    if constraint.structural_tag is not None:
+        return json.loads(constraint.structural_tag)["format"]
+    return {"type": "grammar", "grammar": constraint.grammar}
 
 
 def parse(response_format: Any, text: str) -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
 from sdk.client import AsyncClient, MessagesLike, PromptLike
@@ -74,14 +74,24 @@ class Client(Closing):
 
     def stream(self, messages: MessagesLike | None = None, *, prompt: PromptLike | None = None, **options: Any) -> Iterator[Delta]:
         """``AsyncClient.stream``, as a blocking iterator; closing it early aborts the request."""
-        agen = self.aclient.stream(messages, prompt=prompt, **options)
+        return self._iterate(self.aclient.stream(messages, prompt=prompt, **options))
+
+    def respond(self, input: Any = None, *, stream: bool = False, **fields: Any) -> Any:
+        """``AsyncClient.respond``, blocking: the ``Response``, or with ``stream`` a blocking iterator of its events
+        (errors before the first event raise from this call; closing it early aborts the reply)."""
+        if not stream:
+            return self.runtime.run_sync(self.aclient.respond(input, **fields))
+        return self._iterate(self.runtime.run_sync(self.aclient.respond(input, stream=True, **fields)))
+
+    def _iterate(self, agen: AsyncIterator[Any]) -> Iterator[Any]:
+        """The items of ``agen``, read on the runtime's loop through a thread-safe queue; leaving early closes it."""
         channel: queue.SimpleQueue[Any] = queue.SimpleQueue()
         done = threading.Event()
 
         async def pump() -> None:
             try:
-                async for delta in agen:
-                    channel.put(delta)
+                async for item in agen:
+                    channel.put(item)
                 channel.put(_END)
             except BaseException as exc:
                 channel.put(exc)
@@ -92,7 +102,7 @@ class Client(Closing):
         return self._drain(self.runtime.submit(pump()), channel, done)
 
     @staticmethod
-    def _drain(future: concurrent.futures.Future[None], channel: queue.SimpleQueue[Any], done: threading.Event) -> Iterator[Delta]:
+    def _drain(future: concurrent.futures.Future[None], channel: queue.SimpleQueue[Any], done: threading.Event) -> Iterator[Any]:
         try:
             while (item := channel.get()) is not _END:
                 if isinstance(item, BaseException):

@@ -32,6 +32,8 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 from engine.errors import ParameterError
 from engine.structured_output import StructuredOutput, json_grammar
 from sdk.errors import InvalidRequestError
+from sdk.fields import CONSTRAINT_FIELDS, from_engine
+from sdk.response_format import tag_format
 
 CALL_BEGIN = "<tool_call>"
 CALL_END = "</tool_call>"
@@ -223,34 +225,51 @@ def to_tool_choice(choice: Any, tools: Sequence[ToolSpec] | None) -> str | None:
     return choice
 
 
-def tool_constraint(tools: Sequence[ToolSpec], choice: str, parallel_tool_calls: bool = True) -> StructuredOutput | None:
+def tool_constraint(
+    tools: Sequence[ToolSpec], choice: str, parallel_tool_calls: bool = True, answer: StructuredOutput | None = None
+) -> StructuredOutput | None:
     """The engine constraint of a normalized tool ``choice`` (``to_tool_choice``) over ``tools``.
 
+    ``answer`` is the constraint on the reply's text (its response format), None = free text.
+    Under ``"none"`` the reply is that text; under ``"auto"`` it is calls or, with an ``answer``,
+    either calls alone or that text alone; a forced choice leaves no text to constrain.
+
     Raises:
-        InvalidRequestError: a tool's parameters are not a usable JSON schema; ``param`` is ``tools``.
+        InvalidRequestError: a tool's parameters are not a usable JSON schema (``param`` is
+            ``tools``), or ``answer`` is not (``response_format.json_schema.schema``).
     """
+    if choice == "none":
+        return answer
+    answer_format = None
+    if answer is not None and choice == "auto":
+        try:
+            answer_format = tag_format(answer)
+        except ParameterError as exc:
+            raise from_engine(exc).at(CONSTRAINT_FIELDS[answer.form]) from None
     try:
-        return _tool_constraint(tools, choice, parallel_tool_calls)
+        return _tool_constraint(tools, choice, parallel_tool_calls, answer_format)
     except ParameterError as exc:
         raise InvalidRequestError(str(exc).replace(exc.param, "tools"), param="tools") from None
 
 
-def _tool_constraint(tools: Sequence[ToolSpec], choice: str, parallel_tool_calls: bool) -> StructuredOutput | None:
-    if choice == "none":
-        return None
-    if choice == "auto":
+def _tool_constraint(
+    tools: Sequence[ToolSpec], choice: str, parallel_tool_calls: bool, answer: dict[str, Any] | None
+) -> StructuredOutput:
+    if choice == "auto" and answer is None:
         fmt: dict[str, Any] = {
             "type": "triggered_tags", "triggers": [CALL_BEGIN], "tags": [_call_tag(t) for t in tools],
             "stop_after_first": not parallel_tool_calls,
         }  # fmt: skip
     else:
-        chosen = tools if choice == "required" else [t for t in tools if t.name == choice]
+        chosen = tools if choice in ("auto", "required") else [t for t in tools if t.name == choice]
         fmt = {
             # NOTE: no separator: after a call only another call or the end may follow (a "\n" would
             # leave only another call, and a small model would repeat its call until max_tokens)
             "type": "tags_with_separator", "tags": [_call_tag(t) for t in chosen], "separator": "",
-            "at_least_one": True, "stop_after_first": choice != "required" or not parallel_tool_calls,
+            "at_least_one": True, "stop_after_first": choice not in ("auto", "required") or not parallel_tool_calls,
         }  # fmt: skip
+        if answer is not None:
+            fmt = {"type": "or", "elements": [fmt, answer]}
     return StructuredOutput(structural_tag={"type": "structural_tag", "format": fmt})
 
 

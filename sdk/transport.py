@@ -153,6 +153,11 @@ class Transport(abc.ABC):
     def stats(self) -> dict[str, Any]:
         """The engine's figures (keys as ``engine.AsyncEngine.stats()``)."""
 
+    async def respond(self, request: Any) -> AsyncIterator[Any] | None:
+        """Run a Responses API request (``sdk.responses.ResponseRequest``) on a server that keeps its
+        conversations: its stream events. None: the client runs it here (``sdk.responses.service``)."""
+        return None
+
     async def close(self) -> None:
         """Release what the transport holds open (connections); it stays usable. Idempotent."""
 
@@ -301,13 +306,18 @@ class InProcessTransport(Transport):
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
 
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV cache block."""
+        return self.engine.config.block_size
+
 
 def engine_constraint(request: EngineRequest) -> Any:
-    """The engine constraint of a request: its response format's, or its tool choice's, after its reasoning."""
+    """The engine constraint of a request: its tool choice's over its response format's (``sdk.tools.tool_constraint``),
+    after its reasoning."""
+    constraint = to_structured_output(request.response_format)
     if request.tools is not None and request.tool_choice is not None:
-        constraint = tool_constraint(request.tools, request.tool_choice, request.parallel_tool_calls)
-    else:
-        constraint = to_structured_output(request.response_format)
+        constraint = tool_constraint(request.tools, request.tool_choice, request.parallel_tool_calls, constraint)
     if request.reasoning is None:
         return constraint
     return after_reasoning(constraint, request.reasoning.format, request.reasoning.start)

@@ -26,13 +26,14 @@ from typing import Any
 from aiohttp import web
 
 from engine.supervisor import RestartPolicy
-from integrations.openai_server import routes
+from integrations.openai_server import responses_api, routes, vllm_routes
 from integrations.openai_server.errors import ApiError, error_middleware
-from integrations.openai_server.policy import ROUTES, ServerPolicy
+from integrations.openai_server.policy import ROUTES, ServerPolicy, route_of
 from integrations.openai_server.responses import rate_limit_headers
 from integrations.openai_server.serving import Serving
 from integrations.openai_server.state import STATE, TENANT, Phase, ServerState, parse_keys
 from sdk.images import ImageLimits
+from sdk.responses.config import ResponsesConfig
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ def create_app(
     restart: RestartPolicy | None = None,
     reasoning_parser: str = "auto",
     image_limits: ImageLimits | None = None,
+    responses: ResponsesConfig | None = None,
     **engine_config: Any,
 ) -> web.Application:
     """Build the OpenAI-compatible application; the engine starts with the app and stops with it.
@@ -77,6 +79,8 @@ def create_app(
             (``sdk.reasoning.REASONING_PARSERS``).
         image_limits: what a request's images may be (count, bytes, pixels, remote hosts);
             None = ``sdk.images.ImageLimits()``: no remote URLs.
+        responses: the bounds of the stored responses and of their conversations' pins
+            (``sdk.responses.ResponsesConfig``); the store is kept under ``kv_cache_dir`` when set.
         **engine_config: ``EngineConfig`` fields (block_size, num_blocks, max_num_seqs, ...).
 
     Returns:
@@ -90,6 +94,8 @@ def create_app(
     app[STATE] = state
     app.on_response_prepare.append(_add_rate_limit_headers)
     routes.add_routes(app)
+    responses_api.add_routes(app, responses, engine_config.get("kv_cache_dir"))
+    vllm_routes.add_routes(app)
 
     def default_factory() -> Serving:
         return Serving.create(
@@ -177,8 +183,9 @@ async def _auth_middleware(request: web.Request, handler) -> web.StreamResponse:
             raise ApiError(
                 401, "missing or invalid API key", code="invalid_api_key"
             )
-        if request.path in ROUTES and not tenant.may_use_route(request.path):
-            raise ApiError(403, f"this key may not use {request.path}", code="route_not_allowed")
+        route = route_of(request.path)
+        if route in ROUTES and not tenant.may_use_route(route):
+            raise ApiError(403, f"this key may not use {route}", code="route_not_allowed")
         request[TENANT] = tenant
     return await handler(request)
 

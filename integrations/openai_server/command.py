@@ -16,10 +16,12 @@ from aiohttp import web
 
 from integrations.engine_flags import (
     add_engine_arguments,
+    add_responses_arguments,
     add_restart_arguments,
     engine_config,
     engine_kwargs,
     parse_size,
+    responses_config,
     restart_policy,
 )
 from integrations.openai_server.app import DEFAULT_CLIENT_MAX_SIZE, DEFAULT_DRAIN_TIMEOUT, create_app
@@ -111,6 +113,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_engine_arguments(parser)
     add_restart_arguments(parser)
+    add_responses_arguments(parser)
 
 
 def add_image_arguments(parser: argparse.ArgumentParser) -> None:
@@ -231,6 +234,7 @@ def make_app(args: argparse.Namespace) -> web.Application:
     """
     engine_config(args)  # checks every engine flag now; the engine itself loads after binding
     restart = restart_policy(args)
+    responses = responses_config(args)
     config = engine_kwargs(args)
     model = config.pop("model")
     if model is not None and not Path(model).exists():
@@ -262,5 +266,6 @@ def make_app(args: argparse.Namespace) -> web.Application:
         drain_timeout=args.drain_timeout,
         restart=restart,
         image_limits=image_limits(args),
+        responses=responses,
         **config,
     )

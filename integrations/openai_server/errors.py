@@ -68,17 +68,18 @@ def from_validation(exc: ValidationError) -> ApiError:
     return bad_request(str(error), param=error.param)
 
 
-def from_sdk(exc: PagedError, route: Route, format_field: str | None = None) -> ApiError:
+def from_sdk(exc: PagedError, route: Route | None, format_field: str | None = None) -> ApiError:
     """The HTTP answer to an SDK error, from its type's status, code and param; never a traceback.
 
-    The field it names takes its wire name (``sdk.wire.wire_param``; ``format_field`` is the
-    wire field that set the request's constraint), and so does the message of an error about
-    one field.
+    On a chat or completion ``route`` the field it names takes its wire name
+    (``sdk.wire.wire_param``; ``format_field`` is the wire field that set the request's
+    constraint), and so does the message of an error about one field; None: the error names
+    the wire field already (``sdk.responses``).
     """
     headers = {"Retry-After": RETRY_AFTER} if exc.status_code in (429, 503) else None
     if isinstance(exc, RateLimited):
         headers = {"Retry-After": retry_after(exc.retry_after)}
-    param = wire_param(route, exc.param, format_field)
+    param = exc.param if route is None else wire_param(route, exc.param, format_field)
     if isinstance(exc, InvalidRequestError):
         exc = exc.at(param)
     return ApiError(exc.status_code, exc.public_message, param=param, code=exc.code, headers=headers)

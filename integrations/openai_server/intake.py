@@ -90,7 +90,7 @@ def sdk_requests(body: Any, route: Route) -> tuple[list[ChatRequest | Completion
     format_field = None
     try:
         if route == "chat":
-            fields["messages"] = [_message(i, m.model_dump(exclude_none=True)) for i, m in enumerate(body.messages)]
+            fields["messages"] = [chat_message(i, m.model_dump(exclude_none=True)) for i, m in enumerate(body.messages)]
         fmt, format_field = format_from_wire(data)
         fields["response_format"] = to_response_format(fmt)
         if route == "completion":
@@ -108,7 +108,7 @@ def sdk_requests(body: Any, route: Route) -> tuple[list[ChatRequest | Completion
         raise from_sdk(exc, route, format_field) from None
 
 
-def _message(index: int, body: dict[str, Any]) -> Any:
+def chat_message(index: int, body: dict[str, Any]) -> Any:
     """Message ``index`` of a chat body as an SDK message; its errors name their path under ``messages``."""
     try:
         return message_from_wire(body)

@@ -15,7 +15,7 @@ The file (``paged serve --policy tenants.toml``)::
     max_tokens = 512
     isolate_cache = true
     models = ["SmolLM2-135M-Instruct"]     # default: every model
-    routes = ["/v1/chat/completions"]      # default: every route (ROUTES)
+    routes = ["/v1/chat/completions"]      # default: every route (ROUTES; /v1/responses covers its stored responses)
 
 A key is the key itself or ``sha256:`` and the hex SHA-256 of it, so the file need not
 hold secrets. The terms are ``sdk.policy.TenantPolicy``'s fields, checked with its bounds;
@@ -37,10 +37,15 @@ from typing import Any
 from engine.errors import ParameterError
 from sdk.policy import TenantPolicy
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/metrics")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/metrics", "/tokenize", "/detokenize")
 ANONYMOUS = "anonymous"  # the tenant of requests to a server without keys
 _HASHED = re.compile(r"sha256:[0-9a-f]{64}")
 _POLICY_FIELDS = frozenset(f.name for f in dataclasses.fields(TenantPolicy))
+
+
+def route_of(path: str) -> str:
+    """The route of ``ROUTES`` a request path belongs to: ``/v1/responses/{id}`` (and below) is ``/v1/responses``."""
+    return "/v1/responses" if path.startswith("/v1/responses/") else path
 
 
 class PolicyError(ValueError):

@@ -4,28 +4,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 from aiohttp import web
 from pydantic import BaseModel
 
 from integrations.openai_server import protocol as p
-from integrations.openai_server.errors import RETRY_AFTER, ApiError, bad_request, from_sdk
+from integrations.openai_server.errors import ApiError, bad_request, from_sdk
 from integrations.openai_server.intake import check_common, origin, parse_body, sdk_requests
 from integrations.openai_server.metrics import CONTENT_TYPE
 from integrations.openai_server.policy import Tenant
 from integrations.openai_server.responses import chat_logprobs, completion_logprobs, token_ids, usage
 from integrations.openai_server.serving import Serving
 from integrations.openai_server.sse import EventStream
-from integrations.openai_server.state import STATE, TENANT, Phase, ServerState
-from sdk.errors import EngineRestarting, PagedError
+from integrations.openai_server.state import STATE, TENANT, ServerState, cancel_on_disconnect
+from sdk.errors import PagedError
 from sdk.tools import collect_calls
 from sdk.types import Delta
 from sdk.wire import Route, tool_call_delta_to_wire, tool_call_to_wire
 
 ReplyT = TypeVar("ReplyT", bound=p.Reply)
-DISCONNECT_POLL = 0.2  # seconds between checks that the client is still connected
 
 
 def add_routes(app: web.Application) -> None:
@@ -44,23 +43,6 @@ def _tenant(request: web.Request) -> Tenant:
     return request[TENANT]
 
 
-def _serving(state: ServerState) -> Serving:
-    """The serving glue, or a 503 while starting, restarting, draining or dead.
-
-    While the engine restarts, the code is the SDK's ``EngineRestarting`` one, so a remote SDK
-    client retries it as it retries a request the restart cut short.
-    """
-    if not state.is_healthy() or state.serving is None:
-        phase = state.phase
-        raise ApiError(
-            503,
-            f"server is {phase.value}",
-            code=EngineRestarting.code if phase is Phase.RESTARTING else f"server_{phase.value}",
-            headers={"Retry-After": RETRY_AFTER},
-        )
-    return state.serving
-
-
 async def health(request: web.Request) -> web.Response:
     """``{"status", "restarts", "last_error"}``: 200 while serving, 503 otherwise."""
     healthy, body = _state(request).health()
@@ -73,7 +55,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
-    serving = _serving(_state(request))
+    serving = _state(request).require_serving()
     cards = []
     if _tenant(request).may_use_model(serving.model_name):
         cards.append(p.ModelCard(id=serving.model_name, max_model_len=serving.max_model_len))
@@ -82,7 +64,7 @@ async def models(request: web.Request) -> web.Response:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = _state(request)
-    serving = _serving(state)
+    serving = state.require_serving()
     body = await parse_body(request, p.ChatCompletionRequest, _tenant(request))
     check_common(body, serving, _tenant(request))
     return await _Run(request, state, serving, body, "chat").execute()
@@ -90,7 +72,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = _state(request)
-    serving = _serving(state)
+    serving = state.require_serving()
     body = await parse_body(request, p.CompletionRequest, _tenant(request))
     check_common(body, serving, _tenant(request))
     prompts = body.prompts()
@@ -114,22 +96,6 @@ def _json(model: BaseModel, status: int = 200) -> web.Response:
     return web.Response(
         text=model.model_dump_json(exclude_none=True), status=status, content_type="application/json"
     )
-
-
-@contextlib.contextmanager
-def _cancel_on_disconnect(request: web.Request, task: asyncio.Task) -> Iterator[None]:
-    """Cancel the handler when its client goes away, whatever the runner's handler_cancellation."""
-
-    async def watch() -> None:
-        while (transport := request.transport) is not None and not transport.is_closing():
-            await asyncio.sleep(DISCONNECT_POLL)
-        task.cancel()
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        yield
-    finally:
-        watcher.cancel()
 
 
 class _Run:
@@ -163,7 +129,7 @@ class _Run:
     async def execute(self) -> web.StreamResponse:
         task = asyncio.current_task()
         assert task is not None
-        with self.state.track(self.request_id, task) as shutdown, _cancel_on_disconnect(self.request, task):
+        with self.state.track(self.request_id, task) as shutdown, cancel_on_disconnect(self.request, task):
             try:
                 return await self._execute()
             except asyncio.CancelledError:

@@ -1,4 +1,4 @@
-"""Server-sent events: the framing OpenAI streaming uses (``data: {json}`` ... ``data: [DONE]``)."""
+"""Server-sent events: the framing OpenAI streaming uses (``data: {json}`` ... ``data: [DONE]``, or named events)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ from pydantic import BaseModel
 DONE = b"data: [DONE]\n\n"
 
 
-def encode(event: BaseModel) -> bytes:
-    return b"data: " + event.model_dump_json(exclude_unset=False).encode() + b"\n\n"
+def encode(event: BaseModel, name: str | None = None) -> bytes:
+    """``data: {json}``, after ``event: name`` when the event has a name (the Responses API's do)."""
+    data = b"data: " + event.model_dump_json(exclude_unset=False).encode() + b"\n\n"
+    return data if name is None else b"event: " + name.encode() + b"\n" + data
 
 
 class EventStream:
@@ -29,11 +31,15 @@ class EventStream:
             raise RuntimeError("the event stream has not started")
         return self._response
 
-    async def send(self, event: BaseModel) -> None:
-        await self._write(encode(event))
+    async def send(self, event: BaseModel, name: str | None = None) -> None:
+        await self._write(encode(event, name))
 
     async def done(self) -> web.StreamResponse:
         await self._write(DONE)
+        return await self.end()
+
+    async def end(self) -> web.StreamResponse:
+        """End the stream without ``data: [DONE]`` (the Responses API's last event says it ended)."""
         await self.response.write_eof()
         return self.response
 

@@ -16,9 +16,14 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from integrations.openai_server.errors import RETRY_AFTER, ApiError
 from integrations.openai_server.metrics import EngineCollector, ServerMetrics
 from integrations.openai_server.policy import ANONYMOUS, ServerPolicy, Tenant, key_id
 from integrations.openai_server.serving import Serving
+from sdk.errors import EngineRestarting
+
+
+DISCONNECT_POLL = 0.2  # seconds between checks that a handler's client is still connected
 
 
 class Phase(enum.Enum):
@@ -69,6 +74,22 @@ class ServerState:
         }
         return healthy, body
 
+    def require_serving(self) -> Serving:
+        """The serving glue, or a 503 while starting, restarting, draining or dead.
+
+        While the engine restarts, the code is the SDK's ``EngineRestarting`` one, so a remote SDK
+        client retries it as it retries a request the restart cut short.
+        """
+        if not self.is_healthy() or self.serving is None:
+            phase = self.phase
+            raise ApiError(
+                503,
+                f"server is {phase.value}",
+                code=EngineRestarting.code if phase is Phase.RESTARTING else f"server_{phase.value}",
+                headers={"Retry-After": RETRY_AFTER},
+            )
+        return self.serving
+
     def tenant_for(self, authorization: str | None) -> Tenant | None:
         """The tenant of a valid ``Authorization: Bearer <key>`` header; None when invalid."""
         if not self._digests:
@@ -96,6 +117,22 @@ class ServerState:
             del self.in_flight[request_id]
             if not self.in_flight:
                 self.idle.set()
+
+
+@contextlib.contextmanager
+def cancel_on_disconnect(request: web.Request, task: asyncio.Task) -> Iterator[None]:
+    """Cancel the handler ``task`` when its client goes away, whatever the runner's handler_cancellation."""
+
+    async def watch() -> None:
+        while (transport := request.transport) is not None and not transport.is_closing():
+            await asyncio.sleep(DISCONNECT_POLL)
+        task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        yield
+    finally:
+        watcher.cancel()
 
 
 STATE = web.AppKey("paged_state", ServerState)

@@ -8,6 +8,7 @@ import random
 import pytest
 from pydantic import BaseModel, Field, ValidationError
 
+from engine.structured_output import StructuredOutput
 from sdk import InvalidRequestError
 from sdk.chat_template import DEFAULT_TOOL_PROMPT, render_chat, renders_tools
 from sdk.tools import (
@@ -311,9 +312,35 @@ async def test_bad_tool_requests_are_refused_naming_the_field(client):
     with pytest.raises(InvalidRequestError) as info:
         await client.chat("Hi", tools=[{"name": "x", "parameters": {"type": "nonsense"}}], tool_choice="required")
     assert info.value.param == "tools"
+
+
+async def test_a_response_format_holds_the_text_beside_the_tools(client):
+    """With a response format, a forced choice still makes calls; under auto the reply is calls alone or
+    formatted text alone (the model picks), never text around calls."""
+    json_object = {"type": "json_object"}
+    one_call = dict(tools=[SMALL_WEATHER], parallel_tool_calls=False, response_format=json_object, max_tokens=100)
+    forced = await client.chat("Hi", tool_choice="required", **one_call)
+    assert forced.finish_reason == "tool_calls" and forced.text == ""
+    for seed in range(4):
+        either = await client.chat("Hi", temperature=1.0, seed=seed, **one_call)
+        if either.finish_reason == "tool_calls":
+            assert either.text == "" and either.tool_calls
+        elif either.finish_reason == "stop":
+            assert isinstance(json.loads(either.text), dict) and either.tool_calls is None
+
+
+def test_an_answer_constraint_joins_the_calls_under_auto():
+    tools = to_tools([WEATHER, Add])
+    answer = StructuredOutput(json_object=True)
+    assert tool_constraint(tools, "none", answer=answer) is answer
+    either = json.loads(tool_constraint(tools, "auto", answer=answer).structural_tag)["format"]
+    calls, text = either["elements"]
+    assert either["type"] == "or" and calls["type"] == "tags_with_separator" and calls["at_least_one"]
+    assert text["type"] == "grammar"
+    assert tool_constraint(tools, "required", answer=answer) == tool_constraint(tools, "required")
     with pytest.raises(InvalidRequestError) as info:
-        await client.chat("Hi", tools=[SMALL_WEATHER], tool_choice="required", response_format={"type": "json_object"})
-    assert info.value.param == "response_format"
+        tool_constraint(tools, "auto", answer=StructuredOutput(json_schema={"type": "nonsense"}))
+    assert info.value.param == "response_format.json_schema.schema"
 
 
 async def test_output_filters_and_audit_see_tool_calls(tiny_model_factory, tmp_path):

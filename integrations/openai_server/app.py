@@ -29,7 +29,7 @@ from engine.supervisor import RestartPolicy
 from integrations.openai_server import responses_api, routes, vllm_routes
 from integrations.openai_server.errors import ApiError, error_middleware
 from integrations.openai_server.policy import ROUTES, ServerPolicy, route_of
-from integrations.openai_server.responses import rate_limit_headers
+from integrations.openai_server.wire_pieces import rate_limit_headers
 from integrations.openai_server.serving import Serving
 from integrations.openai_server.state import STATE, TENANT, Phase, ServerState, parse_keys
 from sdk.images import ImageLimits

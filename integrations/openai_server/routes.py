@@ -15,7 +15,7 @@ from integrations.openai_server.errors import ApiError, bad_request, from_sdk
 from integrations.openai_server.intake import check_common, origin, parse_body, sdk_requests
 from integrations.openai_server.metrics import CONTENT_TYPE
 from integrations.openai_server.policy import Tenant
-from integrations.openai_server.responses import chat_logprobs, completion_logprobs, token_ids, usage
+from integrations.openai_server.wire_pieces import chat_logprobs, completion_logprobs, token_ids, usage
 from integrations.openai_server.serving import Serving
 from integrations.openai_server.sse import EventStream
 from integrations.openai_server.state import STATE, TENANT, ServerState, cancel_on_disconnect

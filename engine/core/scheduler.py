@@ -53,8 +53,9 @@ class Scheduler:
         kv_cache_manager: The block tables; the scheduler allocates and frees through it.
         max_num_seqs: Most requests running at once.
         max_num_batched_tokens: Most tokens computed in one step.
-        propose: ``propose(request, max_drafts)``: the draft tokens to verify after a decoding
-            request's next token (speculative decoding; ``engine.spec_decode``), None = none.
+        propose: ``propose(request, max_drafts, num_rows)``: the draft tokens to verify after a decoding
+            request's next token in a step of ``num_rows`` decodes (speculative decoding;
+            ``engine.spec_decode``), None = none.
             Drafts take budget like prompt tokens, after one token for each request behind.
         encoder_budget: bounds the image rows a step encodes (a multimodal model), None = no images.
         step_time_target: Seconds a step that holds decodes should take at most: its prompt chunks are
@@ -66,9 +67,10 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        propose: Callable[[Request, int], Sequence[int]] | None = None,
+        propose: Callable[[Request, int, int], Sequence[int]] | None = None,
         encoder_budget: EncoderBudget | None = None,
         step_time_target: float | None = None,
+        step_cost: StepCost | None = None,
     ) -> None:
         self.kv = kv_cache_manager
         self.propose = propose
@@ -76,7 +78,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.step_time_target = step_time_target
-        self.step_cost = StepCost()  # measured step times (``record_step``), for ``prompt_room``
+        self.step_cost = step_cost or StepCost()  # measured step times (``record_step``), for ``prompt_room``
         self.requests: dict[str, Request] = {}  # unfinished requests by req_id
         self.running: list[Request] = []
         self.fair = FairShare()  # the waiting queue and the tenants' usage
@@ -150,16 +152,16 @@ class Scheduler:
         running.sort(key=fair.order)
         preempted, budget = self._schedule_decodes(scheduled, budget)
         num_decode_tokens = sum(s.num_tokens for s in scheduled)
-        prompt_room = min(budget, self.prompt_room(num_decode_tokens))
+        room = min(budget, self.prompt_room(num_decode_tokens))  # prompt tokens left to give
         done = {s.req_id for s in scheduled}
         i = 0
-        while i < len(running) and prompt_room > 0:
+        while i < len(running) and room > 0:
             request = running[i]
             if request.req_id in done:
                 i += 1
                 continue
             start = request.num_computed_tokens
-            num_new = self._encoder_cut(request, start, min(request.num_tokens - start, prompt_room))
+            num_new = self._encoder_cut(request, start, min(request.num_tokens - start, room))
             if num_new <= 0:
                 i += 1
                 continue
@@ -177,8 +179,7 @@ class Scheduler:
                     break  # NOTE: a prompt chunk waits rather than preempt a decode of this step
                 running.pop()
                 freed = self._take_back(victim, scheduled)
-                budget += freed
-                prompt_room += freed
+                room += freed
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
@@ -188,8 +189,7 @@ class Scheduler:
                 i += request.status == RequestStatus.RUNNING  # still running: it waits for a later step
                 continue
             scheduled.append(self._schedule(request, num_new, block_ids))
-            budget -= num_new
-            prompt_room -= num_new
+            room -= num_new
             i += 1
 
         # NOTE: no admissions in a step that preempted (the cache is already too small), unless
@@ -199,7 +199,7 @@ class Scheduler:
         # fair-share order may rank it first again, and readmitting it would preempt it again
         # for the same waiting request, forever.
         made_room: set[str] = set()
-        while fair.num_waiting and prompt_room > 0:
+        while fair.num_waiting and room > 0:
             request = fair.peek()
             assert request is not None
             if preempted and running and running[-1].priority <= request.priority:
@@ -210,13 +210,12 @@ class Scheduler:
                 freed = self._preempt_for(request, scheduled, made_room)
                 if freed is None:
                     break
-                budget += freed
-                prompt_room += freed
+                room += freed
                 continue
             computed = self.kv.get_computed_blocks(
                 request.req_id, request.all_token_ids, request.cache_salt, request.mm_spans
             )
-            num_new = min(request.num_tokens - computed.num_computed_tokens, prompt_room)
+            num_new = min(request.num_tokens - computed.num_computed_tokens, room)
             num_new = self._encoder_cut(request, computed.num_computed_tokens, num_new)
             if num_new == 0:
                 break  # its next tokens reach an image this step cannot encode: a later step admits it
@@ -232,8 +231,7 @@ class Scheduler:
                 freed = self._preempt_for(request, scheduled, made_room)
                 if freed is None:
                     break
-                budget += freed
-                prompt_room += freed
+                room += freed
                 continue
             fair.pop(request)
             is_new = request.status == RequestStatus.WAITING
@@ -248,8 +246,7 @@ class Scheduler:
             request.num_computed_tokens = computed.num_computed_tokens
             bisect.insort(running, request, key=fair.order)
             scheduled.append(self._schedule(request, num_new, block_ids))
-            budget -= num_new
-            prompt_room -= num_new
+            room -= num_new
 
         requests = self.requests
         fair.charge((requests[s.req_id], s.num_tokens) for s in scheduled)
@@ -324,7 +321,7 @@ class Scheduler:
         the running list is preempted. Returns whether any was preempted, and the budget left."""
         running = self.running
         allocate_slots = self.kv.allocate_slots
-        num_behind = sum(1 for r in running if r.num_tokens - r.num_computed_tokens == 1)
+        num_behind = num_rows = sum(1 for r in running if r.num_tokens - r.num_computed_tokens == 1)
         preempted = False
         i = 0
         while i < len(running) and budget > 0:
@@ -336,7 +333,7 @@ class Scheduler:
                 continue
             num_behind -= 1
             # NOTE: drafts leave one token of budget to every decode behind.
-            drafts = self._drafts(request, budget - num_behind) if self.propose is not None else ()
+            drafts = self._drafts(request, budget - num_behind, num_rows) if self.propose is not None else ()
             num_new = 1 + len(drafts)
             block_ids = allocate_slots(request.req_id, token_ids, start, num_new, cache_salt=request.cache_salt)
             if block_ids is None and drafts:  # NOTE: drafts never preempt another request
@@ -363,7 +360,7 @@ class Scheduler:
             i += 1
         return preempted, budget
 
-    def _drafts(self, request: Request, max_num_tokens: int) -> Sequence[int]:
+    def _drafts(self, request: Request, max_num_tokens: int, num_rows: int) -> Sequence[int]:
         """The drafts to verify after ``request``'s next token: ``max_num_tokens`` in all at most, within
         ``max_tokens`` and the length cap."""
         room = max_num_tokens - 1
@@ -372,7 +369,7 @@ class Scheduler:
             room = min(room, max_tokens - request.num_output_tokens - 1)
         if request.max_num_tokens is not None:
             room = min(room, request.max_num_tokens - request.num_tokens - 1)
-        return self.propose(request, room) if room > 0 else ()  # type: ignore[misc]
+        return self.propose(request, room, num_rows) if room > 0 else ()  # type: ignore[misc]
 
     def _check_stop(self, request: Request, token_id: int, hit_stop_string: bool) -> RequestStatus | None:
         num_output = request.num_output_tokens

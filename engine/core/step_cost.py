@@ -2,9 +2,8 @@
 
 A step's seconds are modelled as ``base + per_decode * decode_tokens + per_prompt * prompt_tokens``
 (decode tokens: the rows that take logits, each decode's token and drafts; prompt tokens: prefill
-chunks), fitted by least squares over the latest ``WINDOW`` measured steps (the least-norm fit where
-they do not tell the terms apart). Where the fit has a negative term, or no cost for a kind of token
-(none of that kind measured), every token costs the window's mean seconds per token and ``base`` is 0.
+chunks), fitted by least squares with no negative term over the latest ``WINDOW`` measured steps
+(a kind of token no step measured costs 0).
 
 ``prompt_tokens_within(seconds, decode_tokens)`` is what the scheduler asks: how many prompt tokens a
 step that already holds ``decode_tokens`` may add and still take ``seconds`` at most.
@@ -17,6 +16,7 @@ from collections import deque
 import numpy as np
 
 WINDOW = 64  # measured steps the fit uses
+_SUBSETS = [[0, 1, 2], [0, 1], [0, 2], [1, 2], [0], [1], [2]]  # the terms a fit may keep
 
 
 class StepCost:
@@ -54,9 +54,10 @@ class StepCost:
 
     def prompt_tokens_within(self, seconds: float, decode_tokens: int) -> int | None:
         """Most prompt tokens a step with ``decode_tokens`` may add within ``seconds`` (0 when the decodes
-        alone take that long); None before any step was measured (no bound known)."""
+        alone take that long); None before any step was measured or while prompt tokens cost nothing measured
+        (no bound known)."""
         coef = self.coefficients()
-        if coef is None:
+        if coef is None or coef[2] <= 0:
             return None
         base, per_decode, per_prompt = coef
         left = seconds - base - per_decode * decode_tokens
@@ -66,10 +67,16 @@ class StepCost:
         data = np.asarray(self._steps, dtype=np.float64)
         x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
         y = data[:, 2]
-        # NOTE: steps all of one decode count do not tell base from per decode token apart: the least-norm
-        # fit splits them, and still predicts steps of that count exactly.
-        coef = np.linalg.lstsq(x, y, rcond=None)[0]
-        if coef[0] >= 0 and coef[1] > 0 and coef[2] > 0:
-            return float(coef[0]), float(coef[1]), float(coef[2])
-        per_token = float(y.sum() / (data[:, 0].sum() + data[:, 1].sum()))
-        return 0.0, per_token, per_token
+        # NOTE: non-negative least squares by trying every subset of the terms (three: seven fits); steps all
+        # of one decode count do not tell base from per decode token apart, and the least-norm fit splits
+        # them while still predicting steps of that count exactly.
+        best, best_residual = np.zeros(3), np.inf
+        tie = 1e-9 * float(y @ y)
+        for terms in _SUBSETS:
+            coef = np.zeros(3)
+            coef[terms] = np.linalg.lstsq(x[:, terms], y, rcond=None)[0]
+            residual = float(np.sum((x @ coef - y) ** 2))
+            # NOTE: fewer terms win only a clearly better fit: of equal ones, the fullest
+            if coef.min() >= 0 and residual < best_residual - tie:
+                best, best_residual = coef, residual
+        return float(best[0]), float(best[1]), float(best[2])

@@ -52,12 +52,18 @@ def test_step_cost_fit_recovers_the_terms() -> None:
     assert cost.prompt_tokens_within(0.01, 10) == 0
 
 
-def test_step_cost_falls_back_to_a_mean_per_token() -> None:
-    """Steps without a decode token fit no cost per decode token: every token costs the mean."""
+def test_step_cost_fit_has_no_negative_term() -> None:
+    """A kind of token never measured costs 0; a term the data would make negative is left out of the fit."""
     cost = StepCost()
     cost.observe(0, 100, 0.2)
     cost.observe(0, 300, 0.6)
-    assert cost.coefficients() == pytest.approx((0.0, 0.002, 0.002))
+    assert cost.coefficients() == pytest.approx((0.0, 0.0, 0.002), abs=1e-12)
+    noisy = StepCost()
+    for decode, prompt, seconds in [(1, 0, 0.05), (1, 40, 0.04), (2, 0, 0.06)]:  # more prompt, less time
+        noisy.observe(decode, prompt, seconds)
+    base, per_decode, per_prompt = noisy.coefficients()
+    assert min(base, per_decode, per_prompt) >= 0 and per_prompt == 0
+    assert noisy.prompt_tokens_within(1.0, 1) is None  # prompt tokens measured as free: no bound
 
 
 def test_every_decode_runs_in_every_step_while_a_long_prompt_is_chunked() -> None:

@@ -56,7 +56,7 @@ class Scheduler:
         propose: ``propose(request, max_drafts, num_rows)``: the draft tokens to verify after a decoding
             request's next token in a step of ``num_rows`` decodes (speculative decoding;
             ``engine.spec_decode``), None = none.
-            Drafts take budget like prompt tokens, after one token for each request behind.
+            Drafts take budget after one token for each decode behind, before any prompt chunk.
         encoder_budget: bounds the image rows a step encodes (a multimodal model), None = no images.
         step_time_target: Seconds a step that holds decodes should take at most: its prompt chunks are
             cut to what ``step_cost`` predicts fits (``prompt_room``); None = chunks take the whole budget.

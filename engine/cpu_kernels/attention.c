@@ -20,6 +20,9 @@
  * rounds every lane as own_keys rounds that query alone, so a row's output is the same bits in
  * any tile (batch-invariant); the AMX and VDPBF16PS paths round queries to bfloat16 and are not.
  *
+ * With fewer rows than threads and a long context, rows attend alone, split by keys across the threads instead
+ * (attention_split.h).
+ *
  * Built at run time with -O3 -march=native -fopenmp; vectors as in vec.h (16 lanes where the
  * build has AVX-512), so head_dim must be a multiple of 8. This file builds the float32-cache
  * functions; attention_bf16.c includes it with KV_BF16 set for those of a bfloat16 cache, whose
@@ -475,6 +478,8 @@ static void attend_tile_d64(TILE_ARGS) { TILE_CALL(64, 1); }
 static void attend_tile_d128(TILE_ARGS) { TILE_CALL(128, 1); }
 static void attend_tile_any(TILE_ARGS, int D) { TILE_CALL(D, 0); }
 
+#include "attention_split.h"
+
 #if !KV_BF16 /* defined once, in the float32 build */
 /* MAX_LANES of this build: the most queries (rows x query heads of a KV group) a multi-row tile holds. */
 int attention_max_lanes(void) { return MAX_LANES; }
@@ -534,6 +539,10 @@ int KV_NAME(paged_attention)(const float *q, int64_t q_row, int64_t q_head, int6
     }
     free(seen);
     if (status != 0) return status;
+    const int64_t span = (SPLIT_SPAN_KEYS / block_size > 0 ? SPLIT_SPAN_KEYS / block_size : 1) * block_size;
+    if (split_by_keys(seq_lens, num_rows, span))
+        return split_attention(q, q_row, q_head, q_col, k_cache, v_cache, block_tables, table_stride, seq_lens,
+                               num_rows, out, num_heads, num_kv_heads, D, block_size, span, scale, window, softcap);
 #if KV_BF16
     const int path = attention_bf16_path(D);
 #else

@@ -16,7 +16,7 @@
 
 #define SPLIT_SPAN_KEYS 256 /* positions of a span, rounded down to whole blocks (at least one) */
 
-#if !KV_BF16 /* once in the library: the float32-cache build defines what both builds read */
+#if KV_F32 /* once in the library: the float32-cache build defines what every build reads */
 int attention_split = ATTENTION_SPLIT_AUTO;
 
 /* Sets when paged_attention splits rows by keys: an ATTENTION_SPLIT_ value (tests, PAGED_ATTENTION_SPLIT). */
@@ -49,7 +49,8 @@ static inline __attribute__((always_inline)) void split_item(
     const float *restrict q, int64_t q_row, int64_t q_head, int64_t q_col, const kv_t *restrict k_cache,
     const kv_t *restrict v_cache, const int32_t *restrict table, const int64_t *row, int64_t start, int64_t end,
     int64_t h0, int64_t h1, int64_t num_kv_heads, int64_t block_size, int G, const int D, const int specialized,
-    float scale, float softcap, float *restrict m, float *restrict sums, float *restrict acc) {
+    float scale, float softcap, const float *restrict k_scales, const float *restrict v_scales, float *restrict m,
+    float *restrict sums, float *restrict acc) {
     const int64_t token_stride = num_kv_heads * D;
     const int heads = (int)(h1 - h0) * G, RW = ROW_WIDTH(D);
     float qs[MAX_GROUP * MAX_HEAD_DIM];
@@ -59,18 +60,18 @@ static inline __attribute__((always_inline)) void split_item(
     memset(sums, 0, sizeof(float) * (size_t)(heads * RW));
     memset(acc, 0, sizeof(float) * (size_t)(heads * D));
     prefetch_chunk(k_cache, v_cache, table, start, end, block_size, token_stride, h0, h1, D);
-    own_keys(qs, k_cache, v_cache, table, start, end, block_size, token_stride, h0, h1, G, D, specialized, softcap, m,
-             sums, acc);
+    own_keys(qs, k_cache, v_cache, table, start, end, block_size, token_stride, h0, h1, G, D, specialized, softcap,
+             k_scales, v_scales, m, sums, acc);
 }
 
 #define SPLIT_ARGS                                                                                              \
     const float *q, int64_t q_row, int64_t q_head, int64_t q_col, const kv_t *k_cache, const kv_t *v_cache,     \
         const int32_t *table, const int64_t *row, int64_t start, int64_t end, int64_t h0, int64_t h1,           \
-        int64_t num_kv_heads, int64_t block_size, int G, float scale, float softcap, float *m, float *sums, \
-        float *acc
+        int64_t num_kv_heads, int64_t block_size, int G, float scale, float softcap, const float *k_scales, \
+        const float *v_scales, float *m, float *sums, float *acc
 #define SPLIT_CALL(D, S)                                                                                         \
     split_item(q, q_row, q_head, q_col, k_cache, v_cache, table, row, start, end, h0, h1, num_kv_heads, block_size, \
-               G, D, S, scale, softcap, m, sums, acc)
+               G, D, S, scale, softcap, k_scales, v_scales, m, sums, acc)
 static void split_item_d64(SPLIT_ARGS) { SPLIT_CALL(64, 1); }
 static void split_item_d128(SPLIT_ARGS) { SPLIT_CALL(128, 1); }
 static void split_item_any(SPLIT_ARGS, int D) { SPLIT_CALL(D, 0); }
@@ -83,7 +84,7 @@ static int split_attention(const float *q, int64_t q_row, int64_t q_head, int64_
                            const kv_t *v_cache, const int32_t *block_tables, int64_t table_stride,
                            const int64_t *seq_lens, int64_t num_rows, float *out, int64_t num_heads,
                            int64_t num_kv_heads, int D, int64_t block_size, int64_t span, float scale, int64_t window,
-                           float softcap) {
+                           float softcap, const float *k_scales, const float *v_scales) {
     const int G = (int)(num_heads / num_kv_heads), RW = ROW_WIDTH(D);
     const int64_t item_heads = MAX_GROUP / G < num_kv_heads ? MAX_GROUP / G : num_kv_heads;
     const int64_t groups = (num_kv_heads + item_heads - 1) / item_heads;
@@ -115,13 +116,13 @@ static int split_attention(const float *q, int64_t q_row, int64_t q_head, int64_
             const int32_t *table = block_tables + i * table_stride;
             if (D == 64)
                 split_item_d64(q, q_row, q_head, q_col, k_cache, v_cache, table, &i, start, end, h0, h1, num_kv_heads,
-                               block_size, G, scale, softcap, m, sums, acc);
+                               block_size, G, scale, softcap, k_scales, v_scales, m, sums, acc);
             else if (D == 128)
                 split_item_d128(q, q_row, q_head, q_col, k_cache, v_cache, table, &i, start, end, h0, h1,
-                                num_kv_heads, block_size, G, scale, softcap, m, sums, acc);
+                                num_kv_heads, block_size, G, scale, softcap, k_scales, v_scales, m, sums, acc);
             else
                 split_item_any(q, q_row, q_head, q_col, k_cache, v_cache, table, &i, start, end, h0, h1, num_kv_heads,
-                               block_size, G, scale, softcap, m, sums, acc, D);
+                               block_size, G, scale, softcap, k_scales, v_scales, m, sums, acc, D);
         }
         /* the merge: each row's spans in order, a row and head group at a time */
 #pragma omp for schedule(static)

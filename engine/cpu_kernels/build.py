@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = (
     "vec.h", "kernels.h", "linear.h", "linear_layout.h", "linear_path.h", "linear_tiles16.h", "bf16_kernels.h",
-    "attention_amx.h", "attention_dot.h", "attention_rows.h", "attention_split.h", "attention.c", "attention_bf16.c", "elementwise.c",
+    "attention_amx.h", "attention_dot.h", "attention_rows.h", "attention_split.h", "attention.c", "attention_bf16.c", "attention_i8.c",
+    "elementwise.c",
     "linear.c", "linear_path.c", "linear_bf16.c", "linear_int8.c", "token_mask.c", "argmax.c", "decoder.c",
     "ggml_blocks.h", "ggml_generic.h", "ggml_avx2.h", "ggml_x16.h", "ggml_avx512.h", "linear_ggml.c",
 )
@@ -171,9 +172,16 @@ _SIGNATURES = {
 }
 # The kernels built for a bfloat16 cache or weight take the float32 ones' arguments.
 _SIGNATURES |= {f"{name}_bf16": _SIGNATURES[f"{name}_f32"] for name in ("paged_attention", "store_kv", "linear")}
+# An int8 cache's kernels: the float32 ones' arguments and the scales (k_scales, v_scales: [num_blocks, Hkv]).
+_SIGNATURES |= {
+    "paged_attention_i8": [*_SIGNATURES["paged_attention_f32"], _PTR, _PTR],
+    # k and its two strides, v and its two strides, slots, rows, KV heads, head_dim, block_size, k_cache, v_cache,
+    # k_scales, v_scales, number of slots
+    "store_kv_i8": [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, *[_I64] * 4, _PTR, _PTR, _PTR, _PTR, _I64],
+}
 # 0, or < 0 on bad arguments
 _RETURN_STATUS = {
-    "paged_attention_f32", "paged_attention_bf16", "store_kv_f32", "store_kv_bf16", "rotary_f32", "linear_q8_f32",
+    "paged_attention_f32", "paged_attention_bf16", "paged_attention_i8", "store_kv_f32", "store_kv_bf16", "store_kv_i8", "rotary_f32", "linear_q8_f32",
     "linear_w8a8_f32", "linear_int8_path", "linear_bf16", "linear_bf16_path", "attention_bf16_path", "attention_max_lanes",
     "attention_fetch_level", "decoder_forward", "linear_ggml_f32", "ggml_dequantize_rows", "ggml_linear_path",
     "ggml_x16_type_for", "ggml_x16_pack",

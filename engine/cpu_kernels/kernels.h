@@ -54,5 +54,9 @@ int paged_attention_f32(PAGED_ATTENTION_ARGS(float));
 int paged_attention_bf16(PAGED_ATTENTION_ARGS(uint16_t));
 int store_kv_f32(STORE_KV_ARGS(float));
 int store_kv_bf16(STORE_KV_ARGS(uint16_t));
+int paged_attention_i8(PAGED_ATTENTION_ARGS(int8_t), const float *k_scales, const float *v_scales);
+int store_kv_i8(const float *k, int64_t k_row, int64_t k_col, const float *v, int64_t v_row, int64_t v_col,
+                const int64_t *slots, int64_t num_rows, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                int8_t *k_cache, int8_t *v_cache, float *k_scales, float *v_scales, int64_t num_slots);
 
 #endif

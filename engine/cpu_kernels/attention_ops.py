@@ -102,7 +102,8 @@ def attention(
         q.data_ptr(), *q.stride(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.stride(0), seq_lens.data_ptr(), num_rows, tiles.rows.data_ptr(), tiles.starts.data_ptr(),
         tiles.shared.data_ptr(), len(tiles.shared), out.data_ptr(), num_heads, num_kv_heads, head_dim, block_size,
-        k_cache.shape[0], scale, window or 0, softcap or 0.0, *([] if scales is None else [t.data_ptr() for t in scales]),
+        k_cache.shape[0], scale, window or 0, softcap or 0.0,
+        *([] if scales is None else [t.data_ptr() for t in scales]),
     )
     if status:
         raise attention_error(status, num_rows, num_heads // num_kv_heads, k_cache.shape[0], block_tables.shape[1])
@@ -174,7 +175,9 @@ def _check_caches(
     shape = (k_cache.shape[0], k_cache.shape[2])
     for name, t in zip(("k_scales", "v_scales"), scales, strict=True) if scales is not None else ():
         if t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != shape or not t.is_cpu:
-            raise ValueError(f"{name} must be a contiguous float32 CPU tensor of shape {shape}; got {t.dtype} {tuple(t.shape)}")
+            raise ValueError(
+                f"{name} must be a contiguous float32 CPU tensor of shape {shape}; got {t.dtype} {tuple(t.shape)}"
+            )
 
 
 def _heads_side_by_side(t: torch.Tensor) -> torch.Tensor:

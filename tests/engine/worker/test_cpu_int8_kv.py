@@ -130,3 +130,46 @@ def test_an_int8_cache_needs_its_scales() -> None:
     with pytest.raises(ValueError, match=r"k_scales must be a contiguous float32 CPU tensor of shape \(4, 2\)"):
         cpu_kernels.attention(q, cache.k, cache.v, cache.tables, cache.lens, 0.125,
                               scales=(cache.scales[0][:2], cache.scales[1]))  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- the engine on an int8 cache
+
+
+def test_int8_cache_is_refused_where_it_cannot_run() -> None:
+    """kv_cache_dir keeps float caches only, and the PyTorch attention backend reads no int8 cache: each is a
+    ParameterError naming kv_cache_dtype, before anything loads or at start-up."""
+    from engine import Engine
+    from engine.config import EngineConfig
+    from engine.errors import ParameterError
+
+    with pytest.raises(ParameterError, match="kv_cache_dir persists float32 and bfloat16 caches") as exc:
+        EngineConfig(kv_cache_dtype="int8", kv_cache_dir="/nonexistent")
+    assert exc.value.param == "kv_cache_dtype"
+    with pytest.raises(ParameterError, match="runs on the CPU attention kernels") as exc:
+        Engine(kv_cache_dtype="int8", attention_backend="torch", num_blocks=16)
+    assert exc.value.param == "kv_cache_dtype"
+
+
+def test_bundled_model_serves_from_an_int8_cache_and_returns_its_blocks() -> None:
+    """The bundled model with kv_cache_dtype="int8": the modules run (decoder.c reads float caches), the cache holds
+    int8 codes with their scales and counts about four times a float32 cache's blocks in the same memory, every
+    request gets its 8 greedy tokens, and every block comes back. Token agreement with a float cache is measured, not
+    asserted: docs/kv_cache.md."""
+    from engine import Engine, SamplingParams
+
+    prompts = [torch.randint(3, 40000, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (40, 90, 7)]
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    blocks = {}
+    for dtype in ("auto", "int8"):
+        engine = Engine(kv_cache_dtype=dtype, kv_cache_memory=16 << 20, max_model_len=512)
+        outputs = engine.generate(prompts, greedy, use_tqdm=False)
+        assert [len(out.outputs[0].token_ids) for out in outputs] == [8, 8, 8]
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks and not engine.has_unfinished_requests()
+        blocks[dtype] = engine.kv.num_blocks
+        if dtype == "int8":
+            stats = engine.stats()
+            assert stats["layers"] == "modules" and "int8" in stats["attention"]
+    # a block holds K and V of 30 layers x 3 KV heads x 16 tokens x 64: 4 bytes an element in float32; in int8 one,
+    # and a 4-byte scale for each layer's K or V of a KV head
+    heads = 30 * 2 * 3
+    assert blocks == {"auto": (16 << 20) // (heads * 16 * 64 * 4), "int8": (16 << 20) // (heads * (16 * 64 + 4))}

@@ -29,7 +29,7 @@ class EngineConfig:
     Raises:
         ParameterError: a field of the wrong type or outside its bounds (``param`` names it),
             both ``kv_cache_memory`` and ``num_blocks``, ``kv_cache_dir`` without
-            ``enable_prefix_caching`` or with ``tensor_parallel_size`` above 1,
+            ``enable_prefix_caching``, with ``tensor_parallel_size`` above 1 or ``kv_cache_dtype="int8"``,
             or ``kv_cache_save_interval_s`` without ``kv_cache_dir``.
     """
 
@@ -68,6 +68,14 @@ class EngineConfig:
         "Commit the whole CPU KV cache at start-up, as vLLM allocates its cache: no page faults when a block is "
         "first written, for start-up time and the whole cache's memory at once (False: pages are committed as "
         "blocks fill).",
+    )
+    kv_cache_dtype: str = knob(
+        "auto",
+        "KV cache elements, as vLLM's setting of this name: auto = the weights' dtype on CPU (float32 or bfloat16), "
+        "the compute dtype on GPU; int8 = int8 codes with a float32 scale per block and KV head for each of K and V "
+        "(the CPU attention kernels; a quarter of a float32 cache's bytes, half a bfloat16 one's, so twice the "
+        "blocks of bfloat16 for the same memory; its accuracy: docs/kv_cache.md); not with kv_cache_dir.",
+        choices=("auto", "int8"),
     )
     max_num_seqs: int = knob(128, "Most requests running in one step.", ge=1, le=1 << 16)
     max_num_batched_tokens: int | None = knob(
@@ -139,6 +147,8 @@ class EngineConfig:
             raise ParameterError("kv_cache_dir", "kv_cache_dir persists the prefix cache: it needs enable_prefix_caching")
         if self.kv_cache_save_interval_s is not None and self.kv_cache_dir is None:
             raise ParameterError("kv_cache_save_interval_s", "kv_cache_save_interval_s needs kv_cache_dir")
+        if self.kv_cache_dir is not None and self.kv_cache_dtype == "int8":
+            raise ParameterError("kv_cache_dtype", "kv_cache_dir persists float32 and bfloat16 caches; not int8")
         if self.kv_cache_dir is not None and self.tensor_parallel_size > 1:
             raise ParameterError(
                 "kv_cache_dir", "kv_cache_dir saves one process's KV heads: it needs tensor_parallel_size=1"

@@ -132,6 +132,14 @@ class ModelRunner:
         # bfloat16 weights computed in float32 keep a bfloat16 KV cache too where the C kernel reads it
         cpu_backend = isinstance(self.attn_backend, CpuAttentionBackend)
         self.kv_cache_dtype = self.weight_dtype if cpu_backend else self.dtype
+        if config.kv_cache_dtype == "int8":
+            if not cpu_backend:
+                raise ParameterError(
+                    "kv_cache_dtype",
+                    "kv_cache_dtype='int8' runs on the CPU attention kernels; this engine's attention backend is "
+                    f"{self.attn_backend.name}",
+                )
+            self.kv_cache_dtype = torch.int8
         self.attention: str = self.attn_backend.describe(self.kv_cache_dtype, layer.head_dim)  # what runs it
         self._kv_cache_groups = kv_cache_groups(self._attention_layers())
         # each KV cache group's sliding window (None: full attention), as KVCacheManager takes them
@@ -139,11 +147,15 @@ class ModelRunner:
         # NOTE: every rank of a group allocates the same number of blocks: the scheduler addresses them all.
         self.num_blocks = self._num_blocks() if tp.comm is None else tp.comm.all_reduce_min(self._num_blocks())
         self.kv_cache = self._allocate_kv_cache()
+        # an int8 cache's scales of K and V per block and KV head: [layers of the largest group, 2, num_blocks, Hkv]
+        self.kv_scales: torch.Tensor | None = None
+        if self.kv_cache_dtype == torch.int8:
+            self.kv_scales = torch.zeros(*self.kv_cache.shape[:3], self.kv_cache.shape[4])
         self._bind_kv_cache()
         # the decoder layers in one C call a step where the CPU kernels run them all (else None: the modules do,
         # also on a tensor-parallel rank, whose collectives sit between the kernels)
         self.decoder_plan = None
-        if not config.enforce_eager and tp.comm is None:
+        if not config.enforce_eager and tp.comm is None and self.kv_scales is None:  # decoder.c: no int8 cache
             self.decoder_plan = DecoderPlan.build(self.model, self.attn_backend, self.dtype)
         logger.info(
             "model %s on %s (%s, weights and KV cache in %s and %s; linear weights: %s; attention: %s; layers: %s): "
@@ -294,10 +306,11 @@ class ModelRunner:
 
     def _num_blocks(self) -> int:
         attn = self._attention_layers()[0]
+        scale_bytes = 4 if self.kv_cache_dtype == torch.int8 else 0  # a float32 scale per block and KV head
         bytes_per_block = (
-            self._layers_per_block() * 2 * self.block_size * attn.num_kv_heads * attn.head_dim
-            * self.kv_cache_dtype.itemsize
-        )
+            self._layers_per_block() * 2 * attn.num_kv_heads
+            * (self.block_size * attn.head_dim * self.kv_cache_dtype.itemsize + scale_bytes)
+        )  # fmt: skip
         if self.config.num_blocks is not None:
             return self.config.num_blocks
         if self.config.kv_cache_memory is not None:
@@ -340,8 +353,9 @@ class ModelRunner:
     def _bind_kv_cache(self) -> None:
         """Gives the i-th attention layer of each KV cache group its group, its backend and the cache's slice i."""
         for index, group in enumerate(self._kv_cache_groups):
-            for attn, kv_cache in zip(group, self.kv_cache):
+            for i, (attn, kv_cache) in enumerate(zip(group, self.kv_cache)):
                 attn.kv_cache, attn.backend, attn.kv_cache_group = kv_cache, self.attn_backend, index
+                attn.kv_scales = None if self.kv_scales is None else self.kv_scales[i]
 
 
 def kv_cache_groups(layers: list[Attention]) -> list[list[Attention]]:

@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 OFFLINE_WORKLOADS = ("shared-prefix", "distinct", "rag")  # those --compare runs the baselines on
 BATCH1 = "batch1"  # one request at a time, against llama-bench
 SWEEP_LEVELS = [1, 2, 4, 8, 16, 32, 64, 128]  # --workload sweep without --concurrency
+DEFAULT_PROMPT_TOKENS = 512  # batch1's timed prefill without --prompt-tokens or --depth
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,7 +55,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--llamacpp-slots", type=_positive_int, default=16, help="llama-server's parallel slots (-np), --baselines llamacpp"
     )
     parser.add_argument(
-        "--prompt-tokens", type=_positive_int, default=512, help="batch1: the prompt length whose prefill is timed"
+        "--prompt-tokens",
+        type=_positive_int,
+        default=None,
+        help="batch1: the prompt length whose prefill is timed (default: --depth where given, else 512)",
+    )
+    parser.add_argument(
+        "--depth",
+        type=_positive_int,
+        default=None,
+        help="batch1: time the decode with this many tokens in the cache, and (unless --prompt-tokens) the prefill of "
+        "this many tokens, as llama-bench's -d and -p",
     )
     parser.add_argument(
         "--vllm-python",
@@ -174,6 +185,8 @@ def run(args: argparse.Namespace) -> int:
             f"--rounds applies to the {', '.join(OFFLINE_WORKLOADS)} workloads, in process (and to {BATCH1}, "
             "as its repetitions)"
         )
+    if (args.depth is not None or args.prompt_tokens is not None) and args.workload != BATCH1:
+        raise FlagError(f"--depth and --prompt-tokens apply to --workload {BATCH1}")
     if args.workload == BATCH1 and args.compare and args.baselines != [llamacpp_runs.LLAMACPP]:
         raise FlagError(f"--workload {BATCH1} compares the engine with llama.cpp alone: pass --baselines llamacpp")
     if args.base_url is not None:
@@ -241,14 +254,18 @@ def run(args: argparse.Namespace) -> int:
     if args.workload == BATCH1:
         from integrations.bench.batch1 import batch1_report, engine_batch1
 
+        depth = args.depth or 0
+        prompt_tokens = args.prompt_tokens or args.depth or DEFAULT_PROMPT_TOKENS
         bar.set_postfix_str("engine")
-        rows = [engine_batch1(spec, args.prompt_tokens, args.max_tokens, args.rounds)]
+        rows = [engine_batch1(spec, prompt_tokens, args.max_tokens, args.rounds, depth)]
         if llamacpp is not None:
             bar.set_postfix_str("llama-bench")
             rows.append(
-                llamacpp_runs.run_llama_bench(llamacpp, gguf, threads, args.prompt_tokens, args.max_tokens, args.rounds)
+                llamacpp_runs.run_llama_bench(
+                    llamacpp, gguf, threads, prompt_tokens, args.max_tokens, args.rounds, depth
+                )
             )
-        sections["batch1"] = batch1_report(rows, args.prompt_tokens, args.max_tokens, threads, args.rounds)
+        sections["batch1"] = batch1_report(rows, prompt_tokens, args.max_tokens, threads, args.rounds, depth)
     elif args.workload == "poisson":
         sections["poisson"] = engine_runs.poisson_search(
             spec, workload.prompts, args.max_tokens, args.rate, args.itl_bound,

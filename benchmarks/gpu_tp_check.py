@@ -28,7 +28,7 @@ from bench_forward import _decode_step, _prefill_step
 
 from engine import Engine, SamplingParams
 from engine.config import EngineConfig
-from engine.distributed.runner import TensorParallelRunner
+from engine.distributed.runner import ParallelRunner
 from engine.worker.model_runner import ModelRunner
 
 
@@ -59,7 +59,7 @@ def _step_ms(runner: ModelRunner, step, repeats: int) -> float:
 
 def check_one_rank_group(model_dir: Path, config: EngineConfig, repeats: int) -> bool:
     plain = ModelRunner(config, model_dir)
-    group = TensorParallelRunner(dataclasses.replace(config, tensor_parallel_size=1), model_dir)
+    group = ParallelRunner(dataclasses.replace(config, tensor_parallel_size=1), model_dir)
     steps = [_prefill_step(200, config.block_size)] + [_decode_step(b, 256, config.block_size, 0) for b in (1, 16, 64)]
     equal = all(torch.equal(plain.execute_model(s), group.execute_model(s)) for s in steps)
     print(f"one-rank {'NCCL' if plain.device.type == 'cuda' else 'gloo'} group: logits "

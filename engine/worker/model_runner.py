@@ -38,7 +38,7 @@ from engine.model_files.gguf import GGUFError, GGUFFile
 from engine.models.registry import get_model_class
 from engine.models.vision import SupportsImages
 from engine.multimodal.encoder_cache import EncoderCache
-from engine.parallel_state import SINGLE, TensorParallel, tensor_parallel
+from engine.parallel_state import SINGLE, WHOLE, PipelineStage, TensorParallel, pipeline_stage, tensor_parallel
 from engine.worker.decoder_plan import DecoderPlan
 from engine.worker.image_rows import ENCODER_CACHE_BYTES, image_rows
 from engine.worker.input_batch import prepare_inputs
@@ -98,6 +98,7 @@ class ModelRunner:
         model_dir: a Hugging Face model directory (``engine.loader.resolve_model`` output).
         tp: the tensor-parallel rank this runner holds the shard of (``engine.distributed``); its KV cache
             holds that rank's KV heads.
+        pp: the pipeline stage whose decoder layers (weights and KV cache) this runner holds.
 
     Raises:
         ModelLoadError: the directory's architecture or weights cannot be loaded.
@@ -106,12 +107,14 @@ class ModelRunner:
             ``quantization`` where it cannot run.
     """
 
-    def __init__(self, config: EngineConfig, model_dir: Path, tp: TensorParallel = SINGLE) -> None:
+    def __init__(
+        self, config: EngineConfig, model_dir: Path, tp: TensorParallel = SINGLE, pp: PipelineStage = WHOLE
+    ) -> None:
         from transformers import AutoConfig
 
         self.config = config
         self.model_dir = Path(model_dir)
-        self.tp = tp
+        self.tp, self.pp = tp, pp
         self.hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         self.text_config = self.hf_config.get_text_config()  # a multimodal model's language model's config
         self.device = resolve_device(config.device)
@@ -137,13 +140,14 @@ class ModelRunner:
         # each KV cache group's sliding window (None: full attention), as KVCacheManager takes them
         self.kv_cache_windows = tuple(group[0].sliding_window for group in self._kv_cache_groups)
         # NOTE: every rank of a group allocates the same number of blocks: the scheduler addresses them all.
-        self.num_blocks = self._num_blocks() if tp.comm is None else tp.comm.all_reduce_min(self._num_blocks())
+        group = pp.links or tp.comm  # every rank of every stage
+        self.num_blocks = self._num_blocks() if group is None else group.all_reduce_min(self._num_blocks())
         self.kv_cache = self._allocate_kv_cache()
         self._bind_kv_cache()
         # the decoder layers in one C call a step where the CPU kernels run them all (else None: the modules do,
         # also on a tensor-parallel rank, whose collectives sit between the kernels)
         self.decoder_plan = None
-        if not config.enforce_eager and tp.comm is None:
+        if not config.enforce_eager and tp.comm is None and pp.size == 1:
             self.decoder_plan = DecoderPlan.build(self.model, self.attn_backend, self.dtype)
         logger.info(
             "model %s on %s (%s, weights and KV cache in %s and %s; linear weights: %s; attention: %s; layers: %s): "
@@ -163,7 +167,10 @@ class ModelRunner:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> torch.Tensor | None:
         """Run one step; returns float32 logits [num_logits, vocab] for the ``needs_logits`` requests, in batch order
-        (None on a tensor-parallel rank other than the first)."""
+        (None on a rank other than the driver: a tensor-parallel rank other than the first, a later pipeline stage).
+
+        A pipeline stage runs its layers on the previous stage's hidden states and sends its own to the next; the
+        last stage sends the logits to the driver."""
         scheduled = scheduler_output.scheduled
         if not scheduled:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
@@ -175,10 +182,30 @@ class ModelRunner:
             with set_forward_context(ForwardContext(inputs.attn_metadata)):
                 # NOTE: a multimodal model's image rows take the image embeddings (the modules path only)
                 extra = {} if images is None else {"image_embeds": images[0], "image_rows": images[1]}
+                if not self.pp.is_first:
+                    shape = (2, len(inputs.input_ids), self.text_config.hidden_size)
+                    extra["intermediate"] = self.pp.links.recv_hidden(shape, self.dtype)
                 hidden = self.model(inputs.input_ids, inputs.positions, **extra)  # [T, hidden]
+        if not self.pp.is_last:
+            self.pp.links.send_hidden(hidden)
+            return self._pipeline_logits(len(inputs.logits_indices))
         # NOTE: the LM head runs only on the rows whose next token is sampled.
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
-        return None if logits is None else logits.float()
+        if logits is None:
+            return None
+        if self.pp.size > 1:  # the last stage's first tensor-parallel rank: the driver samples
+            if len(logits):
+                self.pp.links.send_logits(logits.float())
+            return None
+        return logits.float()
+
+    def _pipeline_logits(self, rows: int) -> torch.Tensor | None:
+        """On the driver (the first stage's first rank), the last stage's logits; None on the other ranks."""
+        if not (self.pp.is_first and self.tp.is_first):
+            return None
+        if rows == 0:
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        return self.pp.links.recv_logits((rows, self.vocab_size))
 
     # ------------------------------------------------------------------------------------ persistence
 
@@ -231,7 +258,7 @@ class ModelRunner:
 
     def _load_model(self, model_dir: Path) -> torch.nn.Module:
         model_class = get_model_class(self.hf_config)
-        with torch.device("meta"), tensor_parallel(self.tp):
+        with torch.device("meta"), tensor_parallel(self.tp), pipeline_stage(self.pp):
             model = model_class(self.hf_config).to(dtype=self.dtype)
         cpu_kernels_serve = (
             self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.library() is not None

@@ -125,6 +125,22 @@ class EngineConfig:
         "Decoder layers per pipeline stage as comma-separated counts summing to the model's layers (\"10,14\"), as "
         "vLLM's VLLM_PP_LAYER_PARTITION; None = an even split, the first stages one layer more where it is uneven.",
     )
+    distributed_executor_backend: str = knob(
+        "mp",
+        "Where the ranks of tensor_parallel_size x pipeline_parallel_size run, as vLLM's setting of this name: mp = "
+        "processes this one spawns on its machine; ray = Ray actors in one placement group, on the Ray cluster this "
+        "process is connected to (else a local one), across nodes as ray_placement_strategy places them.",
+        choices=("mp", "ray"),
+    )
+    ray_placement_strategy: str = knob(
+        "PACK", "How the Ray ranks' bundles spread over nodes: PACK = as few nodes as fit, SPREAD = as many.",
+        choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+    )
+    ray_bundle_cpus: float = knob(1.0, "CPUs each Ray rank's bundle reserves (and a GPU on CUDA).", gt=0.0, le=1024.0)
+    ray_placement_timeout_s: float = knob(
+        60.0, "Seconds the Ray cluster has to hold the ranks' placement group before start-up fails naming it.",
+        gt=0.0, le=86400.0,
+    )
     max_queued_requests: int = knob(4096, "Admission limit: waiting requests (beyond it, EngineOverloaded).", ge=1, le=1 << 30)
     max_queued_tokens: int = knob(
         4_000_000, "Admission limit: prompt tokens of waiting requests (beyond it, EngineOverloaded).", ge=1, le=1 << 40

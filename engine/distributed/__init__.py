@@ -7,5 +7,6 @@ shards (a share of a stage's heads, a stage's layers).
   driver) through ``engine.parallel_state.PipelineStage``.
 - ``workers``: the driver's ``WorkerGroup`` (one spawned process per rank > 0, each step's ``SchedulerOutput``
   sent to all) and the rank workers' loop.
+- ``ray_workers``: ``RayWorkerGroup``, the same group as Ray actors in one placement group, across nodes.
 - ``runner``: ``ParallelRunner``, rank 0's model runner: its own shard plus the group.
 """

@@ -77,9 +77,10 @@ class Communicator:
         return x
 
 
-def open_store(port: int, size: int, is_master: bool) -> dist.TCPStore:
-    """The group's store on 127.0.0.1: rank 0 serves it (``port`` 0: a free one, then ``store.port``)."""
+def open_store(port: int, size: int, is_master: bool, host: str = "127.0.0.1") -> dist.TCPStore:
+    """The group's store on ``host`` (the driver's address; localhost where every rank is on its machine): rank 0
+    serves it (``port`` 0: a free one, then ``store.port``)."""
     return dist.TCPStore(
-        "127.0.0.1", port, size, is_master, timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
+        host, port, size, is_master, timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
         wait_for_workers=False,
     )  # fmt: skip

@@ -52,7 +52,12 @@ class ParallelRunner(ModelRunner):
         if device.type == "cpu":  # NOTE: this process is a rank like the others: a share of the cores each
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
         self.kind = "tensor-parallel" if pp_size == 1 else "pipeline-parallel"
-        self.workers = WorkerGroup(config, model_dir, layers)
+        if config.distributed_executor_backend == "ray":
+            from engine.distributed.ray_workers import RayWorkerGroup
+
+            self.workers: WorkerGroup | RayWorkerGroup = RayWorkerGroup(config, model_dir, layers)
+        else:
+            self.workers = WorkerGroup(config, model_dir, layers)
         try:
             try:
                 tp, pp = join_groups(self.workers.store, 0, tp_size, layers, device, self.workers.timeout_s)

@@ -18,6 +18,7 @@ import weakref
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,9 @@ from engine.config import EngineConfig
 from engine.distributed.communicator import open_store
 from engine.distributed.pipeline import join_groups
 from engine.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -43,21 +47,28 @@ class WorkerSpec:
     layers: list[range]
     store_port: int
     timeout_s: float
+    store_host: str = "127.0.0.1"
+
+
+def build_rank(rank: int, spec: WorkerSpec, device_index: int, threads: int) -> ModelRunner:
+    """Rank ``rank``'s runner: its groups joined, its shard loaded (on CUDA device ``device_index``; on CPU over
+    ``threads`` threads)."""
+    from engine.worker.model_runner import ModelRunner, resolve_device
+
+    device = resolve_device(spec.config.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device_index)
+    else:
+        torch.set_num_threads(threads)
+    store = open_store(spec.store_port, spec.size, is_master=False, host=spec.store_host)
+    tp, pp = join_groups(store, rank, spec.config.tensor_parallel_size, spec.layers, device, spec.timeout_s)
+    return ModelRunner(spec.config, spec.model_dir, tp, pp)
 
 
 def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
     """A rank's process: build the shard, say ready (or why not), then run each step the driver sends."""
-    from engine.worker.model_runner import ModelRunner, resolve_device
-
-    try:
-        device = resolve_device(spec.config.device)
-        if device.type == "cuda":
-            torch.cuda.set_device(rank)
-        else:  # NOTE: the ranks share the machine's cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.size))
-        store = open_store(spec.store_port, spec.size, is_master=False)
-        tp, pp = join_groups(store, rank, spec.config.tensor_parallel_size, spec.layers, device, spec.timeout_s)
-        runner = ModelRunner(spec.config, spec.model_dir, tp, pp)
+    try:  # NOTE: the ranks share the machine's cores
+        runner = build_rank(rank, spec, rank, max(1, (os.cpu_count() or 1) // spec.size))
     except BaseException as exc:  # noqa: BLE001 - the driver reports it
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return

@@ -1,7 +1,8 @@
 """Ranks as Ray actors (``distributed_executor_backend="ray"``) on a local two-node Ray cluster this test starts:
 a head node without CPUs for actors and a second raylet with two CPUs and a resource label of its own. pp=2 puts
-its second stage on the second node and gives transformers' greedy tokens; a placement group the cluster cannot
-hold fails start-up by its deadline, naming the bundles."""
+its second stage on the second node and gives transformers' greedy tokens; a killed stage actor fails the requests
+with a typed error and returns every block; a placement group the cluster cannot hold fails start-up by its
+deadline, naming the bundles."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 import pytest
 
 from engine import Engine, SamplingParams
-from engine.errors import ParameterError
+from engine.errors import ParameterError, WorkerGroupFailed
 from tests.engine.distributed.test_pipeline_parallel import PROMPTS, _assert_alone_and_batched, _hf_greedy
 
 ray = pytest.importorskip("ray")
@@ -64,4 +65,26 @@ def test_a_placement_group_the_cluster_cannot_hold_fails_by_its_deadline(two_nod
         Engine(str(tiny_model_factory("llama")), pipeline_parallel_size=2, tensor_parallel_size=2,
                ray_placement_timeout_s=3.0, **OPTIONS)  # fmt: skip
     assert err.value.param == "distributed_executor_backend"
+    assert _free_cpus_become(2.0)
+
+
+def test_a_killed_stage_actor_fails_every_request_and_returns_every_block(two_nodes, tiny_model_factory) -> None:
+    """The last stage's actor killed mid-generation: the next step raises WorkerGroupFailed, every request fails
+    with it, the pool is whole, and the placement group's CPUs come back."""
+    engine = Engine(str(tiny_model_factory("llama")), pipeline_parallel_size=2, **OPTIONS)
+    try:
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        ids = [engine.add_request(None, p, params) for p in PROMPTS]
+        engine.step()
+        ray.kill(engine.runner.workers.actors[0])
+        with pytest.raises(WorkerGroupFailed, match="pipeline-parallel step failed"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        failures = engine.pop_failures()
+        assert sorted(failures) == sorted(ids) and all(isinstance(e, WorkerGroupFailed) for e in failures.values())
+        engine.kv.check_integrity()
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+        assert not engine.runner.workers.is_alive
+    finally:
+        engine.close()
     assert _free_cpus_become(2.0)

@@ -14,6 +14,7 @@ from engine.config import EngineConfig
 from engine.distributed.communicator import open_store
 from engine.distributed.workers import COLLECTIVE_TIMEOUT_S, WorkerSpec, build_rank
 from engine.errors import ModelLoadError, ParameterError
+from engine.worker.model_runner import resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class RayWorkerGroup:
     def __init__(self, config: EngineConfig, model_dir: Path, layers: list[range]) -> None:
         try:
             import ray
-            from ray.util.placement_group import placement_group, remove_placement_group
+            from ray.util.placement_group import placement_group
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         except ImportError:
             raise ParameterError(
@@ -65,14 +66,13 @@ class RayWorkerGroup:
         self.size = size = config.tensor_parallel_size * len(layers)
         if not ray.is_initialized():
             ray.init(include_dashboard=False, logging_level=logging.WARNING)
-        gpu = config.device == "cuda" or (config.device == "auto" and _cuda())
+        gpu = resolve_device(config.device).type == "cuda"
         bundle = {"CPU": config.ray_bundle_cpus, **({"GPU": 1.0} if gpu else {})}
         bundles = [dict(bundle) for _ in range(size - 1)]
         self._pg = placement_group(bundles, strategy=config.ray_placement_strategy)
-        self._remove_pg = remove_placement_group
         ready, _ = ray.wait([self._pg.ready()], timeout=config.ray_placement_timeout_s)
         if not ready:
-            remove_placement_group(self._pg)
+            ray.util.remove_placement_group(self._pg)
             raise ParameterError(
                 "distributed_executor_backend",
                 f"the Ray cluster did not hold a placement group of {len(bundles)} bundles of {bundle} "
@@ -93,6 +93,7 @@ class RayWorkerGroup:
         ]  # fmt: skip
         self._ray = ray
         self._pending: list[Any] = [actor.where.remote() for actor in self.actors]
+        self.placement: list[dict[str, Any]] = []  # each actor's ``RankActor.where`` once ready
         self._closed = False
 
     def wait_ready(self, timeout_s: float) -> None:
@@ -136,10 +137,4 @@ class RayWorkerGroup:
         self._closed = True
         for actor in self.actors:
             self._ray.kill(actor)
-        self._remove_pg(self._pg)
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
+        self._ray.util.remove_placement_group(self._pg)

@@ -174,7 +174,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class MissingLayer(nn.Module):
-    """A decoder layer another pipeline stage holds: no weights, never run."""
+    """A decoder layer another pipeline stage holds: no weights, never run; its ``sliding_window`` places it in the
+    model's KV cache groups, which are the same on every stage."""
+
+    def __init__(self, sliding_window: int | None) -> None:
+        super().__init__()
+        self.sliding_window = sliding_window
 
 
 class LlamaModel(nn.Module):
@@ -195,7 +200,7 @@ class LlamaModel(nn.Module):
         self.embed_scale = spec.embed_scale
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, rotaries[i], spec, layer_sliding_window(config, i))
-            if self.stage.holds(i) else MissingLayer()
+            if self.stage.holds(i) else MissingLayer(layer_sliding_window(config, i))
             for i in range(config.num_hidden_layers)
         )
         self.norm = spec.norm(config.hidden_size, config.rms_norm_eps)

@@ -35,6 +35,7 @@ from engine.layers.rotary import RotaryEmbedding
 from engine.loader import gguf_source
 from engine.model_files.checkpoint import Checkpoint, GGUFCheckpoint, SafetensorsCheckpoint
 from engine.model_files.gguf import GGUFError, GGUFFile
+from engine.models.llama import MissingLayer
 from engine.models.registry import get_model_class
 from engine.models.vision import SupportsImages
 from engine.multimodal.encoder_cache import EncoderCache
@@ -136,7 +137,9 @@ class ModelRunner:
         cpu_backend = isinstance(self.attn_backend, CpuAttentionBackend)
         self.kv_cache_dtype = self.weight_dtype if cpu_backend else self.dtype
         self.attention: str = self.attn_backend.describe(self.kv_cache_dtype, layer.head_dim)  # what runs it
-        self._kv_cache_groups = kv_cache_groups(self._attention_layers())
+        # NOTE: every decoder layer's window, a pipeline stage's missing ones too: the groups (and the block tables
+        # the scheduler keeps) are the model's on every stage; a stage's cache holds its own layers' K/V only
+        self._kv_cache_groups = kv_cache_groups(self._layer_windows())
         # each KV cache group's sliding window (None: full attention), as KVCacheManager takes them
         self.kv_cache_windows = tuple(group[0].sliding_window for group in self._kv_cache_groups)
         # NOTE: every rank of a group allocates the same number of blocks: the scheduler addresses them all.
@@ -250,7 +253,7 @@ class ModelRunner:
             )
         max_len = self.config.max_model_len or max_positions
         window = getattr(self.text_config, "sliding_window", None)
-        windowed = any(layer.sliding_window is not None for layer in self._attention_layers())
+        windowed = any(layer.sliding_window is not None for layer in self._layer_windows())
         if window and window < max_len and not windowed:  # a model file without its window: exact up to it
             logger.info("max_model_len capped at the sliding window its layers do not apply: %d", window)
             max_len = window
@@ -316,6 +319,11 @@ class ModelRunner:
         num_heads = self.hf_config.num_attention_heads
         return GGUFCheckpoint(gguf, num_heads, getattr(self.hf_config, "num_key_value_heads", None) or num_heads)
 
+    def _layer_windows(self) -> list[Attention | MissingLayer]:
+        """Every decoder layer's attention, or the ``MissingLayer`` another pipeline stage holds, in order: each
+        has its ``sliding_window``."""
+        return [m for m in self.model.modules() if isinstance(m, (Attention, MissingLayer))]
+
     def _attention_layers(self) -> list[Attention]:
         return [m for m in self.model.modules() if isinstance(m, Attention)]
 
@@ -361,23 +369,24 @@ class ModelRunner:
         return torch.from_numpy(storage).view(self.kv_cache_dtype).view(shape)
 
     def _layers_per_block(self) -> int:
-        """The layers one block id holds K/V for: those of the largest KV cache group."""
-        return max(len(group) for group in self._kv_cache_groups)
+        """The layers one block id holds K/V for: this stage's of the largest KV cache group."""
+        return max(sum(isinstance(attn, Attention) for attn in group) for group in self._kv_cache_groups)
 
     def _bind_kv_cache(self) -> None:
-        """Gives the i-th attention layer of each KV cache group its group, its backend and the cache's slice i."""
+        """Gives the i-th attention layer this stage holds of each KV cache group its group, its backend and the
+        cache's slice i."""
         for index, group in enumerate(self._kv_cache_groups):
-            for attn, kv_cache in zip(group, self.kv_cache):
+            for attn, kv_cache in zip([a for a in group if isinstance(a, Attention)], self.kv_cache):
                 attn.kv_cache, attn.backend, attn.kv_cache_group = kv_cache, self.attn_backend, index
 
 
-def kv_cache_groups(layers: list[Attention]) -> list[list[Attention]]:
-    """The attention layers as KV cache groups: the layers of one window (full attention first, then by window),
+def kv_cache_groups(layers: list[Attention | MissingLayer]) -> list[list[Attention | MissingLayer]]:
+    """The attention layers (and those a pipeline stage lacks) as KV cache groups: the layers of one window (full attention first, then by window),
     split into groups of the smallest such set's size, or of the largest where it is under 1.25 times the smallest
     (as vLLM's hybrid allocator does). A block id holds K/V for one layer of each slice of the cache, so groups of
     equal size leave none of its memory unused; each group keeps its own block tables.
     """
-    by_window: dict[int | None, list[Attention]] = {}
+    by_window: dict[int | None, list[Attention | MissingLayer]] = {}
     for attn in sorted(layers, key=lambda a: (a.sliding_window is not None, a.sliding_window or 0)):
         by_window.setdefault(attn.sliding_window, []).append(attn)
     sizes = [len(same) for same in by_window.values()]

@@ -67,6 +67,16 @@ def test_two_stages_give_transformers_greedy_tokens_alone_and_batched(arch, tiny
         assert runner.pipeline_wait_seconds > 0
 
 
+def test_a_partition_whose_stages_hold_other_windows_gives_transformers_greedy_tokens(tiny_model_factory) -> None:
+    """Gemma 3's layers split 1 + 2: the first stage holds a sliding layer only, the last a full and a sliding one;
+    the KV cache groups (and so the block tables) are the whole model's on every stage, so that the full layer
+    reads every block past the window."""
+    model_dir = tiny_model_factory("gemma3_text")
+    with Engine(str(model_dir), pipeline_parallel_size=2, pipeline_layer_partition="1,2", **OPTIONS) as engine:
+        assert engine.runner.kv_cache_windows == (None, 8, 8)  # as one process groups them
+        _assert_alone_and_batched(engine, _hf_greedy(model_dir, PROMPTS))
+
+
 def test_two_stages_of_two_tensor_parallel_ranks_give_transformers_greedy_tokens(tiny_model_factory) -> None:
     """pp=2 x tp=2 (four ranks): transformers' tokens; the driver holds half of its stage's heads."""
     model_dir = tiny_model_factory("qwen2")

@@ -29,7 +29,8 @@ class EngineConfig:
     Raises:
         ParameterError: a field of the wrong type or outside its bounds (``param`` names it),
             both ``kv_cache_memory`` and ``num_blocks``, ``kv_cache_dir`` without
-            ``enable_prefix_caching``, with ``tensor_parallel_size`` above 1 or ``kv_cache_dtype="int8"``,
+            ``enable_prefix_caching``, with ``tensor_parallel_size`` or ``pipeline_parallel_size`` above 1 or
+            ``kv_cache_dtype="int8"``, ``pipeline_layer_partition`` without a pipeline,
             or ``kv_cache_save_interval_s`` without ``kv_cache_dir``.
     """
 
@@ -126,6 +127,35 @@ class EngineConfig:
         "Dense Llama-family models whose heads, MLP and vocabulary divide by it.",
         ge=1, le=64,
     )  # fmt: skip
+    pipeline_parallel_size: int = knob(
+        1,
+        "Pipeline stages the decoder layers split into (contiguous layers per stage, each stage's ranks holding only "
+        "their layers' weights and KV cache; hidden states passed stage to stage on torch.distributed, the first "
+        "stage embedding, the last computing the logits); tensor_parallel_size ranks per stage; 1 = no pipeline. "
+        "Text decoders with at least as many layers as stages.",
+        ge=1, le=64,
+    )  # fmt: skip
+    pipeline_layer_partition: str | None = knob(
+        None,
+        "Decoder layers per pipeline stage as comma-separated counts summing to the model's layers (\"10,14\"), as "
+        "vLLM's VLLM_PP_LAYER_PARTITION; None = an even split, the first stages one layer more where it is uneven.",
+    )
+    distributed_executor_backend: str = knob(
+        "mp",
+        "Where the ranks of tensor_parallel_size x pipeline_parallel_size run, as vLLM's setting of this name: mp = "
+        "processes this one spawns on its machine; ray = Ray actors in one placement group, on the Ray cluster this "
+        "process is connected to (else a local one), across nodes as ray_placement_strategy places them.",
+        choices=("mp", "ray"),
+    )
+    ray_placement_strategy: str = knob(
+        "PACK", "How the Ray ranks' bundles spread over nodes: PACK = as few nodes as fit, SPREAD = as many.",
+        choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+    )
+    ray_bundle_cpus: float = knob(1.0, "CPUs each Ray rank's bundle reserves (and a GPU on CUDA).", gt=0.0, le=1024.0)
+    ray_placement_timeout_s: float = knob(
+        60.0, "Seconds the Ray cluster has to hold the ranks' placement group before start-up fails naming it.",
+        gt=0.0, le=86400.0,
+    )
     max_queued_requests: int = knob(4096, "Admission limit: waiting requests (beyond it, EngineOverloaded).", ge=1, le=1 << 30)
     max_queued_tokens: int = knob(
         4_000_000, "Admission limit: prompt tokens of waiting requests (beyond it, EngineOverloaded).", ge=1, le=1 << 40
@@ -149,10 +179,14 @@ class EngineConfig:
             raise ParameterError("kv_cache_save_interval_s", "kv_cache_save_interval_s needs kv_cache_dir")
         if self.kv_cache_dir is not None and self.kv_cache_dtype == "int8":
             raise ParameterError("kv_cache_dtype", "kv_cache_dir persists float32 and bfloat16 caches; not int8")
-        if self.kv_cache_dir is not None and self.tensor_parallel_size > 1:
+        if self.kv_cache_dir is not None and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
             raise ParameterError(
-                "kv_cache_dir", "kv_cache_dir saves one process's KV heads: it needs tensor_parallel_size=1"
+                "kv_cache_dir",
+                "kv_cache_dir saves one process's KV heads and layers: it needs tensor_parallel_size=1 and "
+                "pipeline_parallel_size=1",
             )
+        if self.pipeline_layer_partition is not None and self.pipeline_parallel_size == 1:
+            raise ParameterError("pipeline_layer_partition", "pipeline_layer_partition needs pipeline_parallel_size above 1")
 
 
 def step_token_budget(max_num_batched_tokens: int | None, device_type: str) -> int:

@@ -65,13 +65,14 @@ class Engine:
         from engine.layers.sampler import Sampler
         from engine.loader import resolve_model
         from engine.structured_output.matchers import StructuredOutputManager
-        from engine.distributed.runner import TensorParallelRunner
+        from engine.distributed.runner import ParallelRunner
         from engine.worker.model_runner import ModelRunner
 
         self.config = make_config(model, config, overrides)
         self.model_dir = resolve_model(self.config.model)
         self.model_name = model_name(self.config.model)
-        runner_class = ModelRunner if self.config.tensor_parallel_size == 1 else TensorParallelRunner
+        parallel = self.config.tensor_parallel_size * self.config.pipeline_parallel_size > 1
+        runner_class = ParallelRunner if parallel else ModelRunner
         self.runner = runner_class(self.config, self.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
         self.vocab_size: int = self.runner.vocab_size

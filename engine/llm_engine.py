@@ -31,10 +31,12 @@ from engine.engine_stats import engine_stats
 from engine.errors import EngineError, ParameterError, WorkerGroupFailed
 from engine.metrics import RequestStats, SpecDecodeStats
 from engine.model_info import eos_token_ids, model_name
-from engine.multimodal.inputs import ImagePrompts
+from engine.multimodal.inputs import image_prompts
 from engine.output_processor import OutputProcessor, ParentRequest
 from engine.outputs import Delta, RequestMetrics, RequestOutput
 from engine.persisted_kv import PersistedKVCache
+from engine.pooling.api import PoolingAPI, pooling_parts
+from engine.pooling.model_config import model_pooling
 from engine.processor import ProcessedRequest, Processor, Prompt
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -45,8 +47,9 @@ from engine.structured_output.compiler import GrammarCompiler
 logger = logging.getLogger(__name__)
 
 
-class Engine:
-    """The inference engine for one model: continuous batching over a paged KV cache.
+class Engine(PoolingAPI):
+    """The inference engine for one model: continuous batching over a paged KV cache; or, for a pooling
+    model (an embedder, a cross-encoder: ``task``), ``embed`` and ``score`` in token-budget batches.
 
     Args:
         model: A Hugging Face model directory or a ``.gguf`` file; None = the bundled SmolLM2.
@@ -65,18 +68,23 @@ class Engine:
         from engine.loader import resolve_model
         from engine.structured_output.matchers import StructuredOutputManager
         from engine.distributed.runner import TensorParallelRunner
+        from engine.pooling.runner import PoolingRunner
         from engine.worker.model_runner import ModelRunner
 
         self.config = make_config(model, config, overrides)
         self.model_dir = resolve_model(self.config.model)
         self.model_name = model_name(self.config.model)
+        # "generate", "embed" or "classify", from the model's files unless runner / convert say
+        self.task, pooling = model_pooling(self.model_dir, self.config.runner, self.config.convert)
         runner_class = ModelRunner if self.config.tensor_parallel_size == 1 else TensorParallelRunner
-        self.runner = runner_class(self.config, self.model_dir)
+        self.runner = runner_class(self.config, self.model_dir) if pooling is None else PoolingRunner(
+            self.config, self.model_dir, pooling
+        )  # fmt: skip
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
         self.vocab_size: int = self.runner.vocab_size
         self.max_model_len: int = self.runner.max_model_len
         # a multimodal model's image inputs (placeholder, tokens per image, image processor); None: text only
-        self.image_prompts = self._image_prompts()
+        self.image_prompts = image_prompts(self.runner, self.tokenizer, self.model_dir)
         # whether the model takes images (the dict prompt forms' ``multi_modal_data.image``), and the text that
         # stands for one in a prompt (LLaVA: ``<image>``; None for a text-only model)
         self.accepts_images = self.image_prompts is not None
@@ -103,8 +111,10 @@ class Engine:
         # scheduler cuts a prefill chunk to what they hold, down to one token a step).
         self.max_num_tokens = self.kv.max_num_tokens(self.max_model_len, max_chunk=1)
         self.processor = Processor(
-            self.tokenizer, self.vocab_size, self.max_model_len, self.max_num_tokens, self.image_prompts, self.grammars
-        )
+            self.tokenizer, self.vocab_size, self.max_model_len, self.max_num_tokens, self.image_prompts,
+            self.grammars, self.model_name, self.task,
+        )  # fmt: skip
+        self.pooling, self.pooling_tokens = pooling_parts(pooling, self.runner, self.tokenizer, budget)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.request_stats = RequestStats()
         debug_log.configure_from_env()
@@ -170,13 +180,6 @@ class Engine:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    def _image_prompts(self) -> ImagePrompts | None:
-        if getattr(self.runner, "encoder_cache", None) is None:
-            return None
-        model = self.runner.model
-        placeholder = self.tokenizer.convert_ids_to_tokens(model.image_token_id)
-        return ImagePrompts(self.model_dir, model.image_token_id, placeholder, model.image_token_count)
 
     # ---------------------------------------------------------------------------- requests in
 
@@ -346,7 +349,7 @@ class Engine:
     # ---------------------------------------------------------------------------- stepping
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or (self.pooling is not None and self.pooling.has_unfinished())
 
     def unfinished_request_ids(self) -> list[str]:
         """The user requests whose final output is still to come (computing pins included)."""
@@ -365,8 +368,10 @@ class Engine:
             Each output copies its request's output so far: to stream, use ``step_deltas()``.
         """
         self._aborted_deltas.clear()
+        if self.pooling is not None:
+            self.pooling.step()
         outputs = []
-        for parent in self._step():
+        for parent in self._step() if self.scheduler.has_unfinished_requests() else []:
             metrics = self.output_processor.metrics(parent)
             outputs.append(self.output_processor.make_output(parent, metrics))
             if parent.finished:
@@ -383,7 +388,9 @@ class Engine:
             "abort" and their errors are in ``pop_failures()``.
         """
         deltas = self.pop_deltas()
-        if not self.has_unfinished_requests():
+        if self.pooling is not None:
+            self.pooling.step()
+        if not self.scheduler.has_unfinished_requests():
             return deltas
         for parent in self._step():
             metrics = self.output_processor.metrics(parent) if parent.finished else None

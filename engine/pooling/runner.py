@@ -51,6 +51,8 @@ class PoolingRunner:
         self.vocab_size: int = self.hf_config.vocab_size
         self.max_model_len = pooling.max_length
         num_labels = pooling.num_labels if pooling.task == "classify" else None
+        if num_labels not in (None, 1):
+            raise ModelLoadError(f"{str(model_dir)!r}: a cross-encoder scores with one label; this one has {num_labels}")
         with torch.device("meta"):
             model = Encoder(self.hf_config, num_labels)
         weights: dict[str, torch.Tensor] = {}
@@ -76,8 +78,11 @@ class PoolingRunner:
         lengths = [len(i.token_ids) for i in inputs]
         layout = BatchLayout(lengths, self.device)
         ids = torch.tensor([t for i in inputs for t in i.token_ids], device=self.device)
+        # NOTE: a model of one segment type (RoBERTa) reads every token as type 0, whatever the tokenizer says
+        segmented = self.hf_config.type_vocab_size > 1
         types = torch.tensor(
-            [t for i in inputs for t in (i.token_type_ids or [0] * len(i.token_ids))], device=self.device
+            [t for i in inputs for t in (i.token_type_ids if segmented and i.token_type_ids else [0] * len(i.token_ids))],
+            device=self.device,
         )
         return self.model(ids, types, layout), layout
 

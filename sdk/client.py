@@ -281,7 +281,7 @@ class AsyncClient(AsyncClosing):
         """
         inputs = embed_inputs(input)
         params = pooling_params(options)
-        pooled = await run_pooled(self._scope, inputs, lambda: self.transport.embed(inputs, params))
+        pooled = await run_pooled(self._scope, "input", inputs, lambda: self.transport.embed(inputs, params))
         data = [Embedding(index=i, embedding=v) for i, v in enumerate(pooled.values)]
         return EmbeddingResult(model=self.model_name, data=data, usage=usage(pooled.num_tokens))
 
@@ -295,7 +295,7 @@ class AsyncClient(AsyncClosing):
         """
         docs = score_inputs(query, documents)
         params = pooling_params(options)
-        pooled = await run_pooled(self._scope, [query, *docs], lambda: self.transport.score(query, docs, params))
+        pooled = await run_pooled(self._scope, "documents", [query, *docs], lambda: self.transport.score(query, docs, params))
         return ScoreResult(model=self.model_name, scores=pooled.values, usage=usage(pooled.num_tokens))
 
     async def rerank(

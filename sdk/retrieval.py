@@ -145,15 +145,27 @@ def _estimate_tokens(texts: Sequence[str | list[int]]) -> int:
     return sum(len(t) if isinstance(t, list) else len(t) // 4 + 1 for t in texts)
 
 
-async def run_pooled(scope: RequestScope, texts: Sequence[str | list[int]], call: Callable[[], Awaitable[Pooled]]) -> Pooled:
+async def run_pooled(
+    scope: RequestScope, field: str, texts: Sequence[str | list[int]], call: Callable[[], Awaitable[Pooled]]
+) -> Pooled:
     """Run ``call`` under the tenant's rate limit: a request and its estimated tokens taken before, the tokens
-    the model read settled after (the concurrency slot comes back whatever happens)."""
+    the model read settled after (the concurrency slot comes back whatever happens).
+
+    Raises:
+        InvalidRequestError: the inputs (``field``) need more than the whole minute's tokens.
+        RateLimited: as ``AsyncClient.chat``.
+    """
     await scope.startup()
     lease = scope.limiter.enter() if scope.limiter is not None else None
     used = 0
     try:
         if lease is not None:
-            lease.take_tokens(_estimate_tokens(texts))
+            needed = _estimate_tokens(texts)
+            try:
+                lease.take_tokens(needed)
+            except InvalidRequestError:  # NOTE: its message speaks of max_tokens, which a pooling request has not
+                limit = scope.policy.tokens_per_minute if scope.policy is not None else None
+                raise InvalidRequestError.about(field, f"needs about {needed} tokens; tokens_per_minute is {limit}") from None
         pooled = await call()
         used = pooled.num_tokens
         return pooled

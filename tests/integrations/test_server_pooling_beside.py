@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import aiohttp
 import numpy as np
 import pytest
 
 from engine import Engine
+from engine.llm_engine import Engine as LLMEngine
 from integrations.openai_server.app import create_app
 
 TEXTS = ["The cat sat on the mat.", "Paris is the capital of France."]
@@ -30,7 +32,28 @@ def _post(server, path: str, body: dict) -> tuple[int, dict]:
     return server.call(go())
 
 
-def test_chat_and_embeddings_on_one_server(live_server, shipped_minilm_dir, minilm):
+class _StepWatch:
+    """Wraps ``Engine.step_deltas``: how many engines step at once, at most, and how many steps ran."""
+
+    def __init__(self, step):
+        self.step, self.now, self.most, self.count = step, 0, 0, 0
+        self.lock = threading.Lock()
+
+    def __call__(self, engine):
+        with self.lock:
+            self.now += 1
+            self.count += 1
+            self.most = max(self.most, self.now)
+        try:
+            return self.step(engine)
+        finally:
+            with self.lock:
+                self.now -= 1
+
+
+def test_chat_and_embeddings_on_one_server(live_server, shipped_minilm_dir, minilm, monkeypatch):
+    watch = _StepWatch(LLMEngine.step_deltas)
+    monkeypatch.setattr(LLMEngine, "step_deltas", lambda engine: watch(engine))  # a function: bound per engine
     app = create_app(pooling_models=[str(shipped_minilm_dir)], dtype="float32", num_blocks=64, max_num_seqs=4)
     server = live_server(app)
     client = server.openai("unused")
@@ -62,4 +85,6 @@ def test_chat_and_embeddings_on_one_server(live_server, shipped_minilm_dir, mini
             statuses = await asyncio.gather(chat, *embeds)
             return statuses[0], max(statuses[1:])
 
+    steps = watch.count
     assert server.call(both()) == (200, 200)
+    assert watch.count > steps and watch.most == 1  # the two engines stepped in turn, never at once

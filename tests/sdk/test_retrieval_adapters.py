@@ -66,8 +66,9 @@ async def test_tenant_limits_hold_for_embeddings() -> None:
         await client.embed("three")
     assert client.limiter is not None and client.limiter.num_in_flight == 0
     tokens = AsyncClient(runtime=RUNTIME, tenant="u", policy=TenantPolicy(tokens_per_minute=50))
-    with pytest.raises(InvalidRequestError):  # more than the whole minute's tokens: it could never run
+    with pytest.raises(InvalidRequestError, match="tokens_per_minute is 50") as error:  # it could never run
         await tokens.embed(["word " * 100])
+    assert error.value.param == "input"
     assert tokens.limiter is not None and tokens.limiter.num_in_flight == 0
 
 

@@ -158,7 +158,7 @@ async def score(request: web.Request) -> web.Response:
             results = [await client.score(queries[0], docs, **body.options())]
         elif len(queries) == len(docs):
             # NOTE: pairs: one engine call each, run together (the engine batches them)
-            results = list(await asyncio.gather(*(client.score(q, [d], **body.options()) for q, d in zip(queries, docs))))
+            results = list(await asyncio.gather(*(_pair(client, i, q, d, body.options()) for i, (q, d) in enumerate(zip(queries, docs)))))
         else:
             raise InvalidRequestError.about(
                 "text_1", f"has {len(queries)} items: give one query, or one per text_2 item ({len(docs)})"
@@ -173,6 +173,17 @@ async def score(request: web.Request) -> web.Response:
         "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
         "usage": usage(num_tokens).model_dump(),
     })  # fmt: skip
+
+
+async def _pair(client: Any, index: int, query: str, document: str, options: dict[str, Any]) -> Any:
+    """Pair ``index``'s score; its errors name the pair's items (``text_1.3``, ``text_2.3``)."""
+    try:
+        return await client.score(query, [document], **options)
+    except InvalidRequestError as exc:
+        head = (exc.param or "").partition(".")[0]
+        if head in ("query", "documents"):
+            raise exc.at(f"{'text_1' if head == 'query' else 'text_2'}.{index}") from None
+        raise
 
 
 def _encode(vector: list[float], encoding_format: str) -> list[float] | str:

@@ -116,6 +116,8 @@ def test_score_one_query_and_pairs(server, engine):
         ("/v1/rerank", {"query": "q", "documents": DOCS, "top_n": -1}, "top_n", ">= 1"),
         ("/v1/score", {"text_1": ["a", "b"], "text_2": DOCS}, "text_1", "one per text_2"),
         ("/v1/score", {"text_1": "a", "text_2": ["ok", ""]}, "text_2.1", "non-empty"),
+        ("/v1/score", {"text_1": ["a", ""], "text_2": ["b", "c"]}, "text_1.1", "non-empty"),
+        ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "word " * 600], "truncate_prompt_tokens": None}, "text_2.1", "over"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "model", "cannot generate"),
         ("/v1/completions", {"prompt": "hi"}, "model", "cannot generate"),
     ],

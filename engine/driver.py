@@ -20,7 +20,29 @@ if TYPE_CHECKING:
     from engine.llm_engine import Engine
 
 
-STEP_LOCK = threading.Lock()
+class TurnLock:
+    """A lock handed to its waiters in the order they came: a driver that just stepped queues behind one that
+    waits, so no engine steps twice while another waits for its turn."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._issued = 0  # tickets handed out
+        self._serving = 0  # the ticket whose turn it is
+
+    def __enter__(self) -> None:
+        with self._cond:
+            ticket = self._issued
+            self._issued += 1
+            while ticket != self._serving:
+                self._cond.wait()
+
+    def __exit__(self, *exc_info: object) -> None:
+        with self._cond:
+            self._serving += 1
+            self._cond.notify_all()
+
+
+STEP_LOCK = TurnLock()
 """Held through each step by every driver of the process: engines served side by side (a chat model and an
 embedder) step in turn, each step with all of torch's intra-op threads, never two steps contending for the cores."""
 

@@ -12,7 +12,8 @@ import pytest
 
 from engine import Engine
 from engine.llm_engine import Engine as LLMEngine
-from integrations.openai_server.app import create_app
+from integrations.openai_server.app import SHARED_POOLING_BUDGET, create_app
+from integrations.openai_server.state import STATE
 
 TEXTS = ["The cat sat on the mat.", "Paris is the capital of France."]
 HI = [{"role": "user", "content": "What is the capital of France?"}]
@@ -88,3 +89,5 @@ def test_chat_and_embeddings_on_one_server(live_server, shipped_minilm_dir, mini
     steps = watch.count
     assert server.call(both()) == (200, 200)
     assert watch.count > steps and watch.most == 1  # the two engines stepped in turn, never at once
+    embedder = server.app[STATE].beside[embed_model].engine
+    assert server.call(embedder.call(lambda e: e.pooling.token_budget)) == SHARED_POOLING_BUDGET

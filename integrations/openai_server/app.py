@@ -42,7 +42,7 @@ DEFAULT_CLIENT_MAX_SIZE = 4 << 20  # bytes of request body
 DEFAULT_DRAIN_TIMEOUT = 30.0  # seconds
 # NOTE: tokens a pooling model served beside the chat model runs a step: engines step in turn
 # (engine.driver.STEP_LOCK), so a chat decode waits at most one batch this size for an embedding burst
-SHARED_POOLING_BUDGET = 512
+SHARED_POOLING_BUDGET = 256
 
 
 def create_app(

@@ -1,6 +1,6 @@
-"""PoolingRunner: an encoder model on the device, one packed batch of inputs -> embeddings or scores.
+"""PoolingRunner: a pooling model on the device, one packed batch of inputs -> embeddings or scores.
 
-It holds no KV cache: an encoder reads each input once, whole (``num_blocks`` is the one null
+It holds no KV cache: a pooling model reads each input once, whole (``num_blocks`` is the one null
 block the engine's block pool needs, with no tensor behind it).
 """
 
@@ -14,12 +14,17 @@ from safetensors.torch import load_file
 
 from engine.config import EngineConfig
 from engine.errors import ModelLoadError, ParameterError
+from engine.model_types import ENCODER_MODEL_TYPES
+from engine.pooling.decoder import Decoder, decoder_state_dict
 from engine.pooling.encoder import BatchLayout, Encoder, encoder_state_dict
 from engine.pooling.model_config import PoolingConfig
 from engine.pooling.params import PoolingParams
 from engine.pooling.tokens import PoolingInput
 from engine.worker.model_runner import resolve_device, resolve_dtypes
 from engine.worker.weight_formats import WeightsSummary
+
+
+DECODER_TYPES = ("qwen2", "qwen3")  # decoders served as embedding models (last-token pooling)
 
 
 class PoolingRunner:
@@ -44,8 +49,12 @@ class PoolingRunner:
             raise ParameterError("tensor_parallel_size", "pooling models run in one process (tensor_parallel_size=1)")
         self.pooling = pooling
         self.hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-        if self.hf_config.model_type not in ("bert", "xlm-roberta"):
-            raise ModelLoadError(f"{str(model_dir)!r}: {self.hf_config.model_type!r} is not served as a pooling model")
+        model_type = self.hf_config.model_type
+        if model_type not in ENCODER_MODEL_TYPES and not (model_type in DECODER_TYPES and pooling.task == "embed"):
+            raise ModelLoadError(
+                f"{str(model_dir)!r}: {model_type!r} is not served as a pooling model for {pooling.task}; served: "
+                f"{', '.join(ENCODER_MODEL_TYPES)} (embed, classify), {', '.join(DECODER_TYPES)} (embed)"
+            )
         self.device = resolve_device(config.device)
         # NOTE: every tensor in the weights' dtype (bfloat16 matmuls run on AVX512-BF16 / AMX through oneDNN)
         _, self.dtype = resolve_dtypes(config.dtype, self.device, getattr(self.hf_config, "dtype", None))
@@ -55,12 +64,13 @@ class PoolingRunner:
         if num_labels not in (None, 1):
             raise ModelLoadError(f"{str(model_dir)!r}: a cross-encoder scores with one label; this one has {num_labels}")
         with torch.device("meta"):
-            model = Encoder(self.hf_config, num_labels)
+            model = Encoder(self.hf_config, num_labels) if model_type in ENCODER_MODEL_TYPES else Decoder(self.hf_config)
         weights: dict[str, torch.Tensor] = {}
         for file in sorted(model_dir.glob("*.safetensors")):
             weights.update(load_file(file))
         try:
-            state = encoder_state_dict(weights, self.hf_config.num_hidden_layers)
+            to_state = encoder_state_dict if model_type in ENCODER_MODEL_TYPES else decoder_state_dict
+            state = to_state(weights, self.hf_config.num_hidden_layers)
         except KeyError as e:
             raise ModelLoadError(f"{str(model_dir)!r}: tensor {e.args[0]!r} missing from the checkpoint") from None
         if num_labels is not None and "head_out.weight" not in state:
@@ -77,10 +87,10 @@ class PoolingRunner:
     @torch.inference_mode()
     def _hidden(self, inputs: list[PoolingInput]) -> tuple[torch.Tensor, BatchLayout]:
         lengths = [len(i.token_ids) for i in inputs]
-        layout = BatchLayout(lengths, self.device)
+        layout = BatchLayout(lengths, self.device, causal=self.model.causal)
         ids = torch.tensor([t for i in inputs for t in i.token_ids], device=self.device)
         # NOTE: a model of one segment type (RoBERTa) reads every token as type 0, whatever the tokenizer says
-        segmented = self.hf_config.type_vocab_size > 1
+        segmented = getattr(self.hf_config, "type_vocab_size", 1) > 1
         types = torch.tensor(
             [t for i in inputs for t in (i.token_type_ids if segmented and i.token_type_ids else [0] * len(i.token_ids))],
             device=self.device,

@@ -80,6 +80,9 @@ class PoolingRunner:
         self.model = model.eval()
         self.weights = WeightsSummary(None, products=str(self.dtype).removeprefix("torch."))
         self.weights.nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        self.num_pooled_batches = 0  # what it ran, for Engine.stats()
+        self.num_pooled_requests = 0
+        self.num_pooled_tokens = 0
 
     def close(self) -> None:
         """Nothing to release beyond the tensors."""
@@ -87,6 +90,9 @@ class PoolingRunner:
     @torch.inference_mode()
     def _hidden(self, inputs: list[PoolingInput]) -> tuple[torch.Tensor, BatchLayout]:
         lengths = [len(i.token_ids) for i in inputs]
+        self.num_pooled_batches += 1
+        self.num_pooled_requests += len(inputs)
+        self.num_pooled_tokens += sum(lengths)
         layout = BatchLayout(lengths, self.device, causal=self.model.causal)
         ids = torch.tensor([t for i in inputs for t in i.token_ids], device=self.device)
         # NOTE: a model of one segment type (RoBERTa) reads every token as type 0, whatever the tokenizer says

@@ -1,5 +1,5 @@
-"""Qwen2 / Qwen3 decoders as embedding models (Qwen3-Embedding, gte-Qwen2): causal attention over a packed
-batch, read once with no KV cache; the runner pools the last token's state."""
+"""Qwen2 / Qwen3 decoders as pooling models: embedders (Qwen3-Embedding, gte-Qwen2) and Qwen3-Reranker's
+yes/no scores; causal attention over a packed batch, read once with no KV cache; the last token's state pools."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ class Decoder(nn.Module):
 
     causal = True
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, scores: bool = False) -> None:
         super().__init__()
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rope_theta = float(getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"])
@@ -66,6 +66,8 @@ class Decoder(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, self.head_dim) for _ in range(config.num_hidden_layers))
         self.norm = nn.Parameter(torch.ones(config.hidden_size))
+        # a reranker's one logit: the last token's state times this row (``PoolingRunner``'s yes - no)
+        self.score_weight = nn.Parameter(torch.empty(config.hidden_size)) if scores else None
 
     def forward(self, token_ids: torch.Tensor, token_type_ids: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
         x = self.embed_tokens(token_ids)
@@ -78,6 +80,11 @@ class Decoder(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin, layout)
         return _rms_norm(x, self.norm, self.eps)
+
+
+    def classify(self, last_states: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, 1]`` from each input's last-token state."""
+        return last_states @ self.score_weight[:, None]
 
 
 def decoder_state_dict(weights: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:

@@ -50,10 +50,11 @@ class PoolingRunner:
         self.pooling = pooling
         self.hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         model_type = self.hf_config.model_type
-        if model_type not in ENCODER_MODEL_TYPES and not (model_type in DECODER_TYPES and pooling.task == "embed"):
+        encoder = model_type in ENCODER_MODEL_TYPES
+        if not encoder and model_type not in DECODER_TYPES:
             raise ModelLoadError(
-                f"{str(model_dir)!r}: {model_type!r} is not served as a pooling model for {pooling.task}; served: "
-                f"{', '.join(ENCODER_MODEL_TYPES)} (embed, classify), {', '.join(DECODER_TYPES)} (embed)"
+                f"{str(model_dir)!r}: {model_type!r} is not served as a pooling model; served: "
+                f"{', '.join(ENCODER_MODEL_TYPES + DECODER_TYPES)}"
             )
         self.device = resolve_device(config.device)
         # NOTE: every tensor in the weights' dtype (bfloat16 matmuls run on AVX512-BF16 / AMX through oneDNN)
@@ -64,16 +65,18 @@ class PoolingRunner:
         if num_labels not in (None, 1):
             raise ModelLoadError(f"{str(model_dir)!r}: a cross-encoder scores with one label; this one has {num_labels}")
         with torch.device("meta"):
-            model = Encoder(self.hf_config, num_labels) if model_type in ENCODER_MODEL_TYPES else Decoder(self.hf_config)
+            model = Encoder(self.hf_config, num_labels) if encoder else Decoder(self.hf_config, num_labels is not None)
         weights: dict[str, torch.Tensor] = {}
         for file in sorted(model_dir.glob("*.safetensors")):
             weights.update(load_file(file))
         try:
-            to_state = encoder_state_dict if model_type in ENCODER_MODEL_TYPES else decoder_state_dict
+            to_state = encoder_state_dict if encoder else decoder_state_dict
             state = to_state(weights, self.hf_config.num_hidden_layers)
+            if not encoder and num_labels is not None:
+                state["score_weight"] = yes_no_weight(weights, model_dir)
         except KeyError as e:
             raise ModelLoadError(f"{str(model_dir)!r}: tensor {e.args[0]!r} missing from the checkpoint") from None
-        if num_labels is not None and "head_out.weight" not in state:
+        if encoder and num_labels is not None and "head_out.weight" not in state:
             raise ModelLoadError(f"{str(model_dir)!r}: no sequence-classification head in the checkpoint")
         state = {k: v.to(self.device, self.dtype) for k, v in state.items()}
         model.load_state_dict(state, strict=True, assign=True)
@@ -119,11 +122,26 @@ class PoolingRunner:
 
     @torch.inference_mode()
     def score(self, inputs: list[PoolingInput], params: list[PoolingParams]) -> list[float]:
-        """Each pair's score: the one-label logit, its sigmoid where ``use_activation`` (vLLM's default)."""
+        """Each pair's score: the one-label logit, its sigmoid where ``use_activation`` (vLLM's default).
+
+        An encoder reads its first token's state, a decoder (Qwen3-Reranker) its last one's."""
         hidden, layout = self._hidden(inputs)
-        starts = torch.tensor([0, *layout.lengths[:-1]], device=self.device).cumsum(0)
-        logits = self.model.classify(hidden[starts]).float()[:, 0]  # [B]: the first label's logit
+        states = pool(hidden, layout.lengths, "last" if self.model.causal else "cls")
+        logits = self.model.classify(states).float()[:, 0]  # [B]: the first label's logit
         return [float(torch.sigmoid(x)) if p.use_activation else float(x) for x, p in zip(logits, params)]
+
+
+def yes_no_weight(weights: dict[str, torch.Tensor], model_dir: Path) -> torch.Tensor:
+    """Qwen3-Reranker's recipe as vLLM converts it: the output rows of "yes" minus "no", so that the one logit
+    is ``logit(yes) - logit(no)`` and its sigmoid the softmax probability of "yes" over the two."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    head = weights.get("lm_head.weight", weights.get("model.embed_tokens.weight", weights.get("embed_tokens.weight")))
+    yes, no = tokenizer.convert_tokens_to_ids("yes"), tokenizer.convert_tokens_to_ids("no")
+    if head is None or tokenizer.unk_token_id in (yes, no) or yes is None or no is None:
+        raise ModelLoadError(f"{str(model_dir)!r}: a decoder scores by its \"yes\" and \"no\" tokens' logits; not found")
+    return head[yes] - head[no]
 
 
 def pool(hidden: torch.Tensor, lengths: list[int], mode: str) -> torch.Tensor:

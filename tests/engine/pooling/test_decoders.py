@@ -56,3 +56,25 @@ def test_decoder_embeddings_equal_transformers(tiny_model_factory, tmp_path: Pat
     np.testing.assert_allclose(ours, _reference(model_dir, TEXTS), atol=3e-5)
     with pytest.raises(UnsupportedTask):
         engine.generate(["hi"])
+
+
+def test_qwen3_reranker_yes_no_scores(tiny_model_factory) -> None:
+    """A Qwen3 under convert="classify" scores a (query, document) pair as Qwen3-Reranker's recipe: the sigmoid of
+    logit("yes") - logit("no") at the pair's last token (transformers' causal LM); batched == alone."""
+    model_dir = tiny_model_factory("qwen3")
+    engine = Engine(model=str(model_dir), device="cpu", dtype="float32", runner="pooling", convert="classify")
+    assert engine.task == "classify"
+    query = "<Instruct>: Given a question, find passages that answer it\n<Query>: what is paged attention\n"
+    docs = [f"<Document>: {text}<|im_end|>\n<|im_start|>assistant\n" for text in TEXTS]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    yes, no = tokenizer.convert_tokens_to_ids("yes"), tokenizer.convert_tokens_to_ids("no")
+    expected = []
+    for doc in docs:
+        ids = tokenizer(query, doc, return_tensors="pt")
+        with torch.no_grad():
+            logits = model(**ids).logits[0, -1]
+        expected.append(torch.sigmoid(logits[yes] - logits[no]).item())
+    scores = [s.outputs.score for s in engine.score(query, docs)]
+    np.testing.assert_allclose(scores, expected, atol=2e-5)
+    np.testing.assert_allclose([engine.score(query, d)[0].outputs.score for d in docs], scores, atol=1e-6)

@@ -44,8 +44,9 @@ class EncoderLayer(nn.Module):
 class BatchLayout:
     """Where each input's tokens sit in the flat batch and in the padded ``[B, L]`` layout attention uses."""
 
-    def __init__(self, lengths: list[int], device: torch.device) -> None:
+    def __init__(self, lengths: list[int], device: torch.device, causal: bool = False) -> None:
         self.lengths = lengths
+        self.causal = causal  # a decoder's attention: each token sees the ones before it
         self.max_len = max(lengths)
         lengths_t = torch.tensor(lengths, device=device)
         positions = torch.arange(self.max_len, device=device)
@@ -56,24 +57,33 @@ class BatchLayout:
         self.is_padded = self.flat_index.numel() != len(lengths) * self.max_len
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        num_tokens, heads, dim = q.shape
+        _, heads, dim = q.shape
         b, length = len(self.lengths), self.max_len
 
-        def padded(t: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [B, H, L, D]
+        def padded(t: torch.Tensor) -> torch.Tensor:  # [T, h, D] -> [B, h, L, D]
             if not self.is_padded:
-                return t.view(b, length, heads, dim).transpose(1, 2)
-            out = t.new_zeros(b * length, heads, dim)
+                return t.view(b, length, t.shape[1], dim).transpose(1, 2)
+            out = t.new_zeros(b * length, t.shape[1], dim)
             out[self.flat_index] = t
-            return out.view(b, length, heads, dim).transpose(1, 2)
+            return out.view(b, length, t.shape[1], dim).transpose(1, 2)
 
-        mask = None if not self.is_padded else self.key_mask
-        out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=mask)  # [B, H, L, D]
+        mask = None if not self.is_padded else self.key_mask  # [B, 1, 1, L]
+        if self.causal and mask is not None:
+            mask = mask & torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+        is_causal = self.causal and mask is None
+        kv_groups = heads // k.shape[1]  # grouped-query attention: each key head serves kv_groups query heads
+        keys, values = padded(k), padded(v)
+        if kv_groups > 1:
+            keys, values = keys.repeat_interleave(kv_groups, 1), values.repeat_interleave(kv_groups, 1)
+        out = F.scaled_dot_product_attention(padded(q), keys, values, attn_mask=mask, is_causal=is_causal)  # [B, H, L, D]
         out = out.transpose(1, 2).reshape(b * length, heads * dim)
         return out if not self.is_padded else out[self.flat_index]
 
 
 class Encoder(nn.Module):
     """A BERT / XLM-RoBERTa encoder: embeddings, post-norm layers; an optional sequence-classification head."""
+
+    causal = False
 
     def __init__(self, config, num_labels: int | None) -> None:
         super().__init__()

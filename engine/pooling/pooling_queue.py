@@ -47,9 +47,6 @@ class PoolingQueue:
         self.token_budget = token_budget
         self.waiting: deque[PoolingRequest] = deque()
         self._ids = itertools.count()
-        self.num_batches = 0
-        self.num_requests = 0
-        self.num_tokens = 0
 
     def next_id(self) -> str:
         return str(next(self._ids))
@@ -77,9 +74,6 @@ class PoolingQueue:
                 rest.append(request)
         self.waiting = rest
         self._run(kind, batch)
-        self.num_batches += 1
-        self.num_requests += len(batch)
-        self.num_tokens += num_tokens
         return len(batch)
 
     def _run(self, kind: str, batch: list[PoolingRequest]) -> None:

@@ -122,9 +122,9 @@ async def test_async_engine_batches_concurrent_calls(minilm_dir: Path, minilm_en
     """Concurrent AsyncEngine.embed calls run in fewer batches than calls and equal the sync engine's embeddings;
     a bad one fails alone."""
     async with AsyncEngine(model=str(minilm_dir), dtype="float32", device="cpu") as engine:
-        before = await engine.call(lambda e: (e.pooling.num_batches, e.pooling.num_requests))
+        before = await engine.call(lambda e: (e.stats()["pooling_batches"], e.stats()["pooling_requests"]))
         outputs = await asyncio.gather(*(engine.embed(s) for s in SENTENCES))
-        after = await engine.call(lambda e: (e.pooling.num_batches, e.pooling.num_requests))
+        after = await engine.call(lambda e: (e.stats()["pooling_batches"], e.stats()["pooling_requests"]))
         with pytest.raises(RequestRejected):
             await engine.embed("")
         with pytest.raises(UnsupportedTask):

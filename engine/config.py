@@ -37,6 +37,19 @@ class EngineConfig:
     model: str | os.PathLike[str] | None = knob(
         None, "HF model directory or .gguf file; None = the bundled SmolLM2-135M-Instruct."
     )
+    runner: str = knob(
+        "auto",
+        "What the model is run for, as vLLM's setting of this name: auto = as its files say (an encoder, a "
+        "sentence-transformers model or a *ForSequenceClassification architecture is a pooling model, the rest "
+        "generate); pooling = embeddings or scores only, no KV cache for an encoder; generate = text.",
+        choices=("auto", "generate", "pooling"),
+    )
+    convert: str = knob(
+        "auto",
+        "A pooling model's task, as vLLM's setting of this name: embed (Engine.embed; score by cosine), classify "
+        "(a cross-encoder: Engine.score); auto = as its files say.",
+        choices=("auto", "embed", "classify"),
+    )
     dtype: str = knob(
         "auto",
         "Weights and compute dtype. auto = bfloat16 on CUDA; on CPU the checkpoint's dtype where it is bfloat16, "

@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 OFFLINE_WORKLOADS = ("shared-prefix", "distinct", "rag")  # those --compare runs the baselines on
 BATCH1 = "batch1"  # one request at a time, against llama-bench
+EMBED = "embed"  # embedding throughput and latency, against sentence-transformers (integrations.bench.embed)
 SWEEP_LEVELS = [1, 2, 4, 8, 16, 32, 64, 128]  # --workload sweep without --concurrency
 DEFAULT_PROMPT_TOKENS = 512  # batch1's timed prefill without --prompt-tokens or --depth
 
@@ -132,6 +133,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads", type=_positive_int, default=None, help="torch CPU threads for every contender (default: torch's)"
     )
+    parser.add_argument("--chunk-tokens", type=_positive_int, default=200, help="embed: tokens of each chunk")
+    parser.add_argument(
+        "--batch-size", type=_int_list, default=[32], help="embed: sentence-transformers' batch sizes (comma-separated)"
+    )
+    parser.add_argument("--queries", type=_positive_int, default=20, help="embed: single-query calls timed each")
     parser.add_argument("--no-ceiling", action="store_true", help="skip the matmul ceiling measurement")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     http_command.add_arguments(parser)
@@ -158,10 +164,11 @@ def _int_list(text: str) -> list[int]:
 def _baseline_list(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     for name in names:
-        known = ("one-by-one", "continuous", vllm_runs.VLLM, llamacpp_runs.LLAMACPP)
+        known = ("one-by-one", "continuous", "sentence-transformers", vllm_runs.VLLM, llamacpp_runs.LLAMACPP)
         if name not in known and not re.fullmatch(r"static-[1-9][0-9]*", name):
             raise argparse.ArgumentTypeError(
-                f"unknown baseline {name!r}; expected one-by-one, static-N (e.g. static-16), continuous, vllm or llamacpp"
+                f"unknown baseline {name!r}; expected one-by-one, static-N (e.g. static-16), continuous, vllm, "
+                "llamacpp or sentence-transformers (--workload embed)"
             )
     if not names:
         raise argparse.ArgumentTypeError("expected at least one baseline")
@@ -180,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
             names its log).
         ServerUnusable: with ``--base-url``, the server cannot be benchmarked (``http_command.run``).
     """
-    if args.rounds > 1 and (args.base_url is not None or args.workload not in (*OFFLINE_WORKLOADS, BATCH1)):
+    if args.rounds > 1 and (args.base_url is not None or args.workload not in (*OFFLINE_WORKLOADS, BATCH1, EMBED)):
         raise FlagError(
             f"--rounds applies to the {', '.join(OFFLINE_WORKLOADS)} workloads, in process (and to {BATCH1}, "
             "as its repetitions)"
@@ -195,6 +202,8 @@ def run(args: argparse.Namespace) -> int:
         return http_command.run(args)
     http_command.refuse_http_flags(args)
     config = engine_config(args)
+    if args.workload == EMBED:
+        return _run_embed(args)
     baseline_names = args.baselines if args.compare else []
     vllm_python = None
     if vllm_runs.VLLM in baseline_names and args.workload in OFFLINE_WORKLOADS:
@@ -368,6 +377,31 @@ def run(args: argparse.Namespace) -> int:
 
         for path in write_plots(args.plot, f"{args.workload}-{dtype_name}", results, report):
             logger.info("wrote %s", path)
+    return 0
+
+
+def _run_embed(args: argparse.Namespace) -> int:
+    import torch
+
+    from integrations.bench.embed import embed_bench, format_embed
+
+    baselines = args.baselines if args.compare else []
+    if any(b != "sentence-transformers" for b in baselines):
+        raise FlagError("--workload embed compares the engine with sentence-transformers: --baselines sentence-transformers")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    fields = engine_kwargs(args)
+    model = fields.pop("model")
+    if model is None:
+        raise FlagError("--workload embed needs an embedding model: --model DIR")
+    report = embed_bench(
+        str(model), fields, args.num_requests, args.chunk_tokens, args.batch_size, baselines, args.rounds, args.queries
+    )
+    report["machine"] = machine_info()
+    print(format_embed(report))  # noqa: T201
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
     return 0
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
-from engine.errors import EngineError, EngineOverloaded, EngineRestarting, ModelLoadError, RequestRejected
+from engine.errors import (
+    EngineError, EngineOverloaded, EngineRestarting, ModelLoadError, RequestPoisoned, RequestRejected,
+)
 from engine.outputs import CompletionOutput, Logprob, PinnedPrefix, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -25,6 +27,7 @@ __all__ = [
     "ModelLoadError",
     "PinnedPrefix",
     "RequestOutput",
+    "RequestPoisoned",
     "RequestRejected",
     "SamplingParams",
 ]

@@ -33,7 +33,7 @@ from engine.metrics import RequestStats, SpecDecodeStats
 from engine.model_info import eos_token_ids, model_name
 from engine.multimodal.inputs import ImagePrompts
 from engine.output_processor import OutputProcessor, ParentRequest
-from engine.outputs import Delta, RequestMetrics, RequestOutput
+from engine.outputs import Delta, Received, RequestMetrics, RequestOutput
 from engine.persisted_kv import PersistedKVCache
 from engine.processor import ProcessedRequest, Processor, Prompt
 from engine.request import Request, RequestStatus
@@ -221,8 +221,11 @@ class Engine:
         request = self._process(request_id, prompt, params, priority, cache_salt, tenant=tenant, weight=weight)
         return self.enqueue(request)
 
-    def enqueue(self, request: ProcessedRequest) -> str:
+    def enqueue(self, request: ProcessedRequest, received: Received | None = None) -> str:
         """Queues a request a ``Processor`` made (this engine's, or a caller-side one: ``AsyncEngine``) as it is.
+
+        With ``received`` (``n == 1`` only) it continues a run whose caller already got those tokens:
+        they are its output so far, and its deltas carry only what follows.
 
         Returns:
             The request id (a pin's: its pin id).
@@ -263,12 +266,14 @@ class Engine:
             )
             for index in range(params.n)
         ]
+        resumed = received.token_ids if received is not None else []
         for child in children:
-            self.output_processor.add_request(child)
-            if request.grammar is not None:
-                self.structured_output.add_request(child.req_id, request.grammar)
+            child.all_token_ids.extend(resumed)
+            if request.grammar is not None:  # NOTE: first: it raises on output the grammar refuses
+                self.structured_output.add_request(child.req_id, request.grammar, resumed)
+            self.output_processor.add_request(child, received)
             self.scheduler.add_request(child)
-        self._parents[request_id] = ParentRequest(request_id, request.prompt_token_ids, children)
+        self._parents[request_id] = ParentRequest(request_id, request.prompt_token_ids, children, bool(resumed))
         if request.pin:
             self._pins.add(request_id)
         else:  # NOTE: pins are the engine's own requests, not counted as taken

@@ -282,6 +282,7 @@ def render(figures: Figures, url: str, problem: str | None = None) -> Any:
         ("prefix hit (total)", _num(f.value("paged_prefix_cache_hit_rate"), ".1%")),
         ("preemptions", f"{_num(preempt)} (+{_num(f.increase('paged_num_preemptions_total'))})"),
         ("engine restarts", _num(f.value("paged_engine_restarts_total"))),
+        ("requests resumed", _num(f.value("paged_requests_resumed_total"))),
     ])  # fmt: skip
 
     latency = Table(title="Latency", title_justify="left", box=None, pad_edge=False)

@@ -366,10 +366,10 @@ class Supervisor:
                 self._record(exc, "a fresh engine failed to start")
                 continue
             self._load_s = time.monotonic() - started
-            self._publish(engine)
             self._engine = engine
             self._generation += 1
             self.driver.resume(engine, self._generation)
+            self._publish(engine)  # NOTE: after the resume, before callers see the engine serve
             self._restarting = False
             logger.warning("a fresh engine serves (restart %d, started in %.2f s)", self._restarts, self._load_s)
             return not self._stopping

@@ -166,3 +166,22 @@ async def test_resume_off_fails_the_streams_in_flight_with_engine_restarting(mod
         await wait_until(lambda: engine.is_running, "the fresh engine")
         assert engine.stats()["requests_resumed"] == 0
         await quiescent(engine)
+
+
+async def test_aborts_while_the_engine_restarts_end_the_kept_requests(model_dir, quiescent) -> None:
+    """A stream closed, and a request aborted by id, while a fresh engine starts: once it serves, each kept
+    request is aborted there (the one still read ends with "abort"), and every block comes back."""
+    policy = RestartPolicy(backoff_s=2.0)  # NOTE: a restart window long enough to act in
+    async with AsyncEngine(str(model_dir), restart=policy, **CONFIG) as engine:
+        closed = asyncio.ensure_future(stream(engine, PROMPTS[0], greedy(max_tokens=100), "closed"))
+        by_id = asyncio.ensure_future(stream(engine, PROMPTS[1], greedy(max_tokens=100), "by-id"))
+        await wait_until(lambda: engine.stats()["num_requests_running"] == 2, "both requests to run")
+        with inject_fault(engine, "schedule"):
+            await wait_until(lambda: engine.health().status == "restarting", "the restart")
+        closed.cancel()
+        await engine.abort("by-id")
+        with pytest.raises(asyncio.CancelledError):
+            await closed
+        assert (await by_id).finish_reason == "abort"
+        assert engine.is_running and engine.stats()["requests_resumed"] == 2
+        await quiescent(engine)

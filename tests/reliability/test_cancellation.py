@@ -55,10 +55,11 @@ async def _tokens(stream) -> list[int]:
 async def test_abort_twice_or_of_an_unknown_id_is_a_no_op(engine, quiescent) -> None:
     """abort() of an unknown id does nothing; aborting one request twice ends it once, with "abort"."""
     await engine.abort("never-seen")
-    stream = engine.generate(list(range(10, 20)), LONG, request_id="a")
-    first = await anext(stream)
-    await engine.abort("a")
-    await engine.abort("a")
+    async with hold_after_first_token(engine):  # NOTE: the aborts are queued before it can finish
+        stream = engine.generate(list(range(10, 20)), LONG, request_id="a")
+        first = await anext(stream)
+        await engine.abort("a")
+        await engine.abort("a")
     outs = [first] + [o async for o in stream]
     assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
     assert sum(o.finished for o in outs) == 1

@@ -76,6 +76,13 @@ class EngineConfig:
         "in cache, and decode tokens wait less behind a prompt's chunk), 2048 on GPU.",
         ge=1, le=1 << 24,
     )  # fmt: skip
+    itl_target_s: float | None = knob(
+        0.5,
+        "Seconds a step that holds decodes should take (their inter-token latency): the step's prompt chunks are "
+        "cut to the tokens its measured cost per token leaves room for (32 at least, so prompts still advance); "
+        "None = prompt chunks take all of max_num_batched_tokens that the decodes leave.",
+        gt=0.0, le=3600.0,
+    )  # fmt: skip
     max_model_len: int | None = knob(None, "Longest prompt + completion in tokens; None = the model's.", ge=1, le=1 << 24)
     enable_prefix_caching: bool = knob(True, "Share the KV blocks of equal prompt prefixes between requests.")
     kv_cache_dir: str | os.PathLike[str] | None = knob(

@@ -27,6 +27,7 @@ from engine.core.encoder_budget import EncoderBudget
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput
+from engine.core.step_cost import StepCost
 from engine.engine_stats import engine_stats
 from engine.errors import EngineError, ParameterError, WorkerGroupFailed
 from engine.metrics import RequestStats, SpecDecodeStats
@@ -87,12 +88,15 @@ class Engine:
         )
         budget = step_token_budget(self.config.max_num_batched_tokens, self.runner.device.type)
         spec = self.config.speculative_config
-        self.drafter = Drafter(spec) if spec is not None else None
+        step_cost = StepCost()  # measured step times: prompt chunks and drafts are weighed with them
+        self.drafter = Drafter(spec, step_cost) if spec is not None else None
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec is not None else 0)
         propose = self.drafter.propose if self.drafter is not None else None
         encoder_cache = getattr(self.runner, "encoder_cache", None)
         encoder_budget = None if encoder_cache is None else EncoderBudget(budget, encoder_cache.__contains__)
-        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, budget, propose, encoder_budget)
+        self.scheduler = Scheduler(
+            self.kv, self.config.max_num_seqs, budget, propose, encoder_budget, self.config.itl_target_s, step_cost
+        )
         self.sampler = Sampler(self.vocab_size, self.runner.device, seed=self.config.seed)
         self.eos_token_ids = eos_token_ids(self.model_dir, self.runner.hf_config, self.tokenizer)
         # NOTE: thread-safe; xgrammar loads on the first constrained request.
@@ -456,6 +460,8 @@ class Engine:
                     requests = self.scheduler.requests
                     rows = [requests[s.req_id] for s in scheduler_output.scheduled if s.needs_logits]
                     self._sample_and_process(logits, rows, touched)
+                # NOTE: schedule, forward pass and sampling (drafts verified): the time the step's decodes waited
+                self.scheduler.record_step(scheduler_output, time.perf_counter() - start)
         computed_at = time.perf_counter()
         self._busy_seconds += computed_at - start
         parents = [parent for parent_id in touched if (parent := self._parents.get(parent_id)) is not None]

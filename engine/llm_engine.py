@@ -256,17 +256,10 @@ class Engine:
                 request_id if params.n == 1 else f"{index}_{request_id}",
                 request.prompt_token_ids,
                 params if params.n == 1 else params.for_completion(index),
-                priority=request.priority,
-                arrival_seq=next(self._arrivals),
-                cache_salt=request.cache_salt,
-                images=request.images,
-                tenant=request.tenant,
-                weight=request.weight,
-                stop_token_ids=stop_ids,
-                max_num_tokens=self.max_num_tokens,
-                keep_blocks=request.pin,
-                parent_id=request_id,
-                index=index,
+                priority=request.priority, arrival_seq=next(self._arrivals), cache_salt=request.cache_salt,
+                images=request.images, tenant=request.tenant, weight=request.weight,
+                stop_token_ids=stop_ids, max_num_tokens=self.max_num_tokens, keep_blocks=request.pin,
+                parent_id=request_id, index=index,
             )
             for index in range(params.n)
         ]

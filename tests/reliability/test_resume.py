@@ -22,7 +22,7 @@ from tests.reliability.conftest import ENGINE_CONFIG
 from tests.support.faults import inject_fault
 from tests.support.step_gate import wait_until
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+SPEC = {"mode": "always", "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 CONFIG = dict(ENGINE_CONFIG, num_blocks=160, speculative_config=SPEC)
 FAST = RestartPolicy(backoff_s=0.01, max_backoff_s=0.05)
 PROMPTS = [list(range(200 + 31 * i, 200 + 31 * i + 6 + i % 5)) for i in range(8)]

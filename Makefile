@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench clean-venv
+.PHONY: run test test-stress bench clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,12 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The suite with a busy loop on every core, as on a loaded CI machine; PYTEST_ARGS narrows it.
+test-stress: $(STAMP)
+	@pids=""; trap 'kill $$pids 2>/dev/null' EXIT; \
+	for _ in $$(seq $$(nproc)); do $(PY) -c 'while True: pass' & pids="$$pids $$!"; done; \
+	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(VENV)/bin/paged bench --compare

@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
 from engine.errors import (
-    EngineError, EngineOverloaded, EngineRestarting, ModelLoadError, RequestRejected, UnsupportedTask,
+    EngineError, EngineOverloaded, EngineRestarting, ModelLoadError, RequestPoisoned, RequestRejected,
+    UnsupportedTask,
 )
 from engine.outputs import CompletionOutput, Logprob, PinnedPrefix, RequestOutput
 from engine.pooling.outputs import EmbeddingOutput, EmbeddingRequestOutput, ScoringOutput, ScoringRequestOutput
@@ -32,6 +33,7 @@ __all__ = [
     "PinnedPrefix",
     "PoolingParams",
     "RequestOutput",
+    "RequestPoisoned",
     "RequestRejected",
     "SamplingParams",
     "ScoringOutput",

@@ -41,10 +41,11 @@ _LIVENESS_POLL_S = 0.5  # a waiter re-checks the driver at least this often
 class AsyncEngine:
     """The engine behind asyncio: streaming generation, abort, prefix pinning, stats; it heals itself.
 
-    When its driver dies, the requests in flight fail with ``EngineRestarting`` (retryable)
-    and a fresh ``Engine`` is loaded from the same configuration under ``restart``; once
-    that policy is spent the engine is dead and every call raises ``EngineError``
-    (``engine.supervisor``). ``health()`` says which.
+    When its driver dies, a fresh ``Engine`` is loaded from the same configuration under
+    ``restart`` and the requests in flight resume on it: their streams go on with no delta
+    repeated or missing (``engine.resume``; with ``restart.resume`` off they fail with the
+    retryable ``EngineRestarting``). Once that policy is spent the engine is dead and every
+    call raises ``EngineError`` (``engine.supervisor``). ``health()`` says which.
 
     Each request is checked and prepared once, on the caller's side (``engine.processor``),
     before its command is posted: a bad one raises before anything reaches the driver.
@@ -171,8 +172,9 @@ class AsyncEngine:
             ParameterError: Bad ``params``, ``request_id``, ``priority``, ``cache_salt``,
                 ``tenant`` or ``weight``, a request id already in use, or a structured-output constraint that does not
                 compile (compiled on the compiler's threads, never on the step loop).
-            EngineRestarting: The driver died while the request was queued or running, or a
-                fresh engine is starting: retry it.
+            EngineRestarting: A fresh engine is starting; or the driver died while the request
+                was queued or running and it is not resumed (``RestartPolicy.resume`` off, ``n > 1``): retry it.
+            RequestPoisoned: The request was in flight at too many driver deaths (``engine.resume``).
             EngineError: The engine failed this request, or is dead / shut down.
         """
         steps = self._steps(prompt, params, request_id, priority, cache_salt, tenant, weight)
@@ -201,7 +203,7 @@ class AsyncEngine:
             raise
         try:
             self._inbox.put(Add(request, channel))
-            if (error := supervisor.failure(generation)) is not None:
+            if (error := supervisor.channel_failure(channel)) is not None:
                 raise error  # NOTE: a driver that died before draining this Add may never answer it
             while True:
                 item = await self._next(channel)
@@ -214,8 +216,8 @@ class AsyncEngine:
                 if channel.finished:
                     return
         finally:
-            if not channel.finished and supervisor.failure(generation) is None:
-                self._inbox.put(Abort(request_id))
+            if not channel.finished and supervisor.health().status in ("running", "restarting"):
+                self._inbox.put(Abort(request_id))  # NOTE: while restarting, noted for the request's resume
             self._admission.end(request_id, channel)
 
     async def embed(
@@ -271,7 +273,7 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         """Aborts a request (its stream ends with finish_reason "abort"); unknown ids are a no-op."""
-        if self.is_running:
+        if self.health().status in ("running", "restarting"):
             self._inbox.put(Abort(request_id))
 
     async def pin_prefix(self, prompt: Prompt, cache_salt: str | None = None) -> PinnedPrefix:
@@ -358,7 +360,7 @@ class AsyncEngine:
                 getter.cancel()
             if getter.done() and not getter.cancelled():
                 return getter.result()
-            if (error := self._supervisor.failure(channel.generation)) is not None and channel.queue.empty():
+            if (error := self._supervisor.channel_failure(channel)) is not None and channel.queue.empty():
                 return error
 
     async def _wait(self, future: asyncio.Future, generation: int) -> Any:

@@ -25,15 +25,18 @@ if TYPE_CHECKING:
 class Channel:
     """One request's stream: an asyncio queue on its consumer's loop, fed by the driver thread."""
 
-    __slots__ = ("loop", "queue", "num_tokens", "generation", "reserved", "finished")
+    __slots__ = ("loop", "queue", "num_tokens", "generation", "reserved", "finished", "accepted")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, num_tokens: int, generation: int) -> None:
         self.loop = loop
         self.queue: asyncio.Queue[list[Delta] | BaseException] = asyncio.Queue()  # a step's deltas, or the error
         self.num_tokens = num_tokens
-        self.generation = generation  # the engine it was admitted to
+        self.generation = generation  # the engine it was admitted to; a resume moves it to the fresh one
         self.reserved = True  # holds an admission slot until it leaves the queue
         self.finished = False
+        # NOTE: set by the driver once an engine took the request: from then on the driver answers
+        # it on every path (its end, an error, a death: resumed or failed), so its caller waits.
+        self.accepted = False
 
     def send(self, item: list[Delta] | BaseException) -> None:
         try:

@@ -1,7 +1,9 @@
 """The driver loop: one ``Engine`` stepped between the commands of the inbox, each step's deltas sent to their channels.
 
 The driver thread drains the inbox between steps, steps while there is work and sleeps on
-the inbox when there is none. It is the only code that touches the ``Engine`` it drives.
+the inbox when there is none. It is the only code that touches the ``Engine`` it drives. It
+records what each request's caller has received, so that after a driver death a fresh engine
+can resume the request (``engine.resume``).
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from engine.admission import Admission
-from engine.commands import Abort, Add, Call, Channel, Command, Pin, Stop, posted_to, public_pin_id, refuse, resolve
+from engine.commands import Abort, Add, Call, Command, Pin, Stop, posted_to, public_pin_id, refuse, resolve
 from engine.errors import EngineError
 from engine.outputs import Delta, PinnedPrefix
+from engine.resume import InFlight, Resumption
 
 if TYPE_CHECKING:
     from engine.llm_engine import Engine
@@ -50,14 +53,16 @@ embedder) step in turn, each step with all of torch's intra-op threads, never tw
 class Driver:
     """Runs the inbox's commands on an ``Engine`` and steps it; driver thread only.
 
-    It outlives the engines it drives: after one dies, ``fail`` answers the requests, pins and
-    queued commands it leaves behind, and the next ``drive`` takes the fresh engine.
+    It outlives the engines it drives: after one dies, ``suspend`` keeps the requests to resume
+    (``resumption``) and answers the rest, ``fail`` answers the pins and queued commands it leaves
+    behind, and ``resume`` re-queues the kept requests on the fresh engine the next ``drive`` takes.
 
     Args:
         inbox: the commands callers post.
         admission: released as each request leaves the waiting queue.
         publish: called with the engine after each step (and when it idles), before outputs go out.
         stale: the error for a command posted to an engine that is gone.
+        resumption: which requests a death resumes.
     """
 
     def __init__(
@@ -66,12 +71,14 @@ class Driver:
         admission: Admission,
         publish: Callable[[Engine], None],
         stale: Callable[[], EngineError],
+        resumption: Resumption,
     ) -> None:
         self.inbox = inbox
         self._admission = admission
         self._publish = publish
         self._stale = stale
-        self._channels: dict[str, Channel] = {}  # requests in the engine
+        self.resumption = resumption
+        self._flights: dict[str, InFlight] = {}  # requests in the engine
         self._pins: dict[str, Pin] = {}  # pins still computing
 
     def drive(self, engine: Engine, generation: int) -> None:
@@ -90,7 +97,7 @@ class Driver:
                     break
             for command in commands:
                 if isinstance(command, Stop):
-                    engine.abort_request(list(self._channels))
+                    engine.abort_request(list(self._flights))
                     self._emit(generation, engine.pop_deltas(), {})
                     return
                 self._handle(engine, generation, command)
@@ -99,6 +106,8 @@ class Driver:
             failures = engine.pop_failures()
             self._publish(engine)
             self._emit(generation, deltas, failures)
+            if self.resumption.suspects:  # NOTE: the next suspect runs once the one before has left
+                self.resume(engine, generation)
 
     def unpin(self, engine: Engine, pin_id: str) -> None:
         """Releases ``engine``'s pin ``pin_id``; one still computing fails its waiter."""
@@ -107,11 +116,39 @@ class Driver:
         if waiter is not None:  # unpinned before it finished computing
             resolve(waiter.loop, waiter.future, error=EngineError(f"prefix {pin_id} was unpinned while pinning"))
 
+    def suspend(self, error: Callable[[], EngineError]) -> None:
+        """After a death: keeps the requests in flight that a fresh engine resumes; answers the others with ``error()``."""
+        flights = list(self._flights.values())
+        self._flights.clear()
+        self.resumption.sort(flights, error)
+
+    def resume(self, engine: Engine, generation: int) -> None:
+        """Re-queues the kept requests on ``engine`` (of ``generation``) as continuations of what their callers got."""
+        resumption = self.resumption
+        suspect_running = any(flight.suspect for flight in self._flights.values())
+        for flight in resumption.take(suspect_running):
+            flight.channel.generation = generation
+            try:
+                request_id = engine.enqueue(flight.request, flight.received)
+            except Exception as exc:  # noqa: BLE001 - the caller gets it
+                flight.channel.send(exc)
+                continue
+            self._flights[request_id] = flight
+            if request_id in resumption.aborted:
+                resumption.aborted.discard(request_id)
+                engine.abort_request(request_id)
+                self._emit(generation, engine.pop_deltas(), {})
+
     def fail(self, error: Callable[[], EngineError]) -> None:
-        """Answers every request, pin and queued command of an engine that is gone with ``error()``."""
-        for channel in self._channels.values():
-            channel.send(error())
-        self._channels.clear()
+        """Answers every request (kept ones included), pin and queued command of an engine that is gone with ``error()``."""
+        for flight in self._flights.values():
+            flight.channel.send(error())
+        self._flights.clear()
+        self.resumption.drop(error)
+        self.fail_pins(error)
+
+    def fail_pins(self, error: Callable[[], EngineError]) -> None:
+        """Answers the pins and the queued commands of an engine that is gone with ``error()``; kept requests stay."""
         for pin in self._pins.values():
             resolve(pin.loop, pin.future, error=error())
         self._pins.clear()
@@ -120,7 +157,13 @@ class Driver:
                 command = self.inbox.get_nowait()
             except queue.Empty:
                 break
-            refuse(command, error())
+            self.refuse(command, error())
+
+    def refuse(self, command: Command, error: EngineError) -> None:
+        """Answers a command posted while no engine serves; an abort of a kept request is noted for its resume."""
+        if isinstance(command, Abort):
+            self.resumption.abort(command.request_id)
+        refuse(command, error)
 
     def _handle(self, engine: Engine, generation: int, command: Command) -> None:
         if posted_to(command, generation) != generation:  # NOTE: posted to an engine that died: never run on this one
@@ -132,10 +175,14 @@ class Driver:
             except Exception as exc:  # noqa: BLE001 - the caller gets it
                 command.channel.send(exc)
                 return
-            self._channels[request_id] = command.channel
+            command.channel.accepted = True
+            self._flights[request_id] = InFlight(command.request, command.channel)
         elif isinstance(command, Abort):
             if command.request_id in self._pins:
                 self.unpin(engine, command.request_id)
+                return
+            if self.resumption.abort(command.request_id):  # a suspect waiting its turn: queued to be aborted
+                self.resume(engine, generation)
                 return
             engine.abort_request(command.request_id)
             # NOTE: sent now, before a later command may reuse the id
@@ -170,11 +217,17 @@ class Driver:
                     result = PinnedPrefix(public_pin_id(request_id, generation), len(pin.request.prompt_token_ids), usage.cached_tokens)
                     resolve(pin.loop, pin.future, result, failures.get(request_id))
                 continue
-            channel = self._channels.get(request_id)
-            if channel is None:
+            flight = self._flights.get(request_id)
+            if flight is None:
                 continue
+            channel = flight.channel
             self._admission.release(channel)  # the request left the waiting queue (or finished)
             if usage is not None:
-                del self._channels[request_id]
+                del self._flights[request_id]
             error = failures.get(request_id)
-            channel.send(error if error is not None else group)
+            if error is not None:
+                channel.send(error)
+                continue
+            for delta in group:
+                flight.received.add(delta)
+            channel.send(group)

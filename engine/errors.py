@@ -22,6 +22,24 @@ class EngineRestarting(EngineError):
         self.retry_after = retry_after
 
 
+class RequestPoisoned(EngineError):
+    """A request was in flight at each of several driver deaths, the last time running alone among the
+    suspects: it is not resumed again (``engine.resume``); the others are.
+
+    Attributes:
+        request_id: the request's id.
+        num_deaths: driver deaths it was in flight at.
+    """
+
+    def __init__(self, request_id: str, num_deaths: int) -> None:
+        super().__init__(
+            f"request {request_id!r} was in flight at {num_deaths} driver deaths, the last while the only suspect "
+            "running: it is not resumed again"
+        )
+        self.request_id = request_id
+        self.num_deaths = num_deaths
+
+
 class WorkerGroupFailed(EngineError):
     """A tensor-parallel rank died or failed a step: the step's requests fail, and the group serves no more.
 

@@ -35,7 +35,7 @@ from engine.metrics import RequestStats, SpecDecodeStats
 from engine.model_info import eos_token_ids, model_name
 from engine.multimodal.inputs import image_prompts
 from engine.output_processor import OutputProcessor, ParentRequest
-from engine.outputs import Delta, RequestMetrics, RequestOutput
+from engine.outputs import Delta, Received, RequestMetrics, RequestOutput
 from engine.persisted_kv import PersistedKVCache
 from engine.pooling.api import PoolingAPI, pooling_parts
 from engine.pooling.model_config import model_pooling
@@ -230,8 +230,11 @@ class Engine(BatchAPI, PoolingAPI):
         request = self._process(request_id, prompt, params, priority, cache_salt, tenant=tenant, weight=weight)
         return self.enqueue(request)
 
-    def enqueue(self, request: ProcessedRequest) -> str:
+    def enqueue(self, request: ProcessedRequest, received: Received | None = None) -> str:
         """Queues a request a ``Processor`` made (this engine's, or a caller-side one: ``AsyncEngine``) as it is.
+
+        With ``received`` (``n == 1`` only) it continues a run whose caller already got those tokens:
+        they are its output so far, and its deltas carry only what follows.
 
         Returns:
             The request id (a pin's: its pin id).
@@ -258,26 +261,21 @@ class Engine(BatchAPI, PoolingAPI):
                 request_id if params.n == 1 else f"{index}_{request_id}",
                 request.prompt_token_ids,
                 params if params.n == 1 else params.for_completion(index),
-                priority=request.priority,
-                arrival_seq=next(self._arrivals),
-                cache_salt=request.cache_salt,
-                images=request.images,
-                tenant=request.tenant,
-                weight=request.weight,
-                stop_token_ids=stop_ids,
-                max_num_tokens=self.max_num_tokens,
-                keep_blocks=request.pin,
-                parent_id=request_id,
-                index=index,
+                priority=request.priority, arrival_seq=next(self._arrivals), cache_salt=request.cache_salt,
+                images=request.images, tenant=request.tenant, weight=request.weight,
+                stop_token_ids=stop_ids, max_num_tokens=self.max_num_tokens, keep_blocks=request.pin,
+                parent_id=request_id, index=index,
             )
             for index in range(params.n)
         ]
+        resumed = received.token_ids if received is not None else []
         for child in children:
-            self.output_processor.add_request(child)
-            if request.grammar is not None:
-                self.structured_output.add_request(child.req_id, request.grammar)
+            child.all_token_ids.extend(resumed)
+            if request.grammar is not None:  # NOTE: first: it raises on output the grammar refuses
+                self.structured_output.add_request(child.req_id, request.grammar, resumed)
+            self.output_processor.add_request(child, received)
             self.scheduler.add_request(child)
-        self._parents[request_id] = ParentRequest(request_id, request.prompt_token_ids, children)
+        self._parents[request_id] = ParentRequest(request_id, request.prompt_token_ids, children, bool(resumed))
         if request.pin:
             self._pins.add(request_id)
         else:  # NOTE: pins are the engine's own requests, not counted as taken

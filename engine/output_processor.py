@@ -23,7 +23,7 @@ from engine.detokenizer import IncrementalDetokenizer, make_decode_fn
 from engine.errors import EngineError
 from engine.metrics import Histogram
 from engine.outputs import (
-    CompletionOutput, Delta, Logprob, RequestLatency, RequestMetrics, RequestOutput, TokenLogprob, TopLogprob, Usage,
+    CompletionOutput, Delta, Logprob, Received, RequestLatency, RequestMetrics, RequestOutput, TokenLogprob, TopLogprob, Usage,
 )
 from engine.request import Request
 
@@ -71,11 +71,25 @@ class OutputProcessor:
         self.num_generation_tokens = 0
         self._sequences: dict[str, _SequenceOutput] = {}
 
-    def add_request(self, request: Request) -> None:
-        """Starts following a new sequence's text and stop strings."""
+    def add_request(self, request: Request, received: Received | None = None) -> None:
+        """Starts following a new sequence's text and stop strings.
+
+        With ``received``, what its caller already got of an earlier run: those tokens are
+        replayed into its text and counted as sent, so its deltas go on from there.
+        """
         params = request.sampling_params
         detokenizer = IncrementalDetokenizer(self.decode, request.prompt_token_ids, params.stop)
-        self._sequences[request.req_id] = _SequenceOutput(detokenizer, [] if params.logprobs is not None else None)
+        sequence = _SequenceOutput(detokenizer, [] if params.logprobs is not None else None)
+        self._sequences[request.req_id] = sequence
+        if received is None or not received.token_ids:
+            return
+        for num_output, token_id in enumerate(received.token_ids, 1):
+            detokenizer.update((token_id,), num_output >= params.min_tokens)
+        detokenizer.take(False)  # NOTE: the text its caller got: held-back text is a function of the tokens
+        sequence.num_sent_tokens = len(received.token_ids)
+        if sequence.logprobs is not None and received.logprobs is not None:
+            sequence.logprobs.extend(received.logprobs)
+        sequence.first_token_time = sequence.last_token_time = time.perf_counter()
 
     def free(self, parent: ParentRequest) -> None:
         """Forgets a request whose final output was made."""

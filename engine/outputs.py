@@ -171,6 +171,27 @@ class Usage:
 
 
 @dataclass(slots=True)
+class Received:
+    """What a caller has received of a request's one completion: where a resumed run goes on from.
+
+    Attributes:
+        token_ids: the output tokens its deltas carried, in order.
+        logprobs: theirs, one per token, when the request set ``logprobs``.
+    """
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+
+    def add(self, delta: Delta) -> None:
+        """Records one more delta of the completion."""
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(delta.logprobs)
+
+
+@dataclass(slots=True)
 class Delta:
     """New output of one completion of a request since its previous delta.
 

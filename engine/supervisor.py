@@ -2,9 +2,12 @@
 
 ``AsyncEngine`` supervises its own driver thread (``Supervisor``). A driver that dies (an
 exception outside the per-step isolation: the scheduler, the driver loop itself, a
-``BaseException`` from the model) fails every request in flight with ``EngineRestarting``,
+``BaseException`` from the model) keeps the requests in flight to resume (``engine.resume``;
+with ``RestartPolicy.resume`` off, or ``n > 1``, they fail with ``EngineRestarting``),
 drops the dead ``Engine`` (its KV cache and weights are freed) and starts a fresh one from the
-same configuration; requests that arrive meanwhile fail fast with the same retryable error.
+same configuration, which re-queues the kept requests as continuations of what their callers
+received: their streams go on. Requests that arrive meanwhile fail fast with the retryable
+``EngineRestarting``.
 Each engine is one generation; a command posted to an older generation than the one serving
 is answered with ``EngineRestarting``, never run on the fresh engine. Each death, and each
 fresh start that fails, is a failure: the delay before the next start doubles with the
@@ -35,11 +38,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from engine.admission import Admission
-from engine.commands import Command, Stop, refuse
+from engine.commands import Channel, Command, Stop
 from engine.config import EngineConfig
 from engine.driver import Driver
 from engine.errors import EngineError, EngineRestarting
 from engine.knobs import check_knobs, knob
+from engine.resume import Resumption
 
 if TYPE_CHECKING:
     from engine.llm_engine import Engine
@@ -68,6 +72,14 @@ class RestartPolicy:
         0.5, "Seconds before the first restart; doubled for each further failure in the window.", ge=0.0, le=600.0
     )
     max_backoff_s: float = knob(10.0, "Longest delay before a restart, in seconds.", ge=0.0, le=3600.0)
+    resume: bool = knob(
+        True, "Resume the requests in flight at a driver death on the fresh engine; off: they fail with "
+        "EngineRestarting.",
+    )  # fmt: skip
+    max_resumes: int = knob(
+        2, "Driver deaths a request may be in flight at and resume with the others; past it, it runs alone among "
+        "such suspects, and fails with RequestPoisoned if the driver dies again.", ge=0, le=100,
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         check_knobs(self)
@@ -185,10 +197,11 @@ class Supervisor:
         self._restarts = 0
         self._last_error: str | None = None
         self._stats: dict[str, Any] = {}
+        self._resumption = Resumption(policy.resume, policy.max_resumes)
         self._publish(engine)
         self._dead: EngineError | None = None
         self._stopping = False
-        self.driver = Driver(inbox, admission, self._publish, self.restart_error)
+        self.driver = Driver(inbox, admission, self._publish, self.restart_error, self._resumption)
         self._thread = threading.Thread(target=self._run, name="paged-engine-driver", daemon=True)
         self._thread.start()
 
@@ -243,6 +256,16 @@ class Supervisor:
         if self._restarting:
             raise self.restart_error()
         return self._generation
+
+    def channel_failure(self, channel: Channel) -> EngineError | None:
+        """Why ``channel``'s request will get no answer; None while one may come.
+
+        NOTE: once an engine took the request, the driver answers it on every path (resumed or
+        failed at a death): only a driver thread that ended leaves it unanswered.
+        """
+        if channel.accepted:
+            return self._dead if self._dead is not None and not self._thread.is_alive() else None
+        return self.failure(channel.generation)
 
     def failure(self, generation: int) -> EngineError | None:
         """Why the engine of ``generation`` will not answer any more; None while it serves."""
@@ -316,6 +339,7 @@ class Supervisor:
         """
         self._restarting = True  # NOTE: first, so callers fail fast from here on
         self._engine = None  # the dead engine's KV cache and weights go with its last reference
+        self.driver.suspend(self.restart_error)
         while True:
             delay = None if self._stopping else self._crashes.next_delay(time.monotonic())
             if delay is None:
@@ -328,7 +352,7 @@ class Supervisor:
                     logger.error("the engine is dead: %s", why)
                 return False
             self._ready_by = time.monotonic() + delay + self._load_s
-            self.driver.fail(self.restart_error)
+            self.driver.fail_pins(self.restart_error)
             logger.warning("starting a fresh engine in %.2f s", delay)
             if not self._wait_out(delay):
                 return False
@@ -342,9 +366,10 @@ class Supervisor:
                 self._record(exc, "a fresh engine failed to start")
                 continue
             self._load_s = time.monotonic() - started
-            self._publish(engine)
             self._engine = engine
             self._generation += 1
+            self.driver.resume(engine, self._generation)
+            self._publish(engine)  # NOTE: after the resume, before callers see the engine serve
             self._restarting = False
             logger.warning("a fresh engine serves (restart %d, started in %.2f s)", self._restarts, self._load_s)
             return not self._stopping
@@ -361,10 +386,12 @@ class Supervisor:
                 command = inbox.get(timeout=remaining)
             except queue.Empty:
                 return True
-            refuse(command, self.restart_error())
+            self.driver.refuse(command, self.restart_error())
         return False
 
     def _publish(self, engine: Engine) -> None:
         stats = engine.stats()
         stats["engine_restarts"] = self._restarts
+        stats["requests_resumed"] = self._resumption.num_resumed
+        stats["requests_poisoned"] = self._resumption.num_poisoned
         self._stats = stats

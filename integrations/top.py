@@ -291,6 +291,7 @@ def render(figures: Figures, url: str, problem: str | None = None) -> Any:
         ("engine restarts", _num(f.value("paged_engine_restarts_total"))),
         ("pooling req/s", _num(f.pooling_rate("paged_pooling_requests_total"), ".2f")),
         ("pooling tok/s", _num(f.pooling_rate("paged_pooling_prompt_tokens_total"), ".1f")),
+        ("requests resumed", _num(f.value("paged_requests_resumed_total"))),
     ])  # fmt: skip
 
     latency = Table(title="Latency", title_justify="left", box=None, pad_edge=False)

@@ -3,7 +3,10 @@
 Per step: penalties -> min_tokens suppression -> temperature -> top-k / top-p / min-p ->
 an inverse-CDF draw: one uniform number per row, located in the row's cumulative
 probabilities. A seeded request draws its number from its own ``torch.Generator``, so its
-tokens do not depend on what else is in the batch; greedy rows take the argmax.
+tokens do not depend on what else is in the batch; greedy rows take the argmax. That
+generator is seeded afresh for each output token from (seed, the token's position): its
+state is the request's tokens alone, so a request resumed on a fresh engine with the tokens
+it had draws what it would have drawn.
 
 NOTE: one random number per row, not one per vocabulary entry (as an exponential race or
 Gumbel noise needs): on CPU, drawing ``rows x vocab`` random numbers costs an order of
@@ -47,6 +50,13 @@ class _SamplingState:
 class SamplerOutput:
     token_ids: list[int]  # one per row
     logprobs: list[list[tuple[int, float, int]] | None]  # per row: (token, logprob, rank), sampled first
+
+
+def token_seed(seed: int, position: int) -> int:
+    """The seed of a seeded request's draws for its output token ``position`` (a 64-bit mix of the two)."""
+    mixed = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) % (1 << 64)
+    mixed ^= mixed >> 31
+    return mixed % (1 << 63)
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -149,6 +159,10 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         params = [r.sampling_params for r in requests]
+        for r in requests:
+            generator = self._state(r).generator
+            if generator is not None:
+                generator.manual_seed(token_seed(r.sampling_params.seed, r.num_output_tokens))
         temperature = self._tensor([p.temperature for p in params], torch.float32)
         logits = logits / temperature.unsqueeze(1)
         top_k = [p.top_k if 0 < p.top_k < self.vocab_size else 0 for p in params]
@@ -255,9 +269,8 @@ class Sampler:
         if state is None:
             seed = request.sampling_params.seed
             generator = None
-            if seed is not None:
+            if seed is not None:  # NOTE: seeded per token in _sample
                 generator = torch.Generator(self.device)
-                generator.manual_seed(seed)
             state = self._states[request.req_id] = _SamplingState(generator)
         return state
 

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from engine import cpu_kernels
+from engine.errors import EngineError
 
 
 class Row(Protocol):
@@ -40,11 +41,22 @@ class StructuredOutputManager:
         self._matchers: dict[str, Any] = {}
         self._bitmask: torch.Tensor | None = None  # reused across steps, grown when needed
 
-    def add_request(self, req_id: str, grammar: Any) -> None:
-        """Starts constraining ``req_id`` with a compiled grammar (from ``GrammarCompiler``)."""
+    def add_request(self, req_id: str, grammar: Any, token_ids: Sequence[int] = ()) -> None:
+        """Starts constraining ``req_id`` with a compiled grammar (from ``GrammarCompiler``).
+
+        Args:
+            token_ids: output it already has (a resumed run): the matcher is advanced past them.
+
+        Raises:
+            EngineError: the grammar refuses one of ``token_ids``.
+        """
         import xgrammar as xgr
 
-        self._matchers[req_id] = xgr.GrammarMatcher(grammar, max_rollback_tokens=0)
+        matcher = xgr.GrammarMatcher(grammar, max_rollback_tokens=0)
+        for token_id in token_ids:
+            if not matcher.accept_token(token_id):
+                raise EngineError(f"the grammar refused token {token_id} of the output so far")
+        self._matchers[req_id] = matcher
 
     def free(self, req_ids: Iterable[str]) -> None:
         """Forgets finished requests (unknown ids are skipped)."""

@@ -38,6 +38,8 @@ COUNTERS = {
     "generation_tokens": "Tokens generated.",
     "num_preemptions": "Requests preempted for lack of KV blocks.",
     "engine_restarts": "Fresh engines started (or tried) after the engine's driver died.",
+    "requests_resumed": "Requests in flight at a driver death re-queued on the fresh engine, their streams going on.",
+    "requests_poisoned": "Requests failed with RequestPoisoned: in flight at too many driver deaths.",
     "kv_evictions": "Cached KV blocks evicted to make room.",
     "requests_received": "Requests the engine took.",
     "requests_aborted": "Requests that ended aborted (cancelled, disconnected or failed).",

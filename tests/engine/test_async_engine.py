@@ -9,6 +9,8 @@ import pytest
 
 from engine import AsyncEngine, Engine, EngineError, EngineOverloaded, RequestRejected, SamplingParams
 from engine.supervisor import RestartPolicy
+from tests.support.quiescence import assert_quiescent
+from tests.support.step_gate import hold_after_first_token, hold_driver, wait_until
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
@@ -38,12 +40,8 @@ async def collect(engine: AsyncEngine, prompt, params=GREEDY, **kw) -> list:
 
 
 async def assert_pool_whole(engine: AsyncEngine) -> None:
-    def check(e: Engine) -> tuple[int, int, bool]:
-        e.kv.check_integrity()
-        return e.kv.num_free_blocks, e.kv.num_blocks, e.has_unfinished_requests()
-
-    free, total, busy = await engine.call(check)
-    assert free == total and not busy
+    """Waits for aborts in flight to land, then every block is free and no request is left."""
+    await assert_quiescent(engine, timeout=60.0)
 
 
 async def test_stream_is_cumulative_and_matches_sync(engine: AsyncEngine, reference) -> None:
@@ -70,7 +68,6 @@ async def test_closing_the_iterator_aborts_and_frees_blocks(engine: AsyncEngine)
         if len(out.outputs[0].token_ids) >= 3:
             break
     await agen.aclose()
-    await asyncio.sleep(0.05)
     await assert_pool_whole(engine)
 
 
@@ -87,7 +84,6 @@ async def test_task_cancellation_aborts(engine: AsyncEngine) -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await asyncio.sleep(0.05)
     await assert_pool_whole(engine)
 
 
@@ -115,14 +111,12 @@ async def test_validation_errors_raise_before_queueing(engine: AsyncEngine) -> N
 async def test_admission_limit_is_atomic(model_dir) -> None:
     """With max_queued_requests=2, a third queued request gets EngineOverloaded; slots free up after."""
     async with AsyncEngine(str(model_dir), num_blocks=64, block_size=4, max_queued_requests=2) as engine:
-        stall = asyncio.ensure_future(engine.call(lambda e: time.sleep(0.5)))  # hold the driver
-        await asyncio.sleep(0.05)
-        streams = [engine.generate(p, GREEDY) for p in PROMPTS[:3]]
-        firsts = [asyncio.ensure_future(s.__anext__()) for s in streams[:2]]
-        await asyncio.sleep(0)
-        with pytest.raises(EngineOverloaded, match="max_queued_requests"):
-            await streams[2].__anext__()
-        await stall
+        async with hold_driver(engine):  # nothing leaves the queue meanwhile
+            streams = [engine.generate(p, GREEDY) for p in PROMPTS[:3]]
+            firsts = [asyncio.ensure_future(s.__anext__()) for s in streams[:2]]
+            await asyncio.sleep(0)
+            with pytest.raises(EngineOverloaded, match="max_queued_requests"):
+                await streams[2].__anext__()
         await asyncio.gather(*firsts)
         for s in streams[:2]:
             async for _ in s:
@@ -171,21 +165,26 @@ async def test_dead_driver_wakes_waiters(model_dir) -> None:
     """With restarts off, a driver loop that dies leaves the engine dead: every waiter gets EngineError within a
     second and new calls fail fast (restarts: tests/reliability/test_self_healing.py)."""
     engine = AsyncEngine(str(model_dir), restart=RestartPolicy(max_restarts=0), num_blocks=64, block_size=4)
-    streams = [asyncio.ensure_future(collect(engine, p, LONG)) for p in PROMPTS[:2]]
-    await asyncio.sleep(0.2)
+
+    died = 0.0
 
     def explode(e: Engine) -> None:
+        nonlocal died
+
         def boom():
             raise RuntimeError("scheduler bug")
 
         e.scheduler.schedule = boom
+        died = time.perf_counter()
 
-    await engine.call(explode)
-    start = time.perf_counter()
+    # NOTE: the scheduler breaks once a request has a token (the next step dies): none can have finished.
+    async with hold_after_first_token(engine, then=explode) as gate:
+        streams = [asyncio.ensure_future(collect(engine, p, LONG)) for p in PROMPTS[:2]]
+        await gate.wait_held()
     for s in streams:
         with pytest.raises(EngineError, match="died"):
             await s
-    assert time.perf_counter() - start < 1.5
+    assert time.perf_counter() - died < 1.5  # NOTE: the waiters' liveness poll is 0.5 s
     assert not engine.is_running and engine.health().status == "dead"
     with pytest.raises(EngineError, match="not restarted: restarts are off"):
         await collect(engine, PROMPTS[0])
@@ -195,9 +194,12 @@ async def test_dead_driver_wakes_waiters(model_dir) -> None:
 async def test_shutdown_is_idempotent_and_final(model_dir) -> None:
     """shutdown() aborts running streams, can be called twice, and later calls raise EngineError."""
     engine = AsyncEngine(str(model_dir), num_blocks=64, block_size=4)
-    stream = asyncio.ensure_future(collect(engine, PROMPTS[0], LONG))
-    await asyncio.sleep(0.2)
-    await engine.shutdown()
+    async with hold_after_first_token(engine) as gate:
+        stream = asyncio.ensure_future(collect(engine, PROMPTS[0], LONG))
+        await gate.wait_held()
+        closing = asyncio.ensure_future(engine.shutdown())
+        await wait_until(lambda: engine.health().status == "stopped", "the shutdown to be posted")
+    await closing
     await engine.shutdown()
     outs = await stream
     assert outs[-1].outputs[0].finish_reason == "abort"

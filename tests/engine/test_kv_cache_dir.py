@@ -237,7 +237,7 @@ async def test_async_engine_and_runtime_save_on_close(model_dir, reference, tmp_
 
 async def test_a_restarted_engine_reloads_the_directory(model_dir, reference, tmp_path) -> None:
     """After a forced driver death, the fresh engine loads what was saved: the pinned prompt is a hit."""
-    engine = AsyncEngine(model_dir, **CONFIG, kv_cache_dir=tmp_path, restart=RestartPolicy(backoff_s=0.01))
+    engine = AsyncEngine(model_dir, **CONFIG, kv_cache_dir=tmp_path, restart=RestartPolicy(backoff_s=0.01, resume=False))
     try:
         await engine.pin_prefix(SYSTEM)
         await engine.call(lambda e: e.save_kv_cache())

@@ -135,13 +135,32 @@ def test_seed_is_reproducible_in_any_batch_company() -> None:
             rows.insert(position, seeded)
             out = sampler(logits.expand(len(rows), V).clone(), rows)
             tokens.append(out.token_ids[position])
+            seeded.append_token(tokens[-1])
         return tokens
 
     alone = run(0, 0)
     assert run(3, 1) == alone and run(7, 7) == alone
     assert len(set(alone)) > 1  # really random, not a constant
-    other = Sampler(V)
-    assert [other(logits, [make_request(seed=99)]).token_ids[0] for _ in range(6)] != alone
+    other, unlike = Sampler(V), make_request(seed=99)
+    drawn = []
+    for _ in range(6):
+        drawn.append(other(logits, [unlike]).token_ids[0])
+        unlike.append_token(drawn[-1])
+    assert drawn != alone
+
+
+def test_a_seeded_draw_depends_on_the_tokens_alone() -> None:
+    """A fresh sampler given a seeded request with its first k tokens draws token k as the first sampler did:
+    what lets a request resume on a fresh engine."""
+    logits = torch.randn(1, V, generator=torch.Generator().manual_seed(3))
+    sampler, seeded = Sampler(V), make_request(temperature=1.0, top_p=0.9, seed=7)
+    tokens = []
+    for _ in range(8):
+        tokens.append(sampler(logits.clone(), [seeded]).token_ids[0])
+        seeded.append_token(tokens[-1])
+    for k in (0, 3, 7):
+        resumed = make_request(output=tokens[:k], temperature=1.0, top_p=0.9, seed=7)
+        assert Sampler(V, seed=k)(logits.clone(), [resumed]).token_ids == [tokens[k]]
 
 
 def test_seeded_top_p_ignores_a_wider_top_k_in_the_batch() -> None:
@@ -157,6 +176,7 @@ def test_seeded_top_p_ignores_a_wider_top_k_in_the_batch() -> None:
         for _ in range(12):
             rows = [seeded, *(make_request(**params) for params in company)]
             tokens.append(sampler(logits.expand(len(rows), vocab).clone(), rows).token_ids[0])
+            seeded.append_token(tokens[-1])
         return tokens
 
     alone = run([])

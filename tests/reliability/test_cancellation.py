@@ -18,21 +18,22 @@ from sdk.errors import RequestTimeout
 from sdk.runtime import Runtime
 from sdk.transport import InProcessTransport
 from tests.reliability.conftest import ENGINE_CONFIG
+from tests.support.step_gate import StepGate, hold_after_first_token
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
 SHARED = list(range(900, 916))  # four full blocks of 4
 
 
-async def cancel_while_streaming(stream: AsyncIterator[object], after: float = 0.1) -> None:
-    """Consume ``stream`` in a task and cancel that task after ``after`` seconds, as a caller giving up would."""
+async def cancel_while_streaming(stream: AsyncIterator[object], gate: StepGate) -> None:
+    """Consume ``stream`` in a task and cancel that task once the driver holds (its request has a token)."""
 
     async def consume() -> None:
         async for _ in stream:
             pass
 
     task = asyncio.ensure_future(consume())
-    await asyncio.sleep(after)
+    await gate.wait_held()
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
@@ -54,10 +55,11 @@ async def _tokens(stream) -> list[int]:
 async def test_abort_twice_or_of_an_unknown_id_is_a_no_op(engine, quiescent) -> None:
     """abort() of an unknown id does nothing; aborting one request twice ends it once, with "abort"."""
     await engine.abort("never-seen")
-    stream = engine.generate(list(range(10, 20)), LONG, request_id="a")
-    first = await anext(stream)
-    await engine.abort("a")
-    await engine.abort("a")
+    async with hold_after_first_token(engine):  # NOTE: the aborts are queued before it can finish
+        stream = engine.generate(list(range(10, 20)), LONG, request_id="a")
+        first = await anext(stream)
+        await engine.abort("a")
+        await engine.abort("a")
     outs = [first] + [o async for o in stream]
     assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
     assert sum(o.finished for o in outs) == 1
@@ -115,17 +117,21 @@ async def test_task_cancellation_and_timeouts_through_the_sdk_abort(engine, tmp_
     client = AsyncClient(transport=InProcessTransport(engine), hooks=[AuditLog(audit)])
     options = dict(max_tokens=100, ignore_eos=True)
 
-    task = asyncio.ensure_future(client.complete([3, 4, 5, 6], request_id="cancelled", **options))
-    await asyncio.sleep(0.1)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    with pytest.raises(TimeoutError):
-        await asyncio.wait_for(client.chat("Tell me a story", request_id="wait_for", **options), 0.1)
-    with pytest.raises(RequestTimeout):
-        await client.chat("Tell me a story", request_id="own-timeout", timeout=0.1, **options)
-
-    await cancel_while_streaming(client.stream("Hello", request_id="stream", **options))
+    # NOTE: each request is held after its first token until it is cancelled: none can finish first.
+    async with hold_after_first_token(engine) as gate:
+        task = asyncio.ensure_future(client.complete([3, 4, 5, 6], request_id="cancelled", **options))
+        await gate.wait_held()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    async with hold_after_first_token(engine):
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(client.chat("Tell me a story", request_id="wait_for", **options), 0.1)
+    async with hold_after_first_token(engine):
+        with pytest.raises(RequestTimeout):
+            await client.chat("Tell me a story", request_id="own-timeout", timeout=0.1, **options)
+    async with hold_after_first_token(engine) as gate:
+        await cancel_while_streaming(client.stream("Hello", request_id="stream", **options), gate)
     await quiescent(engine)
     records = {r["request_id"]: r for r in map(json.loads, audit.read_text().splitlines())}
     assert set(records) == {"cancelled", "wait_for", "own-timeout", "stream"}
@@ -147,10 +153,11 @@ async def test_langchain_cancellation_and_timeouts_abort(adapter_runtime, quiesc
 
     adapter_engine = adapter_runtime.engine
     chat = PagedChat(runtime=adapter_runtime, max_tokens=100)
-    with pytest.raises(TimeoutError):
-        await asyncio.wait_for(chat.ainvoke("Tell me a story"), 0.1)
-
-    await cancel_while_streaming(chat.astream("Tell me a story"))
+    async with hold_after_first_token(adapter_engine):
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(chat.ainvoke("Tell me a story"), 0.1)
+    async with hold_after_first_token(adapter_engine) as gate:
+        await cancel_while_streaming(chat.astream("Tell me a story"), gate)
     await quiescent(adapter_engine)
     assert (await chat.ainvoke("Hi", max_tokens=2)).content is not None  # still serving
     await quiescent(adapter_engine)
@@ -165,10 +172,12 @@ async def test_llamaindex_cancellation_and_timeouts_abort(adapter_runtime, quies
     adapter_engine = adapter_runtime.engine
     llm = PagedLLM(runtime=adapter_runtime, max_tokens=100)
     messages = [LIChatMessage(role="user", content="Tell me a story")]
-    with pytest.raises(TimeoutError):
-        await asyncio.wait_for(llm.achat(messages), 0.1)
-    with pytest.raises(TimeoutError):
-        await asyncio.wait_for(llm.acomplete("Once upon a time"), 0.1)
-
-    await cancel_while_streaming(await llm.astream_chat(messages))
+    async with hold_after_first_token(adapter_engine):
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(llm.achat(messages), 0.1)
+    async with hold_after_first_token(adapter_engine):
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(llm.acomplete("Once upon a time"), 0.1)
+    async with hold_after_first_token(adapter_engine) as gate:
+        await cancel_while_streaming(await llm.astream_chat(messages), gate)
     await quiescent(adapter_engine)

@@ -10,6 +10,7 @@ import pytest
 
 from engine import AsyncEngine, EngineOverloaded, RequestRejected, SamplingParams
 from tests.reliability.conftest import ENGINE_CONFIG
+from tests.support.step_gate import hold_driver, wait_until
 
 SHORT = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 
@@ -38,19 +39,19 @@ async def test_a_thousand_simultaneous_submits_never_over_admit(model_dir, quies
     """1,000 submits from one loop and four threads while the driver is busy: exactly the limit is admitted."""
     config = dict(ENGINE_CONFIG, max_queued_requests=50) if limit == "requests" else dict(ENGINE_CONFIG, max_queued_tokens=200)
     async with AsyncEngine(str(model_dir), **config) as engine:
-        stall = asyncio.ensure_future(engine.call(lambda e: time.sleep(1.5)))  # nothing leaves the queue meanwhile
-        await asyncio.sleep(0.05)
         thread_results: list[bool] = []
         threads = [
             threading.Thread(target=_submit_from_thread, args=(engine, f"t{k}", 100, thread_results)) for k in range(4)
         ]
-        for t in threads:
-            t.start()
-        local = await asyncio.gather(*(_first(engine, [1, 2, 3, 4], f"l-{i}") for i in range(600)))
+        async with hold_driver(engine):  # nothing leaves the queue until every submit has been answered or queued
+            for t in threads:
+                t.start()
+            local = asyncio.gather(*(_first(engine, [1, 2, 3, 4], f"l-{i}") for i in range(600)))
+            await wait_until(lambda: engine.stats()["requests_rejected"] >= 950, "950 submits to be refused")
+        results = await local
         for t in threads:
             await asyncio.to_thread(t.join)
-        await stall
-        results = local + thread_results
+        results += thread_results
         assert len(results) == 1000
         assert sum(results) == 50  # 50 requests, or 200 queued tokens / 4 per prompt
         assert engine.stats()["num_requests_waiting"] == 0

@@ -1,4 +1,4 @@
-"""Self-healing: a driver that dies is replaced by a fresh engine; its requests end with a retryable error.
+"""Self-healing: a driver that dies is replaced by a fresh engine; with resume off, its requests end with a retryable error.
 
 Each test kills the driver of an engine of its own with a fault in ``Scheduler.schedule``
 (outside the per-step isolation), in process and behind a real server over HTTP, and checks
@@ -32,7 +32,8 @@ from tests.reliability.conftest import ENGINE_CONFIG, stream_until_restart
 from tests.support.faults import InjectedFault, inject_fault
 from tests.support.quiescence import assert_quiescent
 
-FAST = RestartPolicy(backoff_s=0.05)  # the default policy but for the first delay (0.5 s)
+# The default policy but for the first delay (0.5 s) and resume (tests/reliability/test_resume.py).
+FAST = RestartPolicy(backoff_s=0.05, resume=False)
 PROMPTS = [list(range(300 + 37 * i, 300 + 37 * i + 5 + i % 7)) for i in range(32)]
 NUM_TOKENS = 24  # more steps than the driver survives: no request finishes before the fault
 
@@ -153,7 +154,7 @@ async def test_server_reports_the_restart_and_serves_again_within_10s(model_dir)
 
 async def test_a_crash_loop_backs_off_then_reports_dead(model_dir, monkeypatch, caplog) -> None:
     """A fault on every start: three tries 0.1, 0.2, 0.4 s apart, then /health says dead and requests get 503."""
-    policy = RestartPolicy(max_restarts=3, backoff_s=0.1)
+    policy = RestartPolicy(max_restarts=3, backoff_s=0.1, resume=False)
     engine = AsyncEngine(str(model_dir), restart=policy, **ENGINE_CONFIG)
     app = create_app(serving_factory=lambda: Serving(engine))
     server = LiveServer(app).start()

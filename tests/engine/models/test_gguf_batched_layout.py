@@ -118,3 +118,12 @@ def test_int8_panels_are_w8a8_of_the_dequantized_blocks(tiny_gguf: Path) -> None
     for w in weights:
         got, want = w.int8_panels(), pack(quantize_symmetric_int8(hadamard_blocks(w.dequantize())), int8_products=True)
         assert torch.equal(got.codes, want.codes) and torch.equal(got.scales, want.scales)
+
+
+def test_float_type_weights_keep_their_blocks_alone(tiny_model_factory, small_tokenizer_dir: Path,
+                                                    tmp_path: Path) -> None:
+    """An F16 file's weights multiply x unrounded: no int8 layout replaces them at any step size."""
+    source = tiny_model_factory("llama", tokenizer_dir=small_tokenizer_dir, hidden_size=256, intermediate_size=512)
+    runner = _runner(write_gguf(source, tmp_path / "tiny-F16.gguf", "F16"))
+    assert runner.weights.batched is None
+    assert {type(w) for w in _weights(runner)} == {GGMLWeight}

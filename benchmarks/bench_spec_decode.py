@@ -1,11 +1,12 @@
-"""Speculative decoding (n-gram drafts) against none, in one run: a copy-heavy reply at batch 1, and W1 at 64 requests.
+"""Speculative decoding (n-gram drafts) in each mode against none, in one run: a copy-heavy reply at batch 1, W1 at 64.
 
-Batch 1: one chat request that asks for a passage of its prompt back, greedy; decode tokens/s is
-(output tokens - 1) / (last token time - first token time), the two engines taking turns for
-``--rounds`` rounds (the median of each is reported). W1: the shared-prefix workload (64 questions
-behind one system prompt, 128 new tokens each, greedy, EOS ignored, all submitted at once), output
-tokens/s over the wall time, fresh engines taking turns for ``--w1-rounds`` rounds (medians
-reported). Greedy outputs with and without drafts are compared.
+The modes: off (no speculative_config), always and auto (``speculative_config.mode``). Batch 1: one
+chat request that asks for a passage of its prompt back, greedy; decode tokens/s is (output tokens
+- 1) / (last token time - first token time), the engines taking turns for ``--rounds`` rounds (the
+median of each is reported). W1: the shared-prefix workload (64 questions behind one system prompt,
+128 new tokens each, greedy, EOS ignored, all submitted at once), output tokens/s over the wall
+time, fresh engines taking turns for ``--w1-rounds`` rounds (medians reported). Greedy outputs with
+and without drafts are compared.
 
     python benchmarks/bench_spec_decode.py                                  # bundled SmolLM2, k = 3
     python benchmarks/bench_spec_decode.py --spec '{"num_speculative_tokens": 5}' --skip-w1
@@ -33,6 +34,12 @@ PASSAGE = (
     "city's website, where the minutes of every meeting are published within a week."
 )
 DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+MODES = ("always", "auto")  # speculative_config.mode, each against off
+
+
+def mode_settings(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Engine settings by contender: off, then each mode of ``spec``."""
+    return {"off": {}, **{mode: {"speculative_config": {**spec, "mode": mode}} for mode in MODES}}
 
 
 def decode_rate(engine: Engine, prompt: list[int], params: SamplingParams) -> tuple[float, list[int]]:
@@ -55,8 +62,7 @@ def spec_counts(engine: Engine) -> dict[str, Any]:
 
 
 def batch1(model: str | None, spec: dict[str, Any], max_tokens: int, rounds: int) -> dict[str, Any]:
-    engines = {"off": EngineSpec(model, {"max_num_seqs": 1}).build(),
-               "ngram": EngineSpec(model, {"max_num_seqs": 1, "speculative_config": spec}).build()}
+    engines = {name: EngineSpec(model, {"max_num_seqs": 1, **extra}).build() for name, extra in mode_settings(spec).items()}
     prompt = apply_chat_template(engines["off"].tokenizer, "You are a helpful assistant.",
                                  f"Repeat the following text exactly, word for word:\n\n{PASSAGE}")  # fmt: skip
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
@@ -66,27 +72,29 @@ def batch1(model: str | None, spec: dict[str, Any], max_tokens: int, rounds: int
         for name, engine in engines.items():
             rate, outputs[name] = decode_rate(engine, prompt, params)
             rates[name].append(rate)
-    off, on = statistics.median(rates["off"]), statistics.median(rates["ngram"])
-    return {"prompt_tokens": len(prompt), "output_tokens": len(outputs["off"]), "decode_tok_s": {"off": off, "ngram": on},
-            "ratio": on / off, "rounds": rates, "identical": outputs["off"] == outputs["ngram"],
-            "spec": spec_counts(engines["ngram"])}
+    median = {name: statistics.median(r) for name, r in rates.items()}
+    return {"prompt_tokens": len(prompt), "output_tokens": len(outputs["off"]), "decode_tok_s": median,
+            "ratio": {mode: median[mode] / median["off"] for mode in MODES}, "rounds": rates,
+            "identical": {mode: outputs[mode] == outputs["off"] for mode in MODES},
+            "spec": {mode: spec_counts(engines[mode]) for mode in MODES}}
 
 
 def w1(model: str | None, spec: dict[str, Any], num_requests: int, max_tokens: int, rounds: int) -> dict[str, Any]:
-    rates: dict[str, list[float]] = {"off": [], "ngram": []}
+    settings = mode_settings(spec)
+    rates: dict[str, list[float]] = {name: [] for name in settings}
     outputs, counts = {}, {}
     for _ in range(rounds):
-        for name, extra in (("off", {}), ("ngram", {"speculative_config": spec})):
+        for name, extra in settings.items():
             engine = EngineSpec(model, {"max_num_seqs": num_requests, **extra}).build()  # fresh: no prefix cached
             prompts = build_workload("shared-prefix", engine.tokenizer, num_requests).prompts
             result = run_batch(engine, prompts, [greedy_params(max_tokens)] * num_requests, lambda _: None)
             rates[name].append(result.tokens_per_s)
             outputs[name], counts[name] = result.output_token_ids, spec_counts(engine)
             del engine
-    off, on = statistics.median(rates["off"]), statistics.median(rates["ngram"])
-    same = sum(a == b for a, b in zip(outputs["off"], outputs["ngram"]))
-    return {"tok_s": {"off": off, "ngram": on}, "ratio": on / off, "rounds": rates, "identical_requests": same,
-            "num_requests": num_requests, "spec": counts["ngram"]}
+    median = {name: statistics.median(r) for name, r in rates.items()}
+    same = {mode: sum(a == b for a, b in zip(outputs["off"], outputs[mode])) for mode in MODES}
+    return {"tok_s": median, "ratio": {mode: median[mode] / median["off"] for mode in MODES}, "rounds": rates,
+            "identical_requests": same, "num_requests": num_requests, "spec": {mode: counts[mode] for mode in MODES}}
 
 
 def main() -> None:
@@ -105,13 +113,16 @@ def main() -> None:
     one = report["batch1"] = batch1(args.model, args.spec, args.copy_tokens, args.rounds)
     print(f"machine: {report['machine']['cpu']} ({', '.join(report['machine']['cpu_flags'])}), "
           f"{report['machine']['cpu_count']} CPUs; speculative_config {json.dumps(args.spec)}")
-    print(f"batch 1, copy: {one['output_tokens']} tokens; decode {one['decode_tok_s']['off']:.1f} -> "
-          f"{one['decode_tok_s']['ngram']:.1f} tok/s = {one['ratio']:.2f}x; identical: {one['identical']}; {one['spec']}")
+    for mode in MODES:
+        print(f"batch 1, copy, {mode}: {one['output_tokens']} tokens; decode {one['decode_tok_s']['off']:.1f} -> "
+              f"{one['decode_tok_s'][mode]:.1f} tok/s = {one['ratio'][mode]:.2f}x; identical: {one['identical'][mode]}; "
+              f"{one['spec'][mode]}")
     if not args.skip_w1:
         many = report["w1"] = w1(args.model, args.spec, args.num_requests, args.max_tokens, args.w1_rounds)
-        print(f"W1, {args.num_requests} requests (median of {args.w1_rounds}): {many['tok_s']['off']:.1f} -> {many['tok_s']['ngram']:.1f} tok/s = "
-              f"{many['ratio']:.2f}x; identical requests {many['identical_requests']}/{many['num_requests']}; "
-              f"{many['spec']}")
+        for mode in MODES:
+            print(f"W1, {args.num_requests} requests, {mode} (median of {args.w1_rounds}): {many['tok_s']['off']:.1f} -> "
+                  f"{many['tok_s'][mode]:.1f} tok/s = {many['ratio'][mode]:.2f}x; identical requests "
+                  f"{many['identical_requests'][mode]}/{many['num_requests']}; {many['spec'][mode]}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

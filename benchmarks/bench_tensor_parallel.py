@@ -27,7 +27,7 @@ from bench_forward import _decode_step, _save_random, median_seconds
 
 from engine.config import EngineConfig
 from engine.distributed.communicator import Communicator, open_store
-from engine.distributed.runner import TensorParallelRunner
+from engine.distributed.runner import ParallelRunner
 from engine.worker.model_runner import ModelRunner
 
 
@@ -58,7 +58,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = _save_llama(args, Path(tmp))
         config = EngineConfig(dtype="float32", device="cpu", block_size=block_size, num_blocks=num_blocks)
-        parallel = TensorParallelRunner(dataclasses.replace(config, tensor_parallel_size=2), model_dir)
+        parallel = ParallelRunner(dataclasses.replace(config, tensor_parallel_size=2), model_dir)
         # label -> (runner, torch threads of its process)
         plan = ModelRunner(config, model_dir)
         modules = ModelRunner(dataclasses.replace(config, enforce_eager=True), model_dir)

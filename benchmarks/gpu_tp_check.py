@@ -1,13 +1,15 @@
-"""The GPU check of tensor parallelism (NCCL), prepared to run wherever a GPU is: not run on CPU-only machines.
+"""The GPU check of tensor and pipeline parallelism (NCCL), prepared to run wherever a GPU is: not run on CPU-only
+machines.
 
 1. A group of one rank over NCCL (every collective of the parallel layers called: all-reduces, the logits'
    gather) against the plain runner on the same GPU: a prefill and decode steps give equal logits (an
    all-reduce of one rank is the identity), and their step times and the all-reduce time are reported.
-2. With two GPUs or more: an engine of ``--tp`` ranks (one process and GPU each) against one rank, greedy tokens
-   of a batch of prompts compared (bfloat16 sums in another order may flip a near tie: the agreement is reported).
+2. With two GPUs or more: engines of ``--tp`` ranks and of ``--pp`` pipeline stages (one process and GPU each)
+   against one rank, greedy tokens of a batch of prompts compared (bfloat16 sums in another order may flip a near
+   tie: the agreement is reported; a pipeline's stages run the same sums as one rank), and their times.
 
     python benchmarks/gpu_tp_check.py                          # a random Llama of hidden 1024, 8 layers, bfloat16
-    python benchmarks/gpu_tp_check.py --model path/to/hf-dir --tp 2
+    python benchmarks/gpu_tp_check.py --model path/to/hf-dir --tp 2 --pp 2
     python benchmarks/gpu_tp_check.py --device cpu             # the same check over gloo (a dry run)
 
 Exits 1 when the one-rank group's logits differ from the plain runner's.
@@ -28,7 +30,7 @@ from bench_forward import _decode_step, _prefill_step
 
 from engine import Engine, SamplingParams
 from engine.config import EngineConfig
-from engine.distributed.runner import TensorParallelRunner
+from engine.distributed.runner import ParallelRunner
 from engine.worker.model_runner import ModelRunner
 
 
@@ -59,7 +61,7 @@ def _step_ms(runner: ModelRunner, step, repeats: int) -> float:
 
 def check_one_rank_group(model_dir: Path, config: EngineConfig, repeats: int) -> bool:
     plain = ModelRunner(config, model_dir)
-    group = TensorParallelRunner(dataclasses.replace(config, tensor_parallel_size=1), model_dir)
+    group = ParallelRunner(dataclasses.replace(config, tensor_parallel_size=1), model_dir)
     steps = [_prefill_step(200, config.block_size)] + [_decode_step(b, 256, config.block_size, 0) for b in (1, 16, 64)]
     equal = all(torch.equal(plain.execute_model(s), group.execute_model(s)) for s in steps)
     print(f"one-rank {'NCCL' if plain.device.type == 'cuda' else 'gloo'} group: logits "
@@ -77,18 +79,20 @@ def check_one_rank_group(model_dir: Path, config: EngineConfig, repeats: int) ->
     return equal
 
 
-def compare_engines(model_dir: Path, config: EngineConfig, tp: int) -> None:
+def compare_engines(model_dir: Path, config: EngineConfig, layouts: list[dict[str, int]]) -> None:
     prompts = [[100 + 37 * i + j for j in range(8 + 5 * i)] for i in range(8)]
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     results = {}
-    for size in (1, tp):
-        engine = Engine(str(model_dir), config=dataclasses.replace(config, tensor_parallel_size=size))
+    for layout in [{}, *layouts]:
+        engine = Engine(str(model_dir), config=dataclasses.replace(config, **layout))
         start = time.perf_counter()
-        results[size] = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
-        print(f"tensor_parallel_size={size}: {len(prompts)} prompts x 32 tokens in {time.perf_counter() - start:.2f} s")
-        del engine
-    same = sum(a == b for a, b in zip(results[1], results[tp]))
-    print(f"greedy tokens of {tp} ranks equal to one rank's for {same} of {len(prompts)} prompts")
+        name = ", ".join(f"{k}={v}" for k, v in layout.items()) or "one rank"
+        results[name] = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+        print(f"{name}: {len(prompts)} prompts x 32 tokens in {time.perf_counter() - start:.2f} s")
+        engine.close()
+    for name, tokens in list(results.items())[1:]:
+        same = sum(a == b for a, b in zip(results["one rank"], tokens))
+        print(f"greedy tokens of {name} equal to one rank's for {same} of {len(prompts)} prompts")
 
 
 def main() -> int:
@@ -97,6 +101,7 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--tp", type=int, default=2, help="ranks of the engine comparison (needs that many GPUs)")
+    parser.add_argument("--pp", type=int, default=2, help="pipeline stages of the engine comparison (a GPU each)")
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -106,10 +111,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(args.model) if args.model else _random_model(Path(tmp))
         ok = check_one_rank_group(model_dir, config, args.repeats)
-        if args.device == "cuda" and torch.cuda.device_count() >= args.tp > 1:
-            compare_engines(model_dir, config, args.tp)
+        gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+        layouts = [layout for layout, ranks in (({"tensor_parallel_size": args.tp}, args.tp),
+                                                ({"pipeline_parallel_size": args.pp}, args.pp)) if 1 < ranks <= gpus]
+        if layouts:
+            compare_engines(model_dir, config, layouts)
         elif args.device == "cuda":
-            print(f"{torch.cuda.device_count()} GPU(s): the {args.tp}-rank engine comparison needs {args.tp}")
+            print(f"{gpus} GPU(s): the engine comparisons need {args.tp} (tp) or {args.pp} (pp)")
     return 0 if ok else 1
 
 

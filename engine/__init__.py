@@ -5,8 +5,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
-from engine.errors import EngineError, EngineOverloaded, EngineRestarting, ModelLoadError, RequestRejected
+from engine.errors import (
+    EngineError, EngineOverloaded, EngineRestarting, ModelLoadError, RequestRejected, UnsupportedTask,
+)
 from engine.outputs import CompletionOutput, Logprob, PinnedPrefix, RequestOutput
+from engine.pooling.outputs import EmbeddingOutput, EmbeddingRequestOutput, ScoringOutput, ScoringRequestOutput
+from engine.pooling.params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -16,6 +20,8 @@ if TYPE_CHECKING:
 __all__ = [
     "AsyncEngine",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "Engine",
     "EngineConfig",
     "EngineError",
@@ -24,9 +30,13 @@ __all__ = [
     "Logprob",
     "ModelLoadError",
     "PinnedPrefix",
+    "PoolingParams",
     "RequestOutput",
     "RequestRejected",
     "SamplingParams",
+    "ScoringOutput",
+    "ScoringRequestOutput",
+    "UnsupportedTask",
 ]
 
 

@@ -21,11 +21,16 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from engine.admission import Admission
-from engine.commands import Abort, Add, Call, Channel, Command, Pin, engine_pin_id
+from engine.commands import Abort, Add, Call, Channel, Command, Pin, engine_pin_id, resolve
 from engine.config import EngineConfig
-from engine.errors import EngineOverloaded, EngineRestarting, ParameterError
+from engine.errors import EngineOverloaded, EngineRestarting, ParameterError, UnsupportedTask
 from engine.llm_engine import Engine
 from engine.outputs import Delta, OutputAccumulator, PinnedPrefix, RequestOutput
+from engine.pooling.api import cosine
+from engine.pooling.outputs import EmbeddingRequestOutput, ScoringOutput, ScoringRequestOutput
+from engine.pooling.params import PoolingParams
+from engine.pooling.pooling_queue import PoolingRequest
+from engine.pooling.tokens import EmbedInput, PoolingInput, PoolingTokenizer
 from engine.processor import Prompt
 from engine.sampling_params import SamplingParams
 from engine.supervisor import EngineHealth, RestartPolicy, Supervisor, restart_config
@@ -77,6 +82,10 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self.accepts_images = engine.accepts_images
         self.image_placeholder = engine.image_placeholder
+        self.task = engine.task
+        # NOTE: pooling inputs are tokenized on the callers' thread with the intake's tokenizer
+        pooling = engine.pooling_tokens
+        self._pooling_tokens = None if pooling is None else PoolingTokenizer(self._processor.tokenizer, pooling.config)
         self._ids = itertools.count()
         self._id_prefix = uuid.uuid4().hex[:8]
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -208,6 +217,57 @@ class AsyncEngine:
             if not channel.finished and supervisor.failure(generation) is None:
                 self._inbox.put(Abort(request_id))
             self._admission.end(request_id, channel)
+
+    async def embed(
+        self, prompt: EmbedInput, pooling_params: PoolingParams | None = None, request_id: str | None = None
+    ) -> EmbeddingRequestOutput:
+        """One input's embedding; concurrent calls run together in token-budget batches.
+
+        Raises:
+            UnsupportedTask: the model does not embed; ParameterError / RequestRejected: as ``Engine.embed``.
+            EngineRestarting, EngineError: as ``call()``.
+        """
+        tokens = self._pooling_intake("embed")
+        params = tokens.check(pooling_params)
+        [item] = tokens.embed_inputs([prompt], params)
+        return await self._pool("embed", item, params, request_id)
+
+    async def score(
+        self, query: str, document: str, pooling_params: PoolingParams | None = None, request_id: str | None = None
+    ) -> ScoringRequestOutput:
+        """One document's relevance to ``query``, as ``Engine.score``; concurrent calls run together.
+
+        Raises:
+            UnsupportedTask: a generative model; ParameterError / RequestRejected: as ``Engine.score``.
+        """
+        if self.task == "embed":
+            q, d = await asyncio.gather(self.embed(query, pooling_params), self.embed(document, pooling_params))
+            score = cosine(q.outputs.embedding, d.outputs.embedding)
+            return ScoringRequestOutput(request_id or d.request_id, d.prompt_token_ids, ScoringOutput(score))
+        tokens = self._pooling_intake("score")
+        params = tokens.check(pooling_params)
+        [item] = tokens.pair_inputs(query, [document], params)
+        return await self._pool("score", item, params, request_id)
+
+    def _pooling_intake(self, task: str) -> PoolingTokenizer:
+        if self._pooling_tokens is None or (task == "embed" and self.task != "embed"):
+            raise UnsupportedTask(self.model_name, task, self.task)
+        return self._pooling_tokens
+
+    async def _pool(self, kind: str, item: PoolingInput, params: PoolingParams, request_id: str | None) -> Any:
+        generation = self._supervisor.check_alive()
+        loop = asyncio.get_running_loop()
+        result = loop.create_future()
+
+        def on_done(out: Any) -> None:  # driver thread
+            resolve(loop, result, error=out) if isinstance(out, BaseException) else resolve(loop, result, out)
+
+        def add(engine: Engine) -> None:
+            rid = request_id if request_id is not None else f"{self._id_prefix}-{engine.pooling.next_id()}"
+            engine.pooling.add(PoolingRequest(rid, kind, item, params, on_done))
+
+        await self.call(add)
+        return await self._wait(result, generation)
 
     async def abort(self, request_id: str) -> None:
         """Aborts a request (its stream ends with finish_reason "abort"); unknown ids are a no-op."""

@@ -29,12 +29,26 @@ class EngineConfig:
     Raises:
         ParameterError: a field of the wrong type or outside its bounds (``param`` names it),
             both ``kv_cache_memory`` and ``num_blocks``, ``kv_cache_dir`` without
-            ``enable_prefix_caching`` or with ``tensor_parallel_size`` above 1,
+            ``enable_prefix_caching``, with ``tensor_parallel_size`` or ``pipeline_parallel_size`` above 1 or
+            ``kv_cache_dtype="int8"``, ``pipeline_layer_partition`` without a pipeline,
             or ``kv_cache_save_interval_s`` without ``kv_cache_dir``.
     """
 
     model: str | os.PathLike[str] | None = knob(
         None, "HF model directory or .gguf file; None = the bundled SmolLM2-135M-Instruct."
+    )
+    runner: str = knob(
+        "auto",
+        "What the model is run for, as vLLM's setting of this name: auto = as its files say (an encoder, a "
+        "sentence-transformers model or a *ForSequenceClassification architecture is a pooling model, the rest "
+        "generate); pooling = embeddings or scores only, no KV cache for an encoder; generate = text.",
+        choices=("auto", "generate", "pooling"),
+    )
+    convert: str = knob(
+        "auto",
+        "A pooling model's task, as vLLM's setting of this name: embed (Engine.embed; score by cosine), classify "
+        "(a cross-encoder: Engine.score); auto = as its files say.",
+        choices=("auto", "embed", "classify"),
     )
     dtype: str = knob(
         "auto",
@@ -78,12 +92,27 @@ class EngineConfig:
         "first written, for start-up time and the whole cache's memory at once (False: pages are committed as "
         "blocks fill).",
     )
+    kv_cache_dtype: str = knob(
+        "auto",
+        "KV cache elements, as vLLM's setting of this name: auto = the weights' dtype on CPU (float32 or bfloat16), "
+        "the compute dtype on GPU; int8 = int8 codes with a float32 scale per block and KV head for each of K and V "
+        "(the CPU attention kernels; a quarter of a float32 cache's bytes, half a bfloat16 one's, so twice the "
+        "blocks of bfloat16 for the same memory; its accuracy: docs/kv_cache.md); not with kv_cache_dir.",
+        choices=("auto", "int8"),
+    )
     max_num_seqs: int = knob(128, "Most requests running in one step.", ge=1, le=1 << 16)
     max_num_batched_tokens: int | None = knob(
         None,
         "Token budget of one step (decode tokens plus prefill chunks); None = 512 on CPU (a step's activations stay "
         "in cache, and decode tokens wait less behind a prompt's chunk), 2048 on GPU.",
         ge=1, le=1 << 24,
+    )  # fmt: skip
+    itl_target_s: float | None = knob(
+        0.5,
+        "Seconds a step that holds decodes should take (their inter-token latency): the step's prompt chunks are "
+        "cut to the tokens its measured cost per token leaves room for (32 at least, so prompts still advance); "
+        "None = prompt chunks take all of max_num_batched_tokens that the decodes leave.",
+        gt=0.0, le=3600.0,
     )  # fmt: skip
     max_model_len: int | None = knob(None, "Longest prompt + completion in tokens; None = the model's.", ge=1, le=1 << 24)
     enable_prefix_caching: bool = knob(True, "Share the KV blocks of equal prompt prefixes between requests.")
@@ -120,6 +149,35 @@ class EngineConfig:
         "Dense Llama-family models whose heads, MLP and vocabulary divide by it.",
         ge=1, le=64,
     )  # fmt: skip
+    pipeline_parallel_size: int = knob(
+        1,
+        "Pipeline stages the decoder layers split into (contiguous layers per stage, each stage's ranks holding only "
+        "their layers' weights and KV cache; hidden states passed stage to stage on torch.distributed, the first "
+        "stage embedding, the last computing the logits); tensor_parallel_size ranks per stage; 1 = no pipeline. "
+        "Text decoders with at least as many layers as stages.",
+        ge=1, le=64,
+    )  # fmt: skip
+    pipeline_layer_partition: str | None = knob(
+        None,
+        "Decoder layers per pipeline stage as comma-separated counts summing to the model's layers (\"10,14\"), as "
+        "vLLM's VLLM_PP_LAYER_PARTITION; None = an even split, the first stages one layer more where it is uneven.",
+    )
+    distributed_executor_backend: str = knob(
+        "mp",
+        "Where the ranks of tensor_parallel_size x pipeline_parallel_size run, as vLLM's setting of this name: mp = "
+        "processes this one spawns on its machine; ray = Ray actors in one placement group, on the Ray cluster this "
+        "process is connected to (else a local one), across nodes as ray_placement_strategy places them.",
+        choices=("mp", "ray"),
+    )
+    ray_placement_strategy: str = knob(
+        "PACK", "How the Ray ranks' bundles spread over nodes: PACK = as few nodes as fit, SPREAD = as many.",
+        choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+    )
+    ray_bundle_cpus: float = knob(1.0, "CPUs each Ray rank's bundle reserves (and a GPU on CUDA).", gt=0.0, le=1024.0)
+    ray_placement_timeout_s: float = knob(
+        60.0, "Seconds the Ray cluster has to hold the ranks' placement group before start-up fails naming it.",
+        gt=0.0, le=86400.0,
+    )
     max_queued_requests: int = knob(4096, "Admission limit: waiting requests (beyond it, EngineOverloaded).", ge=1, le=1 << 30)
     max_queued_tokens: int = knob(
         4_000_000, "Admission limit: prompt tokens of waiting requests (beyond it, EngineOverloaded).", ge=1, le=1 << 40
@@ -141,10 +199,16 @@ class EngineConfig:
             raise ParameterError("kv_cache_dir", "kv_cache_dir persists the prefix cache: it needs enable_prefix_caching")
         if self.kv_cache_save_interval_s is not None and self.kv_cache_dir is None:
             raise ParameterError("kv_cache_save_interval_s", "kv_cache_save_interval_s needs kv_cache_dir")
-        if self.kv_cache_dir is not None and self.tensor_parallel_size > 1:
+        if self.kv_cache_dir is not None and self.kv_cache_dtype == "int8":
+            raise ParameterError("kv_cache_dtype", "kv_cache_dir persists float32 and bfloat16 caches; not int8")
+        if self.kv_cache_dir is not None and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
             raise ParameterError(
-                "kv_cache_dir", "kv_cache_dir saves one process's KV heads: it needs tensor_parallel_size=1"
+                "kv_cache_dir",
+                "kv_cache_dir saves one process's KV heads and layers: it needs tensor_parallel_size=1 and "
+                "pipeline_parallel_size=1",
             )
+        if self.pipeline_layer_partition is not None and self.pipeline_parallel_size == 1:
+            raise ParameterError("pipeline_layer_partition", "pipeline_layer_partition needs pipeline_parallel_size above 1")
 
 
 def step_token_budget(max_num_batched_tokens: int | None, device_type: str) -> int:

@@ -7,6 +7,7 @@ the inbox when there is none. It is the only code that touches the ``Engine`` it
 from __future__ import annotations
 
 import queue
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,33 @@ from engine.outputs import Delta, PinnedPrefix
 
 if TYPE_CHECKING:
     from engine.llm_engine import Engine
+
+
+class TurnLock:
+    """A lock handed to its waiters in the order they came: a driver that just stepped queues behind one that
+    waits, so no engine steps twice while another waits for its turn."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._issued = 0  # tickets handed out
+        self._serving = 0  # the ticket whose turn it is
+
+    def __enter__(self) -> None:
+        with self._cond:
+            ticket = self._issued
+            self._issued += 1
+            while ticket != self._serving:
+                self._cond.wait()
+
+    def __exit__(self, *exc_info: object) -> None:
+        with self._cond:
+            self._serving += 1
+            self._cond.notify_all()
+
+
+STEP_LOCK = TurnLock()
+"""Held through each step by every driver of the process: engines served side by side (a chat model and an
+embedder) step in turn, each step with all of torch's intra-op threads, never two steps contending for the cores."""
 
 
 class Driver:
@@ -66,7 +94,8 @@ class Driver:
                     self._emit(generation, engine.pop_deltas(), {})
                     return
                 self._handle(engine, generation, command)
-            deltas = engine.step_deltas()
+            with STEP_LOCK:
+                deltas = engine.step_deltas()
             failures = engine.pop_failures()
             self._publish(engine)
             self._emit(generation, deltas, failures)

@@ -56,6 +56,10 @@ def engine_stats(
         "tenant_computed_tokens": {tenant or "": n for tenant, n in fair.computed_tokens().items()},
         # output tokens per second of time spent stepping
         "generation_tokens_per_second": outputs.num_generation_tokens / busy_seconds if busy_seconds else 0.0,
+        # pooling inputs (embeddings, scored pairs), their tokens and the batches they ran in (0 for a generative model)
+        "pooling_requests": getattr(runner, "num_pooled_requests", 0),
+        "pooling_tokens": getattr(runner, "num_pooled_tokens", 0),
+        "pooling_batches": getattr(runner, "num_pooled_batches", 0),
         # what the linear weights run as: {"quantization", "modules": {kind: count}, "bytes", "products"}
         "weights": runner.weights.as_dict(),
         # what serves attention, e.g. "cpu (bfloat16 cache; tiles of 48 queries, their shared keys on avx512-bf16)"

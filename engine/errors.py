@@ -64,3 +64,20 @@ class RequestRejected(ParameterError):
 
 class EngineOverloaded(RuntimeError):
     """Admission limits (queued requests or queued prompt tokens) are full; retry later."""
+
+
+class UnsupportedTask(ParameterError):
+    """A model asked for what it does not do: a chat model to embed or score, an embedding model to generate.
+
+    Attributes:
+        model: the model's name; task: what was asked ("generate", "embed", "score");
+        model_task: what the model does ("generate", "embed", "classify").
+    """
+
+    def __init__(self, model: str, task: str, model_task: str) -> None:
+        kinds = {"generate": "a generative model", "embed": "an embedding model", "classify": "a cross-encoder"}
+        served = {"generate": "generate", "embed": "embed and score", "classify": "score"}[model_task]
+        super().__init__("model", f"model {model!r} is {kinds[model_task]}: it cannot {task}, only {served}")
+        self.model = model
+        self.task = task
+        self.model_task = model_task

@@ -18,23 +18,27 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 from engine import debug_log
+from engine.batch_api import BatchAPI
 from engine.config import EngineConfig, make_config, step_token_budget
 from engine.core.encoder_budget import EncoderBudget
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput
+from engine.core.step_cost import StepCost
 from engine.engine_stats import engine_stats
 from engine.errors import EngineError, ParameterError, WorkerGroupFailed
 from engine.metrics import RequestStats, SpecDecodeStats
 from engine.model_info import eos_token_ids, model_name
-from engine.multimodal.inputs import ImagePrompts
+from engine.multimodal.inputs import image_prompts
 from engine.output_processor import OutputProcessor, ParentRequest
 from engine.outputs import Delta, RequestMetrics, RequestOutput
 from engine.persisted_kv import PersistedKVCache
+from engine.pooling.api import PoolingAPI, pooling_parts
+from engine.pooling.model_config import model_pooling
 from engine.processor import ProcessedRequest, Processor, Prompt
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -45,8 +49,9 @@ from engine.structured_output.compiler import GrammarCompiler
 logger = logging.getLogger(__name__)
 
 
-class Engine:
-    """The inference engine for one model: continuous batching over a paged KV cache.
+class Engine(BatchAPI, PoolingAPI):
+    """The inference engine for one model: continuous batching over a paged KV cache; or, for a pooling
+    model (an embedder, a cross-encoder: ``task``), ``embed`` and ``score`` in token-budget batches.
 
     Args:
         model: A Hugging Face model directory or a ``.gguf`` file; None = the bundled SmolLM2.
@@ -64,19 +69,25 @@ class Engine:
         from engine.layers.sampler import Sampler
         from engine.loader import resolve_model
         from engine.structured_output.matchers import StructuredOutputManager
-        from engine.distributed.runner import TensorParallelRunner
+        from engine.distributed.runner import ParallelRunner
+        from engine.pooling.runner import PoolingRunner
         from engine.worker.model_runner import ModelRunner
 
         self.config = make_config(model, config, overrides)
         self.model_dir = resolve_model(self.config.model)
         self.model_name = model_name(self.config.model)
-        runner_class = ModelRunner if self.config.tensor_parallel_size == 1 else TensorParallelRunner
-        self.runner = runner_class(self.config, self.model_dir)
+        # "generate", "embed" or "classify", from the model's files unless runner / convert say
+        self.task, pooling = model_pooling(self.model_dir, self.config.runner, self.config.convert)
+        parallel = self.config.tensor_parallel_size * self.config.pipeline_parallel_size > 1
+        runner_class = ParallelRunner if parallel else ModelRunner
+        self.runner = runner_class(self.config, self.model_dir) if pooling is None else PoolingRunner(
+            self.config, self.model_dir, pooling
+        )  # fmt: skip
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
         self.vocab_size: int = self.runner.vocab_size
         self.max_model_len: int = self.runner.max_model_len
         # a multimodal model's image inputs (placeholder, tokens per image, image processor); None: text only
-        self.image_prompts = self._image_prompts()
+        self.image_prompts = image_prompts(self.runner, self.tokenizer, self.model_dir)
         # whether the model takes images (the dict prompt forms' ``multi_modal_data.image``), and the text that
         # stands for one in a prompt (LLaVA: ``<image>``; None for a text-only model)
         self.accepts_images = self.image_prompts is not None
@@ -87,12 +98,15 @@ class Engine:
         )
         budget = step_token_budget(self.config.max_num_batched_tokens, self.runner.device.type)
         spec = self.config.speculative_config
-        self.drafter = Drafter(spec) if spec is not None else None
+        step_cost = StepCost()  # measured step times: prompt chunks and drafts are weighed with them
+        self.drafter = Drafter(spec, step_cost) if spec is not None else None
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec is not None else 0)
         propose = self.drafter.propose if self.drafter is not None else None
         encoder_cache = getattr(self.runner, "encoder_cache", None)
         encoder_budget = None if encoder_cache is None else EncoderBudget(budget, encoder_cache.__contains__)
-        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, budget, propose, encoder_budget)
+        self.scheduler = Scheduler(
+            self.kv, self.config.max_num_seqs, budget, propose, encoder_budget, self.config.itl_target_s, step_cost
+        )
         self.sampler = Sampler(self.vocab_size, self.runner.device, seed=self.config.seed)
         self.eos_token_ids = eos_token_ids(self.model_dir, self.runner.hf_config, self.tokenizer)
         # NOTE: thread-safe; xgrammar loads on the first constrained request.
@@ -103,8 +117,10 @@ class Engine:
         # scheduler cuts a prefill chunk to what they hold, down to one token a step).
         self.max_num_tokens = self.kv.max_num_tokens(self.max_model_len, max_chunk=1)
         self.processor = Processor(
-            self.tokenizer, self.vocab_size, self.max_model_len, self.max_num_tokens, self.image_prompts, self.grammars
-        )
+            self.tokenizer, self.vocab_size, self.max_model_len, self.max_num_tokens, self.image_prompts,
+            self.grammars, self.model_name, self.task,
+        )  # fmt: skip
+        self.pooling, self.pooling_tokens = pooling_parts(pooling, self.runner, self.tokenizer, budget)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.request_stats = RequestStats()
         debug_log.configure_from_env()
@@ -170,13 +186,6 @@ class Engine:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    def _image_prompts(self) -> ImagePrompts | None:
-        if getattr(self.runner, "encoder_cache", None) is None:
-            return None
-        model = self.runner.model
-        placeholder = self.tokenizer.convert_ids_to_tokens(model.image_token_id)
-        return ImagePrompts(self.model_dir, model.image_token_id, placeholder, model.image_token_count)
 
     # ---------------------------------------------------------------------------- requests in
 
@@ -346,7 +355,7 @@ class Engine:
     # ---------------------------------------------------------------------------- stepping
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or (self.pooling is not None and self.pooling.has_unfinished())
 
     def unfinished_request_ids(self) -> list[str]:
         """The user requests whose final output is still to come (computing pins included)."""
@@ -365,8 +374,10 @@ class Engine:
             Each output copies its request's output so far: to stream, use ``step_deltas()``.
         """
         self._aborted_deltas.clear()
+        if self.pooling is not None:
+            self.pooling.step()
         outputs = []
-        for parent in self._step():
+        for parent in self._step() if self.scheduler.has_unfinished_requests() else []:
             metrics = self.output_processor.metrics(parent)
             outputs.append(self.output_processor.make_output(parent, metrics))
             if parent.finished:
@@ -383,7 +394,9 @@ class Engine:
             "abort" and their errors are in ``pop_failures()``.
         """
         deltas = self.pop_deltas()
-        if not self.has_unfinished_requests():
+        if self.pooling is not None:
+            self.pooling.step()
+        if not self.scheduler.has_unfinished_requests():
             return deltas
         for parent in self._step():
             metrics = self.output_processor.metrics(parent) if parent.finished else None
@@ -451,6 +464,8 @@ class Engine:
                     requests = self.scheduler.requests
                     rows = [requests[s.req_id] for s in scheduler_output.scheduled if s.needs_logits]
                     self._sample_and_process(logits, rows, touched)
+                # NOTE: schedule, forward pass and sampling (drafts verified): the time the step's decodes waited
+                self.scheduler.record_step(scheduler_output, time.perf_counter() - start)
         computed_at = time.perf_counter()
         self._busy_seconds += computed_at - start
         parents = [parent for parent_id in touched if (parent := self._parents.get(parent_id)) is not None]
@@ -523,64 +538,6 @@ class Engine:
             self.request_stats.finished(reason, metrics)
         if self._debug:
             self.step_log.finished(parent.request_id, sum(c.num_output_tokens for c in parent.children), reason, metrics)
-
-    # ---------------------------------------------------------------------------- batch API
-
-    def generate(
-        self,
-        prompts: Prompt | Sequence[Prompt],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
-    ) -> list[RequestOutput]:
-        """Runs a batch of prompts to completion, all at once under continuous batching.
-
-        Args:
-            prompts: One prompt or a list (str, token-id lists, or either with images: ``Prompt``).
-            params: One SamplingParams for all, or one per prompt; None = defaults.
-            use_tqdm: Show a progress bar (batches of more than one prompt).
-
-        Returns:
-            The final output of each prompt, in the prompts' order.
-
-        Raises:
-            RequestRejected: A prompt can never be served (nothing is run).
-            ParameterError: ``params`` is not a SamplingParams (or a list of one per prompt).
-            EngineError: The engine failed one of the requests (the others are aborted).
-        """
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ParameterError("params", f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        requests = [self._process(None, prompt, p) for prompt, p in zip(prompts, params)]
-        ids = [self.enqueue(request) for request in requests]
-        results: dict[str, RequestOutput] = {}
-        pending = set(ids)
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm or len(ids) < 2)
-        try:
-            while pending:
-                self._aborted_deltas.clear()
-                for parent in self._step():
-                    if not parent.finished:
-                        continue
-                    metrics = self.output_processor.metrics(parent)
-                    if parent.request_id in pending:  # NOTE: its output is built once, when it finished
-                        pending.discard(parent.request_id)
-                        results[parent.request_id] = self.output_processor.make_output(parent, metrics)
-                        bar.update(1)
-                    self._retire(parent, metrics)
-                failures = self.pop_failures()
-                if failed := [i for i in ids if i in failures]:
-                    raise failures[failed[0]]
-        finally:
-            bar.close()
-            if pending:
-                self.abort_request(pending)
-        return [results[i] for i in ids]
 
     # ---------------------------------------------------------------------------- figures
 

@@ -16,7 +16,9 @@ MODEL_CLASSES: dict[str, str] = {
     "phi3": "engine.models.phi3:Phi3ForCausalLM",  # Phi-3, Phi-3.5, Phi-4-mini
     "llava": "engine.models.llava:LlavaForConditionalGeneration",  # a vision tower, projector and Llama-family LM
 }
-SUPPORTED_MODEL_TYPES = tuple(MODEL_CLASSES)
+# encoder models served as pooling models (embedders, cross-encoders): ``engine.pooling.encoder``
+ENCODER_MODEL_TYPES = ("bert", "xlm-roberta")
+SUPPORTED_MODEL_TYPES = tuple(MODEL_CLASSES) + ENCODER_MODEL_TYPES
 
 # a GGUF file's general.architecture (llama.cpp's name) -> the model_type its metadata becomes
 GGUF_ARCHITECTURES: dict[str, str] = {

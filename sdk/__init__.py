@@ -21,6 +21,7 @@ from sdk.errors import (
 from sdk.hooks import Hook, RequestContext, Stop
 from sdk.policy import TenantPolicy
 from sdk.prefix import PrefixHandle
+from sdk.retrieval import Embedding, EmbeddingResult, PoolingUsage, RerankItem, RerankResult, ScoreResult
 from sdk.runtime import Runtime
 from sdk.settings import ClientSettings
 from sdk.sync import Client
@@ -48,6 +49,8 @@ __all__ = [
     "CompletionResult",
     "ContentBlocked",
     "Delta",
+    "Embedding",
+    "EmbeddingResult",
     "EngineFailure",
     "FinishReason",
     "Hook",
@@ -57,11 +60,15 @@ __all__ = [
     "NotFoundError",
     "OverloadedError",
     "PagedError",
+    "PoolingUsage",
     "PrefixHandle",
     "RateLimited",
     "RequestContext",
     "RequestTimeout",
+    "RerankItem",
+    "RerankResult",
     "Runtime",
+    "ScoreResult",
     "Stop",
     "TenantPolicy",
     "RequestLatency",

@@ -21,6 +21,10 @@ from sdk.prefix import PinnedPrefixes, PrefixHandle
 from sdk.rate_limit import RateLimiter
 from sdk.request_run import RequestRun, RequestScope, Startup
 from sdk.response_format import parse
+from sdk.retrieval import (
+    EmbedInputLike, Embedding, EmbeddingResult, RerankResult, ScoreResult, check_top_n, embed_inputs, pooling_params, ranked,
+    run_pooled, score_inputs, usage,
+)
 from sdk.responses.service import Responder
 from sdk.responses.types import TERMINAL_EVENTS, ResponseRequest
 from sdk.runtime import Runtime
@@ -256,6 +260,57 @@ class AsyncClient(AsyncClosing):
         if response.status == "failed" and response.error is not None:  # a remote server's failure
             raise from_wire(500, response.error.model_dump())
         return response
+
+    async def embed(self, input: EmbedInputLike, **options: Any) -> EmbeddingResult:
+        """Embed one text (or token-id list) or several; the engine batches them under its token budget.
+
+        Args:
+            input: a text, a list of token ids, or a list of either (at most ``MAX_INPUTS``).
+            **options: ``engine.PoolingParams`` fields: ``dimensions`` (Matryoshka models),
+                ``normalize``, ``truncate_prompt_tokens`` (-1: the model's length, the default; None: off),
+                ``prompt_name`` (a prompt prefix of the model's, such as ``"query"``).
+
+        Returns:
+            One embedding per input, in order, and the tokens read.
+
+        Raises:
+            InvalidRequestError: no input, an empty one, too many, bad options, an input over the model's
+                length with truncation off, or a model that does not embed (``param`` names the field).
+            RateLimited: the policy's rate or concurrency limit is spent.
+            OverloadedError, EngineRestarting, EngineFailure: as ``chat``.
+        """
+        inputs = embed_inputs(input)
+        params = pooling_params(options)
+        pooled = await run_pooled(self._scope, "input", inputs, lambda: self.transport.embed(inputs, params))
+        data = [Embedding(index=i, embedding=v) for i, v in enumerate(pooled.values)]
+        return EmbeddingResult(model=self.model_name, data=data, usage=usage(pooled.num_tokens))
+
+    async def score(self, query: str, documents: str | Sequence[str], **options: Any) -> ScoreResult:
+        """Each document's relevance to ``query``, in document order: a cross-encoder's score (sigmoid of its
+        logit; ``use_activation=False``: the logit), or an embedding model's cosine.
+
+        Raises:
+            InvalidRequestError: an empty query or document, more than ``MAX_DOCUMENTS``, bad options, a pair
+                over the model's length with truncation off, or a generative model. Others as ``embed``.
+        """
+        docs = score_inputs(query, documents)
+        params = pooling_params(options)
+        pooled = await run_pooled(self._scope, "documents", [query, *docs], lambda: self.transport.score(query, docs, params))
+        return ScoreResult(model=self.model_name, scores=pooled.values, usage=usage(pooled.num_tokens))
+
+    async def rerank(
+        self, query: str, documents: Sequence[str], *, top_n: int | None = None, return_documents: bool = True,
+        **options: Any,
+    ) -> RerankResult:  # fmt: skip
+        """The documents by relevance to ``query``, highest first: ``score`` sorted, the first ``top_n``.
+
+        Raises:
+            InvalidRequestError: ``top_n`` below 1, or as ``score``.
+        """
+        check_top_n(top_n)
+        scored = await self.score(query, documents, **options)
+        results = ranked(scored.scores, list(documents), top_n, return_documents)
+        return RerankResult(model=scored.model, results=results, usage=scored.usage)
 
     async def prefix(
         self, prefix: str | Sequence[ChatMessage | dict[str, Any] | tuple[str, str]], *, cache_salt: str | None = None

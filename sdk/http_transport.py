@@ -11,6 +11,7 @@ engine request.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import uuid
@@ -19,10 +20,12 @@ from typing import Any
 
 import aiohttp
 
+from engine.pooling.params import PoolingParams
+
 from sdk.errors import EngineFailure, InvalidRequestError, from_wire
 from sdk.images import ImageInfo, data_url_infos
 from sdk.responses.types import ResponseEvent
-from sdk.transport import EngineRequest, PrefixPin, Transport
+from sdk.transport import EngineRequest, Pooled, PrefixPin, Transport
 from sdk.types import ChatMessage, Delta, RequestLatency, SamplingOptions, TokenLogprob, TopLogprob, Usage
 from sdk.tools import ToolSpec
 from sdk.wire import Route, format_to_wire, message_to_wire, to_wire, tool_call_delta_from_wire
@@ -197,6 +200,26 @@ class HttpTransport(Transport):
             num_cached = delta.usage.cached_tokens if delta.usage is not None else num_cached
         return PrefixPin(pin_id=request.request_id, token_ids=prompt_ids, num_cached_tokens=num_cached)
 
+    async def embed(self, inputs: Sequence[str | list[int]], params: PoolingParams) -> Pooled:
+        body = {"model": self.model_name, "input": list(inputs), "encoding_format": "float", **_pooling_fields(params)}
+        out = await self._post("/embeddings", body)
+        data = sorted(out["data"], key=lambda d: d["index"])
+        return Pooled([d["embedding"] for d in data], int(out["usage"]["prompt_tokens"]))
+
+    async def score(self, query: str, documents: Sequence[str], params: PoolingParams) -> Pooled:
+        body = {"model": self.model_name, "text_1": query, "text_2": list(documents), **_pooling_fields(params)}
+        try:
+            out = await self._post("/score", body)
+        except InvalidRequestError as exc:  # NOTE: the route's names for the SDK's fields
+            param = (exc.param or "").replace("text_1", "query", 1).replace("text_2", "documents", 1)
+            raise exc.at(param or None) from None
+        data = sorted(out["data"], key=lambda d: d["index"])
+        return Pooled([float(d["score"]) for d in data], int(out["usage"]["prompt_tokens"]))
+
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        async with self._client().post(self._base + path, json=body, headers=self._headers) as resp:
+            return await _json_or_raise(resp)
+
     async def unpin_prefix(self, pin_id: str) -> None:
         return None
 
@@ -293,6 +316,14 @@ async def _response_events(resp: aiohttp.ClientResponse) -> AsyncIterator[Respon
             if "error" in event and "sequence_number" not in event:
                 raise from_wire(resp.status, event["error"])
             yield ResponseEvent.model_validate(event)
+
+
+def _pooling_fields(params: PoolingParams) -> dict[str, Any]:
+    """``params`` as the pooling routes' fields (vLLM's names); ``dimensions`` only when set."""
+    fields = dataclasses.asdict(params)
+    if fields["dimensions"] is None:
+        del fields["dimensions"]
+    return fields
 
 
 def _tool_choice_to_wire(choice: str | None) -> Any:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 import threading
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from typing import Any
 
 from sdk.client import AsyncClient, MessagesLike, PromptLike
 from sdk.closing import Closing
 from sdk.prefix import PrefixHandle
+from sdk.retrieval import EmbedInputLike, EmbeddingResult, RerankResult, ScoreResult
 from sdk.settings import ClientSettings
 from sdk.types import ChatResult, CompletionResult, Delta
 
@@ -67,6 +68,18 @@ class Client(Closing):
     def batch(self, requests: Iterable[MessagesLike], *, return_exceptions: bool = False, **options: Any) -> list[Any]:
         """``AsyncClient.batch``, blocking; the requests run concurrently."""
         return self.runtime.run_sync(self.aclient.batch(list(requests), return_exceptions=return_exceptions, **options))
+
+    def embed(self, input: EmbedInputLike, **options: Any) -> EmbeddingResult:
+        """``AsyncClient.embed``, blocking."""
+        return self.runtime.run_sync(self.aclient.embed(input, **options))
+
+    def score(self, query: str, documents: str | Sequence[str], **options: Any) -> ScoreResult:
+        """``AsyncClient.score``, blocking."""
+        return self.runtime.run_sync(self.aclient.score(query, documents, **options))
+
+    def rerank(self, query: str, documents: Sequence[str], **options: Any) -> RerankResult:
+        """``AsyncClient.rerank``, blocking (``top_n``, ``return_documents`` and pooling options)."""
+        return self.runtime.run_sync(self.aclient.rerank(query, documents, **options))
 
     def prefix(self, prefix: Any, *, cache_salt: str | None = None) -> PrefixHandle:
         """``AsyncClient.prefix``, blocking; close the handle with ``close()`` or ``with``."""

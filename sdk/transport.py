@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import re
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sdk.chat_template import check_prompt_chars, render_chat
-from sdk.errors import EngineFailure, EngineRestarting, OverloadedError
+from engine.pooling.params import PoolingParams
+from sdk.errors import EngineFailure, EngineRestarting, InvalidRequestError, OverloadedError
 from sdk.fields import from_engine
 from sdk.images import ImageInfo, ImageLimits, LoadedImage, load_message_images
 from sdk.prompt_worker import PROMPT_WORKER
@@ -63,6 +65,14 @@ class ImagePrompt(list):  # type: ignore[type-arg]
     def engine_input(self) -> dict[str, Any]:
         """The engine's multimodal input (vLLM's form): the token ids and the images' pixels."""
         return {"prompt_token_ids": list(self), "multi_modal_data": {"image": [i.image for i in self.images]}}
+
+
+@dataclass(frozen=True, slots=True)
+class Pooled:
+    """A transport's answer to ``embed`` or ``score``: one embedding (or score) per input, and the tokens read."""
+
+    values: list[Any]  # list[list[float]] (embeddings) or list[float] (scores), in input order
+    num_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +163,25 @@ class Transport(abc.ABC):
     def stats(self) -> dict[str, Any]:
         """The engine's figures (keys as ``engine.AsyncEngine.stats()``)."""
 
+    async def embed(self, inputs: Sequence[str | list[int]], params: PoolingParams) -> Pooled:
+        """The embeddings of ``inputs`` (checked: non-empty texts or token-id lists), in order.
+
+        Raises:
+            InvalidRequestError: the model does not embed (``param="model"``), bad ``params``, an input
+                over the model's length with truncation off (``param="input.i"``).
+            OverloadedError, EngineRestarting, EngineFailure: as ``generate``.
+        """
+        raise InvalidRequestError.about("model", f"{self.model_name!r} is not served for embeddings here")
+
+    async def score(self, query: str, documents: Sequence[str], params: PoolingParams) -> Pooled:
+        """The relevance of each of ``documents`` to ``query`` (a cross-encoder's, or the embeddings' cosine).
+
+        Raises:
+            InvalidRequestError: a generative model (``param="model"``), bad ``params``, a pair over the
+                model's length with truncation off (``param="documents.i"``). Others as ``embed``.
+        """
+        raise InvalidRequestError.about("model", f"{self.model_name!r} is not served for scores here")
+
     async def respond(self, request: Any) -> AsyncIterator[Any] | None:
         """Run a Responses API request (``sdk.responses.ResponseRequest``) on a server that keeps its
         conversations: its stream events. None: the client runs it here (``sdk.responses.service``)."""
@@ -230,7 +259,13 @@ class InProcessTransport(Transport):
         self, tenant: str | None, messages: Sequence[ChatMessage] | None, prompt: str | list[int] | None,
         tools: Sequence[ToolSpec] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
     ) -> str | list[int]:  # fmt: skip
-        tokenizer = self.engine.tokenizer
+        engine = self.engine
+        task = getattr(engine, "task", "generate")  # NOTE: a stand-in engine that does not say generates
+        if task != "generate":  # NOTE: before rendering: a pooling model's tokenizer has no chat template
+            from engine.errors import UnsupportedTask
+
+            raise from_engine(UnsupportedTask(engine.model_name, "generate", task))
+        tokenizer = engine.tokenizer
         if messages is not None:
             placeholder = self._image_placeholder()
             # NOTE: rendered first: a text model's images, or text spelling the placeholder, are refused before any is decoded
@@ -290,6 +325,15 @@ class InProcessTransport(Transport):
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
 
+    async def embed(self, inputs: Sequence[str | list[int]], params: PoolingParams) -> Pooled:
+        # NOTE: one engine call per input: the engine's driver batches concurrent ones under its token budget
+        outs = await _pooled([self.engine.embed(x, params) for x in inputs], "input")
+        return Pooled([o.outputs.embedding for o in outs], sum(len(o.prompt_token_ids) for o in outs))
+
+    async def score(self, query: str, documents: Sequence[str], params: PoolingParams) -> Pooled:
+        outs = await _pooled([self.engine.score(query, d, params) for d in documents], "documents")
+        return Pooled([o.outputs.score for o in outs], sum(len(o.prompt_token_ids) for o in outs))
+
     async def pin_prefix(self, prompt: str | list[int], cache_salt: str | None = None) -> PrefixPin:
         from engine.errors import ParameterError
 
@@ -310,6 +354,34 @@ class InProcessTransport(Transport):
     def block_size(self) -> int:
         """Tokens per KV cache block."""
         return self.engine.config.block_size
+
+
+async def _pooled(calls: list[Any], field: str) -> list[Any]:
+    """The results of the engine's pooling ``calls`` (one per input), in order; the first failure as the SDK's
+    error, an input's naming it as ``field.i``."""
+    from engine import errors as engine_errors
+
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    for i, out in enumerate(results):
+        if not isinstance(out, BaseException):
+            continue
+        if isinstance(out, engine_errors.ParameterError) and out.param in ("prompt", "documents"):
+            # NOTE: the engine saw this input alone ("prompt 0 ..."): name it by its place in the request
+            reason = _ENGINE_INPUT.sub("", str(out))
+            raise InvalidRequestError.about(f"{field}.{i}", reason) from out
+        if isinstance(out, engine_errors.ParameterError):
+            raise from_engine(out) from out
+        if isinstance(out, engine_errors.EngineOverloaded):
+            raise OverloadedError(str(out)) from out
+        if isinstance(out, engine_errors.EngineRestarting):
+            raise EngineRestarting(str(out), retry_after=out.retry_after) from out
+        if isinstance(out, engine_errors.EngineError):
+            raise EngineFailure(str(out)) from out
+        raise out
+    return results
+
+
+_ENGINE_INPUT = re.compile(r"^(prompt|documents?) \d+:? ")
 
 
 def engine_constraint(request: EngineRequest) -> Any:

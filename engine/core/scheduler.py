@@ -1,9 +1,11 @@
 """Scheduler: which requests run in the next step, under a token budget.
 
-No phases: each step hands every running request its next tokens (one for a decode, plus
-its drafts under speculative decoding; a chunk for a prompt still being prefilled), then
-admits waiting requests while the budget, ``max_num_seqs`` and the KV cache allow. Pure
-Python; the only tensors live in the runner.
+No phases: each step first hands every running decode its next token (plus its drafts under
+speculative decoding), then gives prompt chunks what is left: to running requests still being
+prefilled, then to waiting requests admitted while ``max_num_seqs`` and the KV cache allow. With
+decodes in the step, prompt chunks take at most what keeps the step within ``step_time_target``,
+as predicted from measured step times (``engine.core.step_cost``), and at least ``MIN_PROMPT_TOKENS``.
+Pure Python; the only tensors live in the runner.
 
 Queues::
 
@@ -14,7 +16,9 @@ Queues::
               then the tenant that used least of the budget (``engine.core.fair_share``)
 
 Out of seats or blocks, a waiting request preempts the last running one when it has a
-better priority, or takes a seat from a tenant over its fair share (``FairShare.victim_for``).
+better priority, or takes a seat from a tenant over its fair share (``FairShare.victim_for``);
+a running prompt short of blocks waits rather than preempt a decode of the step, unless it has
+a better priority.
 With sliding-window layers, a prefill chunk the free blocks cannot hold is first cut to what
 they can (the windows release blocks as the prompt advances); only a chunk of which not one
 block fits preempts.
@@ -32,12 +36,14 @@ from engine.core.fair_share import FairShare
 from engine.core.kv_cache_groups import BlockTables
 from engine.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.core.step_cost import StepCost
 from engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
 _QUEUED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 _KEEPS_BLOCKS = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+MIN_PROMPT_TOKENS = 32  # prompt tokens a step offers at least, whatever its time target: no prompt starves
 
 
 class Scheduler:
@@ -47,10 +53,13 @@ class Scheduler:
         kv_cache_manager: The block tables; the scheduler allocates and frees through it.
         max_num_seqs: Most requests running at once.
         max_num_batched_tokens: Most tokens computed in one step.
-        propose: ``propose(request, max_drafts)``: the draft tokens to verify after a decoding
-            request's next token (speculative decoding; ``engine.spec_decode``), None = none.
-            Drafts take budget like prompt tokens, after one token for each request behind.
+        propose: ``propose(request, max_drafts, num_rows)``: the draft tokens to verify after a decoding
+            request's next token in a step of ``num_rows`` decodes (speculative decoding;
+            ``engine.spec_decode``), None = none.
+            Drafts take budget after one token for each decode behind, before any prompt chunk.
         encoder_budget: bounds the image rows a step encodes (a multimodal model), None = no images.
+        step_time_target: Seconds a step that holds decodes should take at most: its prompt chunks are
+            cut to what ``step_cost`` predicts fits (``prompt_room``); None = chunks take the whole budget.
     """
 
     def __init__(
@@ -58,14 +67,18 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        propose: Callable[[Request, int], Sequence[int]] | None = None,
+        propose: Callable[[Request, int, int], Sequence[int]] | None = None,
         encoder_budget: EncoderBudget | None = None,
+        step_time_target: float | None = None,
+        step_cost: StepCost | None = None,
     ) -> None:
         self.kv = kv_cache_manager
         self.propose = propose
         self.encoder_budget = encoder_budget
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.step_time_target = step_time_target
+        self.step_cost = step_cost or StepCost()  # measured step times (``record_step``), for ``prompt_room``
         self.requests: dict[str, Request] = {}  # unfinished requests by req_id
         self.running: list[Request] = []
         self.fair = FairShare()  # the waiting queue and the tenants' usage
@@ -124,7 +137,7 @@ class Scheduler:
         return finished
 
     def schedule(self) -> SchedulerOutput:
-        """Decides the next step: decode and prefill-chunk tokens of running requests, then admissions.
+        """Decides the next step: every running decode's token, then prompt chunks, then admissions.
 
         Every scheduled request's ``num_computed_tokens`` already counts this step's tokens
         when this returns.
@@ -137,55 +150,46 @@ class Scheduler:
         running = self.running
         # NOTE: usage changes only in charge() below, so this order holds for the whole step.
         running.sort(key=fair.order)
-        allocate_slots = self.kv.allocate_slots
-        preempted = False
+        preempted, budget = self._schedule_decodes(scheduled, budget)
+        num_decode_tokens = sum(s.num_tokens for s in scheduled)
+        room = min(budget, self.prompt_room(num_decode_tokens))  # prompt tokens left to give
+        done = {s.req_id for s in scheduled}
         i = 0
-        while i < len(running) and budget > 0:
+        while i < len(running) and room > 0:
             request = running[i]
-            token_ids = request.all_token_ids
+            if request.req_id in done:
+                i += 1
+                continue
             start = request.num_computed_tokens
-            num_new = len(token_ids) - start
-            if num_new == 1:  # the decode fast path: no prompt accounting, no slicing
-                drafts = self._drafts(request, budget - (len(running) - i - 1)) if self.propose is not None else ()
-                num_new = 1 + len(drafts)
-                block_ids = allocate_slots(request.req_id, token_ids, start, num_new, cache_salt=request.cache_salt)
-                if block_ids is None and drafts:  # NOTE: drafts never preempt another request
-                    drafts, num_new = (), 1
-                    block_ids = allocate_slots(request.req_id, token_ids, start, 1, cache_salt=request.cache_salt)
-                if block_ids is not None:
-                    request.num_computed_tokens = start + num_new
-                    scheduled.append(
-                        ScheduledRequest(request.req_id, [token_ids[-1], *drafts], start, block_ids, True, len(drafts))
-                    )
-                    budget -= num_new
-                    i += 1
-                    continue
-            else:
-                # NOTE: a prefill chunk leaves one token of budget to every request behind it,
-                # so a long prompt never stalls the others' next token.
-                num_new = self._encoder_cut(request, start, min(num_new, budget - (len(running) - i - 1)))
-                if num_new <= 0:
-                    i += 1
-                    continue
-                block_ids = self._allocate(request, num_new)
-                if block_ids is None and (cut := self._cut(request.req_id, start, num_new)):
-                    num_new, block_ids = cut, self._allocate(request, cut)
+            num_new = self._encoder_cut(request, start, min(request.num_tokens - start, room))
+            if num_new <= 0:
+                i += 1
+                continue
+            block_ids = self._allocate(request, num_new)
+            if block_ids is None and (cut := self._cut(request.req_id, start, num_new)):
+                num_new, block_ids = cut, self._allocate(request, cut)
             while block_ids is None:
                 victim = running[-1]
-                if victim is request and i == 0:
+                if victim is request and len(running) == 1:
                     # Alone and still short: the cache cannot hold this request any longer.
                     self._finish(running.pop(), RequestStatus.FINISHED_LENGTH_CAPPED)
                     self.capped.append(request)
                     break
-                self._preempt(running.pop())
+                if victim.req_id in done and victim.priority <= request.priority:
+                    break  # NOTE: a prompt chunk waits rather than preempt a decode of this step
+                running.pop()
+                freed = self._take_back(victim, scheduled)
+                room += freed
+                self._preempt(victim)
                 preempted = True
                 if victim is request:
                     break
                 block_ids = self._allocate(request, num_new)
             if block_ids is None:
-                continue  # ``request`` left the running list; nothing behind it remains
+                i += request.status == RequestStatus.RUNNING  # still running: it waits for a later step
+                continue
             scheduled.append(self._schedule(request, num_new, block_ids))
-            budget -= num_new
+            room -= num_new
             i += 1
 
         # NOTE: no admissions in a step that preempted (the cache is already too small), unless
@@ -195,7 +199,7 @@ class Scheduler:
         # fair-share order may rank it first again, and readmitting it would preempt it again
         # for the same waiting request, forever.
         made_room: set[str] = set()
-        while fair.num_waiting and budget > 0:
+        while fair.num_waiting and room > 0:
             request = fair.peek()
             assert request is not None
             if preempted and running and running[-1].priority <= request.priority:
@@ -206,12 +210,12 @@ class Scheduler:
                 freed = self._preempt_for(request, scheduled, made_room)
                 if freed is None:
                     break
-                budget += freed
+                room += freed
                 continue
             computed = self.kv.get_computed_blocks(
                 request.req_id, request.all_token_ids, request.cache_salt, request.mm_spans
             )
-            num_new = min(request.num_tokens - computed.num_computed_tokens, budget)
+            num_new = min(request.num_tokens - computed.num_computed_tokens, room)
             num_new = self._encoder_cut(request, computed.num_computed_tokens, num_new)
             if num_new == 0:
                 break  # its next tokens reach an image this step cannot encode: a later step admits it
@@ -227,7 +231,7 @@ class Scheduler:
                 freed = self._preempt_for(request, scheduled, made_room)
                 if freed is None:
                     break
-                budget += freed
+                room += freed
                 continue
             fair.pop(request)
             is_new = request.status == RequestStatus.WAITING
@@ -242,12 +246,27 @@ class Scheduler:
             request.num_computed_tokens = computed.num_computed_tokens
             bisect.insort(running, request, key=fair.order)
             scheduled.append(self._schedule(request, num_new, block_ids))
-            budget -= num_new
+            room -= num_new
 
         requests = self.requests
         fair.charge((requests[s.req_id], s.num_tokens) for s in scheduled)
         finished, self._finished_req_ids = self._finished_req_ids, set()
         return SchedulerOutput(scheduled=scheduled, finished_req_ids=finished)
+
+    def prompt_room(self, num_decode_tokens: int) -> int:
+        """Prompt tokens a step with ``num_decode_tokens`` may take: what keeps its predicted time within
+        ``step_time_target`` (``MIN_PROMPT_TOKENS`` at least), the whole budget where no decode runs,
+        no target is set, or no step was measured yet."""
+        budget = self.max_num_batched_tokens
+        if not num_decode_tokens or self.step_time_target is None:
+            return budget
+        room = self.step_cost.prompt_tokens_within(self.step_time_target, num_decode_tokens)
+        return budget if room is None else min(budget, max(room, MIN_PROMPT_TOKENS))
+
+    def record_step(self, output: SchedulerOutput, seconds: float) -> None:
+        """Feeds a computed step's time to ``step_cost`` (rows with logits are decode tokens, the rest prompt)."""
+        num_logits = output.num_logits
+        self.step_cost.observe(num_logits, output.total_num_scheduled_tokens - num_logits, seconds)
 
     def update_from_output(
         self, requests: list[Request], token_ids: list[int], stopped: Collection[str] = ()
@@ -297,7 +316,51 @@ class Scheduler:
                 request.num_computed_tokens = num_computed
                 self.kv.free_tail(request.req_id, num_computed)
 
-    def _drafts(self, request: Request, max_num_tokens: int) -> Sequence[int]:
+    def _schedule_decodes(self, scheduled: list[ScheduledRequest], budget: int) -> tuple[bool, int]:
+        """Gives every running decode its token (and drafts), front to back; short of blocks, the back of
+        the running list is preempted. Returns whether any was preempted, and the budget left."""
+        running = self.running
+        allocate_slots = self.kv.allocate_slots
+        num_behind = num_rows = sum(1 for r in running if r.num_tokens - r.num_computed_tokens == 1)
+        preempted = False
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            token_ids = request.all_token_ids
+            start = request.num_computed_tokens
+            if len(token_ids) - start != 1:
+                i += 1
+                continue
+            num_behind -= 1
+            # NOTE: drafts leave one token of budget to every decode behind.
+            drafts = self._drafts(request, budget - num_behind, num_rows) if self.propose is not None else ()
+            num_new = 1 + len(drafts)
+            block_ids = allocate_slots(request.req_id, token_ids, start, num_new, cache_salt=request.cache_salt)
+            if block_ids is None and drafts:  # NOTE: drafts never preempt another request
+                drafts, num_new = (), 1
+                block_ids = allocate_slots(request.req_id, token_ids, start, 1, cache_salt=request.cache_salt)
+            while block_ids is None:
+                victim = running.pop()
+                if victim is request and not running:
+                    # Alone and still short: the cache cannot hold this request any longer.
+                    self._finish(victim, RequestStatus.FINISHED_LENGTH_CAPPED)
+                    self.capped.append(victim)
+                    break
+                num_behind -= victim is not request and victim.num_tokens - victim.num_computed_tokens == 1
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+                block_ids = allocate_slots(request.req_id, token_ids, start, num_new, cache_salt=request.cache_salt)
+            if block_ids is None:
+                continue  # ``request`` left the running list; nothing behind it remains
+            request.num_computed_tokens = start + num_new
+            scheduled.append(ScheduledRequest(request.req_id, [token_ids[-1], *drafts], start, block_ids, True, len(drafts)))
+            budget -= num_new
+            i += 1
+        return preempted, budget
+
+    def _drafts(self, request: Request, max_num_tokens: int, num_rows: int) -> Sequence[int]:
         """The drafts to verify after ``request``'s next token: ``max_num_tokens`` in all at most, within
         ``max_tokens`` and the length cap."""
         room = max_num_tokens - 1
@@ -306,7 +369,7 @@ class Scheduler:
             room = min(room, max_tokens - request.num_output_tokens - 1)
         if request.max_num_tokens is not None:
             room = min(room, request.max_num_tokens - request.num_tokens - 1)
-        return self.propose(request, room) if room > 0 else ()  # type: ignore[misc]
+        return self.propose(request, room, num_rows) if room > 0 else ()  # type: ignore[misc]
 
     def _check_stop(self, request: Request, token_id: int, hit_stop_string: bool) -> RequestStatus | None:
         num_output = request.num_output_tokens
@@ -381,19 +444,22 @@ class Scheduler:
             if victim is None:
                 return None
             running.remove(victim)
-        freed = 0
+        freed = self._take_back(victim, scheduled)
+        self._preempt(victim)
+        made_room.add(victim.req_id)
+        return freed
+
+    def _take_back(self, victim: Request, scheduled: list[ScheduledRequest]) -> int:
+        """Removes ``victim``'s share of this step from ``scheduled``, if it had one; returns its tokens."""
         for i in range(len(scheduled) - 1, -1, -1):
             share = scheduled[i]
             if share.req_id == victim.req_id:
                 del scheduled[i]
-                freed = share.num_tokens
-                end = share.num_computed_tokens + freed
+                end = share.num_computed_tokens + share.num_tokens
                 if share.num_computed_tokens < victim.num_prompt_tokens:
                     self.num_prompt_tokens_computed -= min(end, victim.num_prompt_tokens) - share.num_computed_tokens
-                break
-        self._preempt(victim)
-        made_room.add(victim.req_id)
-        return freed
+                return share.num_tokens
+        return 0
 
     def _preempt(self, request: Request) -> None:
         logger.debug("preempt %s", request.req_id)

@@ -25,7 +25,8 @@ from engine.cpu_kernels.attention_ops import (
     bf16_attention_path, slot_error, store_kv, supports, tile_lanes,
 )  # fmt: skip
 from engine.cpu_kernels.build import (
-    ATTENTION_FETCH, BF16_ATTENTION_PATHS, BF16_LINEAR_PATHS, GGML_LINEAR_PATHS, INT8_LINEAR_PATHS, library,
+    ATTENTION_FETCH, ATTENTION_SPLIT, BF16_ATTENTION_PATHS, BF16_LINEAR_PATHS, GGML_LINEAR_PATHS, INT8_LINEAR_PATHS,
+    library,
 )  # fmt: skip
 from engine.cpu_kernels.linear_ops import (
     LINEAR_PANEL, QUANTIZED_FLOAT_ROWS, bf16_linear_path, ggml_int8_panels, ggml_linear_path, ggml_parts, ggml_repacked,
@@ -36,7 +37,7 @@ from engine.cpu_kernels.row_ops import (
 )  # fmt: skip
 
 __all__ = [
-    "ATTENTION_FETCH", "BF16_ATTENTION_PATHS", "BF16_LINEAR_PATHS", "GGML_LINEAR_PATHS", "INT8_LINEAR_PATHS",
+    "ATTENTION_FETCH", "ATTENTION_SPLIT", "BF16_ATTENTION_PATHS", "BF16_LINEAR_PATHS", "GGML_LINEAR_PATHS", "INT8_LINEAR_PATHS",
     "LINEAR_PANEL", "MAX_BLOCK_SIZE", "MAX_GROUP", "MAX_HEAD_DIM", "QUANTIZED_FLOAT_ROWS", "AttentionTiles",
     "apply_token_bitmask", "argmax_rows", "attention", "attention_error", "attention_fetch", "bf16_attention_path",
     "bf16_linear_path", "ggml_int8_panels", "ggml_linear_path", "ggml_parts", "ggml_repacked", "ggml_rows", "int8_linear_path", "library",

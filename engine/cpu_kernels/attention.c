@@ -20,10 +20,14 @@
  * rounds every lane as own_keys rounds that query alone, so a row's output is the same bits in
  * any tile (batch-invariant); the AMX and VDPBF16PS paths round queries to bfloat16 and are not.
  *
+ * With fewer rows than threads and a long context, rows attend alone, split by keys across the threads instead
+ * (attention_split.h).
+ *
  * Built at run time with -O3 -march=native -fopenmp; vectors as in vec.h (16 lanes where the
  * build has AVX-512), so head_dim must be a multiple of 8. This file builds the float32-cache
  * functions; attention_bf16.c includes it with KV_BF16 set for those of a bfloat16 cache, whose
- * elements widen exactly as they load and round to nearest even as they are stored.
+ * elements widen exactly as they load and round to nearest even as they are stored, and attention_i8.c with KV_I8
+ * set for those of an int8 cache (codes with a scale per block and KV head).
  */
 
 #include <omp.h>
@@ -36,7 +40,18 @@
 #ifndef KV_BF16
 #define KV_BF16 0
 #endif
-#if KV_BF16
+#ifndef KV_I8
+#define KV_I8 0
+#endif
+#define KV_F32 (!KV_BF16 && !KV_I8) /* the float32-cache build, which defines once what every build reads */
+#if KV_I8
+/* int8 codes: a key or value element is its code times the scale of its block and KV head ([num_blocks, Hkv]
+ * k_scales and v_scales). A chunk of keys lies within one block, so the key scale multiplies each score and the
+ * value scale each weight as it meets the values; the softmax sums take the weights unscaled. */
+typedef int8_t kv_t;
+#define KV_TO_F32(x) ((float)(x))
+#define KV_NAME(name) name##_i8
+#elif KV_BF16
 typedef uint16_t kv_t;
 #define KV_LOAD(p) load_bf16(p)
 #define KV_TO_F32(x) bf16_to_f32(x)
@@ -49,7 +64,19 @@ typedef float kv_t;
 #define KV_FROM_F32(x) (x)
 #define KV_NAME(name) name##_f32
 #endif
+#if KV_I8
+#define KV_SCALE_PARAMS , const float *k_scales, const float *v_scales
+#else
+#define KV_SCALE_PARAMS
+#endif
 #define KV_LINE (64 / (int)sizeof(kv_t)) /* cache elements a 64-byte line holds */
+/* The scale of the block holding context position pos for KV head h: 1 but in an int8 cache. */
+#if KV_I8
+#define KV_SCALE(scales, table, pos, block_size, num_kv_heads, h) \
+    ((scales)[(int64_t)(table)[(pos) / (block_size)] * (num_kv_heads) + (h)])
+#else
+#define KV_SCALE(scales, table, pos, block_size, num_kv_heads, h) 1.0f
+#endif
 
 /* A tile's queries are the lanes of its vectors in the shared phase: 16 a vector where the build has
  * AVX-512, 8 elsewhere (GCC lowers either to what the target has). */
@@ -90,7 +117,7 @@ static inline __attribute__((always_inline)) void prefetch_row(const kv_t *p, co
         for (int c = 0; c < D; c += KV_LINE) __builtin_prefetch(p + c);
 }
 
-#if !KV_BF16 /* once in the library: the float32-cache build defines what both builds read */
+#if KV_F32 /* once in the library: the float32-cache build defines what every build reads */
 int attention_fetch_l2; /* into L1 until library() calls attention_fetch_into */
 
 /* Where the attention kernels fetch cache lines ahead: level 1 into L1 (and below), 2 into L2 only, 0 the
@@ -208,17 +235,22 @@ static inline __attribute__((always_inline)) void shared_phase(const vs *restric
                                                                const int32_t *restrict table, int64_t shared,
                                                                int64_t block_size, int64_t token_stride,
                                                                int64_t head_offset, const int D, const int RW, int dot,
-                                                               vs *restrict m, vs *restrict l, vs *restrict ot) {
+                                                               const float *restrict k_scales,
+                                                               const float *restrict v_scales, vs *restrict m,
+                                                               vs *restrict l, vs *restrict ot) {
 #ifdef HAVE_DOT_ATTENTION
     if (dot) { /* its sums in partial sum 0 */
         dot_shared_phase(qt, QV, k_cache, v_cache, table, shared, block_size, token_stride, head_offset, D, m, l, ot);
         return;
     }
 #endif
-    (void)dot;
+    (void)dot, (void)k_scales, (void)v_scales;
     vs s[MAX_ROW_WIDTH * MAX_LANE_VECTORS];
     for (int64_t pos = 0; pos < shared;) {
         const int64_t n = chunk_len(pos, shared, block_size, RW);
+        const float k_scale = KV_SCALE(k_scales, table, pos, block_size, token_stride / D, head_offset / D);
+        const float v_scale = KV_SCALE(v_scales, table, pos, block_size, token_stride / D, head_offset / D);
+        (void)k_scale, (void)v_scale;
         const int64_t base = chunk_base(table, pos, block_size, token_stride) + head_offset;
         const kv_t *restrict k = k_cache + base;
         const kv_t *restrict v = v_cache + base;
@@ -244,7 +276,11 @@ static inline __attribute__((always_inline)) void shared_phase(const vs *restric
                 for (int j = 0; j < QV; ++j) level[height][j] = part[j];
             }
             const int top = RW == 16 ? 4 : 3;
+#if KV_I8
+            for (int j = 0; j < QV; ++j) s[t * QV + j] = level[top][j] * k_scale;
+#else
             for (int j = 0; j < QV; ++j) s[t * QV + j] = level[top][j];
+#endif
         }
         vs correction[MAX_LANE_VECTORS];
         for (int j = 0; j < QV; ++j) {
@@ -257,6 +293,9 @@ static inline __attribute__((always_inline)) void shared_phase(const vs *restric
             for (int64_t t = 0; t < n; ++t) s[t * QV + j] = VEXP_S(s[t * QV + j] - m[j]);
             for (int t = 0; t < n; ++t) l[t * QV + j] = vs_fma(l[t * QV + j], correction[j], s[t * QV + j]);
             for (int t = n; t < RW; ++t) l[t * QV + j] = l[t * QV + j] * correction[j]; /* own_keys adds a weight 0 */
+#if KV_I8
+            for (int64_t t = 0; t < n; ++t) s[t * QV + j] = s[t * QV + j] * v_scale; /* the weights of the codes */
+#endif
         }
         /* values: four head-dim elements at a time, key by key */
         for (int d0 = 0; d0 < D; d0 += 4) {
@@ -326,10 +365,12 @@ static inline __attribute__((always_inline)) void own_keys(const float *restrict
                                                            int64_t start, int64_t end, int64_t block_size,
                                                            int64_t token_stride, int64_t h0, int64_t h1, int G,
                                                            const int D, const int specialized, float softcap,
-                                                           float *restrict m, float *restrict sums, float *restrict acc) {
-#define OWN(width, g)                                                                                              \
-    own_keys_##width(q, k_cache, v_cache, table, start, end, block_size, token_stride, h0, h1, g, D, softcap, m, sums, \
-                     acc)
+                                                           const float *restrict k_scales,
+                                                           const float *restrict v_scales, float *restrict m,
+                                                           float *restrict sums, float *restrict acc) {
+#define OWN(width, g)                                                                                                \
+    own_keys_##width(q, k_cache, v_cache, table, start, end, block_size, token_stride, h0, h1, g, D, softcap, k_scales, \
+                     v_scales, m, sums, acc)
 #define OWN_GROUPS(width)                                                                                   \
     switch (specialized ? G : 0) {                                                                          \
     case 1: OWN(width, 1); break;                                                                           \
@@ -375,7 +416,8 @@ static inline __attribute__((always_inline)) void attend_tile(
     const kv_t *restrict v_cache, const int32_t *restrict block_tables, int64_t table_stride,
     const int64_t *restrict seq_lens, const int64_t *restrict rows, int64_t R, int64_t shared, int64_t h0, int64_t h1,
     int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int G, const int D, const int specialized,
-    float scale, int64_t window, float softcap, int path, float *restrict out) {
+    float scale, int64_t window, float softcap, int path, const float *restrict k_scales,
+    const float *restrict v_scales, float *restrict out) {
     const int64_t token_stride = num_kv_heads * D;
     const int Q = (int)R * G, QV = (Q + SHARED_W - 1) / SHARED_W, heads = (int)(h1 - h0) * G; /* a row's here */
     const int RW = ROW_WIDTH(D);
@@ -409,7 +451,8 @@ static inline __attribute__((always_inline)) void attend_tile(
                 scaled_queries(q, q_row, q_head, q_col, rows, Q, G, h, D, scale, 1, QV * SHARED_W, qtf);
                 const int dot = path == ATTENTION_DOT;
 #define SHARED(qv, rw) \
-    shared_phase(qt, qv, k_cache, v_cache, table, shared, block_size, token_stride, head_offset, D, rw, dot, mt, lt, ot)
+    shared_phase(qt, qv, k_cache, v_cache, table, shared, block_size, token_stride, head_offset, D, rw, dot, k_scales, \
+                 v_scales, mt, lt, ot)
                 /* QV and RW as constants: the loops unroll, and every product is contracted as own_keys' are */
                 if (RW == 16)
                     QV == 1 ? SHARED(1, 16) : QV == 2 ? SHARED(2, 16) : SHARED(3, 16);
@@ -452,7 +495,7 @@ static inline __attribute__((always_inline)) void attend_tile(
             }
         }
         own_keys(qs, k_cache, v_cache, block_tables + i * table_stride, ROW_START(i), seq_lens[i], block_size,
-                 token_stride, h0, h1, G, D, specialized, softcap, m, sums, acc);
+                 token_stride, h0, h1, G, D, specialized, softcap, k_scales, v_scales, m, sums, acc);
         for (int j = 0; j < heads; ++j) {
             float l = 0.0f;
             for (int t = 0; t < RW; ++t) l += sums[j * RW + t];
@@ -467,15 +510,18 @@ static inline __attribute__((always_inline)) void attend_tile(
     const float *q, int64_t q_row, int64_t q_head, int64_t q_col, const kv_t *k_cache, const kv_t *v_cache,       \
         const int32_t *block_tables, int64_t table_stride, const int64_t *seq_lens, const int64_t *rows, int64_t R, \
         int64_t shared, int64_t h0, int64_t h1, int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int G, \
-        float scale, int64_t window, float softcap, int path, float *out
+        float scale, int64_t window, float softcap, int path, const float *k_scales, const float *v_scales, float *out
 #define TILE_CALL(D, S)                                                                                            \
     attend_tile(q, q_row, q_head, q_col, k_cache, v_cache, block_tables, table_stride, seq_lens, rows, R, shared, \
-                h0, h1, num_heads, num_kv_heads, block_size, G, D, S, scale, window, softcap, path, out)
+                h0, h1, num_heads, num_kv_heads, block_size, G, D, S, scale, window, softcap, path, k_scales,       \
+                v_scales, out)
 static void attend_tile_d64(TILE_ARGS) { TILE_CALL(64, 1); }
 static void attend_tile_d128(TILE_ARGS) { TILE_CALL(128, 1); }
 static void attend_tile_any(TILE_ARGS, int D) { TILE_CALL(D, 0); }
 
-#if !KV_BF16 /* defined once, in the float32 build */
+#include "attention_split.h"
+
+#if KV_F32 /* defined once, in the float32 build */
 /* MAX_LANES of this build: the most queries (rows x query heads of a KV group) a multi-row tile holds. */
 int attention_max_lanes(void) { return MAX_LANES; }
 #endif
@@ -497,7 +543,10 @@ int KV_NAME(paged_attention)(const float *q, int64_t q_row, int64_t q_head, int6
                              const int64_t *seq_lens, int64_t num_rows, const int64_t *tile_rows,
                              const int64_t *tile_starts, const int64_t *tile_shared, int64_t num_tiles, float *out,
                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                             int64_t num_blocks, float scale, int64_t window, float softcap) {
+                             int64_t num_blocks, float scale, int64_t window, float softcap KV_SCALE_PARAMS) {
+#if !KV_I8
+    const float *k_scales = NULL, *v_scales = NULL; /* no scales but in an int8 cache */
+#endif
     const int G = (int)(num_heads / num_kv_heads);
     const int D = (int)head_dim;
     if (G > MAX_GROUP || D > MAX_HEAD_DIM || D % VL != 0 || block_size > MAX_BLOCK_SIZE) return -1;
@@ -534,8 +583,13 @@ int KV_NAME(paged_attention)(const float *q, int64_t q_row, int64_t q_head, int6
     }
     free(seen);
     if (status != 0) return status;
+    const int64_t span = (SPLIT_SPAN_KEYS / block_size > 0 ? SPLIT_SPAN_KEYS / block_size : 1) * block_size;
+    if (split_by_keys(seq_lens, num_rows, span))
+        return split_attention(q, q_row, q_head, q_col, k_cache, v_cache, block_tables, table_stride, seq_lens,
+                               num_rows, out, num_heads, num_kv_heads, D, block_size, span, scale, window, softcap,
+                               k_scales, v_scales);
 #if KV_BF16
-    const int path = attention_bf16_path(D);
+    const int path = attention_bf16_path(D); /* an int8 cache's shared keys: the widened path */
 #else
     const int path = ATTENTION_WIDENED;
 #endif
@@ -553,19 +607,20 @@ int KV_NAME(paged_attention)(const float *q, int64_t q_row, int64_t q_head, int6
         if (D == 64)
             attend_tile_d64(q, q_row, q_head, q_col, k_cache, v_cache, block_tables, table_stride, seq_lens, rows, R,
                             tile_shared[t], h0, h1, num_heads, num_kv_heads, block_size, G, scale, window, softcap,
-                            path, out);
+                            path, k_scales, v_scales, out);
         else if (D == 128)
             attend_tile_d128(q, q_row, q_head, q_col, k_cache, v_cache, block_tables, table_stride, seq_lens, rows, R,
                              tile_shared[t], h0, h1, num_heads, num_kv_heads, block_size, G, scale, window, softcap,
-                             path, out);
+                             path, k_scales, v_scales, out);
         else
             attend_tile_any(q, q_row, q_head, q_col, k_cache, v_cache, block_tables, table_stride, seq_lens, rows, R,
                             tile_shared[t], h0, h1, num_heads, num_kv_heads, block_size, G, scale, window, softcap,
-                            path, out, D);
+                            path, k_scales, v_scales, out, D);
     }
     return 0;
 }
 
+#if !KV_I8
 /* Writes the new tokens' keys and values into the paged caches: row t of k and v
  * ([T, width] at strides (row, col), width = Hkv * D) goes to slot slots[t] (block *
  * block_size + offset) of k_cache and v_cache ([num_slots, width]). Returns -1, writing
@@ -586,3 +641,55 @@ int KV_NAME(store_kv)(const float *k, int64_t k_row, int64_t k_col, const float 
     }
     return 0;
 }
+#else
+/* Rows of x ([T, Hkv * D] at strides (row, col)) as int8 codes at slots[t] of cache ([num_slots, Hkv * D]), one KV
+ * head h at a time, a run of rows in one block at a time: the block's scale, scales[block * Hkv + h], grows to the
+ * head's largest |element| / 127 where the run's exceeds what it holds (the codes written before in the block
+ * requantized to it: a second rounding, one for each growth), and starts afresh with a block's first slot. A block
+ * written in one call (a prompt's) has its exact scale and each code rounded once. */
+static void store_codes(const float *x, int64_t x_row, int64_t x_col, const int64_t *slots, int64_t num_rows,
+                        int64_t num_kv_heads, int64_t D, int64_t block_size, int8_t *cache, float *scales) {
+#pragma omp parallel for schedule(static) if (num_rows * num_kv_heads * D >= PARALLEL_MIN)
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+        for (int64_t t = 0, u; t < num_rows; t = u) {
+            const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
+            float top = 0.0f;
+            for (u = t; u < num_rows && slots[u] == slots[t] + (u - t) && slots[u] / block_size == block; ++u)
+                for (int64_t d = 0; d < D; ++d) top = fmaxf(top, fabsf(x[u * x_row + (h * D + d) * x_col]));
+            float *scale = scales + block * num_kv_heads + h;
+            if (offset == 0) *scale = 0.0f;
+            if (top > *scale * 127.0f) { /* the block's earlier codes to the larger scale */
+                const float grown = top / 127.0f, ratio = *scale / grown;
+                for (int64_t o = 0; o < offset; ++o) {
+                    int8_t *restrict c = cache + (block * block_size + o) * num_kv_heads * D + h * D;
+                    for (int64_t d = 0; d < D; ++d) c[d] = (int8_t)lrintf((float)c[d] * ratio);
+                }
+                *scale = grown;
+            }
+            const float inv = *scale > 0.0f ? 1.0f / *scale : 0.0f;
+            for (int64_t r = t; r < u; ++r) {
+                const float *restrict src = x + r * x_row + h * D * x_col;
+                int8_t *restrict dst = cache + slots[r] * num_kv_heads * D + h * D;
+                for (int64_t d = 0; d < D; ++d) {
+                    const float c = rintf(src[d * x_col] * inv);
+                    dst[d] = (int8_t)(c > 127.0f ? 127.0f : c < -127.0f ? -127.0f : c);
+                }
+            }
+        }
+    }
+}
+
+/* Writes the new tokens' keys and values as int8 codes with scales per block and KV head (store_codes): row t of k
+ * and v ([T, Hkv * D] at strides (row, col)) to slot slots[t] of k_cache and v_cache ([num_slots, Hkv * D]), their
+ * scales in k_scales and v_scales ([num_slots / block_size, Hkv]). Returns -1, writing nothing, when a slot is out
+ * of range. */
+int store_kv_i8(const float *k, int64_t k_row, int64_t k_col, const float *v, int64_t v_row, int64_t v_col,
+                const int64_t *slots, int64_t num_rows, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                int8_t *k_cache, int8_t *v_cache, float *k_scales, float *v_scales, int64_t num_slots) {
+    for (int64_t t = 0; t < num_rows; ++t)
+        if (slots[t] < 0 || slots[t] >= num_slots) return -1;
+    store_codes(k, k_row, k_col, slots, num_rows, num_kv_heads, head_dim, block_size, k_cache, k_scales);
+    store_codes(v, v_row, v_col, slots, num_rows, num_kv_heads, head_dim, block_size, v_cache, v_scales);
+    return 0;
+}
+#endif

@@ -1,6 +1,9 @@
-"""The attention kernels' wrappers: paged attention of query-token rows over a float32 or bfloat16 cache and
-the new tokens' cache writes (``attention.c``, ``attention_bf16.c``), with the shapes they take and the paths
-they run on this CPU."""
+"""The attention kernels' wrappers: paged attention of query-token rows over a float32, bfloat16 or int8 cache and
+the new tokens' cache writes (``attention.c``, ``attention_bf16.c``, ``attention_i8.c``), with the shapes they take
+and the paths they run on this CPU.
+
+An int8 cache holds codes, and beside each of K and V a float32 scale per block and KV head (``[num_blocks,
+Hkv]``): an element is its code times its block's scale for its head."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from engine.cpu_kernels.build import ATTENTION_FETCH, BF16_ATTENTION_PATHS, load
 
 # Fixed-size scratch of the kernels (see MAX_* in the sources).
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 16, 256, 256
+_SUFFIX = {**DTYPE_SUFFIX, torch.int8: "i8"}  # of the attention kernels' names, by the cache's dtype
 AMX_TILE_LANES = 24  # queries of a tile whose shared keys take AMX tiles
 
 
@@ -68,6 +72,7 @@ def attention(
     tiles: AttentionTiles | None = None,  # None: each row alone
     window: int | None = None,
     softcap: float | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # an int8 cache's (k_scales, v_scales)
 ) -> torch.Tensor:  # [B, Hq, D]
     """Attention of one query token per row over the first ``seq_lens`` keys of its table, read in place
     from the paged cache; the rows of a multi-row tile attend over their shared keys together.
@@ -83,7 +88,7 @@ def attention(
             f"unsupported by the CPU kernel: {num_heads} query / {num_kv_heads} KV heads, head_dim {head_dim}, "
             f"block_size {block_size}, {q.dtype}"
         )
-    _check_caches(k_cache, v_cache)
+    _check_caches(k_cache, v_cache, scales)
     if tiles is None:
         tiles = AttentionTiles(
             torch.arange(num_rows), torch.arange(num_rows + 1), torch.zeros(num_rows, dtype=torch.int64)
@@ -92,12 +97,13 @@ def attention(
         block_tables = block_tables.to(torch.int32).contiguous()
     seq_lens = as_int64(seq_lens)
     out = torch.empty(q.shape)
-    kernel = getattr(lib, f"paged_attention_{DTYPE_SUFFIX[k_cache.dtype]}")
+    kernel = getattr(lib, f"paged_attention_{_SUFFIX[k_cache.dtype]}")
     status = kernel(
         q.data_ptr(), *q.stride(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.stride(0), seq_lens.data_ptr(), num_rows, tiles.rows.data_ptr(), tiles.starts.data_ptr(),
         tiles.shared.data_ptr(), len(tiles.shared), out.data_ptr(), num_heads, num_kv_heads, head_dim, block_size,
         k_cache.shape[0], scale, window or 0, softcap or 0.0,
+        *([] if scales is None else [t.data_ptr() for t in scales]),
     )
     if status:
         raise attention_error(status, num_rows, num_heads // num_kv_heads, k_cache.shape[0], block_tables.shape[1])
@@ -126,16 +132,28 @@ def slot_error(num_slots: int) -> IndexError:
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Writes ``k``/``v`` [T, Hkv, D] (float32, any strides) at cache slots ``slot_mapping`` [T] of the
-    contiguous caches [num_blocks, block_size, Hkv, D], float32 or bfloat16 (rounded to nearest even)."""
+    contiguous caches [num_blocks, block_size, Hkv, D]: float32, bfloat16 (rounded to nearest even) or int8 with
+    ``scales`` (k_scales, v_scales) [num_blocks, Hkv]. An int8 block's scale for a head grows to its largest
+    |element| / 127 as tokens come (its earlier codes requantized to it) and starts afresh at the block's first
+    slot; slots are written in their order."""
     lib = loaded()
     for name, t in (("k", k), ("v", v)):
         check_float32_cpu(name, t)
-    _check_caches(k_cache, v_cache)
+    _check_caches(k_cache, v_cache, scales)
     k2, v2 = _heads_side_by_side(k), _heads_side_by_side(v)
     slots = as_int64(slot_mapping)
     num_slots = k_cache.shape[0] * k_cache.shape[1]
+    if scales is not None:
+        status = lib.store_kv_i8(
+            k2.data_ptr(), k2.stride(0), k2.stride(2), v2.data_ptr(), v2.stride(0), v2.stride(2), slots.data_ptr(),
+            k2.shape[0], k2.shape[1], k2.shape[2], k_cache.shape[1], k_cache.data_ptr(), v_cache.data_ptr(),
+            scales[0].data_ptr(), scales[1].data_ptr(), num_slots,
+        )  # fmt: skip
+        if status:
+            raise slot_error(num_slots)
+        return
     kernel = getattr(lib, f"store_kv_{DTYPE_SUFFIX[k_cache.dtype]}")
     status = kernel(k2.data_ptr(), k2.stride(0), k2.stride(2), v2.data_ptr(), v2.stride(0), v2.stride(2),
                     slots.data_ptr(), k2.shape[0], k2.shape[1] * k2.shape[2], k_cache.data_ptr(), v_cache.data_ptr(),
@@ -144,12 +162,22 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         raise slot_error(num_slots)
 
 
-def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+def _check_caches(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None
+) -> None:
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype not in (torch.float32, torch.bfloat16) or not t.is_contiguous() or not t.is_cpu:
-            raise ValueError(f"{name} must be a contiguous float32 or bfloat16 CPU tensor; got {t.dtype}")
+        if t.dtype not in _SUFFIX or not t.is_contiguous() or not t.is_cpu:
+            raise ValueError(f"{name} must be a contiguous float32, bfloat16 or int8 CPU tensor; got {t.dtype}")
     if v_cache.dtype != k_cache.dtype:
         raise ValueError(f"k_cache and v_cache must share a dtype; got {k_cache.dtype} and {v_cache.dtype}")
+    if (scales is not None) != (k_cache.dtype == torch.int8):
+        raise ValueError("an int8 cache takes its scales (k_scales, v_scales), and only an int8 cache does")
+    shape = (k_cache.shape[0], k_cache.shape[2])
+    for name, t in zip(("k_scales", "v_scales"), scales, strict=True) if scales is not None else ():
+        if t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != shape or not t.is_cpu:
+            raise ValueError(
+                f"{name} must be a contiguous float32 CPU tensor of shape {shape}; got {t.dtype} {tuple(t.shape)}"
+            )
 
 
 def _heads_side_by_side(t: torch.Tensor) -> torch.Tensor:

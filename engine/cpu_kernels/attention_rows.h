@@ -47,9 +47,14 @@ static inline RF ROWS(load)(const float *p) {
     return x;
 }
 
-/* ROW_W cache elements as float32 (a bfloat16 widens exactly: a 16-bit shift). */
+/* ROW_W cache elements as float32 (a bfloat16 widens exactly: a 16-bit shift; an int8 code is its value). */
 static inline RF ROWS(load_kv)(const kv_t *p) {
-#if !KV_BF16
+#if KV_I8 && ROW_W == 16
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif KV_I8
+    typedef int8_t codes __attribute__((vector_size(ROW_W), aligned(1)));
+    return __builtin_convertvector(*(const codes *)p, RF);
+#elif !KV_BF16
     return ROWS(load)(p);
 #elif ROW_W == 16 && defined(__AVX512F__)
     return (RF)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
@@ -123,14 +128,17 @@ static inline RF ROWS(soft_cap)(RF s, float cap) {
  * of them, the running maximum m[j], the softmax sum as ROW_W partial sums sums[j * ROW_W + t] (key t of
  * every chunk: the caller adds them up, lane by lane, at the end) and the accumulator acc[j * D ..]. G and
  * D are constants in the callers, so the accumulators live in registers. softcap > 0 soft-caps the scores
- * (soft_cap). attention.c's shared_phase takes a tile's shared keys by these same steps. */
+ * (soft_cap). In an int8 cache the scales of each chunk's block (k_scales, v_scales: [num_blocks, Hkv]) scale its
+ * scores and, past the sums, its weights. attention.c's shared_phase takes a tile's shared keys by these same steps. */
 static inline __attribute__((always_inline)) void ROWS(own_keys)(const float *restrict q, const kv_t *restrict k_cache,
                                                                const kv_t *restrict v_cache,
                                                                const int32_t *restrict table, int64_t start,
                                                                int64_t end, int64_t block_size, int64_t token_stride,
                                                                int64_t h0, int64_t h1, const int G, const int D,
-                                                               float softcap, float *restrict m,
+                                                               float softcap, const float *restrict k_scales,
+                                                               const float *restrict v_scales, float *restrict m,
                                                                float *restrict sums_io, float *restrict acc) {
+    (void)k_scales, (void)v_scales;
     RF part[MAX_GROUP][ROW_W], sums[MAX_GROUP]; /* sums: each query head's softmax sum, spread over the lanes */
     float weights[MAX_GROUP][ROW_W], correction[MAX_GROUP];
     for (int j = 0; j < (int)(h1 - h0) * G; ++j) sums[j] = ROWS(load)(sums_io + j * ROW_W);
@@ -146,6 +154,9 @@ static inline __attribute__((always_inline)) void ROWS(own_keys)(const float *re
             const kv_t *restrict k = k_cache + base + h * D, *restrict v = v_cache + base + h * D;
             const kv_t *next_k = k_cache + next_base + h * D, *next_v = v_cache + next_base + h * D;
             const float *restrict qh = q + (h - h0) * G * D;
+            const float k_scale = KV_SCALE(k_scales, table, pos, block_size, token_stride / D, h);
+            const float v_scale = KV_SCALE(v_scales, table, pos, block_size, token_stride / D, h);
+            (void)k_scale, (void)v_scale;
             float *restrict mh = m + (h - h0) * G, *restrict ah = acc + (h - h0) * G * D;
             RF *restrict sh = sums + (h - h0) * G;
             for (int64_t t = 0; t < n; ++t) {
@@ -162,6 +173,9 @@ static inline __attribute__((always_inline)) void ROWS(own_keys)(const float *re
             for (int g = 0; g < G; ++g) {
                 for (int64_t t = n; t < ROW_W; ++t) part[g][t] = (RF){0};
                 RF raw = ROWS(transpose_sum)(part[g]);
+#if KV_I8
+                raw = raw * k_scale;
+#endif
                 if (softcap > 0.0f) raw = ROWS(soft_cap)(raw, softcap);
                 const RI s = (RI)raw;
                 const RF scores = (RF)((s & valid) | ((RI)minus_inf & ~valid)); /* lanes past n weigh 0 */
@@ -172,8 +186,13 @@ static inline __attribute__((always_inline)) void ROWS(own_keys)(const float *re
                     mh[g] = chunk_max;
                 }
                 const RF p = RVEXP(scores - mh[g]);
-                memcpy(weights[g], &p, sizeof p);
                 sh[g] = ROWS(fma)(sh[g], correction[g] - (RF){0}, p);
+#if KV_I8
+                const RF w = p * v_scale; /* the weights of the codes */
+                memcpy(weights[g], &w, sizeof w);
+#else
+                memcpy(weights[g], &p, sizeof p);
+#endif
             }
             /* values: up to FUSED_GROUP query heads and four vectors of D at a time, each value vector loaded once */
             for (int g0 = 0; g0 < G; g0 += FUSED_GROUP) {

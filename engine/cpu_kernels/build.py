@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = (
     "vec.h", "kernels.h", "linear.h", "linear_layout.h", "linear_path.h", "linear_tiles16.h", "bf16_kernels.h",
-    "attention_amx.h", "attention_dot.h", "attention_rows.h", "attention.c", "attention_bf16.c", "elementwise.c",
+    "attention_amx.h", "attention_dot.h", "attention_rows.h", "attention_split.h", "attention.c", "attention_bf16.c", "attention_i8.c",
+    "elementwise.c",
     "linear.c", "linear_path.c", "linear_bf16.c", "linear_int8.c", "token_mask.c", "argmax.c", "decoder.c",
     "ggml_blocks.h", "ggml_generic.h", "ggml_avx2.h", "ggml_x16.h", "ggml_avx512.h", "linear_ggml.c",
 )
@@ -51,6 +52,9 @@ GGML_LINEAR_PATHS = ("generic", "avx2", "avx512-vnni")
 # Where attention fetches the cache lines of the next chunk, by attention_fetch_into's level: the machine's
 # default (L2 where the L1 data cache holds under 48 KiB, else L1), L1, L2 only.
 ATTENTION_FETCH = ("auto", "l1", "l2")
+# When attention splits its rows by keys across the threads, by the C enum's value (attention_split.h): never, with
+# fewer rows than threads and a context longer than a span, always.
+ATTENTION_SPLIT = ("off", "auto", "always")
 
 
 def _cpu_flags() -> str:
@@ -147,6 +151,7 @@ _SIGNATURES = {
     "attention_bf16_limit": [ctypes.c_int],
     "attention_fetch_into": [ctypes.c_int],  # 0 the machine's default, 1 into L1, 2 into L2 only
     "attention_fetch_level": [],
+    "attention_split_mode": [ctypes.c_int],  # an ATTENTION_SPLIT index
     # logits, ld, bitmask, words per row, rows, number of rows, vocabulary size
     "apply_token_bitmask_f32": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64],
     # logits, ld, rows, vocabulary size, out
@@ -169,9 +174,16 @@ _SIGNATURES = {
 }
 # The kernels built for a bfloat16 cache or weight take the float32 ones' arguments.
 _SIGNATURES |= {f"{name}_bf16": _SIGNATURES[f"{name}_f32"] for name in ("paged_attention", "store_kv", "linear")}
+# An int8 cache's kernels: the float32 ones' arguments and the scales (k_scales, v_scales: [num_blocks, Hkv]).
+_SIGNATURES |= {
+    "paged_attention_i8": [*_SIGNATURES["paged_attention_f32"], _PTR, _PTR],
+    # k and its two strides, v and its two strides, slots, rows, KV heads, head_dim, block_size, k_cache, v_cache,
+    # k_scales, v_scales, number of slots
+    "store_kv_i8": [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, *[_I64] * 4, _PTR, _PTR, _PTR, _PTR, _I64],
+}
 # 0, or < 0 on bad arguments
 _RETURN_STATUS = {
-    "paged_attention_f32", "paged_attention_bf16", "store_kv_f32", "store_kv_bf16", "rotary_f32", "linear_q8_f32",
+    "paged_attention_f32", "paged_attention_bf16", "paged_attention_i8", "store_kv_f32", "store_kv_bf16", "store_kv_i8", "rotary_f32", "linear_q8_f32",
     "linear_w8a8_f32", "linear_int8_path", "linear_bf16", "linear_bf16_path", "attention_bf16_path", "attention_max_lanes",
     "attention_fetch_level", "decoder_forward", "linear_ggml_f32", "ggml_dequantize_rows", "ggml_linear_path",
     "ggml_x16_type_for", "ggml_x16_pack", "ggml_int8_panels",
@@ -190,7 +202,8 @@ def library() -> ctypes.CDLL | None:
     ``PAGED_BF16_ATTENTION`` (one of ``BF16_ATTENTION_PATHS``) the path of shared keys in a bfloat16 cache;
     ``PAGED_INT8_LINEAR`` (one of ``INT8_LINEAR_PATHS``) the path of int8 products;
     ``PAGED_GGML_LINEAR`` (one of ``GGML_LINEAR_PATHS``) the path of GGUF-type weights;
-    ``PAGED_ATTENTION_FETCH`` (one of ``ATTENTION_FETCH``) the cache level attention fetches ahead into.
+    ``PAGED_ATTENTION_FETCH`` (one of ``ATTENTION_FETCH``) the cache level attention fetches ahead into;
+    ``PAGED_ATTENTION_SPLIT`` (one of ``ATTENTION_SPLIT``) when attention splits its rows by keys.
     """
     if os.environ.get("PAGED_CPU_KERNELS", "1") == "0":
         return None
@@ -217,6 +230,7 @@ def library() -> ctypes.CDLL | None:
         ("PAGED_INT8_LINEAR", INT8_LINEAR_PATHS, lib.linear_int8_limit, INT8_LINEAR_PATHS[-1]),
         ("PAGED_GGML_LINEAR", GGML_LINEAR_PATHS, lib.ggml_linear_limit, GGML_LINEAR_PATHS[-1]),
         ("PAGED_ATTENTION_FETCH", ATTENTION_FETCH, lib.attention_fetch_into, "auto"),
+        ("PAGED_ATTENTION_SPLIT", ATTENTION_SPLIT, lib.attention_split_mode, "auto"),
     ):
         value = os.environ.get(variable, default)
         if value not in paths:

@@ -42,6 +42,11 @@ int linear_w8a8_f32(const float *x, int64_t ld_x, int64_t M, const uint8_t *code
 #define STORE_KV_ARGS(kv_t)                                                                                           \
     const float *k, int64_t k_row, int64_t k_col, const float *v, int64_t v_row, int64_t v_col, const int64_t *slots, \
         int64_t num_rows, int64_t width, kv_t *k_cache, kv_t *v_cache, int64_t num_slots
+/* When paged_attention splits rows by keys (attention_split.h): never, with fewer rows than threads and a long
+ * context, always. */
+enum { ATTENTION_SPLIT_OFF = 0, ATTENTION_SPLIT_AUTO = 1, ATTENTION_SPLIT_ALWAYS = 2 };
+extern int attention_split; /* attention_split.h: an ATTENTION_SPLIT_ value */
+void attention_split_mode(int mode);
 extern int attention_fetch_l2; /* attention.c: whether its kernels fetch ahead into L2 only */
 void attention_fetch_into(int level);
 int attention_fetch_level(void);
@@ -49,5 +54,9 @@ int paged_attention_f32(PAGED_ATTENTION_ARGS(float));
 int paged_attention_bf16(PAGED_ATTENTION_ARGS(uint16_t));
 int store_kv_f32(STORE_KV_ARGS(float));
 int store_kv_bf16(STORE_KV_ARGS(uint16_t));
+int paged_attention_i8(PAGED_ATTENTION_ARGS(int8_t), const float *k_scales, const float *v_scales);
+int store_kv_i8(const float *k, int64_t k_row, int64_t k_col, const float *v, int64_t v_row, int64_t v_col,
+                const int64_t *slots, int64_t num_rows, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                int8_t *k_cache, int8_t *v_cache, float *k_scales, float *v_scales, int64_t num_slots);
 
 #endif

@@ -19,21 +19,24 @@ class Communicator:
     """Rank ``rank`` of ``size`` in a group that ``store`` (a ``torch.distributed.TCPStore``) introduces.
 
     Args:
+        name: tells apart the groups one store introduces (a pipeline's whole group, each stage's own).
         timeout_s: how long a collective waits for a rank before it raises (a rank that died is noticed at
             once, its connections closed; the timeout bounds a rank that hangs).
 
     ``all_reduce_seconds`` adds up the time spent in ``all_reduce`` (what a step pays for splitting the model).
     """
 
-    def __init__(self, store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float) -> None:
+    def __init__(
+        self, store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float, name: str = ""
+    ) -> None:
         self.rank, self.size, self.device = rank, size, device
         timeout = datetime.timedelta(seconds=timeout_s)
         if device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
-            self._group = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, size, options)
+            self._group = dist.ProcessGroupNCCL(dist.PrefixStore(f"{name}nccl", store), rank, size, options)
         else:
-            self._group = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
+            self._group = dist.ProcessGroupGloo(dist.PrefixStore(f"{name}gloo", store), rank, size, timeout)
         self.all_reduce_seconds = 0.0
         self.num_all_reduces = 0
 
@@ -63,9 +66,21 @@ class Communicator:
         return torch.cat(outputs[0], dim=-1) if self.rank == 0 else None
 
 
-def open_store(port: int, size: int, is_master: bool) -> dist.TCPStore:
-    """The group's store on 127.0.0.1: rank 0 serves it (``port`` 0: a free one, then ``store.port``)."""
+    def send(self, x: torch.Tensor, peer: int) -> None:
+        """``x`` to rank ``peer``, which receives it with ``recv``."""
+        self._group.send([x.contiguous()], peer, 0).wait()
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, peer: int) -> torch.Tensor:
+        """A tensor of ``shape`` and ``dtype`` that rank ``peer`` sends."""
+        x = torch.empty(shape, dtype=dtype, device=self.device)
+        self._group.recv([x], peer, 0).wait()
+        return x
+
+
+def open_store(port: int, size: int, is_master: bool, host: str = "127.0.0.1") -> dist.TCPStore:
+    """The group's store on ``host`` (the driver's address; localhost where every rank is on its machine): rank 0
+    serves it (``port`` 0: a free one, then ``store.port``)."""
     return dist.TCPStore(
-        "127.0.0.1", port, size, is_master, timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
+        host, port, size, is_master, timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
         wait_for_workers=False,
     )  # fmt: skip

@@ -1,4 +1,4 @@
-"""``TensorParallelRunner``: rank 0's model runner, which holds its own shard and drives the other ranks."""
+"""``ParallelRunner``: rank 0's model runner, which holds its own shard and drives the other ranks."""
 
 from __future__ import annotations
 
@@ -10,73 +10,97 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.scheduler_output import SchedulerOutput
-from engine.distributed.communicator import START_TIMEOUT_S, Communicator
+from engine.distributed.communicator import START_TIMEOUT_S
+from engine.distributed.pipeline import PipelineLinks, join_groups
 from engine.distributed.workers import WorkerGroup
 from engine.errors import ModelLoadError, ParameterError, WorkerGroupFailed
-from engine.parallel_state import TensorParallel, check_tensor_parallel
+from engine.parallel_state import check_pipeline_parallel, check_tensor_parallel, stage_layers
 from engine.worker.model_runner import ModelRunner, resolve_device
 
 logger = logging.getLogger(__name__)
 
 
-class TensorParallelRunner(ModelRunner):
-    """A ``ModelRunner`` for rank 0 of ``config.tensor_parallel_size`` ranks: spawns the others
-    (``WorkerGroup``), sends each of them every step, runs its own shard and returns the gathered logits.
-    On CPU every rank's process (this one included: ``torch.set_num_threads``) takes an equal share of the cores.
+class ParallelRunner(ModelRunner):
+    """A ``ModelRunner`` for rank 0 of ``tensor_parallel_size x pipeline_parallel_size`` ranks: spawns the others
+    (``WorkerGroup``), sends each of them every step, runs its own shard (the first stage's layers, its share of
+    their heads) and returns the logits (gathered over its stage, or the last stage's). On CPU every rank's
+    process (this one included: ``torch.set_num_threads``) takes an equal share of the cores.
 
     Raises:
         ParameterError: (``tensor_parallel_size``) the model does not split over that many ranks, or (on CUDA)
-            fewer GPUs are visible than ranks.
+            fewer GPUs are visible than ranks; (``pipeline_parallel_size``, ``pipeline_layer_partition``) its
+            layers do not split into the stages.
         ModelLoadError: a rank failed to load its shard.
     """
 
     def __init__(self, config: EngineConfig, model_dir: Path) -> None:
         from transformers import AutoConfig
 
-        size = config.tensor_parallel_size
-        check_tensor_parallel(AutoConfig.from_pretrained(model_dir, local_files_only=True), size)
+        tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
+        hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        check_tensor_parallel(hf_config, tp_size)
+        check_pipeline_parallel(hf_config, pp_size)
+        text_config = hf_config.get_text_config()
+        layers = stage_layers(text_config.num_hidden_layers, pp_size, config.pipeline_layer_partition)
+        size = tp_size * pp_size
         device = resolve_device(config.device)
         if device.type == "cuda" and torch.cuda.device_count() < size:
             raise ParameterError(
-                "tensor_parallel_size",
-                f"tensor_parallel_size={size} needs a GPU per rank; {torch.cuda.device_count()} are visible",
+                "tensor_parallel_size" if pp_size == 1 else "pipeline_parallel_size",
+                f"{tp_size} x {pp_size} ranks need a GPU each; {torch.cuda.device_count()} are visible",
             )
         if device.type == "cpu":  # NOTE: this process is a rank like the others: a share of the cores each
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-        self.workers = WorkerGroup(config, model_dir, size)
+        self.kind = "tensor-parallel" if pp_size == 1 else "pipeline-parallel"
+        if config.distributed_executor_backend == "ray":
+            from engine.distributed.ray_workers import RayWorkerGroup
+
+            self.workers: WorkerGroup | RayWorkerGroup = RayWorkerGroup(config, model_dir, layers)
+        else:
+            self.workers = WorkerGroup(config, model_dir, layers)
         try:
             try:
-                self.comm = Communicator(self.workers.store, 0, size, device, self.workers.timeout_s)
-                super().__init__(config, model_dir, TensorParallel(0, size, self.comm))
+                tp, pp = join_groups(self.workers.store, 0, tp_size, layers, device, self.workers.timeout_s)
+                self.comm = tp.comm
+                super().__init__(config, model_dir, tp, pp)
             except RuntimeError as exc:  # joining the group, or a collective of the start-up, failed: a worker says why
-                raise ModelLoadError(self.workers.start_error() or f"tensor-parallel start-up failed: {exc}") from exc
+                raise ModelLoadError(self.workers.start_error() or f"{self.kind} start-up failed: {exc}") from exc
             self.workers.wait_ready(START_TIMEOUT_S)
         except BaseException:
             self.workers.close()
             raise
-        logger.info("tensor parallel over %d ranks (%s)", size, "nccl" if device.type == "cuda" else "gloo")
+        logger.info(
+            "%d tensor-parallel ranks x %d pipeline stages (layers %s; %s)", tp_size, pp_size,
+            ", ".join(f"{r.start}-{r.stop - 1}" for r in layers), "nccl" if device.type == "cuda" else "gloo",
+        )  # fmt: skip
 
     @property
     def all_reduce_seconds(self) -> float:
         """Time rank 0 spent in all-reduces so far (the cost of splitting the model, waits on other ranks included)."""
-        return self.comm.all_reduce_seconds
+        return 0.0 if self.comm is None else self.comm.all_reduce_seconds
+
+    @property
+    def pipeline_wait_seconds(self) -> float:
+        """Time rank 0 spent waiting for the last stage's logits so far (0 without a pipeline)."""
+        links = self.pp.links
+        return links.wait_seconds if isinstance(links, PipelineLinks) else 0.0
 
     def close(self) -> None:
         """Stops the other ranks' processes."""
         self.workers.close()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> torch.Tensor | None:
-        """Runs one step on every rank; returns rank 0's gathered logits (``ModelRunner.execute_model``).
+        """Runs one step on every rank; returns the driver's logits (``ModelRunner.execute_model``).
 
         Raises:
             WorkerGroupFailed: a rank died or failed the step; the group is stopped and serves no more.
         """
         if not self.workers.is_alive:
-            raise WorkerGroupFailed("a tensor-parallel rank is gone; the group serves no more")
+            raise WorkerGroupFailed(f"a {self.kind} rank is gone; the group serves no more")
         try:
             if scheduler_output.scheduled:
                 self.workers.send(scheduler_output)
             return super().execute_model(scheduler_output)
         except Exception as exc:
             self.workers.close()
-            raise WorkerGroupFailed(f"a tensor-parallel step failed: {exc}") from exc
+            raise WorkerGroupFailed(f"a {self.kind} step failed: {exc}") from exc

@@ -1,9 +1,10 @@
-"""The rank processes of a tensor-parallel group: spawned by the driver (rank 0), one per rank > 0.
+"""The rank processes of a tensor- and pipeline-parallel group: spawned by the driver (rank 0), one per rank > 0.
 
-Each worker builds its rank's shard of the model and KV cache (a ``ModelRunner`` for its rank), then runs,
+Each worker builds its rank's shard of the model and KV cache (a ``ModelRunner`` for its rank: its stage's layers,
+its share of their heads), then runs,
 step after step, the ``SchedulerOutput`` the driver sends it through its pipe: the same one the driver's
 runner runs, so the collectives inside the model meet. Only the driver samples. A worker ends when its pipe
-closes or sends None; a step that fails ends it (the driver's collective then fails at once: the group
+closes or sends None; a step that fails ends it (the driver's collective or receive then fails at once: the group
 serves no more, and the driver stops the others).
 """
 
@@ -17,13 +18,17 @@ import weakref
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.config import EngineConfig
-from engine.distributed.communicator import Communicator, open_store
+from engine.distributed.communicator import open_store
+from engine.distributed.pipeline import join_groups
 from engine.errors import ModelLoadError
-from engine.parallel_state import TensorParallel
+
+if TYPE_CHECKING:
+    from engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -33,28 +38,37 @@ _STOP_GRACE_S = 2.0
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """What every worker of one group starts from."""
+    """What every worker of one group starts from: ``size`` ranks, ``len(layers)`` stages of
+    ``config.tensor_parallel_size``, stage ``s`` holding decoder layers ``layers[s]``."""
 
     config: EngineConfig
     model_dir: Path
     size: int
+    layers: list[range]
     store_port: int
     timeout_s: float
+    store_host: str = "127.0.0.1"
+
+
+def build_rank(rank: int, spec: WorkerSpec, device_index: int, threads: int) -> ModelRunner:
+    """Rank ``rank``'s runner: its groups joined, its shard loaded (on CUDA device ``device_index``; on CPU over
+    ``threads`` threads)."""
+    from engine.worker.model_runner import ModelRunner, resolve_device
+
+    device = resolve_device(spec.config.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device_index)
+    else:
+        torch.set_num_threads(threads)
+    store = open_store(spec.store_port, spec.size, is_master=False, host=spec.store_host)
+    tp, pp = join_groups(store, rank, spec.config.tensor_parallel_size, spec.layers, device, spec.timeout_s)
+    return ModelRunner(spec.config, spec.model_dir, tp, pp)
 
 
 def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
     """A rank's process: build the shard, say ready (or why not), then run each step the driver sends."""
-    from engine.worker.model_runner import ModelRunner, resolve_device
-
-    try:
-        device = resolve_device(spec.config.device)
-        if device.type == "cuda":
-            torch.cuda.set_device(rank)
-        else:  # NOTE: the ranks share the machine's cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.size))
-        store = open_store(spec.store_port, spec.size, is_master=False)
-        comm = Communicator(store, rank, spec.size, device, spec.timeout_s)
-        runner = ModelRunner(spec.config, spec.model_dir, TensorParallel(rank, spec.size, comm))
+    try:  # NOTE: the ranks share the machine's cores
+        runner = build_rank(rank, spec, rank, max(1, (os.cpu_count() or 1) // spec.size))
     except BaseException as exc:  # noqa: BLE001 - the driver reports it
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
@@ -69,7 +83,7 @@ def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
         try:
             runner.execute_model(step)
         except BaseException:
-            logger.error("tensor-parallel rank %d failed a step:\n%s", rank, traceback.format_exc())
+            logger.error("rank %d failed a step:\n%s", rank, traceback.format_exc())
             raise
 
 
@@ -79,21 +93,21 @@ class WorkerGroup:
     Args:
         config: the engine's settings; every rank builds its shard from them.
         model_dir: the model every rank loads its shard of.
-        size: the group's ranks, the driver's included.
+        layers: each pipeline stage's decoder layers (one range: no pipeline).
     """
 
-    def __init__(self, config: EngineConfig, model_dir: Path, size: int) -> None:
-        self.size = size
+    def __init__(self, config: EngineConfig, model_dir: Path, layers: list[range]) -> None:
+        self.size = size = config.tensor_parallel_size * len(layers)
         self.store = open_store(0, size, is_master=True)
         self.timeout_s = COLLECTIVE_TIMEOUT_S
-        spec = WorkerSpec(config, Path(model_dir), size, self.store.port, self.timeout_s)
+        spec = WorkerSpec(config, Path(model_dir), size, layers, self.store.port, self.timeout_s)
         context = multiprocessing.get_context("spawn")
         self._conns: list[Connection] = []
         self.processes: list[multiprocessing.process.BaseProcess] = []
         for rank in range(1, size):
             ours, theirs = context.Pipe()
             process = context.Process(
-                target=run_worker, args=(rank, spec, theirs), name=f"paged-tp-rank-{rank}", daemon=True
+                target=run_worker, args=(rank, spec, theirs), name=f"paged-rank-{rank}", daemon=True
             )
             process.start()
             theirs.close()
@@ -109,13 +123,13 @@ class WorkerGroup:
         """
         for rank, conn in enumerate(self._conns, 1):
             if not conn.poll(timeout_s):
-                raise ModelLoadError(f"tensor-parallel rank {rank} did not load its shard within {timeout_s:g} s")
+                raise ModelLoadError(f"rank {rank} did not load its shard within {timeout_s:g} s")
             try:
                 status, detail = conn.recv()
             except (EOFError, OSError):
-                raise ModelLoadError(f"tensor-parallel rank {rank} ended while loading its shard") from None
+                raise ModelLoadError(f"rank {rank} ended while loading its shard") from None
             if status == "error":
-                raise ModelLoadError(f"tensor-parallel rank {rank} failed to load its shard: {detail}")
+                raise ModelLoadError(f"rank {rank} failed to load its shard: {detail}")
 
     def start_error(self) -> str | None:
         """What a worker that failed while starting said (without waiting), or None."""
@@ -124,9 +138,9 @@ class WorkerGroup:
                 if conn.poll(0):
                     status, detail = conn.recv()
                     if status == "error":
-                        return f"tensor-parallel rank {rank} failed to load its shard: {detail}"
+                        return f"rank {rank} failed to load its shard: {detail}"
             except (EOFError, OSError):
-                return f"tensor-parallel rank {rank} ended while loading its shard"
+                return f"rank {rank} ended while loading its shard"
         return None
 
     def send(self, step: object) -> None:

@@ -49,13 +49,15 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap
         self.kv_cache: torch.Tensor | None = None
+        self.kv_scales: torch.Tensor | None = None  # an int8 cache's: [2, num_blocks, Hkv]
         self.backend: AttentionBackend | None = None
         self.kv_cache_group = 0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = get_forward_context().attn_metadata[self.kv_cache_group]
+        scales = {} if self.kv_scales is None else {"kv_scales": self.kv_scales}  # the cpu backend's, for int8
         o = self.backend.forward(
             q, k, v, self.kv_cache, meta, self.scale,
-            sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
+            sliding_window=self.sliding_window, logit_softcap=self.logit_softcap, **scales,
         )  # fmt: skip
         return o.reshape(o.shape[0], self.num_heads * self.head_dim)

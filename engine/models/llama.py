@@ -20,7 +20,7 @@ from engine.layers.parallel_linear import (
     VocabParallelEmbedding,
 )
 from engine.layers.rotary import RotaryEmbedding, rope_parameters, rotary_embedding
-from engine.parallel_state import current_tensor_parallel, shard_units
+from engine.parallel_state import current_pipeline_stage, current_tensor_parallel, shard_units
 
 # checkpoint name fragment -> (our fused parameter's fragment, shard)
 FUSED_SHARDS = {
@@ -173,18 +173,41 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+class MissingLayer(nn.Module):
+    """A decoder layer another pipeline stage holds: no weights, never run; its ``sliding_window`` places it in the
+    model's KV cache groups, which are the same on every stage."""
+
+    def __init__(self, sliding_window: int | None) -> None:
+        super().__init__()
+        self.sliding_window = sliding_window
+
+
 class LlamaModel(nn.Module):
+    """The embedding, the decoder layers and the last norm; on a pipeline stage (``current_pipeline_stage`` when
+    built) only that stage's layers (the others ``MissingLayer``), the embedding on the first stage (and on the last
+    where the output head is the tied embedding)."""
+
     def __init__(self, config, spec: DecoderSpec) -> None:
         super().__init__()
+        self.stage = current_pipeline_stage()
         rotaries = layer_rotaries(config, head_dim_of(config))
         self.rotary = rotaries[0]
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+            if self.stage.is_first or (self.stage.is_last and tied) else None
+        )  # fmt: skip
         self.embed_scale = spec.embed_scale
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, rotaries[i], spec, layer_sliding_window(config, i))
+            if self.stage.holds(i) else MissingLayer(layer_sliding_window(config, i))
             for i in range(config.num_hidden_layers)
         )
         self.norm = spec.norm(config.hidden_size, config.rms_norm_eps)
+
+    def held_layers(self) -> list[tuple[int, LlamaDecoderLayer]]:
+        """The decoder layers this stage holds, with their indices."""
+        return [(i, layer) for i, layer in enumerate(self.layers) if not isinstance(layer, MissingLayer)]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The tokens' embeddings ``[T, hidden]`` in the activations' dtype (the table may be stored narrower:
@@ -195,13 +218,20 @@ class LlamaModel(nn.Module):
         return rows.to(self.norm.weight.dtype)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None
+        self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None,
+        intermediate: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The last norm's output ``[T, hidden]``; ``inputs_embeds`` (a multimodal model's rows) replaces
-        ``embed(input_ids)``."""
-        x, residual = (self.embed(input_ids) if inputs_embeds is None else inputs_embeds), None  # [T, hidden]
-        for layer in self.layers:
+        ``embed(input_ids)``. On a pipeline stage after the first, ``intermediate`` is the previous stage's output;
+        a stage before the last returns its hidden states and residual stacked, ``[2, T, hidden]``."""
+        if intermediate is not None:
+            x, residual = intermediate[0], intermediate[1]
+        else:
+            x, residual = (self.embed(input_ids) if inputs_embeds is None else inputs_embeds), None  # [T, hidden]
+        for _, layer in self.held_layers():
             x, residual = layer(positions, x, residual)
+        if not self.stage.is_last:
+            return torch.stack((x, residual))
         x, _ = self.norm(x, residual)
         return x
 
@@ -219,7 +249,9 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, spec)
         self.final_logit_softcap = spec.final_logit_softcap
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
+        if not self.model.stage.is_last:
+            self.lm_head = None
+        elif self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
             self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
@@ -234,8 +266,10 @@ class LlamaForCausalLM(nn.Module):
             qk_norm=cls.qk_norm,
         )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, intermediate=intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [N, hidden] -> [N, vocab]
         """The logits (the matmul, also when the head is the tied embedding, then the final soft cap); None on a

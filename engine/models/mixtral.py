@@ -25,7 +25,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
     def __init__(self, config) -> None:
         check_silu(config)
         super().__init__(config)
-        for layer in self.model.layers:
+        for _, layer in self.model.held_layers():
             layer.mlp = SparseMoeBlock(
                 config.hidden_size, config.intermediate_size, config.num_local_experts, config.num_experts_per_tok,
                 renormalize=True,

@@ -24,7 +24,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     def __init__(self, config) -> None:
         check_silu(config)
         super().__init__(config)
-        for index, layer in enumerate(self.model.layers):
+        for index, layer in self.model.held_layers():
             if is_sparse_layer(config, index):
                 layer.mlp = SparseMoeBlock(
                     config.hidden_size, config.moe_intermediate_size, config.num_experts, config.num_experts_per_tok,

@@ -9,6 +9,7 @@ taken as it is.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from engine.errors import ModelLoadError, RequestRejected
@@ -171,3 +172,12 @@ def attach_images(token_ids: list[int], given: list[Any], images: ImagePrompts |
             raise RequestRejected(f"{IMAGE_FIELD}: this model takes no images (got {len(given)})", param=IMAGE_FIELD)
         return ProcessedPrompt(token_ids)
     return images.process(token_ids, given)
+
+
+def image_prompts(runner: Any, tokenizer: Any, model_dir: Path) -> ImagePrompts | None:
+    """A multimodal model's image inputs, from its runner's model; None for a text-only model."""
+    if getattr(runner, "encoder_cache", None) is None:
+        return None
+    model = runner.model
+    placeholder = tokenizer.convert_ids_to_tokens(model.image_token_id)
+    return ImagePrompts(model_dir, model.image_token_id, placeholder, model.image_token_count)

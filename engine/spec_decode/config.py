@@ -20,6 +20,13 @@ class SpeculativeConfig:
             ``prompt_lookup_min`` above ``prompt_lookup_max``.
     """
 
+    mode: str = knob(
+        "auto",
+        "When drafts are proposed: auto = per step, only for requests whose measured acceptance pays for the "
+        "drafts' share of the step's measured cost (on at small batches, off at large ones); always = every step "
+        "that finds drafts (each request still backs off after rejections).",
+        choices=("auto", "always"),
+    )
     method: str = knob("ngram", "How drafts are proposed: ngram = prompt lookup in the request's own tokens.",
                        choices=("ngram",))
     num_speculative_tokens: int = knob(3, "Drafts proposed per request and step.", ge=1, le=MAX_SPECULATIVE_TOKENS)

@@ -11,6 +11,13 @@ Back-off, per request:
 
 A request whose text does not repeat itself thus costs one lookup a step and one draft every
 ``MAX_SKIP`` steps.
+
+Whether drafts pay (``mode="auto"``): a step of ``N`` decode rows takes ``base + a * N`` seconds
+(``StepCost``'s fit), so ``d`` drafts per row add ``a * N * d`` seconds and ``e * N * d`` tokens, where ``e``
+is the tokens accepted per draft. That beats the step's own rate ``N / (base + a * N)`` when
+``e > a * N / (base + a * N)``: near 0 at one row (the weights' read dominates), near 1 at many. A
+request drafts only while its acceptance (a moving average over its latest verifications, ``PRIOR``
+before any) is above that bound.
 """
 
 from __future__ import annotations
@@ -18,11 +25,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from engine.core.step_cost import StepCost
 from engine.request import Request
 from engine.spec_decode import ngram
 from engine.spec_decode.config import SpeculativeConfig
 
 MAX_SKIP = 32  # steps without drafts after many all-rejected steps in a row
+PRIOR = 0.6  # accepted tokens per draft assumed of a request before its first verification
+RECENT = 0.3  # weight of the latest verification in a request's acceptance average
 
 
 @dataclass(slots=True)
@@ -30,6 +40,7 @@ class _BackOff:
     max_drafts: int  # drafts the next proposal may have
     skip: int = 0  # steps left without drafts
     next_skip: int = 1  # the skip after the next all-rejected step
+    acceptance: float = PRIOR  # accepted tokens per draft, moving average
 
 
 class Drafter:
@@ -37,14 +48,17 @@ class Drafter:
 
     Args:
         config: The speculative settings.
+        step_cost: The measured step costs ``mode="auto"`` weighs drafts with; None = drafts always pay.
     """
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, step_cost: StepCost | None = None) -> None:
         self.config = config
+        self.step_cost = step_cost if config.mode == "auto" else None
         self._back_off: dict[str, _BackOff] = {}
 
-    def propose(self, request: Request, max_drafts: int) -> list[int]:
-        """At most ``max_drafts`` (and ``num_speculative_tokens``) drafts to follow ``request``'s tokens."""
+    def propose(self, request: Request, max_drafts: int, num_rows: int = 1) -> list[int]:
+        """At most ``max_drafts`` (and ``num_speculative_tokens``) drafts to follow ``request``'s tokens, in a
+        step of ``num_rows`` decodes."""
         k = min(max_drafts, self.config.num_speculative_tokens)
         state = self._back_off.get(request.req_id)
         if state is not None:
@@ -54,14 +68,26 @@ class Drafter:
             k = min(k, state.max_drafts)
         if k <= 0:
             return []
+        if self.step_cost is not None and (state.acceptance if state else PRIOR) <= self.break_even(num_rows):
+            return []
         config = self.config
         return ngram.propose(request.all_token_ids, k, config.prompt_lookup_max, config.prompt_lookup_min)
+
+    def break_even(self, num_rows: int) -> float:
+        """Accepted tokens per draft above which drafts pay in a step of ``num_rows`` decodes (0: always)."""
+        coef = None if self.step_cost is None else self.step_cost.coefficients()
+        if coef is None:
+            return 0.0
+        base, per_row, _ = coef
+        rows_cost = per_row * num_rows
+        return rows_cost / (base + rows_cost) if rows_cost > 0 else 0.0
 
     def observe(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
         """Records how many of a request's ``num_drafts`` drafts the step accepted."""
         if num_drafts == 0:
             return
         state = self._back_off.setdefault(req_id, _BackOff(self.config.num_speculative_tokens))
+        state.acceptance += RECENT * (num_accepted / num_drafts - state.acceptance)
         # NOTE: one more only after all were accepted; a partial acceptance keeps what was accepted
         state.max_drafts = min(num_accepted + (num_accepted == num_drafts), self.config.num_speculative_tokens)
         if num_accepted:

@@ -35,10 +35,11 @@ from engine.layers.rotary import RotaryEmbedding
 from engine.loader import gguf_source
 from engine.model_files.checkpoint import Checkpoint, GGUFCheckpoint, SafetensorsCheckpoint
 from engine.model_files.gguf import GGUFError, GGUFFile
+from engine.models.llama import MissingLayer
 from engine.models.registry import get_model_class
 from engine.models.vision import SupportsImages
 from engine.multimodal.encoder_cache import EncoderCache
-from engine.parallel_state import SINGLE, TensorParallel, tensor_parallel
+from engine.parallel_state import SINGLE, WHOLE, PipelineStage, TensorParallel, pipeline_stage, tensor_parallel
 from engine.worker.batched_layout import add_batched_layout
 from engine.worker.decoder_plan import DecoderPlan
 from engine.worker.image_rows import ENCODER_CACHE_BYTES, image_rows
@@ -99,6 +100,7 @@ class ModelRunner:
         model_dir: a Hugging Face model directory (``engine.loader.resolve_model`` output).
         tp: the tensor-parallel rank this runner holds the shard of (``engine.distributed``); its KV cache
             holds that rank's KV heads.
+        pp: the pipeline stage whose decoder layers (weights and KV cache) this runner holds.
 
     Raises:
         ModelLoadError: the directory's architecture or weights cannot be loaded.
@@ -107,12 +109,14 @@ class ModelRunner:
             ``quantization`` where it cannot run.
     """
 
-    def __init__(self, config: EngineConfig, model_dir: Path, tp: TensorParallel = SINGLE) -> None:
+    def __init__(
+        self, config: EngineConfig, model_dir: Path, tp: TensorParallel = SINGLE, pp: PipelineStage = WHOLE
+    ) -> None:
         from transformers import AutoConfig
 
         self.config = config
         self.model_dir = Path(model_dir)
-        self.tp = tp
+        self.tp, self.pp = tp, pp
         self.hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         self.text_config = self.hf_config.get_text_config()  # a multimodal model's language model's config
         self.device = resolve_device(config.device)
@@ -133,18 +137,34 @@ class ModelRunner:
         # bfloat16 weights computed in float32 keep a bfloat16 KV cache too where the C kernel reads it
         cpu_backend = isinstance(self.attn_backend, CpuAttentionBackend)
         self.kv_cache_dtype = self.weight_dtype if cpu_backend else self.dtype
+        if config.kv_cache_dtype == "int8":
+            if not cpu_backend:
+                raise ParameterError(
+                    "kv_cache_dtype",
+                    "kv_cache_dtype='int8' runs on the CPU attention kernels; this engine's attention backend is "
+                    f"{self.attn_backend.name}",
+                )
+            self.kv_cache_dtype = torch.int8
         self.attention: str = self.attn_backend.describe(self.kv_cache_dtype, layer.head_dim)  # what runs it
-        self._kv_cache_groups = kv_cache_groups(self._attention_layers())
+        # NOTE: every decoder layer's window, a pipeline stage's missing ones too: the groups (and the block tables
+        # the scheduler keeps) are the model's on every stage; a stage's cache holds its own layers' K/V only
+        self._kv_cache_groups = kv_cache_groups(self._layer_windows())
         # each KV cache group's sliding window (None: full attention), as KVCacheManager takes them
         self.kv_cache_windows = tuple(group[0].sliding_window for group in self._kv_cache_groups)
         # NOTE: every rank of a group allocates the same number of blocks: the scheduler addresses them all.
-        self.num_blocks = self._num_blocks() if tp.comm is None else tp.comm.all_reduce_min(self._num_blocks())
+        group = pp.links or tp.comm  # every rank of every stage
+        self.num_blocks = self._num_blocks() if group is None else group.all_reduce_min(self._num_blocks())
         self.kv_cache = self._allocate_kv_cache()
+        # an int8 cache's scales of K and V per block and KV head: [layers of the largest group, 2, num_blocks, Hkv]
+        self.kv_scales: torch.Tensor | None = None
+        if self.kv_cache_dtype == torch.int8:
+            self.kv_scales = torch.zeros(*self.kv_cache.shape[:3], self.kv_cache.shape[4])
         self._bind_kv_cache()
         # the decoder layers in one C call a step where the CPU kernels run them all (else None: the modules do,
         # also on a tensor-parallel rank, whose collectives sit between the kernels)
         self.decoder_plan = None
-        if not config.enforce_eager and tp.comm is None:
+        # decoder.c: one process, no int8 cache
+        if not config.enforce_eager and tp.comm is None and pp.size == 1 and self.kv_scales is None:
             self.decoder_plan = DecoderPlan.build(self.model, self.attn_backend, self.dtype)
         logger.info(
             "model %s on %s (%s, weights and KV cache in %s and %s; linear weights: %s; attention: %s; layers: %s): "
@@ -164,7 +184,10 @@ class ModelRunner:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> torch.Tensor | None:
         """Run one step; returns float32 logits [num_logits, vocab] for the ``needs_logits`` requests, in batch order
-        (None on a tensor-parallel rank other than the first)."""
+        (None on a rank other than the driver: a tensor-parallel rank other than the first, a later pipeline stage).
+
+        A pipeline stage runs its layers on the previous stage's hidden states and sends its own to the next; the
+        last stage sends the logits to the driver."""
         scheduled = scheduler_output.scheduled
         if not scheduled:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
@@ -176,10 +199,30 @@ class ModelRunner:
             with set_forward_context(ForwardContext(inputs.attn_metadata)):
                 # NOTE: a multimodal model's image rows take the image embeddings (the modules path only)
                 extra = {} if images is None else {"image_embeds": images[0], "image_rows": images[1]}
+                if not self.pp.is_first:
+                    shape = (2, len(inputs.input_ids), self.text_config.hidden_size)
+                    extra["intermediate"] = self.pp.links.recv_hidden(shape, self.dtype)
                 hidden = self.model(inputs.input_ids, inputs.positions, **extra)  # [T, hidden]
+        if not self.pp.is_last:
+            self.pp.links.send_hidden(hidden)
+            return self._pipeline_logits(len(inputs.logits_indices))
         # NOTE: the LM head runs only on the rows whose next token is sampled.
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
-        return None if logits is None else logits.float()
+        if logits is None:
+            return None
+        if self.pp.size > 1:  # the last stage's first tensor-parallel rank: the driver samples
+            if len(logits):
+                self.pp.links.send_logits(logits.float())
+            return None
+        return logits.float()
+
+    def _pipeline_logits(self, rows: int) -> torch.Tensor | None:
+        """On the driver (the first stage's first rank), the last stage's logits; None on the other ranks."""
+        if not (self.pp.is_first and self.tp.is_first):
+            return None
+        if rows == 0:
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        return self.pp.links.recv_logits((rows, self.vocab_size))
 
     # ------------------------------------------------------------------------------------ persistence
 
@@ -224,7 +267,7 @@ class ModelRunner:
             )
         max_len = self.config.max_model_len or max_positions
         window = getattr(self.text_config, "sliding_window", None)
-        windowed = any(layer.sliding_window is not None for layer in self._attention_layers())
+        windowed = any(layer.sliding_window is not None for layer in self._layer_windows())
         if window and window < max_len and not windowed:  # a model file without its window: exact up to it
             logger.info("max_model_len capped at the sliding window its layers do not apply: %d", window)
             max_len = window
@@ -232,7 +275,7 @@ class ModelRunner:
 
     def _load_model(self, model_dir: Path) -> torch.nn.Module:
         model_class = get_model_class(self.hf_config)
-        with torch.device("meta"), tensor_parallel(self.tp):
+        with torch.device("meta"), tensor_parallel(self.tp), pipeline_stage(self.pp):
             model = model_class(self.hf_config).to(dtype=self.dtype)
         cpu_kernels_serve = (
             self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.library() is not None
@@ -291,15 +334,21 @@ class ModelRunner:
         num_heads = self.hf_config.num_attention_heads
         return GGUFCheckpoint(gguf, num_heads, getattr(self.hf_config, "num_key_value_heads", None) or num_heads)
 
+    def _layer_windows(self) -> list[Attention | MissingLayer]:
+        """Every decoder layer's attention, or the ``MissingLayer`` another pipeline stage holds, in order: each
+        has its ``sliding_window``."""
+        return [m for m in self.model.modules() if isinstance(m, (Attention, MissingLayer))]
+
     def _attention_layers(self) -> list[Attention]:
         return [m for m in self.model.modules() if isinstance(m, Attention)]
 
     def _num_blocks(self) -> int:
         attn = self._attention_layers()[0]
+        scale_bytes = 4 if self.kv_cache_dtype == torch.int8 else 0  # a float32 scale per block and KV head
         bytes_per_block = (
-            self._layers_per_block() * 2 * self.block_size * attn.num_kv_heads * attn.head_dim
-            * self.kv_cache_dtype.itemsize
-        )
+            self._layers_per_block() * 2 * attn.num_kv_heads
+            * (self.block_size * attn.head_dim * self.kv_cache_dtype.itemsize + scale_bytes)
+        )  # fmt: skip
         if self.config.num_blocks is not None:
             return self.config.num_blocks
         if self.config.kv_cache_memory is not None:
@@ -336,23 +385,26 @@ class ModelRunner:
         return torch.from_numpy(storage).view(self.kv_cache_dtype).view(shape)
 
     def _layers_per_block(self) -> int:
-        """The layers one block id holds K/V for: those of the largest KV cache group."""
-        return max(len(group) for group in self._kv_cache_groups)
+        """The layers one block id holds K/V for: this stage's of the largest KV cache group."""
+        return max(sum(isinstance(attn, Attention) for attn in group) for group in self._kv_cache_groups)
 
     def _bind_kv_cache(self) -> None:
-        """Gives the i-th attention layer of each KV cache group its group, its backend and the cache's slice i."""
+        """Gives the i-th attention layer this stage holds of each KV cache group its group, its backend and the
+        cache's slice i."""
         for index, group in enumerate(self._kv_cache_groups):
-            for attn, kv_cache in zip(group, self.kv_cache):
+            stage_layers = [a for a in group if isinstance(a, Attention)]
+            for i, (attn, kv_cache) in enumerate(zip(stage_layers, self.kv_cache)):
                 attn.kv_cache, attn.backend, attn.kv_cache_group = kv_cache, self.attn_backend, index
+                attn.kv_scales = None if self.kv_scales is None else self.kv_scales[i]
 
 
-def kv_cache_groups(layers: list[Attention]) -> list[list[Attention]]:
-    """The attention layers as KV cache groups: the layers of one window (full attention first, then by window),
+def kv_cache_groups(layers: list[Attention | MissingLayer]) -> list[list[Attention | MissingLayer]]:
+    """The attention layers (and those a pipeline stage lacks) as KV cache groups: the layers of one window (full attention first, then by window),
     split into groups of the smallest such set's size, or of the largest where it is under 1.25 times the smallest
     (as vLLM's hybrid allocator does). A block id holds K/V for one layer of each slice of the cache, so groups of
     equal size leave none of its memory unused; each group keeps its own block tables.
     """
-    by_window: dict[int | None, list[Attention]] = {}
+    by_window: dict[int | None, list[Attention | MissingLayer]] = {}
     for attn in sorted(layers, key=lambda a: (a.sliding_window is not None, a.sliding_window or 0)):
         by_window.setdefault(attn.sliding_window, []).append(attn)
     sizes = [len(same) for same in by_window.values()]

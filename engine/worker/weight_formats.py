@@ -118,6 +118,8 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint, plan: LoadPlan) -> We
         _copy(param.data, checkpoint, _renamed(name, renames))
     summary = WeightsSummary(plan.quantization)
     head = getattr(model, "lm_head", None)
+    if head is None and getattr(model, "tie_word_embeddings", False):  # a pipeline stage before the last
+        head = model.model.embed_tokens  # the tied head's table, kept as the last stage keeps it
     for name, module in linears.items():
         shards = _checkpoint_names(name, module, renames, checkpoint)
         if module.bias is not None:

@@ -2,8 +2,9 @@
 
 What llama-bench measures, measured on the engine the same way:
 
-- decode (llama-bench's ``tg N``): a one-token prompt and exactly N new tokens, EOS ignored; the rate is
-  N / the request's wall time;
+- decode (llama-bench's ``tg N``, with ``--depth D`` its ``-d D``): a prompt of D random token ids (one where D is
+  0) and N + 1 new tokens, EOS ignored; the first comes from the prompt's prefill and is not timed, the rate is
+  N / the time from the first token to the last (N decode steps with D to D + N tokens in the cache);
 - prefill (``pp N``): a prompt of N random token ids and one new token; the rate is N / the time to that
   token.
 
@@ -22,8 +23,10 @@ from integrations.bench.report import ENGINE
 WARM_UP_TOKENS = 8
 
 
-def engine_batch1(spec: EngineSpec, prompt_tokens: int, gen_tokens: int, repetitions: int) -> dict[str, Any]:
-    """The engine's batch-1 decode and prefill rates.
+def engine_batch1(
+    spec: EngineSpec, prompt_tokens: int, gen_tokens: int, repetitions: int, depth: int = 0
+) -> dict[str, Any]:
+    """The engine's batch-1 decode (with ``depth`` tokens in the cache) and prefill rates.
 
     Returns:
         ``{"name", "decode_tok_s", "prefill_tok_s", "decode_samples", "prefill_samples", "weights"}``, the last what
@@ -40,8 +43,8 @@ def engine_batch1(spec: EngineSpec, prompt_tokens: int, gen_tokens: int, repetit
         return prompt_tokens / result.ttft_s[0]
 
     def decode_rate(num_tokens: int) -> float:
-        result = run_batch(engine, [fresh(1)], [greedy_params(num_tokens)], lambda n: None)
-        return result.num_new_tokens / result.wall_s
+        result = run_batch(engine, [fresh(max(depth, 1))], [greedy_params(num_tokens + 1)], lambda n: None)
+        return (result.num_new_tokens - 1) / (result.wall_s - result.ttft_s[0])
 
     prefill_rate()
     decode_rate(WARM_UP_TOKENS)
@@ -58,7 +61,7 @@ def engine_batch1(spec: EngineSpec, prompt_tokens: int, gen_tokens: int, repetit
 
 
 def batch1_report(
-    results: list[dict[str, Any]], prompt_tokens: int, gen_tokens: int, threads: int, repetitions: int
+    results: list[dict[str, Any]], prompt_tokens: int, gen_tokens: int, threads: int, repetitions: int, depth: int = 0
 ) -> dict[str, Any]:
     """The report's ``batch1`` part: each contender's rates and their ratio to the engine's (the first)."""
     engine = results[0]
@@ -74,6 +77,7 @@ def batch1_report(
     return {
         "prompt_tokens": prompt_tokens,
         "gen_tokens": gen_tokens,
+        "depth": depth,
         "threads": threads,
         "repetitions": repetitions,
         "results": rows,
@@ -83,6 +87,8 @@ def batch1_report(
 def format_batch1(batch1: dict[str, Any]) -> str:
     """The batch-1 table: each contender's decode and prefill rate and its ratio to the engine's."""
     tg, pp = f"tg{batch1['gen_tokens']}", f"pp{batch1['prompt_tokens']}"
+    if batch1.get("depth"):
+        tg += f" @ d{batch1['depth']}"
     lines = [
         f"| contender | decode tok/s ({tg}) | x engine | prefill tok/s ({pp}) | x engine |",
         "|" + " --- |" * 5,
@@ -95,9 +101,14 @@ def format_batch1(batch1: dict[str, Any]) -> str:
     lines.append("")
     lines.append(
         f"- one request at a time, {batch1['threads']} threads, mean of {batch1['repetitions']} repetitions "
-        f"(decode: each one's {tg}; prefill: each one's {pp} of random token ids)"
+        f"(decode: each one's {tg}{_depth_note(batch1)}; prefill: each one's {pp} of random token ids)"
     )
     for r in batch1["results"]:
         samples = " / ".join(f"{v:.1f}" for v in r["decode_samples"])
         lines.append(f"- {r['name']}: decode each repetition {samples} tok/s")
     return "\n".join(lines)
+
+
+def _depth_note(batch1: dict[str, Any]) -> str:
+    depth = batch1.get("depth")
+    return f", after a prompt of {depth} tokens" if depth else ""

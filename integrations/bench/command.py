@@ -25,7 +25,9 @@ logger = logging.getLogger(__name__)
 
 OFFLINE_WORKLOADS = ("shared-prefix", "distinct", "rag")  # those --compare runs the baselines on
 BATCH1 = "batch1"  # one request at a time, against llama-bench
+EMBED = "embed"  # embedding throughput and latency, against sentence-transformers (integrations.bench.embed)
 SWEEP_LEVELS = [1, 2, 4, 8, 16, 32, 64, 128]  # --workload sweep without --concurrency
+DEFAULT_PROMPT_TOKENS = 512  # batch1's timed prefill without --prompt-tokens or --depth
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,7 +56,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--llamacpp-slots", type=_positive_int, default=16, help="llama-server's parallel slots (-np), --baselines llamacpp"
     )
     parser.add_argument(
-        "--prompt-tokens", type=_positive_int, default=512, help="batch1: the prompt length whose prefill is timed"
+        "--prompt-tokens",
+        type=_positive_int,
+        default=None,
+        help="batch1: the prompt length whose prefill is timed (default: --depth where given, else 512)",
+    )
+    parser.add_argument(
+        "--depth",
+        type=_positive_int,
+        default=None,
+        help="batch1: time the decode with this many tokens in the cache, and (unless --prompt-tokens) the prefill of "
+        "this many tokens, as llama-bench's -d and -p",
     )
     parser.add_argument(
         "--vllm-python",
@@ -121,6 +133,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads", type=_positive_int, default=None, help="torch CPU threads for every contender (default: torch's)"
     )
+    parser.add_argument("--chunk-tokens", type=_positive_int, default=200, help="embed: tokens of each chunk")
+    parser.add_argument(
+        "--batch-size", type=_int_list, default=[32], help="embed: sentence-transformers' batch sizes (comma-separated)"
+    )
+    parser.add_argument("--queries", type=_positive_int, default=20, help="embed: single-query calls timed each")
     parser.add_argument("--no-ceiling", action="store_true", help="skip the matmul ceiling measurement")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     http_command.add_arguments(parser)
@@ -147,10 +164,11 @@ def _int_list(text: str) -> list[int]:
 def _baseline_list(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     for name in names:
-        known = ("one-by-one", "continuous", vllm_runs.VLLM, llamacpp_runs.LLAMACPP)
+        known = ("one-by-one", "continuous", "sentence-transformers", vllm_runs.VLLM, llamacpp_runs.LLAMACPP)
         if name not in known and not re.fullmatch(r"static-[1-9][0-9]*", name):
             raise argparse.ArgumentTypeError(
-                f"unknown baseline {name!r}; expected one-by-one, static-N (e.g. static-16), continuous, vllm or llamacpp"
+                f"unknown baseline {name!r}; expected one-by-one, static-N (e.g. static-16), continuous, vllm, "
+                "llamacpp or sentence-transformers (--workload embed)"
             )
     if not names:
         raise argparse.ArgumentTypeError("expected at least one baseline")
@@ -169,11 +187,13 @@ def run(args: argparse.Namespace) -> int:
             names its log).
         ServerUnusable: with ``--base-url``, the server cannot be benchmarked (``http_command.run``).
     """
-    if args.rounds > 1 and (args.base_url is not None or args.workload not in (*OFFLINE_WORKLOADS, BATCH1)):
+    if args.rounds > 1 and (args.base_url is not None or args.workload not in (*OFFLINE_WORKLOADS, BATCH1, EMBED)):
         raise FlagError(
             f"--rounds applies to the {', '.join(OFFLINE_WORKLOADS)} workloads, in process (and to {BATCH1}, "
             "as its repetitions)"
         )
+    if (args.depth is not None or args.prompt_tokens is not None) and args.workload != BATCH1:
+        raise FlagError(f"--depth and --prompt-tokens apply to --workload {BATCH1}")
     if args.workload == BATCH1 and args.compare and args.baselines != [llamacpp_runs.LLAMACPP]:
         raise FlagError(f"--workload {BATCH1} compares the engine with llama.cpp alone: pass --baselines llamacpp")
     if args.base_url is not None:
@@ -182,6 +202,8 @@ def run(args: argparse.Namespace) -> int:
         return http_command.run(args)
     http_command.refuse_http_flags(args)
     config = engine_config(args)
+    if args.workload == EMBED:
+        return _run_embed(args)
     baseline_names = args.baselines if args.compare else []
     vllm_python = None
     if vllm_runs.VLLM in baseline_names and args.workload in OFFLINE_WORKLOADS:
@@ -241,14 +263,18 @@ def run(args: argparse.Namespace) -> int:
     if args.workload == BATCH1:
         from integrations.bench.batch1 import batch1_report, engine_batch1
 
+        depth = args.depth or 0
+        prompt_tokens = args.prompt_tokens or args.depth or DEFAULT_PROMPT_TOKENS
         bar.set_postfix_str("engine")
-        rows = [engine_batch1(spec, args.prompt_tokens, args.max_tokens, args.rounds)]
+        rows = [engine_batch1(spec, prompt_tokens, args.max_tokens, args.rounds, depth)]
         if llamacpp is not None:
             bar.set_postfix_str("llama-bench")
             rows.append(
-                llamacpp_runs.run_llama_bench(llamacpp, gguf, threads, args.prompt_tokens, args.max_tokens, args.rounds)
+                llamacpp_runs.run_llama_bench(
+                    llamacpp, gguf, threads, prompt_tokens, args.max_tokens, args.rounds, depth
+                )
             )
-        sections["batch1"] = batch1_report(rows, args.prompt_tokens, args.max_tokens, threads, args.rounds)
+        sections["batch1"] = batch1_report(rows, prompt_tokens, args.max_tokens, threads, args.rounds, depth)
     elif args.workload == "poisson":
         sections["poisson"] = engine_runs.poisson_search(
             spec, workload.prompts, args.max_tokens, args.rate, args.itl_bound,
@@ -351,6 +377,31 @@ def run(args: argparse.Namespace) -> int:
 
         for path in write_plots(args.plot, f"{args.workload}-{dtype_name}", results, report):
             logger.info("wrote %s", path)
+    return 0
+
+
+def _run_embed(args: argparse.Namespace) -> int:
+    import torch
+
+    from integrations.bench.embed import embed_bench, format_embed
+
+    baselines = args.baselines if args.compare else []
+    if any(b != "sentence-transformers" for b in baselines):
+        raise FlagError("--workload embed compares the engine with sentence-transformers: --baselines sentence-transformers")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    fields = engine_kwargs(args)
+    model = fields.pop("model")
+    if model is None:
+        raise FlagError("--workload embed needs an embedding model: --model DIR")
+    report = embed_bench(
+        str(model), fields, args.num_requests, args.chunk_tokens, args.batch_size, baselines, args.rounds, args.queries
+    )
+    report["machine"] = machine_info()
+    print(format_embed(report))  # noqa: T201
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
     return 0
 
 

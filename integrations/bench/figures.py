@@ -331,8 +331,9 @@ def _comparisons(record: Record) -> list[tuple[str, str]]:
     file = f", {model['file_type']} file" if model.get("file_type") else ""
     if record.get("batch1"):
         b = record["batch1"]
+        at_depth = f" at depth {b['depth']}" if b.get("depth") else ""
         return [
-            (f"batch-1 decode (tg{b['gen_tokens']}){file}", "decode_tok_s"),
+            (f"batch-1 decode (tg{b['gen_tokens']}{at_depth}){file}", "decode_tok_s"),
             (f"batch-1 prefill (pp{b['prompt_tokens']}){file}", "prefill_tok_s"),
         ]
     w = record["workload"]

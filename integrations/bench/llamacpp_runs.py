@@ -118,9 +118,11 @@ SKIP_HF_DIR = (
 
 
 def run_llama_bench(
-    build: LlamaCpp, gguf: Path, threads: int, prompt_tokens: int, gen_tokens: int, repetitions: int
+    build: LlamaCpp, gguf: Path, threads: int, prompt_tokens: int, gen_tokens: int, repetitions: int, depth: int = 0
 ) -> dict[str, Any]:
-    """``llama-bench -p prompt_tokens -n gen_tokens -t threads -r repetitions -o json`` on ``gguf``.
+    """``llama-bench -p prompt_tokens -n gen_tokens -t threads -r repetitions -o json`` on ``gguf``; with ``depth``,
+    the decode is timed with ``depth`` tokens in the cache (``-d depth``) in a run of its own (``-p 0``), and the
+    prefill runs alone (``-n 0``) on an empty cache.
 
     Returns:
         ``{"name", "prefill_tok_s", "decode_tok_s", "prefill_samples", "decode_samples", "build"}``: llama-bench's
@@ -129,18 +131,19 @@ def run_llama_bench(
     Raises:
         LlamaCppRunFailed: it exited with an error or printed no result for pp or tg.
     """
-    command = [str(build.bench), "-m", str(gguf), "-p", str(prompt_tokens), "-n", str(gen_tokens),
-               "-t", str(threads), "-r", str(repetitions), "-o", "json"]  # fmt: skip
-    proc = subprocess.run(command, capture_output=True, text=True, check=False)
-    try:
-        entries = json.loads(proc.stdout) if proc.returncode == 0 else []
-    except ValueError:
-        entries = []
+    common = ["-m", str(gguf), "-t", str(threads), "-r", str(repetitions), "-o", "json"]
+    if depth == 0:
+        entries = _bench_entries(build, ["-p", str(prompt_tokens), "-n", str(gen_tokens), *common])
+    else:
+        entries = _bench_entries(build, ["-p", str(prompt_tokens), "-n", "0", *common])
+        entries += _bench_entries(build, ["-p", "0", "-n", str(gen_tokens), "-d", str(depth), *common])
     prefill = next((e for e in entries if e.get("n_prompt") == prompt_tokens and not e.get("n_gen")), None)
-    decode = next((e for e in entries if e.get("n_gen") == gen_tokens and not e.get("n_prompt")), None)
+    decode = next(
+        (e for e in entries if e.get("n_gen") == gen_tokens and not e.get("n_prompt") and e.get("n_depth", 0) == depth),
+        None,
+    )
     if prefill is None or decode is None:
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
-        raise LlamaCppRunFailed(f"llama-bench exited with status {proc.returncode} without pp/tg results:\n{tail}")
+        raise LlamaCppRunFailed(f"llama-bench printed no {'pp' if prefill is None else 'tg'} result")
     return {
         "name": "llama.cpp llama-bench",
         "prefill_tok_s": float(prefill["avg_ts"]),
@@ -149,6 +152,23 @@ def run_llama_bench(
         "decode_samples": [float(v) for v in decode.get("samples_ts") or [decode["avg_ts"]]],
         "build": f"{decode.get('build_number', '?')} ({decode.get('build_commit', '?')})",
     }
+
+
+def _bench_entries(build: LlamaCpp, options: list[str]) -> list[dict[str, Any]]:
+    """llama-bench's JSON entries for ``options``.
+
+    Raises:
+        LlamaCppRunFailed: it exited with an error or printed no JSON list.
+    """
+    proc = subprocess.run([str(build.bench), *options], capture_output=True, text=True, check=False)
+    try:
+        entries = json.loads(proc.stdout) if proc.returncode == 0 else None
+    except ValueError:
+        entries = None
+    if not isinstance(entries, list) or not entries:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
+        raise LlamaCppRunFailed(f"llama-bench exited with status {proc.returncode} without pp/tg results:\n{tail}")
+    return entries
 
 
 # ------------------------------------------------------------------------------------------- llama-server

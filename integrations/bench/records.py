@@ -35,8 +35,8 @@ REQUIRED = ("schema", "date", "command", "machine", "model", "workload", "protoc
 # What changes a run's speed besides its flags: the OpenMP runtime's, vLLM's CPU binding and the engine's kernel
 # choices. Nothing else is recorded (other variables can hold keys and paths).
 SPEED_ENV_PREFIXES = ("OMP_", "KMP_", "VLLM_CPU_")
-SPEED_ENV = ("PAGED_CPU_KERNELS", "PAGED_ATTENTION_FETCH", "PAGED_BF16_ATTENTION", "PAGED_BF16_LINEAR",
-             "PAGED_GGML_LINEAR", "PAGED_INT8_LINEAR")  # fmt: skip
+SPEED_ENV = ("PAGED_CPU_KERNELS", "PAGED_ATTENTION_FETCH", "PAGED_ATTENTION_SPLIT", "PAGED_BF16_ATTENTION",
+             "PAGED_BF16_LINEAR", "PAGED_GGML_LINEAR", "PAGED_INT8_LINEAR")  # fmt: skip
 _MODEL_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                "vocab_size", "max_position_embeddings")  # fmt: skip
 

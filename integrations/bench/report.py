@@ -16,7 +16,7 @@ JSON layout (``paged bench --json PATH``), stable so that later runs can be comp
                     "output_tokens": {"mean", "max"}} | null,
      "profile": {...} | null,
      "rounds": [{"name", "tokens_per_s": [...], "ratio_to_engine": [...]}, ...] | null,
-     "batch1": {"prompt_tokens", "gen_tokens", "threads", "repetitions",
+     "batch1": {"prompt_tokens", "gen_tokens", "depth", "threads", "repetitions",
                 "results": [{"name", "decode_tok_s", "prefill_tok_s", "decode_samples", "prefill_samples",
                              "decode_ratio_to_engine", "prefill_ratio_to_engine"}, ...]} | null,
      "skipped": {contender: reason, ...},

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-WORKLOADS = ("shared-prefix", "distinct", "rag", "structured", "poisson", "sweep", "batch1")
+WORKLOADS = ("shared-prefix", "distinct", "rag", "structured", "poisson", "sweep", "batch1", "embed")
 _FILES = {"shared-prefix": "shared_prefix.json", "distinct": "distinct.json"}
 
 

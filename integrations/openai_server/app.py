@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -26,7 +27,7 @@ from typing import Any
 from aiohttp import web
 
 from engine.supervisor import RestartPolicy
-from integrations.openai_server import responses_api, routes, vllm_routes
+from integrations.openai_server import pooling_routes, responses_api, routes, vllm_routes
 from integrations.openai_server.errors import ApiError, error_middleware
 from integrations.openai_server.policy import ROUTES, ServerPolicy, route_of
 from integrations.openai_server.wire_pieces import rate_limit_headers
@@ -39,6 +40,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CLIENT_MAX_SIZE = 4 << 20  # bytes of request body
 DEFAULT_DRAIN_TIMEOUT = 30.0  # seconds
+# NOTE: tokens a pooling model served beside the chat model runs a step: engines step in turn
+# (engine.driver.STEP_LOCK), so a chat decode waits at most one batch this size for an embedding burst
+SHARED_POOLING_BUDGET = 256
 
 
 def create_app(
@@ -55,6 +59,7 @@ def create_app(
     reasoning_parser: str = "auto",
     image_limits: ImageLimits | None = None,
     responses: ResponsesConfig | None = None,
+    pooling_models: Sequence[str] = (),
     **engine_config: Any,
 ) -> web.Application:
     """Build the OpenAI-compatible application; the engine starts with the app and stops with it.
@@ -81,6 +86,10 @@ def create_app(
             None = ``sdk.images.ImageLimits()``: no remote URLs.
         responses: the bounds of the stored responses and of their conversations' pins
             (``sdk.responses.ResponsesConfig``); the store is kept under ``kv_cache_dir`` when set.
+        pooling_models: pooling models (embedders, rerankers: HF directories) served beside ``model``,
+            each under its directory's name; a request goes to the model its ``model`` names, and a
+            pooling route without one to the first of these. Their engines take ``dtype`` and ``device``
+            from ``engine_config``; every engine of the process steps in turn (``engine.driver``).
         **engine_config: ``EngineConfig`` fields (block_size, num_blocks, max_num_seqs, ...).
 
     Returns:
@@ -96,6 +105,7 @@ def create_app(
     routes.add_routes(app)
     responses_api.add_routes(app, responses, engine_config.get("kv_cache_dir"))
     vllm_routes.add_routes(app)
+    pooling_routes.add_routes(app)
 
     def default_factory() -> Serving:
         return Serving.create(
@@ -104,28 +114,35 @@ def create_app(
         )  # fmt: skip
 
     factory = serving_factory or default_factory
+    shared = {k: v for k, v in engine_config.items() if k in ("dtype", "device")}
+    extra = [functools.partial(Serving.create, path, hooks=hooks, restart=restart, **shared) for path in pooling_models]
 
     async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
-        load = asyncio.create_task(_load(state, factory))
+        load = asyncio.create_task(_load(state, factory, extra))
         yield
         state.phase = Phase.DRAINING
         if not load.done():
             load.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await load
-        if state.serving is not None:
-            await state.serving.close()
+        for serving in state.servings():
+            await serving.close()
 
     app.cleanup_ctx.append(engine_ctx)
     app.on_shutdown.append(_drain)
     return app
 
 
-async def _load(state: ServerState, factory: Callable[[], Serving]) -> None:
+async def _load(state: ServerState, factory: Callable[[], Serving], extra: Sequence[Callable[[], Serving]] = ()) -> None:
     try:
         # NOTE: loading weights blocks; a thread keeps /health answering "starting" meanwhile.
         serving = await asyncio.to_thread(factory)
         await serving.start()
+        for make in extra:
+            beside = await asyncio.to_thread(make)
+            state.beside[beside.model_name] = beside
+            await beside.start()
+            await beside.engine.call(_share_steps)
     except Exception:
         logger.exception("engine failed to start")
         state.phase = Phase.DEAD
@@ -138,7 +155,13 @@ async def _load(state: ServerState, factory: Callable[[], Serving]) -> None:
     state.collector.bind(serving.stats)
     if state.phase is Phase.STARTING:
         state.phase = Phase.SERVING
-        logger.info("serving %s", serving.model_name)
+        logger.info("serving %s", ", ".join(s.model_name for s in state.servings()))
+
+
+def _share_steps(engine: Any) -> None:
+    """Driver thread: a pooling engine beside the chat model runs ``SHARED_POOLING_BUDGET`` tokens a step."""
+    if engine.pooling is not None:
+        engine.pooling.token_budget = SHARED_POOLING_BUDGET
 
 
 async def _drain(app: web.Application) -> None:

@@ -52,6 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--host", default="127.0.0.1",
         help="address to bind (default: %(default)s; anything else should have --api-key)",
     )
+    server.add_argument(
+        "--pooling-model", action="append", default=None, metavar="PATH",
+        help="a pooling model (embedder, reranker: an HF directory) served beside --model under its directory's "
+        "name; repeat for several. Requests go to the model they name; /v1/embeddings, /v1/rerank and "
+        "/v1/score without one go to the first of these",
+    )
     server.add_argument("--port", type=int, default=8000, help="port to bind (default: %(default)s)")
     server.add_argument(
         "--api-key", action="append", default=None, metavar="[NAME=]KEY",
@@ -239,6 +245,9 @@ def make_app(args: argparse.Namespace) -> web.Application:
     model = config.pop("model")
     if model is not None and not Path(model).exists():
         raise ValueError(f"model path {model} does not exist")
+    for path in args.pooling_model or ():
+        if not Path(path).is_dir():
+            raise ValueError(f"--pooling-model {path} is not a model directory")
     keys = api_keys(args)
     from integrations.openai_server.policy import ServerPolicy
 
@@ -267,5 +276,6 @@ def make_app(args: argparse.Namespace) -> web.Application:
         restart=restart,
         image_limits=image_limits(args),
         responses=responses,
+        pooling_models=args.pooling_model or (),
         **config,
     )

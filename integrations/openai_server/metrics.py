@@ -7,7 +7,8 @@ labelled families: ``paged_request_success_total{finished_reason}``,
 ``paged_spec_decode_num_accepted_tokens_per_pos_total{position}``.
 Two derived gauges: ``paged_kv_cache_usage`` (used / total blocks) and
 ``paged_prefix_cache_hit_rate`` (hit tokens / queried tokens). The server adds its own
-``paged_http_requests_total{route,status}``. docs/server.md lists them all.
+``paged_http_requests_total{route,status}``, ``paged_pooling_requests_total{route}`` and
+``paged_pooling_prompt_tokens_total{route}``. docs/server.md lists them all.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ HISTOGRAMS = {
 # NOTE: always exposed, so a dashboard's series exist before the first request ends that way.
 SUCCESS_REASONS = ("stop", "length")
 
+POOLING_ROUTES = ("/v1/embeddings", "/v1/rerank", "/v1/score")  # /rerank and /score count as their /v1 twins
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -160,6 +162,17 @@ class ServerMetrics:
             ["route", "status"],
             registry=self.registry,
         )
+        self.pooling_requests = Counter(
+            PREFIX + "pooling_requests", "Embedding, rerank and score requests answered, by route.", ["route"],
+            registry=self.registry,
+        )  # fmt: skip
+        self.pooling_tokens = Counter(
+            PREFIX + "pooling_prompt_tokens", "Tokens the pooling model read, by route.", ["route"],
+            registry=self.registry,
+        )  # fmt: skip
+        for route in POOLING_ROUTES:  # NOTE: the series exist before the first request
+            self.pooling_requests.labels(route)
+            self.pooling_tokens.labels(route)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

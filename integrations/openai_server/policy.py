@@ -37,7 +37,10 @@ from typing import Any
 from engine.errors import ParameterError
 from sdk.policy import TenantPolicy
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/metrics", "/tokenize", "/detokenize")
+ROUTES = (
+    "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/metrics", "/tokenize", "/detokenize",
+    "/v1/embeddings", "/v1/rerank", "/rerank", "/v1/score", "/score",
+)  # fmt: skip
 ANONYMOUS = "anonymous"  # the tenant of requests to a server without keys
 _HASHED = re.compile(r"sha256:[0-9a-f]{64}")
 _POLICY_FIELDS = frozenset(f.name for f in dataclasses.fields(TenantPolicy))

@@ -55,25 +55,29 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
-    serving = _state(request).require_serving()
-    cards = []
-    if _tenant(request).may_use_model(serving.model_name):
-        cards.append(p.ModelCard(id=serving.model_name, max_model_len=serving.max_model_len))
+    state = _state(request)
+    state.require_serving()
+    cards = [
+        p.ModelCard(id=s.model_name, max_model_len=s.max_model_len)
+        for s in state.servings() if _tenant(request).may_use_model(s.model_name)
+    ]  # fmt: skip
     return _json(p.ModelList(data=cards))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = _state(request)
-    serving = state.require_serving()
+    state.require_serving()
     body = await parse_body(request, p.ChatCompletionRequest, _tenant(request))
+    serving = state.require_serving(body.model)
     check_common(body, serving, _tenant(request))
     return await _Run(request, state, serving, body, "chat").execute()
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = _state(request)
-    serving = state.require_serving()
+    state.require_serving()
     body = await parse_body(request, p.CompletionRequest, _tenant(request))
+    serving = state.require_serving(body.model)
     check_common(body, serving, _tenant(request))
     prompts = body.prompts()
     if not prompts or any(len(x) == 0 for x in prompts):

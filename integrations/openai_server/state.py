@@ -44,7 +44,8 @@ class ServerState:
     policy: ServerPolicy  # the tenants, their keys (as digests) and terms
     drain_timeout: float
     phase: Phase = Phase.STARTING
-    serving: Serving | None = None
+    serving: Serving | None = None  # the main model's
+    beside: dict[str, Serving] = field(default_factory=dict)  # pooling models served beside it, by name
     collector: EngineCollector = field(default_factory=EngineCollector)
     metrics: ServerMetrics = field(init=False)
     # request id -> (set when shutdown aborts it, its handler task)
@@ -74,8 +75,15 @@ class ServerState:
         }
         return healthy, body
 
-    def require_serving(self) -> Serving:
-        """The serving glue, or a 503 while starting, restarting, draining or dead.
+    def servings(self) -> list[Serving]:
+        """Every model's serving glue: the main model's first."""
+        return [s for s in (self.serving, *self.beside.values()) if s is not None]
+
+    def require_serving(self, model: str | None = None, pooling: bool = False) -> Serving:
+        """The serving glue of ``model`` (None: the main model's; on a ``pooling`` route, the first pooling
+        model's beside it, if any), or a 503 while starting, restarting, draining or dead.
+
+        A ``model`` no serving has gets the main one (whose check answers 404).
 
         While the engine restarts, the code is the SDK's ``EngineRestarting`` one, so a remote SDK
         client retries it as it retries a request the restart cut short.
@@ -88,6 +96,10 @@ class ServerState:
                 code=EngineRestarting.code if phase is Phase.RESTARTING else f"server_{phase.value}",
                 headers={"Retry-After": RETRY_AFTER},
             )
+        if model is not None:
+            return next((s for s in self.servings() if s.model_name == model), self.serving)
+        if pooling and self.beside:
+            return next(iter(self.beside.values()))
         return self.serving
 
     def tenant_for(self, authorization: str | None) -> Tenant | None:

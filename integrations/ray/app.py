@@ -31,17 +31,17 @@ ONGOING_PER_SEQ = 4  # a replica takes up to this many requests per engine seque
 INGRESS_CPUS = 0.25  # the ingress hashes prompts and relays bytes
 
 
-def replica_resources(cpus: float, gpus: float, tensor_parallel_size: int) -> dict[str, Any]:
-    """A replica's Ray Serve resource options: ``cpus`` and ``gpus`` per rank. A tensor-parallel replica is one
-    placement group of a bundle per rank packed on one node (its ranks are processes the replica spawns), the
-    replica's actor taking the first bundle."""
+def replica_resources(cpus: float, gpus: float, ranks: int) -> dict[str, Any]:
+    """A replica's Ray Serve resource options: ``cpus`` and ``gpus`` per rank. A replica of several ranks (tensor
+    parallel x pipeline stages) is one placement group of a bundle per rank packed on one node (its ranks are
+    processes the replica spawns), the replica's actor taking the first bundle."""
     actor = {"num_cpus": cpus, "num_gpus": gpus}
-    if tensor_parallel_size == 1:
+    if ranks == 1:
         return {"ray_actor_options": actor}
     bundle = {"CPU": cpus, "GPU": gpus} if gpus else {"CPU": cpus}
     return {
         "ray_actor_options": actor,
-        "placement_group_bundles": [dict(bundle) for _ in range(tensor_parallel_size)],
+        "placement_group_bundles": [dict(bundle) for _ in range(ranks)],
         "placement_group_strategy": "STRICT_PACK",
     }
 
@@ -60,7 +60,9 @@ def build_app(args: argparse.Namespace, make_app: Callable[[argparse.Namespace],
         name="engine",
         num_replicas=args.replicas or 1,
         max_ongoing_requests=max_ongoing,
-        **replica_resources(args.replica_cpus, args.replica_gpus, config.tensor_parallel_size),
+        **replica_resources(
+            args.replica_cpus, args.replica_gpus, config.tensor_parallel_size * config.pipeline_parallel_size
+        ),
         request_router_config=RequestRouterConfig(
             request_router_class=router, request_routing_stats_period_s=ROUTING_STATS_PERIOD
         ),

@@ -35,7 +35,7 @@ def serve_fleet(args: argparse.Namespace, make_app: Callable[[argparse.Namespace
     if args.ray_address is None:
         # NOTE: logical CPUs are reservations: a local cluster gets enough for every replica and
         # the ingress even on a machine with fewer cores, rather than a fleet that never schedules.
-        ranks = args.replicas * args.tensor_parallel_size
+        ranks = args.replicas * args.tensor_parallel_size * args.pipeline_parallel_size
         num_cpus = max(os.cpu_count() or 1, math.ceil(ranks * args.replica_cpus + INGRESS_CPUS))
     ray.init(address=args.ray_address, num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING)
     stop = threading.Event()

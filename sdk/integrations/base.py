@@ -23,9 +23,10 @@ on a first call far away, and ``close()`` has no unbuilt client to allow for.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, create_model, model_validator
@@ -37,6 +38,7 @@ from sdk.fields import REQUEST_KNOBS, SAMPLING_FIELDS, SAMPLING_KNOBS, field, sa
 from sdk.hooks import Hook
 from sdk.images import ImageLimits
 from sdk.policy import TenantPolicy
+from sdk.retrieval import MAX_INPUTS, RerankItem
 from sdk.runtime import Runtime
 from sdk.settings import ClientSettings
 from sdk.sync import Client
@@ -133,6 +135,50 @@ class PagedAdapter(BaseModel, Closing, AsyncClosing):
     def _request_options(self, options: dict[str, Any]) -> dict[str, Any]:
         """A call's request options: the adapter's own, then ``options``; None = unset."""
         return {k: v for k, v in {"timeout": self.timeout, **options}.items() if v is not None}
+
+
+class PoolingAdapter(PagedAdapter):
+    """A ``PagedAdapter`` over a pooling model (an embedder, a reranker): ``model`` names it (an HF directory
+    in process; the served id with ``base_url``). Its calls send the pooling options set here."""
+
+    dimensions: int | None = None
+    """Keep the first ``dimensions`` of each embedding (models that declare Matryoshka sizes); None = all."""
+    normalize: bool | None = None
+    """L2-normalize embeddings; None = as the model's files say."""
+    truncate_prompt_tokens: int | None = -1
+    """Most tokens read of each input: -1 = the model's length (the default); None = no cut (a longer input fails)."""
+
+    def _pooling_options(self, **extra: Any) -> dict[str, Any]:
+        options = {"dimensions": self.dimensions, "normalize": self.normalize, **extra}
+        return {"truncate_prompt_tokens": self.truncate_prompt_tokens, **{k: v for k, v in options.items() if v is not None}}
+
+    def embed_texts(self, texts: Sequence[str], prompt_name: str | None = None) -> list[list[float]]:
+        """Embeddings of ``texts`` in order (none for none), ``MAX_INPUTS`` to a request."""
+        options = self._pooling_options(prompt_name=prompt_name)
+        return [v for part in _parts(texts) for v in self.client.embed(part, **options).embeddings]
+
+    async def aembed_texts(self, texts: Sequence[str], prompt_name: str | None = None) -> list[list[float]]:
+        """The async ``embed_texts``: the requests run together (the engine batches them)."""
+        options = self._pooling_options(prompt_name=prompt_name)
+        results = await asyncio.gather(*(self.aclient.embed(part, **options) for part in _parts(texts)))
+        return [v for result in results for v in result.embeddings]
+
+    def rerank_texts(self, query: str, documents: Sequence[str], top_n: int | None) -> list[RerankItem]:
+        """The ``top_n`` documents most relevant to ``query``, best first (none for none)."""
+        if not documents:
+            return []
+        return self.client.rerank(query, list(documents), top_n=top_n, return_documents=False, **self._pooling_options()).results
+
+    async def arerank_texts(self, query: str, documents: Sequence[str], top_n: int | None) -> list[RerankItem]:
+        """The async ``rerank_texts``."""
+        if not documents:
+            return []
+        result = await self.aclient.rerank(query, list(documents), top_n=top_n, return_documents=False, **self._pooling_options())
+        return result.results
+
+
+def _parts(texts: Sequence[str]) -> list[list[str]]:
+    return [list(texts[i : i + MAX_INPUTS]) for i in range(0, len(texts), MAX_INPUTS)]
 
 
 # NOTE: a framework's LLM returns one reply per call: n is not a knob of the adapters.

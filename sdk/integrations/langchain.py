@@ -1,4 +1,5 @@
-"""LangChain adapters: ``PagedChat`` (a chat model) and ``PagedLLM`` (a text-completion LLM).
+"""LangChain adapters: ``PagedChat`` (a chat model) and ``PagedLLM`` (a text-completion LLM); ``PagedEmbeddings``
+and ``PagedRerank`` (``sdk.integrations.langchain_retrieval``) are re-exported here.
 
 Both run through an SDK client, on an in-process engine (the adapter's own, or that of
 the ``runtime`` it is given) or, with ``base_url``, on a remote OpenAI-compatible one, so
@@ -49,6 +50,7 @@ from sdk.errors import LengthFinishReasonError
 from sdk.integrations.base import (
     KNOBS, GenerationAdapter, awatched, finish_info, named_tool_choice, tool_call, watch_of, watched,
 )  # fmt: skip
+from sdk.integrations.langchain_retrieval import PagedEmbeddings, PagedRerank
 from sdk.types import ChatMessage, Delta, ImagePart, TextPart, TokenLogprob
 
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -492,3 +494,6 @@ class PagedLLM(_PagedParams, LLM):
         run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any,
     ) -> str:  # fmt: skip
         return self._generate([prompt], stop, run_manager, **kwargs).generations[0][0].text
+
+
+__all__ = ["PagedChat", "PagedEmbeddings", "PagedLLM", "PagedRerank"]

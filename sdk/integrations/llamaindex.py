@@ -1,4 +1,5 @@
-"""LlamaIndex adapter: ``PagedLLM``, a chat LLM on an in-process engine or a remote one (``base_url``).
+"""LlamaIndex adapter: ``PagedLLM``, a chat LLM on an in-process engine or a remote one (``base_url``);
+``PagedEmbedding`` and ``PagedRerank`` (``sdk.integrations.llamaindex_retrieval``) are re-exported here.
 
 Chat is the native path (the model's chat template); completion derives from it through
 LlamaIndex's ``chat_to_completion_decorator`` family, except ``formatted=True`` prompts,
@@ -63,6 +64,7 @@ from pydantic import Field
 from sdk.integrations.base import (
     GenerationAdapter, awatched, finish_info, named_tool_choice, tool_arguments, tool_call, watch_of, watched,
 )  # fmt: skip
+from sdk.integrations.llamaindex_retrieval import PagedEmbedding, PagedRerank
 from sdk.tools import ToolCall, ToolCallDelta, collect_calls
 from sdk.types import ChatMessage, ChatResult, Delta, ImagePart, TextPart
 
@@ -362,3 +364,6 @@ class PagedLLM(GenerationAdapter, FunctionCallingLLM):  # type: ignore[misc, val
         """The async ``stream_structured_predict``."""
         llm_kwargs = self._constrained(output_cls, llm_kwargs)
         return await super().astream_structured_predict(output_cls, prompt, llm_kwargs, **prompt_args)
+
+
+__all__ = ["PagedEmbedding", "PagedLLM", "PagedRerank", "to_sdk_messages"]

@@ -23,18 +23,22 @@ from integrations.bench.report import ENGINE
 from integrations.cli import main
 
 FAKE_BENCH = '''
-"""A stand-in llama-bench: records its arguments, prints pp and tg results in llama-bench's JSON."""
+"""A stand-in llama-bench: records its arguments, prints pp and tg results in llama-bench's JSON (a test for each
+of -p and -n that is not 0, at depth -d; tg's rate falls with the depth)."""
 import json, os, sys
 args = sys.argv[1:]
 with open(os.environ["FAKE_LLAMACPP_RECORD"], "a") as f:
     f.write(json.dumps(["bench", args]) + "\\n")
 opt = dict(zip(args[::2], args[1::2]))
 reps = int(opt["-r"])
+depth = int(opt.get("-d", 0))
 def entry(n_prompt, n_gen, rate):
     return {"build_commit": "fakecafe", "build_number": 4242, "model_filename": opt["-m"], "n_threads": int(opt["-t"]),
-            "n_prompt": n_prompt, "n_gen": n_gen, "avg_ts": rate, "stddev_ts": 0.5,
+            "n_prompt": n_prompt, "n_gen": n_gen, "n_depth": depth, "avg_ts": rate, "stddev_ts": 0.5,
             "samples_ts": [rate - 1 + 2 * i / max(reps - 1, 1) for i in range(reps)]}
-print(json.dumps([entry(int(opt["-p"]), 0, 400.0), entry(0, int(opt["-n"]), 40.0)], indent=2))
+tests = [entry(int(opt["-p"]), 0, 400.0)] if opt["-p"] != "0" else []
+tests += [entry(0, int(opt["-n"]), 40.0 - depth / 100)] if opt["-n"] != "0" else []
+print(json.dumps(tests, indent=2))
 '''
 
 FAKE_SERVER = '''
@@ -241,6 +245,38 @@ def test_batch1_sets_the_engine_beside_llama_bench(
     table = capsys.readouterr().out
     assert "| contender | decode tok/s (tg8) | x engine | prefill tok/s (pp32) | x engine |" in table
     assert f"| llama.cpp llama-bench | 40.0 | {llama['decode_ratio_to_engine']:.2f} | 400.0 |" in table
+
+
+def test_batch1_at_depth_times_the_decode_after_the_prompt(
+    fake_llamacpp: Path, tiny_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """--depth N: the engine decodes after an N-token prompt and prefills N tokens; llama-bench runs the prefill
+    alone (-n 0) and the decode at -d N (-p 0), and its rows are the ones at those depths."""
+    out = tmp_path / "d.json"
+    rc = main([
+        "bench", "--model", str(tiny_gguf), "--workload", "batch1", "--depth", "200", "--max-tokens", "4",
+        "--compare", "--baselines", "llamacpp", "--llamacpp-dir", str(fake_llamacpp),
+        "--threads", "1", "--no-ceiling", "--no-progress", "--json", str(out),
+    ])  # fmt: skip
+    assert rc == 0
+    batch1 = json.loads(out.read_text())["batch1"]
+    engine, llama = batch1["results"]
+    assert (batch1["prompt_tokens"], batch1["gen_tokens"], batch1["depth"]) == (200, 4, 200)
+    assert engine["decode_tok_s"] > 0 and engine["prefill_tok_s"] > 0
+    assert (llama["decode_tok_s"], llama["prefill_tok_s"]) == (38.0, 400.0)
+    runs = [_options(args) for kind, args in _record(fake_llamacpp) if kind == "bench"]
+    common = {"-m": str(tiny_gguf), "-t": "1", "-r": "1", "-o": "json"}
+    assert runs == [{"-p": "200", "-n": "0", **common}, {"-p": "0", "-n": "4", "-d": "200", **common}]
+    assert "| contender | decode tok/s (tg4 @ d200) | x engine | prefill tok/s (pp200) | x engine |" in (
+        capsys.readouterr().out
+    )
+
+
+def test_depth_applies_to_batch1_alone(tiny_gguf: Path, capsys: pytest.CaptureFixture) -> None:
+    """--depth on another workload is a usage error naming the workload it applies to."""
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--model", str(tiny_gguf), "--depth", "64", "--no-progress"])
+    assert exc.value.code == 2 and "--depth and --prompt-tokens apply to --workload batch1" in capsys.readouterr().err
 
 
 def test_an_hf_directory_skips_llamacpp_with_the_reason(

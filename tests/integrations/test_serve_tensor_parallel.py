@@ -1,11 +1,13 @@
-"""`paged serve --tensor-parallel-size 2`: a real server process whose engine runs on two gloo ranks answers the
-openai client with transformers' greedy tokens, and exits cleanly (its rank process with it) on SIGTERM."""
+"""`paged serve --tensor-parallel-size 2` and `--pipeline-parallel-size 2`: a real server process whose engine runs
+on two gloo ranks answers the openai client with transformers' greedy tokens, and exits cleanly (its rank process
+with it) on SIGTERM."""
 
 from __future__ import annotations
 
 import signal
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.support.serve_process import serve_process
@@ -20,7 +22,8 @@ def _rank_processes(pid: int) -> list[int]:
     return [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
 
 
-def test_serve_with_two_ranks_answers_the_openai_client(tiny_model_factory) -> None:
+@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--pipeline-parallel-size"])
+def test_serve_with_two_ranks_answers_the_openai_client(flag, tiny_model_factory) -> None:
     """Completions (plain and streamed) carry transformers' greedy text; SIGTERM ends the server and its rank."""
     import openai
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -30,7 +33,7 @@ def test_serve_with_two_ranks_answers_the_openai_client(tiny_model_factory) -> N
     with torch.inference_mode():
         expected_ids = hf.generate(torch.tensor([PROMPT]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(PROMPT):]
     expected = AutoTokenizer.from_pretrained(model_dir).decode(expected_ids)
-    flags = ["--model", str(model_dir), "--num-blocks", "64", "--tensor-parallel-size", "2", "--dtype", "float32",
+    flags = ["--model", str(model_dir), "--num-blocks", "64", flag, "2", "--dtype", "float32",
              "--log-level", "WARNING"]  # fmt: skip
     with serve_process(*flags, timeout=120) as (proc, root):
         ranks = _rank_processes(proc.pid)

@@ -14,7 +14,7 @@ import pytest
 
 from integrations.cli import main
 from integrations.openai_server.app import create_app
-from integrations.top import History, Scrape, histogram_quantile
+from integrations.top import Figures, History, Scrape, histogram_quantile
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "sk-top"
@@ -31,6 +31,10 @@ paged_tenant_computed_tokens_total{tenant="alice"} 50
 paged_e2e_request_latency_seconds_bucket{le="0.5"} 0
 paged_e2e_request_latency_seconds_bucket{le="1.0"} 10
 paged_e2e_request_latency_seconds_bucket{le="+Inf"} 10
+paged_pooling_requests_total{route="/v1/embeddings"} 4
+paged_pooling_requests_total{route="/v1/rerank"} 0
+paged_pooling_prompt_tokens_total{route="/v1/embeddings"} 400
+paged_pooling_prompt_tokens_total{route="/v1/rerank"} 0
 """
 AFTER = """
 paged_kv_blocks_total 100
@@ -46,6 +50,10 @@ paged_tenant_computed_tokens_total{tenant="alice"} 250
 paged_e2e_request_latency_seconds_bucket{le="0.5"} 10
 paged_e2e_request_latency_seconds_bucket{le="1.0"} 20
 paged_e2e_request_latency_seconds_bucket{le="+Inf"} 20
+paged_pooling_requests_total{route="/v1/embeddings"} 8
+paged_pooling_requests_total{route="/v1/rerank"} 2
+paged_pooling_prompt_tokens_total{route="/v1/embeddings"} 800
+paged_pooling_prompt_tokens_total{route="/v1/rerank"} 200
 """
 
 
@@ -67,6 +75,9 @@ def test_figures_rates_and_windowed_quantiles():
     assert f.rate("paged_generation_tokens_total") == pytest.approx(150.0)
     assert f.finished_rate() == pytest.approx(3.0)  # 6 more successes over 2 s
     assert f.window_hit_rate() == pytest.approx(0.75)
+    assert f.pooling_rate("paged_pooling_requests_total") == pytest.approx(3.0)  # 4 + 2 more over 2 s
+    assert f.pooling_rate("paged_pooling_prompt_tokens_total") == pytest.approx(300.0)
+    assert Figures(Scrape.parse("", at=1.0), f.current).pooling_rate("paged_pooling_requests_total") is None  # not exported
     assert f.value("paged_kv_token_usage") == 0.75 and f.value("paged_kv_cache_usage") is None
     assert f.tenants() == ["alice"]
     assert f.value("paged_tenant_requests", tenant="alice", state="waiting") == 1

@@ -1,6 +1,6 @@
-"""Self-healing under tensor parallelism: a rank that fails a step, or whose process is killed mid-stream, ends
-every request in flight with an error, the dead engine returns every block, and a fresh group (fresh rank
-processes) serves."""
+"""Self-healing under tensor and pipeline parallelism: a rank that fails a step, or whose process (a tensor-parallel
+rank, a pipeline stage) is killed mid-stream, ends every request in flight with an error, the dead engine returns
+every block, and a fresh group (fresh rank processes) serves."""
 
 from __future__ import annotations
 
@@ -24,12 +24,18 @@ NUM_TOKENS = 60  # far more steps than the rank survives
 
 
 
+@pytest.mark.parametrize("group", [
+    pytest.param({"tensor_parallel_size": 2}, id="tensor-parallel"),
+    pytest.param({"pipeline_parallel_size": 2}, id="pipeline-parallel"),
+])  # fmt: skip
 async def test_killing_a_rank_mid_stream_fails_every_request_returns_every_block_and_a_fresh_group_serves(
-    model_dir, quiescent
+    model_dir, quiescent, group
 ) -> None:
-    """Rank 1 killed while 6 streams run: each ends with EngineRestarting naming the failed step; the dead
-    engine's pool is whole; the fresh engine runs on a new rank process and completes a request."""
-    engine = AsyncEngine(str(model_dir), restart=RestartPolicy(backoff_s=0.05), tensor_parallel_size=2, **ENGINE_CONFIG)
+    """Rank 1 (the second tensor-parallel rank, or the last pipeline stage) killed while 6 streams run: each ends
+    with EngineRestarting naming the failed step; the dead engine's pool is whole; the fresh engine runs on a new
+    rank process and completes a request."""
+    kind = "tensor-parallel" if "tensor_parallel_size" in group else "pipeline-parallel"
+    engine = AsyncEngine(str(model_dir), restart=RestartPolicy(backoff_s=0.05), **group, **ENGINE_CONFIG)
     try:
         dead = engine.engine
         rank1 = dead.runner.workers.processes[0]
@@ -40,7 +46,7 @@ async def test_killing_a_rank_mid_stream_fails_every_request_returns_every_block
         os.kill(rank1.pid, signal.SIGKILL)
         results = await asyncio.wait_for(asyncio.gather(*tasks), 30.0)
         for received, error in results:
-            assert isinstance(error, EngineRestarting) and "tensor-parallel step failed" in str(error)
+            assert isinstance(error, EngineRestarting) and f"{kind} step failed" in str(error)
             assert 0 < received < NUM_TOKENS
         dead.kv.check_integrity()
         assert dead.kv.num_free_blocks == dead.kv.num_blocks and not dead.has_unfinished_requests()

@@ -15,6 +15,7 @@ EXAMPLES = {
     "async_app.py": "hash chain intact",
     "langchain_agent.py": "prompt tokens from the cache",
     "llamaindex_rag.py": "source (",
+    "langchain_rag.py": "source (",
     "shared_runtime.py": "one engine for both clients: True",
     "llamaindex_agent.py": "agent finished",
     "agent_tools.py": "4 of 4 sessions finished",
@@ -40,6 +41,10 @@ def test_examples_run_to_completion(tmp_path):
         output = (tmp_path / f"{name}.log").read_text()
         assert procs[name].returncode == 0, f"{name} failed:\n{output[-3000:]}"
         assert marker in output, f"{name} did not print {marker!r}:\n{output[-3000:]}"
+    for rag in ("llamaindex_rag.py", "langchain_rag.py"):  # retrieval and reranking on the engine find each answer's source
+        output = (tmp_path / f"{rag}.log").read_text()
+        assert re.search(r"battery last\?\nA: .*\n   source \([\d.]+\): The Sparrow's battery", output), output
+        assert re.search(r"Lyon office\?\nA: .*\n   source \([\d.]+\): The Lyon office", output), output
     agent = (tmp_path / "llamaindex_agent.py.log").read_text()
     calls = re.search(r"agent finished: (\d+) tool calls", agent)
     assert calls and int(calls.group(1)) >= 2 and "-> error" not in agent, agent  # a good call per question

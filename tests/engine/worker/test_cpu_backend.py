@@ -182,3 +182,88 @@ def test_a_row_is_the_same_bits_tiled_as_alone(
         tiled = cpu_kernels.attention(q, k_cache, v_cache, *args, tiles)
         alone = cpu_kernels.attention(q, k_cache, v_cache, *args)
     assert torch.equal(tiled, alone)
+
+
+@contextlib.contextmanager
+def _split(mode: str):
+    """Run paged attention's rows split by keys per ``mode`` (one of ``ATTENTION_SPLIT``), ``auto`` restored after."""
+    lib = cpu_kernels.library()
+    lib.attention_split_mode(cpu_kernels.ATTENTION_SPLIT.index(mode))
+    try:
+        yield
+    finally:
+        lib.attention_split_mode(cpu_kernels.ATTENTION_SPLIT.index("auto"))
+
+
+def _decode_rows(lens: list[int], heads: tuple[int, int], head_dim: int, block_size: int, dtype: torch.dtype, seed: int):
+    """Decode rows of contexts ``lens`` over scattered blocks of a random cache: q, caches, tables, seq_lens."""
+    gen = torch.Generator().manual_seed(seed)
+    num_heads, num_kv_heads = heads
+    per_row = [-(-n // block_size) for n in lens]
+    num_blocks = sum(per_row) + 3
+    kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    pool = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.full((len(lens), max(per_row)), -1, dtype=torch.int32)
+    for i, n in enumerate(per_row):
+        tables[i, :n] = torch.tensor([pool.pop() for _ in range(n)], dtype=torch.int32)
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen)
+    return q, kv[0], kv[1], tables, torch.tensor(lens, dtype=torch.int64)
+
+
+def _decode_reference(q, k_cache, v_cache, tables, seq_lens, scale: float, window: int = 0) -> torch.Tensor:
+    """Each row's attention over its context (its last ``window`` keys where given), in float64."""
+    block_size, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
+    outs = []
+    for i, n in enumerate(seq_lens.tolist()):
+        pos = torch.arange(max(n - window, 0) if window else 0, n)
+        blocks, offsets = tables[i, pos // block_size].long(), pos % block_size
+        k, v = (c[blocks, offsets].double().repeat_interleave(group, 1) for c in (k_cache, v_cache))
+        scores = torch.einsum("hd,nhd->hn", q[i].double() * scale, k)
+        outs.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), v))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("split", cpu_kernels.ATTENTION_SPLIT)
+@pytest.mark.parametrize(
+    "heads, head_dim, block_size, dtype",
+    [
+        ((9, 3), 64, 16, torch.float32),  # GQA, 16-lane rows where the build has AVX-512
+        ((16, 1), 128, 32, torch.bfloat16),  # a group of 16 query heads, a bfloat16 cache
+        ((4, 4), 40, 8, torch.float32),  # 8-lane rows, blocks of 8 (spans of 256 keys are 32 blocks)
+        ((32, 32), 64, 16, torch.bfloat16),  # more KV heads than one item holds: two head groups a span
+    ],
+)
+def test_decode_rows_split_by_keys_match_reference(
+    split: str, heads: tuple[int, int], head_dim: int, block_size: int, dtype: torch.dtype
+) -> None:
+    """Decode rows of contexts 1, 17, 500 and 4,100 keys equal attention over each row's context, split by keys
+    across the threads or not (every dispatch of paged_attention)."""
+    q, k_cache, v_cache, tables, seq_lens = _decode_rows([1, 17, 500, 4100], heads, head_dim, block_size, dtype, 7)
+    with _split(split):
+        out = cpu_kernels.attention(q, k_cache, v_cache, tables, seq_lens, 0.125)
+    expected = _decode_reference(q, k_cache.float(), v_cache.float(), tables, seq_lens, 0.125)
+    torch.testing.assert_close(out.double(), expected, atol=2e-6, rtol=0)
+
+
+def test_split_rows_keep_windows_and_soft_caps() -> None:
+    """Split by keys, a sliding window that starts inside a span reads only its last keys, as unsplit."""
+    q, k_cache, v_cache, tables, seq_lens = _decode_rows([700, 4100], (9, 3), 64, 16, torch.float32, 8)
+    with _split("off"):
+        whole = cpu_kernels.attention(q, k_cache, v_cache, tables, seq_lens, 0.125, window=300, softcap=30.0)
+    with _split("always"):
+        split = cpu_kernels.attention(q, k_cache, v_cache, tables, seq_lens, 0.125, window=300, softcap=30.0)
+        plain = cpu_kernels.attention(q, k_cache, v_cache, tables, seq_lens, 0.125, window=300)
+    torch.testing.assert_close(split, whole, atol=2e-6, rtol=0)
+    expected = _decode_reference(q, k_cache, v_cache, tables, seq_lens, 0.125, window=300)
+    torch.testing.assert_close(plain.double(), expected, atol=2e-6, rtol=0)
+
+
+def test_a_split_row_is_the_same_bits_whatever_its_batch() -> None:
+    """Split by keys, a row's output does not depend on the rows beside it (its spans are cut at fixed positions
+    and merged in order)."""
+    q, k_cache, v_cache, tables, seq_lens = _decode_rows([3000, 260, 4100], (9, 3), 64, 16, torch.float32, 9)
+    with _split("always"):
+        together = cpu_kernels.attention(q, k_cache, v_cache, tables, seq_lens, 0.125)
+        alone = [cpu_kernels.attention(q[i : i + 1], k_cache, v_cache, tables[i : i + 1], seq_lens[i : i + 1], 0.125)
+                 for i in range(3)]  # fmt: skip
+    assert torch.equal(together, torch.cat(alone))

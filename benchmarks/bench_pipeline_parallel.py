@@ -1,0 +1,85 @@
+"""What pipeline and tensor parallelism give an engine on CPU: one process against two pipeline stages and two
+tensor-parallel ranks (gloo, each process a half of the cores), and each pipeline stage's idle time.
+
+Each layout's engine generates the same greedy batch, round after round (layouts alternating within a round, so
+that a loaded machine weighs on all alike); the table gives the median tokens per second and, for the pipeline,
+the share of the wall time each stage waited. A stage runs one batch at a time (one batch in flight): the first
+stage (the driver) waits for the last stage's logits (measured), and the last stage waits while the driver
+embeds, runs its layers, schedules and samples (the wall time less the driver's wait, an upper bound that counts
+the hand-over of the hidden states too).
+
+    python benchmarks/bench_pipeline_parallel.py      # a random Llama: hidden 1024, 16 layers, 16 heads, 8 KV heads
+    python benchmarks/bench_pipeline_parallel.py --model path/to/hf-dir --prompts 16 --tokens 64 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from bench_forward import _save_random
+
+from engine import Engine, SamplingParams
+from engine.loader import resolve_model
+
+LAYOUTS = {"one process": {}, "pp=2": {"pipeline_parallel_size": 2}, "tp=2": {"tensor_parallel_size": 2}}
+
+
+def _random_llama(out: Path) -> Path:
+    """A random-weight Llama with the bundled model's tokenizer (and its vocabulary's size)."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(resolve_model(None))
+    config = transformers.LlamaConfig(
+        hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
+        vocab_size=len(tokenizer), max_position_embeddings=4096, tie_word_embeddings=False,
+    )  # fmt: skip
+    tokenizer.save_pretrained(out)
+    return _save_random(config, out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="a Hugging Face model directory (default: a random-weight Llama)")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        run(args, args.model or str(_random_llama(Path(tmp))))
+
+
+def run(args: argparse.Namespace, model: str) -> None:
+    prompts = [[100 + 37 * i + j for j in range(16 + 3 * i)] for i in range(args.prompts)]
+    params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+    options = dict(dtype="float32", device="cpu", enable_prefix_caching=False, num_blocks=64 * args.prompts)
+    engines = {name: Engine(model, **options, **layout) for name, layout in LAYOUTS.items()}
+    rates: dict[str, list[float]] = {name: [] for name in LAYOUTS}
+    waits: list[float] = []
+    outputs = {}
+    for _ in range(args.rounds):
+        for name, engine in engines.items():
+            wait = getattr(engine.runner, "pipeline_wait_seconds", 0.0)
+            start = time.perf_counter()
+            outputs[name] = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+            wall = time.perf_counter() - start
+            rates[name].append(args.prompts * args.tokens / wall)
+            if name == "pp=2":
+                waits.append((engine.runner.pipeline_wait_seconds - wait) / wall)
+    for engine in engines.values():
+        engine.close()
+    same = all(out == outputs["one process"] for out in outputs.values())
+    print(f"{args.prompts} prompts x {args.tokens} tokens, {args.rounds} rounds; greedy tokens equal across "
+          f"layouts: {same}")
+    print("| layout | tokens/s (median) | stage 0 idle | last stage idle (at most) |")
+    print("| --- | --- | --- | --- |")
+    for name in LAYOUTS:
+        idle = "" if name != "pp=2" else f" {statistics.median(waits):.0%} | {1 - statistics.median(waits):.0%} |"
+        print(f"| {name} | {statistics.median(rates[name]):.1f} |" + (idle or " | |"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""Pipeline parallelism: which rank of which stage a process is, and what its stage sends to the others.
+
+Ranks are laid out stage by stage: rank ``stage * tp + i`` is the ``i``-th tensor-parallel rank of ``stage``;
+rank 0, the driver, is the first stage's first. Each rank of a stage sends its hidden states and residual
+(equal on every tensor-parallel rank after the all-reduce) to the same rank of the next stage; the last stage's
+first rank sends the logits to the driver, which samples.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from engine.distributed.communicator import Communicator
+from engine.parallel_state import WHOLE, PipelineStage, TensorParallel
+
+
+class PipelineLinks:
+    """Rank ``rank``'s links to the stages before and after its own (``engine.parallel_state.StageLinks``), over
+    ``world``, the group of every rank of every stage.
+
+    ``wait_seconds`` adds up the time spent waiting on the previous stage's hidden states or the last stage's
+    logits: the stage's idle time.
+    """
+
+    def __init__(self, world: Communicator, tp_size: int, pp_size: int) -> None:
+        self.world, self.tp_size, self.pp_size = world, tp_size, pp_size
+        self.stage, self.tp_rank = divmod(world.rank, tp_size)
+        self.wait_seconds = 0.0
+
+    def all_reduce_min(self, value: int) -> int:
+        return self.world.all_reduce_min(value)
+
+    def recv_hidden(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        start = time.perf_counter()
+        hidden = self.world.recv(shape, dtype, self.world.rank - self.tp_size)
+        self.wait_seconds += time.perf_counter() - start
+        return hidden
+
+    def send_hidden(self, hidden: torch.Tensor) -> None:
+        self.world.send(hidden, self.world.rank + self.tp_size)
+
+    def send_logits(self, logits: torch.Tensor) -> None:
+        self.world.send(logits, 0)
+
+    def recv_logits(self, shape: tuple[int, ...]) -> torch.Tensor:
+        start = time.perf_counter()
+        logits = self.world.recv(shape, torch.float32, (self.pp_size - 1) * self.tp_size)
+        self.wait_seconds += time.perf_counter() - start
+        return logits
+
+
+def join_groups(
+    store: dist.Store, rank: int, tp_size: int, layers: list[range], device: torch.device, timeout_s: float
+) -> tuple[TensorParallel, PipelineStage]:
+    """The tensor-parallel rank and pipeline stage of global ``rank`` (``len(layers)`` stages of ``tp_size`` ranks,
+    stage ``s`` holding decoder layers ``layers[s]``), their groups joined through ``store``: every rank joins the
+    whole group, then its stage's own (the same order on every rank)."""
+    pp_size = len(layers)
+    if pp_size == 1:
+        return TensorParallel(rank, tp_size, Communicator(store, rank, tp_size, device, timeout_s)), WHOLE
+    world = Communicator(store, rank, tp_size * pp_size, device, timeout_s, name="world")
+    stage, tp_rank = divmod(rank, tp_size)
+    comm = Communicator(store, tp_rank, tp_size, device, timeout_s, name=f"stage{stage}") if tp_size > 1 else None
+    links = PipelineLinks(world, tp_size, pp_size)
+    return TensorParallel(tp_rank, tp_size, comm), PipelineStage(stage, pp_size, layers[stage], links)

@@ -1,0 +1,140 @@
+"""The rank processes of a group as Ray actors (``distributed_executor_backend="ray"``), which may sit on other
+nodes: one actor per rank > 0 in one placement group of a bundle per actor, the driver (rank 0) serving the
+group's store on its node's address. The same interface as ``workers.WorkerGroup``: each step is a call on every
+actor, in order (an actor runs its calls one after another)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.distributed.communicator import open_store
+from engine.distributed.workers import COLLECTIVE_TIMEOUT_S, WorkerSpec, build_rank
+from engine.errors import ModelLoadError, ParameterError
+from engine.worker.model_runner import resolve_device
+
+logger = logging.getLogger(__name__)
+
+
+class RankActor:
+    """One rank's runner inside a Ray actor (the class is wrapped by ``ray.remote`` when the group starts)."""
+
+    def __init__(self, rank: int, spec: WorkerSpec, threads: int) -> None:
+        self.rank = rank
+        self.runner = build_rank(rank, spec, 0, threads)  # NOTE: Ray shows the actor its own GPU as device 0
+
+    def where(self) -> dict[str, Any]:
+        """The node this rank runs on (its id and address) and its process id."""
+        import ray
+
+        context = ray.get_runtime_context()
+        return {"rank": self.rank, "node_id": context.get_node_id(), "pid": os.getpid(),
+                "address": ray.util.get_node_ip_address()}
+
+    def step(self, step: object) -> None:
+        """Runs one step; a step that fails ends the actor's process, so that the driver's collective fails at
+        once (as a spawned rank's does) rather than at its timeout."""
+        try:
+            self.runner.execute_model(step)
+        except BaseException:
+            logger.exception("Ray rank %d failed a step", self.rank)
+            os._exit(1)
+
+
+class RayWorkerGroup:
+    """Ranks 1 .. size-1 of a group as Ray actors in one placement group (``config.ray_placement_strategy``, a
+    bundle of ``config.ray_bundle_cpus`` CPUs, and a GPU on CUDA, per rank), on the Ray cluster this process is
+    connected to (else a local one ``ray.init`` starts).
+
+    Raises:
+        ParameterError: (``distributed_executor_backend``) Ray is not installed; the cluster cannot hold the
+            placement group within ``config.ray_placement_timeout_s`` (the bundles and what the cluster has free).
+    """
+
+    def __init__(self, config: EngineConfig, model_dir: Path, layers: list[range]) -> None:
+        try:
+            import ray
+            from ray.util.placement_group import placement_group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        except ImportError:
+            raise ParameterError(
+                "distributed_executor_backend", "distributed_executor_backend='ray' needs Ray: pip install 'paged[ray]'"
+            ) from None
+        self.size = size = config.tensor_parallel_size * len(layers)
+        if not ray.is_initialized():
+            ray.init(include_dashboard=False, logging_level=logging.WARNING)
+        gpu = resolve_device(config.device).type == "cuda"
+        bundle = {"CPU": config.ray_bundle_cpus, **({"GPU": 1.0} if gpu else {})}
+        bundles = [dict(bundle) for _ in range(size - 1)]
+        self._pg = placement_group(bundles, strategy=config.ray_placement_strategy)
+        ready, _ = ray.wait([self._pg.ready()], timeout=config.ray_placement_timeout_s)
+        if not ready:
+            ray.util.remove_placement_group(self._pg)
+            raise ParameterError(
+                "distributed_executor_backend",
+                f"the Ray cluster did not hold a placement group of {len(bundles)} bundles of {bundle} "
+                f"({config.ray_placement_strategy}) within {config.ray_placement_timeout_s:g} s; "
+                f"free now: {ray.available_resources()}",
+            )
+        host = ray.util.get_node_ip_address()
+        self.store = open_store(0, size, is_master=True, host=host)
+        self.timeout_s = COLLECTIVE_TIMEOUT_S
+        spec = WorkerSpec(config, Path(model_dir), size, layers, self.store.port, self.timeout_s, host)
+        remote = ray.remote(RankActor)
+        self.actors = [
+            remote.options(
+                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank - 1),
+            ).remote(rank, spec, max(1, int(bundle["CPU"])))
+            for rank in range(1, size)
+        ]  # fmt: skip
+        self._ray = ray
+        self._pending: list[Any] = [actor.where.remote() for actor in self.actors]
+        self.placement: list[dict[str, Any]] = []  # each actor's ``RankActor.where`` once ready
+        self._closed = False
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Waits for every actor to hold its shard.
+
+        Raises:
+            ModelLoadError: an actor failed to build its shard, or did not in time.
+        """
+        try:
+            self.placement = self._ray.get(self._pending, timeout=timeout_s)
+        except self._ray.exceptions.GetTimeoutError:
+            raise ModelLoadError(f"a Ray rank did not load its shard within {timeout_s:g} s") from None
+        except self._ray.exceptions.RayError as exc:
+            raise ModelLoadError(f"a Ray rank failed to load its shard: {exc}") from None
+        self._pending = []
+
+    def start_error(self) -> str | None:
+        """What an actor that failed while starting said (without waiting), or None."""
+        done, _ = self._ray.wait(self._pending, num_returns=len(self._pending), timeout=0)
+        for ref in done:
+            try:
+                self._ray.get(ref)
+            except self._ray.exceptions.RayError as exc:
+                return f"a Ray rank failed to load its shard: {exc}"
+        return None
+
+    def send(self, step: object) -> None:
+        """Calls every actor's ``step`` with one step's ``SchedulerOutput`` (without waiting: the group's
+        collectives meet it)."""
+        for actor in self.actors:
+            actor.step.remote(step)
+
+    @property
+    def is_alive(self) -> bool:
+        return not self._closed
+
+    def close(self) -> None:
+        """Ends every actor and removes the placement group (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for actor in self.actors:
+            self._ray.kill(actor)
+        self._ray.util.remove_placement_group(self._pg)

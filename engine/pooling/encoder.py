@@ -1,0 +1,154 @@
+"""BERT and XLM-RoBERTa encoders over packed variable-length batches: bidirectional attention, no KV cache.
+
+The batch is one flat run of tokens (``[T]``) with ``cu_seqlens`` marking where each input
+starts; every linear layer runs on the flat tokens, and only attention lays them out by input
+(``[B, H, L, D]``, keys past an input's end masked), inputs sorted by length so little is padded.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_ACTIVATIONS = {
+    "gelu": lambda x: F.gelu(x),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        hidden, inter = config.hidden_size, config.intermediate_size
+        self.num_heads = config.num_attention_heads
+        self.head_dim = hidden // self.num_heads
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.attn_out = nn.Linear(hidden, hidden)
+        self.attn_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
+        self.up = nn.Linear(hidden, inter)
+        self.down = nn.Linear(inter, hidden)
+        self.out_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
+        self.act = _ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+        # x: [T, hidden]
+        q, k, v = self.qkv(x).view(-1, 3, self.num_heads, self.head_dim).unbind(1)  # each [T, H, D]
+        attn = layout.attention(q, k, v)  # [T, H * D]
+        x = self.attn_norm(x + self.attn_out(attn))
+        return self.out_norm(x + self.down(self.act(self.up(x))))
+
+
+class BatchLayout:
+    """Where each input's tokens sit in the flat batch and in the padded ``[B, L]`` layout attention uses."""
+
+    def __init__(self, lengths: list[int], device: torch.device, causal: bool = False) -> None:
+        self.lengths = lengths
+        self.causal = causal  # a decoder's attention: each token sees the ones before it
+        self.max_len = max(lengths)
+        lengths_t = torch.tensor(lengths, device=device)
+        positions = torch.arange(self.max_len, device=device)
+        self.valid = positions[None, :] < lengths_t[:, None]  # [B, L] bool: a real token
+        self.flat_index = self.valid.flatten().nonzero().squeeze(1)  # [T]: each token's slot in B * L
+        self.key_mask = self.valid[:, None, None, :]  # [B, 1, 1, L]
+        self.positions = positions[None, :].expand(len(lengths), -1)[self.valid]  # [T]: index within its input
+        self.is_padded = self.flat_index.numel() != len(lengths) * self.max_len
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        _, heads, dim = q.shape
+        b, length = len(self.lengths), self.max_len
+
+        def padded(t: torch.Tensor) -> torch.Tensor:  # [T, h, D] -> [B, h, L, D]
+            if not self.is_padded:
+                return t.view(b, length, t.shape[1], dim).transpose(1, 2)
+            out = t.new_zeros(b * length, t.shape[1], dim)
+            out[self.flat_index] = t
+            return out.view(b, length, t.shape[1], dim).transpose(1, 2)
+
+        mask = None if not self.is_padded else self.key_mask  # [B, 1, 1, L]
+        if self.causal and mask is not None:
+            mask = mask & torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+        is_causal = self.causal and mask is None
+        kv_groups = heads // k.shape[1]  # grouped-query attention: each key head serves kv_groups query heads
+        keys, values = padded(k), padded(v)
+        if kv_groups > 1:
+            keys, values = keys.repeat_interleave(kv_groups, 1), values.repeat_interleave(kv_groups, 1)
+        out = F.scaled_dot_product_attention(padded(q), keys, values, attn_mask=mask, is_causal=is_causal)  # [B, H, L, D]
+        out = out.transpose(1, 2).reshape(b * length, heads * dim)
+        return out if not self.is_padded else out[self.flat_index]
+
+
+class Encoder(nn.Module):
+    """A BERT / XLM-RoBERTa encoder: embeddings, post-norm layers; an optional sequence-classification head."""
+
+    causal = False
+
+    def __init__(self, config, num_labels: int | None) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.word_embeddings = nn.Embedding(config.vocab_size, hidden)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, hidden)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, hidden)
+        self.embed_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
+        self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_hidden_layers))
+        # RoBERTa counts positions from its padding index + 1; BERT from 0
+        self.position_offset = config.pad_token_id + 1 if config.model_type == "xlm-roberta" else 0
+        self.head_dense = nn.Linear(hidden, hidden) if num_labels is not None else None
+        self.head_out = nn.Linear(hidden, num_labels) if num_labels is not None else None
+
+    def forward(self, token_ids: torch.Tensor, token_type_ids: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+        """Hidden states of every token: ``[T, hidden]``."""
+        x = (
+            self.word_embeddings(token_ids)
+            + self.position_embeddings(layout.positions + self.position_offset)
+            + self.token_type_embeddings(token_type_ids)
+        )
+        x = self.embed_norm(x)
+        for layer in self.layers:
+            x = layer(x, layout)
+        return x
+
+    def classify(self, cls_states: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, num_labels]`` from each input's first-token state: BERT's pooler (tanh) then its
+        classifier; RoBERTa's head (dense, tanh, out_proj)."""
+        return self.head_out(torch.tanh(self.head_dense(cls_states)))
+
+
+def _strip_prefix(name: str) -> str:
+    for prefix in ("bert.", "roberta.", "model."):
+        if name.startswith(prefix):
+            return name[len(prefix) :]
+    return name
+
+
+def encoder_state_dict(weights: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """A Hugging Face BERT / XLM-RoBERTa checkpoint's tensors -> ``Encoder``'s names (q, k, v fused)."""
+    w = {_strip_prefix(k): v for k, v in weights.items()}
+    out = {
+        "word_embeddings.weight": w["embeddings.word_embeddings.weight"],
+        "position_embeddings.weight": w["embeddings.position_embeddings.weight"],
+        "token_type_embeddings.weight": w["embeddings.token_type_embeddings.weight"],
+        "embed_norm.weight": w.get("embeddings.LayerNorm.weight", w.get("embeddings.LayerNorm.gamma")),
+        "embed_norm.bias": w.get("embeddings.LayerNorm.bias", w.get("embeddings.LayerNorm.beta")),
+    }
+    for i in range(num_layers):
+        p = f"encoder.layer.{i}."
+        for part in ("weight", "bias"):
+            out[f"layers.{i}.qkv.{part}"] = torch.cat(
+                [w[f"{p}attention.self.{n}.{part}"] for n in ("query", "key", "value")], dim=0
+            )
+            out[f"layers.{i}.attn_out.{part}"] = w[f"{p}attention.output.dense.{part}"]
+            out[f"layers.{i}.attn_norm.{part}"] = w[f"{p}attention.output.LayerNorm.{part}"]
+            out[f"layers.{i}.up.{part}"] = w[f"{p}intermediate.dense.{part}"]
+            out[f"layers.{i}.down.{part}"] = w[f"{p}output.dense.{part}"]
+            out[f"layers.{i}.out_norm.{part}"] = w[f"{p}output.LayerNorm.{part}"]
+    # BERT: pooler.dense + classifier; RoBERTa: classifier.dense + classifier.out_proj
+    for dense, final in (("pooler.dense", "classifier"), ("classifier.dense", "classifier.out_proj")):
+        if f"{final}.weight" in w and f"{dense}.weight" in w:
+            for part in ("weight", "bias"):
+                out[f"head_dense.{part}"] = w[f"{dense}.{part}"]
+                out[f"head_out.{part}"] = w[f"{final}.{part}"]
+    return out
+

@@ -1,0 +1,156 @@
+"""PoolingRunner: a pooling model on the device, one packed batch of inputs -> embeddings or scores.
+
+It holds no KV cache: a pooling model reads each input once, whole (``num_blocks`` is the one null
+block the engine's block pool needs, with no tensor behind it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from engine.config import EngineConfig
+from engine.errors import ModelLoadError, ParameterError
+from engine.model_types import ENCODER_MODEL_TYPES
+from engine.pooling.decoder import Decoder, decoder_state_dict
+from engine.pooling.encoder import BatchLayout, Encoder, encoder_state_dict
+from engine.pooling.model_config import PoolingConfig
+from engine.pooling.params import PoolingParams
+from engine.pooling.tokens import PoolingInput
+from engine.worker.model_runner import resolve_device, resolve_dtypes
+from engine.worker.weight_formats import WeightsSummary
+
+
+DECODER_TYPES = ("qwen2", "qwen3")  # decoders served as embedding models (last-token pooling)
+
+
+class PoolingRunner:
+    """Runs a pooling model's batches: ``embed`` (pooled, truncated, normalized) and ``score`` (logits, activated).
+
+    Attributes:
+        vocab_size, max_model_len, hf_config, device: as ``ModelRunner``'s.
+        num_blocks: 1 (the null block); kv_cache_windows: (None,); no KV tensor exists.
+    """
+
+    kv_cache_windows = (None,)
+    num_blocks = 1
+    attention = "torch sdpa over packed inputs (bidirectional, no KV cache)"
+    layers = "modules"
+
+    def __init__(self, config: EngineConfig, model_dir: Path, pooling: PoolingConfig) -> None:
+        from transformers import AutoConfig
+
+        if config.quantization is not None:
+            raise ParameterError("quantization", f"quantization={config.quantization!r} is not served for pooling models")
+        if config.tensor_parallel_size != 1:
+            raise ParameterError("tensor_parallel_size", "pooling models run in one process (tensor_parallel_size=1)")
+        self.pooling = pooling
+        self.hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        model_type = self.hf_config.model_type
+        encoder = model_type in ENCODER_MODEL_TYPES
+        if not encoder and model_type not in DECODER_TYPES:
+            raise ModelLoadError(
+                f"{str(model_dir)!r}: {model_type!r} is not served as a pooling model; served: "
+                f"{', '.join(ENCODER_MODEL_TYPES + DECODER_TYPES)}"
+            )
+        self.device = resolve_device(config.device)
+        # NOTE: every tensor in the weights' dtype (bfloat16 matmuls run on AVX512-BF16 / AMX through oneDNN)
+        _, self.dtype = resolve_dtypes(config.dtype, self.device, getattr(self.hf_config, "dtype", None))
+        self.vocab_size: int = self.hf_config.vocab_size
+        self.max_model_len = pooling.max_length
+        num_labels = pooling.num_labels if pooling.task == "classify" else None
+        if num_labels not in (None, 1):
+            raise ModelLoadError(f"{str(model_dir)!r}: a cross-encoder scores with one label; this one has {num_labels}")
+        with torch.device("meta"):
+            model = Encoder(self.hf_config, num_labels) if encoder else Decoder(self.hf_config, num_labels is not None)
+        weights: dict[str, torch.Tensor] = {}
+        for file in sorted(model_dir.glob("*.safetensors")):
+            weights.update(load_file(file))
+        try:
+            to_state = encoder_state_dict if encoder else decoder_state_dict
+            state = to_state(weights, self.hf_config.num_hidden_layers)
+            if not encoder and num_labels is not None:
+                state["score_weight"] = yes_no_weight(weights, model_dir)
+        except KeyError as e:
+            raise ModelLoadError(f"{str(model_dir)!r}: tensor {e.args[0]!r} missing from the checkpoint") from None
+        if encoder and num_labels is not None and "head_out.weight" not in state:
+            raise ModelLoadError(f"{str(model_dir)!r}: no sequence-classification head in the checkpoint")
+        state = {k: v.to(self.device, self.dtype) for k, v in state.items()}
+        model.load_state_dict(state, strict=True, assign=True)
+        self.model = model.eval()
+        self.weights = WeightsSummary(None, products=str(self.dtype).removeprefix("torch."))
+        self.weights.nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        self.num_pooled_batches = 0  # what it ran, for Engine.stats()
+        self.num_pooled_requests = 0
+        self.num_pooled_tokens = 0
+
+    def close(self) -> None:
+        """Nothing to release beyond the tensors."""
+
+    @torch.inference_mode()
+    def _hidden(self, inputs: list[PoolingInput]) -> tuple[torch.Tensor, BatchLayout]:
+        lengths = [len(i.token_ids) for i in inputs]
+        self.num_pooled_batches += 1
+        self.num_pooled_requests += len(inputs)
+        self.num_pooled_tokens += sum(lengths)
+        layout = BatchLayout(lengths, self.device, causal=self.model.causal)
+        ids = torch.tensor([t for i in inputs for t in i.token_ids], device=self.device)
+        # NOTE: a model of one segment type (RoBERTa) reads every token as type 0, whatever the tokenizer says
+        segmented = getattr(self.hf_config, "type_vocab_size", 1) > 1
+        types = torch.tensor(
+            [t for i in inputs for t in (i.token_type_ids if segmented and i.token_type_ids else [0] * len(i.token_ids))],
+            device=self.device,
+        )
+        return self.model(ids, types, layout), layout
+
+    @torch.inference_mode()
+    def embed(self, inputs: list[PoolingInput], params: list[PoolingParams]) -> list[list[float]]:
+        """Each input's embedding, pooled as the model says, cut to ``dimensions``, normalized as asked."""
+        hidden, layout = self._hidden(inputs)  # [T, hidden]
+        pooled = pool(hidden.float(), layout.lengths, self.pooling.pooling)  # [B, hidden]
+        out = []
+        for row, p in zip(pooled, params):
+            if p.dimensions is not None:
+                row = row[: p.dimensions]
+            if self.pooling.normalize if p.normalize is None else p.normalize:
+                row = F.normalize(row, dim=-1)
+            out.append(row.tolist())
+        return out
+
+    @torch.inference_mode()
+    def score(self, inputs: list[PoolingInput], params: list[PoolingParams]) -> list[float]:
+        """Each pair's score: the one-label logit, its sigmoid where ``use_activation`` (vLLM's default).
+
+        An encoder reads its first token's state, a decoder (Qwen3-Reranker) its last one's."""
+        hidden, layout = self._hidden(inputs)
+        states = pool(hidden, layout.lengths, "last" if self.model.causal else "cls")
+        logits = self.model.classify(states).float()[:, 0]  # [B]: the first label's logit
+        return [float(torch.sigmoid(x)) if p.use_activation else float(x) for x, p in zip(logits, params)]
+
+
+def yes_no_weight(weights: dict[str, torch.Tensor], model_dir: Path) -> torch.Tensor:
+    """Qwen3-Reranker's recipe as vLLM converts it: the output rows of "yes" minus "no", so that the one logit
+    is ``logit(yes) - logit(no)`` and its sigmoid the softmax probability of "yes" over the two."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    head = weights.get("lm_head.weight", weights.get("model.embed_tokens.weight", weights.get("embed_tokens.weight")))
+    yes, no = tokenizer.convert_tokens_to_ids("yes"), tokenizer.convert_tokens_to_ids("no")
+    if head is None or tokenizer.unk_token_id in (yes, no) or yes is None or no is None:
+        raise ModelLoadError(f"{str(model_dir)!r}: a decoder scores by its \"yes\" and \"no\" tokens' logits; not found")
+    return head[yes] - head[no]
+
+
+def pool(hidden: torch.Tensor, lengths: list[int], mode: str) -> torch.Tensor:
+    """``[T, D]`` token states of inputs laid end to end -> ``[B, D]``: their mean, first (CLS) or last token."""
+    ends = torch.tensor(lengths, device=hidden.device).cumsum(0)
+    if mode == "cls":
+        return hidden[ends - torch.tensor(lengths, device=hidden.device)]
+    if mode == "last":
+        return hidden[ends - 1]
+    segments = torch.repeat_interleave(torch.arange(len(lengths), device=hidden.device), torch.tensor(lengths))
+    sums = hidden.new_zeros(len(lengths), hidden.shape[1]).index_add_(0, segments, hidden)
+    return sums / torch.tensor(lengths, device=hidden.device, dtype=hidden.dtype)[:, None]

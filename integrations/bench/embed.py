@@ -1,0 +1,104 @@
+"""``paged bench --workload embed``: embedding throughput and single-query latency beside sentence-transformers.
+
+Protocol: ``--num-requests`` chunks of ``--chunk-tokens`` tokens each (seeded words), every contender in
+this process on the same torch threads, taking turns for ``--rounds`` rounds after an untimed warm-up.
+The engine gets all chunks in one ``Engine.embed`` call (its token-budget batches); sentence-transformers
+``encode`` runs at each ``--batch-size``. Throughput is chunks / wall time, the median round's; the
+single-query latency is the median of ``--queries`` one-text calls.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from typing import Any
+
+ENGINE = "paged"
+SENTENCE_TRANSFORMERS = "sentence-transformers"
+_WORDS = (
+    "the retrieval model reads each chunk of a document and maps it to a vector so that questions find the "
+    "passages that answer them quickly across millions of pages while the language model writes an answer from "
+    "what was found about engines caches batches tokens attention layers weights memory threads latency"
+).split()
+
+
+def make_chunks(tokenizer: Any, num_chunks: int, chunk_tokens: int, seed: int = 0) -> list[str]:
+    """``num_chunks`` texts of seeded words, each ``chunk_tokens`` tokens long with the tokenizer's special tokens."""
+    rng = random.Random(seed)
+    special = len(tokenizer("")["input_ids"])
+    chunks = []
+    for _ in range(num_chunks):
+        ids = tokenizer(" ".join(rng.choice(_WORDS) for _ in range(chunk_tokens)), add_special_tokens=False)["input_ids"]
+        chunks.append(tokenizer.decode(ids[: chunk_tokens - special]))
+    return chunks
+
+
+def _timed(fn: Any) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def embed_bench(
+    model: str, engine_fields: dict[str, Any], num_chunks: int, chunk_tokens: int, batch_sizes: list[int],
+    baselines: list[str], rounds: int, num_queries: int,
+) -> dict[str, Any]:  # fmt: skip
+    """Runs the contenders; returns ``{"rows": [{"name", "chunks_per_s", "tokens_per_s", "query_ms", ...}], ...}``."""
+    import torch
+
+    from engine import Engine
+
+    engine = Engine(model=model, **engine_fields)
+    if engine.task != "embed":
+        raise ValueError(f"--workload embed needs an embedding model; {model!r} is a {engine.task} model")
+    chunks = make_chunks(engine.tokenizer, num_chunks, chunk_tokens)
+    num_tokens = sum(len(o.prompt_token_ids) for o in engine.embed(chunks[:8])) * num_chunks // 8
+    contenders: dict[str, Any] = {ENGINE: lambda texts: engine.embed(texts)}
+    if SENTENCE_TRANSFORMERS in baselines:
+        from sentence_transformers import SentenceTransformer
+
+        dtypes = [torch.float32] + ([engine.runner.dtype] if engine.runner.dtype != torch.float32 else [])
+        for dtype in dtypes:
+            st = SentenceTransformer(str(engine.model_dir), device="cpu", model_kwargs={"dtype": dtype})
+            for batch_size in batch_sizes:
+                name = f"{SENTENCE_TRANSFORMERS} {str(dtype).removeprefix('torch.')} batch {batch_size}"
+                contenders[name] = lambda texts, st=st, b=batch_size: st.encode(texts, batch_size=b)
+    for run in contenders.values():  # warm-up
+        run(chunks[:32])
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(rounds):
+        for name, run in contenders.items():
+            times[name].append(_timed(lambda run=run: run(chunks)))
+    query = "what does the retrieval model map each chunk to"
+    rows = []
+    for name, run in contenders.items():
+        one = [query] if name != ENGINE else query
+        latency = statistics.median(_timed(lambda run=run, one=one: run(one)) for _ in range(num_queries))
+        wall = statistics.median(times[name])
+        rows.append({
+            "name": name, "wall_s": wall, "chunks_per_s": num_chunks / wall, "tokens_per_s": num_tokens / wall,
+            "query_ms": latency * 1000, "rounds_s": times[name],
+        })  # fmt: skip
+    return {
+        "rows": rows, "num_chunks": num_chunks, "chunk_tokens": chunk_tokens, "num_tokens": num_tokens,
+        "threads": torch.get_num_threads(), "dtype": str(engine.runner.dtype).removeprefix("torch."),
+    }  # fmt: skip
+
+
+def format_embed(report: dict[str, Any]) -> str:
+    """The rows as a table, each contender's throughput and latency as a ratio to the engine's."""
+    rows = report["rows"]
+    ours = next(r for r in rows if r["name"] == ENGINE)
+    lines = [
+        f"embed: {report['num_chunks']} chunks x {report['chunk_tokens']} tokens ({report['num_tokens']} tokens), "
+        f"engine {report['dtype']}, {report['threads']} threads",
+        "| contender | chunks/s | tokens/s | engine's speed-up | single query ms |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['name']} | {r['chunks_per_s']:.1f} | {r['tokens_per_s']:.0f} | "
+            f"{ours['chunks_per_s'] / r['chunks_per_s']:.2f}x | {r['query_ms']:.2f} |"
+        )
+    return "\n".join(lines)

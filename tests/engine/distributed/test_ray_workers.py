@@ -1,0 +1,90 @@
+"""Ranks as Ray actors (``distributed_executor_backend="ray"``) on a local two-node Ray cluster this test starts:
+a head node without CPUs for actors and a second raylet with two CPUs and a resource label of its own. pp=2 puts
+its second stage on the second node and gives transformers' greedy tokens; a killed stage actor fails the requests
+with a typed error and returns every block; a placement group the cluster cannot hold fails start-up by its
+deadline, naming the bundles."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+from engine import Engine, SamplingParams
+from engine.errors import ParameterError, WorkerGroupFailed
+from tests.engine.distributed.test_pipeline_parallel import PROMPTS, _assert_alone_and_batched, _hf_greedy
+
+ray = pytest.importorskip("ray")
+OPTIONS = dict(dtype="float32", device="cpu", block_size=4, num_blocks=96, distributed_executor_backend="ray")
+
+
+def _free_cpus_become(expected: float, timeout_s: float = 30.0) -> bool:
+    """Whether the cluster's free CPUs reach ``expected`` within ``timeout_s`` (resources are returned
+    asynchronously; the view is polled)."""
+    deadline = time.monotonic() + timeout_s
+    while ray.available_resources().get("CPU") != expected:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    """A head node (no CPUs: nothing is placed there) and a second node labelled ``second_node``; the driver
+    (this process) connects to it."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    second = cluster.add_node(num_cpus=2, resources={"second_node": 1})
+    ray.init(address=cluster.address, logging_level=logging.ERROR, log_to_driver=False)
+    try:
+        yield second.node_id
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def test_a_stage_on_the_second_node_gives_transformers_greedy_tokens(two_nodes, tiny_model_factory) -> None:
+    """pp=2 on Ray: rank 1 (the last stage) runs on the second node; the tokens equal transformers', alone and
+    batched with prefix caching on; closing the engine ends the actor."""
+    model_dir = tiny_model_factory("llama")
+    with Engine(str(model_dir), pipeline_parallel_size=2, **OPTIONS) as engine:
+        [where] = engine.runner.workers.placement
+        assert where["rank"] == 1 and where["node_id"] == two_nodes
+        assert ray.available_resources().get("second_node") == 1  # a label, not reserved by the bundle
+        _assert_alone_and_batched(engine, _hf_greedy(model_dir, PROMPTS))
+    assert _free_cpus_become(2.0)  # the bundle given back
+
+
+def test_a_placement_group_the_cluster_cannot_hold_fails_by_its_deadline(two_nodes, tiny_model_factory) -> None:
+    """pp=2 x tp=2 asks three bundles of one CPU of a cluster with two: a ParameterError naming the bundles, after
+    ``ray_placement_timeout_s``, and the cluster's CPUs free again."""
+    with pytest.raises(ParameterError, match=r"placement group of 3 bundles of \{'CPU': 1.0\}") as err:
+        Engine(str(tiny_model_factory("llama")), pipeline_parallel_size=2, tensor_parallel_size=2,
+               ray_placement_timeout_s=3.0, **OPTIONS)  # fmt: skip
+    assert err.value.param == "distributed_executor_backend"
+    assert _free_cpus_become(2.0)
+
+
+def test_a_killed_stage_actor_fails_every_request_and_returns_every_block(two_nodes, tiny_model_factory) -> None:
+    """The last stage's actor killed mid-generation: the next step raises WorkerGroupFailed, every request fails
+    with it, the pool is whole, and the placement group's CPUs come back."""
+    engine = Engine(str(tiny_model_factory("llama")), pipeline_parallel_size=2, **OPTIONS)
+    try:
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        ids = [engine.add_request(None, p, params) for p in PROMPTS]
+        engine.step()
+        ray.kill(engine.runner.workers.actors[0])
+        with pytest.raises(WorkerGroupFailed, match="pipeline-parallel step failed"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        failures = engine.pop_failures()
+        assert sorted(failures) == sorted(ids) and all(isinstance(e, WorkerGroupFailed) for e in failures.values())
+        engine.kv.check_integrity()
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+        assert not engine.runner.workers.is_alive
+    finally:
+        engine.close()
+    assert _free_cpus_become(2.0)

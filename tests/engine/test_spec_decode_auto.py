@@ -1,0 +1,86 @@
+"""Speculation ``mode="auto"``: drafts only where they pay for their share of the measured step cost."""
+
+from __future__ import annotations
+
+from engine import Engine, SamplingParams
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.scheduler import Scheduler
+from engine.core.step_cost import StepCost
+from engine.request import Request
+from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.drafter import PRIOR, Drafter
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+PASSAGE = list(range(500, 530))
+COPY = PASSAGE + [7, 8] + PASSAGE[:6]  # a prompt that starts repeating its passage
+
+
+def fitted(base: float, per_row: float) -> StepCost:
+    """A StepCost measured on steps of ``base + per_row * rows + per_row * prompt tokens`` seconds."""
+    cost = StepCost()
+    for rows, prompt in [(1, 0), (4, 0), (16, 30), (64, 0), (2, 100)]:
+        cost.observe(rows, prompt, base + per_row * (rows + prompt))
+    return cost
+
+
+def test_break_even_rises_with_the_batch() -> None:
+    """Drafts pay when the accepted tokens per draft beat ``a N / (base + a N)``."""
+    drafter = Drafter(SpeculativeConfig(), fitted(base=0.02, per_row=0.001))
+    assert abs(drafter.break_even(1) - 0.001 / 0.021) < 1e-6
+    assert abs(drafter.break_even(64) - 0.064 / 0.084) < 1e-6
+    assert Drafter(SpeculativeConfig(mode="always"), fitted(0.02, 0.001)).break_even(64) == 0.0
+    assert Drafter(SpeculativeConfig(), StepCost()).break_even(64) == 0.0  # nothing measured yet
+
+
+def test_drafts_on_at_one_row_off_at_64() -> None:
+    drafter = Drafter(SpeculativeConfig(**SPEC), fitted(base=0.02, per_row=0.001))
+    request = Request("r", COPY, SamplingParams(max_tokens=50))
+    assert drafter.propose(request, 8, num_rows=1) == PASSAGE[6:10]
+    assert PRIOR <= drafter.break_even(64) and drafter.propose(request, 8, num_rows=64) == []
+    always = Drafter(SpeculativeConfig(**SPEC, mode="always"), fitted(base=0.02, per_row=0.001))
+    assert always.propose(request, 8, num_rows=64) == PASSAGE[6:10]
+
+
+def test_acceptance_below_break_even_stops_a_requests_drafts() -> None:
+    drafter = Drafter(SpeculativeConfig(**SPEC), fitted(base=0.02, per_row=0.001))
+    request = Request("r", COPY, SamplingParams(max_tokens=50))
+    threshold = drafter.break_even(8)  # 0.29
+    assert drafter.propose(request, 8, num_rows=8)
+    for _ in range(10):
+        drafter.observe("r", 4, 1)  # a quarter accepted: below the bound at 8 rows, above it at 1
+    assert drafter.propose(request, 8, num_rows=8) == [] and threshold > 0.25
+    assert drafter.propose(request, 8, num_rows=1)
+
+
+def test_scheduler_proposes_no_drafts_at_64_rows() -> None:
+    """64 decoding requests whose text repeats: with costs measured, auto proposes nothing; at 1 row it does."""
+    cost = fitted(base=0.02, per_row=0.001)
+    drafter = Drafter(SpeculativeConfig(**SPEC), cost)
+    s = Scheduler(KVCacheManager(1024, 4, True), 64, 4096, propose=drafter.propose, step_cost=cost)
+    for i in range(64):
+        s.add_request(Request(f"r{i}", COPY, SamplingParams(max_tokens=50), arrival_seq=i))
+    out = s.schedule()
+    s.update_from_output([s.requests[x.req_id] for x in out.scheduled], [PASSAGE[6]] * 64)
+    out = s.schedule()
+    assert len(out.scheduled) == 64 and not any(x.num_draft_tokens for x in out.scheduled)
+    alone = Scheduler(KVCacheManager(64, 4, True), 1, 64, propose=drafter.propose, step_cost=cost)
+    alone.add_request(Request("one", COPY, SamplingParams(max_tokens=50), arrival_seq=0))
+    out = alone.schedule()
+    alone.update_from_output([alone.requests["one"]], [PASSAGE[6]])
+    assert alone.schedule().scheduled[0].draft_token_ids == PASSAGE[7:11]
+
+
+def test_batch1_copy_drafts_with_auto_and_matches_greedy(tiny_model_factory, small_tokenizer_dir) -> None:
+    """One copy-heavy request under the default auto mode: drafts are proposed and accepted, tokens as without."""
+    model_dir = str(tiny_model_factory("llama", tokenizer_dir=small_tokenizer_dir))
+    settings = dict(num_blocks=128, block_size=4, max_num_seqs=1, max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    plain = Engine(model_dir, **settings).generate([COPY], params, use_tqdm=False)[0].outputs[0].token_ids
+    auto = Engine(model_dir, speculative_config=SPEC, **settings)
+    assert auto.config.speculative_config.mode == "auto"
+    got = auto.generate([COPY], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == plain
+    stats = auto.stats()
+    assert stats["spec_decode_num_draft_tokens"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
+    auto.kv.check_integrity()
+    assert auto.kv.num_free_blocks == auto.kv.num_blocks

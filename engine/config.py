@@ -67,6 +67,15 @@ class EngineConfig:
         "None for a .gguf; None = weights in dtype (a .gguf: its own blocks).",
         choices=("int8", "w8a8", "gguf"),
     )
+    batched_weights_memory: int = knob(
+        512 << 20,
+        "Bytes a GGUF model's second layout of its linear weights may take: made from the file's blocks at load "
+        "(int8 blocks for int8 products on AVX512-VNNI with the output head in bfloat16, else bfloat16), it "
+        "multiplies the steps of 4 rows or more, where the blocks' kernels are several times slower; smaller "
+        "steps read the blocks. Held only where all of it fits (the bundled 135M model's takes 168 MiB; a 1.7B "
+        "model's about 1.7 GiB does not). 0 = the blocks alone, whose greedy output does not depend on batching.",
+        ge=0, le=1 << 50, unit="bytes",
+    )  # fmt: skip
     device: str = knob("auto", "auto = cuda when available, else cpu.", choices=("auto", "cpu", "cuda"))
     block_size: int = knob(16, "Tokens per KV cache block.", ge=1, le=1024)
     kv_cache_memory: int | None = knob(

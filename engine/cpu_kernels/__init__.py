@@ -12,7 +12,8 @@ they cannot be built, and every caller keeps its pure-PyTorch path).
   (``linear_bf16.c``; the path chosen in ``linear_path.c``, ``bf16_linear_path``);
   ``linear_quantized`` over int8 or 4-bit blocks packed by ``engine.layers.quantization.pack`` (``linear_ops``);
 - ``linear_ggml``: linear layers over weights in GGUF's own types (ggml's blocks, ``engine.layers.ggml_weight``),
-  x quantized to int8 blocks and integer products (``linear_ggml.c``); ``ggml_rows`` dequantizes rows of them;
+  x quantized to int8 blocks and integer products (``linear_ggml.c``); ``ggml_rows`` dequantizes rows of them,
+  ``ggml_int8_panels`` makes int8-products panels of them (a GGUF model's layout for large steps);
 - ``apply_token_bitmask``: structured output's token masks on a step's logits (``token_mask.c``, ``row_ops``);
 - ``argmax_rows``: greedy sampling's argmax of each row of a step's logits (``argmax.c``, ``row_ops``);
 - ``decoder_forward``: a Llama-family model's decoder layers in one call, chaining the kernels above
@@ -28,8 +29,8 @@ from engine.cpu_kernels.build import (
     library,
 )  # fmt: skip
 from engine.cpu_kernels.linear_ops import (
-    LINEAR_PANEL, QUANTIZED_FLOAT_ROWS, bf16_linear_path, ggml_linear_path, ggml_parts, ggml_repacked, ggml_rows,
-    int8_linear_path, linear, linear_ggml, linear_quantized, pack_linear_weight, packed_rows,
+    LINEAR_PANEL, QUANTIZED_FLOAT_ROWS, bf16_linear_path, ggml_int8_panels, ggml_linear_path, ggml_parts, ggml_repacked,
+    ggml_rows, int8_linear_path, linear, linear_ggml, linear_quantized, pack_linear_weight, packed_rows,
 )  # fmt: skip
 from engine.cpu_kernels.row_ops import (
     apply_token_bitmask, argmax_rows, position_error, rms_norm, rotary, serves, silu_and_mul,
@@ -39,7 +40,7 @@ __all__ = [
     "ATTENTION_FETCH", "ATTENTION_SPLIT", "BF16_ATTENTION_PATHS", "BF16_LINEAR_PATHS", "GGML_LINEAR_PATHS", "INT8_LINEAR_PATHS",
     "LINEAR_PANEL", "MAX_BLOCK_SIZE", "MAX_GROUP", "MAX_HEAD_DIM", "QUANTIZED_FLOAT_ROWS", "AttentionTiles",
     "apply_token_bitmask", "argmax_rows", "attention", "attention_error", "attention_fetch", "bf16_attention_path",
-    "bf16_linear_path", "ggml_linear_path", "ggml_parts", "ggml_repacked", "ggml_rows", "int8_linear_path", "library",
+    "bf16_linear_path", "ggml_int8_panels", "ggml_linear_path", "ggml_parts", "ggml_repacked", "ggml_rows", "int8_linear_path", "library",
     "linear", "linear_ggml", "linear_quantized", "pack_linear_weight", "packed_rows", "position_error", "rms_norm",
     "rotary", "serves", "silu_and_mul", "slot_error", "store_kv", "supports", "tile_lanes",
 ]  # fmt: skip

@@ -165,6 +165,8 @@ _SIGNATURES = {
     "ggml_linear_limit": [ctypes.c_int],
     "ggml_x16_type_for": [ctypes.c_int32, _I64],  # ggml type, rows
     "ggml_x16_pack": [ctypes.c_int32, _PTR, _I64, _I64, _PTR],  # ggml type, data, rows, in features, out
+    # ggml type, data, rows, in features, first output row, codes, scales
+    "ggml_int8_panels": [ctypes.c_int32, _PTR, _I64, _I64, _I64, _PTR, _PTR],
     # plan, tokens (decoder.c)
     "decoder_scratch": [_PTR, _I64],
     # plan, step, x, out, scratch, the failing kernel (out)
@@ -184,7 +186,7 @@ _RETURN_STATUS = {
     "paged_attention_f32", "paged_attention_bf16", "paged_attention_i8", "store_kv_f32", "store_kv_bf16", "store_kv_i8", "rotary_f32", "linear_q8_f32",
     "linear_w8a8_f32", "linear_int8_path", "linear_bf16", "linear_bf16_path", "attention_bf16_path", "attention_max_lanes",
     "attention_fetch_level", "decoder_forward", "linear_ggml_f32", "ggml_dequantize_rows", "ggml_linear_path",
-    "ggml_x16_type_for", "ggml_x16_pack",
+    "ggml_x16_type_for", "ggml_x16_pack", "ggml_int8_panels",
 }
 _RESTYPES = {name: ctypes.c_int for name in _RETURN_STATUS} | {
     "decoder_scratch": ctypes.c_int64, "ggml_type_row_bytes": ctypes.c_int64,

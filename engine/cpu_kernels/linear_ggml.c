@@ -349,3 +349,66 @@ int ggml_dequantize_rows(int32_t type, const uint8_t *data, int64_t K, const int
     }
     return failed ? -3 : 0;
 }
+
+/* ------------------------------------------------------------------------ the dense layout at batch */
+
+/* Rows of a weight of `type` (x16 types too) as linear_int8.c's int8-products layout, what
+ * quantization.py's pack(quantize_symmetric_int8(hadamard_blocks(W)), int8_products=True) makes of the
+ * dequantized rows: each block of 32 weights rotated (W H / 32, the Walsh-Hadamard butterflies in double),
+ * symmetric int8 codes q + 128 with d = max |w| / 127, q = round(w / d) ties to even. The `rows` rows land at
+ * output rows row0 .. row0 + rows - 1 of codes [P][K / 32][8][16][4] and scales [P][K / 32][16]. Returns 0; -1
+ * for a type not served or K not a multiple of 32; -3 when a row's scratch cannot be allocated. */
+int ggml_int8_panels(int32_t type, const uint8_t *data, int64_t rows, int64_t K, int64_t row0, uint8_t *codes,
+                     float *scales) {
+    const int64_t row_bytes = ggml_row_bytes(type, K), nb = K / 32;
+    if (row_bytes == 0 || K % 32) return -1;
+    const int x16 = ggml_is_x16(type);
+    int failed = 0;
+#pragma omp parallel if (rows * K > PARALLEL_MIN)
+    {
+        float *w = malloc((size_t)K * sizeof(float));
+        uint8_t *unpacked = x16 ? malloc((size_t)row_bytes) : NULL;
+        const int ok = w != NULL && (!x16 || unpacked != NULL);
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < rows; ++i) {
+            if (!ok) continue;
+            if (x16) {
+                x16_unpack_row(type, data + i / X16 * X16 * row_bytes, (int)(i % X16), K, unpacked);
+                dequantize_row(ggml_base_type(type), unpacked, K, w);
+            } else {
+                dequantize_row(type, data + i * row_bytes, K, w);
+            }
+            const int64_t n = row0 + i, p = n / 16, j = n % 16;
+            for (int64_t b = 0; b < nb; ++b) {
+                double v[32];
+                for (int l = 0; l < 32; ++l) v[l] = w[b * 32 + l];
+                for (int h = 1; h < 32; h *= 2) /* v H, H Sylvester's: H[i][j] = (-1)^popcount(i & j) */
+                    for (int s = 0; s < 32; s += 2 * h)
+                        for (int l = s; l < s + h; ++l) {
+                            const double a = v[l], c = v[l + h];
+                            v[l] = a + c, v[l + h] = a - c;
+                        }
+                float r[32], amax = 0.0f;
+                for (int l = 0; l < 32; ++l) {
+                    r[l] = (float)(v[l] / 32.0);
+                    amax = fabsf(r[l]) > amax ? fabsf(r[l]) : amax;
+                }
+                const float d = amax / 127.0f, div = d > 0.0f ? d : 1.0f;
+                uint8_t *c = codes + (p * nb + b) * 32 * 16;
+                for (int l = 0; l < 32; ++l) {
+                    float q = nearbyintf(r[l] / div);
+                    q = q < -127.0f ? -127.0f : q > 127.0f ? 127.0f : q;
+                    c[(l / 4 * 16 + j) * 4 + l % 4] = (uint8_t)(int)(q + 128.0f);
+                }
+                scales[(p * nb + b) * 16 + j] = d;
+            }
+        }
+        free(w);
+        free(unpacked);
+    }
+    return failed ? -3 : 0;
+}

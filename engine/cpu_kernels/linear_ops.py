@@ -155,6 +155,27 @@ def ggml_repacked(type_id: int, data: torch.Tensor, in_features: int) -> tuple[i
     return x16, out
 
 
+def ggml_int8_panels(parts: list[tuple[int, torch.Tensor]], in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight of ggml ``parts`` (each ``(type id, uint8 rows)``, the kernels' layout: x16 types too) as the int8
+    products' panels (``linear_int8.c``) of its dequantized rows, each block of 32 rotated and quantized to
+    symmetric int8: codes ``[P, K / 32, 8, LINEAR_PANEL, 4]`` uint8 and scales ``[P, K / 32, LINEAR_PANEL]``
+    float32, rows past the weight's zero (``quantization.pack``'s layout, ``int8_products``)."""
+    rows = sum(data.shape[0] for _, data in parts)
+    panels, blocks = -(-rows // LINEAR_PANEL), in_features // 32
+    codes = torch.zeros(panels, blocks, 8, LINEAR_PANEL, 4, dtype=torch.uint8)
+    scales = torch.zeros(panels, blocks, LINEAR_PANEL)
+    first = 0
+    for type_id, data in parts:
+        status = loaded().ggml_int8_panels(type_id, data.data_ptr(), data.shape[0], in_features, first,
+                                           codes.data_ptr(), scales.data_ptr())
+        if status == -3:
+            raise MemoryError("the ggml int8 panels could not allocate a row's scratch")
+        if status:
+            raise ValueError(f"ggml type {type_id} with {in_features} features has no int8 panels")
+        first += data.shape[0]
+    return codes, scales
+
+
 def linear_ggml(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x W^T + b`` for ``x [M, K]`` (float32 CPU, any strides) and ``W`` in ggml types
     (``engine.layers.ggml_weight.GGMLWeight``); returns ``[M, N]``, contiguous."""

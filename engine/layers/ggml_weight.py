@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from engine import cpu_kernels
+from engine.layers.quantization import QuantizedWeight
 from engine.model_files.gguf import GGML_TYPES, TYPE_IDS
 
 GGML_NATIVE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
@@ -93,6 +94,18 @@ class GGMLWeight:
                 out[inside] = cpu_kernels.ggml_rows(type_id, part.data, index[inside] - first, self.in_features)
             first += rows
         return out
+
+    def int8_panels(self) -> QuantizedWeight:
+        """This weight as ``quantization="w8a8"``'s int8-products panels of its dequantized rows: what
+        ``pack(quantize_symmetric_int8(hadamard_blocks(self.dequantize())), int8_products=True)`` makes, converted
+        in C (``cpu_kernels.ggml_int8_panels``) without the float32 weight.
+
+        Raises:
+            ValueError: ``in_features`` is not a multiple of 32.
+        """
+        parts = [(type_id, part.data) for type_id, part in zip(self._type_ids, self.parts)]
+        codes, scales = cpu_kernels.ggml_int8_panels(parts, self.in_features)
+        return QuantizedWeight("q8", codes, scales, self.out_features, self.in_features, int8_products=True)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight ``[out_features, in_features]``."""

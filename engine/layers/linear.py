@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import cpu_kernels
+from engine.layers.batched_weight import BatchedWeight
 from engine.layers.ggml_weight import GGMLWeight
 from engine.layers.quantization import QuantizedWeight
 
@@ -34,8 +35,9 @@ class Linear(nn.Module):
     After loading, ``pack()`` moves the weight into the panel layout of the C kernel
     (``cpu_kernels.linear``), which computes every batch size on CPU for float32 input, the
     weight in float32 or bfloat16 (widened exactly); ``weight`` is then None and ``packed``
-    holds it. ``quantize(q)`` serves quantized blocks instead: int8 panels (``QuantizedWeight``) or a GGUF
-    file's own blocks (``GGMLWeight``), each multiplying through its ``matmul``.
+    holds it. ``quantize(q)`` serves quantized blocks instead: int8 panels (``QuantizedWeight``), a GGUF
+    file's own blocks (``GGMLWeight``), or those and a dense layout for large steps (``BatchedWeight``), each
+    multiplying through its ``matmul``.
     Unpacked (on GPU, or without the CPU kernels), it is ``F.linear``.
     """
 
@@ -45,14 +47,14 @@ class Linear(nn.Module):
         self.weight: nn.Parameter | None = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.register_buffer("packed", None)
-        self.quantized: QuantizedWeight | GGMLWeight | None = None
+        self.quantized: QuantizedWeight | GGMLWeight | BatchedWeight | None = None
 
     def pack(self) -> None:
         """Replace ``weight`` by its packed panels (``cpu_kernels.pack_linear_weight``)."""
         self.packed = cpu_kernels.pack_linear_weight(self.weight.data)
         self.weight = None
 
-    def quantize(self, weight: QuantizedWeight | GGMLWeight) -> None:
+    def quantize(self, weight: QuantizedWeight | GGMLWeight | BatchedWeight) -> None:
         """Serve ``weight`` (this layer's weight as quantized blocks) instead of the float weight."""
         if (weight.out_features, weight.in_features) != (self.out_features, self.in_features):
             raise ValueError(

@@ -23,6 +23,7 @@ from torch import nn
 from engine import cpu_kernels
 from engine.cpu_kernels import abi
 from engine.attention import AttentionBackend, AttentionMetadata, CpuAttentionBackend
+from engine.layers.batched_weight import BatchedWeight, PackedWeight
 from engine.layers.ggml_weight import GGMLWeight
 from engine.layers.activation import SiluAndMul
 from engine.layers.linear import Linear
@@ -37,10 +38,16 @@ _FAILED_LINEAR, _FAILED_ROTARY, _FAILED_STORE_KV, _FAILED_ATTENTION = range(1, 5
 _Linear, _Layer, _Plan, _Step = abi.LinearPlan, abi.LayerPlan, abi.DecoderPlan, abi.DecoderStep
 
 
-def _linear(module: Linear) -> _Linear | None:
-    """The kernels' view of a packed or quantized ``Linear``; None for one that is neither."""
+def _linear(module: Linear, batched: bool) -> _Linear | None:
+    """The kernels' view of a packed or quantized ``Linear`` (of a ``BatchedWeight``, its dense layout where
+    ``batched``, else its blocks); None for one that is neither."""
     bias = module.bias.data_ptr() if module.bias is not None else None
     q = module.quantized
+    if isinstance(q, BatchedWeight):
+        q = q.dense if batched else q.blocks
+    if isinstance(q, PackedWeight):
+        kind = _LINEAR_F32 if q.packed.dtype == torch.float32 else _LINEAR_BF16
+        return _Linear(q.packed.data_ptr(), None, bias, q.out_features, q.in_features, kind, 0)
     if isinstance(q, GGMLWeight):
         return _Linear(
             ctypes.addressof(q.c_parts), None, bias, q.out_features, q.in_features, _LINEAR_GGML, 0, len(q.c_parts)
@@ -56,12 +63,42 @@ def _linear(module: Linear) -> _Linear | None:
     return _Linear(module.packed.data_ptr(), None, bias, module.out_features, module.in_features, kind, 0)
 
 
-def _experts(block: SparseMoeBlock) -> ctypes.Array | None:
+def _experts(block: SparseMoeBlock, batched: bool) -> ctypes.Array | None:
     """Each expert's gate_up and down plans in turn (decoder.c's ``experts``); None if one is not packed."""
-    plans = [_linear(m) for expert in block.experts for m in (expert.gate_up_proj, expert.down_proj)]
+    plans = [_linear(m, batched) for expert in block.experts for m in (expert.gate_up_proj, expert.down_proj)]
     if any(w is None for w in plans):
         return None
     return (_Linear * len(plans))(*plans)
+
+
+def _layer_plans(body: nn.Module, batched: bool) -> tuple[ctypes.Array, list[object]] | None:
+    """decoder.c's layers of a model's body, each weight in the layout of ``_linear(module, batched)``, and what
+    they point at beyond the modules (the routers' panels, the experts' plans); None where one cannot run."""
+    layers = (_Layer * len(body.layers))()
+    keep: list[object] = []  # what the layers point at: the routers' panels, the experts' plans
+    for entry, layer in zip(layers, body.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = [_linear(m, batched) for m in (attn.qkv_proj, attn.o_proj)]
+        if isinstance(mlp, SparseMoeBlock):
+            experts = _experts(mlp, batched)
+            if experts is None or mlp.gate.weight.dtype != torch.float32:
+                return None
+            router = cpu_kernels.pack_linear_weight(mlp.gate.weight.data)
+            entry.router, entry.experts = router.data_ptr(), ctypes.addressof(experts)
+            keep += [router, experts]
+            linears += [_Linear(), _Linear()]
+        else:
+            linears += [_linear(mlp.gate_up_proj, batched), _linear(mlp.down_proj, batched)]
+        if any(w is None for w in linears):
+            return None
+        kv = attn.attn.kv_cache
+        entry.input_norm = layer.input_layernorm.weight.data_ptr()
+        entry.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+        if attn.q_norm is not None:
+            entry.q_norm, entry.k_norm = attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()
+        entry.k_cache, entry.v_cache = kv[0].data_ptr(), kv[1].data_ptr()
+        entry.qkv, entry.o, entry.gate_up, entry.down = linears
+    return layers, keep
 
 
 class DecoderPlan:
@@ -74,12 +111,14 @@ class DecoderPlan:
     type); the modules then run it.
     """
 
-    def __init__(self, model: LlamaForCausalLM, plan: _Plan, layers: ctypes.Array, keep: list[object],
-                 backend: CpuAttentionBackend, k_cache: torch.Tensor, window: int | None) -> None:
+    def __init__(self, model: LlamaForCausalLM, plan: _Plan, keep: list[object], backend: CpuAttentionBackend,
+                 k_cache: torch.Tensor, window: int | None, batched: tuple[int, _Plan] | None = None) -> None:
         self._model = model
         self._window = window  # every layer's: the step's tiles are the same for all of them
-        # the layers array, the routers' panels and the experts' plans live as long as the plan points at them
-        self._plan, self._layers, self._keep = plan, layers, keep
+        # the layers arrays, the routers' panels and the experts' plans live as long as the plans point at them
+        self._plan, self._keep = plan, keep
+        # (min rows, the plan over the weights' dense layouts) where the model holds BatchedWeights
+        self._batched = batched
         self._backend = backend
         self._k_cache = k_cache  # the first layer's: its shape and dtype size the attention tiles
         self._lib = cpu_kernels.library()
@@ -116,30 +155,10 @@ class DecoderPlan:
             return None  # one eps for every norm in decoder.c; the cache bound by the runner
         if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
             return None
-        layers = (_Layer * len(body.layers))()
-        keep: list[object] = []  # what the layers point at: the routers' panels, the experts' plans
-        for entry, layer in zip(layers, body.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            linears = [_linear(m) for m in (attn.qkv_proj, attn.o_proj)]
-            if isinstance(mlp, SparseMoeBlock):
-                experts = _experts(mlp)
-                if experts is None or mlp.gate.weight.dtype != torch.float32:
-                    return None
-                router = cpu_kernels.pack_linear_weight(mlp.gate.weight.data)
-                entry.router, entry.experts = router.data_ptr(), ctypes.addressof(experts)
-                keep += [router, experts]
-                linears += [_Linear(), _Linear()]
-            else:
-                linears += [_linear(mlp.gate_up_proj), _linear(mlp.down_proj)]
-            if any(w is None for w in linears):
-                return None
-            kv = attn.attn.kv_cache
-            entry.input_norm = layer.input_layernorm.weight.data_ptr()
-            entry.post_norm = layer.post_attention_layernorm.weight.data_ptr()
-            if attn.q_norm is not None:
-                entry.q_norm, entry.k_norm = attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()
-            entry.k_cache, entry.v_cache = kv[0].data_ptr(), kv[1].data_ptr()
-            entry.qkv, entry.o, entry.gate_up, entry.down = linears
+        built = _layer_plans(body, batched=False)
+        if built is None:
+            return None
+        layers, keep = built
         k_cache = first.attn.kv_cache[0]  # [num_blocks, block_size, Hkv, D]
         rotary = body.rotary
         moe = sparse[0] if sparse else None
@@ -152,7 +171,15 @@ class DecoderPlan:
             int(moe is not None and moe.gate.renormalize), len(moe.experts) if moe else 0, moe.gate.top_k if moe else 0,
             moe.experts[0].down_proj.in_features if moe else 0,
         )
-        return cls(model, plan, layers, keep, backend, k_cache, first.attn.sliding_window)
+        keep.append(layers)
+        batched = None
+        min_rows = {m.quantized.min_rows for m in model.modules() if isinstance(getattr(m, "quantized", None), BatchedWeight)}
+        if min_rows:
+            dense_layers, dense_keep = _layer_plans(body, batched=True)  # the same modules: it builds if the blocks' did
+            batched = (min(min_rows), _Plan.from_buffer_copy(plan))
+            batched[1].layers = ctypes.addressof(dense_layers)
+            keep += [dense_layers, *dense_keep]
+        return cls(model, plan, keep, backend, k_cache, first.attn.sliding_window, batched)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The final norm's output ``[T, hidden]`` of the step's tokens, their keys and values written to the cache.
@@ -161,12 +188,12 @@ class DecoderPlan:
             IndexError: a position outside the rotary table, a slot or a block outside the cache.
             MemoryError: a kernel could not allocate its scratch.
         """
-        plan = self._plan
+        tokens = input_ids.shape[0]
+        plan = self._batched[1] if self._batched is not None and tokens >= self._batched[0] else self._plan
         x = self._model.model.embed(input_ids).contiguous()  # float32: build checked the norms' dtype
         rows = self._backend.row_plan(meta, self._k_cache, self._window)
         positions = positions.contiguous()
         slots = meta.slot_mapping.to(torch.int64).contiguous()
-        tokens = x.shape[0]
         tiles = rows.tiles
         step = _Step(
             positions.data_ptr(), slots.data_ptr(), rows.block_tables.data_ptr(), rows.seq_lens.data_ptr(),

@@ -40,6 +40,7 @@ from engine.models.registry import get_model_class
 from engine.models.vision import SupportsImages
 from engine.multimodal.encoder_cache import EncoderCache
 from engine.parallel_state import SINGLE, WHOLE, PipelineStage, TensorParallel, pipeline_stage, tensor_parallel
+from engine.worker.batched_layout import add_batched_layout
 from engine.worker.decoder_plan import DecoderPlan
 from engine.worker.image_rows import ENCODER_CACHE_BYTES, image_rows
 from engine.worker.input_batch import prepare_inputs
@@ -304,6 +305,7 @@ class ModelRunner:
         if cpu_kernels_serve:
             if any(isinstance(m, Linear) and isinstance(m.quantized, GGMLWeight) for m in model.modules()):
                 self.weights.products = f"int8 blocks of x ({cpu_kernels.ggml_linear_path()})"
+                add_batched_layout(model, self.config.batched_weights_memory, self.weights)
             elif self.weight_dtype == torch.bfloat16:
                 small, large = cpu_kernels.bf16_linear_path(1), cpu_kernels.bf16_linear_path(1 << 16)
                 start = next(rows for rows in range(1, 1 << 16) if cpu_kernels.bf16_linear_path(rows) == large)

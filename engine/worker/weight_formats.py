@@ -61,16 +61,23 @@ class WeightsSummary:
     nbytes: int = 0
     products: str = "float32"  # what the CPU kernels multiply in (the model runner sets it)
     dequantized: list[str] = field(default_factory=list)  # GGUF tensors of a type not served natively
+    # a GGUF model's second layout for steps of many rows (batched_layout): {"modules": {kind: count}, "bytes",
+    # "limit" (batched_weights_memory), "min_rows"}; None where the blocks alone serve every step
+    batched: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "quantization": self.quantization, "modules": dict(self.modules), "bytes": self.nbytes,
-            "products": self.products,
+            "products": self.products, "batched": self.batched,
         }  # fmt: skip
 
     def __str__(self) -> str:
         kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(self.modules.items()))
-        return f"quantization {self.quantization} ({kinds}; {self.nbytes / 2**20:.1f} MiB; {self.products} products)"
+        second = f" + {self.batched['bytes'] / 2**20:.1f} MiB for batches" if self.batched else ""
+        return (
+            f"quantization {self.quantization} ({kinds}; {self.nbytes / 2**20:.1f} MiB{second}; "
+            f"{self.products} products)"
+        )
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ JSON layout (``paged bench --json PATH``), stable so that later runs can be comp
                   "num_new_tokens", "num_prompt_tokens", "prompt_tokens_computed",
                   "prefix_cache_hit_rate", "num_preemptions", "ttft_s": {"p50", "p99", "mean"},
                   "itl_s": {...}, "matches_engine", "mean_common_prefix", "startup_s", "notes",
-                  "weights": the engine's {"quantization", "modules", "bytes", "products"} | null}, ...],
+                  "weights": the engine's {"quantization", "modules", "bytes", "products", "batched"} | null}, ...],
      "ceiling": {...} | null, "poisson": {...} | null, "sweep": {"levels": [...], "saturation_concurrency"} | null,
      "structured": {"schema", "num_requests", "tokens_per_s": {"constrained", "unconstrained"}, "ratio",
                     "num_steps", "step_ms", "mask_ms_per_step": {"mask fill", "mask apply", "matcher advance"},

@@ -1,6 +1,8 @@
 """GGUF models served in their own blocks are batch-invariant: a token's logits are the same bits however its
 prompt is split into steps and whatever it is batched with, so greedy output does not depend on batching or on
-prefix caching.
+prefix caching. That holds for the blocks alone: a model small enough to keep a second, dense layout for steps of many
+rows (``batched_weights_memory``, ``engine.worker.batched_layout``) rounds differently from that many rows on, so
+these tests keep the blocks alone (``batched_weights_memory=0``).
 
 Each matmul of such a model rounds its input to int8 blocks per row (as llama.cpp does), a step of a block's
 largest value / 127; one float32 rounding of difference upstream can move a value across a step, and the model
@@ -50,7 +52,7 @@ def test_last_logits_are_the_same_bits_however_the_prompt_is_stepped(gguf_file: 
     """The last prompt token's logits from one prefill equal, bit for bit, those of the prompt computed as chunks
     and decode steps over its cached prefix, beside another request's prefill, and over blocks shared from another
     request (a prefix-cache hit)."""
-    config = EngineConfig(dtype="float32", num_blocks=64, enforce_eager=enforce_eager)
+    config = EngineConfig(dtype="float32", num_blocks=64, enforce_eager=enforce_eager, batched_weights_memory=0)
     runner = ModelRunner(config, resolve_model(gguf_file))
     assert any(isinstance(m.quantized, GGMLWeight) for m in runner.model.modules() if hasattr(m, "quantized"))
     prompt, other = _prompt(45, 0), _prompt(30, 1)
@@ -82,8 +84,8 @@ def test_greedy_tokens_do_not_depend_on_batching_or_prefix_caching(gguf_file: Pa
     tiny = gguf_file != bundled_gguf_path()
     seeds, params = (range(4), GREEDY) if tiny else (range(3, 4), SamplingParams(max_tokens=8, temperature=0.0,
                                                                                    ignore_eos=True))
-    on = Engine(str(gguf_file), num_blocks=96, max_num_seqs=8)
-    off = Engine(str(gguf_file), num_blocks=96, max_num_seqs=8, enable_prefix_caching=False)
+    on = Engine(str(gguf_file), num_blocks=96, max_num_seqs=8, batched_weights_memory=0)
+    off = Engine(str(gguf_file), num_blocks=96, max_num_seqs=8, enable_prefix_caching=False, batched_weights_memory=0)
     for seed in seeds:
         shared = _prompt(48, 100 + seed)
         prompts = [shared + _prompt(3 + 7 * i, 1000 * seed + i) for i in range(4 if tiny else 2)]

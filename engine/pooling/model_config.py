@@ -32,7 +32,8 @@ class PoolingConfig:
         max_length: most tokens of one input (sentence-transformers' ``max_seq_length``, else the model's).
         prompts: prompt prefixes by name (``{"query": "query: "}``); default_prompt_name: the one used unasked.
         matryoshka_dimensions: the ``dimensions`` the model declares; None: truncation refused; (): any.
-        hidden_size: the embedding's full size; num_labels: a classifier's outputs.
+        hidden_size: the embedding's full size; vocab_size: token ids below it are valid;
+        num_labels: a classifier's outputs.
     """
 
     task: str
@@ -41,6 +42,7 @@ class PoolingConfig:
     normalize: bool
     max_length: int
     hidden_size: int
+    vocab_size: int
     num_labels: int = 1
     prompts: dict[str, str] = field(default_factory=dict)
     default_prompt_name: str | None = None
@@ -129,8 +131,8 @@ def pooling_config(model_dir: Path, task: str) -> PoolingConfig:
     return PoolingConfig(
         task=task, model_type=model_type, pooling=pooling, normalize=normalize,
         max_length=_max_length(model_dir, config, encoder), hidden_size=int(config["hidden_size"]),
-        num_labels=int(config.get("num_labels") or len(id2label) or 1), prompts=dict(st.get("prompts") or {}),
-        default_prompt_name=st.get("default_prompt_name") or None, matryoshka_dimensions=dims,
+        vocab_size=int(config["vocab_size"]), num_labels=int(config.get("num_labels") or len(id2label) or 1),
+        prompts=dict(st.get("prompts") or {}), default_prompt_name=st.get("default_prompt_name") or None, matryoshka_dimensions=dims,
     )  # fmt: skip
 
 

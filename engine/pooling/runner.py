@@ -146,11 +146,12 @@ def yes_no_weight(weights: dict[str, torch.Tensor], model_dir: Path) -> torch.Te
 
 def pool(hidden: torch.Tensor, lengths: list[int], mode: str) -> torch.Tensor:
     """``[T, D]`` token states of inputs laid end to end -> ``[B, D]``: their mean, first (CLS) or last token."""
-    ends = torch.tensor(lengths, device=hidden.device).cumsum(0)
+    counts = torch.tensor(lengths, device=hidden.device)
+    ends = counts.cumsum(0)
     if mode == "cls":
-        return hidden[ends - torch.tensor(lengths, device=hidden.device)]
+        return hidden[ends - counts]
     if mode == "last":
         return hidden[ends - 1]
-    segments = torch.repeat_interleave(torch.arange(len(lengths), device=hidden.device), torch.tensor(lengths))
+    segments = torch.repeat_interleave(torch.arange(len(lengths), device=hidden.device), counts)
     sums = hidden.new_zeros(len(lengths), hidden.shape[1]).index_add_(0, segments, hidden)
-    return sums / torch.tensor(lengths, device=hidden.device, dtype=hidden.dtype)[:, None]
+    return sums / counts.to(hidden.dtype)[:, None]

@@ -78,7 +78,8 @@ class PoolingTokenizer:
         """Each prompt (text, or token ids read as they are) tokenized with its prefix, cut to the limit.
 
         Raises:
-            RequestRejected: an empty prompt; one over the model's length with truncation off.
+            RequestRejected: an empty prompt, token ids outside the vocabulary; one over the model's length with
+                truncation off.
         """
         limit = self.limit(params)
         prefix = self.prefix(params)
@@ -88,6 +89,8 @@ class PoolingTokenizer:
                 raise ParameterError("prompt", f"prompt {i} must be a string or a list of token ids")
             if len(p) == 0:
                 raise RequestRejected(f"prompt {i} is empty")
+            if not isinstance(p, str) and not all(0 <= t < self.config.vocab_size for t in p):
+                raise RequestRejected(f"prompt {i}'s token ids must be in the vocabulary [0, {self.config.vocab_size})")
         encoded = self._encode(list(texts.values()), None, limit)
         by_index = dict(zip(texts, encoded))
         inputs = [by_index[i] if i in by_index else PoolingInput(list(p)[: limit or len(p)]) for i, p in enumerate(prompts)]

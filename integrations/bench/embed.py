@@ -4,7 +4,7 @@ Protocol: ``--num-requests`` chunks of ``--chunk-tokens`` tokens each (seeded wo
 this process on the same torch threads, taking turns for ``--rounds`` rounds after an untimed warm-up.
 The engine gets all chunks in one ``Engine.embed`` call (its token-budget batches); sentence-transformers
 ``encode`` runs at each ``--batch-size``. Throughput is chunks / wall time, the median round's; the
-single-query latency is the median of ``--queries`` one-text calls.
+single-query latency is the median of ``--queries`` one-text calls, the contenders taking turns call by call.
 """
 
 from __future__ import annotations
@@ -71,10 +71,14 @@ def embed_bench(
         for name, run in contenders.items():
             times[name].append(_timed(lambda run=run: run(chunks)))
     query = "what does the retrieval model map each chunk to"
+    latencies: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(num_queries):  # NOTE: taking turns query by query, so a machine's drift falls on all alike
+        for name, run in contenders.items():
+            one = [query] if name != ENGINE else query
+            latencies[name].append(_timed(lambda run=run, one=one: run(one)))
     rows = []
-    for name, run in contenders.items():
-        one = [query] if name != ENGINE else query
-        latency = statistics.median(_timed(lambda run=run, one=one: run(one)) for _ in range(num_queries))
+    for name in contenders:
+        latency = statistics.median(latencies[name])
         wall = statistics.median(times[name])
         rows.append({
             "name": name, "wall_s": wall, "chunks_per_s": num_chunks / wall, "tokens_per_s": num_tokens / wall,

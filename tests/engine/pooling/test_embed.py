@@ -81,6 +81,8 @@ def test_bad_input_is_refused_by_name(minilm_engine: Engine) -> None:
     assert prompts.value.param == "prompts"
     with pytest.raises(ParameterError):
         PoolingParams(truncate_prompt_tokens=0)
+    with pytest.raises(RequestRejected, match=r"vocabulary \[0, 30522\)"):
+        minilm_engine.embed([[101, 30522, 102]])
     assert len(minilm_engine.embed("still serving")[0].outputs.embedding) == 384
 
 

@@ -56,8 +56,8 @@ class Scheduler:
         max_num_seqs: Most requests running at once.
         max_num_batched_tokens: Most tokens computed in one step.
         propose: ``propose(request, max_drafts, num_rows)``: the draft tokens to verify after a decoding
-            request's next token in a step of ``num_rows`` decodes (speculative decoding;
-            ``engine.spec_decode``), None = none.
+            request's next token, ``num_rows`` the batch the step heads to (running and waiting requests, up
+            to ``max_num_seqs``; speculative decoding: ``engine.spec_decode``), None = none.
             Drafts take budget after one token for each decode behind, before any prompt chunk.
         encoder_budget: bounds the image rows a step encodes (a multimodal model), None = no images.
         step_time_target: Seconds a step that holds decodes should take at most: its prompt chunks are
@@ -326,7 +326,10 @@ class Scheduler:
         the running list is preempted. Returns whether any was preempted, and the budget left."""
         running = self.running
         allocate_slots = self.kv.allocate_slots
-        num_behind = num_rows = sum(1 for r in running if r.num_tokens - r.num_computed_tokens == 1)
+        num_behind = sum(1 for r in running if r.num_tokens - r.num_computed_tokens == 1)
+        # NOTE: drafts are weighed at the batch the step heads to (every running and waiting request, up to
+        # max_num_seqs): while prompts wait, they would take the budget the admissions need.
+        num_rows = min(len(running) + self.fair.num_waiting, self.max_num_seqs)
         preempted = False
         i = 0
         while i < len(running) and budget > 0:

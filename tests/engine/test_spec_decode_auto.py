@@ -90,3 +90,18 @@ def test_batch1_copy_drafts_with_auto_and_matches_greedy(tiny_model_factory, sma
     assert auto.stats()["spec_decode_num_accepted_tokens"] > 0
     auto.kv.check_integrity()
     assert auto.kv.num_free_blocks == auto.kv.num_blocks
+
+
+def test_no_drafts_while_a_large_batch_is_being_admitted() -> None:
+    """One decode with 63 requests waiting for prompt room: weighed at 64 rows, it proposes nothing."""
+    cost = fitted(base=0.02, per_row=0.001)
+    drafter = Drafter(SpeculativeConfig(**SPEC), cost)
+    s = Scheduler(KVCacheManager(1024, 4, True), 64, 64, propose=drafter.propose, step_cost=cost)
+    s.add_request(Request("first", COPY, SamplingParams(max_tokens=50), arrival_seq=0))
+    out = s.schedule()
+    s.update_from_output([s.requests["first"]], [PASSAGE[6]])
+    for i in range(63):
+        s.add_request(Request(f"r{i}", COPY, SamplingParams(max_tokens=50), arrival_seq=1 + i))
+    out = s.schedule()
+    first = next(x for x in out.scheduled if x.req_id == "first")
+    assert first.num_draft_tokens == 0 and s.num_waiting > 0

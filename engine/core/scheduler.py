@@ -3,8 +3,9 @@
 No phases: each step first hands every running decode its next token (plus its drafts under
 speculative decoding), then gives prompt chunks what is left: to running requests still being
 prefilled, then to waiting requests admitted while ``max_num_seqs`` and the KV cache allow. With
-decodes in the step, prompt chunks take at most what keeps the step within ``step_time_target``,
-as predicted from measured step times (``engine.core.step_cost``), and at least ``MIN_PROMPT_TOKENS``.
+decodes in the step, prompt chunks take at most what keeps the step within ``step_time_target``
+(or twice the decodes' own time, where longer), as predicted from measured step times
+(``engine.core.step_cost``), and at least ``MIN_PROMPT_TOKENS``.
 Pure Python; the only tensors live in the runner.
 
 Queues::
@@ -44,6 +45,7 @@ logger = logging.getLogger(__name__)
 _QUEUED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 _KEEPS_BLOCKS = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 MIN_PROMPT_TOKENS = 32  # prompt tokens a step offers at least, whatever its time target: no prompt starves
+PROMPT_SHARE_OF_STEP = 2.0  # a step may last this many times its decodes' own time, whatever its target
 
 
 class Scheduler:
@@ -54,8 +56,8 @@ class Scheduler:
         max_num_seqs: Most requests running at once.
         max_num_batched_tokens: Most tokens computed in one step.
         propose: ``propose(request, max_drafts, num_rows)``: the draft tokens to verify after a decoding
-            request's next token in a step of ``num_rows`` decodes (speculative decoding;
-            ``engine.spec_decode``), None = none.
+            request's next token, ``num_rows`` the batch the step heads to (running and waiting requests, up
+            to ``max_num_seqs``; speculative decoding: ``engine.spec_decode``), None = none.
             Drafts take budget after one token for each decode behind, before any prompt chunk.
         encoder_budget: bounds the image rows a step encodes (a multimodal model), None = no images.
         step_time_target: Seconds a step that holds decodes should take at most: its prompt chunks are
@@ -255,12 +257,15 @@ class Scheduler:
 
     def prompt_room(self, num_decode_tokens: int) -> int:
         """Prompt tokens a step with ``num_decode_tokens`` may take: what keeps its predicted time within
-        ``step_time_target`` (``MIN_PROMPT_TOKENS`` at least), the whole budget where no decode runs,
-        no target is set, or no step was measured yet."""
+        ``step_time_target``, or within twice the decodes' own time where that is longer (prompts then
+        keep half the step: prefill never slows to a crawl behind a large batch), ``MIN_PROMPT_TOKENS``
+        at least; the whole budget where no decode runs, no target is set, or no step was measured yet."""
         budget = self.max_num_batched_tokens
-        if not num_decode_tokens or self.step_time_target is None:
+        decode_seconds = self.step_cost.predict(num_decode_tokens, 0)
+        if not num_decode_tokens or self.step_time_target is None or decode_seconds is None:
             return budget
-        room = self.step_cost.prompt_tokens_within(self.step_time_target, num_decode_tokens)
+        seconds = max(self.step_time_target, PROMPT_SHARE_OF_STEP * decode_seconds)
+        room = self.step_cost.prompt_tokens_within(seconds, num_decode_tokens)
         return budget if room is None else min(budget, max(room, MIN_PROMPT_TOKENS))
 
     def record_step(self, output: SchedulerOutput, seconds: float) -> None:
@@ -321,7 +326,10 @@ class Scheduler:
         the running list is preempted. Returns whether any was preempted, and the budget left."""
         running = self.running
         allocate_slots = self.kv.allocate_slots
-        num_behind = num_rows = sum(1 for r in running if r.num_tokens - r.num_computed_tokens == 1)
+        num_behind = sum(1 for r in running if r.num_tokens - r.num_computed_tokens == 1)
+        # NOTE: drafts are weighed at the batch the step heads to (every running and waiting request, up to
+        # max_num_seqs): while prompts wait, they would take the budget the admissions need.
+        num_rows = min(len(running) + self.fair.num_waiting, self.max_num_seqs)
         preempted = False
         i = 0
         while i < len(running) and budget > 0:

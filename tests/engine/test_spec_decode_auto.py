@@ -71,16 +71,37 @@ def test_scheduler_proposes_no_drafts_at_64_rows() -> None:
 
 
 def test_batch1_copy_drafts_with_auto_and_matches_greedy(tiny_model_factory, small_tokenizer_dir) -> None:
-    """One copy-heavy request under the default auto mode: drafts are proposed and accepted, tokens as without."""
+    """One copy-heavy request under the default auto mode: drafted and accepted where the engine's step costs say
+    they pay, none where they do not, the tokens as without speculation either way."""
     model_dir = str(tiny_model_factory("llama", tokenizer_dir=small_tokenizer_dir))
     settings = dict(num_blocks=128, block_size=4, max_num_seqs=1, max_num_batched_tokens=64)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     plain = Engine(model_dir, **settings).generate([COPY], params, use_tqdm=False)[0].outputs[0].token_ids
     auto = Engine(model_dir, speculative_config=SPEC, **settings)
-    assert auto.config.speculative_config.mode == "auto"
-    got = auto.generate([COPY], params, use_tqdm=False)[0].outputs[0].token_ids
-    assert got == plain
-    stats = auto.stats()
-    assert stats["spec_decode_num_draft_tokens"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
+    assert auto.config.speculative_config.mode == "auto" and auto.drafter.step_cost is auto.scheduler.step_cost
+    # NOTE: the engine's measured costs, pinned (timings on a shared machine vary): weight-bound steps, then
+    # steps whose time is all per row (drafts never pay)
+    for coefficients, drafted in [((0.02, 0.001, 0.001), True), ((0.0, 0.001, 0.001), False)]:
+        auto.scheduler.step_cost.coefficients = lambda c=coefficients: c  # type: ignore[method-assign]
+        before = auto.stats()["spec_decode_num_draft_tokens"]
+        got = auto.generate([COPY], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert got == plain
+        assert (auto.stats()["spec_decode_num_draft_tokens"] > before) is drafted
+    assert auto.stats()["spec_decode_num_accepted_tokens"] > 0
     auto.kv.check_integrity()
     assert auto.kv.num_free_blocks == auto.kv.num_blocks
+
+
+def test_no_drafts_while_a_large_batch_is_being_admitted() -> None:
+    """One decode with 63 requests waiting for prompt room: weighed at 64 rows, it proposes nothing."""
+    cost = fitted(base=0.02, per_row=0.001)
+    drafter = Drafter(SpeculativeConfig(**SPEC), cost)
+    s = Scheduler(KVCacheManager(1024, 4, True), 64, 64, propose=drafter.propose, step_cost=cost)
+    s.add_request(Request("first", COPY, SamplingParams(max_tokens=50), arrival_seq=0))
+    out = s.schedule()
+    s.update_from_output([s.requests["first"]], [PASSAGE[6]])
+    for i in range(63):
+        s.add_request(Request(f"r{i}", COPY, SamplingParams(max_tokens=50), arrival_seq=1 + i))
+    out = s.schedule()
+    first = next(x for x in out.scheduled if x.req_id == "first")
+    assert first.num_draft_tokens == 0 and s.num_waiting > 0

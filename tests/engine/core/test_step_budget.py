@@ -92,7 +92,8 @@ def test_chunks_shrink_to_hold_the_step_time_target() -> None:
         assert all(got[r] == 1 for r in ids)
         chunks.append(got["long"])
         assert true_seconds(out) <= target + 1e-9
-    # (0.1 - 0.01 - 8 * 0.002) / 0.0005 = 148 once the fit has steps of both kinds
+    # (0.1 - 0.01 - 8 * 0.002) / 0.0005 = 148 once the fit has steps of both kinds (the target is over
+    # twice the decodes' 0.026 s)
     assert chunks[-1] in (147, 148)
     # without a target the same step takes the whole budget left
     free = make(budget=512, target=None, num_blocks=1024)
@@ -101,18 +102,24 @@ def test_chunks_shrink_to_hold_the_step_time_target() -> None:
     assert shares(timed_step(free))["long"] == 512 - 8
 
 
-def test_a_prompt_is_not_starved_when_decodes_alone_take_the_target() -> None:
-    """A target the decodes already exceed still gives the prompt MIN_PROMPT_TOKENS a step: it ends in bounded steps."""
-    s = make(budget=512, target=1e-6)
+def test_a_prompt_keeps_half_the_step_when_decodes_alone_take_the_target() -> None:
+    """A target the decodes already exceed: prompt chunks may still take as long as the decodes (the step twice
+    their time), MIN_PROMPT_TOKENS at least, so the prompt ends in bounded steps."""
+    s = make(budget=512, target=1e-6, num_blocks=1024)
     ids = start_decodes(s, 4)
-    s.add_request(make_request("long", prompt_len=300, first=1))
+    s.add_request(make_request("long", prompt_len=600, first=1))
     steps = 0
-    while s.requests["long"].num_computed_tokens < 300:
-        got = shares(timed_step(s))
+    while s.requests["long"].num_computed_tokens < 600:
+        out = timed_step(s)
+        got = shares(out)
         assert all(got[r] == 1 for r in ids)
-        assert got["long"] <= MIN_PROMPT_TOKENS
+        decode_seconds = BASE + PER_DECODE * 4
+        # (0.01 + 4 * 0.002) / 0.0005 = 36 once the fit knows the terms; never under the floor
+        assert got["long"] >= min(MIN_PROMPT_TOKENS, 600 - s.requests["long"].num_computed_tokens + got["long"])
+        if steps >= 2 and out.num_logits == 4:  # (the last chunk's logits row costs as a decode's)
+            assert true_seconds(out) <= 2 * decode_seconds + 1e-9
         steps += 1
-    assert steps == math.ceil(300 / MIN_PROMPT_TOKENS)
+    assert steps <= math.ceil(600 / MIN_PROMPT_TOKENS)
 
 
 def test_no_decode_running_takes_the_whole_budget() -> None:

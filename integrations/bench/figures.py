@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from engine.model_files.gguf import TYPE_IDS
 from integrations.bench.report import ENGINE
 from integrations.errors import CommandError
 
@@ -73,13 +74,23 @@ def engine_result(record: Record) -> Record | None:
 
 def engine_setting(record: Record) -> str:
     """What the engine ran: the weights' dtype and the quantization its linears ran in (``bfloat16 + w8a8``,
-    ``float32 + gguf (Q4_K_M)``)."""
+    ``float32 + gguf (Q4_K_M)``), and the dense layout a small GGUF keeps for batches (``+ w8a8 from 4 rows``)."""
     engine = engine_result(record) or {}
     weights = engine.get("weights")
     quantization = weights.get("quantization") if weights else record["protocol"].get("engine", {}).get("quantization")
-    setting = record["protocol"]["dtype"] + (f" + {quantization}" if quantization else "")
     file_type = record["model"].get("file_type")
-    return setting + (f" ({file_type})" if quantization == "gguf" and file_type else "")
+    if quantization is None and file_type and weights and weights.get("modules", {}).keys() & TYPE_IDS.keys():
+        quantization = "gguf"  # a .gguf runs its own blocks unless told otherwise
+    setting = record["protocol"]["dtype"] + (f" + {quantization}" if quantization else "")
+    setting += f" ({file_type})" if quantization == "gguf" and file_type else ""
+    batched = (weights or {}).get("batched")
+    return setting + (f" + w8a8 from {batched['min_rows']} rows" if batched else "")
+
+
+def is_default_engine(record: Record) -> bool:
+    """A run of ``Engine()`` as it loads with no options: dtype ``auto``, no quantization named."""
+    engine = record["protocol"].get("engine") or {}
+    return engine.get("dtype") == "auto" and engine.get("quantization") is None
 
 
 def peer_label(record: Record, name: str) -> str:
@@ -256,40 +267,57 @@ def _median_rate(record: Record, side: str) -> float:
 
 
 def vllm_runs(machine: Callable[[dict[str, Any]], bool]) -> Callable[[list[Record]], str]:
-    """Every run of the bundled model against vLLM on the latest day one ran on ``machine``, in their order."""
+    """Every run of the bundled model in a chosen engine setting against vLLM on the latest day one ran on
+    ``machine``, in their order."""
 
     def render(records: list[Record]) -> str:
-        runs = [r for r in records if is_bundled_protocol(r) and machine(r["machine"])]
+        runs = [r for r in records if is_bundled_protocol(r) and machine(r["machine"]) and not is_default_engine(r)]
         if not runs:
             return "No run recorded."
         runs = latest_day(runs)
-        rows = []
-        for r in runs:
-            peer = vllm_peer(r)
-            group = samples(r, peer)
-            result = {x["name"]: x for x in r["results"]}[peer]
-            workload = WORKLOADS[r["workload"]["name"]]
-            if len(group) > 1:
-                workload += f", `--rounds {len(group)}`"
-                ratios = " / ".join(ratio(s.ratio) for s in group) + f" (row {ratio(_row(r, peer))})"
-            else:
-                ratios = ratio(group[0].ratio)
-            same = result.get("matches_engine")
-            prefix = result.get("mean_common_prefix")
-            agreement = "-" if same is None else f"{same:.0%}" + (
-                "" if prefix is None else f" (common prefix {prefix:.1f} of {r['protocol']['max_tokens']})"
-            )
-            startup = result.get("startup_s")
-            rows.append([
-                workload, engine_setting(r), rates(s.paged for s in group), peer_label(r, peer),
-                rates(s.peer for s in group), ratios, agreement, "-" if startup is None else f"{startup:.0f} s",
-                commit_cell(r),
-            ])  # fmt: skip
-        header = ["workload", "engine", "paged tok/s", "vLLM", "vLLM tok/s", "paged / vLLM",
-                  "same tokens as the engine", "vLLM start-up", "commit"]  # fmt: skip
-        return f"The runs of {runs[0]['date']}, in the order they ran:\n\n" + table(header, rows, right=(2, 4, 5, 6, 7))
+        return f"The runs of {runs[0]['date']}, in the order they ran:\n\n" + vllm_table(runs)
 
     return render
+
+
+def default_engine(records: list[Record]) -> str:
+    """Per machine, the runs of the bundled model as ``Engine()`` loads it against vLLM on their latest day."""
+    groups = by_machine(r for r in records if is_bundled_protocol(r) and is_default_engine(r))
+    if not groups:
+        return "No run recorded."
+    return vllm_table([r for runs in groups for r in latest_day(runs)], with_machine=True)
+
+
+def vllm_table(runs: list[Record], with_machine: bool = False) -> str:
+    """A table of ``runs`` against vLLM, a row each (its rounds' rates and ratios), the CPU and day first if asked."""
+    rows = []
+    for r in runs:
+        peer = vllm_peer(r)
+        group = samples(r, peer)
+        result = {x["name"]: x for x in r["results"]}[peer]
+        workload = WORKLOADS[r["workload"]["name"]]
+        if len(group) > 1:
+            workload += f", `--rounds {len(group)}`"
+            ratios = " / ".join(ratio(s.ratio) for s in group) + f" (row {ratio(_row(r, peer))})"
+        else:
+            ratios = ratio(group[0].ratio)
+        same = result.get("matches_engine")
+        prefix = result.get("mean_common_prefix")
+        agreement = "-" if same is None else f"{same:.0%}" + (
+            "" if prefix is None else f" (common prefix {prefix:.1f} of {r['protocol']['max_tokens']})"
+        )
+        startup = result.get("startup_s")
+        rows.append([
+            *([cpu_label(r["machine"]), r["date"]] if with_machine else []),
+            workload, engine_setting(r), rates(s.paged for s in group), peer_label(r, peer),
+            rates(s.peer for s in group), ratios, agreement, "-" if startup is None else f"{startup:.0f} s",
+            commit_cell(r),
+        ])  # fmt: skip
+    header = ["workload", "engine", "paged tok/s", "vLLM", "vLLM tok/s", "paged / vLLM",
+              "same tokens as the engine", "vLLM start-up", "commit"]  # fmt: skip
+    shift = 2 if with_machine else 0
+    header = (["CPU", "day"] if with_machine else []) + header
+    return table(header, rows, right=tuple(i + shift for i in (2, 4, 5, 6, 7)))
 
 
 def _row(record: Record, peer: str) -> float:
@@ -450,6 +478,7 @@ AVX2_ONLY = _machine(flag="avx2", without="avx512f")
 FIGURES: dict[str, Callable[[list[Record]], str]] = {
     "readme-real-size": shape_headline("SmolLM2-1.7B"),
     "summary": summary,
+    "vllm-default": default_engine,
     "vllm-zen5": vllm_runs(ZEN5),
     "vllm-zen4": vllm_runs(ZEN4),
     "vllm-xeon-amx": vllm_runs(XEON_AMX),

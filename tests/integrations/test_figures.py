@@ -132,3 +132,16 @@ def test_record_refuses_a_server_run() -> None:
     with pytest.raises(SystemExit) as exc:
         main(["bench", "--base-url", "http://127.0.0.1:9", "--record"])
     assert exc.value.code == 2
+
+
+def test_engine_as_it_loads_has_a_table_of_its_own(records: list[dict]) -> None:
+    """A run of Engine() with no options (a GGUF's blocks and its batch layout) goes to vllm-default, named by what
+    ran; a run with a chosen setting stays in its machine's table."""
+    default = next(r for r in records if figures.is_default_engine(r) and figures.is_bundled_protocol(r))
+    chosen = copy.deepcopy(default)
+    chosen["protocol"]["engine"]["dtype"] = "bfloat16"
+    assert figures.engine_setting(default) == "float32 + gguf (Q4_1) + w8a8 from 4 rows"
+    assert "float32 + gguf (Q4_1) + w8a8 from 4 rows" in FIGURES["vllm-default"]([default])
+    assert FIGURES["vllm-zen5"]([default]) == "No run recorded."
+    assert FIGURES["vllm-default"]([chosen]) == "No run recorded."
+    assert "float32 + gguf (Q4_1) + w8a8 from 4 rows" in FIGURES["vllm-zen5"]([chosen])

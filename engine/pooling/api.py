@@ -94,7 +94,8 @@ def pooling_parts(
     """The queue and the intake of a pooling model's requests (None, None for a generative model)."""
     if pooling is None:
         return None, None
-    return PoolingQueue(runner, max(step_budget, POOLING_TOKEN_BUDGET)), PoolingTokenizer(tokenizer, pooling)
+    budget = max(step_budget, POOLING_TOKEN_BUDGET[runner.device.type])
+    return PoolingQueue(runner, budget), PoolingTokenizer(tokenizer, pooling)
 
 
 def cosine(a: list[float], b: list[float]) -> float:

@@ -16,9 +16,10 @@ from engine.pooling.tokens import PoolingInput
 
 logger = logging.getLogger(__name__)
 
-# most tokens of one pooling batch (or the step's budget, if larger): big enough that a batch's matmuls run
-# at the CPU's pace, small enough that its activations stay a few MiB for a small encoder
-POOLING_TOKEN_BUDGET = 8192
+# most tokens of one pooling batch by device (or the step's budget, if larger). On CPU, big enough that a batch's
+# matmuls run at the CPU's pace and small enough that its activations stay in cache: MiniLM on a 2-vCPU Zen 5 ran
+# 200-token chunks 1.2x faster in batches of 4-12 than of 40 (8192 tokens), in bfloat16 and in float32 alike.
+POOLING_TOKEN_BUDGET = {"cpu": 2048, "cuda": 8192}
 
 PoolingResult = Union[EmbeddingRequestOutput, ScoringRequestOutput]
 

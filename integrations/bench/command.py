@@ -386,8 +386,13 @@ def _run_embed(args: argparse.Namespace) -> int:
     from integrations.bench.embed import embed_bench, format_embed
 
     baselines = args.baselines if args.compare else []
-    if any(b != "sentence-transformers" for b in baselines):
-        raise FlagError("--workload embed compares the engine with sentence-transformers: --baselines sentence-transformers")
+    if any(b not in ("sentence-transformers", vllm_runs.VLLM) for b in baselines):
+        raise FlagError(
+            "--workload embed compares the engine with sentence-transformers and vLLM: "
+            "--baselines sentence-transformers,vllm"
+        )
+    if vllm_runs.VLLM in baselines:
+        vllm_runs.vllm_python(args.vllm_python)  # a missing environment is a usage error before any run
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     fields = engine_kwargs(args)
@@ -395,7 +400,8 @@ def _run_embed(args: argparse.Namespace) -> int:
     if model is None:
         raise FlagError("--workload embed needs an embedding model: --model DIR")
     report = embed_bench(
-        str(model), fields, args.num_requests, args.chunk_tokens, args.batch_size, baselines, args.rounds, args.queries
+        str(model), fields, args.num_requests, args.chunk_tokens, args.batch_size, baselines, args.rounds, args.queries,
+        vllm_python=args.vllm_python,
     )
     report["machine"] = machine_info()
     print(format_embed(report))  # noqa: T201

@@ -5,17 +5,23 @@ this process on the same torch threads, taking turns for ``--rounds`` rounds aft
 The engine gets all chunks in one ``Engine.embed`` call (its token-budget batches); sentence-transformers
 ``encode`` runs at each ``--batch-size``. Throughput is chunks / wall time, the median round's; the
 single-query latency is the median of ``--queries`` one-text calls, the contenders taking turns call by call.
+vLLM (``--baselines vllm``) runs in its own environment's process after the others, its rounds and queries
+in a row, in the engine's dtype; its vectors of the first chunks are held to the engine's (least cosine).
 """
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 ENGINE = "paged"
 SENTENCE_TRANSFORMERS = "sentence-transformers"
+VLLM = "vllm"
+QUERY = "what does the retrieval model map each chunk to"
 _WORDS = (
     "the retrieval model reads each chunk of a document and maps it to a vector so that questions find the "
     "passages that answer them quickly across millions of pages while the language model writes an answer from "
@@ -42,7 +48,7 @@ def _timed(fn: Any) -> float:
 
 def embed_bench(
     model: str, engine_fields: dict[str, Any], num_chunks: int, chunk_tokens: int, batch_sizes: list[int],
-    baselines: list[str], rounds: int, num_queries: int,
+    baselines: list[str], rounds: int, num_queries: int, vllm_python: Path | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Runs the contenders; returns ``{"rows": [{"name", "chunks_per_s", "tokens_per_s", "query_ms", ...}], ...}``."""
     import torch
@@ -70,11 +76,10 @@ def embed_bench(
     for _ in range(rounds):
         for name, run in contenders.items():
             times[name].append(_timed(lambda run=run: run(chunks)))
-    query = "what does the retrieval model map each chunk to"
     latencies: dict[str, list[float]] = {name: [] for name in contenders}
     for _ in range(num_queries):  # NOTE: taking turns query by query, so a machine's drift falls on all alike
         for name, run in contenders.items():
-            one = [query] if name != ENGINE else query
+            one = [QUERY] if name != ENGINE else QUERY
             latencies[name].append(_timed(lambda run=run, one=one: run(one)))
     rows = []
     for name in contenders:
@@ -84,10 +89,35 @@ def embed_bench(
             "name": name, "wall_s": wall, "chunks_per_s": num_chunks / wall, "tokens_per_s": num_tokens / wall,
             "query_ms": latency * 1000, "rounds_s": times[name],
         })  # fmt: skip
+    dtype = str(engine.runner.dtype).removeprefix("torch.")
+    if VLLM in baselines:
+        rows.append(_vllm_row(engine, vllm_python, chunks, dtype, rounds, num_queries, num_tokens))
     return {
         "rows": rows, "num_chunks": num_chunks, "chunk_tokens": chunk_tokens, "num_tokens": num_tokens,
-        "threads": torch.get_num_threads(), "dtype": str(engine.runner.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(), "dtype": dtype,
     }  # fmt: skip
+
+
+def _vllm_row(
+    engine: Any, python: Path | None, chunks: list[str], dtype: str, rounds: int, num_queries: int, num_tokens: int
+) -> dict[str, Any]:
+    """vLLM's row: its rounds and queries in its own process; its vectors' least cosine to the engine's."""
+    from integrations.bench.vllm_runs import run_vllm_embed, vllm_python
+
+    result = run_vllm_embed(vllm_python(python), engine.model_dir, chunks, dtype, rounds, QUERY, num_queries)
+    ours = [o.outputs.embedding for o in engine.embed(chunks[: len(result["embeddings"])])]
+    wall = statistics.median(result["rounds_s"])
+    return {
+        "name": f"vLLM {result['vllm']} {dtype}", "wall_s": wall, "chunks_per_s": len(chunks) / wall,
+        "tokens_per_s": num_tokens / wall, "query_ms": statistics.median(result["query_s"]) * 1000,
+        "rounds_s": result["rounds_s"], "startup_s": result["init_s"],
+        "min_cosine": min(_cosine(a, b) for a, b in zip(ours, result["embeddings"])),
+    }  # fmt: skip
+
+
+def _cosine(a: list[float], b: list[float]) -> float:
+    dot = sum(x * y for x, y in zip(a, b))
+    return dot / (math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b)))
 
 
 def format_embed(report: dict[str, Any]) -> str:
@@ -105,4 +135,10 @@ def format_embed(report: dict[str, Any]) -> str:
             f"| {r['name']} | {r['chunks_per_s']:.1f} | {r['tokens_per_s']:.0f} | "
             f"{ours['chunks_per_s'] / r['chunks_per_s']:.2f}x | {r['query_ms']:.2f} |"
         )
+    for r in rows:
+        if "startup_s" in r:
+            lines.append(
+                f"- {r['name']}: its own process, after the others; start-up {r['startup_s']:.0f} s (not timed); "
+                f"least cosine to the engine's vectors {r['min_cosine']:.6f}"
+            )
     return "\n".join(lines)

@@ -84,7 +84,7 @@ def run_vllm(
     """
     max_model_len = engine_kwargs["max_model_len"] or max(len(p) for p in prompts) + max_tokens
     request = {
-        "model": str(model_dir),
+        "model": str(Path(model_dir).resolve()),  # the worker runs in a folder of its own
         "prompts": prompts,
         "max_tokens": max_tokens,
         "dtype": dtype,
@@ -94,6 +94,32 @@ def run_vllm(
         "max_model_len": max_model_len,
         "seed": engine_kwargs["seed"],
     }
+    return to_run_result(run_worker(python, request), prompts)
+
+
+def run_vllm_embed(
+    python: Path, model_dir: Path, texts: list[str], dtype: str, rounds: int, query: str, num_queries: int
+) -> dict[str, Any]:
+    """Embeds ``texts`` ``rounds`` times and ``query`` alone ``num_queries`` times through vLLM's offline
+    ``LLM.embed``; returns the worker's EMBED RESULT (``rounds_s``, ``query_s``, ``embeddings`` of the first texts).
+
+    Raises:
+        VllmRunFailed: as ``run_vllm``.
+    """
+    request = {
+        "task": "embed", "model": str(Path(model_dir).resolve()), "dtype": dtype, "texts": texts, "rounds": rounds,
+        "query": query, "num_queries": num_queries,
+    }  # fmt: skip
+    return run_worker(python, request)
+
+
+def run_worker(python: Path, request: dict[str, Any]) -> dict[str, Any]:
+    """``vllm_worker.py`` on ``request`` in vLLM's environment; its RESULT document.
+
+    Raises:
+        VllmRunFailed: the subprocess exited with an error or wrote no result; its working
+            folder (request, log) is kept for a rerun.
+    """
     workdir = Path(tempfile.mkdtemp(prefix="paged-bench-vllm-"))
     # NOTE: the worker runs from a copy beside its request: run in place, its folder would lead
     # sys.path and the bench's modules (report, workloads, ...) could shadow modules vLLM imports.
@@ -116,7 +142,7 @@ def run_vllm(
         raise VllmRunFailed("\n".join(lines))
     result = json.loads(result_file.read_text())
     shutil.rmtree(workdir)
-    return to_run_result(result, prompts)
+    return result
 
 
 def error_lines(log: str) -> list[str]:

@@ -61,6 +61,15 @@ class LLM:
 
     def reset_prefix_cache(self):
         _record("reset_prefix_cache")
+
+    def embed(self, texts, use_tqdm=True):
+        _record("embed", len(texts), use_tqdm)
+        return [_Embedding([float(len(t)), 1.0] + [0.0] * 382) for t in texts]
+
+
+class _Embedding:
+    def __init__(self, vector):
+        self.outputs = type("EmbeddingOutput", (), {"embedding": vector})()
 '''
 
 
@@ -270,3 +279,28 @@ RuntimeError: Engine core initialization failed. See root cause above. Failed co
         "ValueError: not enough KV cache for 333 tokens",
         "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}",
     ]
+
+
+def test_embed_bench_runs_vllm_as_a_pooling_model(
+    fake_python: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """--workload embed --baselines vllm: LLM(runner="pooling") on the model's whole path in the engine's dtype, a
+    warm-up, the rounds over every chunk, the queries one text each; vLLM's row with its start-up and its vectors'
+    least cosine to ours."""
+    from tests.support.minilm import shipped_minilm_dir
+
+    monkeypatch.chdir(shipped_minilm_dir().parent)  # --model given relative, as typed in a shell
+    out = tmp_path / "embed.json"
+    rc = main([
+        "bench", "--workload", "embed", "--model", shipped_minilm_dir().name, "--num-requests", "6",
+        "--chunk-tokens", "20", "--rounds", "2", "--queries", "3", "--compare", "--baselines", "vllm",
+        "--vllm-python", str(fake_python), "--no-progress", "--json", str(out),
+    ])  # fmt: skip
+    assert rc == 0
+    (_, llm_kwargs, _), *calls = _record(tmp_path)
+    assert llm_kwargs == {"model": str(shipped_minilm_dir().resolve()), "dtype": "float32", "runner": "pooling", "seed": 0}
+    assert calls == [["embed", 6, False]] * 3 + [["embed", 1, False]] * 3  # warm-up, 2 rounds, 3 queries
+    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    vllm = rows["vLLM 0.0-fake float32"]
+    assert len(vllm["rounds_s"]) == 2 and vllm["startup_s"] >= 0 and -1.0 <= vllm["min_cosine"] <= 1.0
+    assert "its own process, after the others" in capsys.readouterr().out

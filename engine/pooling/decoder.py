@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.linear import Linear
 from engine.pooling.encoder import BatchLayout
 
 
@@ -29,17 +30,17 @@ class DecoderLayer(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, head_dim
         self.eps = config.rms_norm_eps
         bias = config.model_type == "qwen2"  # Qwen2 has q/k/v biases, Qwen3 q/k norms
-        self.q_proj = nn.Linear(hidden, self.num_heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * head_dim, hidden, bias=False)
+        self.q_proj = Linear(hidden, self.num_heads * head_dim, bias=bias)
+        self.k_proj = Linear(hidden, self.num_kv_heads * head_dim, bias=bias)
+        self.v_proj = Linear(hidden, self.num_kv_heads * head_dim, bias=bias)
+        self.o_proj = Linear(self.num_heads * head_dim, hidden, bias=False)
         self.q_norm = nn.Parameter(torch.ones(head_dim)) if config.model_type == "qwen3" else None
         self.k_norm = nn.Parameter(torch.ones(head_dim)) if config.model_type == "qwen3" else None
         self.input_norm = nn.Parameter(torch.ones(hidden))
         self.post_norm = nn.Parameter(torch.ones(hidden))
-        self.gate_proj = nn.Linear(hidden, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, hidden, bias=False)
+        self.gate_proj = Linear(hidden, config.intermediate_size, bias=False)
+        self.up_proj = Linear(hidden, config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
         h = _rms_norm(x, self.input_norm, self.eps)  # [T, hidden]

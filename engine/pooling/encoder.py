@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.linear import Linear
+
 _ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x),
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
@@ -25,11 +27,11 @@ class EncoderLayer(nn.Module):
         hidden, inter = config.hidden_size, config.intermediate_size
         self.num_heads = config.num_attention_heads
         self.head_dim = hidden // self.num_heads
-        self.qkv = nn.Linear(hidden, 3 * hidden)
-        self.attn_out = nn.Linear(hidden, hidden)
+        self.qkv = Linear(hidden, 3 * hidden, bias=True)
+        self.attn_out = Linear(hidden, hidden, bias=True)
         self.attn_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
-        self.up = nn.Linear(hidden, inter)
-        self.down = nn.Linear(inter, hidden)
+        self.up = Linear(hidden, inter, bias=True)
+        self.down = Linear(inter, hidden, bias=True)
         self.out_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
         self.act = _ACTIVATIONS[config.hidden_act]
 
@@ -95,8 +97,8 @@ class Encoder(nn.Module):
         self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_hidden_layers))
         # RoBERTa counts positions from its padding index + 1; BERT from 0
         self.position_offset = config.pad_token_id + 1 if config.model_type == "xlm-roberta" else 0
-        self.head_dense = nn.Linear(hidden, hidden) if num_labels is not None else None
-        self.head_out = nn.Linear(hidden, num_labels) if num_labels is not None else None
+        self.head_dense = Linear(hidden, hidden, bias=True) if num_labels is not None else None
+        self.head_out = Linear(hidden, num_labels, bias=True) if num_labels is not None else None
 
     def forward(self, token_ids: torch.Tensor, token_type_ids: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
         """Hidden states of every token: ``[T, hidden]``."""

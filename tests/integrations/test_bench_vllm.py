@@ -298,7 +298,8 @@ def test_embed_bench_runs_vllm_as_a_pooling_model(
     ])  # fmt: skip
     assert rc == 0
     (_, llm_kwargs, _), *calls = _record(tmp_path)
-    assert llm_kwargs == {"model": str(shipped_minilm_dir().resolve()), "dtype": "float32", "runner": "pooling", "seed": 0}
+    model = str(shipped_minilm_dir().resolve())
+    assert llm_kwargs == {"model": model, "dtype": "float32", "runner": "pooling", "seed": 0}
     assert calls == [["embed", 6, False]] * 3 + [["embed", 1, False]] * 3  # warm-up, 2 rounds, 3 queries
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
     vllm = rows["vLLM 0.0-fake float32"]

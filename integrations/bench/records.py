@@ -37,6 +37,7 @@ REQUIRED = ("schema", "date", "command", "machine", "model", "workload", "protoc
 SPEED_ENV_PREFIXES = ("OMP_", "KMP_", "VLLM_CPU_")
 # Set by scikit-learn (imported with sentence-transformers) in its own process: they change no speed.
 NOT_SPEED_ENV = ("KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK")
+OUTPUT_FLAGS = ("--json", "--plot")  # where a run wrote its files: no part of what it measured
 SPEED_ENV = ("PAGED_CPU_KERNELS", "PAGED_ATTENTION_FETCH", "PAGED_ATTENTION_SPLIT", "PAGED_BF16_ATTENTION",
              "PAGED_BF16_LINEAR", "PAGED_GGML_LINEAR", "PAGED_INT8_LINEAR")  # fmt: skip
 _MODEL_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -98,7 +99,7 @@ def make_record(
         if (k.startswith(SPEED_ENV_PREFIXES) or k in SPEED_ENV) and k not in NOT_SPEED_ENV
     }
     commit, dirty = git_commit(PROJECT_ROOT)
-    words = [*(f"{k}={v}" for k, v in environment.items()), *command]
+    words = [*(f"{k}={v}" for k, v in environment.items()), *_without_outputs(command)]
     record = {
         "schema": report["schema"],
         "date": (today or datetime.datetime.now(datetime.timezone.utc).date()).isoformat(),
@@ -114,6 +115,20 @@ def make_record(
     if report.get("profile"):
         record["profile"] = {k: v for k, v in report["profile"].items() if k != "trace"}
     return json.loads(_home_relative(json.dumps(record)))
+
+
+def _without_outputs(command: Sequence[str]) -> list[str]:
+    """``command`` less its ``OUTPUT_FLAGS`` and their paths (``--json PATH`` or ``--json=PATH``)."""
+    words: list[str] = []
+    skip = False
+    for word in command:
+        if skip:
+            skip = False
+        elif word in OUTPUT_FLAGS:
+            skip = True
+        elif not word.startswith(tuple(f"{flag}=" for flag in OUTPUT_FLAGS)):
+            words.append(word)
+    return words
 
 
 def _home_relative(text: str) -> str:

@@ -100,7 +100,8 @@ def test_record_keeps_the_provenance_and_only_the_speed_variables(tmp_path: Path
     }  # fmt: skip
     environ = {"OMP_NUM_THREADS": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "PAGED_API_KEY": "secret",
                "PAGED_INT8_LINEAR": "generic", "PATH": "/bin", "KMP_DUPLICATE_LIB_OK": "True"}  # fmt: skip
-    command = ["paged", "bench", "--model", str(Path.home() / "models/m.gguf"), "--record"]
+    command = ["paged", "bench", "--model", str(Path.home() / "models/m.gguf"), "--json", "/tmp/run.json",
+               "--plot=/tmp/run.png", "--record"]  # fmt: skip
     record = make_record(report, command, environ, today=datetime.date(2027, 1, 5))
     assert record["environment"] == {"OMP_NUM_THREADS": "2", "PAGED_INT8_LINEAR": "generic",
                                      "VLLM_CPU_OMP_THREADS_BIND": "0-1"}  # fmt: skip

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -143,7 +142,7 @@ def main() -> None:
     port = _free_port()
     command = [sys.executable, "-m", "integrations.cli", "serve", "--port", str(port)]
     command += ["--pooling-model", args.pooling_model] + (["--model", args.model] if args.model else [])
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ))
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         report = asyncio.run(_run(args, f"http://127.0.0.1:{port}", proc))
     finally:

@@ -391,8 +391,8 @@ def _run_embed(args: argparse.Namespace) -> int:
             "--workload embed compares the engine with sentence-transformers and vLLM: "
             "--baselines sentence-transformers,vllm"
         )
-    if vllm_runs.VLLM in baselines:
-        vllm_runs.vllm_python(args.vllm_python)  # a missing environment is a usage error before any run
+    # a missing vLLM environment is a usage error before any run
+    vllm_python = vllm_runs.vllm_python(args.vllm_python) if vllm_runs.VLLM in baselines else None
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     fields = engine_kwargs(args)
@@ -401,7 +401,7 @@ def _run_embed(args: argparse.Namespace) -> int:
         raise FlagError("--workload embed needs an embedding model: --model DIR")
     report = embed_bench(
         str(model), fields, args.num_requests, args.chunk_tokens, args.batch_size, baselines, args.rounds, args.queries,
-        vllm_python=args.vllm_python,
+        vllm_python=vllm_python,
     )
     report["machine"] = machine_info()
     print(format_embed(report))  # noqa: T201

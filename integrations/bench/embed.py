@@ -11,16 +11,16 @@ in a row, in the engine's dtype; its vectors of the first chunks are held to the
 
 from __future__ import annotations
 
-import math
 import random
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
+from integrations.bench import vllm_runs
+
 ENGINE = "paged"
 SENTENCE_TRANSFORMERS = "sentence-transformers"
-VLLM = "vllm"
 QUERY = "what does the retrieval model map each chunk to"
 _WORDS = (
     "the retrieval model reads each chunk of a document and maps it to a vector so that questions find the "
@@ -50,7 +50,8 @@ def embed_bench(
     model: str, engine_fields: dict[str, Any], num_chunks: int, chunk_tokens: int, batch_sizes: list[int],
     baselines: list[str], rounds: int, num_queries: int, vllm_python: Path | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """Runs the contenders; returns ``{"rows": [{"name", "chunks_per_s", "tokens_per_s", "query_ms", ...}], ...}``."""
+    """Runs the contenders (vLLM, when in ``baselines``, with ``vllm_python``: its environment's python); returns
+    ``{"rows": [{"name", "chunks_per_s", "tokens_per_s", "query_ms", ...}], ...}``."""
     import torch
 
     from engine import Engine
@@ -90,7 +91,7 @@ def embed_bench(
             "query_ms": latency * 1000, "rounds_s": times[name],
         })  # fmt: skip
     dtype = str(engine.runner.dtype).removeprefix("torch.")
-    if VLLM in baselines:
+    if vllm_runs.VLLM in baselines:
         rows.append(_vllm_row(engine, vllm_python, chunks, dtype, rounds, num_queries, num_tokens))
     return {
         "rows": rows, "num_chunks": num_chunks, "chunk_tokens": chunk_tokens, "num_tokens": num_tokens,
@@ -99,25 +100,20 @@ def embed_bench(
 
 
 def _vllm_row(
-    engine: Any, python: Path | None, chunks: list[str], dtype: str, rounds: int, num_queries: int, num_tokens: int
+    engine: Any, python: Path, chunks: list[str], dtype: str, rounds: int, num_queries: int, num_tokens: int
 ) -> dict[str, Any]:
     """vLLM's row: its rounds and queries in its own process; its vectors' least cosine to the engine's."""
-    from integrations.bench.vllm_runs import run_vllm_embed, vllm_python
+    from engine.pooling.api import cosine
 
-    result = run_vllm_embed(vllm_python(python), engine.model_dir, chunks, dtype, rounds, QUERY, num_queries)
+    result = vllm_runs.run_vllm_embed(python, engine.model_dir, chunks, dtype, rounds, QUERY, num_queries)
     ours = [o.outputs.embedding for o in engine.embed(chunks[: len(result["embeddings"])])]
     wall = statistics.median(result["rounds_s"])
     return {
         "name": f"vLLM {result['vllm']} {dtype}", "wall_s": wall, "chunks_per_s": len(chunks) / wall,
         "tokens_per_s": num_tokens / wall, "query_ms": statistics.median(result["query_s"]) * 1000,
         "rounds_s": result["rounds_s"], "startup_s": result["init_s"],
-        "min_cosine": min(_cosine(a, b) for a, b in zip(ours, result["embeddings"])),
+        "min_cosine": min(cosine(a, b) for a, b in zip(ours, result["embeddings"])),
     }  # fmt: skip
-
-
-def _cosine(a: list[float], b: list[float]) -> float:
-    dot = sum(x * y for x, y in zip(a, b))
-    return dot / (math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b)))
 
 
 def format_embed(report: dict[str, Any]) -> str:

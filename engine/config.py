@@ -53,8 +53,9 @@ class EngineConfig:
     dtype: str = knob(
         "auto",
         "Weights and compute dtype. auto = bfloat16 on CUDA; on CPU the checkpoint's dtype where it is bfloat16, "
-        "else float32 (a float32 or float16 checkpoint, a GGUF's float tensors); on CPU, bfloat16 keeps bfloat16 weights and KV cache and float32 element-wise parts; its matmuls run on "
-        "AMX or AVX512-BF16 where the CPU has them, else widened to float32.",
+        "else float32 (a float32 or float16 checkpoint); a GGUF file's float tensors and KV cache bfloat16 where the "
+        "CPU has AVX512-BF16 or AMX, else float32. On CPU, bfloat16 keeps bfloat16 weights and KV cache and float32 "
+        "element-wise parts; its matmuls run on AMX or AVX512-BF16 where the CPU has them, else widened to float32.",
         choices=("auto", "float32", "bfloat16", "float16"),
     )
     quantization: str | None = knob(

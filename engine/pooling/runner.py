@@ -22,7 +22,7 @@ from engine.pooling.encoder import BatchLayout, Encoder, encoder_state_dict
 from engine.pooling.model_config import PoolingConfig
 from engine.pooling.params import PoolingParams
 from engine.pooling.tokens import PoolingInput
-from engine.worker.model_runner import resolve_device, resolve_dtypes
+from engine.worker.model_runner import model_dtypes, resolve_device
 from engine.worker.weight_formats import WeightsSummary
 
 
@@ -60,7 +60,7 @@ class PoolingRunner:
             )
         self.device = resolve_device(config.device)
         # NOTE: every tensor in the weights' dtype (bfloat16 matmuls run on AVX512-BF16 / AMX through oneDNN)
-        _, self.dtype = resolve_dtypes(config.dtype, self.device, getattr(self.hf_config, "dtype", None))
+        _, self.dtype = model_dtypes(config.dtype, self.device, model_dir, self.hf_config)
         self.vocab_size: int = self.hf_config.vocab_size
         self.max_model_len = pooling.max_length
         num_labels = pooling.num_labels if pooling.task == "classify" else None

@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 _MADV_POPULATE_WRITE = 23  # linux/mman.h
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_AUTO_DTYPE = {"cpu": torch.float32, "cuda": torch.bfloat16}
+FLOAT_GGML_TYPES = ("F32", "F16", "BF16")  # a GGUF file's tensors that are not quantized blocks
 
 
 def resolve_device(name: str) -> torch.device:
@@ -61,12 +61,16 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtypes(name: str, device: torch.device, checkpoint_dtype: torch.dtype | None = None) -> tuple[torch.dtype, torch.dtype]:
+def resolve_dtypes(
+    name: str, device: torch.device, checkpoint_dtype: torch.dtype | None = None, quantized_gguf: bool = False
+) -> tuple[torch.dtype, torch.dtype]:
     """The (compute, weight) dtypes of a ``dtype`` setting on ``device``.
 
     "auto" is bfloat16 on CUDA; on CPU it is the checkpoint's dtype where that is bfloat16 (``checkpoint_dtype``,
-    a Hugging Face config's), else float32: a bfloat16 checkpoint keeps its size, a float32 or float16 one, and a
-    GGUF file's non-quantized tensors, compute in float32.
+    a Hugging Face config's), else float32: a bfloat16 checkpoint keeps its size, a float32 or float16 one, and
+    a GGUF file of float tensors, compute in float32. A GGUF file of quantized blocks (``quantized_gguf``) keeps
+    its blocks whatever the setting; "auto" gives its other tensors and its KV cache bfloat16 where the CPU
+    multiplies bfloat16 natively (``native_bf16``), else float32.
 
     On CPU with the C kernels built, "bfloat16" keeps the linear and embedding weights (and, with
     the CPU attention backend, the KV cache) in bfloat16 and the element-wise parts in float32: the
@@ -76,12 +80,28 @@ def resolve_dtypes(name: str, device: torch.device, checkpoint_dtype: torch.dtyp
     values, widened as they load (docs/performance.md).
     """
     if name == "auto":
-        dtype = torch.bfloat16 if device.type == "cuda" or checkpoint_dtype == torch.bfloat16 else torch.float32
+        bf16 = device.type == "cuda" or checkpoint_dtype == torch.bfloat16 or (quantized_gguf and native_bf16())
+        dtype = torch.bfloat16 if bf16 else torch.float32
     else:
         dtype = _DTYPES[name]
     if device.type == "cpu" and dtype == torch.bfloat16 and cpu_kernels.library() is not None:
         return torch.float32, torch.bfloat16
     return dtype, dtype
+
+
+def model_dtypes(name: str, device: torch.device, model_dir: Path, hf_config) -> tuple[torch.dtype, torch.dtype]:
+    """``resolve_dtypes`` for the model of ``model_dir``: its checkpoint's dtype, or whether a GGUF file holds
+    quantized blocks."""
+    gguf = gguf_source(model_dir)
+    if gguf is None:
+        return resolve_dtypes(name, device, checkpoint_dtype(hf_config))
+    quantized = any(tensor.type_name not in FLOAT_GGML_TYPES for tensor in GGUFFile(gguf).tensors.values())
+    return resolve_dtypes(name, device, quantized_gguf=quantized)
+
+
+def native_bf16() -> bool:
+    """Whether this CPU's C kernels multiply bfloat16 natively (AVX512-BF16 or AMX), not widened to float32."""
+    return cpu_kernels.library() is not None and cpu_kernels.bf16_linear_path(1) != "widened"
 
 
 def checkpoint_dtype(hf_config) -> torch.dtype | None:
@@ -121,8 +141,7 @@ class ModelRunner:
         self.text_config = self.hf_config.get_text_config()  # a multimodal model's language model's config
         self.device = resolve_device(config.device)
         self.gguf = gguf_source(model_dir)
-        stored = None if self.gguf is not None else checkpoint_dtype(self.hf_config)
-        self.dtype, self.weight_dtype = resolve_dtypes(config.dtype, self.device, stored)  # compute, weights
+        self.dtype, self.weight_dtype = model_dtypes(config.dtype, self.device, model_dir, self.hf_config)
         self.block_size = config.block_size
         self.vocab_size: int = self.text_config.vocab_size
         self.model = self._load_model(Path(model_dir))

@@ -223,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from engine.loader import resolve_model
-    from engine.worker.model_runner import resolve_device, resolve_dtypes
+    from engine.worker.model_runner import model_dtypes, resolve_device
     from integrations.bench import baselines, engine_runs, profiling
     from integrations.bench.ceiling import measure_ceiling
     from integrations.bench.records import append_record, describe_model, make_record
@@ -239,7 +239,8 @@ def run(args: argparse.Namespace) -> int:
     # NOTE: "auto" means what the engine makes of it here. The engine may compute bfloat16 weights
     # in float32 (resolve_dtypes); transformers cannot, so its baselines run the weights' dtype.
     device = resolve_device(config.device)
-    compute_dtype, weight_dtype = resolve_dtypes(config.dtype, device)
+    hf_config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    compute_dtype, weight_dtype = model_dtypes(config.dtype, device, model_dir, hf_config)
     dtype_name = str(weight_dtype).removeprefix("torch.")
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -1,8 +1,9 @@
 """GGUF models served in their own blocks are batch-invariant: a token's logits are the same bits however its
 prompt is split into steps and whatever it is batched with, so greedy output does not depend on batching or on
 prefix caching. That holds for the blocks alone: a model small enough to keep a second, dense layout for steps of many
-rows (``batched_weights_memory``, ``engine.worker.batched_layout``) rounds differently from that many rows on, so
-these tests keep the blocks alone (``batched_weights_memory=0``).
+rows (``batched_weights_memory``, ``engine.worker.batched_layout``) rounds differently from that many rows on, and a
+bfloat16 model (a GGUF's ``auto`` on a CPU with bfloat16 products) rounds a tile's shared keys and, past 6 rows, the
+inputs of its matmuls to bfloat16, so these tests keep the blocks alone (``batched_weights_memory=0``) in float32.
 
 Each matmul of such a model rounds its input to int8 blocks per row (as llama.cpp does), a step of a block's
 largest value / 127; one float32 rounding of difference upstream can move a value across a step, and the model
@@ -84,8 +85,9 @@ def test_greedy_tokens_do_not_depend_on_batching_or_prefix_caching(gguf_file: Pa
     tiny = gguf_file != bundled_gguf_path()
     seeds, params = (range(4), GREEDY) if tiny else (range(3, 4), SamplingParams(max_tokens=8, temperature=0.0,
                                                                                    ignore_eos=True))
-    on = Engine(str(gguf_file), num_blocks=96, max_num_seqs=8, batched_weights_memory=0)
-    off = Engine(str(gguf_file), num_blocks=96, max_num_seqs=8, enable_prefix_caching=False, batched_weights_memory=0)
+    config = EngineConfig(dtype="float32", num_blocks=96, max_num_seqs=8, batched_weights_memory=0)
+    on = Engine(str(gguf_file), config=config)
+    off = Engine(str(gguf_file), config=config, enable_prefix_caching=False)
     for seed in seeds:
         shared = _prompt(48, 100 + seed)
         prompts = [shared + _prompt(3 + 7 * i, 1000 * seed + i) for i in range(4 if tiny else 2)]

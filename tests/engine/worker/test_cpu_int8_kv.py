@@ -161,7 +161,7 @@ def test_bundled_model_serves_from_an_int8_cache_and_returns_its_blocks() -> Non
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     blocks = {}
     for dtype in ("auto", "int8"):
-        engine = Engine(kv_cache_dtype=dtype, kv_cache_memory=16 << 20, max_model_len=512)
+        engine = Engine(dtype="float32", kv_cache_dtype=dtype, kv_cache_memory=16 << 20, max_model_len=512)
         outputs = engine.generate(prompts, greedy, use_tqdm=False)
         assert [len(out.outputs[0].token_ids) for out in outputs] == [8, 8, 8]
         assert engine.kv.num_free_blocks == engine.kv.num_blocks and not engine.has_unfinished_requests()

@@ -92,6 +92,24 @@ def test_kv_cache_prefault_commits_the_cache(tiny_model_factory) -> None:
     assert resident == pages and not cache.any()
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_dtype_of_a_gguf_file(
+    native, tiny_model_factory, small_tokenizer_dir, private_cache, tmp_path, monkeypatch
+) -> None:
+    """Under auto, a GGUF of quantized blocks keeps its other weights and its KV cache in bfloat16 where the CPU
+    multiplies bfloat16 natively, else float32; a GGUF of float32 tensors stays float32, as a float32 checkpoint."""
+    from engine.loader import resolve_model
+    from engine.model_files.gguf_writer import write_gguf
+
+    monkeypatch.setattr(model_runner, "native_bf16", lambda: native)
+    source = tiny_model_factory("llama", tokenizer_dir=small_tokenizer_dir)
+    quantized = ModelRunner(EngineConfig(num_blocks=8), resolve_model(write_gguf(source, tmp_path / "q8.gguf", "Q8_0")))
+    assert quantized.weight_dtype == quantized.kv_cache_dtype == (torch.bfloat16 if native else torch.float32)
+    assert "Q8_0" in quantized.weights.modules
+    floats = ModelRunner(EngineConfig(num_blocks=8), resolve_model(write_gguf(source, tmp_path / "f32.gguf", "F32")))
+    assert floats.dtype == floats.weight_dtype == floats.kv_cache_dtype == torch.float32
+
+
 def test_kv_cache_budget_and_dtype(tiny_model_factory) -> None:
     """kv_cache_memory sizes the cache by whole blocks of its dtype, bfloat16 whether the CPU computes in it or
     widens it (the C backend's cache); num_blocks is taken as given."""

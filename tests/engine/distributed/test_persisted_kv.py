@@ -11,8 +11,10 @@ import logging
 import pytest
 
 import engine.distributed.runner as parallel_runner
+import engine.persisted_kv as persisted_kv
 from engine import Engine
 from engine.core.kv_layout import split_payload
+from engine.errors import KVTransferFailed
 from tests.engine.test_kv_cache_dir import CONFIG, QUESTIONS, SYSTEM, answer, assert_pool_whole
 
 SPLITS = {"tp2": dict(tensor_parallel_size=2), "pp2": dict(pipeline_parallel_size=2)}
@@ -30,10 +32,13 @@ def model_dir(tiny_model_factory) -> str:
 
 
 @pytest.mark.parametrize("split", sorted(SPLITS))
-def test_a_second_engine_of_the_split_serves_the_saved_prefix(split, model_dir, tmp_path, caplog) -> None:
+def test_a_second_engine_of_the_split_serves_the_saved_prefix(split, model_dir, tmp_path, caplog, monkeypatch) -> None:
     """The first engine pins SYSTEM, answers QUESTIONS (computing them) and saves on close; the second, on the
     same directory, loads the 10 blocks, computes only each question's own tokens and gives the same tokens,
-    every block back in the pool after; one process skips the split's directory as another layout."""
+    every block back in the pool after; one process skips the split's directory as another layout. Blocks move
+    3 at a time, so that saves and loads span several calls on the ranks."""
+    monkeypatch.setattr(parallel_runner, "_KV_BATCH", 3)
+    monkeypatch.setattr(persisted_kv, "_BATCH", 3)
     options = {**CONFIG, **SPLITS[split], "kv_cache_dir": tmp_path, "kv_cache_save_hot_blocks": 0}
     with Engine(model_dir, **options) as first:
         first.pin_prefix(SYSTEM)
@@ -67,18 +72,31 @@ def test_a_second_engine_of_the_split_serves_the_saved_prefix(split, model_dir, 
 
 
 def test_a_block_one_rank_did_not_take_is_restored_on_none(model_dir, tmp_path, caplog, monkeypatch) -> None:
-    """tp=2: rank 1 is sent a part one byte short of each block, so its write fails: the batch is evicted
-    again (a WARNING counts it), the prompt is computed in full and gives the same tokens, the pool is whole."""
+    """tp=2. A rank gone: a save raises KVTransferFailed and leaves the directory as it was. Rank 1 sent a part
+    one byte short of each block: its write fails, the batch is evicted again and the blocks after it are not
+    loaded (a WARNING counts them all), the prompt is computed in full with the same tokens, the pool is whole."""
     options = {**CONFIG, **SPLITS["tp2"], "kv_cache_dir": tmp_path, "kv_cache_save_hot_blocks": 0}
-    with Engine(model_dir, **options) as first:
-        first.pin_prefix(SYSTEM)
-        expected, _ = answer(first, QUESTIONS[:1])
+    first = Engine(model_dir, **{**options, "kv_cache_save_hot_blocks": 64})
+    first.pin_prefix(SYSTEM)
+    while first.has_unfinished_requests():
+        first.step()
+    assert first.save_kv_cache() == NUM_SYSTEM_BLOCKS
+    expected, _ = answer(first, QUESTIONS[:1])  # 2 blocks more to save: its question and output
+    rank1 = first.runner.workers.processes[0]
+    rank1.kill()
+    rank1.join()
+    with pytest.raises(KVTransferFailed, match="rank is gone"):
+        first.save_kv_cache()
+    with pytest.raises(KVTransferFailed):
+        first.close()
+    assert len(list(tmp_path.rglob("*.kvb"))) == NUM_SYSTEM_BLOCKS
 
     def short_of_a_byte(payload, sizes):
         parts = split_payload(payload, sizes)
         return [*parts[:-1], parts[-1][:-1]]
 
     monkeypatch.setattr(parallel_runner, "split_payload", short_of_a_byte)
+    monkeypatch.setattr(persisted_kv, "_BATCH", 3)
     with caplog.at_level(logging.INFO, logger="engine.core.kv_cache_manager"):
         second = Engine(model_dir, **options)
     try:

@@ -29,9 +29,8 @@ class EngineConfig:
     Raises:
         ParameterError: a field of the wrong type or outside its bounds (``param`` names it),
             both ``kv_cache_memory`` and ``num_blocks``, ``kv_cache_dir`` without
-            ``enable_prefix_caching``, with ``tensor_parallel_size`` or ``pipeline_parallel_size`` above 1 or
-            ``kv_cache_dtype="int8"``, ``pipeline_layer_partition`` without a pipeline,
-            or ``kv_cache_save_interval_s`` without ``kv_cache_dir``.
+            ``enable_prefix_caching`` or with ``kv_cache_dtype="int8"``, ``pipeline_layer_partition`` without
+            a pipeline, or ``kv_cache_save_interval_s`` without ``kv_cache_dir``.
     """
 
     model: str | os.PathLike[str] | None = knob(
@@ -121,8 +120,9 @@ class EngineConfig:
         None,
         "Directory the KV cache persists to: on close() and every kv_cache_save_interval_s it holds the cached "
         "blocks of pinned prefixes and the kv_cache_save_hot_blocks most recently used; an engine started on it "
-        "loads those of its model, dtypes, block size and KV layout, checksummed and hash-checked. None = nothing "
-        "persists.",
+        "loads those of its model, dtypes, block size and KV layout, checksummed and hash-checked. Under tensor or "
+        "pipeline parallelism each rank saves and loads its own KV heads and layers, a block's file holding every "
+        "rank's part: a directory serves the same split only. None = nothing persists.",
     )
     kv_cache_save_interval_s: float | None = knob(
         None, "Seconds between saves to kv_cache_dir, taken between steps; None = on close() only.", gt=0.0, le=86400.0
@@ -202,12 +202,6 @@ class EngineConfig:
             raise ParameterError("kv_cache_save_interval_s", "kv_cache_save_interval_s needs kv_cache_dir")
         if self.kv_cache_dir is not None and self.kv_cache_dtype == "int8":
             raise ParameterError("kv_cache_dtype", "kv_cache_dir persists float32 and bfloat16 caches; not int8")
-        if self.kv_cache_dir is not None and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
-            raise ParameterError(
-                "kv_cache_dir",
-                "kv_cache_dir saves one process's KV heads and layers: it needs tensor_parallel_size=1 and "
-                "pipeline_parallel_size=1",
-            )
         if self.pipeline_layer_partition is not None and self.pipeline_parallel_size == 1:
             raise ParameterError("pipeline_layer_partition", "pipeline_layer_partition needs pipeline_parallel_size above 1")
 

@@ -48,6 +48,11 @@ class WorkerGroupFailed(EngineError):
     """
 
 
+class KVTransferFailed(EngineError):
+    """A rank of a tensor- or pipeline-parallel group did not move persisted KV blocks in or out (``kv_cache_dir``):
+    the blocks being loaded are not restored on any rank, a save writes nothing. The message names the rank."""
+
+
 class ModelLoadError(ValueError):
     """A model path, file or architecture the loader cannot use; the message names the path and what was expected."""
 

@@ -156,6 +156,8 @@ class Engine(BatchAPI, PoolingAPI):
 
         Raises:
             OSError: ``kv_cache_dir`` cannot be written (the engine is closed all the same).
+            KVTransferFailed: a tensor- or pipeline-parallel rank did not give its part of the blocks (nothing is
+                written; the engine is closed all the same).
         """
         if self._closed:
             return
@@ -174,7 +176,8 @@ class Engine(BatchAPI, PoolingAPI):
             The block files written (blocks saved before are kept as they are).
 
         Raises:
-            EngineError: no ``kv_cache_dir`` is set.
+            EngineError: no ``kv_cache_dir`` is set; ``KVTransferFailed`` where a tensor- or pipeline-parallel
+                rank did not give its part of the blocks (nothing is written).
             OSError: the directory cannot be written.
         """
         if self.persisted_kv is None:

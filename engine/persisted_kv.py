@@ -1,8 +1,9 @@
 """PersistedKVCache: the engine's cached KV blocks saved to ``kv_cache_dir`` and loaded back at start-up.
 
 It joins three owners: ``BlockOrigins`` (``engine.core.kv_persistence``) picks the KV cache manager's
-blocks to save and registers restored ones, the model runner moves their K/V in and out of its tensors,
-and ``KVBlockStore`` (the same module) owns the files and their checks. The engine calls it between
+blocks to save and registers restored ones, the model runner moves their K/V in and out of its tensors
+(every rank's under tensor or pipeline parallelism: ``engine.distributed.runner``), and ``KVBlockStore``
+(the same module) owns the files and their checks. The engine calls it between
 steps only, so no step runs while blocks are read or written.
 """
 
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.kv_persistence import ANOTHER_FORMAT, BlockOrigins, KVBlockStore
-from engine.errors import ParameterError
+from engine.errors import KVTransferFailed, ParameterError
 
 if TYPE_CHECKING:
     from engine.worker.model_runner import ModelRunner
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("engine.core.kv_cache_manager")
 
 _BATCH = 64  # blocks moved into the KV tensors at a time on load
+_NOT_ON_EVERY_RANK = "not taken by every rank"  # a rank failed to write a batch: it and the blocks after it
 # skips that are no damage: logged at INFO
 _BENIGN = ("another layout", ANOTHER_FORMAT, "cached already", "no room in the KV cache")
 
@@ -80,13 +82,28 @@ class PersistedKVCache:
             block_ids.append(block_id)
             payloads.append(block.payload)
             if len(block_ids) == _BATCH:
-                self.runner.write_kv_blocks(block_ids, payloads)
+                if not self._write(block_ids, payloads, skipped):
+                    skipped[_NOT_ON_EVERY_RANK] += sum(1 for _ in blocks)
+                    break
                 num_loaded += len(block_ids)
                 block_ids, payloads = [], []
-        self.runner.write_kv_blocks(block_ids, payloads)
-        num_loaded += len(block_ids)
+        else:
+            if self._write(block_ids, payloads, skipped):
+                num_loaded += len(block_ids)
         _log_load(str(self.store.dir), num_loaded, skipped, time.perf_counter() - start)
         return num_loaded
+
+    def _write(self, block_ids: list[int], payloads: list[memoryview], skipped: Counter[str]) -> bool:
+        """Writes restored blocks' K/V into the runner's cache (every rank's, under TP/PP); a block some rank did
+        not take is evicted again, so that no prefix is served from part of its K/V. Returns whether all went in."""
+        try:
+            self.runner.write_kv_blocks(block_ids, payloads)
+        except KVTransferFailed as exc:
+            logger.warning("kv_cache_dir: %d restored blocks dropped: %s", len(block_ids), exc)
+            self.kv.evict_restored_blocks(block_ids)
+            skipped[_NOT_ON_EVERY_RANK] += len(block_ids)
+            return False
+        return True
 
     def save(self, pinned_req_ids: list[str]) -> int:
         """Makes the directory hold the pinned prefixes' cached blocks and the ``num_hot`` hottest others.

@@ -162,6 +162,19 @@ class BlockPool:
         self.evictable.move_to_end(block.block_id, last=False)
         return block
 
+    def evict_cached_blocks(self, block_ids: Iterable[int]) -> None:
+        """Makes unreferenced cached blocks free now, their hashes dropped (restored blocks whose K/V did not load).
+
+        Raises:
+            ValueError: a block is referenced or not cached.
+        """
+        for block_id in block_ids:
+            if block_id not in self.evictable:
+                raise ValueError(f"block {block_id} is not an unreferenced cached block")
+            del self.evictable[block_id]
+            self._drop_hash(self.blocks[block_id])
+            self.free_block_ids.append(block_id)
+
     def reset_prefix_cache(self) -> int:
         """Forgets the hashes of all unreferenced blocks; returns how many were dropped."""
         num_dropped = len(self.evictable)

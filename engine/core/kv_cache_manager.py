@@ -403,6 +403,10 @@ class KVCacheManager:
         block = self.block_pool.restore_cached_block(block_hash)
         return None if block is None else block.block_id
 
+    def evict_restored_blocks(self, block_ids: list[int]) -> None:
+        """Undoes ``restore_cached_block`` for blocks whose K/V could not be written: free again, no hit."""
+        self.block_pool.evict_cached_blocks(block_ids)
+
     def cached_block_hashes(self, req_id: str) -> list[BlockHash]:
         """The hashes of the request's registered full blocks, first to last (none for a request without blocks)."""
         state = self._requests.get(req_id)

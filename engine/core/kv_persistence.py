@@ -8,7 +8,7 @@ each with the ancestors it needs to be hit.
 A directory (``EngineConfig.kv_cache_dir``) holds blocks of any number of layouts::
 
     kv_cache_dir/
-      <layout key>/                     one per KVLayout (model, dtypes, block size, shape)
+      <layout key>/                     one per KVLayout (model, dtypes, block size, shape, split over ranks)
         layout.json                     what the key stands for, for people; the key is what is checked
         shared/<block hash>.kvb         blocks of requests without a cache salt
         salt-<salt digest>/<hash>.kvb   blocks of one cache salt
@@ -21,7 +21,9 @@ One file per full block, named by its hash::
 The header holds the layout key, the block's hash, its parent's hash, the chain's cache salt,
 the block's token ids and its image keys (the hash of each image it holds tokens of and the
 image's offset from the block's start, as they entered the block's hash); the payload is the
-block's K and V for every layer, as the runner's ``read_kv_blocks`` gives them. A file is
+block's K and V for every layer, as the runner's ``read_kv_blocks`` gives them (under tensor or pipeline
+parallelism every rank's part, in rank order: ``engine.core.kv_layout``), so a file holds a block whole
+or is skipped whole. A file is
 written to a temporary name and renamed, so a crash mid-write leaves the old file or none.
 
 On load a file counts only if its format version, checksum, layout key and payload size match,
@@ -41,21 +43,20 @@ import os
 import struct
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from hashlib import blake2b
 from pathlib import Path
 from typing import NamedTuple
 
 from engine.core.block_hash import BlockHash, ExtraKey, hash_block_tokens
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_layout import KVLayout
 
 FORMAT_VERSION = 2  # 2: headers hold image keys (1: tokens and salt only)
 MAGIC = b"PAGEDKV" + bytes([FORMAT_VERSION])
 SUFFIX = ".kvb"
 CHECKSUM_SIZE = 32
 _HEADER_LEN = struct.Struct("<I")
-_SAMPLES_PER_FILE = 16  # chunks of each weight file a model fingerprint reads
-_SAMPLE_BYTES = 64 << 10
 _Key = tuple[str, BlockHash]  # (salt directory, block hash): a block's identity on disk
 
 
@@ -150,53 +151,6 @@ class BlockOrigins:
 
 class CorruptBlockFile(ValueError):
     """A block file that fails a check on load; the message says which (it is the skip reason)."""
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """Everything a block's K/V bytes depend on besides its tokens: blocks load only into the same layout."""
-
-    model: str  # model_fingerprint() of the weights and config
-    kv_dtype: str  # the KV cache's element type
-    compute_dtype: str
-    weight_dtype: str
-    quantization: str | None
-    attention_backend: str  # the backend class: kernels may round differently
-    block_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype_bytes: int
-    byteorder: str
-    tensor_layout: str = "layer, k|v, slot, kv_head, dim"  # of one block's payload
-
-    @property
-    def key(self) -> str:
-        """32 hex digits naming the layout's directory."""
-        text = json.dumps(asdict(self), sort_keys=True)
-        return blake2b(text.encode(), digest_size=16).hexdigest()
-
-    @property
-    def block_bytes(self) -> int:
-        """Payload bytes of one block: layers x 2 x block_size x kv_heads x head_dim x dtype bytes."""
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * self.dtype_bytes
-
-
-def model_fingerprint(config_file: Path, weight_files: Sequence[Path]) -> str:
-    """A digest of a model's config and weights: the files' names, sizes and 16 chunks of 64 KiB of each.
-
-    Reading samples keeps it to ~1 MiB per file; any fine-tune or re-quantization changes the
-    sampled bytes, where names and sizes alone would not.
-    """
-    digest = blake2b(config_file.read_bytes(), digest_size=16)
-    for path in sorted(weight_files, key=lambda p: p.name):
-        size = path.stat().st_size
-        digest.update(f"{path.name}:{size}".encode())
-        with path.open("rb") as f:
-            for i in range(_SAMPLES_PER_FILE):
-                f.seek(max(0, (size - _SAMPLE_BYTES) * i // (_SAMPLES_PER_FILE - 1)))
-                digest.update(f.read(_SAMPLE_BYTES))
-    return digest.hexdigest()
 
 
 def salt_dir_name(cache_salt: str | None) -> str:
@@ -297,7 +251,7 @@ class KVBlockStore:
         self.dir.mkdir(parents=True, exist_ok=True)
         descriptor = self.dir / "layout.json"
         if not descriptor.exists():
-            _write_atomic(descriptor, json.dumps(asdict(layout), indent=1, sort_keys=True).encode())
+            _write_atomic(descriptor, json.dumps(layout.describe(), indent=1, sort_keys=True).encode())
         self._on_disk: set[str] = set()  # files known valid: "salt dir/hash.kvb"
 
     def load(self, max_blocks: int) -> tuple[Iterator[LoadedBlock], Counter[str]]:

@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from engine.config import EngineConfig
+from engine.core.kv_layout import KVLayout, split_payload
 from engine.core.scheduler_output import SchedulerOutput
 from engine.distributed.communicator import START_TIMEOUT_S
+from engine.distributed.kv_transfer import KVCall
 from engine.distributed.pipeline import PipelineLinks, join_groups
 from engine.distributed.workers import WorkerGroup
-from engine.errors import ModelLoadError, ParameterError, WorkerGroupFailed
+from engine.errors import KVTransferFailed, ModelLoadError, ParameterError, WorkerGroupFailed
 from engine.parallel_state import check_pipeline_parallel, check_tensor_parallel, stage_layers
 from engine.worker.model_runner import ModelRunner, resolve_device
 
 logger = logging.getLogger(__name__)
+
+_KV_BATCH = 64  # blocks a read asks each rank for at a time (one message each way)
 
 
 class ParallelRunner(ModelRunner):
@@ -25,6 +31,9 @@ class ParallelRunner(ModelRunner):
     (``WorkerGroup``), sends each of them every step, runs its own shard (the first stage's layers, its share of
     their heads) and returns the logits (gathered over its stage, or the last stage's). On CPU every rank's
     process (this one included: ``torch.set_num_threads``) takes an equal share of the cores.
+
+    Persisted KV blocks (``kv_cache_dir``) move in and out of every rank's cache: a block's payload is every rank's
+    part in rank order (``engine.distributed.kv_transfer``), its layout the group's split (``KVLayout.shards``).
 
     Raises:
         ParameterError: (``tensor_parallel_size``) the model does not split over that many ranks, or (on CUDA)
@@ -52,6 +61,7 @@ class ParallelRunner(ModelRunner):
         if device.type == "cpu":  # NOTE: this process is a rank like the others: a share of the cores each
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
         self.kind = "tensor-parallel" if pp_size == 1 else "pipeline-parallel"
+        self._layout: KVLayout | None = None  # the group's, once asked (kv_layout)
         if config.distributed_executor_backend == "ray":
             from engine.distributed.ray_workers import RayWorkerGroup
 
@@ -104,3 +114,52 @@ class ParallelRunner(ModelRunner):
         except Exception as exc:
             self.workers.close()
             raise WorkerGroupFailed(f"a {self.kind} step failed: {exc}") from exc
+
+    # ------------------------------------------------------------------------------------ persistence
+
+    def kv_layout(self) -> KVLayout:
+        """The group's layout: rank 0's, with every rank's part of a block (``KVLayout.shards``).
+
+        Raises:
+            KVTransferFailed: a rank did not say its part.
+        """
+        shards = (self.kv_shard(), *self._call_ranks(lambda rank: KVCall("kv_shard")))
+        self._layout = dataclasses.replace(super().kv_layout(), shards=shards)
+        return self._layout
+
+    def read_kv_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """Each block's payload: every rank's K and V of its layers and heads (``ModelRunner.read_kv_blocks``),
+        joined in rank order.
+
+        Raises:
+            KVTransferFailed: a rank did not give its part (nothing is returned).
+        """
+        payloads: list[bytes] = []
+        for start in range(0, len(block_ids), _KV_BATCH):
+            batch = block_ids[start : start + _KV_BATCH]
+            parts = self._call_ranks(lambda rank: KVCall("read_kv_blocks", (batch,)))
+            own = super().read_kv_blocks(batch)
+            payloads += [b"".join(block) for block in zip(own, *parts, strict=True)]
+        return payloads
+
+    def write_kv_blocks(self, block_ids: list[int], payloads: list[bytes | memoryview]) -> None:
+        """Writes ``read_kv_blocks``' payloads back: each rank its part of each block.
+
+        Raises:
+            KVTransferFailed: a rank did not take its part: the blocks hold no valid K/V (on some ranks).
+        """
+        if not block_ids:
+            return
+        layout = self._layout if self._layout is not None else self.kv_layout()
+        try:
+            per_rank = list(zip(*(split_payload(p, layout.shard_bytes) for p in payloads), strict=True))
+        except ValueError as exc:
+            raise KVTransferFailed(str(exc)) from None
+        self._call_ranks(lambda rank: KVCall("write_kv_blocks", (block_ids, [bytes(p) for p in per_rank[rank]])))
+        super().write_kv_blocks(block_ids, list(per_rank[0]))
+
+    def _call_ranks(self, call_for: Callable[[int], KVCall]) -> list[object]:
+        """Every other rank's answer to its ``call_for(rank)``, in rank order (``WorkerGroup.call``)."""
+        if not self.workers.is_alive:
+            raise KVTransferFailed(f"a {self.kind} rank is gone; the group serves no more")
+        return self.workers.call([call_for(rank) for rank in range(1, self.workers.size)])

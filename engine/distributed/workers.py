@@ -24,8 +24,9 @@ import torch
 
 from engine.config import EngineConfig
 from engine.distributed.communicator import open_store
+from engine.distributed.kv_transfer import KVCall, run_kv_call
 from engine.distributed.pipeline import join_groups
-from engine.errors import ModelLoadError
+from engine.errors import KVTransferFailed, ModelLoadError
 
 if TYPE_CHECKING:
     from engine.worker.model_runner import ModelRunner
@@ -80,6 +81,14 @@ def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
             return
         if step is None:
             return
+        if isinstance(step, KVCall):  # NOTE: no collective is pending: a failed call is answered, not fatal
+            try:
+                answer = ("ok", run_kv_call(runner, step))
+            except Exception as exc:  # noqa: BLE001 - the driver reports it
+                logger.error("rank %d failed %s:\n%s", rank, step.method, traceback.format_exc())
+                answer = ("error", f"{type(exc).__name__}: {exc}")
+            conn.send(answer)
+            continue
         try:
             runner.execute_model(step)
         except BaseException:
@@ -151,6 +160,34 @@ class WorkerGroup:
         """
         for conn in self._conns:
             conn.send(step)
+
+    def call(self, calls: list[KVCall]) -> list[object]:
+        """Sends each worker its call (``calls[0]`` to rank 1) and returns their answers, in rank order, once all
+        have answered.
+
+        Raises:
+            KVTransferFailed: a worker's call raised (named with its rank); or a worker ended or did not answer
+                within ``timeout_s``, and the group is stopped (a late answer would be taken for the next call's).
+        """
+        errors: list[str] = []
+        answers: list[object] = []
+        try:
+            for conn, call in zip(self._conns, calls, strict=True):
+                conn.send(call)
+            for rank, conn in enumerate(self._conns, 1):
+                if not conn.poll(self.timeout_s):
+                    raise TimeoutError(f"rank {rank} did not answer within {self.timeout_s:g} s")
+                status, value = conn.recv()
+                if status == "error":
+                    errors.append(f"rank {rank}: {value}")
+                answers.append(value)
+        except (OSError, EOFError, TimeoutError) as exc:
+            self.close()
+            reason = str(exc) or type(exc).__name__
+            raise KVTransferFailed(f"a rank is gone or hangs ({reason}); the group is stopped") from None
+        if errors:
+            raise KVTransferFailed("; ".join(errors))
+        return answers
 
     @property
     def is_alive(self) -> bool:

@@ -25,7 +25,7 @@ from engine.config import (
     step_token_budget,
 )
 from engine.core.kv_cache_groups import blocks_per_request
-from engine.core.kv_persistence import KVLayout, model_fingerprint
+from engine.core.kv_layout import KVLayout, KVShard, model_fingerprint
 from engine.core.scheduler_output import SchedulerOutput
 from engine.errors import ModelLoadError, ParameterError
 from engine.layers.attention import Attention
@@ -256,6 +256,11 @@ class ModelRunner:
             block_size=block_size, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
             dtype_bytes=self.kv_cache_dtype.itemsize, byteorder=sys.byteorder,
         )  # fmt: skip
+
+    def kv_shard(self) -> KVShard:
+        """This rank's part of every block: its tensor-parallel rank, stage, and the layers and KV heads it holds."""
+        num_layers, _, _, _, num_kv_heads, _ = self.kv_cache.shape
+        return KVShard(self.tp.rank, self.pp.rank, num_layers, num_kv_heads)
 
     @torch.inference_mode()
     def read_kv_blocks(self, block_ids: list[int]) -> list[bytes]:

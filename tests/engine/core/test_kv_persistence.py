@@ -11,6 +11,7 @@ import pytest
 
 from engine.core.block_hash import extend_block_hashes
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_layout import KVShard, model_fingerprint, split_payload
 from engine.core.kv_persistence import (
     MAGIC,
     BlockOrigin,
@@ -20,7 +21,6 @@ from engine.core.kv_persistence import (
     KVLayout,
     decode_block,
     encode_block,
-    model_fingerprint,
     salt_dir_name,
 )
 
@@ -286,3 +286,37 @@ def test_model_fingerprint_sees_changed_weights(tmp_path: Path) -> None:
     data[-1] ^= 1  # the last chunk is always sampled
     weights.write_bytes(bytes(data))
     assert model_fingerprint(config, [weights]) != before
+
+
+def test_a_split_over_ranks_is_a_layout_of_its_own_and_one_process_keeps_its_key() -> None:
+    """One process's key is that of the releases before sharded layouts (their directories still load); a
+    split's parts size its payload, in rank order, and another split (or tp=2 against pp=2) is another key."""
+    assert LAYOUT.key == "9a9eda9408c08b126cbc838185d84701"
+    assert "shards" not in LAYOUT.describe() and LAYOUT.shard_bytes == [LAYOUT.block_bytes]
+    tp2 = dataclasses.replace(LAYOUT, shards=(KVShard(0, 0, 2, 1), KVShard(1, 0, 2, 1)))
+    pp2 = dataclasses.replace(LAYOUT, shards=(KVShard(0, 0, 1, 1), KVShard(0, 1, 1, 1)))
+    uneven = dataclasses.replace(LAYOUT, shards=(KVShard(0, 0, 2, 1), KVShard(0, 1, 1, 1)))
+    assert len({LAYOUT.key, tp2.key, pp2.key, uneven.key}) == 4
+    assert tp2.shard_bytes == [2 * 2 * BS * 2 * 4] * 2 and pp2.block_bytes == LAYOUT.block_bytes
+    assert uneven.shard_bytes == [128, 64]
+    payload = bytes(range(192))
+    assert [bytes(p) for p in split_payload(payload, uneven.shard_bytes)] == [payload[:128], payload[128:]]
+    with pytest.raises(ValueError, match="not its ranks' parts"):
+        split_payload(payload[:-1], uneven.shard_bytes)
+
+
+def test_restored_blocks_whose_kv_did_not_load_are_evicted_again() -> None:
+    """``evict_restored_blocks`` undoes a restore: the blocks are free, their hashes hit nothing; a referenced
+    block is refused."""
+    origins = tracked(4)
+    kv = origins.kv
+    first = origins.restore_cached_block(b"\1" * 16, BlockOrigin(None, (1,) * BS, None))
+    second = origins.restore_cached_block(b"\2" * 16, BlockOrigin(b"\1" * 16, (2,) * BS, None))
+    assert first is not None and second is not None and kv.block_pool.num_cached_blocks == 2
+    kv.evict_restored_blocks([first, second])
+    kv.check_integrity()
+    assert kv.block_pool.num_cached_blocks == 0 and kv.block_pool.get_cached_block(b"\1" * 16) is None
+    assert kv.num_free_blocks == kv.num_blocks
+    table = admit(kv, "x", list(range(BS)))
+    with pytest.raises(ValueError, match="not an unreferenced cached block"):
+        kv.evict_restored_blocks(table)

@@ -122,8 +122,8 @@ def test_layers_split_evenly_or_as_the_partition_says() -> None:
 
 
 def test_splits_that_cannot_be_are_refused_before_any_rank_starts(tiny_model_factory) -> None:
-    """More stages than layers, a multimodal model, a partition without a pipeline, a persisted KV cache: a
-    ParameterError naming the field."""
+    """More stages than layers, a multimodal model, a partition without a pipeline: a ParameterError naming the
+    field."""
     with pytest.raises(ParameterError, match="exceeds the model's 2 decoder layers") as err:
         Engine(str(tiny_model_factory("llama")), pipeline_parallel_size=3, num_blocks=16)
     assert err.value.param == "pipeline_parallel_size"
@@ -132,6 +132,3 @@ def test_splits_that_cannot_be_are_refused_before_any_rank_starts(tiny_model_fac
     assert err.value.param == "pipeline_parallel_size"
     with pytest.raises(ParameterError, match="needs pipeline_parallel_size above 1"):
         EngineConfig(pipeline_layer_partition="1,1")
-    with pytest.raises(ParameterError, match="pipeline_parallel_size=1") as err:
-        EngineConfig(pipeline_parallel_size=2, kv_cache_dir="kv")
-    assert err.value.param == "kv_cache_dir"

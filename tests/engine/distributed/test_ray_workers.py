@@ -2,7 +2,7 @@
 a head node without CPUs for actors and a second raylet with two CPUs and a resource label of its own. pp=2 puts
 its second stage on the second node and gives transformers' greedy tokens; a killed stage actor fails the requests
 with a typed error and returns every block; a placement group the cluster cannot hold fails start-up by its
-deadline, naming the bundles."""
+deadline, naming the bundles; the stage on the second node saves and loads its layers of a persisted prefix."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 from engine import Engine, SamplingParams
 from engine.errors import ParameterError, WorkerGroupFailed
 from tests.engine.distributed.test_pipeline_parallel import PROMPTS, _assert_alone_and_batched, _hf_greedy
+from tests.engine.test_kv_cache_dir import CONFIG, QUESTIONS, SYSTEM, answer, assert_pool_whole
 
 ray = pytest.importorskip("ray")
 OPTIONS = dict(dtype="float32", device="cpu", block_size=4, num_blocks=96, distributed_executor_backend="ray")
@@ -88,3 +89,19 @@ def test_a_killed_stage_actor_fails_every_request_and_returns_every_block(two_no
     finally:
         engine.close()
     assert _free_cpus_become(2.0)
+
+
+def test_a_persisted_prefix_is_saved_and_loaded_through_the_actors(two_nodes, tiny_model_factory, tmp_path) -> None:
+    """pp=2 on Ray with kv_cache_dir: the first engine pins SYSTEM and saves on close, its last stage's layers
+    coming from the actor on the second node; a second engine loads them into both stages and serves the
+    questions from the cache with the first engine's tokens."""
+    model_dir = str(tiny_model_factory("llama"))
+    options = {**OPTIONS, **CONFIG, "pipeline_parallel_size": 2, "kv_cache_dir": tmp_path}
+    options["kv_cache_save_hot_blocks"] = 0
+    with Engine(model_dir, **options) as first:
+        first.pin_prefix(SYSTEM)
+        expected, _ = answer(first, QUESTIONS)
+    assert len(list(tmp_path.rglob("*.kvb"))) == 10
+    with Engine(model_dir, **options) as second:
+        assert answer(second, QUESTIONS) == (expected, [40, 40, 40])
+        assert_pool_whole(second)

@@ -293,18 +293,21 @@ class AsyncClient(AsyncClosing):
             self._scope, "embed", inputs, params, lambda items, _: self.transport.embed(items, params), origin=origin
         )
         data = [Embedding(index=i, embedding=v) for i, v in enumerate(pooled.values)]
-        return EmbeddingResult(model=self.model_name, data=data, usage=usage(pooled.num_tokens))
+        return EmbeddingResult(model=pooled.model or self.model_name, data=data, usage=usage(pooled.num_tokens))
 
     async def score(
-        self, query: str, documents: str | Sequence[str], *, origin: RequestOrigin | None = None, **options: Any
-    ) -> ScoreResult:
+        self, query: str | Sequence[str], documents: str | Sequence[str], *, origin: RequestOrigin | None = None,
+        **options: Any,
+    ) -> ScoreResult:  # fmt: skip
         """Each document's relevance to ``query``, in document order: a cross-encoder's score (sigmoid of its
-        logit; ``use_activation=False``: the logit), or an embedding model's cosine. Hooks as ``embed``
-        (kind ``"score"``; a filter's block names ``query`` or ``documents.i``).
+        logit; ``use_activation=False``: the logit), or an embedding model's cosine. A list of queries, one
+        per document, scores pairs (vLLM's ``text_1`` list). Hooks as ``embed`` (kind ``"score"``; a filter's
+        block names ``query``, ``query.i`` or ``documents.i``).
 
         Raises:
-            InvalidRequestError: an empty query or document, more than ``MAX_DOCUMENTS``, bad options, a pair
-                over the model's length with truncation off, or a generative model. Others as ``embed``.
+            InvalidRequestError: an empty query or document, queries not one per document, more than
+                ``MAX_DOCUMENTS``, bad options, a pair over the model's length with truncation off, or a
+                generative model. Others as ``embed``.
         """
         return await self._score("score", query, documents, origin, options)
 
@@ -319,23 +322,25 @@ class AsyncClient(AsyncClosing):
             InvalidRequestError: ``top_n`` below 1, or as ``score``.
         """
         check_top_n(top_n)
+        if not isinstance(query, str):
+            raise InvalidRequestError.about("query", "must be a non-empty string")
         scored = await self._score("rerank", query, documents, origin, options)
         results = ranked(scored.scores, list(documents), top_n, return_documents)
         return RerankResult(model=scored.model, results=results, usage=scored.usage)
 
     async def _score(
-        self, kind: RequestKind, query: str, documents: str | Sequence[str], origin: RequestOrigin | None,
-        options: dict[str, Any],
+        self, kind: RequestKind, query: str | Sequence[str], documents: str | Sequence[str],
+        origin: RequestOrigin | None, options: dict[str, Any],
     ) -> ScoreResult:  # fmt: skip
-        docs = score_inputs(query, documents)
+        checked, docs = score_inputs(query, documents)
         params = pooling_params(options)
 
-        async def call(items: list[Any], checked_query: str | None) -> Pooled:
-            assert checked_query is not None  # NOTE: a filter may rewrite the query, never remove it
-            return await self.transport.score(checked_query, items, params)
+        async def call(items: list[Any], hooked: str | list[str] | None) -> Pooled:
+            assert hooked is not None  # NOTE: a filter may rewrite the query, never remove it
+            return await self.transport.score(hooked, items, params)
 
-        pooled = await run_pooling(self._scope, kind, docs, params, call, query=query, origin=origin)
-        return ScoreResult(model=self.model_name, scores=pooled.values, usage=usage(pooled.num_tokens))
+        pooled = await run_pooling(self._scope, kind, docs, params, call, query=checked, origin=origin)
+        return ScoreResult(model=pooled.model or self.model_name, scores=pooled.values, usage=usage(pooled.num_tokens))
 
     async def prefix(
         self, prefix: str | Sequence[ChatMessage | dict[str, Any] | tuple[str, str]], *, cache_salt: str | None = None

@@ -24,7 +24,7 @@ from sdk.request_run import RequestScope, end_request
 from sdk.transport import Pooled
 from sdk.types import Usage
 
-PoolingCall = Callable[[list[str | list[int]], "str | None"], Awaitable[Pooled]]
+PoolingCall = Callable[[list[str | list[int]], "str | list[str] | None"], Awaitable[Pooled]]
 """Runs a pooling request on the transport: gets the inputs and the query as the hooks left them."""
 
 _ID_PREFIX = {"embed": "embd", "rerank": "rerank", "score": "score"}
@@ -37,7 +37,7 @@ async def run_pooling(
     params: PoolingParams,
     call: PoolingCall,
     *,
-    query: str | None = None,
+    query: str | list[str] | None = None,
     origin: RequestOrigin | None = None,
 ) -> Pooled:
     """Run one pooling request (``inputs`` already checked) under the scope's limits and hooks.
@@ -48,7 +48,7 @@ async def run_pooling(
         inputs: what it embeds, or the documents it scores against ``query``.
         params: the pooling options, for the hooks' ``ctx.params``.
         call: runs it on the transport with the inputs and query the input hooks left.
-        query: a rerank or score request's query.
+        query: a rerank or score request's query (a score request's may be one per document).
         origin: who sent it (client address, headers), for the hooks' context.
 
     Returns:
@@ -61,16 +61,20 @@ async def run_pooling(
         RateLimited: as ``AsyncClient.chat``; others as the transport's ``embed`` / ``score``.
     """
     model_source = await scope.startup()
+    model = scope.transport.pooling_model_name("embed" if kind == "embed" else "score")
+    if model != scope.transport.model_name:
+        model_source = None  # NOTE: it describes the chat engine; the pooling engine beside it is another
     origin = origin or RequestOrigin()
     ctx = RequestContext(
-        request_id=f"{_ID_PREFIX[kind]}-{uuid.uuid4().hex}", model=scope.transport.model_name, route=scope.route,
+        request_id=f"{_ID_PREFIX[kind]}-{uuid.uuid4().hex}", model=model, route=scope.route,
         kind=kind, params=dataclasses.asdict(params), tenant=scope.tenant, client_address=origin.client_address,
         headers=origin.headers, inputs=list(inputs), query=query, model_source=model_source,
     )  # fmt: skip
     lease = scope.limiter.enter() if scope.limiter is not None else None
     try:
         await scope.hooks.on_request(ctx)
-        texts: list[str | list[int]] = [*([ctx.query] if ctx.query is not None else []), *(ctx.inputs or ())]
+        queries = [ctx.query] if isinstance(ctx.query, str) else list(ctx.query or ())
+        texts: list[str | list[int]] = [*queries, *(ctx.inputs or ())]
         if lease is not None:
             needed = _estimate_tokens(texts)
             try:

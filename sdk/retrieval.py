@@ -115,20 +115,31 @@ def embed_inputs(input: EmbedInputLike) -> list[str | list[int]]:
     return inputs  # type: ignore[return-value]
 
 
-def score_inputs(query: str, documents: str | Sequence[str]) -> list[str]:
-    """The documents of a rerank or score request, checked with its query.
+def score_inputs(query: str | Sequence[str], documents: str | Sequence[str]) -> tuple[str | list[str], list[str]]:
+    """The query (one, or one per document: pairs) and the documents of a rerank or score request, checked.
 
     Raises:
-        InvalidRequestError: an empty query, no document, an empty one, or more than ``MAX_DOCUMENTS``.
+        InvalidRequestError: an empty query, queries not one per document, no document, an empty one, or more
+            than ``MAX_DOCUMENTS`` (``param``: ``query``, ``query.i``, ``documents`` or ``documents.i``).
     """
-    if not isinstance(query, str) or not query:
-        raise InvalidRequestError.about("query", "must be a non-empty string")
     docs = [documents] if isinstance(documents, str) else list(documents)
     _check_count("documents", len(docs), MAX_DOCUMENTS)
     for i, doc in enumerate(docs):
         if not isinstance(doc, str) or not doc:
             raise InvalidRequestError.about(f"documents.{i}", "must be a non-empty string")
-    return docs
+    if isinstance(query, str) or not isinstance(query, Sequence):
+        if not isinstance(query, str) or not query:
+            raise InvalidRequestError.about("query", "must be a non-empty string")
+        return query, docs
+    queries = list(query)
+    if len(queries) == 1:  # NOTE: vLLM's reading: one query in a list is the query of every document
+        return score_inputs(queries[0], docs)
+    if len(queries) != len(docs):
+        raise InvalidRequestError.about("query", f"has {len(queries)} items: give one query, or one per document ({len(docs)})")
+    for i, q in enumerate(queries):
+        if not isinstance(q, str) or not q:
+            raise InvalidRequestError.about(f"query.{i}", "must be a non-empty string")
+    return queries, docs
 
 
 def _check_count(field: str, count: int, limit: int) -> None:

@@ -40,9 +40,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CLIENT_MAX_SIZE = 4 << 20  # bytes of request body
 DEFAULT_DRAIN_TIMEOUT = 30.0  # seconds
-# NOTE: tokens a pooling model served beside the chat model runs a step: engines step in turn
-# (engine.driver.STEP_LOCK), so a chat decode waits at most one batch this size for an embedding burst
-SHARED_POOLING_BUDGET = 256
 
 
 def create_app(
@@ -161,7 +158,7 @@ async def _load(state: ServerState, factory: Callable[[], Serving], extra: Seque
 def _share_steps(engine: Any) -> None:
     """Driver thread: a pooling engine beside the chat model runs ``SHARED_POOLING_BUDGET`` tokens a step."""
     if engine.pooling is not None:
-        engine.pooling.token_budget = SHARED_POOLING_BUDGET
+        engine.pooling.share_steps()
 
 
 async def _drain(app: web.Application) -> None:

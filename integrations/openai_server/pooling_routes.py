@@ -14,7 +14,6 @@ cuts), ``-1`` the same, ``k`` = the first k tokens, ``null`` = no truncation (a 
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import struct
 from typing import Any, Literal
@@ -27,7 +26,6 @@ from integrations.openai_server.errors import ApiError, from_sdk
 from integrations.openai_server.intake import check_common, origin, parse_body
 from integrations.openai_server.state import STATE, TENANT, ServerState
 from sdk.errors import ContentBlocked, InvalidRequestError, PagedError
-from sdk.retrieval import usage
 
 
 class _PoolingBody(BaseModel):
@@ -160,36 +158,21 @@ async def score(request: web.Request) -> web.Response:
     docs = [body.text_2] if isinstance(body.text_2, str) else body.text_2
     names = {"query": "text_1", "documents": "text_2"}
     try:
-        if len(queries) == 1:
-            results = [await client.score(queries[0], docs, **_options(request, body))]
-        elif len(queries) == len(docs):
-            # NOTE: pairs: one engine call each, run together (the engine batches them)
-            results = list(await asyncio.gather(*(_pair(client, i, q, d, _options(request, body)) for i, (q, d) in enumerate(zip(queries, docs)))))
-        else:
+        if len(queries) not in (1, len(docs)):
             raise InvalidRequestError.about(
                 "text_1", f"has {len(queries)} items: give one query, or one per text_2 item ({len(docs)})"
             )
+        # NOTE: one SDK request either way (one audit record); a query per document scores pairs
+        query = queries[0] if len(queries) == 1 else queries
+        result = await client.score(query, docs, **_options(request, body))
     except PagedError as exc:
         raise _error(exc, names) from None
-    scores = [s for r in results for s in r.scores]
-    num_tokens = sum(r.usage.prompt_tokens for r in results)
-    _count(state, "/v1/score", num_tokens)
+    _count(state, "/v1/score", result.usage.prompt_tokens)
     return web.json_response({
         "id": p.random_id("score"), "object": "list", "created": p.now(), "model": model,
-        "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
-        "usage": usage(num_tokens).model_dump(),
+        "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(result.scores)],
+        "usage": result.usage.model_dump(),
     })  # fmt: skip
-
-
-async def _pair(client: Any, index: int, query: str, document: str, options: dict[str, Any]) -> Any:
-    """Pair ``index``'s score; its errors name the pair's items (``text_1.3``, ``text_2.3``)."""
-    try:
-        return await client.score(query, [document], **options)
-    except (InvalidRequestError, ContentBlocked) as exc:
-        head = (exc.param or "").partition(".")[0]
-        if head in ("query", "documents"):
-            raise exc.at(f"{'text_1' if head == 'query' else 'text_2'}.{index}") from None
-        raise
 
 
 def _encode(vector: list[float], encoding_format: str) -> list[float] | str:

@@ -101,7 +101,7 @@ class RequestContext:
     prompt: str | list[int] | None = None
     # a pooling request's: what it embeds (texts or token-id lists) or the documents it scores, and the query
     inputs: list[str | list[int]] | None = None
-    query: str | None = None
+    query: str | list[str] | None = None  # a score request's may be one per input (pairs)
     started_at: float = field(default_factory=time.time)  # wall clock, seconds
     start_monotonic: float = field(default_factory=time.monotonic)
     first_token_monotonic: float | None = None

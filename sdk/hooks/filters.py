@@ -87,7 +87,10 @@ class RegexFilter(Hook):
 
     def _filter_inputs(self, ctx: RequestContext) -> None:
         """A pooling request's query and inputs, each on its own: a block names the first that matched."""
-        named: list[tuple[str, str | list[int]]] = [("query", ctx.query)] if ctx.query is not None else []
+        if isinstance(ctx.query, list):  # pairs: one query per input
+            named: list[tuple[str, str | list[int]]] = [(f"query.{i}", q) for i, q in enumerate(ctx.query)]
+        else:
+            named = [("query", ctx.query)] if ctx.query is not None else []
         named += [(f"{ctx.input_field}.{i}", item) for i, item in enumerate(ctx.inputs or ())]
         num_matches = 0
         for param, item in named:
@@ -99,7 +102,9 @@ class RegexFilter(Hook):
             num_matches += found
         if num_matches == 0:
             return
-        if ctx.query is not None:
+        if isinstance(ctx.query, list):
+            ctx.query = [self.pattern.sub(self.replacement, q) for q in ctx.query]
+        elif ctx.query is not None:
             ctx.query = self.pattern.sub(self.replacement, ctx.query)
         ctx.inputs = [self.pattern.sub(self.replacement, item) for item in ctx.inputs]  # type: ignore[arg-type, union-attr]
         ctx.record(self.name, "input", "redact", f"{num_matches} match(es)")

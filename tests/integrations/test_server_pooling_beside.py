@@ -12,7 +12,8 @@ import pytest
 
 from engine import Engine
 from engine.llm_engine import Engine as LLMEngine
-from integrations.openai_server.app import SHARED_POOLING_BUDGET, create_app
+from engine.pooling.pooling_queue import SHARED_POOLING_BUDGET
+from integrations.openai_server.app import create_app
 from integrations.openai_server.state import STATE
 
 TEXTS = ["The cat sat on the mat.", "Paris is the capital of France."]

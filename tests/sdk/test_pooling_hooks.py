@@ -73,7 +73,10 @@ async def test_audit_records_name_kind_model_inputs_tokens_and_tenant(tmp_path) 
     assert {r["finish_reason"] for r in records} == {"stop"} and {r["error"] for r in records} == {None}
     assert records[0]["request_id"].startswith("embd-") and records[1]["request_id"].startswith("rerank-")
     assert all(r["latency_s"] > 0 and "inputs" not in r for r in records)  # no text without include_text
-    assert AuditLog.verify(tmp_path / "audit.jsonl") == 3
+    pairs = await client.score([QUERY, "cats"], [DOCS[1], DOCS[2]])  # one request, one record
+    assert pairs.scores == pytest.approx([scored.scores[1], (await client.score("cats", DOCS[2])).scores[0]], abs=1e-6)
+    assert [r["kind"] for r in _records(tmp_path / "audit.jsonl")[3:]] == ["score", "score"]
+    assert AuditLog.verify(tmp_path / "audit.jsonl") == 5
 
 
 async def test_input_filter_blocks_naming_the_input(tmp_path) -> None:
@@ -93,12 +96,15 @@ async def test_input_filter_blocks_naming_the_input(tmp_path) -> None:
     with pytest.raises(ContentBlocked) as blocked:
         await client.score("the secret capital", DOCS)
     assert blocked.value.param == "query"
+    with pytest.raises(ContentBlocked) as blocked:  # pairs: a query per document
+        await client.score(["capital", "a secret"], DOCS[:2])
+    assert blocked.value.param == "query.1"
     with pytest.raises(ContentBlocked) as blocked:  # token ids cannot be read: fail closed
         await client.embed([[101, 2023, 102]])
     assert blocked.value.param == "input.0"
     assert client.stats()["pooling_requests"] == before
     records = _records(tmp_path / "audit.jsonl")
-    assert [r["kind"] for r in records] == ["embed", "rerank", "score", "embed"]
+    assert [r["kind"] for r in records] == ["embed", "rerank", "score", "score", "embed"]
     assert {r["error"] for r in records} == {"ContentBlocked"} and {r["finish_reason"] for r in records} == {None}
     assert records[0]["decisions"] == [
         {"hook": "no-secrets", "stage": "input", "action": "block", "detail": "input.1 matched the no-secrets filter"}

@@ -134,7 +134,7 @@ class Runtime(Closing, AsyncClosing):
             await asyncio.to_thread(_load, state, self._model, self._engine_config, self._pooling_models)
         if state.pooling and not state.steps_shared:
             for engine in state.pooling.values():
-                await engine.call(_share_steps)
+                await engine.share_steps()
             state.steps_shared = True
 
     def run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -211,12 +211,6 @@ def _load(state: _State, model: str | None, engine_config: dict[str, Any], pooli
         for task, path in pooling_models.items():
             if task not in state.pooling:
                 state.pooling[task] = AsyncEngine(path, **shared)
-
-
-def _share_steps(engine: Any) -> None:
-    """Driver thread: a pooling engine beside the chat model runs the shared budget a step."""
-    if engine.pooling is not None:
-        engine.pooling.share_steps()
 
 
 def _owned(state: _State) -> list[AsyncEngine]:

@@ -139,7 +139,7 @@ async def _load(state: ServerState, factory: Callable[[], Serving], extra: Seque
             beside = await asyncio.to_thread(make)
             state.beside[beside.model_name] = beside
             await beside.start()
-            await beside.engine.call(_share_steps)
+            await beside.engine.share_steps()
     except Exception:
         logger.exception("engine failed to start")
         state.phase = Phase.DEAD
@@ -153,12 +153,6 @@ async def _load(state: ServerState, factory: Callable[[], Serving], extra: Seque
     if state.phase is Phase.STARTING:
         state.phase = Phase.SERVING
         logger.info("serving %s", ", ".join(s.model_name for s in state.servings()))
-
-
-def _share_steps(engine: Any) -> None:
-    """Driver thread: a pooling engine beside the chat model runs ``SHARED_POOLING_BUDGET`` tokens a step."""
-    if engine.pooling is not None:
-        engine.pooling.share_steps()
 
 
 async def _drain(app: web.Application) -> None:

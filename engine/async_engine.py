@@ -279,9 +279,11 @@ class AsyncEngine:
         def on_done(out: Any) -> None:  # driver thread
             resolve(loop, result, error=out) if isinstance(out, BaseException) else resolve(loop, result, out)
 
+        arrival = time.monotonic()
+
         def add(engine: Engine) -> None:
             rid = request_id if request_id is not None else f"{self._id_prefix}-{engine.pooling.next_id()}"
-            engine.pooling.add(PoolingRequest(rid, kind, item, params, on_done))
+            engine.pooling.add(PoolingRequest(rid, kind, item, params, on_done, arrival))
 
         await self.call(add)
         return await self._wait(result, generation)

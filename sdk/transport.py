@@ -372,13 +372,18 @@ class InProcessTransport(Transport):
         await self.engine.unpin_prefix(pin_id)
 
     def stats(self) -> dict[str, Any]:
-        """The chat engine's figures; its ``pooling_*`` counts summed over the pooling engines beside it."""
+        """The chat engine's figures; its pooling ones (``pooling_*``, ``pooling``) summed over the pooling engines
+        beside it."""
         stats = self.engine.stats()
-        beside = {id(e): e for e in (self.runtime.pooling_engine(t) for t in ("embed", "score")) if e is not self.engine}
-        for engine in beside.values():
-            for key, value in engine.stats().items():
+        beside = {id(e): e.stats() for e in (self.runtime.pooling_engine(t) for t in ("embed", "score")) if e is not self.engine}
+        for other in beside.values():
+            for key, value in other.items():
                 if key.startswith("pooling_") and isinstance(value, (int, float)):
                     stats[key] = stats.get(key, 0) + value
+        if beside and "pooling" in stats:
+            from engine.pooling.pooling_stats import merge_pooling
+
+            stats["pooling"] = merge_pooling(stats["pooling"], *(o["pooling"] for o in beside.values() if "pooling" in o))
         return stats
 
     @property

@@ -149,7 +149,7 @@ async def _load(state: ServerState, factory: Callable[[], Serving], extra: Seque
     gc.collect()
     gc.freeze()
     state.serving = serving
-    state.collector.bind(serving.stats)
+    state.collector.bind(state.stats)
     if state.phase is Phase.STARTING:
         state.phase = Phase.SERVING
         logger.info("serving %s", ", ".join(s.model_name for s in state.servings()))

@@ -158,3 +158,34 @@ async def test_a_cancelled_request_is_audited_as_abort(tmp_path) -> None:
         await task
     [record] = _records(tmp_path / "audit.jsonl")
     assert (record["kind"], record["finish_reason"], record["error"]) == ("embed", "abort", "CancelledError")
+
+
+async def test_adapters_run_the_hooks_under_their_route(tmp_path) -> None:
+    """The LangChain and LlamaIndex embedders and rerankers take hooks: a blocked document is ContentBlocked,
+    and each call leaves a record under the adapter's route."""
+    from langchain_core.documents import Document
+    from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+
+    from sdk.integrations import langchain as lc
+    from sdk.integrations import llamaindex as li
+
+    audit = AuditLog(tmp_path / "audit.jsonl")
+    hooks = [RegexFilter(r"(?i)secret"), audit]
+    embeddings = lc.PagedEmbeddings(runtime=RUNTIME, hooks=hooks)
+    with pytest.raises(ContentBlocked) as blocked:
+        await embeddings.aembed_documents(["fine", "a secret"])
+    assert blocked.value.param == "input.1"
+    assert len(embeddings.embed_query("fine")) == 384
+    kept = lc.PagedRerank(runtime=RUNTIME, hooks=hooks, top_n=1).compress_documents(
+        [Document(page_content=d) for d in DOCS], QUERY
+    )
+    assert kept[0].page_content == DOCS[1]
+    nodes = [NodeWithScore(node=TextNode(text=d), score=0.0) for d in DOCS]
+    li.PagedRerank(runtime=RUNTIME, hooks=hooks, top_n=1).postprocess_nodes(nodes, QueryBundle(QUERY))
+    li.PagedEmbedding(runtime=RUNTIME, hooks=hooks).get_text_embedding_batch(DOCS)
+    records = _records(tmp_path / "audit.jsonl")
+    assert [(r["route"], r["kind"], r["error"]) for r in records] == [
+        ("langchain-embeddings", "embed", "ContentBlocked"), ("langchain-embeddings", "embed", None),
+        ("langchain-rerank", "rerank", None), ("llamaindex-rerank", "rerank", None),
+        ("llamaindex-embedding", "embed", None),
+    ]

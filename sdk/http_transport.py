@@ -22,7 +22,7 @@ import aiohttp
 
 from engine.pooling.params import PoolingParams
 
-from sdk.errors import EngineFailure, InvalidRequestError, from_wire
+from sdk.errors import ContentBlocked, EngineFailure, InvalidRequestError, from_wire
 from sdk.images import ImageInfo, data_url_infos
 from sdk.responses.types import ResponseEvent
 from sdk.transport import EngineRequest, Pooled, PrefixPin, Transport
@@ -211,9 +211,10 @@ class HttpTransport(Transport):
         body = {"model": self.model_name, "text_1": text_1, "text_2": list(documents), **_pooling_fields(params)}
         try:
             out = await self._post("/score", body)
-        except InvalidRequestError as exc:  # NOTE: the route's names for the SDK's fields
-            param = (exc.param or "").replace("text_1", "query", 1).replace("text_2", "documents", 1)
-            raise exc.at(param or None) from None
+        except (InvalidRequestError, ContentBlocked) as exc:  # NOTE: the route's names for the SDK's fields
+            if not exc.param:
+                raise
+            raise exc.at(exc.param.replace("text_1", "query", 1).replace("text_2", "documents", 1)) from None
         data = sorted(out["data"], key=lambda d: d["index"])
         return Pooled([float(d["score"]) for d in data], int(out["usage"]["prompt_tokens"]), out.get("model"))
 

@@ -83,5 +83,8 @@ async def test_remote_client_gets_the_typed_error(served):
             await remote.embed(["fine", "fine", "secret"])
         assert blocked.value.param == "input.2"
         assert len((await remote.embed("fine")).embeddings[0]) == 384
+        with pytest.raises(ContentBlocked) as blocked:  # the route's text_2.1, under the SDK's name
+            await remote.score(["fine", "fine"], ["fine", "secret"])
+        assert blocked.value.param == "documents.1"
     finally:
         await remote.aclose()

@@ -107,11 +107,12 @@ async def test_chat_decodes_while_an_embedding_burst_runs(chat_dir) -> None:
     finishes while most of the burst still waits: the engines take turns a step each, so the burst does not
     hold the chat model's decodes until it is done."""
     runtime = Runtime(str(chat_dir), embedding_model=MINILM, dtype="float32", num_blocks=64)
+    burst: list[asyncio.Future] = []
     try:
         client = AsyncClient(runtime=runtime)
         await client.start()
         long_text = "retrieval augmented generation over paged attention " * 60  # cut at MiniLM's 256 tokens
-        burst = [asyncio.ensure_future(client.embed(long_text)) for _ in range(120)]
+        burst += [asyncio.ensure_future(client.embed(long_text)) for _ in range(120)]
         done, _ = await asyncio.wait(burst, return_when=asyncio.FIRST_COMPLETED)  # the burst is running
         reply = await client.chat("Hello", max_tokens=12, temperature=0, ignore_eos=True)
         answered = sum(task.done() for task in burst)

@@ -88,6 +88,7 @@ class AsyncEngine:
         pooling = engine.pooling_tokens
         self._pooling_tokens = None if pooling is None else PoolingTokenizer(self._processor.tokenizer, pooling.config)
         self._ids = itertools.count()
+        self._shares_steps = False  # see share_steps()
         self._id_prefix = uuid.uuid4().hex[:8]
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._admission = Admission(self.config.max_queued_requests, self.config.max_queued_tokens)
@@ -96,8 +97,22 @@ class AsyncEngine:
         )
 
     def _start_engine(self) -> Engine:
-        """A fresh engine for a restart: the first one's settings and KV cache size."""
-        return Engine(config=self._restart_config)
+        """A fresh engine for a restart: the first one's settings and KV cache size, and its shared step budget."""
+        engine = Engine(config=self._restart_config)
+        if self._shares_steps and engine.pooling is not None:
+            engine.pooling.share_steps()
+        return engine
+
+    async def share_steps(self) -> None:
+        """A pooling engine beside a chat model in this process: from now on (and after a restart) it runs
+        ``SHARED_POOLING_BUDGET`` tokens a step, so a chat decode waits at most one small batch for it.
+        A no-op for a generative model.
+
+        Raises:
+            EngineRestarting, EngineError: as ``call()``.
+        """
+        self._shares_steps = True
+        await self.call(_share_steps)
 
     # ---------------------------------------------------------------------------- properties
 
@@ -264,9 +279,11 @@ class AsyncEngine:
         def on_done(out: Any) -> None:  # driver thread
             resolve(loop, result, error=out) if isinstance(out, BaseException) else resolve(loop, result, out)
 
+        arrival = time.monotonic()
+
         def add(engine: Engine) -> None:
             rid = request_id if request_id is not None else f"{self._id_prefix}-{engine.pooling.next_id()}"
-            engine.pooling.add(PoolingRequest(rid, kind, item, params, on_done))
+            engine.pooling.add(PoolingRequest(rid, kind, item, params, on_done, arrival))
 
         await self.call(add)
         return await self._wait(result, generation)
@@ -369,3 +386,9 @@ class AsyncEngine:
             if (error := self._supervisor.failure(generation)) is not None and not future.done():
                 raise error
         return future.result()
+
+
+def _share_steps(engine: Engine) -> None:
+    """Driver thread: the engine's pooling queue runs the shared budget (see ``AsyncEngine.share_steps``)."""
+    if engine.pooling is not None:
+        engine.pooling.share_steps()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from engine.pooling.pooling_stats import PoolingStats
+
 if TYPE_CHECKING:
     from engine.core.kv_cache_manager import KVCacheManager
     from engine.core.scheduler import Scheduler
@@ -14,7 +16,7 @@ if TYPE_CHECKING:
 
 def engine_stats(
     scheduler: Scheduler, kv_cache: KVCacheManager, outputs: OutputProcessor, runner: Any, requests: RequestStats,
-    spec_decode: SpecDecodeStats, busy_seconds: float,
+    spec_decode: SpecDecodeStats, busy_seconds: float, pooling: PoolingStats | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """The engine's figures.
 
@@ -26,6 +28,8 @@ def engine_stats(
         scheduler, kv_cache, outputs, runner: the engine's parts.
         requests, spec_decode: what the engine counted of its requests and drafts.
         busy_seconds: the time it spent stepping.
+        pooling: a pooling model's batch figures (``engine.pooling.pooling_stats``); None: a generative model's
+            (``pooling`` then holds every kind at zero, so the series exist).
     """
     kv, fair = kv_cache.stats(), scheduler.fair
     encoder_cache = getattr(runner, "encoder_cache", None)  # None: a text-only model
@@ -60,6 +64,8 @@ def engine_stats(
         "pooling_requests": getattr(runner, "num_pooled_requests", 0),
         "pooling_tokens": getattr(runner, "num_pooled_tokens", 0),
         "pooling_batches": getattr(runner, "num_pooled_batches", 0),
+        # by kind ("embed", "score"): inputs, tokens, batches, queue and compute seconds per input, inputs per batch
+        "pooling": (pooling or PoolingStats()).snapshot(),
         # what the linear weights run as: {"quantization", "modules": {kind: count}, "bytes", "products"}
         "weights": runner.weights.as_dict(),
         # what serves attention, e.g. "cpu (bfloat16 cache; tiles of 48 queries, their shared keys on avx512-bf16)"

@@ -546,5 +546,5 @@ class Engine(BatchAPI, PoolingAPI):
         """The engine's figures (names shared with ``/metrics`` and ``paged bench``; ``engine.engine_stats``)."""
         return engine_stats(
             self.scheduler, self.kv, self.output_processor, self.runner, self.request_stats, self.spec_stats,
-            self._busy_seconds,
+            self._busy_seconds, None if self.pooling is None else self.pooling.stats,
         )  # fmt: skip

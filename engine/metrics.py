@@ -32,6 +32,28 @@ class Histogram:
         self.count = 0
         self.sum = 0.0
 
+    @classmethod
+    def merged(cls, snapshots: Sequence[dict[str, Any]]) -> Histogram:
+        """One histogram holding the observations of ``snapshot()``s taken of histograms with the same bounds.
+
+        Raises:
+            ValueError: no snapshot, or their bounds differ.
+        """
+        if not snapshots:
+            raise ValueError("nothing to merge")
+        bounds = [le for le, _ in snapshots[0]["buckets"][:-1]]
+        merged = cls(bounds)
+        for snapshot in snapshots:
+            if [le for le, _ in snapshot["buckets"][:-1]] != bounds:
+                raise ValueError("histograms with different bounds cannot be merged")
+            below = 0
+            for i, (_, cumulative) in enumerate(snapshot["buckets"]):
+                merged.counts[i] += cumulative - below
+                below = cumulative
+            merged.count += snapshot["count"]
+            merged.sum += snapshot["sum"]
+        return merged
+
     def observe(self, value: float) -> None:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.count += 1

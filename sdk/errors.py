@@ -107,15 +107,24 @@ class ContentBlocked(PagedError):
     Attributes:
         reason: why, in words safe to show the caller (never the matched text).
         hook: the name of the hook that blocked.
+        param: the input it blocked where the request has several (a pooling request's ``input.3``,
+            ``documents.1``, ``query``); the reason begins with it. None for a chat or completion.
     """
 
     status_code = 400
     code = "content_filter"
 
-    def __init__(self, reason: str, *, hook: str | None = None) -> None:
-        super().__init__(reason)
+    def __init__(self, reason: str, *, hook: str | None = None, param: str | None = None) -> None:
+        super().__init__(reason, param=param)
         self.reason = reason
         self.hook = hook
+
+    def at(self, param: str) -> ContentBlocked:
+        """This error about the same input under the name ``param`` (a route's name for the field)."""
+        reason = self.reason
+        if self.param is not None and reason.startswith(self.param):
+            reason = param + reason[len(self.param) :]
+        return ContentBlocked(reason, hook=self.hook, param=param)
 
     @property
     def public_message(self) -> str:
@@ -235,7 +244,7 @@ def from_wire(status: int, error: dict[str, Any], retry_after: float | None = No
     param = error.get("param") if isinstance(error.get("param"), str) else None
     wait = 1.0 if retry_after is None else retry_after
     if error.get("code") == ContentBlocked.code:
-        return ContentBlocked(message)
+        return ContentBlocked(message, param=param)
     if error.get("code") == EngineRestarting.code:  # NOTE: also an error event after a stream started (HTTP 200)
         return EngineRestarting(message, retry_after=wait)
     if error.get("code") == RateLimited.code:

@@ -22,7 +22,7 @@ import aiohttp
 
 from engine.pooling.params import PoolingParams
 
-from sdk.errors import EngineFailure, InvalidRequestError, from_wire
+from sdk.errors import ContentBlocked, EngineFailure, InvalidRequestError, from_wire
 from sdk.images import ImageInfo, data_url_infos
 from sdk.responses.types import ResponseEvent
 from sdk.transport import EngineRequest, Pooled, PrefixPin, Transport
@@ -204,17 +204,19 @@ class HttpTransport(Transport):
         body = {"model": self.model_name, "input": list(inputs), "encoding_format": "float", **_pooling_fields(params)}
         out = await self._post("/embeddings", body)
         data = sorted(out["data"], key=lambda d: d["index"])
-        return Pooled([d["embedding"] for d in data], int(out["usage"]["prompt_tokens"]))
+        return Pooled([d["embedding"] for d in data], int(out["usage"]["prompt_tokens"]), out.get("model"))
 
-    async def score(self, query: str, documents: Sequence[str], params: PoolingParams) -> Pooled:
-        body = {"model": self.model_name, "text_1": query, "text_2": list(documents), **_pooling_fields(params)}
+    async def score(self, query: str | Sequence[str], documents: Sequence[str], params: PoolingParams) -> Pooled:
+        text_1 = query if isinstance(query, str) else list(query)
+        body = {"model": self.model_name, "text_1": text_1, "text_2": list(documents), **_pooling_fields(params)}
         try:
             out = await self._post("/score", body)
-        except InvalidRequestError as exc:  # NOTE: the route's names for the SDK's fields
-            param = (exc.param or "").replace("text_1", "query", 1).replace("text_2", "documents", 1)
-            raise exc.at(param or None) from None
+        except (InvalidRequestError, ContentBlocked) as exc:  # NOTE: the route's names for the SDK's fields
+            if not exc.param:
+                raise
+            raise exc.at(exc.param.replace("text_1", "query", 1).replace("text_2", "documents", 1)) from None
         data = sorted(out["data"], key=lambda d: d["index"])
-        return Pooled([float(d["score"]) for d in data], int(out["usage"]["prompt_tokens"]))
+        return Pooled([float(d["score"]) for d in data], int(out["usage"]["prompt_tokens"]), out.get("model"))
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         async with self._client().post(self._base + path, json=body, headers=self._headers) as resp:

@@ -211,16 +211,21 @@ class RequestRun:
             yield delta
 
     async def _finish(self, ctx: RequestContext, lease: Lease | None) -> None:
-        """Settles the lease, aborts what the engine still runs and runs the finish hooks."""
-        if lease is not None:
-            lease.release(ctx.usage.total_tokens)
-        if self.in_engine:
-            await self.scope.transport.abort(ctx.request_id)
-        if ctx.finish_reason is None and (self.in_engine and ctx.error is not None or _abandoned(ctx.error)):
-            ctx.finish_reason = "abort"  # NOTE: wherever it was: queued, rendering or in the engine
-        ctx.end_monotonic = time.monotonic()
-        self.scope.prefixes.count_hits(ctx.prompt_token_ids or (), ctx.usage.cached_tokens)
-        await self.scope.hooks.on_finish(ctx)
+        await end_request(self.scope, ctx, lease, in_engine=self.in_engine)
+
+
+async def end_request(scope: RequestScope, ctx: RequestContext, lease: Lease | None, *, in_engine: bool = False) -> None:
+    """Whatever happened to a request (chat, completion or pooling): its lease settled with the tokens it used,
+    the engine request aborted if it still runs (``in_engine``), and the finish hooks (audit) run once."""
+    if lease is not None:
+        lease.release(ctx.usage.total_tokens)
+    if in_engine:
+        await scope.transport.abort(ctx.request_id)
+    if ctx.finish_reason is None and (in_engine and ctx.error is not None or _abandoned(ctx.error)):
+        ctx.finish_reason = "abort"  # NOTE: wherever it was: queued, rendering or in the engine
+    ctx.end_monotonic = time.monotonic()
+    scope.prefixes.count_hits(ctx.prompt_token_ids or (), ctx.usage.cached_tokens)
+    await scope.hooks.on_finish(ctx)
 
 
 def _abandoned(error: BaseException | None) -> bool:

@@ -1,14 +1,14 @@
-"""Embeddings, reranking and relevance scores through the SDK: their result types, their limits, and one
-request's run under the tenant's rate limit, on any transport (in process or remote).
+"""Embeddings, reranking and relevance scores through the SDK: their result types and their limits, on any
+transport (in process or remote).
 
-``AsyncClient.embed`` / ``.rerank`` / ``.score`` build on ``run_embed`` and ``run_score``; a transport
-answers ``Transport.embed`` / ``Transport.score`` with a ``Pooled`` batch. The results are the same
-pydantic types either way.
+``AsyncClient.embed`` / ``.rerank`` / ``.score`` check their inputs here and run them through
+``sdk.pooling_run`` (limits, hooks, audit); a transport answers ``Transport.embed`` / ``Transport.score``
+with a ``Pooled`` batch. The results are the same pydantic types either way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict
@@ -17,8 +17,6 @@ from engine.errors import ParameterError
 from engine.pooling.params import PoolingParams
 from sdk.errors import InvalidRequestError
 from sdk.fields import from_engine
-from sdk.request_run import RequestScope
-from sdk.transport import Pooled
 
 MAX_INPUTS = 2048  # inputs of one embedding request (OpenAI's bound)
 MAX_DOCUMENTS = 1000  # documents of one rerank or score request
@@ -117,20 +115,31 @@ def embed_inputs(input: EmbedInputLike) -> list[str | list[int]]:
     return inputs  # type: ignore[return-value]
 
 
-def score_inputs(query: str, documents: str | Sequence[str]) -> list[str]:
-    """The documents of a rerank or score request, checked with its query.
+def score_inputs(query: str | Sequence[str], documents: str | Sequence[str]) -> tuple[str | list[str], list[str]]:
+    """The query (one, or one per document: pairs) and the documents of a rerank or score request, checked.
 
     Raises:
-        InvalidRequestError: an empty query, no document, an empty one, or more than ``MAX_DOCUMENTS``.
+        InvalidRequestError: an empty query, queries not one per document, no document, an empty one, or more
+            than ``MAX_DOCUMENTS`` (``param``: ``query``, ``query.i``, ``documents`` or ``documents.i``).
     """
-    if not isinstance(query, str) or not query:
-        raise InvalidRequestError.about("query", "must be a non-empty string")
     docs = [documents] if isinstance(documents, str) else list(documents)
     _check_count("documents", len(docs), MAX_DOCUMENTS)
     for i, doc in enumerate(docs):
         if not isinstance(doc, str) or not doc:
             raise InvalidRequestError.about(f"documents.{i}", "must be a non-empty string")
-    return docs
+    if isinstance(query, str) or not isinstance(query, Sequence):
+        if not isinstance(query, str) or not query:
+            raise InvalidRequestError.about("query", "must be a non-empty string")
+        return query, docs
+    queries = list(query)
+    if len(queries) == 1:  # NOTE: vLLM's reading: one query in a list is the query of every document
+        return score_inputs(queries[0], docs)
+    if len(queries) != len(docs):
+        raise InvalidRequestError.about("query", f"has {len(queries)} items: give one query, or one per document ({len(docs)})")
+    for i, q in enumerate(queries):
+        if not isinstance(q, str) or not q:
+            raise InvalidRequestError.about(f"query.{i}", "must be a non-empty string")
+    return queries, docs
 
 
 def _check_count(field: str, count: int, limit: int) -> None:
@@ -138,40 +147,6 @@ def _check_count(field: str, count: int, limit: int) -> None:
         raise InvalidRequestError.about(field, "must not be empty")
     if count > limit:
         raise InvalidRequestError.about(field, f"has {count} items, over the limit of {limit}")
-
-
-def _estimate_tokens(texts: Sequence[str | list[int]]) -> int:
-    """Tokens reserved from a tokens-per-minute limit before the model reads them: a token per four characters."""
-    return sum(len(t) if isinstance(t, list) else len(t) // 4 + 1 for t in texts)
-
-
-async def run_pooled(
-    scope: RequestScope, field: str, texts: Sequence[str | list[int]], call: Callable[[], Awaitable[Pooled]]
-) -> Pooled:
-    """Run ``call`` under the tenant's rate limit: a request and its estimated tokens taken before, the tokens
-    the model read settled after (the concurrency slot comes back whatever happens).
-
-    Raises:
-        InvalidRequestError: the inputs (``field``) need more than the whole minute's tokens.
-        RateLimited: as ``AsyncClient.chat``.
-    """
-    await scope.startup()
-    lease = scope.limiter.enter() if scope.limiter is not None else None
-    used = 0
-    try:
-        if lease is not None:
-            needed = _estimate_tokens(texts)
-            try:
-                lease.take_tokens(needed)
-            except InvalidRequestError:  # NOTE: its message speaks of max_tokens, which a pooling request has not
-                limit = scope.policy.tokens_per_minute if scope.policy is not None else None
-                raise InvalidRequestError.about(field, f"needs about {needed} tokens; tokens_per_minute is {limit}") from None
-        pooled = await call()
-        used = pooled.num_tokens
-        return pooled
-    finally:
-        if lease is not None:
-            lease.release(used)
 
 
 def usage(num_tokens: int) -> PoolingUsage:

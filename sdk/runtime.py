@@ -5,6 +5,17 @@ A client without ``runtime=`` makes its own; give several clients and adapters o
 
     with Runtime(num_blocks=512) as runtime:
         support, search = Client(runtime=runtime), Client(runtime=runtime)
+
+A RAG process holds its chat model and its embedder (and a reranker) in one runtime; its clients
+chat on the first and embed, rerank and score on the others:
+
+    with Runtime(CHAT, embedding_model=MINILM, rerank_model=BGE_RERANKER) as runtime:
+        client = Client(runtime=runtime)
+        client.embed(chunks), client.rerank(question, hits), client.chat(prompt)
+
+The engines of a process step in turn (``engine.driver.STEP_LOCK``): each step has all of torch's
+threads and no two steps contend for the cores. A pooling engine beside the chat model runs at most
+``SHARED_POOLING_BUDGET`` tokens a step, so an embedding burst holds a chat decode for one small batch.
 """
 
 from __future__ import annotations
@@ -34,6 +45,9 @@ class _State:
     engine: AsyncEngine | None
     owns_engine: bool
     closed: bool = False
+    # the pooling engines beside the chat engine, by the task they serve ("embed", "score"); always owned
+    pooling: dict[str, AsyncEngine] = field(default_factory=dict)
+    steps_shared: bool = False  # the pooling engines run the shared budget (set once, after they load)
     loop: asyncio.AbstractEventLoop | None = None
     thread: threading.Thread | None = None
     lock: threading.RLock = field(default_factory=threading.RLock)
@@ -50,21 +64,35 @@ class Runtime(Closing, AsyncClosing):
     driver dies restarts itself (``engine.supervisor``): the runtime keeps serving the same
     ``AsyncEngine``, whose ``health()`` says where it stands.
 
+    With ``embedding_model`` (and ``rerank_model``) it loads a pooling engine beside the chat model:
+    clients embed on the embedding model and rerank / score on the reranker (else on the embedding
+    model, by cosine), and chat on ``model``. Every engine of the process steps in turn, and a pooling
+    engine beside the chat model runs ``SHARED_POOLING_BUDGET`` tokens a step.
+
     Args:
         model: HF directory or ``.gguf`` path; None = the bundled SmolLM2-135M-Instruct.
         engine: a running engine to serve instead of loading one (not shut down by ``close()``).
-        **engine_config: ``engine.EngineConfig`` fields for the engine it loads.
+        embedding_model: an embedding model's HF directory (``embed``; ``rerank`` / ``score`` without a reranker).
+        rerank_model: a cross-encoder's HF directory (``rerank`` / ``score``).
+        **engine_config: ``engine.EngineConfig`` fields for the engine it loads; its ``dtype`` and
+            ``device`` also for the pooling engines.
 
     Raises:
-        ValueError: ``engine`` together with ``model`` or engine_config.
+        ValueError: ``engine`` together with ``model``, a pooling model or engine_config.
     """
 
-    def __init__(self, model: str | None = None, *, engine: AsyncEngine | None = None, **engine_config: Any) -> None:
-        if engine is not None and (model is not None or engine_config):
+    def __init__(
+        self, model: str | None = None, *, engine: AsyncEngine | None = None, embedding_model: str | None = None,
+        rerank_model: str | None = None, **engine_config: Any,
+    ) -> None:  # fmt: skip
+        pooling = {task: str(path) for task, path in (("embed", embedding_model), ("score", rerank_model)) if path is not None}
+        if engine is not None and (model is not None or engine_config or pooling):
             given = (["model"] if model is not None else []) + sorted(engine_config)
+            given += [name for name, path in (("embedding_model", embedding_model), ("rerank_model", rerank_model)) if path]
             raise ValueError(f"engine and {', '.join(given)} both given: the engine is already configured")
         self._model = None if model is None else str(model)
         self._engine_config = engine_config
+        self._pooling_models = pooling
         self._state = _State(engine=engine, owns_engine=engine is None)
         self._finalizer = weakref.finalize(self, _release, self._state)
 
@@ -85,14 +113,29 @@ class Runtime(Closing, AsyncClosing):
             raise RuntimeError("runtime not started: await start() first")
         return state.engine
 
+    def pooling_engine(self, task: str) -> AsyncEngine:
+        """The engine ``embed`` (``task="embed"``) or ``rerank`` / ``score`` (``"score"``) runs on (after ``start()``):
+        the embedding model's or the reranker's, when given, else the main engine (whose errors then say what
+        it cannot do)."""
+        engine = self.engine
+        pooling = self._state.pooling
+        if task == "score":
+            return pooling.get("score") or pooling.get("embed") or engine
+        return pooling.get(task) or engine
+
     async def start(self) -> None:
-        """Load the engine if it is not loaded yet (off the event loop); idempotent."""
+        """Load the engines that are not loaded yet (off the event loop); idempotent."""
         self._check_open()
-        if self._state.engine is None:
+        state = self._state
+        if state.engine is None or len(state.pooling) < len(self._pooling_models):
             # NOTE: loading weights blocks for seconds; it runs off the event loop. The worker gets the state,
             # not a bound method: a pool thread may hold its callable after start() returns, and a runtime
             # it held would outlive its last reference and keep its engine running.
-            await asyncio.to_thread(_load, self._state, self._model, self._engine_config)
+            await asyncio.to_thread(_load, state, self._model, self._engine_config, self._pooling_models)
+        if state.pooling and not state.steps_shared:
+            for engine in state.pooling.values():
+                await engine.share_steps()
+            state.steps_shared = True
 
     def run_sync(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the runtime's loop thread and wait for it (never nests an event loop).
@@ -127,10 +170,11 @@ class Runtime(Closing, AsyncClosing):
         """``close()`` from async code: the engine shuts down without blocking the event loop."""
         state = self._state
         with state.lock:
-            engine = state.engine if state.owns_engine and not state.closed else None
+            engines = _owned(state) if not state.closed else []
             state.owns_engine = False  # NOTE: shut down here; the finalizer only stops the loop
+            state.pooling = {}
             state.closed = True
-        if engine is not None:
+        for engine in engines:
             await engine.shutdown()
         self._finalizer()
 
@@ -154,15 +198,25 @@ class Runtime(Closing, AsyncClosing):
             return state.loop
 
 
-def _load(state: _State, model: str | None, engine_config: dict[str, Any]) -> None:
-    """Load the engine into ``state`` unless it is loaded or the runtime closed meanwhile."""
+def _load(state: _State, model: str | None, engine_config: dict[str, Any], pooling_models: dict[str, str]) -> None:
+    """Load the engine and the pooling engines into ``state`` unless loaded or the runtime closed meanwhile."""
     with state.lock:
         if state.closed:
             raise RuntimeError("the runtime is closed")
-        if state.engine is None:
-            from engine import AsyncEngine
+        from engine import AsyncEngine
 
+        if state.engine is None:
             state.engine = AsyncEngine(model, **engine_config)
+        shared = {k: v for k, v in engine_config.items() if k in ("dtype", "device")}
+        for task, path in pooling_models.items():
+            if task not in state.pooling:
+                state.pooling[task] = AsyncEngine(path, **shared)
+
+
+def _owned(state: _State) -> list[AsyncEngine]:
+    """The engines the runtime shuts down: the pooling engines, and the main one unless it was given."""
+    main = [state.engine] if state.owns_engine and state.engine is not None else []
+    return [*state.pooling.values(), *main]
 
 
 def _serve(loop: asyncio.AbstractEventLoop) -> None:
@@ -181,11 +235,12 @@ def _serve(loop: asyncio.AbstractEventLoop) -> None:
 def _release(state: _State) -> None:
     """Shut down the owned engine and stop the loop thread: ``close()``, garbage collection, exit."""
     with state.lock:
-        engine = state.engine if state.owns_engine else None
+        engines = _owned(state)
         state.owns_engine = False
+        state.pooling = {}
         state.closed = True
         loop, thread = state.loop, state.thread
-    if engine is not None:
+    for engine in engines:
         try:
             _run_to_end(engine.shutdown())
         except Exception:

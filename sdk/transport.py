@@ -73,6 +73,7 @@ class Pooled:
 
     values: list[Any]  # list[list[float]] (embeddings) or list[float] (scores), in input order
     num_tokens: int
+    model: str | None = None  # the model that answered, where it is not the transport's ``model_name``
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +164,10 @@ class Transport(abc.ABC):
     def stats(self) -> dict[str, Any]:
         """The engine's figures (keys as ``engine.AsyncEngine.stats()``)."""
 
+    def pooling_model_name(self, task: str) -> str:
+        """The name of the model ``embed`` (``task="embed"``) or ``score`` (``"score"``) runs on."""
+        return self.model_name
+
     async def embed(self, inputs: Sequence[str | list[int]], params: PoolingParams) -> Pooled:
         """The embeddings of ``inputs`` (checked: non-empty texts or token-id lists), in order.
 
@@ -173,8 +178,9 @@ class Transport(abc.ABC):
         """
         raise InvalidRequestError.about("model", f"{self.model_name!r} is not served for embeddings here")
 
-    async def score(self, query: str, documents: Sequence[str], params: PoolingParams) -> Pooled:
-        """The relevance of each of ``documents`` to ``query`` (a cross-encoder's, or the embeddings' cosine).
+    async def score(self, query: str | Sequence[str], documents: Sequence[str], params: PoolingParams) -> Pooled:
+        """The relevance of each of ``documents`` to ``query`` (a cross-encoder's, or the embeddings' cosine);
+        with a list of queries, document ``i``'s to query ``i`` (pairs, checked to be as many).
 
         Raises:
             InvalidRequestError: a generative model (``param="model"``), bad ``params``, a pair over the
@@ -325,14 +331,32 @@ class InProcessTransport(Transport):
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
 
+    def pooling_model_name(self, task: str) -> str:
+        return self.runtime.pooling_engine(task).model_name
+
     async def embed(self, inputs: Sequence[str | list[int]], params: PoolingParams) -> Pooled:
         # NOTE: one engine call per input: the engine's driver batches concurrent ones under its token budget
-        outs = await _pooled([self.engine.embed(x, params) for x in inputs], "input")
-        return Pooled([o.outputs.embedding for o in outs], sum(len(o.prompt_token_ids) for o in outs))
+        engine = self.runtime.pooling_engine("embed")
+        outs = await _pooled([engine.embed(x, params) for x in inputs], [f"input.{i}" for i in range(len(inputs))])
+        return Pooled([o.outputs.embedding for o in outs], sum(len(o.prompt_token_ids) for o in outs), engine.model_name)
 
-    async def score(self, query: str, documents: Sequence[str], params: PoolingParams) -> Pooled:
-        outs = await _pooled([self.engine.score(query, d, params) for d in documents], "documents")
-        return Pooled([o.outputs.score for o in outs], sum(len(o.prompt_token_ids) for o in outs))
+    async def score(self, query: str | Sequence[str], documents: Sequence[str], params: PoolingParams) -> Pooled:
+        engine = self.runtime.pooling_engine("score")
+        pairs = not isinstance(query, str)
+        queries = list(query) if pairs else [query]
+        names = [f"documents.{i}" for i in range(len(documents))]
+        if engine.task == "embed":  # NOTE: an embedder's score is a cosine: each query embedded once, not per document
+            from engine.pooling.api import cosine
+
+            query_names = [f"query.{i}" for i in range(len(queries))] if pairs else ["query"]
+            outs = await _pooled([engine.embed(x, params) for x in (*queries, *documents)], [*query_names, *names])
+            embedded = [o.outputs.embedding for o in outs[: len(queries)]]
+            scores = [cosine(embedded[i if pairs else 0], o.outputs.embedding) for i, o in enumerate(outs[len(queries) :])]
+        else:
+            each = queries if pairs else queries * len(documents)
+            outs = await _pooled([engine.score(q, d, params) for q, d in zip(each, documents)], names)
+            scores = [o.outputs.score for o in outs]
+        return Pooled(scores, sum(len(o.prompt_token_ids) for o in outs), engine.model_name)
 
     async def pin_prefix(self, prompt: str | list[int], cache_salt: str | None = None) -> PrefixPin:
         from engine.errors import ParameterError
@@ -348,7 +372,19 @@ class InProcessTransport(Transport):
         await self.engine.unpin_prefix(pin_id)
 
     def stats(self) -> dict[str, Any]:
-        return self.engine.stats()
+        """The chat engine's figures; its pooling ones (``pooling_*``, ``pooling``) summed over the pooling engines
+        beside it."""
+        stats = self.engine.stats()
+        beside = {id(e): e.stats() for e in (self.runtime.pooling_engine(t) for t in ("embed", "score")) if e is not self.engine}
+        for other in beside.values():
+            for key, value in other.items():
+                if key.startswith("pooling_") and isinstance(value, (int, float)):
+                    stats[key] = stats.get(key, 0) + value
+        if beside and "pooling" in stats:
+            from engine.pooling.pooling_stats import merge_pooling
+
+            stats["pooling"] = merge_pooling(stats["pooling"], *(o["pooling"] for o in beside.values() if "pooling" in o))
+        return stats
 
     @property
     def block_size(self) -> int:
@@ -356,9 +392,9 @@ class InProcessTransport(Transport):
         return self.engine.config.block_size
 
 
-async def _pooled(calls: list[Any], field: str) -> list[Any]:
+async def _pooled(calls: list[Any], params: Sequence[str]) -> list[Any]:
     """The results of the engine's pooling ``calls`` (one per input), in order; the first failure as the SDK's
-    error, an input's naming it as ``field.i``."""
+    error, call ``i``'s input naming it as ``params[i]`` (``input.3``, ``query``)."""
     from engine import errors as engine_errors
 
     results = await asyncio.gather(*calls, return_exceptions=True)
@@ -368,7 +404,7 @@ async def _pooled(calls: list[Any], field: str) -> list[Any]:
         if isinstance(out, engine_errors.ParameterError) and out.param in ("prompt", "documents"):
             # NOTE: the engine saw this input alone ("prompt 0 ..."): name it by its place in the request
             reason = _ENGINE_INPUT.sub("", str(out))
-            raise InvalidRequestError.about(f"{field}.{i}", reason) from out
+            raise InvalidRequestError.about(params[i], reason) from out
         if isinstance(out, engine_errors.ParameterError):
             raise from_engine(out) from out
         if isinstance(out, engine_errors.EngineOverloaded):

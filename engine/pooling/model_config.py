@@ -16,8 +16,11 @@ from engine.errors import ModelLoadError
 from engine.model_types import ENCODER_MODEL_TYPES
 
 TASKS = ("generate", "embed", "classify")
-POOLING_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean", "pooling_mode_lasttoken": "last"}
-_UNSERVED_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
+POOLING_MODES = {
+    "pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean", "pooling_mode_max_tokens": "max",
+    "pooling_mode_lasttoken": "last",
+}  # fmt: skip
+_UNSERVED_MODES = ("pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,7 @@ class PoolingConfig:
     Attributes:
         task: "embed" or "classify" (a cross-encoder's score).
         model_type: config.json's ``model_type`` (``bert``, ``xlm-roberta``, ``qwen3``).
-        pooling: "mean", "cls" or "last" (over every token the model read, special tokens included).
+        pooling: "mean", "max", "cls" or "last" (over every token the model read, special tokens included).
         normalize: whether embeddings are L2-normalized by default.
         max_length: most tokens of one input (sentence-transformers' ``max_seq_length``, else the model's).
         prompts: prompt prefixes by name (``{"query": "query: "}``); default_prompt_name: the one used unasked.
@@ -106,7 +109,7 @@ def pooling_config(model_dir: Path, task: str) -> PoolingConfig:
     token, both normalized (vLLM's defaults).
 
     Raises:
-        ModelLoadError: a pooling mode the engine does not serve (max, mean_sqrt_len, weightedmean).
+        ModelLoadError: a pooling mode the engine does not serve (mean_sqrt_len, weightedmean).
     """
     config = _read_json(model_dir / "config.json")
     model_type = str(config.get("model_type"))
@@ -119,7 +122,7 @@ def pooling_config(model_dir: Path, task: str) -> PoolingConfig:
         chosen = [name for key, name in POOLING_MODES.items() if modes.get(key)]
         if unserved or len(chosen) != 1:
             raise ModelLoadError(
-                f"{str(pooling_dir)!r}: pooling {unserved or chosen} not served; one of cls, mean, lasttoken"
+                f"{str(pooling_dir)!r}: pooling {unserved or chosen} not served; one of cls, mean, max, lasttoken"
             )
         pooling = chosen[0]
         normalize = _module_path(model_dir, "Normalize") is not None

@@ -155,13 +155,17 @@ def yes_no_weight(weights: dict[str, torch.Tensor], model_dir: Path) -> torch.Te
 
 
 def pool(hidden: torch.Tensor, lengths: list[int], mode: str) -> torch.Tensor:
-    """``[T, D]`` token states of inputs laid end to end -> ``[B, D]``: their mean, first (CLS) or last token."""
+    """``[T, D]`` token states of inputs laid end to end -> ``[B, D]``: their mean, elementwise max, first (CLS)
+    or last token."""
     counts = torch.tensor(lengths, device=hidden.device)
     ends = counts.cumsum(0)
     if mode == "cls":
         return hidden[ends - counts]
     if mode == "last":
         return hidden[ends - 1]
-    segments = torch.repeat_interleave(torch.arange(len(lengths), device=hidden.device), counts)
+    segments = torch.repeat_interleave(torch.arange(len(lengths), device=hidden.device), counts)  # [T]
+    if mode == "max":
+        lowest = hidden.new_full((len(lengths), hidden.shape[1]), float("-inf"))
+        return lowest.scatter_reduce_(0, segments[:, None].expand_as(hidden), hidden, "amax")
     sums = hidden.new_zeros(len(lengths), hidden.shape[1]).index_add_(0, segments, hidden)
     return sums / counts.to(hidden.dtype)[:, None]

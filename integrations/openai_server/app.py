@@ -40,9 +40,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CLIENT_MAX_SIZE = 4 << 20  # bytes of request body
 DEFAULT_DRAIN_TIMEOUT = 30.0  # seconds
-# NOTE: tokens a pooling model served beside the chat model runs a step: engines step in turn
-# (engine.driver.STEP_LOCK), so a chat decode waits at most one batch this size for an embedding burst
-SHARED_POOLING_BUDGET = 256
 
 
 def create_app(
@@ -142,7 +139,7 @@ async def _load(state: ServerState, factory: Callable[[], Serving], extra: Seque
             beside = await asyncio.to_thread(make)
             state.beside[beside.model_name] = beside
             await beside.start()
-            await beside.engine.call(_share_steps)
+            await beside.engine.share_steps()
     except Exception:
         logger.exception("engine failed to start")
         state.phase = Phase.DEAD
@@ -152,16 +149,10 @@ async def _load(state: ServerState, factory: Callable[[], Serving], extra: Seque
     gc.collect()
     gc.freeze()
     state.serving = serving
-    state.collector.bind(serving.stats)
+    state.collector.bind(state.stats)
     if state.phase is Phase.STARTING:
         state.phase = Phase.SERVING
         logger.info("serving %s", ", ".join(s.model_name for s in state.servings()))
-
-
-def _share_steps(engine: Any) -> None:
-    """Driver thread: a pooling engine beside the chat model runs ``SHARED_POOLING_BUDGET`` tokens a step."""
-    if engine.pooling is not None:
-        engine.pooling.token_budget = SHARED_POOLING_BUDGET
 
 
 async def _drain(app: web.Application) -> None:

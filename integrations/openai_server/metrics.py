@@ -8,7 +8,9 @@ labelled families: ``paged_request_success_total{finished_reason}``,
 Two derived gauges: ``paged_kv_cache_usage`` (used / total blocks) and
 ``paged_prefix_cache_hit_rate`` (hit tokens / queried tokens). The server adds its own
 ``paged_http_requests_total{route,status}``, ``paged_pooling_requests_total{route}`` and
-``paged_pooling_prompt_tokens_total{route}``. docs/server.md lists them all.
+``paged_pooling_prompt_tokens_total{route}``. The pooling engines' batches (``stats()["pooling"]``, every
+engine of the server together) are ``paged_pooling_{inputs,tokens,batches}_total{kind}`` and the histograms
+``paged_pooling_{queue_time_seconds,compute_time_seconds,batch_size}{kind}``. docs/server.md lists them all.
 """
 
 from __future__ import annotations
@@ -136,6 +138,33 @@ class EngineCollector(Collector):
                 yield HistogramMetricFamily(
                     PREFIX + key, doc, buckets=buckets, sum_value=total_sum
                 )
+        if "pooling" in stats:
+            yield from _pooling_families(stats["pooling"])
+
+
+# the pooling engines' figures by kind (engine.pooling.pooling_stats): stats key -> (exported name, help)
+POOLING_COUNTERS = {
+    "inputs": ("pooling_inputs", "Inputs the pooling models ran (embeddings, scored pairs), by kind."),
+    "tokens": ("pooling_tokens", "Tokens of the inputs the pooling models ran, by kind."),
+    "batches": ("pooling_batches", "Batches the pooling models ran, by kind."),
+}
+POOLING_HISTOGRAMS = {
+    "queue_time_seconds": ("pooling_queue_time_seconds", "Pooling input's wait from arrival to its batch's start, by kind."),
+    "compute_time_seconds": ("pooling_compute_time_seconds", "Run time of the pooling input's batch, by kind."),
+    "batch_size": ("pooling_batch_size", "Inputs per pooling batch, by kind."),
+}
+
+
+def _pooling_families(pooling: Mapping[str, Mapping[str, Any]]) -> Iterator[Any]:
+    """``paged_pooling_*{kind}``: every kind's counters and histograms."""
+    for key, (name, doc) in POOLING_COUNTERS.items():
+        yield _labelled(CounterMetricFamily, name, doc, ["kind"], (([kind], figures[key]) for kind, figures in pooling.items()))
+    for key, (name, doc) in POOLING_HISTOGRAMS.items():
+        family = HistogramMetricFamily(PREFIX + name, doc, labels=["kind"])
+        for kind, figures in pooling.items():
+            buckets, _, total_sum = histogram_parts(figures[key])
+            family.add_metric([kind], buckets, total_sum)
+        yield family
 
 
 def histogram_parts(hist: Any) -> tuple[list[tuple[str, float]], float, float]:

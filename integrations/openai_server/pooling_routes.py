@@ -1,8 +1,9 @@
 """The pooling routes: ``/v1/embeddings`` (OpenAI's shape), ``/v1/rerank`` and ``/rerank`` (Jina / Cohere's
 shape as vLLM serves it), ``/v1/score`` and ``/score`` (vLLM's shape).
 
-Each runs through the tenant's SDK client (``AsyncClient.embed`` / ``.rerank`` / ``.score``), so its
-rate limits and concurrency cap hold as on chat; ``/metrics`` counts the requests and the tokens read
+Each runs through the tenant's SDK client (``AsyncClient.embed`` / ``.rerank`` / ``.score``), so the
+server's hooks (filters, audit) see it with its peer and headers, and its rate limits and concurrency cap
+hold as on chat; a filter's block is a 400 ``content_filter`` naming the input under the route's field; ``/metrics`` counts the requests and the tokens read
 (``paged_pooling_requests_total{route}``, ``paged_pooling_prompt_tokens_total{route}``). The inputs'
 limits are the SDK's (``sdk.retrieval.MAX_INPUTS``, ``MAX_DOCUMENTS``); a bad input is a 400 naming
 its field (``input.3``, ``documents``, ``text_2.1``).
@@ -13,7 +14,6 @@ cuts), ``-1`` the same, ``k`` = the first k tokens, ``null`` = no truncation (a 
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import struct
 from typing import Any, Literal
@@ -23,10 +23,9 @@ from pydantic import BaseModel, ConfigDict
 
 from integrations.openai_server import protocol as p
 from integrations.openai_server.errors import ApiError, from_sdk
-from integrations.openai_server.intake import check_common, parse_body
+from integrations.openai_server.intake import check_common, origin, parse_body
 from integrations.openai_server.state import STATE, TENANT, ServerState
-from sdk.errors import InvalidRequestError, PagedError
-from sdk.retrieval import usage
+from sdk.errors import ContentBlocked, InvalidRequestError, PagedError
 
 
 class _PoolingBody(BaseModel):
@@ -97,9 +96,14 @@ async def _client_and_body(request: web.Request, kind: type[_PoolingBody]) -> tu
     return serving.client(tenant.name, tenant.policy), body, state, serving.model_name
 
 
+def _options(request: web.Request, body: _PoolingBody) -> dict[str, Any]:
+    """The SDK call's keywords: the body's pooling options and who sent it (for the hooks and the audit)."""
+    return {**body.options(), "origin": origin(request)}
+
+
 def _error(exc: PagedError, names: dict[str, str] | None = None) -> ApiError:
     """The SDK's error as the HTTP answer, its field under the route's name (``names``: SDK -> wire)."""
-    if isinstance(exc, InvalidRequestError) and names and exc.param is not None:
+    if isinstance(exc, (InvalidRequestError, ContentBlocked)) and names and exc.param is not None:
         head, _, rest = exc.param.partition(".")
         if head in names:
             exc = exc.at(names[head] + (f".{rest}" if rest else ""))
@@ -114,7 +118,7 @@ def _count(state: ServerState, route: str, num_tokens: int) -> None:
 async def embeddings(request: web.Request) -> web.Response:
     client, body, state, model = await _client_and_body(request, EmbeddingsRequest)
     try:
-        result = await client.embed(body.input, **body.options())
+        result = await client.embed(body.input, **_options(request, body))
     except PagedError as exc:
         raise _error(exc) from None
     _count(state, "/v1/embeddings", result.usage.prompt_tokens)
@@ -132,7 +136,7 @@ async def rerank(request: web.Request) -> web.Response:
     top_n = body.top_n or None  # NOTE: vLLM reads 0 as every document
     try:
         result = await client.rerank(
-            body.query, body.documents, top_n=top_n, return_documents=body.return_documents, **body.options()
+            body.query, body.documents, top_n=top_n, return_documents=body.return_documents, **_options(request, body)
         )
     except PagedError as exc:
         raise _error(exc) from None
@@ -154,36 +158,21 @@ async def score(request: web.Request) -> web.Response:
     docs = [body.text_2] if isinstance(body.text_2, str) else body.text_2
     names = {"query": "text_1", "documents": "text_2"}
     try:
-        if len(queries) == 1:
-            results = [await client.score(queries[0], docs, **body.options())]
-        elif len(queries) == len(docs):
-            # NOTE: pairs: one engine call each, run together (the engine batches them)
-            results = list(await asyncio.gather(*(_pair(client, i, q, d, body.options()) for i, (q, d) in enumerate(zip(queries, docs)))))
-        else:
+        if len(queries) not in (1, len(docs)):
             raise InvalidRequestError.about(
                 "text_1", f"has {len(queries)} items: give one query, or one per text_2 item ({len(docs)})"
             )
+        # NOTE: one SDK request either way (one audit record); a query per document scores pairs
+        query = queries[0] if len(queries) == 1 else queries
+        result = await client.score(query, docs, **_options(request, body))
     except PagedError as exc:
         raise _error(exc, names) from None
-    scores = [s for r in results for s in r.scores]
-    num_tokens = sum(r.usage.prompt_tokens for r in results)
-    _count(state, "/v1/score", num_tokens)
+    _count(state, "/v1/score", result.usage.prompt_tokens)
     return web.json_response({
         "id": p.random_id("score"), "object": "list", "created": p.now(), "model": model,
-        "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
-        "usage": usage(num_tokens).model_dump(),
+        "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(result.scores)],
+        "usage": result.usage.model_dump(),
     })  # fmt: skip
-
-
-async def _pair(client: Any, index: int, query: str, document: str, options: dict[str, Any]) -> Any:
-    """Pair ``index``'s score; its errors name the pair's items (``text_1.3``, ``text_2.3``)."""
-    try:
-        return await client.score(query, [document], **options)
-    except InvalidRequestError as exc:
-        head = (exc.param or "").partition(".")[0]
-        if head in ("query", "documents"):
-            raise exc.at(f"{'text_1' if head == 'query' else 'text_2'}.{index}") from None
-        raise
 
 
 def _encode(vector: list[float], encoding_format: str) -> list[float] | str:

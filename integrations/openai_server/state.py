@@ -13,8 +13,11 @@ import hashlib
 import hmac
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
+
+from engine.pooling.pooling_stats import merge_pooling
 
 from integrations.openai_server.errors import RETRY_AFTER, ApiError
 from integrations.openai_server.metrics import EngineCollector, ServerMetrics
@@ -78,6 +81,17 @@ class ServerState:
     def servings(self) -> list[Serving]:
         """Every model's serving glue: the main model's first."""
         return [s for s in (self.serving, *self.beside.values()) if s is not None]
+
+    def stats(self) -> dict[str, Any]:
+        """What ``/metrics`` exports: the main engine's figures, its ``pooling`` ones summed over every engine."""
+        servings = self.servings()
+        if not servings:
+            return {}
+        stats = dict(servings[0].stats())
+        pooling = [s.stats().get("pooling") for s in servings[1:]]
+        if "pooling" in stats and any(pooling):
+            stats["pooling"] = merge_pooling(stats["pooling"], *(p for p in pooling if p))
+        return stats
 
     def require_serving(self, model: str | None = None, pooling: bool = False) -> Serving:
         """The serving glue of ``model`` (None: the main model's; on a ``pooling`` route, the first pooling

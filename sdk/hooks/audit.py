@@ -139,6 +139,8 @@ class AuditLog(Hook):
             "reasoning_chars": sum(map(len, ctx.reasoning_texts)),
             "tool_calls": [c.name for calls in ctx.tool_calls for c in calls],
         }
+        if ctx.is_pooling:  # NOTE: embed / rerank / score: how many inputs (documents); prompt_tokens is what it read
+            record["num_inputs"] = len(ctx.inputs or ())
         if ctx.images:  # NOTE: each image's hash and size, never its bytes
             record["images"] = [image.to_dict() for image in ctx.images]
         if self.include_text:
@@ -150,6 +152,8 @@ class AuditLog(Hook):
             record["tool_call_arguments"] = [
                 {"id": c.id, "name": c.name, "arguments": c.arguments} for calls in ctx.tool_calls for c in calls
             ]
+            if ctx.is_pooling:
+                record["inputs"], record["query"] = ctx.inputs, ctx.query
         if self.replay is not None:
             record["replay"] = replay_part(ctx, self.replay, self.store, self._store_name())
         return record

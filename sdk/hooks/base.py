@@ -42,6 +42,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+RequestKind = Literal["chat", "completion", "embed", "rerank", "score"]
+POOLING_KINDS: frozenset[str] = frozenset({"embed", "rerank", "score"})
+
 
 @dataclass(frozen=True, slots=True)
 class Stop:
@@ -83,18 +86,22 @@ class ModelSource:
 
 @dataclass(slots=True)
 class RequestContext:
-    """What hooks see of one request. Filters may rewrite ``messages`` / ``prompt`` in ``on_request``."""
+    """What hooks see of one request. Filters may rewrite ``messages`` / ``prompt`` (a pooling request's
+    ``inputs`` / ``query``) in ``on_request``."""
 
     request_id: str
     model: str
     route: str  # who sent it: "client", "langchain", "llamaindex", "http", ...
-    kind: Literal["chat", "completion"]
-    params: dict[str, Any]  # the sampling knobs actually sent (SamplingOptions fields)
+    kind: RequestKind
+    params: dict[str, Any]  # the knobs actually sent (SamplingOptions fields; a pooling request's PoolingParams)
     tenant: str | None = None
     client_address: str | None = None  # the peer's address, over HTTP
     headers: Mapping[str, str] = field(default_factory=dict)  # RequestOrigin.headers: lower-case, no credentials
     messages: list[ChatMessage] | None = None
     prompt: str | list[int] | None = None
+    # a pooling request's: what it embeds (texts or token-id lists) or the documents it scores, and the query
+    inputs: list[str | list[int]] | None = None
+    query: str | list[str] | None = None  # a score request's may be one per input (pairs)
     started_at: float = field(default_factory=time.time)  # wall clock, seconds
     start_monotonic: float = field(default_factory=time.monotonic)
     first_token_monotonic: float | None = None
@@ -117,6 +124,16 @@ class RequestContext:
     output_token_ids: list[list[int]] = field(default_factory=lambda: [[]])
     # the request's images as checked (hash, bytes, width, height, MIME type; never the bytes), once its prompt is prepared
     images: list[ImageInfo] = field(default_factory=list)
+
+    @property
+    def is_pooling(self) -> bool:
+        """Whether the request embeds or scores (``inputs`` set) rather than generates."""
+        return self.kind in POOLING_KINDS
+
+    @property
+    def input_field(self) -> str:
+        """The request field of ``inputs``, as errors name an item of it (``input.3``, ``documents.1``)."""
+        return "input" if self.kind == "embed" else "documents"
 
     @property
     def output_texts(self) -> list[str]:

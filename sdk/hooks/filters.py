@@ -17,6 +17,8 @@ class RegexFilter(Hook):
     prompt): ``action="block"`` rejects the request with ``ContentBlocked`` before any KV
     block is allocated; ``action="redact"`` replaces each match with ``replacement``.
     A token-id prompt cannot be inspected, so an input filter blocks it (fails closed).
+    An embed, rerank or score request's query and inputs are searched each on its own; a
+    block names the first that matched (``ContentBlocked.param``: ``input.3``, ``documents.1``, ``query``).
 
     On output (``on="output"``) the pattern is searched in the text generated so far,
     delta by delta, so matches that span deltas are caught; at the first match the
@@ -63,6 +65,9 @@ class RegexFilter(Hook):
     async def on_request(self, ctx: RequestContext) -> None:
         if self.on != "input":
             return
+        if ctx.inputs is not None:
+            self._filter_inputs(ctx)
+            return
         if ctx.messages is not None:
             texts = [m.text for m in ctx.messages]  # NOTE: text parts only: images are not text
         elif isinstance(ctx.prompt, str):
@@ -78,6 +83,30 @@ class RegexFilter(Hook):
             ctx.messages = [self._redacted(m) for m in ctx.messages]
         else:
             ctx.prompt = self.pattern.sub(self.replacement, texts[0])
+        ctx.record(self.name, "input", "redact", f"{num_matches} match(es)")
+
+    def _filter_inputs(self, ctx: RequestContext) -> None:
+        """A pooling request's query and inputs, each on its own: a block names the first that matched."""
+        if isinstance(ctx.query, list):  # pairs: one query per input
+            named: list[tuple[str, str | list[int]]] = [(f"query.{i}", q) for i, q in enumerate(ctx.query)]
+        else:
+            named = [("query", ctx.query)] if ctx.query is not None else []
+        named += [(f"{ctx.input_field}.{i}", item) for i, item in enumerate(ctx.inputs or ())]
+        num_matches = 0
+        for param, item in named:
+            if not isinstance(item, str):
+                raise ContentBlocked(f"{param} is token ids, which the input filter cannot inspect", hook=self.name, param=param)
+            found = len(self.pattern.findall(item))
+            if found and self.action == "block":
+                raise ContentBlocked(f"{param} matched the {self.name} filter", hook=self.name, param=param)
+            num_matches += found
+        if num_matches == 0:
+            return
+        if isinstance(ctx.query, list):
+            ctx.query = [self.pattern.sub(self.replacement, q) for q in ctx.query]
+        elif ctx.query is not None:
+            ctx.query = self.pattern.sub(self.replacement, ctx.query)
+        ctx.inputs = [self.pattern.sub(self.replacement, item) for item in ctx.inputs]  # type: ignore[arg-type, union-attr]
         ctx.record(self.name, "input", "redact", f"{num_matches} match(es)")
 
     def _redacted(self, message: ChatMessage) -> ChatMessage:

@@ -16,7 +16,7 @@ STATS_KEYS = {
     "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds", "kv_token_usage",
     "kv_evictions", "tenant_requests", "tenant_computed_tokens", "spec_decode_num_draft_tokens",
     "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", "mm_encoder_runs",
-    "mm_encoder_cache_hits", "pooling_requests", "pooling_tokens", "pooling_batches",
+    "mm_encoder_cache_hits", "pooling_requests", "pooling_tokens", "pooling_batches", "pooling",
 }
 
 

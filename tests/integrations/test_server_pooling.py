@@ -155,6 +155,17 @@ def test_tenants_limits_routes_and_metrics(server):
     assert samples['paged_pooling_requests_total{route="/v1/rerank"}'] == 1
     assert samples['paged_pooling_prompt_tokens_total{route="/v1/rerank"}'] == ranked["usage"]["prompt_tokens"]
     assert samples['paged_pooling_requests_total{route="/v1/score"}'] == 0
+    # the engine's batches: "one", TEXTS, and the rerank's query and documents (embedded: MiniLM scores by cosine)
+    num_inputs = 1 + len(TEXTS) + 1 + len(DOCS)
+    assert samples['paged_pooling_inputs_total{kind="embed"}'] == num_inputs
+    assert samples['paged_pooling_inputs_total{kind="score"}'] == 0
+    read = sum(v for k, v in samples.items() if k.startswith("paged_pooling_prompt_tokens_total"))
+    assert samples['paged_pooling_tokens_total{kind="embed"}'] == read
+    assert samples['paged_pooling_queue_time_seconds_count{kind="embed"}'] == num_inputs
+    assert samples['paged_pooling_compute_time_seconds_count{kind="embed"}'] == num_inputs
+    assert samples['paged_pooling_compute_time_seconds_sum{kind="embed"}'] > 0
+    assert samples['paged_pooling_batch_size_sum{kind="embed"}'] == num_inputs
+    assert samples['paged_pooling_batch_size_count{kind="embed"}'] == samples['paged_pooling_batches_total{kind="embed"}'] >= 3
 
 
 async def test_sdk_remote_client_gives_the_in_process_results(server, engine):

@@ -35,6 +35,16 @@ paged_pooling_requests_total{route="/v1/embeddings"} 4
 paged_pooling_requests_total{route="/v1/rerank"} 0
 paged_pooling_prompt_tokens_total{route="/v1/embeddings"} 400
 paged_pooling_prompt_tokens_total{route="/v1/rerank"} 0
+paged_pooling_inputs_total{kind="embed"} 4
+paged_pooling_inputs_total{kind="score"} 0
+paged_pooling_batch_size_sum{kind="embed"} 4
+paged_pooling_batch_size_count{kind="embed"} 1
+paged_pooling_queue_time_seconds_bucket{kind="embed",le="0.01"} 4
+paged_pooling_queue_time_seconds_bucket{kind="embed",le="0.1"} 4
+paged_pooling_queue_time_seconds_bucket{kind="embed",le="+Inf"} 4
+paged_pooling_queue_time_seconds_bucket{kind="score",le="0.01"} 0
+paged_pooling_queue_time_seconds_bucket{kind="score",le="0.1"} 0
+paged_pooling_queue_time_seconds_bucket{kind="score",le="+Inf"} 0
 """
 AFTER = """
 paged_kv_blocks_total 100
@@ -54,6 +64,16 @@ paged_pooling_requests_total{route="/v1/embeddings"} 8
 paged_pooling_requests_total{route="/v1/rerank"} 2
 paged_pooling_prompt_tokens_total{route="/v1/embeddings"} 800
 paged_pooling_prompt_tokens_total{route="/v1/rerank"} 200
+paged_pooling_inputs_total{kind="embed"} 16
+paged_pooling_inputs_total{kind="score"} 0
+paged_pooling_batch_size_sum{kind="embed"} 16
+paged_pooling_batch_size_count{kind="embed"} 4
+paged_pooling_queue_time_seconds_bucket{kind="embed",le="0.01"} 4
+paged_pooling_queue_time_seconds_bucket{kind="embed",le="0.1"} 16
+paged_pooling_queue_time_seconds_bucket{kind="embed",le="+Inf"} 16
+paged_pooling_queue_time_seconds_bucket{kind="score",le="0.01"} 100
+paged_pooling_queue_time_seconds_bucket{kind="score",le="0.1"} 100
+paged_pooling_queue_time_seconds_bucket{kind="score",le="+Inf"} 100
 """
 
 
@@ -78,6 +98,10 @@ def test_figures_rates_and_windowed_quantiles():
     assert f.pooling_rate("paged_pooling_requests_total") == pytest.approx(3.0)  # 4 + 2 more over 2 s
     assert f.pooling_rate("paged_pooling_prompt_tokens_total") == pytest.approx(300.0)
     assert Figures(Scrape.parse("", at=1.0), f.current).pooling_rate("paged_pooling_requests_total") is None  # not exported
+    # pooling batches: 12 inputs in 3 batches over the window; the embed kind's own queue times, not the score kind's
+    assert f.pooling_batch_size() == pytest.approx(4.0) and f.pooling_kinds() == ["embed"]
+    assert f.quantile("paged_pooling_queue_time_seconds", 0.5, recent=True, kind="embed") == pytest.approx(0.055)
+    assert f.quantile("paged_pooling_queue_time_seconds", 0.5, recent=True) == pytest.approx(0.01 * 56 / 100)
     assert f.value("paged_kv_token_usage") == 0.75 and f.value("paged_kv_cache_usage") is None
     assert f.tenants() == ["alice"]
     assert f.value("paged_tenant_requests", tenant="alice", state="waiting") == 1

@@ -50,7 +50,7 @@ def test_start_loads_the_engine_so_the_first_request_does_not(tiny_model, monkey
 
     loads: list[str | None] = []
     load = sdk.runtime._load
-    monkeypatch.setattr(sdk.runtime, "_load", lambda state, model, config: (loads.append(model), load(state, model, config)))
+    monkeypatch.setattr(sdk.runtime, "_load", lambda state, model, *rest: (loads.append(model), load(state, model, *rest)))
     client = Client(tiny_model, **ENGINE_CONFIG)
     with Runtime(tiny_model, **ENGINE_CONFIG) as runtime:
         adapters = [PagedChat(runtime=runtime, max_tokens=1), PagedLLM(runtime=runtime, max_tokens=1)]

@@ -39,7 +39,7 @@ TINY_ENCODER = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, 
 def tiny_encoder_factory(tmp_path_factory: pytest.TempPathFactory, minilm_dir: Path):
     """``factory(model_type, classify=False, st_pooling=None) -> Path``: a seeded tiny random BERT or
     XLM-RoBERTa (``*Model``, or ``*ForSequenceClassification`` with one label) with MiniLM's tokenizer;
-    ``st_pooling`` ("mean", "cls") adds sentence-transformers files (Pooling + Normalize)."""
+    ``st_pooling`` ("mean", "cls", "max") adds sentence-transformers files (Pooling + Normalize)."""
     import shutil
 
     import torch
@@ -71,7 +71,7 @@ def tiny_encoder_factory(tmp_path_factory: pytest.TempPathFactory, minilm_dir: P
             ]
             (out / "modules.json").write_text(json.dumps(modules))
             (out / "1_Pooling").mkdir()
-            mode = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token"}[st_pooling]
+            mode = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token", "max": "pooling_mode_max_tokens"}[st_pooling]
             (out / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 32, mode: True}))
         return out
 

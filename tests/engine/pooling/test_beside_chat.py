@@ -6,6 +6,7 @@ import asyncio
 from pathlib import Path
 
 from engine import AsyncEngine, SamplingParams
+from engine.pooling.pooling_queue import POOLING_TOKEN_BUDGET, SHARED_POOLING_BUDGET
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4, 5], list(range(100, 130)), [7] * 12]
@@ -32,3 +33,14 @@ async def test_embedding_burst_changes_no_generated_token(tiny_model_factory, mi
         beside, embeddings = await asyncio.gather(_generate(chat), asyncio.gather(*(embedder.embed(t) for t in texts)))
     assert beside == alone
     assert [len(e.outputs.embedding) for e in embeddings] == [384] * 40
+
+
+async def test_shared_step_budget_holds_after_a_restart(minilm_dir: Path) -> None:
+    """``share_steps()`` cuts a pooling engine's batches to the shared budget, and the fresh engine a restart
+    starts (what the supervisor runs after the driver died) runs the same budget."""
+    async with AsyncEngine(model=str(minilm_dir), dtype="float32", device="cpu") as embedder:
+        assert await embedder.call(lambda e: e.pooling.token_budget) == POOLING_TOKEN_BUDGET["cpu"]
+        await embedder.share_steps()
+        assert await embedder.call(lambda e: e.pooling.token_budget) == SHARED_POOLING_BUDGET
+        fresh = embedder._start_engine()
+        assert fresh.pooling is not None and fresh.pooling.token_budget == SHARED_POOLING_BUDGET

@@ -19,12 +19,17 @@ def _reference_embeddings(model_dir, texts: list[str], pooling: str) -> np.ndarr
     with torch.no_grad():
         hidden = model(**batch).last_hidden_state
     mask = batch["attention_mask"][..., None].float()
-    pooled = hidden[:, 0] if pooling == "cls" else (hidden * mask).sum(1) / mask.sum(1)
+    if pooling == "cls":
+        pooled = hidden[:, 0]
+    elif pooling == "max":  # sentence-transformers' max: padding set to -1e9, the max over the sequence
+        pooled = hidden.masked_fill(mask == 0, -1e9).max(1).values
+    else:
+        pooled = (hidden * mask).sum(1) / mask.sum(1)
     return torch.nn.functional.normalize(pooled, dim=-1).numpy()
 
 
 @pytest.mark.parametrize("model_type", ["bert", "xlm-roberta"])
-@pytest.mark.parametrize("pooling", ["mean", "cls"])
+@pytest.mark.parametrize("pooling", ["mean", "cls", "max"])
 def test_encoder_embeddings_equal_transformers(tiny_encoder_factory, model_type: str, pooling: str) -> None:
     """Packed, unpadded batches give transformers' padded-batch embeddings, pooled as the files say."""
     model_dir = tiny_encoder_factory(model_type, st_pooling=pooling)

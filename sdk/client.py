@@ -184,20 +184,40 @@ class AsyncClient(AsyncClosing):
 
     def stream(
         self, messages: MessagesLike | None = None, *, prompt: PromptLike | None = None,
-        origin: RequestOrigin | None = None, **options: Any,
+        origin: RequestOrigin | None = None, resume_token_ids: list[int] | None = None, **options: Any,
     ) -> AsyncIterator[Delta]:  # fmt: skip
         """Stream a chat reply (``messages``) or a raw completion (``prompt=``) as deltas.
 
         The last delta has ``finish_reason`` and ``usage``. Leaving the loop early aborts the
         request once the iterator is closed (``contextlib.aclosing`` makes that immediate).
         Options and errors as ``chat``; an output filter that stops the stream ends it with
-        ``finish_reason="content_filter"`` (not an error).
+        ``finish_reason="content_filter"`` (not an error). ``resume_token_ids`` (in process, ``n == 1``)
+        continues a run whose caller already got those output tokens: the deltas carry only what follows
+        (a server replaying its journal uses it).
         """
         if (messages is None) == (prompt is None):
             raise ValueError("give messages (chat) or prompt= (completion), not both")
         if messages is not None:
-            return self._run(self._chat_request(messages, options), origin)
-        return self._run(self._completion_request(prompt, options), origin)  # type: ignore[arg-type]
+            return self._run(self._chat_request(messages, options), origin, resume_token_ids)
+        return self._run(self._completion_request(prompt, options), origin, resume_token_ids)  # type: ignore[arg-type]
+
+    async def retrieve(self, request_id: str) -> CompletionResult:
+        """Re-attach to a request a server journalled as it shut down: its whole result, once finished.
+
+        A stream cut by a ``paged serve --drain-journal`` shutdown raises ``RequestJournalled``
+        (``request_id`` is the server's id); a server restarted on the same ``kv_cache_dir`` finishes
+        the request, and this fetches it (``GET /v1/chat/completions/{id}``; the server waits while it runs).
+        The result's text is the whole reply, the part the stream already gave included.
+
+        Returns:
+            A ``ChatResult`` for a chat request, a ``CompletionResult`` for a completion.
+
+        Raises:
+            NotFoundError: the server has no such request (in process: never one).
+            PagedError: as ``chat``, for the replay's own failure.
+        """
+        await self.start()
+        return await self.transport.retrieve(request_id)
 
     async def batch(
         self, requests: Iterable[MessagesLike], *, return_exceptions: bool = False, **options: Any
@@ -408,8 +428,10 @@ class AsyncClient(AsyncClosing):
             usage=last.usage,
         )
 
-    def _run(self, request: ChatRequest | CompletionRequest, origin: RequestOrigin | None) -> AsyncIterator[Delta]:
-        return RequestRun(self._scope, request, origin).deltas()
+    def _run(
+        self, request: ChatRequest | CompletionRequest, origin: RequestOrigin | None, resume_token_ids: list[int] | None = None
+    ) -> AsyncIterator[Delta]:  # fmt: skip
+        return RequestRun(self._scope, request, origin, resume_token_ids).deltas()
 
 
 def _with_options(request: RequestT, options: dict[str, Any]) -> RequestT:

@@ -75,10 +75,14 @@ class RequestRun:
         origin: who sent it, for the hooks' context.
     """
 
-    def __init__(self, scope: RequestScope, request: ChatRequest | CompletionRequest, origin: RequestOrigin | None) -> None:
+    def __init__(
+        self, scope: RequestScope, request: ChatRequest | CompletionRequest, origin: RequestOrigin | None,
+        resume_token_ids: list[int] | None = None,
+    ) -> None:  # fmt: skip
         self.scope = scope
         self.request = request
         self.origin = origin or RequestOrigin()
+        self.resume_token_ids = resume_token_ids
         self.in_engine = False  # the engine holds the request: abort it unless it finished
         self.num_prompt_tokens = self.num_cached_tokens = self.num_completion_tokens = 0
 
@@ -156,6 +160,7 @@ class RequestRun:
             tenant=scope.tenant, weight=terms.weight, response_format=request.response_format, tools=tools,
             tool_choice=_tool_choice(request), parallel_tool_calls=getattr(request, "parallel_tool_calls", None) is not False,
             chat_template_kwargs=template_kwargs, reasoning=scope.transport.prompt_reasoning(prompt) if is_chat else None,
+            resume_token_ids=self.resume_token_ids,
         )  # fmt: skip
         return ctx.engine_request
 

@@ -75,6 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     server.add_argument(
+        "--drain-journal", action="store_true",
+        help="requests still running when the drain times out are written to <kv-cache-dir>/journal instead of "
+        "only aborted (their clients get 503 request_journalled with the id); a server started on the same "
+        "--kv-cache-dir finishes them and serves each result at GET /v1/chat/completions/{id} (needs --kv-cache-dir)",
+    )
+    server.add_argument(
         "--policy", default=None, metavar="PATH",
         help="the tenants, their keys (plain or sha256:HEX) and terms: priority cap, weight, rate limits, "
         "max_tokens, models, routes, cache isolation (a TOML file; see docs/server.md)",
@@ -258,6 +264,8 @@ def make_app(args: argparse.Namespace) -> web.Application:
             "binding %s without --api-key: anyone who can reach this port can use the model",
             args.host,
         )
+    if args.drain_journal and config.get("kv_cache_dir") is None:
+        raise ValueError("--drain-journal needs --kv-cache-dir: the journal is kept there")
     if args.audit_replay and not args.audit_log:
         raise ValueError("--audit-replay needs --audit-log: the replay part is written into the audit records")
     if args.audit_log:
@@ -273,6 +281,7 @@ def make_app(args: argparse.Namespace) -> web.Application:
         hooks=hooks,
         client_max_size=args.max_body_size,
         drain_timeout=args.drain_timeout,
+        drain_journal=args.drain_journal,
         restart=restart,
         image_limits=image_limits(args),
         responses=responses,

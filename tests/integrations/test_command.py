@@ -114,3 +114,16 @@ def test_self_healing_flags_reach_the_engine(monkeypatch):
     assert made == [RestartPolicy(), RestartPolicy(max_restarts=0, backoff_s=2.0, window_s=30.0)]
     with pytest.raises(FlagError, match=r"--restart-max-backoff-s must be in \[0"):
         serve_command.run(_parse("--restart-max-backoff-s", "-1"))
+
+
+def test_drain_journal_flag_needs_kv_cache_dir_and_reaches_the_app(monkeypatch, tmp_path):
+    """--drain-journal without --kv-cache-dir is refused (exit status 2); with it, create_app gets drain_journal."""
+    from integrations import serve_command
+    from integrations.openai_server import command
+
+    made = []
+    monkeypatch.setattr(command, "create_app", lambda model, **kwargs: made.append(kwargs))
+    monkeypatch.setattr(command.web, "run_app", lambda app, **kwargs: None)
+    assert serve_command.run(_parse("--drain-journal")) == 2
+    assert serve_command.run(_parse("--drain-journal", "--kv-cache-dir", str(tmp_path))) == 0
+    assert made[0]["drain_journal"] is True and made[0]["kv_cache_dir"] == str(tmp_path)

@@ -1,13 +1,206 @@
-"""A continued run: a request re-added with the output its caller already received goes on from there."""
+"""A restart that loses nothing it could keep: SIGTERM's drain journals what it cuts off, the next server finishes it.
+
+The first server (``drain_journal``, a ``kv_cache_dir``) serves 16 chat streams sharing a
+system prompt; its shutdown starts while they stream. A gate on the driver lets the short
+ones finish and then holds the long ones, so the drain times out on exactly those: they are
+journalled and their clients get ``request_journalled`` with the id. A second server on the
+same port and directory loads the saved prefixes and replays the journal: each result, fetched
+by id (openai SDK, and the paged SDK's ``retrieve``), is the whole answer an uninterrupted run
+gives, its prompt served from the persisted cache; a corrupt entry and another model's are
+skipped with a log line; no block is left referenced.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+import aiohttp
 import pytest
 
 from engine import AsyncEngine
 from engine.errors import ParameterError
+from integrations.openai_server.app import create_app
+from integrations.openai_server.journal import JournalEntry, RequestJournal
+from integrations.openai_server.state import STATE
+from sdk import AsyncClient, RequestJournalled
+from tests.integrations.conftest import LOOPBACK, LiveServer
 from tests.reliability.conftest import ENGINE_CONFIG
 from tests.support.quiescence import assert_quiescent
+
+SYSTEM = (
+    "You are the support assistant of a hardware shop. Answer in short sentences, name the product, "
+    "never promise a delivery date and always end with a question."
+)
+SHORT, LONG = 4, 40  # max_tokens of the streams that finish within the drain, and of those it cuts off
+DRAIN_S = 3.0
+CONFIG = dict(ENGINE_CONFIG, num_blocks=512, max_model_len=256, kv_cache_save_hot_blocks=512)
+_WAIT_S = 60.0
+
+
+class SamePort(LiveServer):
+    """A ``LiveServer`` bound to a given port: the restarted server at the address its clients know."""
+
+    def __init__(self, app: Any, port: int) -> None:
+        super().__init__(app)
+        self.port = port
+
+    def start(self, wait_healthy: bool = True) -> LiveServer:
+        from aiohttp import web
+
+        self.thread.start()
+
+        async def up() -> None:
+            await self.runner.setup()
+            await web.TCPSite(self.runner, LOOPBACK, self.port).start()
+
+        self.call(up())
+        if wait_healthy:
+            self.wait_phase("serving")
+        return self
+
+
+class HoldOnceShortsLeave:
+    """Holds the driver at the first step after all 16 requests came and every short one left: the long ones
+    cannot finish until ``release()``."""
+
+    def __init__(self, engine: AsyncEngine, num_requests: int) -> None:
+        self.held, self._released = threading.Event(), threading.Event()
+        inner = engine.engine
+        real = inner.runner.execute_model
+
+        def gated(*args: Any, **kwargs: Any) -> Any:
+            shorts = any(r.sampling_params.max_tokens == SHORT for r in inner.scheduler.requests.values())
+            if not self.held.is_set() and inner.request_stats.num_received >= num_requests and not shorts:
+                self.held.set()
+                self._released.wait(_WAIT_S)
+            return real(*args, **kwargs)
+
+        inner.runner.execute_model = gated  # NOTE: looked up on every step: the swap lands between two
+
+    def release(self) -> None:
+        self._released.set()
+
+
+def chat_body(i: int, max_tokens: int) -> dict[str, Any]:
+    question = f"Customer {i} asks: does the drill model {100 + i} come with a spare battery?"
+    return {
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+    }  # fmt: skip
+
+
+async def sse_stream(http: aiohttp.ClientSession, url: str, body: dict[str, Any], first: asyncio.Event) -> list[Any]:
+    """A stream's events (JSON, then ``[DONE]``); sets ``first`` at its first content chunk."""
+    events: list[Any] = []
+    async with http.post(url, json={**body, "stream": True}) as resp:
+        assert resp.status == 200
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            events.append("[DONE]" if data == "[DONE]" else json.loads(data))
+            if events[-1] != "[DONE]" and any(c.get("delta", {}).get("content") for c in events[-1].get("choices", ())):
+                first.set()
+    return events
+
+
+def content(events: list[Any]) -> str:
+    return "".join(c["delta"].get("content") or "" for e in events if e != "[DONE]" for c in e.get("choices", ()))
+
+
+async def test_sigterm_journals_the_cut_off_streams_and_a_second_server_finishes_them(model_dir, tmp_path, caplog) -> None:
+    """16 streams at SIGTERM: the short finish, the long are journalled; a second server on the same kv_cache_dir
+    completes them from the persisted prefixes, greedy-identical to an uninterrupted run, retrievable by id."""
+    caplog.set_level(logging.INFO)
+    cache = tmp_path / "kv"
+    app = create_app(str(model_dir), drain_journal=True, drain_timeout=DRAIN_S, kv_cache_dir=str(cache), **CONFIG)
+    first = LiveServer(app).start()
+    gate = HoldOnceShortsLeave(first.app[STATE].serving.engine, 16)
+    bodies = {i: chat_body(i, SHORT if i % 2 else LONG) for i in range(16)}
+    remote = AsyncClient(base_url=first.base_url, max_retries=0)
+    try:
+        async with aiohttp.ClientSession() as http:
+            firsts = {i: asyncio.Event() for i in bodies}
+            url = f"{first.base_url}/chat/completions"
+            streams = {i: asyncio.ensure_future(sse_stream(http, url, bodies[i], firsts[i])) for i in bodies if i != 0}
+
+            async def through_sdk() -> tuple[str, BaseException | None]:
+                got = ""
+                try:
+                    async for delta in remote.stream(bodies[0]["messages"], max_tokens=LONG, temperature=0.0, ignore_eos=True):
+                        got += delta.text
+                        firsts[0].set()
+                except RequestJournalled as exc:
+                    return got, exc
+                return got, None
+
+            sdk_stream = asyncio.ensure_future(through_sdk())
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts.values())), _WAIT_S)
+            stopping = asyncio.ensure_future(asyncio.to_thread(first.stop))  # the app's SIGTERM path: drain, then close
+            results = await asyncio.wait_for(asyncio.gather(*streams.values()), _WAIT_S)
+            sdk_text, journalled = await asyncio.wait_for(sdk_stream, _WAIT_S)
+        gate.release()
+        await asyncio.wait_for(stopping, _WAIT_S)
+    finally:
+        gate.release()
+    by_index = dict(zip(streams, results))
+    ids: dict[int, str] = {}
+    for i, events in by_index.items():
+        assert events[-1] == "[DONE]"
+        if i % 2:  # short: finished within the drain
+            assert events[-2]["choices"][0]["finish_reason"] == "length", events[-2]
+        else:  # long: cut off by the drain's deadline, journalled
+            error = events[-2]["error"]
+            assert error["code"] == "request_journalled" and error["request_id"] == events[0]["id"], error
+            ids[i] = error["request_id"]
+    assert isinstance(journalled, RequestJournalled) and sdk_text
+    ids[0] = journalled.request_id
+    journal = RequestJournal(cache / "journal")
+    assert sorted(e.request_id for e in journal.load()) == sorted(ids.values())
+
+    # a corrupt file and another model's entry: both skipped with a log line, start-up goes on
+    (journal.directory / "torn.json").write_text('{"version": 1, "request_id": ')
+    other = JournalEntry("chatcmpl-other", "chat", "anonymous", "another-model", bodies[2])
+    journal.write(other)
+
+    second = SamePort(create_app(str(model_dir), drain_journal=True, kv_cache_dir=str(cache), **CONFIG), first.port)
+    try:
+        second.start()
+        engine = second.app[STATE].serving.engine
+        retrieved = {i: await asyncio.to_thread(second.openai("k").chat.completions.retrieve, rid) for i, rid in ids.items()}
+        reattached = await remote.retrieve(ids[0])
+        async with aiohttp.ClientSession() as http:
+            references = {}
+            for i in ids:  # the same requests, uninterrupted, on the second server
+                async with http.post(f"{second.base_url}/chat/completions", json=bodies[i]) as resp:
+                    references[i] = await resp.json()
+        for i, completion in retrieved.items():
+            reference = references[i]["choices"][0]
+            choice = completion.choices[0]
+            assert completion.id == ids[i] and choice.finish_reason == "length"
+            assert choice.message.content == reference["message"]["content"]
+            assert choice.model_extra["token_ids"] == reference["token_ids"] and len(reference["token_ids"]) == LONG
+            if i:
+                assert choice.message.content.startswith(content(by_index[i]))
+            # NOTE: every replay starts in one step: its prompt's KV came from the persisted cache, not a sibling's
+            assert completion.usage.prompt_tokens_details.cached_tokens >= 32, completion.usage
+            assert completion.usage.completion_tokens == LONG, completion.usage
+            assert completion.usage.prompt_tokens == references[i]["usage"]["prompt_tokens"], completion.usage
+        assert reattached.request_id == ids[0] and reattached.text == references[0]["choices"][0]["message"]["content"]
+        assert reattached.text.startswith(sdk_text)
+        assert [e.request_id for e in journal.load()] == ["chatcmpl-other"]  # replayed entries leave the journal
+        assert "journal: skipping torn.json" in caplog.text
+        assert "journal: entry chatcmpl-other cannot be replayed here (model: journalled for 'another-model'" in caplog.text
+        await assert_quiescent(engine)
+    finally:
+        await remote.aclose()
+        second.stop()
 
 
 async def test_a_continuation_goes_on_where_its_caller_stopped(model_dir) -> None:
@@ -28,3 +221,22 @@ async def test_a_continuation_goes_on_where_its_caller_stopped(model_dir) -> Non
         await assert_quiescent(engine)
     finally:
         await engine.shutdown()
+
+
+def test_a_journal_entry_names_the_field_it_lacks(tmp_path: Path) -> None:
+    """An entry round-trips; a damaged one is refused naming the field, and the journal drops its file."""
+    journal = RequestJournal(tmp_path)
+    entry = JournalEntry("chatcmpl-1", "chat", "t", "m", {"messages": []}, [1, 2], "ab")
+    journal.write(entry)
+    assert journal.load() == [entry]
+    with pytest.raises(ValueError, match="^token_ids"):
+        JournalEntry.from_json(entry.to_json().replace("[1, 2]", '["x"]'))
+    (tmp_path / "chatcmpl-1.json").write_text(entry.to_json().replace('"chat"', '"embeddings"'))
+    assert journal.load() == [] and not list(tmp_path.iterdir())
+
+
+def test_drain_journal_needs_kv_cache_dir() -> None:
+    """Without kv_cache_dir the journal has nowhere to live: a typed error naming the setting."""
+    with pytest.raises(ParameterError) as error:
+        create_app(drain_journal=True)
+    assert error.value.param == "drain_journal"

@@ -19,6 +19,7 @@ from sdk.hooks import HookChain, RequestOrigin
 from sdk.policy import engine_salt
 from sdk.prefix import PinnedPrefixes, PrefixHandle
 from sdk.rate_limit import RateLimiter
+from sdk.reattach import fetch_result
 from sdk.request_run import RequestRun, RequestScope, Startup
 from sdk.response_format import parse
 from sdk.retrieval import (
@@ -209,15 +210,20 @@ class AsyncClient(AsyncClosing):
         the request, and this fetches it (``GET /v1/chat/completions/{id}``; the server waits while it runs).
         The result's text is the whole reply, the part the stream already gave included.
 
+        With ``max_retries`` a stream does this itself: its last delta is then the rest of the
+        result, and the stream goes on as if never cut. Here as there, a server still down or starting is
+        waited for up to ``max_retries`` times (from 1 s, doubling).
+
         Returns:
             A ``ChatResult`` for a chat request, a ``CompletionResult`` for a completion.
 
         Raises:
             NotFoundError: the server has no such request (in process: never one).
+            EngineRestarting: the server was still down or starting at the last try.
             PagedError: as ``chat``, for the replay's own failure.
         """
         await self.start()
-        return await self.transport.retrieve(request_id)
+        return await fetch_result(self.transport, request_id, self.settings.max_retries)
 
     async def batch(
         self, requests: Iterable[MessagesLike], *, return_exceptions: bool = False, **options: Any

@@ -22,7 +22,7 @@ import aiohttp
 
 from engine.pooling.params import PoolingParams
 
-from sdk.errors import EngineFailure, InvalidRequestError, from_wire
+from sdk.errors import EngineFailure, EngineRestarting, InvalidRequestError, from_wire
 from sdk.images import ImageInfo, data_url_infos
 from sdk.responses.types import ResponseEvent
 from sdk.transport import EngineRequest, Pooled, PrefixPin, Transport
@@ -234,11 +234,21 @@ class HttpTransport(Transport):
 
         Raises:
             NotFoundError: the server has no such request (``param="completion_id"``).
+            EngineRestarting: the server is not reachable, or answers 503 (starting, draining, restarting).
             PagedError: the server's other answers (``from_wire``).
         """
         route = "completions" if request_id.startswith("cmpl-") else "chat/completions"
-        async with self._client().get(f"{self._base}/{route}/{request_id}", headers=self._headers) as resp:
-            return result_from_wire(await _json_or_raise(resp))
+        try:
+            async with self._client().get(f"{self._base}/{route}/{request_id}", headers=self._headers) as resp:
+                try:
+                    return result_from_wire(await _json_or_raise(resp))
+                except EngineFailure as exc:
+                    if resp.status != 503:
+                        raise
+                    # NOTE: a server starting, draining or restarting its engine: the result may come later
+                    raise EngineRestarting(str(exc), retry_after=_retry_after(resp.headers.get("Retry-After")) or 1.0) from None
+        except aiohttp.ClientConnectionError as exc:
+            raise EngineRestarting(f"{self._base} is not reachable ({exc}): the server may be restarting") from exc
 
     def stats(self) -> dict[str, Any]:
         """Nothing: a remote engine's figures are on its ``/metrics`` route."""

@@ -194,9 +194,14 @@ def add_routes(app: web.Application, replays: JournalReplays) -> None:
 
 
 async def retrieve(request: web.Request) -> web.Response:
-    """A journalled request's whole result, once its replay finished (the handler waits for it)."""
-    from integrations.openai_server.state import TENANT
+    """A journalled request's whole result, once its replay finished (the handler waits for it).
 
+    While the server starts, drains or restarts its engine the answer is a 503, which the SDK waits out: the
+    replays have not started, or the result will be the next server's.
+    """
+    from integrations.openai_server.state import STATE, TENANT
+
+    request.app[STATE].require_serving()
     completion_id = request.match_info["completion_id"]
     try:
         result = await request.app[REPLAYS].result(request[TENANT].name, completion_id)

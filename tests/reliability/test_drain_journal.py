@@ -124,27 +124,30 @@ async def test_sigterm_journals_the_cut_off_streams_and_a_second_server_finishes
     gate = HoldOnceShortsLeave(first.app[STATE].serving.engine, 16)
     bodies = {i: chat_body(i, SHORT if i % 2 else LONG) for i in range(16)}
     remote = AsyncClient(base_url=first.base_url, max_retries=0)
+    auto = AsyncClient(base_url=first.base_url, max_retries=6)
     try:
         async with aiohttp.ClientSession() as http:
             firsts = {i: asyncio.Event() for i in bodies}
             url = f"{first.base_url}/chat/completions"
-            streams = {i: asyncio.ensure_future(sse_stream(http, url, bodies[i], firsts[i])) for i in bodies if i != 0}
+            streams = {i: asyncio.ensure_future(sse_stream(http, url, bodies[i], firsts[i])) for i in bodies if i not in (0, 2)}
 
-            async def through_sdk() -> tuple[str, BaseException | None]:
-                got = ""
+            async def through_sdk(client: AsyncClient, i: int) -> tuple[str, list[int], BaseException | None]:
+                text, token_ids = "", []
                 try:
-                    async for delta in remote.stream(bodies[0]["messages"], max_tokens=LONG, temperature=0.0, ignore_eos=True):
-                        got += delta.text
-                        firsts[0].set()
+                    async for delta in client.stream(bodies[i]["messages"], max_tokens=LONG, temperature=0.0, ignore_eos=True):
+                        text, token_ids = text + delta.text, token_ids + delta.token_ids
+                        firsts[i].set()
                 except RequestJournalled as exc:
-                    return got, exc
-                return got, None
+                    return text, token_ids, exc
+                return text, token_ids, None
 
-            sdk_stream = asyncio.ensure_future(through_sdk())
+            sdk_stream = asyncio.ensure_future(through_sdk(remote, 0))
+            # NOTE: with max_retries the SDK re-attaches by itself: this stream goes on across the restart
+            riding = asyncio.ensure_future(through_sdk(auto, 2))
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts.values())), _WAIT_S)
             stopping = asyncio.ensure_future(asyncio.to_thread(first.stop))  # the app's SIGTERM path: drain, then close
             results = await asyncio.wait_for(asyncio.gather(*streams.values()), _WAIT_S)
-            sdk_text, journalled = await asyncio.wait_for(sdk_stream, _WAIT_S)
+            sdk_text, _, journalled = await asyncio.wait_for(sdk_stream, _WAIT_S)
         gate.release()
         await asyncio.wait_for(stopping, _WAIT_S)
     finally:
@@ -162,7 +165,8 @@ async def test_sigterm_journals_the_cut_off_streams_and_a_second_server_finishes
     assert isinstance(journalled, RequestJournalled) and sdk_text
     ids[0] = journalled.request_id
     journal = RequestJournal(cache / "journal")
-    assert sorted(e.request_id for e in journal.load()) == sorted(ids.values())
+    journalled_ids = {e.request_id for e in journal.load()}
+    assert len(journalled_ids) == 8 and set(ids.values()) < journalled_ids  # and the stream the SDK rides
 
     # a corrupt file and another model's entry: both skipped with a log line, start-up goes on
     (journal.directory / "torn.json").write_text('{"version": 1, "request_id": ')
@@ -175,9 +179,10 @@ async def test_sigterm_journals_the_cut_off_streams_and_a_second_server_finishes
         engine = second.app[STATE].serving.engine
         retrieved = {i: await asyncio.to_thread(second.openai("k").chat.completions.retrieve, rid) for i, rid in ids.items()}
         reattached = await remote.retrieve(ids[0])
+        ridden_text, ridden_ids, ridden_error = await asyncio.wait_for(riding, _WAIT_S)
         async with aiohttp.ClientSession() as http:
             references = {}
-            for i in ids:  # the same requests, uninterrupted, on the second server
+            for i in [*ids, 2]:  # the same requests, uninterrupted, on the second server
                 async with http.post(f"{second.base_url}/chat/completions", json=bodies[i]) as resp:
                     references[i] = await resp.json()
         for i, completion in retrieved.items():
@@ -194,12 +199,15 @@ async def test_sigterm_journals_the_cut_off_streams_and_a_second_server_finishes
             assert completion.usage.prompt_tokens == references[i]["usage"]["prompt_tokens"], completion.usage
         assert reattached.request_id == ids[0] and reattached.text == references[0]["choices"][0]["message"]["content"]
         assert reattached.text.startswith(sdk_text)
+        assert ridden_error is None and ridden_text == references[2]["choices"][0]["message"]["content"], ridden_error
+        assert ridden_ids == references[2]["choices"][0]["token_ids"] and len(ridden_ids) == LONG
         assert [e.request_id for e in journal.load()] == ["chatcmpl-other"]  # replayed entries leave the journal
         assert "journal: skipping torn.json" in caplog.text
         assert "journal: entry chatcmpl-other cannot be replayed here (model: journalled for 'another-model'" in caplog.text
         await assert_quiescent(engine)
     finally:
         await remote.aclose()
+        await auto.aclose()
         second.stop()
 
 

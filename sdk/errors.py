@@ -224,7 +224,9 @@ class RequestJournalled(EngineFailure):
     """The server shut down before the request finished and wrote it to its journal (``paged serve --drain-journal``).
 
     A server restarted on the same ``kv_cache_dir`` finishes it; ``AsyncClient.retrieve(request_id)``
-    fetches the whole result once it serves again.
+    fetches the whole result once it serves again. A client with ``max_retries`` does that itself and
+    its stream goes on (``sdk.reattach``): it raises this only without retries, or when the result
+    cannot continue what the stream gave.
 
     Attributes:
         request_id: the server's id of the request (the ``id`` of its chunks).

@@ -168,10 +168,10 @@ async def test_sigterm_journals_the_cut_off_streams_and_a_second_server_finishes
     journalled_ids = {e.request_id for e in journal.load()}
     assert len(journalled_ids) == 8 and set(ids.values()) < journalled_ids  # and the stream the SDK rides
 
-    # a corrupt file and another model's entry: both skipped with a log line, start-up goes on
+    # a torn file, another model's entry and tokens the engine refuses: each skipped with a log line, start-up goes on
     (journal.directory / "torn.json").write_text('{"version": 1, "request_id": ')
-    other = JournalEntry("chatcmpl-other", "chat", "anonymous", "another-model", bodies[2])
-    journal.write(other)
+    journal.write(JournalEntry("chatcmpl-other", "chat", "anonymous", "another-model", bodies[2]))
+    journal.write(JournalEntry("chatcmpl-refused", "chat", "anonymous", first.model_name, bodies[2], [10**9]))
 
     second = SamePort(create_app(str(model_dir), drain_journal=True, kv_cache_dir=str(cache), **CONFIG), first.port)
     try:
@@ -204,6 +204,7 @@ async def test_sigterm_journals_the_cut_off_streams_and_a_second_server_finishes
         assert [e.request_id for e in journal.load()] == ["chatcmpl-other"]  # replayed entries leave the journal
         assert "journal: skipping torn.json" in caplog.text
         assert "journal: entry chatcmpl-other cannot be replayed here (model: journalled for 'another-model'" in caplog.text
+        assert "journal: entry chatcmpl-refused cannot be replayed here (InvalidRequestError: resume_token_ids" in caplog.text
         await assert_quiescent(engine)
     finally:
         await remote.aclose()

@@ -95,7 +95,7 @@ def chat_body(i: int, max_tokens: int) -> dict[str, Any]:
 
 
 async def sse_stream(http: aiohttp.ClientSession, url: str, body: dict[str, Any], first: asyncio.Event) -> list[Any]:
-    """A stream's events (JSON, then ``[DONE]``); sets ``first`` at its first content chunk."""
+    """A stream's events (JSON, then ``[DONE]``); sets ``first`` at its first chunk with a token."""
     events: list[Any] = []
     async with http.post(url, json={**body, "stream": True}) as resp:
         assert resp.status == 200
@@ -105,7 +105,7 @@ async def sse_stream(http: aiohttp.ClientSession, url: str, body: dict[str, Any]
                 continue
             data = line[5:].strip()
             events.append("[DONE]" if data == "[DONE]" else json.loads(data))
-            if events[-1] != "[DONE]" and any(c.get("delta", {}).get("content") for c in events[-1].get("choices", ())):
+            if events[-1] != "[DONE]" and any(c.get("token_ids") for c in events[-1].get("choices", ())):
                 first.set()
     return events
 
@@ -147,7 +147,7 @@ async def test_sigterm_journals_the_cut_off_streams_and_a_second_server_finishes
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts.values())), _WAIT_S)
             stopping = asyncio.ensure_future(asyncio.to_thread(first.stop))  # the app's SIGTERM path: drain, then close
             results = await asyncio.wait_for(asyncio.gather(*streams.values()), _WAIT_S)
-            sdk_text, _, journalled = await asyncio.wait_for(sdk_stream, _WAIT_S)
+            sdk_text, sdk_ids, journalled = await asyncio.wait_for(sdk_stream, _WAIT_S)
         gate.release()
         await asyncio.wait_for(stopping, _WAIT_S)
     finally:
@@ -162,7 +162,7 @@ async def test_sigterm_journals_the_cut_off_streams_and_a_second_server_finishes
             error = events[-2]["error"]
             assert error["code"] == "request_journalled" and error["request_id"] == events[0]["id"], error
             ids[i] = error["request_id"]
-    assert isinstance(journalled, RequestJournalled) and sdk_text
+    assert isinstance(journalled, RequestJournalled) and sdk_ids
     ids[0] = journalled.request_id
     journal = RequestJournal(cache / "journal")
     journalled_ids = {e.request_id for e in journal.load()}
@@ -198,7 +198,7 @@ async def test_sigterm_journals_the_cut_off_streams_and_a_second_server_finishes
             assert completion.usage.completion_tokens == LONG, completion.usage
             assert completion.usage.prompt_tokens == references[i]["usage"]["prompt_tokens"], completion.usage
         assert reattached.request_id == ids[0] and reattached.text == references[0]["choices"][0]["message"]["content"]
-        assert reattached.text.startswith(sdk_text)
+        assert reattached.text.startswith(sdk_text) and reattached.choices[0].token_ids[: len(sdk_ids)] == sdk_ids
         assert ridden_error is None and ridden_text == references[2]["choices"][0]["message"]["content"], ridden_error
         assert ridden_ids == references[2]["choices"][0]["token_ids"] and len(ridden_ids) == LONG
         assert [e.request_id for e in journal.load()] == ["chatcmpl-other"]  # replayed entries leave the journal

@@ -117,7 +117,7 @@ def test_self_healing_flags_reach_the_engine(monkeypatch):
 
 
 def test_drain_journal_flag_needs_kv_cache_dir_and_reaches_the_app(monkeypatch, tmp_path):
-    """--drain-journal without --kv-cache-dir is refused (exit status 2); with it, create_app gets drain_journal."""
+    """--drain-journal without --kv-cache-dir, or with --replicas, is refused; with it, create_app gets drain_journal."""
     from integrations import serve_command
     from integrations.openai_server import command
 
@@ -125,5 +125,7 @@ def test_drain_journal_flag_needs_kv_cache_dir_and_reaches_the_app(monkeypatch, 
     monkeypatch.setattr(command, "create_app", lambda model, **kwargs: made.append(kwargs))
     monkeypatch.setattr(command.web, "run_app", lambda app, **kwargs: None)
     assert serve_command.run(_parse("--drain-journal")) == 2
+    with pytest.raises(ValueError, match="--drain-journal serves one process"):
+        command.make_app(_parse("--drain-journal", "--kv-cache-dir", str(tmp_path), "--replicas", "2"))
     assert serve_command.run(_parse("--drain-journal", "--kv-cache-dir", str(tmp_path))) == 0
     assert made[0]["drain_journal"] is True and made[0]["kv_cache_dir"] == str(tmp_path)

@@ -38,7 +38,7 @@ SYSTEM = (
 )
 SHORT, LONG = 4, 40  # max_tokens of the streams that finish within the drain, and of those it cuts off
 DRAIN_S = 3.0
-CONFIG = dict(ENGINE_CONFIG, num_blocks=512, max_model_len=256, kv_cache_save_hot_blocks=512)
+CONFIG = dict(ENGINE_CONFIG, num_blocks=512, max_model_len=256)
 _WAIT_S = 60.0
 
 

@@ -213,16 +213,19 @@ async def test_sigterm_journals_the_cut_off_streams_and_a_second_server_finishes
 
 
 async def test_a_continuation_goes_on_where_its_caller_stopped(model_dir) -> None:
-    """``resume_token_ids`` continues a greedy run: the deltas carry only the rest, joined they equal the whole run."""
+    """``resume_token_ids`` continues a greedy or seeded run: the deltas carry only the rest, joined they equal the
+    whole run."""
     from engine import SamplingParams
 
     engine = AsyncEngine(str(model_dir), **ENGINE_CONFIG)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)
     prompt = list(range(300, 312))
     try:
-        whole = [t async for d in engine.stream(prompt, params) for t in d.token_ids]
-        rest = [t async for d in engine.stream(prompt, params, resume_token_ids=whole[:8]) for t in d.token_ids]
-        assert whole[:8] + rest == whole
+        for sampling in (params, seeded):
+            whole = [t async for d in engine.stream(prompt, sampling) for t in d.token_ids]
+            rest = [t async for d in engine.stream(prompt, sampling, resume_token_ids=whole[:8]) for t in d.token_ids]
+            assert whole[:8] + rest == whole
         with pytest.raises(ParameterError) as bad:
             async for _ in engine.stream(prompt, params, resume_token_ids=[10**9]):
                 pass

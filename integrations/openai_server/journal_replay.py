@@ -10,7 +10,8 @@ bounded store, and the entry leaves the journal. A client fetches it with
 completion's at ``GET /v1/completions/{completion_id}``), which waits while the replay runs.
 
 An entry that cannot be replayed (another model, a tenant the policy no longer has, a body or
-tokens the engine refuses) is logged and skipped; start-up goes on. A replay cut short by
+tokens the engine refuses) is logged and skipped; start-up goes on. A replay the admission or
+rate limits refuse waits and tries again (``REPLAY_RETRIES`` times). A replay cut short by
 another shutdown leaves its entry in the journal, for the next server.
 """
 
@@ -31,7 +32,7 @@ from integrations.openai_server.intake import sdk_requests
 from integrations.openai_server.journal import JournalEntry, RequestJournal
 from integrations.openai_server.routes import reply_message
 from integrations.openai_server.wire_pieces import token_ids, usage
-from sdk.errors import InvalidRequestError, PagedError
+from sdk.errors import EngineRestarting, InvalidRequestError, OverloadedError, PagedError
 from sdk.types import Delta
 
 if TYPE_CHECKING:
@@ -41,6 +42,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MAX_RESULTS = 1024  # replayed results kept; past it the oldest finished ones are dropped
+REPLAY_RETRIES = 8  # a replay the admission or rate limits refuse is tried again, waiting from REPLAY_BACKOFF, doubling
+REPLAY_BACKOFF = 0.05
 _BODIES: dict[str, type[BaseModel]] = {"chat": p.ChatCompletionRequest, "completion": p.CompletionRequest}
 
 
@@ -125,18 +128,27 @@ class JournalReplays:
         request = requests[0].model_copy(update={"request_id": entry.request_id})
         received = Delta(entry.request_id, 0, entry.text, list(entry.token_ids), reasoning=entry.reasoning)
         deltas = [received]
-        if entry.route == "chat":
-            stream = client.stream(request, resume_token_ids=list(entry.token_ids))
-        else:
-            stream = client.stream(prompt=request, resume_token_ids=list(entry.token_ids))
-        try:
-            async with contextlib.aclosing(stream):
-                async for delta in stream:
-                    deltas.append(delta)
-        except PagedError as exc:  # NOTE: refused (kept no more); failed or shut down (left for the next server)
-            self._skip(entry, f"{type(exc).__name__}: {exc}", remove=isinstance(exc, InvalidRequestError))
-            future.set_exception(exc)
-            return
+        for attempt in range(REPLAY_RETRIES + 1):
+            if entry.route == "chat":
+                stream = client.stream(request, resume_token_ids=list(entry.token_ids))
+            else:
+                stream = client.stream(prompt=request, resume_token_ids=list(entry.token_ids))
+            try:
+                async with contextlib.aclosing(stream):
+                    async for delta in stream:
+                        deltas.append(delta)
+                break
+            except (OverloadedError, EngineRestarting) as exc:  # NOTE: refused before it started: try again later
+                if len(deltas) == 1 and attempt < REPLAY_RETRIES:
+                    await asyncio.sleep(max(REPLAY_BACKOFF * 2**attempt, getattr(exc, "retry_after", 0.0)))
+                    continue
+                self._skip(entry, f"{type(exc).__name__}: {exc}", remove=False)
+                future.set_exception(exc)
+                return
+            except PagedError as exc:  # NOTE: refused (kept no more); failed (left for the next server)
+                self._skip(entry, f"{type(exc).__name__}: {exc}", remove=isinstance(exc, InvalidRequestError))
+                future.set_exception(exc)
+                return
         future.set_result(_result(entry, serving.model_name, deltas))
         self.journal.remove(entry.request_id)
         self._shrink()

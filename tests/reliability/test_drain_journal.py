@@ -212,6 +212,47 @@ async def test_sigterm_journals_the_cut_off_streams_and_a_second_server_finishes
         second.stop()
 
 
+async def test_journalled_completions_wait_out_a_full_queue_and_answer_by_id(model_dir, tmp_path) -> None:
+    """Completions journalled at 0, 5 and 11 tokens replay on a server whose admission queue takes one at a time
+    (the refused ones try again) and answer at GET /v1/completions/{id} as the uninterrupted run."""
+    from engine import SamplingParams
+
+    prompt = list(range(400, 430))
+    body = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    reference = AsyncEngine(str(model_dir), **ENGINE_CONFIG)
+    try:
+        deltas = [d async for d in reference.stream(prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))]
+    finally:
+        await reference.shutdown()
+    journal = RequestJournal(tmp_path / "kv" / "journal")
+    cuts = {f"cmpl-cut{k}": k for k in (0, 1, 2, 3, 5, 11)}
+    for request_id, k in cuts.items():  # what a caller had after its first k deltas
+        got = deltas[:k]
+        text, token_ids = "".join(d.text for d in got), [t for d in got for t in d.token_ids]
+        journal.write(JournalEntry(request_id, "completion", "anonymous", model_dir.name, body, token_ids, text))
+    config = dict(ENGINE_CONFIG, max_queued_requests=1)
+    server = LiveServer(create_app(str(model_dir), drain_journal=True, kv_cache_dir=str(tmp_path / "kv"), **config))
+    try:
+        server.start()
+        assert server.model_name == model_dir.name
+        async with aiohttp.ClientSession() as http:
+            for request_id in cuts:
+                async with http.get(f"{server.base_url}/completions/{request_id}") as resp:
+                    assert resp.status == 200, await resp.text()
+                    result = await resp.json()
+                choice = result["choices"][0]
+                assert result["id"] == request_id and result["object"] == "text_completion"
+                assert choice["token_ids"] == [t for d in deltas for t in d.token_ids]
+                assert choice["text"] == "".join(d.text for d in deltas) and choice["finish_reason"] == "length"
+            async with http.get(f"{server.base_url}/completions/cmpl-unknown") as resp:
+                assert resp.status == 404 and (await resp.json())["error"]["param"] == "completion_id"
+        engine = server.app[STATE].serving.engine
+        assert journal.load() == [] and engine.stats()["requests_rejected"] > 0  # the queue did refuse some
+        await assert_quiescent(engine)
+    finally:
+        server.stop()
+
+
 async def test_a_continuation_goes_on_where_its_caller_stopped(model_dir) -> None:
     """``resume_token_ids`` continues a greedy or seeded run: the deltas carry only the rest, joined they equal the
     whole run."""

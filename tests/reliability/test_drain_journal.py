@@ -7,7 +7,9 @@ journalled and their clients get ``request_journalled`` with the id. A second se
 same port and directory loads the saved prefixes and replays the journal: each result, fetched
 by id (openai SDK, and the paged SDK's ``retrieve``), is the whole answer an uninterrupted run
 gives, its prompt served from the persisted cache; a corrupt entry and another model's are
-skipped with a log line; no block is left referenced.
+skipped with a log line, and so is one whose tokens the engine refuses; no block is left referenced.
+An SDK client with ``max_retries`` rides the restart: its stream goes on and ends with the whole answer.
+Journalled completions replay past a full admission queue and answer at their own route.
 """
 
 from __future__ import annotations
@@ -125,6 +127,7 @@ async def test_sigterm_journals_the_cut_off_streams_and_a_second_server_finishes
     bodies = {i: chat_body(i, SHORT if i % 2 else LONG) for i in range(16)}
     remote = AsyncClient(base_url=first.base_url, max_retries=0)
     auto = AsyncClient(base_url=first.base_url, max_retries=6)
+    stopping: asyncio.Future | None = None
     try:
         async with aiohttp.ClientSession() as http:
             firsts = {i: asyncio.Event() for i in bodies}
@@ -152,6 +155,9 @@ async def test_sigterm_journals_the_cut_off_streams_and_a_second_server_finishes
         await asyncio.wait_for(stopping, _WAIT_S)
     finally:
         gate.release()
+        if stopping is None:
+            first.stop()
+            await asyncio.gather(remote.aclose(), auto.aclose())
     by_index = dict(zip(streams, results))
     ids: dict[int, str] = {}
     for i, events in by_index.items():

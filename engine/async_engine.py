@@ -17,7 +17,7 @@ import itertools
 import queue
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from engine.admission import Admission
@@ -25,13 +25,13 @@ from engine.commands import Abort, Add, Call, Channel, Command, Pin, engine_pin_
 from engine.config import EngineConfig
 from engine.errors import EngineOverloaded, EngineRestarting, ParameterError, UnsupportedTask
 from engine.llm_engine import Engine
-from engine.outputs import Delta, OutputAccumulator, PinnedPrefix, RequestOutput
+from engine.outputs import Delta, OutputAccumulator, PinnedPrefix, Received, RequestOutput
 from engine.pooling.api import cosine
 from engine.pooling.outputs import EmbeddingRequestOutput, ScoringOutput, ScoringRequestOutput
 from engine.pooling.params import PoolingParams
 from engine.pooling.pooling_queue import PoolingRequest
 from engine.pooling.tokens import EmbedInput, PoolingInput, PoolingTokenizer
-from engine.processor import Prompt
+from engine.processor import ProcessedRequest, Prompt
 from engine.sampling_params import SamplingParams
 from engine.supervisor import EngineHealth, RestartPolicy, Supervisor, restart_config
 
@@ -154,6 +154,7 @@ class AsyncEngine:
     async def generate(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None, priority: int = 0,
         cache_salt: str | None = None, tenant: str | None = None, weight: float = 1.0,
+        resume_token_ids: Sequence[int] | None = None,
     ) -> AsyncIterator[RequestOutput]:  # fmt: skip
         """Streams one request's cumulative outputs, one per step; the last has ``finished=True``.
 
@@ -163,7 +164,7 @@ class AsyncEngine:
         """
         shape = params if isinstance(params, SamplingParams) else SamplingParams()  # NOTE: _steps refuses the rest
         accumulator = OutputAccumulator(shape.n, shape.logprobs is not None)
-        steps = self._steps(prompt, params, request_id, priority, cache_salt, tenant, weight)
+        steps = self._steps(prompt, params, request_id, priority, cache_salt, tenant, weight, resume_token_ids)
         async with contextlib.aclosing(steps):
             async for deltas in steps:
                 for delta in deltas:
@@ -173,11 +174,15 @@ class AsyncEngine:
     async def stream(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None, priority: int = 0,
         cache_salt: str | None = None, tenant: str | None = None, weight: float = 1.0,
+        resume_token_ids: Sequence[int] | None = None,
     ) -> AsyncIterator[Delta]:  # fmt: skip
         """Streams one request's deltas: per step, one per completion that progressed; the last has ``usage``.
 
         Closing or cancelling the iterator aborts the request and frees its blocks.
         ``tenant`` and ``weight`` are the fair share's (``Engine.add_request``).
+        ``resume_token_ids`` continues a run whose caller already got those output tokens (a request
+        journalled by a server that shut down): they are its output so far, recomputed as a prefill
+        (the prefix cache serves what it holds), and its deltas carry only what follows (``n == 1`` only).
 
         Raises:
             RequestRejected: From the first ``__anext__``: empty prompt, a token id outside
@@ -185,14 +190,14 @@ class AsyncEngine:
                 cannot take (field ``multi_modal_data.image``, ``Processor.process_prompt``).
             EngineOverloaded: From the first ``__anext__``: admission limits are full.
             ParameterError: Bad ``params``, ``request_id``, ``priority``, ``cache_salt``,
-                ``tenant`` or ``weight``, a request id already in use, or a structured-output constraint that does not
+                ``tenant``, ``weight`` or ``resume_token_ids``, a request id already in use, or a structured-output constraint that does not
                 compile (compiled on the compiler's threads, never on the step loop).
             EngineRestarting: A fresh engine is starting; or the driver died while the request
                 was queued or running and it is not resumed (``RestartPolicy.resume`` off, ``n > 1``): retry it.
             RequestPoisoned: The request was in flight at too many driver deaths (``engine.resume``).
             EngineError: The engine failed this request, or is dead / shut down.
         """
-        steps = self._steps(prompt, params, request_id, priority, cache_salt, tenant, weight)
+        steps = self._steps(prompt, params, request_id, priority, cache_salt, tenant, weight, resume_token_ids)
         async with contextlib.aclosing(steps):
             async for deltas in steps:
                 for delta in deltas:
@@ -200,7 +205,7 @@ class AsyncEngine:
 
     async def _steps(
         self, prompt: Prompt, params: SamplingParams | None, request_id: str | None, priority: int,
-        cache_salt: str | None, tenant: str | None, weight: float,
+        cache_salt: str | None, tenant: str | None, weight: float, resume_token_ids: Sequence[int] | None = None,
     ) -> AsyncIterator[list[Delta]]:  # fmt: skip
         """The request's deltas, a step's at a time (see ``stream``)."""
         supervisor = self._supervisor
@@ -211,13 +216,14 @@ class AsyncEngine:
             request = await self._processor.process_async(
                 request_id, prompt, params, priority, cache_salt, tenant=tenant, weight=weight
             )
+            received = None if resume_token_ids is None else self._received(request, resume_token_ids)
             channel = Channel(asyncio.get_running_loop(), len(request.prompt_token_ids), generation)
             self._admission.admit(request_id, channel)
         except (ParameterError, EngineOverloaded):
             self._admission.reject()
             raise
         try:
-            self._inbox.put(Add(request, channel))
+            self._inbox.put(Add(request, channel, received))
             if (error := supervisor.channel_failure(channel)) is not None:
                 raise error  # NOTE: a driver that died before draining this Add may never answer it
             while True:
@@ -234,6 +240,19 @@ class AsyncEngine:
             if not channel.finished and supervisor.health().status in ("running", "restarting"):
                 self._inbox.put(Abort(request_id))  # NOTE: while restarting, noted for the request's resume
             self._admission.end(request_id, channel)
+
+    def _received(self, request: ProcessedRequest, token_ids: Sequence[int]) -> Received:
+        """What the caller of a continued run got, checked against the request it continues."""
+        processor = self._processor
+        if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
+            raise ParameterError("resume_token_ids", "resume_token_ids must be a list of token ids")
+        if request.params.n != 1:
+            raise ParameterError("resume_token_ids", f"resume_token_ids continues one completion; got n={request.params.n}")
+        if len(request.prompt_token_ids) + len(token_ids) >= processor.max_model_len:
+            raise ParameterError("resume_token_ids", "resume_token_ids and the prompt fill max_model_len")
+        if not all(type(t) is int and 0 <= t < processor.vocab_size for t in token_ids):
+            raise ParameterError("resume_token_ids", f"resume_token_ids must be token ids in [0, {processor.vocab_size})")
+        return Received(list(token_ids))
 
     async def embed(
         self, prompt: EmbedInput, pooling_params: PoolingParams | None = None, request_id: str | None = None

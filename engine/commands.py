@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from engine.outputs import Delta
+from engine.outputs import Delta, Received
 from engine.processor import ProcessedRequest
 
 if TYPE_CHECKING:
@@ -47,10 +47,14 @@ class Channel:
 
 @dataclass(slots=True)
 class Add:
-    """Queues ``request`` (made on the caller's side, its id set) and streams its deltas to ``channel``."""
+    """Queues ``request`` (made on the caller's side, its id set) and streams its deltas to ``channel``.
+
+    With ``received`` it continues a run whose caller already got those tokens (a journalled request).
+    """
 
     request: ProcessedRequest
     channel: Channel
+    received: Received | None = None
 
 
 @dataclass(slots=True)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from engine.admission import Admission
 from engine.commands import Abort, Add, Call, Command, Pin, Stop, posted_to, public_pin_id, refuse, resolve
 from engine.errors import EngineError
-from engine.outputs import Delta, PinnedPrefix
+from engine.outputs import Delta, PinnedPrefix, Received
 from engine.resume import InFlight, Resumption
 
 if TYPE_CHECKING:
@@ -171,12 +171,14 @@ class Driver:
             return
         if isinstance(command, Add):
             try:
-                request_id = engine.enqueue(command.request)
+                request_id = engine.enqueue(command.request, command.received)
             except Exception as exc:  # noqa: BLE001 - the caller gets it
                 command.channel.send(exc)
                 return
             command.channel.accepted = True
-            self._flights[request_id] = InFlight(command.request, command.channel)
+            # NOTE: a continuation's received tokens are part of what a resume after a death goes on from
+            received = Received(list(command.received.token_ids)) if command.received is not None else Received()
+            self._flights[request_id] = InFlight(command.request, command.channel, received)
         elif isinstance(command, Abort):
             if command.request_id in self._pins:
                 self.unpin(engine, command.request_id)

@@ -16,6 +16,7 @@ from sdk.errors import (
     OverloadedError,
     PagedError,
     RateLimited,
+    RequestJournalled,
     RequestTimeout,
 )
 from sdk.hooks import Hook, RequestContext, Stop
@@ -64,6 +65,7 @@ __all__ = [
     "PrefixHandle",
     "RateLimited",
     "RequestContext",
+    "RequestJournalled",
     "RequestTimeout",
     "RerankItem",
     "RerankResult",

@@ -21,6 +21,7 @@ from sdk.pooling_run import run_pooling
 from sdk.policy import engine_salt
 from sdk.prefix import PinnedPrefixes, PrefixHandle
 from sdk.rate_limit import RateLimiter
+from sdk.reattach import fetch_result
 from sdk.request_run import RequestRun, RequestScope, Startup
 from sdk.response_format import parse
 from sdk.retrieval import (
@@ -186,20 +187,45 @@ class AsyncClient(AsyncClosing):
 
     def stream(
         self, messages: MessagesLike | None = None, *, prompt: PromptLike | None = None,
-        origin: RequestOrigin | None = None, **options: Any,
+        origin: RequestOrigin | None = None, resume_token_ids: list[int] | None = None, **options: Any,
     ) -> AsyncIterator[Delta]:  # fmt: skip
         """Stream a chat reply (``messages``) or a raw completion (``prompt=``) as deltas.
 
         The last delta has ``finish_reason`` and ``usage``. Leaving the loop early aborts the
         request once the iterator is closed (``contextlib.aclosing`` makes that immediate).
         Options and errors as ``chat``; an output filter that stops the stream ends it with
-        ``finish_reason="content_filter"`` (not an error).
+        ``finish_reason="content_filter"`` (not an error). ``resume_token_ids`` (in process, ``n == 1``)
+        continues a run whose caller already got those output tokens: the deltas carry only what follows
+        (a server replaying its journal uses it).
         """
         if (messages is None) == (prompt is None):
             raise ValueError("give messages (chat) or prompt= (completion), not both")
         if messages is not None:
-            return self._run(self._chat_request(messages, options), origin)
-        return self._run(self._completion_request(prompt, options), origin)  # type: ignore[arg-type]
+            return self._run(self._chat_request(messages, options), origin, resume_token_ids)
+        return self._run(self._completion_request(prompt, options), origin, resume_token_ids)  # type: ignore[arg-type]
+
+    async def retrieve(self, request_id: str) -> CompletionResult:
+        """Re-attach to a request a server journalled as it shut down: its whole result, once finished.
+
+        A stream cut by a ``paged serve --drain-journal`` shutdown raises ``RequestJournalled``
+        (``request_id`` is the server's id); a server restarted on the same ``kv_cache_dir`` finishes
+        the request, and this fetches it (``GET /v1/chat/completions/{id}``; the server waits while it runs).
+        The result's text is the whole reply, the part the stream already gave included.
+
+        With ``max_retries`` a stream does this itself: its last delta is then the rest of the
+        result, and the stream goes on as if never cut. Here as there, a server still down or starting is
+        waited for up to ``max_retries`` times (from 1 s, doubling).
+
+        Returns:
+            A ``ChatResult`` for a chat request, a ``CompletionResult`` for a completion.
+
+        Raises:
+            NotFoundError: the server has no such request (in process: never one).
+            EngineRestarting: the server was still down or starting at the last try.
+            PagedError: as ``chat``, for the replay's own failure.
+        """
+        await self.start()
+        return await fetch_result(self.transport, request_id, self.settings.max_retries)
 
     async def batch(
         self, requests: Iterable[MessagesLike], *, return_exceptions: bool = False, **options: Any
@@ -438,8 +464,10 @@ class AsyncClient(AsyncClosing):
             usage=last.usage,
         )
 
-    def _run(self, request: ChatRequest | CompletionRequest, origin: RequestOrigin | None) -> AsyncIterator[Delta]:
-        return RequestRun(self._scope, request, origin).deltas()
+    def _run(
+        self, request: ChatRequest | CompletionRequest, origin: RequestOrigin | None, resume_token_ids: list[int] | None = None
+    ) -> AsyncIterator[Delta]:  # fmt: skip
+        return RequestRun(self._scope, request, origin, resume_token_ids).deltas()
 
 
 def _with_options(request: RequestT, options: dict[str, Any]) -> RequestT:

@@ -229,6 +229,32 @@ class EngineRestarting(EngineFailure):
         return "the engine is restarting after a failure: retry the request"
 
 
+class RequestJournalled(EngineFailure):
+    """The server shut down before the request finished and wrote it to its journal (``paged serve --drain-journal``).
+
+    A server restarted on the same ``kv_cache_dir`` finishes it; ``AsyncClient.retrieve(request_id)``
+    fetches the whole result once it serves again. A client with ``max_retries`` does that itself and
+    its stream goes on (``sdk.reattach``): it raises this only without retries, or when the result
+    cannot continue what the stream gave.
+
+    Attributes:
+        request_id: the server's id of the request (the ``id`` of its chunks).
+        retry_after: seconds to wait before asking for it.
+    """
+
+    status_code = 503
+    code = "request_journalled"
+
+    def __init__(self, message: str, *, request_id: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+        self.retry_after = retry_after
+
+    @property
+    def public_message(self) -> str:
+        return str(self)
+
+
 _BY_STATUS: dict[int, type[PagedError]] = {
     cls.status_code: cls for cls in (AuthenticationError, RequestTimeout, OverloadedError)
 }
@@ -247,6 +273,8 @@ def from_wire(status: int, error: dict[str, Any], retry_after: float | None = No
         return ContentBlocked(message, param=param)
     if error.get("code") == EngineRestarting.code:  # NOTE: also an error event after a stream started (HTTP 200)
         return EngineRestarting(message, retry_after=wait)
+    if error.get("code") == RequestJournalled.code and isinstance(error.get("request_id"), str):
+        return RequestJournalled(message, request_id=error["request_id"], retry_after=wait)
     if error.get("code") == RateLimited.code:
         return RateLimited(message, retry_after=wait)
     if status in _BY_STATUS:

@@ -22,11 +22,14 @@ import aiohttp
 
 from engine.pooling.params import PoolingParams
 
-from sdk.errors import ContentBlocked, EngineFailure, InvalidRequestError, from_wire
+from sdk.errors import ContentBlocked, EngineFailure, EngineRestarting, InvalidRequestError, from_wire
 from sdk.images import ImageInfo, data_url_infos
 from sdk.responses.types import ResponseEvent
 from sdk.transport import EngineRequest, Pooled, PrefixPin, Transport
-from sdk.types import ChatMessage, Delta, RequestLatency, SamplingOptions, TokenLogprob, TopLogprob, Usage
+from sdk.types import (
+    ChatMessage, ChatResult, Choice, CompletionResult, Delta, RequestLatency, SamplingOptions, TokenLogprob, TopLogprob,
+    Usage,
+)  # fmt: skip
 from sdk.tools import ToolSpec
 from sdk.wire import Route, format_to_wire, message_to_wire, to_wire, tool_call_delta_from_wire
 
@@ -142,6 +145,8 @@ class HttpTransport(Transport):
     async def generate(self, request: EngineRequest) -> AsyncIterator[Delta]:
         if isinstance(request.prompt, ChatPrompt) and not request.prompt.add_generation_prompt:
             raise InvalidRequestError("a chat prefix (no generation prompt) cannot be generated from")
+        if request.resume_token_ids is not None:
+            raise InvalidRequestError.about("resume_token_ids", "continues an in-process run only")
         async for out in self._generate(request):
             yield out
 
@@ -224,6 +229,28 @@ class HttpTransport(Transport):
 
     async def unpin_prefix(self, pin_id: str) -> None:
         return None
+
+    async def retrieve(self, request_id: str) -> CompletionResult:
+        """``GET /v1/chat/completions/{id}`` (``/v1/completions/{id}`` for a ``cmpl-`` id): the server waits for the
+        replay of the journalled request and answers its whole result.
+
+        Raises:
+            NotFoundError: the server has no such request (``param="completion_id"``).
+            EngineRestarting: the server is not reachable, or answers 503 (starting, draining, restarting).
+            PagedError: the server's other answers (``from_wire``).
+        """
+        route = "completions" if request_id.startswith("cmpl-") else "chat/completions"
+        try:
+            async with self._client().get(f"{self._base}/{route}/{request_id}", headers=self._headers) as resp:
+                try:
+                    return result_from_wire(await _json_or_raise(resp))
+                except EngineFailure as exc:
+                    if resp.status != 503:
+                        raise
+                    # NOTE: a server starting, draining or restarting its engine: the result may come later
+                    raise EngineRestarting(str(exc), retry_after=_retry_after(resp.headers.get("Retry-After")) or 1.0) from None
+        except aiohttp.ClientConnectionError as exc:
+            raise EngineRestarting(f"{self._base} is not reachable ({exc}): the server may be restarting") from exc
 
     def stats(self) -> dict[str, Any]:
         """Nothing: a remote engine's figures are on its ``/metrics`` route."""
@@ -309,6 +336,26 @@ async def _read_stream(resp: aiohttp.ClientResponse, request_id: str, num_choice
         last.prompt_token_ids = list(prompt_ids)
     last.usage = Usage(len(prompt_ids), num_tokens, num_cached, latency)
     yield last
+
+
+def result_from_wire(body: dict[str, Any]) -> CompletionResult:
+    """A chat completion (``ChatResult``) or a completion (``CompletionResult``) object as the SDK's result."""
+    chat = body.get("object") == "chat.completion"
+    choices = []
+    for raw in body["choices"]:
+        message = raw.get("message") or {}
+        choices.append(Choice(
+            index=int(raw.get("index") or 0), text=(message.get("content") if chat else raw.get("text")) or "",
+            reasoning=message.get("reasoning_content") or message.get("reasoning") or None,
+            token_ids=list(raw.get("token_ids") or ()), finish_reason=raw.get("finish_reason") or "stop",
+        ))  # fmt: skip
+    raw_usage = body.get("usage") or {}
+    usage = Usage(
+        int(raw_usage.get("prompt_tokens") or 0), int(raw_usage.get("completion_tokens") or 0),
+        int((raw_usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
+    )  # fmt: skip
+    kind = ChatResult if chat else CompletionResult
+    return kind(request_id=str(body["id"]), model=str(body.get("model") or ""), choices=choices, usage=usage)
 
 
 async def _response_events(resp: aiohttp.ClientResponse) -> AsyncIterator[ResponseEvent]:

@@ -20,12 +20,13 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from sdk.errors import EngineRestarting, OverloadedError, RequestTimeout
+from sdk.errors import EngineRestarting, OverloadedError, RequestJournalled, RequestTimeout
 from sdk.hooks import HookChain, ModelSource, RequestContext, RequestOrigin
 from sdk.hooks.replay import model_source
 from sdk.policy import ENGINE_MAX_TOKENS, TenantPolicy, Terms, request_terms
 from sdk.prefix import PinnedPrefixes
 from sdk.rate_limit import Lease, RateLimiter
+from sdk.reattach import fetch_result, rest_of
 from sdk.tools import to_tool_choice
 from sdk.transport import EngineRequest, Transport
 from sdk.types import ChatRequest, CompletionRequest, Delta, SamplingOptions, Usage
@@ -75,10 +76,14 @@ class RequestRun:
         origin: who sent it, for the hooks' context.
     """
 
-    def __init__(self, scope: RequestScope, request: ChatRequest | CompletionRequest, origin: RequestOrigin | None) -> None:
+    def __init__(
+        self, scope: RequestScope, request: ChatRequest | CompletionRequest, origin: RequestOrigin | None,
+        resume_token_ids: list[int] | None = None,
+    ) -> None:  # fmt: skip
         self.scope = scope
         self.request = request
         self.origin = origin or RequestOrigin()
+        self.resume_token_ids = resume_token_ids
         self.in_engine = False  # the engine holds the request: abort it unless it finished
         self.num_prompt_tokens = self.num_cached_tokens = self.num_completion_tokens = 0
 
@@ -156,6 +161,7 @@ class RequestRun:
             tenant=scope.tenant, weight=terms.weight, response_format=request.response_format, tools=tools,
             tool_choice=_tool_choice(request), parallel_tool_calls=getattr(request, "parallel_tool_calls", None) is not False,
             chat_template_kwargs=template_kwargs, reasoning=scope.transport.prompt_reasoning(prompt) if is_chat else None,
+            resume_token_ids=self.resume_token_ids,
         )  # fmt: skip
         return ctx.engine_request
 
@@ -166,13 +172,20 @@ class RequestRun:
         refused as overloaded or rate-limited, or lost to a restart (``EngineRestarting``),
         waiting at least the ``retry_after`` of the latter two: nothing was streamed to the
         caller yet, so a retry is invisible to it. A retry that could not start before
-        ``deadline`` is not tried.
+        ``deadline`` is not tried. A request a server journalled before its first output
+        (``RequestJournalled``) is fetched whole from the restarted server (``sdk.reattach``).
         """
         max_retries = self.scope.max_retries
         for attempt in range(max_retries + 1):
             stream = self.scope.transport.generate(request)
             try:
                 first = await _next(stream, deadline)
+            except RequestJournalled as exc:  # cut off before its first output: the whole result is the rest
+                await stream.aclose()  # type: ignore[attr-defined]
+                if max_retries == 0:
+                    raise
+                result = await fetch_result(self.scope.transport, exc.request_id, max_retries, deadline)
+                return _prepend(rest_of(result, request.request_id, "", "", []), _nothing())
             except (OverloadedError, EngineRestarting) as exc:
                 await stream.aclose()  # type: ignore[attr-defined]
                 # NOTE: a rate limit (remote) or a restart says how long to wait: never retry sooner
@@ -186,7 +199,7 @@ class RequestRun:
 
     async def _relay(self, ctx: RequestContext, stream: AsyncIterator[Delta], deadline: float | None) -> AsyncIterator[Delta]:
         """The transport's deltas through the chunk hooks; a hook's stop ends them with ``content_filter``."""
-        while (delta := await _next(stream, deadline)) is not None:
+        while (delta := await self._next_or_rest(ctx, stream, deadline)) is not None:
             if delta.prompt_token_ids is not None:
                 ctx.prompt_token_ids = list(delta.prompt_token_ids)
                 self.num_prompt_tokens, self.num_cached_tokens = len(delta.prompt_token_ids), delta.num_cached_tokens or 0
@@ -209,6 +222,23 @@ class RequestRun:
             if delta.usage is not None:  # the request's last delta: it finished in the engine
                 self.in_engine = False
             yield delta
+
+    async def _next_or_rest(self, ctx: RequestContext, stream: AsyncIterator[Delta], deadline: float | None) -> Delta | None:
+        """The stream's next delta; for a stream a server journalled as it shut down, with ``max_retries``, the
+        rest of the whole result once a restarted server has it (``sdk.reattach``), as the last delta."""
+        try:
+            return await _next(stream, deadline)
+        except RequestJournalled as exc:
+            if self.scope.max_retries == 0 or len(ctx.output_pieces) != 1:
+                raise
+            result = await fetch_result(self.scope.transport, exc.request_id, self.scope.max_retries, deadline)
+            rest = rest_of(
+                result, ctx.request_id, "".join(ctx.output_pieces[0]), "".join(ctx.reasoning_pieces[0]),
+                ctx.output_token_ids[0],
+            )  # fmt: skip
+            if rest is None:
+                raise
+            return rest
 
     async def _finish(self, ctx: RequestContext, lease: Lease | None) -> None:
         await end_request(self.scope, ctx, lease, in_engine=self.in_engine)
@@ -264,6 +294,11 @@ async def _next(stream: AsyncIterator[Delta], deadline: float | None) -> Delta |
         return await asyncio.wait_for(anext(stream), max(deadline - time.monotonic(), 0.0))
     except StopAsyncIteration:
         return None
+
+
+async def _nothing() -> AsyncIterator[Delta]:
+    return
+    yield
 
 
 async def _prepend(first: Delta | None, stream: AsyncIterator[Delta]) -> AsyncIterator[Delta]:

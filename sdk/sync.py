@@ -65,6 +65,10 @@ class Client(Closing):
         """``AsyncClient.complete``, blocking."""
         return self.runtime.run_sync(self.aclient.complete(prompt, **options))
 
+    def retrieve(self, request_id: str) -> CompletionResult:
+        """``AsyncClient.retrieve``, blocking."""
+        return self.runtime.run_sync(self.aclient.retrieve(request_id))
+
     def batch(self, requests: Iterable[MessagesLike], *, return_exceptions: bool = False, **options: Any) -> list[Any]:
         """``AsyncClient.batch``, blocking; the requests run concurrently."""
         return self.runtime.run_sync(self.aclient.batch(list(requests), return_exceptions=return_exceptions, **options))

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from sdk.chat_template import check_prompt_chars, render_chat
 from engine.pooling.params import PoolingParams
-from sdk.errors import EngineFailure, EngineRestarting, InvalidRequestError, OverloadedError
+from sdk.errors import EngineFailure, EngineRestarting, InvalidRequestError, NotFoundError, OverloadedError
 from sdk.fields import from_engine
 from sdk.images import ImageInfo, ImageLimits, LoadedImage, load_message_images
 from sdk.prompt_worker import PROMPT_WORKER
@@ -28,7 +28,7 @@ from sdk.reasoning import PromptReasoning, ReasoningParser, after_reasoning, che
 from sdk.response_format import to_structured_output
 from sdk.runtime import Runtime
 from sdk.tools import ToolCallParser, ToolSpec, tool_constraint
-from sdk.types import ChatMessage, Delta, SamplingOptions
+from sdk.types import ChatMessage, CompletionResult, Delta, SamplingOptions
 
 if TYPE_CHECKING:
     from engine import AsyncEngine
@@ -51,6 +51,7 @@ class EngineRequest:
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # rendered into the prompt already (sent to a remote server)
     reasoning: PromptReasoning | None = None  # parse the reply's reasoning; constraints apply after it
+    resume_token_ids: list[int] | None = None  # output its caller already got: the engine continues after it
 
 
 class ImagePrompt(list):  # type: ignore[type-arg]
@@ -193,6 +194,14 @@ class Transport(abc.ABC):
         conversations: its stream events. None: the client runs it here (``sdk.responses.service``)."""
         return None
 
+    async def retrieve(self, request_id: str) -> CompletionResult:
+        """The whole result of a request a server journalled as it shut down (``RequestJournalled``).
+
+        Raises:
+            NotFoundError: no such request here (``param="request_id"``); in process, never one.
+        """
+        raise NotFoundError(f"request_id: no journalled request {request_id!r} here", param="request_id")
+
     async def close(self) -> None:
         """Release what the transport holds open (connections); it stays usable. Idempotent."""
 
@@ -298,9 +307,11 @@ class InProcessTransport(Transport):
         try:
             params = SamplingParams(**request.sampling.sampling_kwargs(), structured_output=engine_constraint(request))
             prompt = request.prompt.engine_input() if isinstance(request.prompt, ImagePrompt) else request.prompt
+            # NOTE: only a continuation names resume_token_ids: a stand-in engine need not know it
+            resume = {} if request.resume_token_ids is None else {"resume_token_ids": request.resume_token_ids}
             stream = self.engine.stream(
                 prompt, params, request_id=request.request_id, priority=request.priority,
-                cache_salt=request.cache_salt, tenant=request.tenant, weight=request.weight,
+                cache_salt=request.cache_salt, tenant=request.tenant, weight=request.weight, **resume,
             )  # fmt: skip
             parse_calls = request.tools is not None and request.tool_choice != "none"
             if request.reasoning is None and not parse_calls:

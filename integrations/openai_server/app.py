@@ -10,8 +10,10 @@ Lifecycle::
 ``/health`` answers 200 only while serving; its body also counts the engine's restarts and
 names the error that last killed its driver. While restarting, requests get 503
 ``engine_restarting`` with ``Retry-After`` (the SDK retries it). On shutdown the server stops admitting (503),
-lets in-flight requests finish for ``drain_timeout`` seconds, then aborts the rest; every
-request still gets a terminal answer (an error body, or a final SSE event and ``[DONE]``).
+lets in-flight requests finish for ``drain_timeout`` seconds, then aborts the rest (with
+``drain_journal``, writes them to the journal first: ``journal``); every request still gets a
+terminal answer (an error body, or a final SSE event and ``[DONE]``). The engine's KV prefixes
+and the stored responses are saved under ``kv_cache_dir`` as the app closes.
 """
 
 from __future__ import annotations
@@ -22,13 +24,17 @@ import functools
 import gc
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
+from engine.errors import ParameterError
 from engine.supervisor import RestartPolicy
-from integrations.openai_server import pooling_routes, responses_api, routes, vllm_routes
+from integrations.openai_server import journal_replay, pooling_routes, responses_api, routes, vllm_routes
 from integrations.openai_server.errors import ApiError, error_middleware
+from integrations.openai_server.journal import RequestJournal
+from integrations.openai_server.journal_replay import JournalReplays
 from integrations.openai_server.policy import ROUTES, ServerPolicy, route_of
 from integrations.openai_server.wire_pieces import rate_limit_headers
 from integrations.openai_server.serving import Serving
@@ -57,6 +63,7 @@ def create_app(
     image_limits: ImageLimits | None = None,
     responses: ResponsesConfig | None = None,
     pooling_models: Sequence[str] = (),
+    drain_journal: bool = False,
     **engine_config: Any,
 ) -> web.Application:
     """Build the OpenAI-compatible application; the engine starts with the app and stops with it.
@@ -87,12 +94,26 @@ def create_app(
             each under its directory's name; a request goes to the model its ``model`` names, and a
             pooling route without one to the first of these. Their engines take ``dtype`` and ``device``
             from ``engine_config``; every engine of the process steps in turn (``engine.driver``).
+        drain_journal: at the drain's deadline, write the chat and completion requests still running
+            to ``<kv_cache_dir>/journal`` (their callers get 503 ``request_journalled`` naming the id) instead
+            of only aborting them; at start, finish the journal's requests and keep their results by id
+            (``journal_replay``). Needs ``kv_cache_dir``.
         **engine_config: ``EngineConfig`` fields (block_size, num_blocks, max_num_seqs, ...).
 
     Returns:
         The application; run it with ``web.run_app`` or an ``AppRunner``.
+
+    Raises:
+        ParameterError: ``drain_journal`` without ``kv_cache_dir`` (``param`` names it).
     """
     state = ServerState(policy=(policy or ServerPolicy()).with_keys(parse_keys(api_key)), drain_timeout=drain_timeout)
+    kv_cache_dir = engine_config.get("kv_cache_dir")
+    replays = None
+    if drain_journal:
+        if kv_cache_dir is None:
+            raise ParameterError("drain_journal", "drain_journal needs kv_cache_dir: the journal is kept there")
+        state.journal = RequestJournal(Path(kv_cache_dir) / "journal")
+        replays = JournalReplays(state.journal)
     app = web.Application(
         client_max_size=client_max_size,
         middlewares=[_count_middleware, error_middleware, _auth_middleware],
@@ -100,7 +121,9 @@ def create_app(
     app[STATE] = state
     app.on_response_prepare.append(_add_rate_limit_headers)
     routes.add_routes(app)
-    responses_api.add_routes(app, responses, engine_config.get("kv_cache_dir"))
+    responses_api.add_routes(app, responses, kv_cache_dir)
+    if replays is not None:
+        journal_replay.add_routes(app, replays)
     vllm_routes.add_routes(app)
     pooling_routes.add_routes(app)
 
@@ -115,13 +138,15 @@ def create_app(
     extra = [functools.partial(Serving.create, path, hooks=hooks, restart=restart, **shared) for path in pooling_models]
 
     async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
-        load = asyncio.create_task(_load(state, factory, extra))
+        load = asyncio.create_task(_load(state, factory, extra, replays))
         yield
         state.phase = Phase.DRAINING
         if not load.done():
             load.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await load
+        if replays is not None:  # NOTE: before the engine closes: a replay cut short stays in the journal
+            await replays.stop()
         for serving in state.servings():
             await serving.close()
 
@@ -130,7 +155,10 @@ def create_app(
     return app
 
 
-async def _load(state: ServerState, factory: Callable[[], Serving], extra: Sequence[Callable[[], Serving]] = ()) -> None:
+async def _load(
+    state: ServerState, factory: Callable[[], Serving], extra: Sequence[Callable[[], Serving]] = (),
+    replays: JournalReplays | None = None,
+) -> None:  # fmt: skip
     try:
         # NOTE: loading weights blocks; a thread keeps /health answering "starting" meanwhile.
         serving = await asyncio.to_thread(factory)
@@ -150,13 +178,19 @@ async def _load(state: ServerState, factory: Callable[[], Serving], extra: Seque
     gc.freeze()
     state.serving = serving
     state.collector.bind(state.stats)
+    if replays is not None:
+        try:
+            replays.start(state, serving)
+        except Exception:  # noqa: BLE001 - the journal is kept for the next start; this one serves
+            logger.exception("journal: replaying %s failed", replays.journal.directory)
     if state.phase is Phase.STARTING:
         state.phase = Phase.SERVING
         logger.info("serving %s", ", ".join(s.model_name for s in state.servings()))
 
 
 async def _drain(app: web.Application) -> None:
-    """Stop admitting, wait for in-flight requests up to the drain timeout, then abort the rest."""
+    """Stop admitting, wait for in-flight requests up to the drain timeout, then abort the rest (each handler
+    writes its request to the journal first, when there is one)."""
     state = app[STATE]
     state.phase = Phase.DRAINING
     if not state.in_flight:
@@ -167,7 +201,8 @@ async def _drain(app: web.Application) -> None:
         return
     except asyncio.TimeoutError:
         pass
-    logger.warning("drain timeout: aborting %d requests", len(state.in_flight))
+    what = "journalling or aborting" if state.journal is not None else "aborting"
+    logger.warning("drain timeout: %s %d requests", what, len(state.in_flight))
     for event, task in list(state.in_flight.values()):
         # NOTE: the handler sees the event, aborts its engine request and answers 503 / a final event.
         event.set()

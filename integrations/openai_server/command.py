@@ -75,6 +75,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     server.add_argument(
+        "--drain-journal", action="store_true",
+        help="requests still running when the drain times out are written to <kv-cache-dir>/journal instead of "
+        "only aborted (their clients get 503 request_journalled with the id); a server started on the same "
+        "--kv-cache-dir finishes them and serves each result at GET /v1/chat/completions/{id} (needs --kv-cache-dir; "
+        "not with --replicas)",
+    )
+    server.add_argument(
         "--policy", default=None, metavar="PATH",
         help="the tenants, their keys (plain or sha256:HEX) and terms: priority cap, weight, rate limits, "
         "max_tokens, models, routes, cache isolation (a TOML file; see docs/server.md)",
@@ -236,7 +243,8 @@ def make_app(args: argparse.Namespace) -> web.Application:
     Raises:
         FlagError: an engine flag the config refuses.
         ValueError: a model path that does not exist, a policy file or ``--hook`` spec that does
-            not load, ``--audit-replay`` without ``--audit-log``; the message names it.
+            not load, ``--audit-replay`` without ``--audit-log``, ``--drain-journal`` without ``--kv-cache-dir``
+            or with ``--replicas``; the message names it.
     """
     engine_config(args)  # checks every engine flag now; the engine itself loads after binding
     restart = restart_policy(args)
@@ -258,6 +266,10 @@ def make_app(args: argparse.Namespace) -> web.Application:
             "binding %s without --api-key: anyone who can reach this port can use the model",
             args.host,
         )
+    if args.drain_journal and config.get("kv_cache_dir") is None:
+        raise ValueError("--drain-journal needs --kv-cache-dir: the journal is kept there")
+    if args.drain_journal and getattr(args, "replicas", None):
+        raise ValueError("--drain-journal serves one process: each of --replicas would replay the whole journal")
     if args.audit_replay and not args.audit_log:
         raise ValueError("--audit-replay needs --audit-log: the replay part is written into the audit records")
     if args.audit_log:
@@ -273,6 +285,7 @@ def make_app(args: argparse.Namespace) -> web.Application:
         hooks=hooks,
         client_max_size=args.max_body_size,
         drain_timeout=args.drain_timeout,
+        drain_journal=args.drain_journal,
         restart=restart,
         image_limits=image_limits(args),
         responses=responses,

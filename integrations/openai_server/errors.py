@@ -29,6 +29,7 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        request_id: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -36,14 +37,17 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.headers = headers or {}
+        self.request_id = request_id  # in the body only when set: the id of a journalled request
 
     def body(self) -> ErrorResponse:
+        extra = {} if self.request_id is None else {"request_id": self.request_id}
         return ErrorResponse(
             error=ErrorInfo(
                 message=self.message,
                 type=error_type(self.status),
                 param=self.param,
                 code=self.code,
+                **extra,
             )
         )
 

@@ -32,6 +32,8 @@ def now() -> int:
 
 
 class ErrorInfo(BaseModel):
+    model_config = ConfigDict(extra="allow")  # NOTE: request_id, on a journalled request's error only
+
     message: str
     type: str
     param: str | None = None

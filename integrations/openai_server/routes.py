@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
@@ -11,7 +12,8 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from integrations.openai_server import protocol as p
-from integrations.openai_server.errors import ApiError, bad_request, from_sdk
+from integrations.openai_server.errors import RETRY_AFTER, ApiError, bad_request, from_sdk
+from integrations.openai_server.journal import JournalEntry
 from integrations.openai_server.intake import check_common, origin, parse_body, sdk_requests
 from integrations.openai_server.metrics import CONTENT_TYPE
 from integrations.openai_server.policy import Tenant
@@ -19,12 +21,13 @@ from integrations.openai_server.wire_pieces import chat_logprobs, completion_log
 from integrations.openai_server.serving import Serving
 from integrations.openai_server.sse import EventStream
 from integrations.openai_server.state import STATE, TENANT, ServerState, cancel_on_disconnect
-from sdk.errors import PagedError
+from sdk.errors import PagedError, RequestJournalled
 from sdk.tools import collect_calls
 from sdk.types import Delta
 from sdk.wire import Route, tool_call_delta_to_wire, tool_call_to_wire
 
 ReplyT = TypeVar("ReplyT", bound=p.Reply)
+logger = logging.getLogger(__name__)
 
 
 def add_routes(app: web.Application) -> None:
@@ -85,7 +88,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _Run(request, state, serving, body, "completion").execute()
 
 
-def _message(deltas: list[Delta]) -> p.ChatMessage:
+def reply_message(deltas: list[Delta]) -> p.ChatMessage:
     """A chat choice's reply: its text, its reasoning (absent when none) and its complete tool
     calls (content null when only calls)."""
     text = "".join(d.text for d in deltas)
@@ -127,8 +130,10 @@ class _Run:
         self.num_choices = body.n or 1  # per SDK request: choice i is completion i % n of request i // n
         self.prompt_ids: dict[int, list[int]] = {}  # SDK request -> its prompt's ids (on its first delta)
         tenant = _tenant(request)
+        self.tenant = tenant.name
         self.client = serving.client(tenant.name, tenant.policy)
         self.requests, self.format_field = sdk_requests(body, route)
+        self.got: list[Delta] = []  # what the caller received (streamed) or the server holds (not): a journal entry's
 
     async def execute(self) -> web.StreamResponse:
         task = asyncio.current_task()
@@ -160,13 +165,36 @@ class _Run:
                 return await self.events.done()
 
     async def _shutdown_answer(self) -> web.StreamResponse:
-        error = ApiError(503, "the server shut down before the request finished", code="shutdown")
+        error = self._journal() or ApiError(503, "the server shut down before the request finished", code="shutdown")
         if not self.events.started:
             return error.response()
         with contextlib.suppress(ConnectionError):
             await self.events.send(error.body())
             await self.events.done()
         return self.events.response
+
+    def _journal(self) -> ApiError | None:
+        """Writes the request to the journal when it is on and the request can be continued; its answer, or None."""
+        journal = self.state.journal
+        one_completion = len(self.requests) == 1 and self.num_choices == 1
+        if journal is None or not one_completion or getattr(self.body, "tools", None) or self.want_logprobs:
+            return None
+        entry = JournalEntry(
+            self.request_id, self.route, self.tenant, self.serving.model_name,
+            self.body.model_dump(mode="json", exclude_unset=True), token_ids(self.got),
+            "".join(d.text for d in self.got), "".join(d.reasoning for d in self.got), self.created,
+        )  # fmt: skip
+        try:
+            journal.write(entry)
+        except OSError:
+            logger.exception("journal: could not write %s", self.request_id)
+            return None
+        route = "chat/completions" if self.is_chat else "completions"
+        message = (
+            f"the server shut down before the request finished; it was journalled as {self.request_id}: "
+            f"a server restarted on the same kv_cache_dir finishes it (GET /v1/{route}/{self.request_id})"
+        )
+        return ApiError(503, message, code=RequestJournalled.code, headers={"Retry-After": RETRY_AFTER}, request_id=self.request_id)
 
     # ------------------------------------------------------------------ non-streaming
 
@@ -182,6 +210,7 @@ class _Run:
         async for delta in stream:
             self._prompt_ids(delta)
             choices.setdefault(delta.index, []).append(delta)
+            self.got.append(delta)
         totals = usage([c[-1] for c in choices.values()])
         ordered = [choices[i] for i in sorted(choices)]
         want_ids = self.body.return_token_ids
@@ -191,7 +220,7 @@ class _Run:
                 choices=[
                     p.ChatChoice(
                         index=c[0].index,
-                        message=_message(c),
+                        message=reply_message(c),
                         logprobs=chat_logprobs(c) if self.want_logprobs else None,
                         finish_reason=c[-1].finish_reason,
                         token_ids=token_ids(c) if want_ids else None,
@@ -235,6 +264,8 @@ class _Run:
                 opening = p.DeltaMessage(role="assistant", content="")
                 await self.events.send(self._chat_chunk(delta.index, opening))
             if delta.text or delta.reasoning or delta.token_ids or delta.tool_calls or delta.finish_reason is not None:
+                # NOTE: before the send: its bytes reach the transport before the send can be cancelled
+                self.got.append(delta)
                 await self.events.send(self._event(delta, event_prompt_ids))
             if delta.finish_reason is not None:
                 finals.append(delta)

@@ -20,6 +20,7 @@ from aiohttp import web
 from engine.pooling.pooling_stats import merge_pooling
 
 from integrations.openai_server.errors import RETRY_AFTER, ApiError
+from integrations.openai_server.journal import RequestJournal
 from integrations.openai_server.metrics import EngineCollector, ServerMetrics
 from integrations.openai_server.policy import ANONYMOUS, ServerPolicy, Tenant, key_id
 from integrations.openai_server.serving import Serving
@@ -54,6 +55,7 @@ class ServerState:
     # request id -> (set when shutdown aborts it, its handler task)
     in_flight: dict[str, tuple[asyncio.Event, asyncio.Task]] = field(default_factory=dict)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
+    journal: RequestJournal | None = None  # with drain_journal: where a drain writes the requests it cuts off
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.collector)

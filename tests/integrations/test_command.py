@@ -52,6 +52,38 @@ def test_serve_process_drains_on_sigterm(tiny_model_factory):
         assert proc.wait(30) == 0
 
 
+def test_serve_process_journals_on_sigterm_and_the_next_process_finishes_it(tiny_model_factory, tmp_path):
+    """With --drain-journal, a stream cut by SIGTERM ends with request_journalled naming its id; `paged serve` started
+    again on the same --kv-cache-dir answers the whole completion at GET /v1/completions/{id}."""
+    flags = ["--model", str(tiny_model_factory("llama")), "--num-blocks", "256", "--drain-timeout", "0.5",
+             "--log-level", "WARNING", "--drain-journal", "--kv-cache-dir", str(tmp_path)]  # fmt: skip
+    with serve_process(*flags) as (proc, base):
+        models = json.load(urllib.request.urlopen(base + "/v1/models", timeout=5))
+        body = {"model": models["data"][0]["id"], "prompt": "hi", "max_tokens": 2000, "ignore_eos": True, "stream": True,
+                "temperature": 0, "return_token_ids": True}  # fmt: skip
+        request = urllib.request.Request(base + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            first = resp.readline().strip()
+            assert first.startswith(b"data: ")
+            proc.send_signal(signal.SIGTERM)
+            lines = [first, *(line.strip() for line in resp if line.strip())]
+        assert lines[-1] == b"data: [DONE]" and proc.wait(30) == 0
+        error = json.loads(lines[-2][6:])["error"]
+        assert error["code"] == "request_journalled"
+    sent = [t for line in lines[:-2] for c in json.loads(line[6:])["choices"] for t in c["token_ids"]]
+    with serve_process(*flags) as (proc, base):
+        url = f"{base}/v1/completions/{error['request_id']}"
+        result = json.load(urllib.request.urlopen(url, timeout=120))
+        again = urllib.request.Request(
+            base + "/v1/completions", json.dumps({**body, "stream": False}).encode(), {"Content-Type": "application/json"}
+        )  # fmt: skip
+        uninterrupted = json.load(urllib.request.urlopen(again, timeout=120))["choices"][0]
+    choice = result["choices"][0]
+    assert result["id"] == error["request_id"] and choice["finish_reason"] == "length"
+    assert len(choice["token_ids"]) == 2000 and choice["token_ids"][: len(sent)] == sent
+    assert choice["token_ids"] == uninterrupted["token_ids"] and choice["text"] == uninterrupted["text"]
+
+
 def test_serve_rejects_bad_settings_before_binding(tmp_path):
     """Invalid engine flags (a usage error) or a missing model path stop serve instead of serving a dead engine."""
     from integrations.serve_command import run
@@ -114,3 +146,18 @@ def test_self_healing_flags_reach_the_engine(monkeypatch):
     assert made == [RestartPolicy(), RestartPolicy(max_restarts=0, backoff_s=2.0, window_s=30.0)]
     with pytest.raises(FlagError, match=r"--restart-max-backoff-s must be in \[0"):
         serve_command.run(_parse("--restart-max-backoff-s", "-1"))
+
+
+def test_drain_journal_flag_needs_kv_cache_dir_and_reaches_the_app(monkeypatch, tmp_path):
+    """--drain-journal without --kv-cache-dir, or with --replicas, is refused; with it, create_app gets drain_journal."""
+    from integrations import serve_command
+    from integrations.openai_server import command
+
+    made = []
+    monkeypatch.setattr(command, "create_app", lambda model, **kwargs: made.append(kwargs))
+    monkeypatch.setattr(command.web, "run_app", lambda app, **kwargs: None)
+    assert serve_command.run(_parse("--drain-journal")) == 2
+    with pytest.raises(ValueError, match="--drain-journal serves one process"):
+        command.make_app(_parse("--drain-journal", "--kv-cache-dir", str(tmp_path), "--replicas", "2"))
+    assert serve_command.run(_parse("--drain-journal", "--kv-cache-dir", str(tmp_path))) == 0
+    assert made[0]["drain_journal"] is True and made[0]["kv_cache_dir"] == str(tmp_path)

@@ -219,3 +219,55 @@ def test_failed_admission_of_one_choice_closes_all(make_server):
     with pytest.raises(openai.RateLimitError):
         _client(server).completions.create(model="fake-model", prompt=["a", "b"], n=2, max_tokens=3)
     assert not engine.running
+
+
+def test_drain_journal_keeps_what_the_caller_got_and_names_the_id(live_server, tokenizer, tmp_path):
+    """With drain_journal, requests past the drain are journalled with what their caller got (503 request_journalled
+    naming the id); one the journal cannot continue (n > 1) ends with shutdown as before."""
+    from integrations.openai_server.journal import RequestJournal
+
+    engine = FakeEngine(tokenizer, delay=0.05)
+    app = create_app(
+        api_key=KEY, drain_timeout=0.5, drain_journal=True, kv_cache_dir=str(tmp_path),
+        serving_factory=lambda: Serving(engine),
+    )  # fmt: skip
+    server = live_server(app)
+    body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400}
+    results: dict = {}
+
+    def streaming() -> None:
+        conn, resp = _sse(server, "/v1/chat/completions", {**body, "stream": True})
+        results["stream"] = _events(resp)
+
+    def blocking(name: str, extra: dict) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        conn.request("POST", "/v1/chat/completions", json.dumps({**body, **extra}), {"Authorization": f"Bearer {KEY}"})
+        resp = conn.getresponse()
+        results[name] = (resp.status, json.loads(resp.read()))
+
+    threads = [
+        threading.Thread(target=streaming), threading.Thread(target=blocking, args=("blocking", {})),
+        threading.Thread(target=blocking, args=("two", {"n": 2})),
+    ]  # fmt: skip
+    for t in threads:
+        t.start()
+    assert _wait(lambda: len(engine.running) == 3, 5)
+    stopper = threading.Thread(target=server.stop)
+    stopper.start()
+    for t in threads:
+        t.join(10)
+    stopper.join(10)
+    events = results["stream"]
+    error = events[-2]["error"]
+    assert events[-1] == "[DONE]" and error["code"] == "request_journalled" and error["request_id"] == events[0]["id"]
+    status, blocked = results["blocking"]
+    assert status == 503 and blocked["error"]["code"] == "request_journalled"
+    assert results["two"][0] == 503 and results["two"][1]["error"]["code"] == "shutdown"
+    entries = {e.request_id: e for e in RequestJournal(tmp_path / "journal").load()}
+    assert set(entries) == {error["request_id"], blocked["error"]["request_id"]}
+    streamed = entries[error["request_id"]]
+    sent = "".join(c["delta"].get("content") or "" for e in events[:-2] for c in e["choices"])
+    assert streamed.text == sent and streamed.token_ids == [engine.token_id] * sent.count(" ok") and sent
+    assert streamed.route == "chat" and streamed.tenant == key_id(KEY) and streamed.body["max_tokens"] == 400
+    held = entries[blocked["error"]["request_id"]]
+    assert held.token_ids and held.text == " ok" * len(held.token_ids)  # not streamed: everything generated so far

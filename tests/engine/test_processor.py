@@ -62,9 +62,9 @@ async def test_async_engine_processes_on_the_caller_side_only(model_dir, intake_
         def spy(running: Engine) -> None:
             enqueue = running.enqueue
 
-            def recording(request: ProcessedRequest) -> str:
+            def recording(request: ProcessedRequest, received=None) -> str:
                 queued.append(request)
-                return enqueue(request)
+                return enqueue(request, received)
 
             running.enqueue = recording
 

@@ -45,7 +45,8 @@ def fleet(model_dir, audit_path):
     from integrations.ray.config import app_builder
 
     logging.getLogger("ray.serve").setLevel(logging.ERROR)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+    # NOTE: a cluster of its own ("local"), not one another process on the machine runs
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -234,21 +234,27 @@ async def _replaced(killed: list[str]) -> None:
     pytest.fail(f"the killed replicas were not replaced: {_replica_names()}")
 
 
-async def test_a_replica_killed_mid_stream_leaves_the_clients_stream_whole(fleet, tmp_path):
+@pytest.mark.parametrize("route", ["chat", "completion"])
+async def test_a_replica_killed_mid_stream_leaves_the_clients_stream_whole(fleet, tmp_path, route):
     """The replica serving a stream is killed once the client got 6 tokens: the stream goes on on the other replica,
     chunk for chunk the unkilled run's (greedy and seeded), with one id, no error, and the whole run's usage."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"{fleet}/v1", api_key=KEY, max_retries=0, timeout=60)
     model = (await client.models.list()).data[0].id
-    messages = [{"role": "user", "content": "Tell a long story about a lighthouse."}]
     samplings = {"greedy": {"temperature": 0}, "seeded": {"temperature": 1.0, "seed": 11}}
+    opening = 1 if route == "chat" else 0  # a chat stream's first chunk carries the role, no token
 
     def create(sampling: dict, **extra):
-        return client.chat.completions.create(
-            model=model, messages=messages, max_tokens=48, stream=True, stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True}, **sampling, **extra,
-        )  # fmt: skip
+        # NOTE: one prompt for both streams: prefix affinity sends them to one replica, the one killed
+        common = {
+            "model": model, "max_tokens": 48, "stream": True, "stream_options": {"include_usage": True},
+            "extra_body": {"ignore_eos": True}, **sampling, **extra,
+        }  # fmt: skip
+        if route == "chat":
+            messages = [{"role": "user", "content": "Tell a long story about a lighthouse."}]
+            return client.chat.completions.create(messages=messages, **common)
+        return client.completions.create(prompt="The lighthouse keeper had a long story to tell:", **common)
 
     received = {name: asyncio.Event() for name in samplings}
 
@@ -258,7 +264,7 @@ async def test_a_replica_killed_mid_stream_leaves_the_clients_stream_whole(fleet
         chunks = []
         async for chunk in await create(samplings[name], extra_headers={GATE_HEADER: str(gate)}):
             chunks.append(chunk)
-            if len(chunks) == 1 + HOLD_AFTER:
+            if len(chunks) == opening + HOLD_AFTER:
                 received[name].set()
         return chunks
 
@@ -281,11 +287,16 @@ async def test_a_replica_killed_mid_stream_leaves_the_clients_stream_whole(fleet
     for name, chunks in killed.items():
         assert {c.id for c in chunks} == {chunks[0].id}, name
         assert _deltas(chunks) == _deltas(unkilled[name]), name
-        assert len(_deltas(chunks)) > HOLD_AFTER + 1
+        assert len(_deltas(chunks)) > opening + HOLD_AFTER
         usage, expected = chunks[-1].usage, unkilled[name][-1].usage
         assert (usage.prompt_tokens, usage.completion_tokens) == (expected.prompt_tokens, 48), name
     await _replaced(sorted(holders))
 
 
 def _deltas(chunks: list) -> list[tuple]:
-    return [(c.choices[0].delta.role, c.choices[0].delta.content, c.choices[0].finish_reason) for c in chunks if c.choices]
+    """Each chunk's choice: a chat delta's role and content, or a completion's text; its finish reason."""
+    out = []
+    for choice in (c.choices[0] for c in chunks if c.choices):
+        delta = getattr(choice, "delta", None)
+        out.append(((delta.role, delta.content) if delta is not None else choice.text, choice.finish_reason))
+    return out

@@ -182,6 +182,8 @@ class _Run:
             stream = await self.serving.open(self.client, self.request_id, self.requests, origin(self.request), resume)
         except PagedError as exc:
             raise from_sdk(exc, self.route, self.format_field) from None
+        if self.continuation is not None:
+            self.state.metrics.requests_continued.inc()
         async with contextlib.aclosing(stream):
             try:
                 if self.body.stream:

@@ -268,6 +268,7 @@ async def test_a_replica_killed_mid_stream_leaves_the_clients_stream_whole(fleet
                 received[name].set()
         return chunks
 
+    continued = _continued(fleet)
     unkilled = {name: [c async for c in await create(s)] for name, s in samplings.items()}
     gates = {name: tmp_path / name for name in samplings}
     tasks = {name: asyncio.ensure_future(held_stream(name, gate)) for name, gate in gates.items()}
@@ -290,7 +291,22 @@ async def test_a_replica_killed_mid_stream_leaves_the_clients_stream_whole(fleet
         assert len(_deltas(chunks)) > opening + HOLD_AFTER
         usage, expected = chunks[-1].usage, unkilled[name][-1].usage
         assert (usage.prompt_tokens, usage.completion_tokens) == (expected.prompt_tokens, 48), name
+    now = _continued(fleet)
+    assert sum(n - continued.get(replica, 0) for replica, n in now.items()) == len(samplings)  # both went on elsewhere
     await _replaced(sorted(holders))
+
+
+def _continued(fleet: str) -> dict[str, float]:
+    """``paged_requests_continued_total`` of each replica that answers the fleet's /metrics."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    request = urllib.request.Request(f"{fleet}/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
+    samples = families["paged_requests_continued"].samples
+    return {s.labels["replica"]: s.value for s in samples if s.name.endswith("_total")}
 
 
 def _deltas(chunks: list) -> list[tuple]:

@@ -14,6 +14,7 @@ import pytest
 
 from integrations.openai_server.app import create_app
 from integrations.openai_server.relay import RELAY, CONTINUE_HEADER, RELAY_HEADER, Continuation, FleetRelay, read_marker
+from integrations.openai_server.state import STATE
 
 ENGINE = {"num_blocks": 256, "block_size": 16, "max_num_seqs": 8, "max_model_len": 512}
 CHAT = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 24, "ignore_eos": True}
@@ -80,6 +81,7 @@ def test_a_continuation_sends_exactly_the_events_the_cut_stream_had_left(relayed
     assert [_comparable(d) for _, d in rest] == [_comparable(d) for _, d in whole[cut:]]
     assert rest[-2][1]["usage"]["completion_tokens"] == 24
     assert [t for m, _ in rest if m for t in m.token_ids] == token_ids[5:]
+    assert server.app[STATE].metrics.requests_continued._value.get() == 1
 
 
 def test_only_the_relay_gets_markers_and_continuations(relayed):

@@ -96,3 +96,14 @@ def test_only_the_relay_gets_markers_and_continuations(relayed):
     continuation = Continuation("chatcmpl-x", 1, (1, 2))
     status, raw = _post(server, path, {**body, "n": 2}, relay.headers(continuation))
     assert status == 400 and b"continuation" in raw
+
+
+def test_a_chat_whose_reasoning_is_parsed_here_is_not_marked(live_server, model_dir):
+    """A thinking model's chat reply is split here as it streams; a continuation would split it afresh: not continuable."""
+    app = create_app(model_dir, reasoning_parser="qwen3", **ENGINE)
+    relay = app[RELAY] = FleetRelay()
+    server = live_server(app)
+    for route, marked in (("chat", False), ("completion", True)):
+        path, body = ROUTES[route]
+        status, raw = _post(server, path, body, relay.headers())
+        assert status == 200 and (b"paged-relay" in raw) == marked, route

@@ -26,7 +26,7 @@ from aiohttp import web
 
 RELAY_HEADER = "X-Paged-Relay"  # the relay's secret: the request comes from the fleet's ingress
 CONTINUE_HEADER = "X-Paged-Relay-Continue"  # the key of a continuation offered in process
-_MARKER = b": paged-relay "
+MARKER = b": paged-relay "  # how a marker line starts
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +94,7 @@ RELAY = web.AppKey("paged_fleet_relay", FleetRelay)
 def marker(request_id: str, created: int, token_ids: list[int], final: bool) -> bytes:
     """The comment line that leads a relayed event (``: paged-relay {json}``)."""
     data = {"id": request_id, "created": created, "token_ids": token_ids, "final": final}
-    return _MARKER + json.dumps(data, separators=(",", ":")).encode() + b"\n"
+    return MARKER + json.dumps(data, separators=(",", ":")).encode() + b"\n"
 
 
 def read_marker(event: bytes) -> tuple[Marker | None, bytes]:
@@ -103,10 +103,10 @@ def read_marker(event: bytes) -> tuple[Marker | None, bytes]:
     Raises:
         ValueError: a marker line that is not one ``marker()`` writes.
     """
-    if not event.startswith(_MARKER):
+    if not event.startswith(MARKER):
         return None, event
     line, _, rest = event.partition(b"\n")
-    data = json.loads(line[len(_MARKER) :])
+    data = json.loads(line[len(MARKER) :])
     token_ids = data["token_ids"]
     if not isinstance(token_ids, list) or not all(type(t) is int for t in token_ids):
         raise ValueError("paged-relay marker: token_ids must be a list of ints")

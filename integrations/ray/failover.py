@@ -20,7 +20,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentResponseGenerator
 
 from integrations.openai_server.errors import ApiError
-from integrations.openai_server.relay import Continuation, read_marker
+from integrations.openai_server.relay import MARKER, Continuation, read_marker
 from integrations.openai_server.sse import DONE, encode
 
 logger = logging.getLogger(__name__)
@@ -48,6 +48,8 @@ class RelayedEvents:
         if end < 0:
             return b""
         whole, self._buffer = self._buffer[: end + len(_END)], self._buffer[end + len(_END) :]
+        if MARKER not in whole:
+            return whole  # NOTE: a stream that is not continuable, or its usage and [DONE]
         out = []
         for event in whole.split(_END)[:-1]:
             mark, event = read_marker(event)

@@ -99,6 +99,23 @@ async def test_a_replica_dying_mid_stream_is_continued_on_another_with_the_recei
     assert dying.cancelled and successor.cancelled
 
 
+async def test_a_continuation_whose_replica_dies_too_goes_on_from_all_the_tokens_sent():
+    """Two deaths: each continuation carries every token the client got, from both replicas before it."""
+    sent: list[Continuation] = []
+    streams = [
+        StandInStream([SSE_HEAD, _event(" two", [12])], dies=True),
+        StandInStream([SSE_HEAD, _event(" three", [13], final=True), DONE]),
+    ]
+
+    def resend(continuation: Continuation) -> StandInStream:
+        sent.append(continuation)
+        return streams[len(sent) - 1]
+
+    out = await _collect(relay_events(_event("One", [11]), StandInStream([], dies=True), resend, attempts_left=2))
+    assert [c.token_ids for c in sent] == [(11,), (11, 12)]
+    assert out == b"".join(_stripped(e) for e in [_event("One", [11]), _event(" two", [12]), _event(" three", [13]), DONE])
+
+
 async def test_streams_that_cannot_go_on_end_with_replica_failed():
     """No marker (not continuable), the last token sent, or no attempt left: the retryable error event, then [DONE]."""
     unmarked = await _collect(relay_events(_event("a", None), StandInStream([], dies=True), _no_resend, 2))

@@ -7,8 +7,8 @@ labelled families: ``paged_request_success_total{finished_reason}``,
 ``paged_spec_decode_num_accepted_tokens_per_pos_total{position}``.
 Two derived gauges: ``paged_kv_cache_usage`` (used / total blocks) and
 ``paged_prefix_cache_hit_rate`` (hit tokens / queried tokens). The server adds its own
-``paged_http_requests_total{route,status}``, ``paged_pooling_requests_total{route}`` and
-``paged_pooling_prompt_tokens_total{route}``. The pooling engines' batches (``stats()["pooling"]``, every
+``paged_http_requests_total{route,status}``, ``paged_pooling_requests_total{route}``,
+``paged_pooling_prompt_tokens_total{route}`` and ``paged_requests_continued_total`` (the fleet's failover). The pooling engines' batches (``stats()["pooling"]``, every
 engine of the server together) are ``paged_pooling_{inputs,tokens,batches}_total{kind}`` and the histograms
 ``paged_pooling_{queue_time_seconds,compute_time_seconds,batch_size}{kind}``. docs/server.md lists them all.
 """
@@ -201,6 +201,11 @@ class ServerMetrics:
             PREFIX + "pooling_prompt_tokens", "Tokens the pooling model read, by route.", ["route"],
             registry=self.registry,
         )  # fmt: skip
+        self.requests_continued = Counter(
+            PREFIX + "requests_continued",
+            "Streams continued here from the tokens their client received from a replica that died (a fleet's).",
+            registry=self.registry,
+        )
         for route in POOLING_ROUTES:  # NOTE: the series exist before the first request
             self.pooling_requests.labels(route)
             self.pooling_tokens.labels(route)

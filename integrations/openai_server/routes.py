@@ -17,6 +17,7 @@ from integrations.openai_server.journal import JournalEntry
 from integrations.openai_server.intake import check_common, origin, parse_body, sdk_requests
 from integrations.openai_server.metrics import CONTENT_TYPE
 from integrations.openai_server.policy import Tenant
+from integrations.openai_server.relay import RELAY, Continuation, marker
 from integrations.openai_server.wire_pieces import chat_logprobs, completion_logprobs, token_ids, usage
 from integrations.openai_server.serving import Serving
 from integrations.openai_server.sse import EventStream
@@ -99,6 +100,17 @@ def reply_message(deltas: list[Delta]) -> p.ChatMessage:
     return p.ChatMessage(content=text or None, reasoning_content=reasoning, tool_calls=[tool_call_to_wire(call) for call in calls])
 
 
+def _continuation(request: web.Request) -> Continuation | None:
+    """The continuation the fleet's ingress offered for ``request`` (through its replica); None for any other request."""
+    relay = request.app.get(RELAY)
+    if relay is None:
+        return None
+    try:
+        return relay.take(request)
+    except KeyError:
+        raise bad_request("the continuation this request names is not known (or was taken)") from None
+
+
 def _json(model: BaseModel, status: int = 200) -> web.Response:
     return web.Response(
         text=model.model_dump_json(exclude_none=True), status=status, content_type="application/json"
@@ -122,9 +134,7 @@ class _Run:
         self.body = body
         self.route = route
         self.is_chat = route == "chat"
-        self.request_id = p.random_id("chatcmpl" if self.is_chat else "cmpl")
         self.want_logprobs = bool(body.logprobs) if self.is_chat else body.logprobs is not None
-        self.created = p.now()
         self.events = EventStream(request)
         self.text_offsets: dict[int, int] = {}  # choice index -> chars streamed (completion logprobs)
         self.num_choices = body.n or 1  # per SDK request: choice i is completion i % n of request i // n
@@ -134,6 +144,25 @@ class _Run:
         self.client = serving.client(tenant.name, tenant.policy)
         self.requests, self.format_field = sdk_requests(body, route)
         self.got: list[Delta] = []  # what the caller received (streamed) or the server holds (not): a journal entry's
+        relay = request.app.get(RELAY)
+        # NOTE: the fleet's ingress reads each event's tokens (relay.marker) to go on elsewhere if this replica dies
+        self.relays_tokens = relay is not None and relay.is_relayed(request) and self._can_relay()
+        self.continuation = _continuation(request)
+        if self.continuation is not None and not self.relays_tokens:
+            raise bad_request("a continuation goes on with a stream of one completion without tools or logprobs")
+        cont = self.continuation
+        self.request_id = cont.request_id if cont else p.random_id("chatcmpl" if self.is_chat else "cmpl")
+        self.created = cont.created if cont else p.now()
+
+    @property
+    def can_continue(self) -> bool:
+        """One completion of one prompt, without tools or logprobs: a run a continuation can go on with."""
+        one_completion = len(self.requests) == 1 and self.num_choices == 1
+        return one_completion and not getattr(self.body, "tools", None) and not self.want_logprobs
+
+    def _can_relay(self) -> bool:
+        """A stream the fleet can go on with on another replica: its reply's reasoning is not parsed here."""
+        return bool(self.body.stream) and self.can_continue and not (self.is_chat and self.serving.parses_reasoning)
 
     async def execute(self) -> web.StreamResponse:
         task = asyncio.current_task()
@@ -149,9 +178,12 @@ class _Run:
 
     async def _execute(self) -> web.StreamResponse:
         try:
-            stream = await self.serving.open(self.client, self.request_id, self.requests, origin(self.request))
+            resume = None if self.continuation is None else list(self.continuation.token_ids)
+            stream = await self.serving.open(self.client, self.request_id, self.requests, origin(self.request), resume)
         except PagedError as exc:
             raise from_sdk(exc, self.route, self.format_field) from None
+        if self.continuation is not None:
+            self.state.metrics.requests_continued.inc()
         async with contextlib.aclosing(stream):
             try:
                 if self.body.stream:
@@ -176,8 +208,7 @@ class _Run:
     def _journal(self) -> ApiError | None:
         """Writes the request to the journal when it is on and the request can be continued; its answer, or None."""
         journal = self.state.journal
-        one_completion = len(self.requests) == 1 and self.num_choices == 1
-        if journal is None or not one_completion or getattr(self.body, "tools", None) or self.want_logprobs:
+        if journal is None or not self.can_continue:
             return None
         entry = JournalEntry(
             self.request_id, self.route, self.tenant, self.serving.model_name,
@@ -251,10 +282,10 @@ class _Run:
     # ------------------------------------------------------------------ streaming
 
     async def _stream(self, stream: AsyncIterator[Delta]) -> web.StreamResponse:
-        started: set[int] = set()
+        started: set[int] = set() if self.continuation is None else {0}  # NOTE: a continuation's opening went out
         finals: list[Delta] = []
         want_ids = self.body.return_token_ids
-        first = True
+        first = self.continuation is None
         async for delta in stream:
             prompt_ids = self._prompt_ids(delta)
             event_prompt_ids = list(prompt_ids) if want_ids and (first or not self.is_chat) else None
@@ -262,17 +293,25 @@ class _Run:
             if self.is_chat and delta.index not in started:
                 started.add(delta.index)
                 opening = p.DeltaMessage(role="assistant", content="")
-                await self.events.send(self._chat_chunk(delta.index, opening))
+                await self.events.send(self._chat_chunk(delta.index, opening), lead=self._marker(None))
             if delta.text or delta.reasoning or delta.token_ids or delta.tool_calls or delta.finish_reason is not None:
                 # NOTE: before the send: its bytes reach the transport before the send can be cancelled
                 self.got.append(delta)
-                await self.events.send(self._event(delta, event_prompt_ids))
+                await self.events.send(self._event(delta, event_prompt_ids), lead=self._marker(delta))
             if delta.finish_reason is not None:
                 finals.append(delta)
         if self.body.include_usage():
             kind = p.ChatCompletionChunk if self.is_chat else p.CompletionResponse
             await self.events.send(self._reply(kind, choices=[], usage=usage(finals)))
         return await self.events.done()
+
+    def _marker(self, delta: Delta | None) -> bytes:
+        """The relay's line before an event (the tokens it carries), for the fleet's ingress; nothing otherwise."""
+        if not self.relays_tokens:
+            return b""
+        if delta is None:
+            return marker(self.request_id, self.created, [], False)
+        return marker(self.request_id, self.created, delta.token_ids, delta.finish_reason is not None)
 
     def _event(self, delta: Delta, prompt_ids: list[int] | None) -> BaseModel:
         ids = delta.token_ids if self.body.return_token_ids else None

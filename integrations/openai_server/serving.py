@@ -22,6 +22,7 @@ from sdk.client import AsyncClient
 from sdk.hooks import Hook, RequestOrigin
 from sdk.images import ImageLimits
 from sdk.policy import TenantPolicy
+from sdk.reasoning import reasoning_format
 from sdk.rate_limit import RateLimiter
 from sdk.settings import ClientSettings
 from sdk.transport import InProcessTransport
@@ -108,6 +109,12 @@ class Serving:
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
 
+    @property
+    def parses_reasoning(self) -> bool:
+        """Chat replies have their reasoning split out of their text (the chat template is a thinking model's)."""
+        template = getattr(getattr(self.engine, "tokenizer", None), "chat_template", None)
+        return reasoning_format(self._transport.reasoning_parser, template) is not None
+
     async def close(self) -> None:
         if self._owns_engine:
             await self.engine.shutdown()
@@ -131,8 +138,12 @@ class Serving:
         request_id: str,
         requests: Sequence[ChatRequest | CompletionRequest],
         origin: RequestOrigin | None = None,
+        resume_token_ids: list[int] | None = None,
     ) -> AsyncIterator[Delta]:
         """Start ``requests`` (a chat, or one per prompt of a completion) and merge their deltas.
+
+        ``resume_token_ids`` (one request of ``n == 1`` only) continues a run whose caller already
+        got those output tokens (``AsyncClient.stream``): its deltas carry only what follows.
 
         Completion ``i`` of request ``p`` is choice ``p * n + i``, the deltas' ``index``. Every
         request's first delta is awaited here, so validation, filter and admission errors raise
@@ -145,18 +156,20 @@ class Serving:
         streams: list[AsyncIterator[Delta]] = []
         for p, request in enumerate(requests):
             rid = request_id if len(requests) == 1 else f"{request_id}/{p}"
-            streams.append(self._choices(client, p * (request.n or 1), request.model_copy(update={"request_id": rid}), origin))
+            request = request.model_copy(update={"request_id": rid})
+            streams.append(self._choices(client, p * (request.n or 1), request, origin, resume_token_ids))
         firsts = await _first_outputs(streams)
         streams = [_prepend(first, stream) for first, stream in zip(firsts, streams)]
         return streams[0] if len(streams) == 1 else _merge(streams)
 
     async def _choices(
-        self, client: AsyncClient, first_index: int, request: ChatRequest | CompletionRequest, origin: RequestOrigin | None
-    ) -> AsyncIterator[Delta]:
+        self, client: AsyncClient, first_index: int, request: ChatRequest | CompletionRequest,
+        origin: RequestOrigin | None, resume_token_ids: list[int] | None,
+    ) -> AsyncIterator[Delta]:  # fmt: skip
         if isinstance(request, ChatRequest):
-            deltas = client.stream(request, origin=origin)
+            deltas = client.stream(request, origin=origin, resume_token_ids=resume_token_ids)
         else:
-            deltas = client.stream(prompt=request, origin=origin)
+            deltas = client.stream(prompt=request, origin=origin, resume_token_ids=resume_token_ids)
         async with contextlib.aclosing(deltas):
             async for delta in deltas:
                 delta.index += first_index

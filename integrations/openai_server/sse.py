@@ -31,8 +31,9 @@ class EventStream:
             raise RuntimeError("the event stream has not started")
         return self._response
 
-    async def send(self, event: BaseModel, name: str | None = None) -> None:
-        await self._write(encode(event, name))
+    async def send(self, event: BaseModel, name: str | None = None, lead: bytes = b"") -> None:
+        """Writes ``event``; ``lead`` (whole lines, e.g. an SSE comment) goes first, in the same write."""
+        await self._write(lead + encode(event, name))
 
     async def done(self) -> web.StreamResponse:
         await self._write(DONE)

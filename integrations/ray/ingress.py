@@ -8,7 +8,9 @@ replica's server answers (a body, an OpenAI error, SSE events) goes back unchang
 Faults: a replica that dies before the answer started reaching the client (a whole JSON body is
 held until its end; an event stream until its first event) costs nothing but time: the request
 is sent again, to another replica when one is up, up to ``max_attempts`` times; then it gets a
-503 ``replica_unavailable`` with ``Retry-After``. A stream that already started ends with an SSE
+503 ``replica_unavailable`` with ``Retry-After``. A stream that already started goes on on another
+replica from the tokens its client received (``integrations.ray.failover``), within the same
+``max_attempts``; one that cannot (``n > 1``, tools, logprobs, a parsed reasoning) ends with an SSE
 error event (code ``replica_failed``, retryable) and ``[DONE]``. Ray Serve replaces the replica.
 
 ``GET /metrics`` asks every replica (``integrations.ray.metrics``): one exposition with a
@@ -20,16 +22,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-from collections.abc import AsyncIterator
 
-from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from integrations.openai_server.errors import RETRY_AFTER, ApiError
-from integrations.openai_server.sse import DONE, encode
 from integrations.openai_server.metrics import CONTENT_TYPE
+from integrations.openai_server.relay import Continuation
+from integrations.ray.failover import REPLICA_FAULTS, relay_events
 from integrations.ray.metrics import merge_expositions
 from integrations.ray.prefix import PrefixHasher
 from integrations.ray.replica import ForwardedRequest, ResponseHead
@@ -38,8 +39,7 @@ from integrations.ray.router_registry import replica_ids
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_ATTEMPTS = 3  # replicas a request is sent to before it is answered 503
-REPLICA_FAULTS = (RayActorError, ActorUnavailableError)  # the replica died or cannot be reached
+DEFAULT_MAX_ATTEMPTS = 3  # replicas a request is sent to, continuations of its stream included
 METRICS_TIMEOUT = 5.0  # seconds a replica gets to answer the fleet's /metrics; a slower one is left out
 METRICS_PATH = "/metrics"
 
@@ -50,7 +50,7 @@ class Ingress:
     Args:
         engine: the handle of the ``EngineReplica`` deployment (bound by ``build_app``).
         args: the ``paged serve`` flags: the model (for its tokenizer) and the engine's block size.
-        max_attempts: replicas tried for a request that has not started answering.
+        max_attempts: replicas a request is sent to: before it started answering, and to go on with its stream.
     """
 
     def __init__(self, engine: DeploymentHandle, args: argparse.Namespace, max_attempts: int = DEFAULT_MAX_ATTEMPTS) -> None:
@@ -97,7 +97,11 @@ class Ingress:
             except BaseException:
                 stream.cancel()
                 raise
-            return StreamingResponse(_events(first, stream), status_code=head.status, headers=dict(head.headers))
+            def resend(continuation: Continuation) -> DeploymentResponseGenerator:
+                return self._engine.forward.remote(forwarded, **{PREFIX_KWARG: prefix}, continuation=continuation)
+
+            events = relay_events(first, stream, resend, self._max_attempts - attempt)
+            return StreamingResponse(events, status_code=head.status, headers=dict(head.headers))
         error = ApiError(
             503, "no replica could serve the request; retry", code="replica_unavailable",
             headers={"Retry-After": RETRY_AFTER},
@@ -126,22 +130,4 @@ class Ingress:
                 return Response(body, status_code=head.status, headers=dict(head.headers))
         merged = merge_expositions({r: body.decode() for r, (_, body) in answers.items()})
         return Response(merged, headers={"Content-Type": CONTENT_TYPE})
-
-
-async def _events(first: bytes, stream: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
-    """The replica's SSE bytes; a replica that dies mid-stream ends it with a retryable error event.
-
-    Closing it (the client went away) cancels the replica's relay, which aborts the engine request.
-    """
-    try:
-        yield first
-        async for chunk in stream:
-            yield chunk
-    except REPLICA_FAULTS as exc:
-        logger.warning("replica failed mid-stream: %s", exc)
-        error = ApiError(503, "the replica serving this stream failed; retry the request", code="replica_failed")
-        yield encode(error.body())
-        yield DONE
-    finally:
-        stream.cancel()
 

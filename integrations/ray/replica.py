@@ -23,6 +23,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from integrations.openai_server.relay import CONTINUE_HEADER, RELAY, RELAY_HEADER, Continuation, FleetRelay
 from integrations.openai_server.state import STATE, Phase
 from integrations.ray.router import STATS_PREFIXES, STATS_QUEUE
 
@@ -30,10 +31,12 @@ logger = logging.getLogger(__name__)
 
 MAX_TRACKED_HASHES = 8192  # leading-block hashes a replica checks for its report (LRU)
 START_POLL = 0.05  # seconds between checks that the engine has loaded
-# NOTE: hop-by-hop headers and those the receiving side sets itself are not relayed.
+# NOTE: hop-by-hop headers and those the receiving side sets itself are not relayed; nor the relay's own, which
+# only the replica sets (a client that sends them has them dropped).
 _DROPPED_HEADERS = frozenset(
-    {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "date", "server"}
-)
+    {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "date", "server",
+     RELAY_HEADER.lower(), CONTINUE_HEADER.lower()}
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +81,7 @@ class EngineReplica:
         if args.audit_log:
             args = argparse.Namespace(**{**vars(args), "audit_log": f"{args.audit_log}.{replica_id}"})
         self._app = make_app(args)
+        self._relay = self._app[RELAY] = FleetRelay()
         self._runner = web.AppRunner(self._app, handler_cancellation=True, shutdown_timeout=args.drain_timeout + 10.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -94,25 +98,32 @@ class EngineReplica:
             raise RuntimeError("the engine failed to start; see the replica's log")
 
     async def forward(
-        self, request: ForwardedRequest, prefix: Sequence[bytes] = (), replica: str | None = None
-    ) -> AsyncIterator[Any]:
+        self, request: ForwardedRequest, prefix: Sequence[bytes] = (), replica: str | None = None,
+        continuation: Continuation | None = None,
+    ) -> AsyncIterator[Any]:  # fmt: skip
         """Relays ``request`` to this replica's server: yields a ``ResponseHead``, then body chunks.
 
         ``prefix`` (the request's leading block hashes) and ``replica`` (set when the request is
         for this replica alone) are what the router routed by. The replica remembers the hashes
-        to report which ones its engine still caches.
+        to report which ones its engine still caches. The request goes with the relay's headers
+        (``integrations.openai_server.relay``): a continuable stream's events carry their tokens,
+        and ``continuation`` makes it go on from what its client received on a replica that died.
         """
         for digest in prefix:
             self._prefixes[digest] = None
             self._prefixes.move_to_end(digest)
         while len(self._prefixes) > MAX_TRACKED_HASHES:
             self._prefixes.popitem(last=False)
-        async with self._session.request(
-            request.method, request.path, headers=relayed_headers(request.headers), data=request.body
-        ) as response:
-            yield ResponseHead(response.status, relayed_headers(tuple(response.headers.items())))
-            async for chunk in response.content.iter_any():
-                yield chunk
+        relay = self._relay.headers(continuation)
+        try:
+            async with self._session.request(
+                request.method, request.path, headers=relayed_headers(request.headers) + relay, data=request.body
+            ) as response:
+                yield ResponseHead(response.status, relayed_headers(tuple(response.headers.items())))
+                async for chunk in response.content.iter_any():
+                    yield chunk
+        finally:
+            self._relay.discard(relay)
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """The tracked prefixes the engine still caches (hashes), and its running + waiting requests."""

@@ -20,6 +20,7 @@ serve = pytest.importorskip("ray.serve")
 
 from integrations.openai_server.app import create_app  # noqa: E402
 from integrations.ray.workload import measure  # noqa: E402
+from tests.support.fleet_gate import GATE_HEADER, HOLD_AFTER  # noqa: E402
 from tests.support.serve_process import free_port  # noqa: E402
 
 KEY = "sk-fleet"
@@ -40,15 +41,19 @@ def audit_path(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def fleet(model_dir, audit_path):
-    """The root URL of a 2-replica fleet, prefix-affinity routing, key-protected, audited."""
+    """The root URL of a 2-replica fleet, prefix-affinity routing, key-protected, audited, with the test's stream gate."""
     from integrations.ray.config import app_builder
 
     logging.getLogger("ray.serve").setLevel(logging.ERROR)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+    # NOTE: a cluster of its own ("local"), not one another process on the machine runs
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        flags = {"model": model_dir, "replicas": 2, "replica_cpus": 0.5, "api_key": [KEY], "audit_log": str(audit_path), **ENGINE}
+        flags = {
+            "model": model_dir, "replicas": 2, "replica_cpus": 0.5, "api_key": [KEY], "audit_log": str(audit_path),
+            "hook": ["tests.support.fleet_gate:make_hooks"], **ENGINE,
+        }  # fmt: skip
         serve.run(app_builder(flags), name=APP, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -183,15 +188,7 @@ async def test_killed_replica_every_request_ends_and_fleet_recovers(fleet):
     outcomes = await asyncio.wait_for(asyncio.gather(*tasks), 90)
     assert set(outcomes) <= {"ok", "retryable"} and "ok" in outcomes, outcomes
 
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        names = _replica_names()
-        engine = serve.status().applications[APP].deployments["engine"]
-        if len(names) == 2 and before[0] not in names and engine.replica_states.get("RUNNING") == 2:
-            break
-        await asyncio.sleep(1)
-    else:
-        pytest.fail(f"the killed replica was not replaced: {_replica_names()}")
+    await _replaced([before[0]])
     replies = await asyncio.gather(*(
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": f"Hi {i}"}], max_tokens=2)
         for i in range(4)
@@ -223,3 +220,99 @@ def test_tensor_parallel_replica_is_one_packed_placement_group(model_dir):
     assert replica_resources(0.5, 0.0, 2)["placement_group_bundles"] == [{"CPU": 0.5}, {"CPU": 0.5}]
     # Ray Serve takes these options (the actor must fit in the first bundle)
     app_builder({"model": model_dir, "replicas": 2, "replica_cpus": 0.5, "tensor_parallel_size": 2})
+
+
+async def _replaced(killed: list[str]) -> None:
+    """Waits until Ray Serve runs two replicas again, none of them ``killed``."""
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        names = _replica_names()
+        engine = serve.status().applications[APP].deployments["engine"]
+        if len(names) == 2 and not set(killed) & set(names) and engine.replica_states.get("RUNNING") == 2:
+            return
+        await asyncio.sleep(1)
+    pytest.fail(f"the killed replicas were not replaced: {_replica_names()}")
+
+
+@pytest.mark.parametrize("route", ["chat", "completion"])
+async def test_a_replica_killed_mid_stream_leaves_the_clients_stream_whole(fleet, tmp_path, route):
+    """The replica serving a stream is killed once the client got 6 tokens: the stream goes on on the other replica,
+    chunk for chunk the unkilled run's (greedy and seeded), with one id, no error, and the whole run's usage."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{fleet}/v1", api_key=KEY, max_retries=0, timeout=60)
+    model = (await client.models.list()).data[0].id
+    samplings = {"greedy": {"temperature": 0}, "seeded": {"temperature": 1.0, "seed": 11}}
+    opening = 1 if route == "chat" else 0  # a chat stream's first chunk carries the role, no token
+
+    def create(sampling: dict, **extra):
+        # NOTE: one prompt for both streams: prefix affinity sends them to one replica, the one killed
+        common = {
+            "model": model, "max_tokens": 48, "stream": True, "stream_options": {"include_usage": True},
+            "extra_body": {"ignore_eos": True}, **sampling, **extra,
+        }  # fmt: skip
+        if route == "chat":
+            messages = [{"role": "user", "content": "Tell a long story about a lighthouse."}]
+            return client.chat.completions.create(messages=messages, **common)
+        return client.completions.create(prompt="The lighthouse keeper had a long story to tell:", **common)
+
+    received = {name: asyncio.Event() for name in samplings}
+
+    async def held_stream(name: str, gate: Path) -> list:
+        """The stream's chunks; ``received[name]`` is set once it has its opening and HOLD_AFTER tokens."""
+        gate.mkdir()
+        chunks = []
+        async for chunk in await create(samplings[name], extra_headers={GATE_HEADER: str(gate)}):
+            chunks.append(chunk)
+            if len(chunks) == opening + HOLD_AFTER:
+                received[name].set()
+        return chunks
+
+    continued = _continued(fleet)
+    unkilled = {name: [c async for c in await create(s)] for name, s in samplings.items()}
+    gates = {name: tmp_path / name for name in samplings}
+    tasks = {name: asyncio.ensure_future(held_stream(name, gate)) for name, gate in gates.items()}
+    holders = set()
+    for name, gate in gates.items():
+        await asyncio.wait_for(received[name].wait(), 60)
+        async with asyncio.timeout(60):
+            while not (gate / "held").exists():  # NOTE: the hook writes it once the client has HOLD_AFTER tokens
+                await asyncio.sleep(0.01)
+        holders.add((gate / "held").read_text())
+    for name in holders:
+        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    for gate in gates.values():
+        (gate / "go").touch()
+    killed = {name: await asyncio.wait_for(task, 120) for name, task in tasks.items()}
+
+    for name, chunks in killed.items():
+        assert {c.id for c in chunks} == {chunks[0].id}, name
+        assert _deltas(chunks) == _deltas(unkilled[name]), name
+        assert len(_deltas(chunks)) > opening + HOLD_AFTER
+        usage, expected = chunks[-1].usage, unkilled[name][-1].usage
+        assert (usage.prompt_tokens, usage.completion_tokens) == (expected.prompt_tokens, 48), name
+    now = _continued(fleet)
+    assert sum(n - continued.get(replica, 0) for replica, n in now.items()) == len(samplings)  # both went on elsewhere
+    await _replaced(sorted(holders))
+
+
+def _continued(fleet: str) -> dict[str, float]:
+    """``paged_requests_continued_total`` of each replica that answers the fleet's /metrics."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    request = urllib.request.Request(f"{fleet}/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
+    samples = families["paged_requests_continued"].samples
+    return {s.labels["replica"]: s.value for s in samples if s.name.endswith("_total")}
+
+
+def _deltas(chunks: list) -> list[tuple]:
+    """Each chunk's choice: a chat delta's role and content, or a completion's text; its finish reason."""
+    out = []
+    for choice in (c.choices[0] for c in chunks if c.choices):
+        delta = getattr(choice, "delta", None)
+        out.append(((delta.role, delta.content) if delta is not None else choice.text, choice.finish_reason))
+    return out

@@ -1,0 +1,126 @@
+"""Steps in flight over two gloo pipeline stages on CPU: eight requests run as two micro-batches that take turns in
+the pipe (two steps in it at once, no request in both) with transformers' greedy tokens; requests aborted or
+preempted while their step is in the pipe end as they should and every block comes back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import Engine, SamplingParams
+from engine.request import Request, RequestStatus
+from engine.step_pipeline import StepInFlight
+
+MAX_TOKENS = 12
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+SHARED = list(range(500, 512))  # a 3-block prefix every other prompt shares
+PROMPTS = [SHARED + [600 + i] * (1 + i % 3) if i % 2 else list(range(700 + 11 * i, 703 + 13 * i)) for i in range(8)]
+OPTIONS = dict(dtype="float32", device="cpu", block_size=4, max_num_seqs=8)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_factory):
+    return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return [
+            hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(p):].tolist()
+            for p in PROMPTS
+        ]
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    with Engine(str(model_dir), pipeline_parallel_size=2, num_blocks=128, **OPTIONS) as engine:
+        yield engine
+
+
+def _assert_pool_whole(engine: Engine) -> None:
+    assert not engine.has_unfinished_requests() and len(engine.steps_in_flight) == 0
+    engine.kv.check_integrity()
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_eight_requests_take_turns_in_the_pipe_as_two_micro_batches(engine, expected, monkeypatch) -> None:
+    """Two steps in the pipe at once, four requests each, never one request in both; transformers' tokens."""
+    runner = engine.runner
+    steps: list[tuple[set[str], set[str]]] = []  # each step's requests, and those in the pipe as it went in
+    submit = runner.submit
+
+    def recording_submit(scheduler_output) -> None:
+        steps.append(({s.req_id for s in scheduler_output.scheduled}, set(engine.steps_in_flight.req_ids)))
+        submit(scheduler_output)
+
+    monkeypatch.setattr(runner, "submit", recording_submit)
+    hits = engine.stats()["prefix_cache_hits"]
+    outputs = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert runner.max_steps_in_flight == 2 and engine.steps_in_flight.depth == 2
+    assert all(not (step & in_pipe) for step, in_pipe in steps)
+    assert max(len(step) for step, _ in steps) == 4
+    overlapped = [step for step, in_pipe in steps if in_pipe]  # went in while the other micro-batch was in the pipe
+    assert len(overlapped) > len(steps) // 2
+    assert engine.stats()["prefix_cache_hits"] > hits
+    assert runner.pipeline_wait_seconds > 0
+    _assert_pool_whole(engine)
+
+
+def test_requests_aborted_while_in_the_pipe_end_aborted_and_give_every_block_back(engine, expected) -> None:
+    """Two requests of the step in the pipe and one waiting its turn are aborted between steps: each ends with
+    "abort" and gets no token from the step that was in the pipe; the others give transformers' tokens."""
+    ids = [engine.add_request(f"r{i}", prompt, GREEDY) for i, prompt in enumerate(PROMPTS)]
+    received: dict[str, list[int]] = {i: [] for i in ids}
+    reasons: dict[str, str] = {}
+
+    def take(deltas) -> None:
+        for delta in deltas:
+            received[delta.request_id] += delta.token_ids
+            if delta.finish_reason is not None:
+                reasons[delta.request_id] = delta.finish_reason
+
+    while not (engine.steps_in_flight and all(len(received[i]) >= 2 for i in ids)):
+        take(engine.step_deltas())
+    in_pipe = sorted(engine.steps_in_flight.req_ids)
+    not_in_pipe = sorted(set(ids) - set(in_pipe))
+    aborted = in_pipe[:2] + not_in_pipe[:1]
+    assert len(in_pipe) >= 2 and all(engine.scheduler.requests[i].status == RequestStatus.RUNNING for i in aborted)
+    outputs = engine.abort_request(aborted)
+    assert [o.outputs[0].finish_reason for o in outputs] == ["abort"] * 3
+    take(engine.pop_deltas())
+    at_abort = {i: list(received[i]) for i in aborted}
+    while engine.has_unfinished_requests():
+        take(engine.step_deltas())
+    for i, request_id in enumerate(ids):
+        if request_id in aborted:
+            assert reasons[request_id] == "abort" and received[request_id] == at_abort[request_id]
+            assert received[request_id] == expected[i][: len(received[request_id])]
+        else:
+            assert reasons[request_id] == "length" and received[request_id] == expected[i]
+    _assert_pool_whole(engine)
+
+
+def test_preemption_with_steps_in_flight_keeps_the_greedy_tokens(model_dir, expected, monkeypatch) -> None:
+    """A pool too small for the eight requests: some are preempted, one at least while its step is in the pipe
+    (its logits dropped when they come back), recomputed, and every request still gives transformers' tokens;
+    every block comes back."""
+    dropped: list[RequestStatus] = []
+    live_rows = StepInFlight.live_rows
+
+    def recording_live_rows(step: StepInFlight) -> tuple[list[int], list[Request]]:
+        keep, rows = live_rows(step)
+        dropped.extend(request.status for request, _ in step.rows if request not in rows)
+        return keep, rows
+
+    monkeypatch.setattr(StepInFlight, "live_rows", recording_live_rows)
+    with Engine(str(model_dir), pipeline_parallel_size=2, num_blocks=26, **OPTIONS) as engine:
+        outputs = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+        assert engine.stats()["num_preemptions"] > 0 and engine.runner.max_steps_in_flight == 2
+        assert RequestStatus.PREEMPTED in dropped
+        _assert_pool_whole(engine)

@@ -34,6 +34,9 @@ class ParallelRunner(ModelRunner):
     their heads) and returns the logits (gathered over its stage, or the last stage's). On CPU every rank's
     process (this one included: ``torch.set_num_threads``) takes an equal share of the cores.
 
+    Under a pipeline, ``submit`` sends a step in and ``collect`` takes the oldest step's logits, so that several steps
+    are in the pipe at once (``engine.step_pipeline``); ``execute_model`` runs one step through the whole pipe.
+
     Persisted KV blocks (``kv_cache_dir``) move in and out of every rank's cache: a block's payload is every rank's
     part in rank order (``engine.distributed.kv_transfer``), its layout the group's split (``KVLayout.shards``).
 

@@ -4,6 +4,8 @@ preempted while their step is in the pipe end as they should and every block com
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -124,3 +126,62 @@ def test_preemption_with_steps_in_flight_keeps_the_greedy_tokens(model_dir, expe
         assert engine.stats()["num_preemptions"] > 0 and engine.runner.max_steps_in_flight == 2
         assert RequestStatus.PREEMPTED in dropped
         _assert_pool_whole(engine)
+
+
+async def test_streams_aborted_while_in_the_pipe_end_and_the_engine_comes_to_rest(model_dir, expected) -> None:
+    """AsyncEngine over pp=2 (its driver steps on while steps are in the pipe): eight streams, two aborted after
+    their second token, end with "abort"; the others give transformers' tokens; the engine comes to rest."""
+    from engine import AsyncEngine
+    from tests.support.quiescence import assert_quiescent
+
+    async with AsyncEngine(str(model_dir), pipeline_parallel_size=2, num_blocks=128, **OPTIONS) as engine:
+
+        async def stream(i: int):
+            last, aborting = None, i in (2, 5)
+            async for out in engine.generate(PROMPTS[i], GREEDY, request_id=f"s{i}"):
+                if aborting and len(out.outputs[0].token_ids) >= 2:
+                    await engine.abort(f"s{i}")
+                    aborting = False
+                last = out
+            return last.outputs[0]
+
+        results = await asyncio.gather(*(stream(i) for i in range(len(PROMPTS))))
+        for i, result in enumerate(results):
+            if i in (2, 5):
+                assert result.finish_reason == "abort" and result.token_ids == expected[i][: len(result.token_ids)]
+            else:
+                assert result.finish_reason == "length" and result.token_ids == expected[i]
+        assert await engine.call(lambda e: e.runner.max_steps_in_flight) == 2
+        await assert_quiescent(engine, timeout=60.0)
+
+
+def test_a_save_while_a_step_is_in_the_pipe_holds_every_stage_s_part(model_dir, expected, tmp_path) -> None:
+    """kv_cache_dir: a save while the first step is still in the pipe waits for it on every stage (the ranks' reads
+    queue behind it) and does not hold up the pipe; generation goes on with transformers' tokens, and a second
+    engine serves the saved prefix blocks with the same tokens."""
+    options = dict(OPTIONS, num_blocks=128, kv_cache_dir=tmp_path, kv_cache_save_hot_blocks=64)
+    with Engine(str(model_dir), pipeline_parallel_size=2, **options) as engine:
+        ids = [engine.add_request(f"r{i}", prompt, GREEDY) for i, prompt in enumerate(PROMPTS)]
+        engine.step_deltas()
+        assert len(engine.steps_in_flight) == 1 and engine.runner.num_steps_in_flight == 1
+        assert engine.save_kv_cache() >= len(SHARED) // 4
+        outputs = {o.request_id: o for o in engine.generate([], GREEDY, use_tqdm=False)}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                outputs[output.request_id] = output
+        assert [outputs[i].outputs[0].token_ids for i in ids] == expected
+        _assert_pool_whole(engine)
+    with Engine(str(model_dir), pipeline_parallel_size=2, **options) as second:  # PROMPTS[1] alone: SHARED loaded
+        (output,) = second.generate([PROMPTS[1]], GREEDY, use_tqdm=False)
+        assert output.outputs[0].token_ids == expected[1] and output.num_cached_tokens == len(SHARED)
+
+
+def test_speculative_decoding_keeps_one_step_in_the_pipe(model_dir, expected) -> None:
+    """Drafts need each step's verdict before the next: pp=2 with speculative decoding runs a step at a time, with
+    transformers' tokens."""
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    with Engine(str(model_dir), pipeline_parallel_size=2, num_blocks=128, speculative_config=spec, **OPTIONS) as engine:
+        assert engine.steps_in_flight is None
+        outputs = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+        assert engine.runner.max_steps_in_flight == 0

@@ -4,8 +4,8 @@ there are stages, with no setting; here too, except under speculative decoding, 
 
 A request's next token depends on the one its step brings back, so a request is in at most one step in flight: the
 scheduler leaves out the requests of the steps in flight (``Scheduler.schedule(in_flight=...)``) and gives each step
-at most its share of the requests (``StepsInFlight.micro_batch``), so that the running requests split into
-``depth`` micro-batches that take turns, as vLLM's virtual engines do. Each step's logits are sampled when they come
+at most its share of the others (``StepsInFlight.micro_batch``), so that the running requests split into ``depth``
+micro-batches that take turns, as vLLM's virtual engines do. Each step's logits are sampled when they come
 back, in the order the steps went in (``ParallelRunner.submit`` / ``collect``).
 
 What may change while a step is in the pipe, and why that is safe:
@@ -74,10 +74,12 @@ class StepsInFlight:
         return len(self._steps) >= self.depth
 
     def micro_batch(self, scheduler: Scheduler) -> int:
-        """Most requests the next step takes: an equal share of the running and waiting ones (up to
-        ``max_num_seqs``) per step in the pipe, so that ``depth`` steps hold them all."""
-        num_requests = min(scheduler.num_running + scheduler.num_waiting, scheduler.max_num_seqs)
-        return max(1, math.ceil(num_requests / self.depth))
+        """Most requests the next step takes: an equal share of the running and waiting requests (up to
+        ``max_num_seqs``) not in the pipe, over the steps the pipe has room for, so that ``depth`` steps hold them
+        all (9 requests over 4 stages: 3, 2, 2, 2)."""
+        num_in_pipe = sum(request.req_id in self.req_ids for request in scheduler.running)
+        num_requests = min(scheduler.num_running + scheduler.num_waiting, scheduler.max_num_seqs) - num_in_pipe
+        return max(1, math.ceil(num_requests / (self.depth - len(self._steps))))
 
     def push(self, step: StepInFlight) -> None:
         self._steps.append(step)

@@ -1,6 +1,7 @@
-"""Steps in flight over two gloo pipeline stages on CPU: eight requests run as two micro-batches that take turns in
-the pipe (two steps in it at once, no request in both) with transformers' greedy tokens; requests aborted or
-preempted while their step is in the pipe end as they should and every block comes back."""
+"""Steps in flight over gloo pipeline stages on CPU: eight requests run as two micro-batches that take turns in the
+pipe (two steps in it at once, no request in both) with transformers' greedy tokens, three over three stages;
+requests aborted or preempted while their step is in the pipe end as they should and every block comes back; a KV
+save mid-pipe reads every stage's part; the AsyncEngine driver steps on while steps are in the pipe."""
 
 from __future__ import annotations
 
@@ -125,6 +126,19 @@ def test_preemption_with_steps_in_flight_keeps_the_greedy_tokens(model_dir, expe
         assert [o.outputs[0].token_ids for o in outputs] == expected
         assert engine.stats()["num_preemptions"] > 0 and engine.runner.max_steps_in_flight == 2
         assert RequestStatus.PREEMPTED in dropped
+        _assert_pool_whole(engine)
+
+
+def test_three_stages_keep_three_micro_batches_in_the_pipe(tiny_model_factory) -> None:
+    """pp=3 on a 3-layer Llama (a middle stage takes hidden states and hands its own on): three steps in the pipe
+    at once, the one-process engine's tokens, every block back."""
+    model_dir = str(tiny_model_factory("llama", num_hidden_layers=3))
+    with Engine(model_dir, num_blocks=128, **OPTIONS) as one:
+        want = [o.outputs[0].token_ids for o in one.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    with Engine(model_dir, pipeline_parallel_size=3, num_blocks=128, **OPTIONS) as engine:
+        outputs = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == want
+        assert engine.runner.max_steps_in_flight == 3
         _assert_pool_whole(engine)
 
 

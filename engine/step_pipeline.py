@@ -35,7 +35,6 @@ from engine.errors import EngineError
 from engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig
     from engine.core.scheduler import Scheduler
     from engine.output_processor import ParentRequest
     from engine.persisted_kv import PersistedKVCache
@@ -102,7 +101,6 @@ class PipelinedSteps:
     """``Engine``'s step with steps in flight (``steps_in_flight``), over its parts and request lifecycle."""
 
     if TYPE_CHECKING:  # what Engine provides
-        config: EngineConfig
         scheduler: Scheduler
         runner: Any
         persisted_kv: PersistedKVCache | None

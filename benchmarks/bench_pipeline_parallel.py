@@ -1,12 +1,13 @@
-"""What pipeline and tensor parallelism give an engine on CPU: one process against two pipeline stages and two
-tensor-parallel ranks (gloo, each process a half of the cores), and each pipeline stage's idle time.
+"""What pipeline and tensor parallelism give an engine on CPU: one process against two pipeline stages (with a
+step per stage in flight, as the engine runs them, and with one step in flight) and two tensor-parallel ranks
+(gloo, each process a half of the cores), and the first pipeline stage's idle time.
 
 Each layout's engine generates the same greedy batch, round after round (layouts alternating within a round, so
 that a loaded machine weighs on all alike); the table gives the median tokens per second and, for the pipeline,
-the share of the wall time each stage waited. A stage runs one batch at a time (one batch in flight): the first
-stage (the driver) waits for the last stage's logits (measured), and the last stage waits while the driver
-embeds, runs its layers, schedules and samples (the wall time less the driver's wait, an upper bound that counts
-the hand-over of the hidden states too).
+the most steps in the pipe at once and the share of the wall time the first stage (the driver) was idle: waiting
+for logits, or for the next stage to take its hidden states (``runner.pipeline_wait_seconds``). With one step in
+flight the last stage idles at most the rest of the wall time (while the driver embeds, runs its layers,
+schedules and samples).
 
     python benchmarks/bench_pipeline_parallel.py      # a random Llama: hidden 1024, 16 layers, 16 heads, 8 KV heads
     python benchmarks/bench_pipeline_parallel.py --model path/to/hf-dir --prompts 16 --tokens 64 --rounds 3
@@ -25,7 +26,11 @@ from bench_forward import _save_random
 from engine import Engine, SamplingParams
 from engine.loader import resolve_model
 
-LAYOUTS = {"one process": {}, "pp=2": {"pipeline_parallel_size": 2}, "tp=2": {"tensor_parallel_size": 2}}
+LAYOUTS = {
+    "one process": {}, "pp=2": {"pipeline_parallel_size": 2}, "pp=2, one step in flight": {"pipeline_parallel_size": 2},
+    "tp=2": {"tensor_parallel_size": 2},
+}  # fmt: skip
+PIPELINES = ("pp=2", "pp=2, one step in flight")
 
 
 def _random_llama(out: Path) -> Path:
@@ -57,8 +62,9 @@ def run(args: argparse.Namespace, model: str) -> None:
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
     options = dict(dtype="float32", device="cpu", enable_prefix_caching=False, num_blocks=64 * args.prompts)
     engines = {name: Engine(model, **options, **layout) for name, layout in LAYOUTS.items()}
+    engines["pp=2, one step in flight"].steps_in_flight = None  # each step through the whole pipe, then sampled
     rates: dict[str, list[float]] = {name: [] for name in LAYOUTS}
-    waits: list[float] = []
+    waits: dict[str, list[float]] = {name: [] for name in PIPELINES}
     outputs = {}
     for _ in range(args.rounds):
         for name, engine in engines.items():
@@ -67,18 +73,19 @@ def run(args: argparse.Namespace, model: str) -> None:
             outputs[name] = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
             wall = time.perf_counter() - start
             rates[name].append(args.prompts * args.tokens / wall)
-            if name == "pp=2":
-                waits.append((engine.runner.pipeline_wait_seconds - wait) / wall)
+            if name in PIPELINES:
+                waits[name].append((engine.runner.pipeline_wait_seconds - wait) / wall)
+    in_flight = {name: max(1, getattr(engines[name].runner, "max_steps_in_flight", 0)) for name in PIPELINES}
     for engine in engines.values():
         engine.close()
     same = all(out == outputs["one process"] for out in outputs.values())
     print(f"{args.prompts} prompts x {args.tokens} tokens, {args.rounds} rounds; greedy tokens equal across "
           f"layouts: {same}")
-    print("| layout | tokens/s (median) | stage 0 idle | last stage idle (at most) |")
+    print("| layout | tokens/s (median) | steps in flight | stage 0 idle |")
     print("| --- | --- | --- | --- |")
     for name in LAYOUTS:
-        idle = "" if name != "pp=2" else f" {statistics.median(waits):.0%} | {1 - statistics.median(waits):.0%} |"
-        print(f"| {name} | {statistics.median(rates[name]):.1f} |" + (idle or " | |"))
+        pipe = f" {in_flight[name]} | {statistics.median(waits[name]):.0%} |" if name in PIPELINES else " | |"
+        print(f"| {name} | {statistics.median(rates[name]):.1f} |" + pipe)
 
 
 if __name__ == "__main__":

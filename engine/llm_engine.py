@@ -44,12 +44,13 @@ from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.drafter import Drafter
 from engine.spec_decode.verify import verify_drafts
+from engine.step_pipeline import PipelinedSteps, StepsInFlight
 from engine.structured_output.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
 
-class Engine(BatchAPI, PoolingAPI):
+class Engine(BatchAPI, PoolingAPI, PipelinedSteps):
     """The inference engine for one model: continuous batching over a paged KV cache; or, for a pooling
     model (an embedder, a cross-encoder: ``task``), ``embed`` and ``score`` in token-budget batches.
 
@@ -108,6 +109,11 @@ class Engine(BatchAPI, PoolingAPI):
             self.kv, self.config.max_num_seqs, budget, propose, encoder_budget, self.config.itl_target_s, step_cost
         )
         self.sampler = Sampler(self.vocab_size, self.runner.device, seed=self.config.seed)
+        # NOTE: pipeline stages overlap with a step per stage in flight (engine.step_pipeline); drafts need each
+        # step's verdict before the next, so speculative decoding runs one step at a time
+        pp_size = self.config.pipeline_parallel_size
+        pipelined = isinstance(self.runner, ParallelRunner) and pp_size > 1 and spec is None
+        self.steps_in_flight = StepsInFlight(pp_size) if pipelined else None
         self.eos_token_ids = eos_token_ids(self.model_dir, self.runner.hf_config, self.tokenizer)
         # NOTE: thread-safe; xgrammar loads on the first constrained request.
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
@@ -164,6 +170,8 @@ class Engine(BatchAPI, PoolingAPI):
         self._closed = True
         self.abort_request(list(self._parents))
         try:
+            if self.steps_in_flight is not None:
+                self._drain_steps()
             if self.persisted_kv is not None:
                 self.persisted_kv.save(self.pinned_prefix_ids())
         finally:
@@ -356,7 +364,11 @@ class Engine(BatchAPI, PoolingAPI):
     # ---------------------------------------------------------------------------- stepping
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or (self.pooling is not None and self.pooling.has_unfinished())
+        return self._has_steps() or (self.pooling is not None and self.pooling.has_unfinished())
+
+    def _has_steps(self) -> bool:
+        """Whether a step has work: requests to schedule, or steps in the pipe to sample."""
+        return self.scheduler.has_unfinished_requests() or bool(self.steps_in_flight)
 
     def unfinished_request_ids(self) -> list[str]:
         """The user requests whose final output is still to come (computing pins included)."""
@@ -378,7 +390,7 @@ class Engine(BatchAPI, PoolingAPI):
         if self.pooling is not None:
             self.pooling.step()
         outputs = []
-        for parent in self._step() if self.scheduler.has_unfinished_requests() else []:
+        for parent in self._step() if self._has_steps() else []:
             metrics = self.output_processor.metrics(parent)
             outputs.append(self.output_processor.make_output(parent, metrics))
             if parent.finished:
@@ -397,7 +409,7 @@ class Engine(BatchAPI, PoolingAPI):
         deltas = self.pop_deltas()
         if self.pooling is not None:
             self.pooling.step()
-        if not self.scheduler.has_unfinished_requests():
+        if not self._has_steps():
             return deltas
         for parent in self._step():
             metrics = self.output_processor.metrics(parent) if parent.finished else None
@@ -418,6 +430,8 @@ class Engine(BatchAPI, PoolingAPI):
 
     def _step(self) -> list[ParentRequest]:
         """Schedules, runs, samples and records one step; returns the user requests it changed (finished ones too)."""
+        if self.steps_in_flight is not None:
+            return self._pipelined_step()
         if self.persisted_kv is not None:  # NOTE: before scheduling: every block registered so far is computed
             self.persisted_kv.save_if_due(self.pinned_prefix_ids())
         start = time.perf_counter()
@@ -431,31 +445,14 @@ class Engine(BatchAPI, PoolingAPI):
         if debug:
             scheduled_at = time.perf_counter()
             requests_after_schedule = dict(self.scheduler.requests)
-        self.sampler.free(scheduler_output.finished_req_ids)
-        self.structured_output.free(scheduler_output.finished_req_ids)
-        if self.drafter is not None:
-            self.drafter.free(scheduler_output.finished_req_ids)
         touched: dict[str, None] = {}  # parent ids, in order
-        for request in self.scheduler.capped:
-            touched[request.parent_id] = None
-        self.scheduler.capped.clear()
+        self._after_schedule(scheduler_output, touched)
         if scheduler_output.scheduled:
             try:
                 logits = self.runner.execute_model(scheduler_output)
             except Exception as exc:
                 logger.exception("step failed; failing its %d requests", len(scheduler_output.scheduled))
-                error = EngineError(f"the engine failed a step: {exc!r}")
-                for scheduled in scheduler_output.scheduled:
-                    request = self.scheduler.requests.get(scheduled.req_id)
-                    if request is not None:  # None: a sibling failed it already
-                        self._fail(request.parent_id, error, touched)
-                if isinstance(exc, WorkerGroupFailed):  # no later step can run: every request and pin ends now
-                    for parent_id in list(self._parents):
-                        self._fail(parent_id, exc, touched)
-                    for pin_id in list(self._pins):
-                        self.unpin_prefix(pin_id)
-                # NOTE: blocks hashed this step may hold unwritten K/V: forget every unreferenced hash.
-                self.kv.reset_prefix_cache()
+                self._fail_step(exc, [s.req_id for s in scheduler_output.scheduled], touched)
                 if isinstance(exc, WorkerGroupFailed):  # whoever owns the engine starts a fresh one
                     raise
             else:
@@ -474,6 +471,32 @@ class Engine(BatchAPI, PoolingAPI):
             times = (start, scheduled_at, computed_at, time.perf_counter())
             self.step_log.step(scheduler_output, requests_after_schedule, self.scheduler.events or [], times)
         return parents
+
+    def _after_schedule(self, scheduler_output: SchedulerOutput, touched: dict[str, None]) -> None:
+        """Drops the per-request state of the requests finished since the last schedule; the requests it capped
+        changed."""
+        self.sampler.free(scheduler_output.finished_req_ids)
+        self.structured_output.free(scheduler_output.finished_req_ids)
+        if self.drafter is not None:
+            self.drafter.free(scheduler_output.finished_req_ids)
+        for request in self.scheduler.capped:
+            touched[request.parent_id] = None
+        self.scheduler.capped.clear()
+
+    def _fail_step(self, exc: Exception, req_ids: list[str], touched: dict[str, None]) -> None:
+        """A step's forward pass failed: its requests fail; with the worker group dead, every request and pin."""
+        error = EngineError(f"the engine failed a step: {exc!r}")
+        for req_id in req_ids:
+            request = self.scheduler.requests.get(req_id)
+            if request is not None:  # None: a sibling failed it already
+                self._fail(request.parent_id, error, touched)
+        if isinstance(exc, WorkerGroupFailed):  # no later step can run: every request and pin ends now
+            for parent_id in list(self._parents):
+                self._fail(parent_id, exc, touched)
+            for pin_id in list(self._pins):
+                self.unpin_prefix(pin_id)
+        # NOTE: blocks hashed this step may hold unwritten K/V: forget every unreferenced hash.
+        self.kv.reset_prefix_cache()
 
     def _verify(self, logits: Any, scheduler_output: SchedulerOutput, touched: dict[str, None]) -> None:
         """Samples a step with drafts position by position (``verify_drafts``); frees the rejected drafts' slots."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import sys
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 
@@ -138,12 +139,20 @@ class Scheduler:
             finished.append(request)
         return finished
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, in_flight: Collection[str] = (), max_num_scheduled: int | None = None) -> SchedulerOutput:
         """Decides the next step: every running decode's token, then prompt chunks, then admissions.
 
         Every scheduled request's ``num_computed_tokens`` already counts this step's tokens
         when this returns.
+
+        Args:
+            in_flight: requests in steps still in the pipeline (``engine.step_pipeline``): none is scheduled again
+                until its step came back (a decode's next token is not known yet; a prompt's next chunk waits
+                too); one preempted meanwhile is not readmitted.
+            max_num_scheduled: most requests in this step (None: no cap but ``max_num_seqs``): a pipeline's
+                micro-batch.
         """
+        cap = sys.maxsize if max_num_scheduled is None else max_num_scheduled
         budget = self.max_num_batched_tokens
         if self.encoder_budget is not None:
             self.encoder_budget.start_step()
@@ -152,14 +161,14 @@ class Scheduler:
         running = self.running
         # NOTE: usage changes only in charge() below, so this order holds for the whole step.
         running.sort(key=fair.order)
-        preempted, budget = self._schedule_decodes(scheduled, budget)
+        preempted, budget = self._schedule_decodes(scheduled, budget, cap, in_flight)
         num_decode_tokens = sum(s.num_tokens for s in scheduled)
         room = min(budget, self.prompt_room(num_decode_tokens))  # prompt tokens left to give
         done = {s.req_id for s in scheduled}
         i = 0
-        while i < len(running) and room > 0:
+        while i < len(running) and room > 0 and len(scheduled) < cap:
             request = running[i]
-            if request.req_id in done:
+            if request.req_id in done or request.req_id in in_flight:
                 i += 1
                 continue
             start = request.num_computed_tokens
@@ -201,12 +210,12 @@ class Scheduler:
         # fair-share order may rank it first again, and readmitting it would preempt it again
         # for the same waiting request, forever.
         made_room: set[str] = set()
-        while fair.num_waiting and room > 0:
+        while fair.num_waiting and room > 0 and len(scheduled) < cap:
             request = fair.peek()
             assert request is not None
             if preempted and running and running[-1].priority <= request.priority:
                 break
-            if request.req_id in made_room:
+            if request.req_id in made_room or request.req_id in in_flight:
                 break
             if len(running) >= self.max_num_seqs:
                 freed = self._preempt_for(request, scheduled, made_room)
@@ -321,9 +330,13 @@ class Scheduler:
                 request.num_computed_tokens = num_computed
                 self.kv.free_tail(request.req_id, num_computed)
 
-    def _schedule_decodes(self, scheduled: list[ScheduledRequest], budget: int) -> tuple[bool, int]:
-        """Gives every running decode its token (and drafts), front to back; short of blocks, the back of
-        the running list is preempted. Returns whether any was preempted, and the budget left."""
+    def _schedule_decodes(
+        self, scheduled: list[ScheduledRequest], budget: int, cap: int, in_flight: Collection[str]
+    ) -> tuple[bool, int]:
+        """Gives every running decode its token (and drafts), front to back, ``cap`` requests at most; short of
+        blocks, the back of the running list is preempted (one in a step in flight too: its blocks go back now, which
+        is safe as every stage runs the steps in order, and its step's logits are dropped when they come back).
+        Returns whether any was preempted, and the budget left."""
         running = self.running
         allocate_slots = self.kv.allocate_slots
         num_behind = sum(1 for r in running if r.num_tokens - r.num_computed_tokens == 1)
@@ -332,11 +345,11 @@ class Scheduler:
         num_rows = min(len(running) + self.fair.num_waiting, self.max_num_seqs)
         preempted = False
         i = 0
-        while i < len(running) and budget > 0:
+        while i < len(running) and budget > 0 and len(scheduled) < cap:
             request = running[i]
             token_ids = request.all_token_ids
             start = request.num_computed_tokens
-            if len(token_ids) - start != 1:
+            if len(token_ids) - start != 1 or request.req_id in in_flight:  # NOTE: a prompt's last token may be 1
                 i += 1
                 continue
             num_behind -= 1

@@ -10,5 +10,6 @@ shards (a share of a stage's heads, a stage's layers).
 - ``ray_workers``: ``RayWorkerGroup``, the same group as Ray actors in one placement group, across nodes.
 - ``kv_transfer``: ``KVCall``, the driver's calls on the ranks' runners between steps: persisted KV blocks
   (``kv_cache_dir``) in and out of every rank's shard.
-- ``runner``: ``ParallelRunner``, rank 0's model runner: its own shard plus the group.
+- ``runner``: ``ParallelRunner``, rank 0's model runner: its own shard plus the group; under a pipeline, steps
+  sent into the pipe (``submit``) and their logits taken in order (``collect``), several in flight at once.
 """

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import time
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -65,16 +66,30 @@ class Communicator:
         self._group.gather(outputs, [x], options).wait()
         return torch.cat(outputs[0], dim=-1) if self.rank == 0 else None
 
-
     def send(self, x: torch.Tensor, peer: int) -> None:
         """``x`` to rank ``peer``, which receives it with ``recv``."""
         self._group.send([x.contiguous()], peer, 0).wait()
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, peer: int) -> torch.Tensor:
         """A tensor of ``shape`` and ``dtype`` that rank ``peer`` sends."""
+        return self.irecv(shape, dtype, peer).wait()
+
+    def irecv(self, shape: tuple[int, ...], dtype: torch.dtype, peer: int) -> PendingRecv:
+        """Posts the receive of a tensor of ``shape`` and ``dtype`` that rank ``peer`` sends, without waiting: the
+        peer's ``send`` (which waits for a posted receive) completes while this rank does other work."""
         x = torch.empty(shape, dtype=dtype, device=self.device)
-        self._group.recv([x], peer, 0).wait()
-        return x
+        return PendingRecv(self._group.recv([x], peer, 0), x)
+
+
+class PendingRecv(NamedTuple):
+    """A posted receive (``Communicator.irecv``): ``wait()`` gives its tensor once it arrived."""
+
+    work: dist.Work
+    tensor: torch.Tensor
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        return self.tensor
 
 
 def open_store(port: int, size: int, is_master: bool, host: str = "127.0.0.1") -> dist.TCPStore:

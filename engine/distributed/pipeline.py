@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from engine.distributed.communicator import Communicator
+from engine.distributed.communicator import Communicator, PendingRecv
 from engine.parallel_state import WHOLE, PipelineStage, TensorParallel
 
 
@@ -21,8 +21,9 @@ class PipelineLinks:
     """Rank ``rank``'s links to the stages before and after its own (``engine.parallel_state.StageLinks``), over
     ``world``, the group of every rank of every stage.
 
-    ``wait_seconds`` adds up the time spent waiting on the previous stage's hidden states or the last stage's
-    logits: the stage's idle time.
+    ``wait_seconds`` adds up the time spent waiting on the previous stage's hidden states, on the next stage to take
+    this one's (a send waits for the receiver to post its receive), or on the last stage's logits: the stage's idle
+    time.
     """
 
     def __init__(self, world: Communicator, tp_size: int, pp_size: int) -> None:
@@ -40,14 +41,25 @@ class PipelineLinks:
         return hidden
 
     def send_hidden(self, hidden: torch.Tensor) -> None:
+        start = time.perf_counter()
         self.world.send(hidden, self.world.rank + self.tp_size)
+        self.wait_seconds += time.perf_counter() - start
 
     def send_logits(self, logits: torch.Tensor) -> None:
         self.world.send(logits, 0)
 
     def recv_logits(self, shape: tuple[int, ...]) -> torch.Tensor:
+        return self.wait_logits(self.post_logits(shape))
+
+    def post_logits(self, shape: tuple[int, ...]) -> PendingRecv:
+        """On the driver, posts the receive of a step's logits from the last stage (``wait_logits`` takes them):
+        posted as the step enters the pipe, so that the last stage's send never waits on the driver, which may be
+        sending it the next step's hidden states meanwhile."""
+        return self.world.irecv(shape, torch.float32, (self.pp_size - 1) * self.tp_size)
+
+    def wait_logits(self, pending: PendingRecv) -> torch.Tensor:
         start = time.perf_counter()
-        logits = self.world.recv(shape, torch.float32, (self.pp_size - 1) * self.tp_size)
+        logits = pending.wait()
         self.wait_seconds += time.perf_counter() - start
         return logits
 

@@ -5,15 +5,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
 from engine.config import EngineConfig
 from engine.core.kv_layout import KVLayout, split_payload
 from engine.core.scheduler_output import SchedulerOutput
-from engine.distributed.communicator import START_TIMEOUT_S
+from engine.distributed.communicator import START_TIMEOUT_S, PendingRecv
 from engine.distributed.kv_transfer import KVCall
 from engine.distributed.pipeline import PipelineLinks, join_groups
 from engine.distributed.workers import WorkerGroup
@@ -31,6 +33,9 @@ class ParallelRunner(ModelRunner):
     (``WorkerGroup``), sends each of them every step, runs its own shard (the first stage's layers, its share of
     their heads) and returns the logits (gathered over its stage, or the last stage's). On CPU every rank's
     process (this one included: ``torch.set_num_threads``) takes an equal share of the cores.
+
+    Under a pipeline, ``submit`` sends a step in and ``collect`` takes the oldest step's logits, so that several steps
+    are in the pipe at once (``engine.step_pipeline``); ``execute_model`` runs one step through the whole pipe.
 
     Persisted KV blocks (``kv_cache_dir``) move in and out of every rank's cache: a block's payload is every rank's
     part in rank order (``engine.distributed.kv_transfer``), its layout the group's split (``KVLayout.shards``).
@@ -62,6 +67,9 @@ class ParallelRunner(ModelRunner):
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
         self.kind = "tensor-parallel" if pp_size == 1 else "pipeline-parallel"
         self._layout: KVLayout | None = None  # the group's, once asked (kv_layout)
+        # each step submitted and not collected yet: its logits' posted receive (None: a step without logits)
+        self._in_flight: deque[PendingRecv | None] = deque()
+        self.max_steps_in_flight = 0  # the most steps in the pipe at once so far (submit)
         if config.distributed_executor_backend == "ray":
             from engine.distributed.ray_workers import RayWorkerGroup
 
@@ -112,8 +120,55 @@ class ParallelRunner(ModelRunner):
                 self.workers.send(scheduler_output)
             return super().execute_model(scheduler_output)
         except Exception as exc:
-            self.workers.close()
-            raise WorkerGroupFailed(f"a {self.kind} step failed: {exc}") from exc
+            self._fail(exc)
+
+    # ------------------------------------------------------------------------------------ steps in flight
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        """Steps ``submit`` sent into the pipe whose logits ``collect`` has not taken yet."""
+        return len(self._in_flight)
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        """Sends a step into the pipeline without waiting for its logits: every rank gets it, this rank runs the
+        first stage's layers on it and hands its hidden states on, and the receive of its logits is posted.
+        ``collect`` takes them, steps in the order they were submitted. Pipeline stages only (not the last).
+
+        Raises:
+            WorkerGroupFailed: a rank died or failed a step; the group is stopped and serves no more.
+        """
+        if not self.workers.is_alive:
+            raise WorkerGroupFailed(f"a {self.kind} rank is gone; the group serves no more")
+        assert isinstance(self.pp.links, PipelineLinks) and not self.pp.is_last
+        pending = None
+        try:
+            if scheduler_output.scheduled:
+                self.workers.send(scheduler_output)
+                rows = self.run_stage(scheduler_output)
+                pending = self.pp.links.post_logits((rows, self.vocab_size)) if rows else None
+        except Exception as exc:
+            self._fail(exc)
+        self._in_flight.append(pending)
+        self.max_steps_in_flight = max(self.max_steps_in_flight, len(self._in_flight))
+
+    def collect(self) -> torch.Tensor:
+        """The logits ``[rows, vocab]`` (float32) of the oldest step ``submit`` sent, once they arrive.
+
+        Raises:
+            WorkerGroupFailed: a rank died or failed a step; the group is stopped and serves no more.
+        """
+        pending = self._in_flight.popleft()
+        if pending is None:
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        try:
+            return self.pp.links.wait_logits(pending)
+        except Exception as exc:
+            self._fail(exc)
+
+    def _fail(self, exc: Exception) -> NoReturn:
+        self._in_flight.clear()
+        self.workers.close()
+        raise WorkerGroupFailed(f"a {self.kind} step failed: {exc}") from exc
 
     # ------------------------------------------------------------------------------------ persistence
 

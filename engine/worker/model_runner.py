@@ -26,7 +26,7 @@ from engine.config import (
 )
 from engine.core.kv_cache_groups import blocks_per_request
 from engine.core.kv_layout import KVLayout, KVShard, model_fingerprint
-from engine.core.scheduler_output import SchedulerOutput
+from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.errors import ModelLoadError, ParameterError
 from engine.layers.attention import Attention
 from engine.layers.ggml_weight import GGMLWeight
@@ -43,7 +43,7 @@ from engine.parallel_state import SINGLE, WHOLE, PipelineStage, TensorParallel, 
 from engine.worker.batched_layout import add_batched_layout
 from engine.worker.decoder_plan import DecoderPlan
 from engine.worker.image_rows import ENCODER_CACHE_BYTES, image_rows
-from engine.worker.input_batch import prepare_inputs
+from engine.worker.input_batch import ModelInputs, prepare_inputs
 from engine.worker.weight_formats import LoadPlan, WeightsSummary, load_weights
 
 logger = logging.getLogger(__name__)
@@ -210,21 +210,10 @@ class ModelRunner:
         scheduled = scheduler_output.scheduled
         if not scheduled:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
-        inputs = prepare_inputs(scheduled, self.block_size, self.device)
-        images = None if self.encoder_cache is None else image_rows(scheduled, self.model, self.encoder_cache, self.device)
-        if self.decoder_plan is not None:
-            hidden = self.decoder_plan.forward(inputs.input_ids, inputs.positions, inputs.attn_metadata[0])
-        else:
-            with set_forward_context(ForwardContext(inputs.attn_metadata)):
-                # NOTE: a multimodal model's image rows take the image embeddings (the modules path only)
-                extra = {} if images is None else {"image_embeds": images[0], "image_rows": images[1]}
-                if not self.pp.is_first:
-                    shape = (2, len(inputs.input_ids), self.text_config.hidden_size)
-                    extra["intermediate"] = self.pp.links.recv_hidden(shape, self.dtype)
-                hidden = self.model(inputs.input_ids, inputs.positions, **extra)  # [T, hidden]
         if not self.pp.is_last:
-            self.pp.links.send_hidden(hidden)
-            return self._pipeline_logits(len(inputs.logits_indices))
+            return self._pipeline_logits(self.run_stage(scheduler_output))
+        inputs = prepare_inputs(scheduled, self.block_size, self.device)
+        hidden = self._forward(scheduled, inputs)
         # NOTE: the LM head runs only on the rows whose next token is sampled.
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
         if logits is None:
@@ -234,6 +223,28 @@ class ModelRunner:
                 self.pp.links.send_logits(logits.float())
             return None
         return logits.float()
+
+    def run_stage(self, scheduler_output: SchedulerOutput) -> int:
+        """On a pipeline stage before the last: runs this stage's layers on a step (of scheduled requests) and sends
+        its hidden states to the next stage; returns the rows of logits the step brings back to the driver."""
+        scheduled = scheduler_output.scheduled
+        inputs = prepare_inputs(scheduled, self.block_size, self.device)
+        self.pp.links.send_hidden(self._forward(scheduled, inputs))
+        return len(inputs.logits_indices)
+
+    def _forward(self, scheduled: list[ScheduledRequest], inputs: ModelInputs) -> torch.Tensor:
+        """This rank's layers on the step's tokens: ``[T, hidden]`` (a stage before the last: ``[2, T, hidden]``,
+        hidden states and residual)."""
+        images = None if self.encoder_cache is None else image_rows(scheduled, self.model, self.encoder_cache, self.device)
+        if self.decoder_plan is not None:
+            return self.decoder_plan.forward(inputs.input_ids, inputs.positions, inputs.attn_metadata[0])
+        with set_forward_context(ForwardContext(inputs.attn_metadata)):
+            # NOTE: a multimodal model's image rows take the image embeddings (the modules path only)
+            extra = {} if images is None else {"image_embeds": images[0], "image_rows": images[1]}
+            if not self.pp.is_first:
+                shape = (2, len(inputs.input_ids), self.text_config.hidden_size)
+                extra["intermediate"] = self.pp.links.recv_hidden(shape, self.dtype)
+            return self.model(inputs.input_ids, inputs.positions, **extra)
 
     def _pipeline_logits(self, rows: int) -> torch.Tensor | None:
         """On the driver (the first stage's first rank), the last stage's logits; None on the other ranks."""

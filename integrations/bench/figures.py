@@ -484,6 +484,7 @@ FIGURES: dict[str, Callable[[list[Record]], str]] = {
     "vllm-xeon-amx": vllm_runs(XEON_AMX),
     "vllm-xeon-avx512": vllm_runs(XEON_AVX512),
     "vllm-avx2": vllm_runs(AVX2_ONLY),
+    "real-sizes-zen5": real_sizes(ZEN5),
     "real-sizes-zen4": real_sizes(ZEN4),
     "real-sizes-avx2": real_sizes(AVX2_ONLY),
     "hf-baselines": hf_baselines,

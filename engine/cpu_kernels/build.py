@@ -36,7 +36,7 @@ _SOURCES = (
     "attention_amx.h", "attention_dot.h", "attention_rows.h", "attention_split.h", "attention.c", "attention_bf16.c", "attention_i8.c",
     "elementwise.c",
     "linear.c", "linear_path.c", "linear_bf16.c", "linear_int8.c", "token_mask.c", "argmax.c", "decoder.c",
-    "ggml_blocks.h", "ggml_generic.h", "ggml_avx2.h", "ggml_x16.h", "ggml_avx512.h", "linear_ggml.c",
+    "ggml_blocks.h", "ggml_generic.h", "ggml_avx2.h", "ggml_x16.h", "ggml_avx512.h", "ggml_unpacked.h", "linear_ggml.c",
 )
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 # What linear_bf16 runs, by the C enum's value: widened to float32, AVX512-BF16 dot products, AMX tiles.
@@ -163,6 +163,7 @@ _SIGNATURES = {
     "ggml_type_row_bytes": [ctypes.c_int32, _I64],
     "ggml_linear_path": [],
     "ggml_linear_limit": [ctypes.c_int],
+    "ggml_unpacked_rows": [_I64],
     "ggml_x16_type_for": [ctypes.c_int32, _I64],  # ggml type, rows
     "ggml_x16_pack": [ctypes.c_int32, _PTR, _I64, _I64, _PTR],  # ggml type, data, rows, in features, out
     # ggml type, data, rows, in features, first output row, codes, scales

@@ -12,7 +12,9 @@
  * weight rows stay in cache while every tile of up to GGML_TILE_ROWS rows of x passes over them, the weight
  * codes of a block unpacked once a tile. On AVX512-VNNI, Q4_0, Q4_K and Q6_K weights are repacked at load
  * into groups of 16 rows (ggml_x16.h, ggml_x16_pack) that give 16 columns a dot product (ggml_avx512.h); the
- * other paths unpack an x16 row back to the file's layout before their dot product.
+ * other paths unpack an x16 row back to the file's layout before their dot product. From GGML_TILE_ROWS rows,
+ * Q4_K and Q6_K groups go in pairs whose scales (and Q6_K's codes) a thread unpacks once a call, every row then
+ * passing over them (ggml_unpacked.h), with the same bits.
  */
 
 #include <stdlib.h>
@@ -21,6 +23,7 @@
 #include "ggml_generic.h"
 #include "ggml_avx2.h"
 #include "ggml_avx512.h"
+#include "ggml_unpacked.h"
 #include "ggml_x16.h"
 #include "kernels.h"
 
@@ -34,6 +37,14 @@ static int ggml_limit = GGML_PATH_AVX512;
 
 /* Caps the path linear_ggml_f32 may take at `limit` (0 generic, 1 avx2, 2 avx512-vnni). */
 void ggml_linear_limit(int limit) { ggml_limit = limit; }
+
+/* Rows of x from which the AVX512-VNNI path multiplies x16 Q4_K and Q6_K weights in pairs of groups unpacked once
+ * a call (ggml_unpacked.h) rather than a group a tile of GGML_TILE_ROWS (ggml_avx512.h); both give the same bits.
+ * From a tile's rows the pairs were faster for both types (at one row the group tiles are: Q6_K's by 1.8x). */
+static int64_t unpacked_min_rows = GGML_TILE_ROWS;
+
+/* Sets the rows from which linear_ggml_f32 multiplies x16 K-quants in unpacked pairs of groups (tests compare). */
+void ggml_unpacked_rows(int64_t rows) { unpacked_min_rows = rows; }
 
 /* What linear_ggml_f32 runs on this CPU: GGML_PATH_AVX512 (AVX2 for the types without x16 kernels),
  * GGML_PATH_AVX2 or GGML_PATH_GENERIC. */
@@ -229,7 +240,10 @@ static void tile_x16(int type, const uint8_t *w, const activations *a, int64_t m
 int linear_ggml_f32(const float *x, int64_t ld_x, int64_t M, const ggml_part *parts, int64_t num_parts, int64_t K,
                     const float *bias, float *y, int64_t ld_y) {
     int needs_q8 = 0, needs_q8_K = 0, any_x16 = 0, failed = 0;
-    int64_t N = 0, max_row_bytes = 0;
+    int64_t N = 0, max_row_bytes = 0, num_pairs = 0;
+    const int path = ggml_linear_path();
+    /* the parts whose groups this call unpacks once (unpacked[p]), and their pairs of groups (32 columns) */
+    int unpacked[num_parts > 0 ? num_parts : 1];
     for (int64_t p = 0; p < num_parts; ++p) {
         const int64_t row_bytes = ggml_row_bytes(parts[p].type, K);
         if (row_bytes == 0 || (ggml_is_x16(parts[p].type) && parts[p].rows % X16)) return -1;
@@ -237,19 +251,27 @@ int linear_ggml_f32(const float *x, int64_t ld_x, int64_t M, const ggml_part *pa
         needs_q8_K |= ggml_act(parts[p].type) == ACT_Q8_K;
         any_x16 |= ggml_is_x16(parts[p].type);
         max_row_bytes = row_bytes > max_row_bytes ? row_bytes : max_row_bytes;
+        unpacked[p] = 0;
+#ifdef GGML_AVX512 /* a part off a group boundary runs a row at a time below, whatever M: so it stays */
+        unpacked[p] = path == GGML_PATH_AVX512 && M >= unpacked_min_rows && N % GROUP_COLS == 0 &&
+                      (parts[p].type == GGML_X16 + GGML_Q4_K || parts[p].type == GGML_X16 + GGML_Q6_K);
+#endif
         N += parts[p].rows;
+        num_pairs += unpacked[p] ? (parts[p].rows / X16 + 1) / 2 : 0;
     }
     if (M == 0 || N == 0) return 0;
     activations a = {x, ld_x, NULL, NULL, K};
     act_q8 *q8 = NULL;
     act_q8_K *q8_K = NULL;
-    if (needs_q8 && (q8 = aligned_alloc(64, (size_t)(M * (K / QK) * sizeof(act_q8) + 63) / 64 * 64)) == NULL) return -3;
-    if (needs_q8_K && (q8_K = aligned_alloc(64, (size_t)(M * (K / QK_K) * sizeof(act_q8_K)))) == NULL) {
+    int32_t *offsets = NULL; /* [M][K / QK_K][UNPACKED_OFFSETS] for the unpacked groups */
+    if (num_pairs && (offsets = malloc((size_t)(M * (K / QK_K) * UNPACKED_OFFSETS) * sizeof(int32_t))) == NULL) return -3;
+    if ((needs_q8 && (q8 = aligned_alloc(64, (size_t)(M * (K / QK) * sizeof(act_q8) + 63) / 64 * 64)) == NULL) ||
+        (needs_q8_K && (q8_K = aligned_alloc(64, (size_t)(M * (K / QK_K) * sizeof(act_q8_K)))) == NULL)) {
+        free(offsets);
         free(q8);
         return -3;
     }
     a.q8 = q8, a.q8_K = q8_K;
-    const int path = ggml_linear_path();
     const int64_t groups = (N + GROUP_COLS - 1) / GROUP_COLS;
 #pragma omp parallel if (M * N * K > PARALLEL_MIN)
     {
@@ -264,7 +286,40 @@ int linear_ggml_f32(const float *x, int64_t ld_x, int64_t M, const ggml_part *pa
             for (int64_t i = 0; i < M * (K / QK_K); ++i)
                 quantize_block_q8_K(x + i / (K / QK_K) * ld_x + i % (K / QK_K) * QK_K, q8_K + i);
         }
-        uint8_t *unpacked = any_x16 ? malloc((size_t)max_row_bytes) : NULL; /* an x16 row in the file's layout */
+#ifdef GGML_AVX512
+        if (num_pairs) { /* a thread unpacks a pair of groups into its scratch, then every row passes over it */
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < M * (K / QK_K); ++i) unpacked_offsets(q8_K + i, offsets + i * UNPACKED_OFFSETS);
+            uint8_t *scratch = aligned_alloc(64, (size_t)(2 * (K / QK_K) * unpacked_sb_bytes(1)));
+            if (scratch == NULL) {
+#pragma omp atomic write
+                failed = 1;
+            }
+#pragma omp for schedule(guided) nowait
+            for (int64_t i = 0; i < num_pairs; ++i) {
+                if (scratch == NULL) continue;
+                int64_t p = 0, first = 0, pair = i; /* pair i: the part, its first column, the pair within it */
+                for (;; first += parts[p++].rows) {
+                    const int64_t here = unpacked[p] ? (parts[p].rows / X16 + 1) / 2 : 0;
+                    if (pair < here) break;
+                    pair -= here;
+                }
+                const int q6 = parts[p].type == GGML_X16 + GGML_Q6_K, two = 2 * (pair + 1) * X16 <= parts[p].rows;
+                const int64_t row_bytes = ggml_row_bytes(parts[p].type, K), local = 2 * pair * X16;
+                const uint8_t *u[2] = {scratch, scratch + (K / QK_K) * unpacked_sb_bytes(q6)}, *w[2] = {NULL, NULL};
+                for (int h = 0; h < 1 + two; ++h) {
+                    w[h] = parts[p].data + (local + h * X16) * row_bytes;
+                    if (q6) unpack_q6_K_x16(w[h], K, (uint8_t *)u[h]);
+                    else unpack_q4_K_x16(w[h], K, (uint8_t *)u[h]);
+                }
+                float b[2 * X16] = {0};
+                if (bias != NULL) memcpy(b, bias + first + local, (1 + two) * X16 * sizeof(float));
+                rows_times_unpacked(q6, u, w, two, q8_K, offsets, M, K, b, y + first + local, ld_y);
+            }
+            free(scratch);
+        }
+#endif
+        uint8_t *unpacked_row = any_x16 ? malloc((size_t)max_row_bytes) : NULL; /* an x16 row in the file's layout */
         /* guided: a fused projection's parts differ in bytes a column (Q4_K query and key, Q6_K value), so equal
          * counts of groups are not equal work; chunks that shrink as the groups run out even it out */
 #pragma omp for schedule(guided)
@@ -276,6 +331,7 @@ int linear_ggml_f32(const float *x, int64_t ld_x, int64_t M, const ggml_part *pa
                 while (n0 >= first + parts[p].rows) first += parts[p++].rows;
                 for (int64_t n = n0; n < n1; ++n) {
                     if (n >= first + parts[p].rows) first += parts[p++].rows;
+                    if (unpacked[p]) continue;
                     int type = parts[p].type;
                     const int64_t row_bytes = ggml_row_bytes(type, K), local = n - first;
                     const uint8_t *w = parts[p].data + local * row_bytes;
@@ -294,9 +350,9 @@ int linear_ggml_f32(const float *x, int64_t ld_x, int64_t M, const ggml_part *pa
                             continue;
                         }
 #endif
-                        if (unpacked == NULL) continue; /* out of memory: reported after the region */
-                        x16_unpack_row(type, group, (int)(local % X16), K, unpacked);
-                        type = ggml_base_type(type), w = unpacked;
+                        if (unpacked_row == NULL) continue; /* out of memory: reported after the region */
+                        x16_unpack_row(type, group, (int)(local % X16), K, unpacked_row);
+                        type = ggml_base_type(type), w = unpacked_row;
                     }
                     float out[GGML_TILE_ROWS];
 #ifdef GGML_AVX2
@@ -308,13 +364,14 @@ int linear_ggml_f32(const float *x, int64_t ld_x, int64_t M, const ggml_part *pa
                 }
             }
         }
-        if (any_x16 && unpacked == NULL) {
+        if (any_x16 && unpacked_row == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
-        free(unpacked);
+        free(unpacked_row);
     }
     (void)path;
+    free(offsets);
     free(q8);
     free(q8_K);
     return failed ? -3 : 0;

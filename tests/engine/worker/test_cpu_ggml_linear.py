@@ -194,6 +194,30 @@ def test_a_repacked_part_off_a_group_boundary_is_served(path: str) -> None:
     assert np.abs(y - expected).max() <= 1e-5 * _largest(expected)
 
 
+@pytest.mark.parametrize("rows", [4, 7, 13, 64])
+def test_k_quant_pairs_unpacked_once_give_the_group_tiles_bits(path: str, rows: int) -> None:
+    """From 4 rows of x, AVX512-VNNI multiplies Q4_K and Q6_K groups in pairs whose scales (and Q6_K's codes) it
+    unpacks once a call (``ggml_unpacked.h``): the same bits as the one-group tiles, for pairs, a lone group, parts
+    off a group boundary and a bias."""
+    if path != "avx512-vnni":
+        pytest.skip("the unpacked pairs are an AVX512-VNNI path")
+    features = 512
+    shards = [("Q4_K", 64), ("Q6_K", 48), ("Q8_0", 3), ("Q4_K", 16), ("Q6_K", 32)]
+    raws = [random_rows(name, n, features, seed=20 + i) for i, (name, n) in enumerate(shards)]
+    weight = GGMLWeight.from_numpy([(name, raw) for (name, _), raw in zip(shards, raws)], features)
+    x = torch.from_numpy(np.random.default_rng(21).standard_normal((rows, features)).astype(np.float32))
+    bias = torch.from_numpy(np.random.default_rng(22).standard_normal(weight.out_features).astype(np.float32))
+    lib = cpu_kernels.library()
+    pairs = weight.matmul(x, bias)
+    try:
+        lib.ggml_unpacked_rows(1 << 40)
+        groups = weight.matmul(x, bias)
+    finally:
+        lib.ggml_unpacked_rows(4)
+    assert torch.equal(pairs, groups)
+    assert torch.equal(pairs[-1:], weight.matmul(x[-1:], bias))
+
+
 @pytest.mark.parametrize("type_name", GGML_NATIVE)
 def test_rows_dequantize_as_gguf_py(path: str, type_name: str) -> None:
     """An embedding lookup gives gguf-py's float32 weights exactly, in any order, repeats included (of a weight

@@ -1,0 +1,196 @@
+/* The x16 K-quants (Q4_K, Q6_K) at several rows: a pair of groups' scales (and Q6_K's codes) unpacked once a call.
+ *
+ * ggml_avx512.h's tiles unpack a super-block's packed scales and mins (and Q6_K's 6-bit codes from three bit
+ * fields) for each tile of GGML_TILE_ROWS rows and one group of 16 columns, so at 64 rows that unpacking, not the
+ * VPDPBUSD, sets the pace. Here a thread unpacks a pair of groups (32 columns) once into its scratch, a super-block
+ * of a group into unpacked_sb_bytes():
+ *   scales int32 [sub-blocks][16]: Q4_K's 8 sc_j, Q6_K's 16 sc_s;
+ *   Q4_K: mins as int16 pairs [4][16][2] (m_2p, m_2p+1), for VPDPWSSD against pairs of x's sums of 32;
+ *   d [16] and (Q4_K) dmin [16] in float32;
+ *   Q6_K: codes uint8 [64 units][16 columns][4], unit u the codes q (0..63) of features 4 u .. 4 u + 3.
+ * Q4_K's codes are read from the group as they are (a mask or a shift and a mask a load): unpacking them into the
+ * scratch was slower, Q6_K's three-field codes the other way round. Tiles of UNPACKED_TILE_ROWS rows then multiply
+ * both groups, each broadcast of x feeding two VPDPBUSD. The integer sums are the x16 tiles' (exact, so their
+ * order is free) and the float steps after them are the same steps in the same order: every output has the bits
+ * ggml_avx512.h's tiles give it, whatever the number of rows.
+ */
+
+#ifndef PAGED_GGML_UNPACKED_H
+#define PAGED_GGML_UNPACKED_H
+
+#include "ggml_avx512.h"
+
+#ifdef GGML_AVX512
+
+#define UNPACKED_SCALES 0     /* offsets within a group's unpacked super-block */
+#define UNPACKED_MINS 1024
+#define UNPACKED_D 1280
+#define UNPACKED_DMIN 1344
+#define UNPACKED_CODES 1408
+#define UNPACKED_OFFSETS 20   /* int32 a row's super-block of x: unpacked_offsets */
+#define UNPACKED_TILE_ROWS 6  /* rows of x a tile: 6 x 2 groups x 3 accumulators (float, super-block, sub-block) */
+
+/* Bytes of a group's unpacked super-block: Q6_K's holds its codes too. */
+static inline int64_t unpacked_sb_bytes(int q6) { return q6 ? UNPACKED_CODES + 64 * 64 : UNPACKED_CODES; }
+
+/* Group `w` (x16 Q4_K, K features): its scales, mins and d's into out, a super-block every unpacked_sb_bytes(0). */
+static void unpack_q4_K_x16(const uint8_t *w, int64_t K, uint8_t *out) {
+    const __m512i low4 = _mm512_set1_epi8(15), low6 = _mm512_set1_epi8(0x3f), two = _mm512_set1_epi8(3),
+                  byte = _mm512_set1_epi32(0xff);
+    for (int64_t i = 0; i < K / QK_K; ++i, w += X16 * sizeof(block_q4_K), out += unpacked_sb_bytes(0)) {
+        const __m512i A = _mm512_loadu_si512(w + 64), B = _mm512_loadu_si512(w + 128), C = _mm512_loadu_si512(w + 192);
+        const __m512i sc03 = _mm512_and_si512(A, low6), mn03 = _mm512_and_si512(B, low6);
+        const __m512i sc47 = _mm512_or_si512(_mm512_and_si512(C, low4),
+                                             _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(A, 6), two), 4));
+        const __m512i mn47 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(C, 4), low4),
+                                             _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(B, 6), two), 4));
+        __m512i mn[8];
+        for (int j = 0; j < 4; ++j) {
+            _mm512_storeu_si512(out + UNPACKED_SCALES + 64 * j, _mm512_and_si512(_mm512_srli_epi32(sc03, 8 * j), byte));
+            _mm512_storeu_si512(out + UNPACKED_SCALES + 64 * (j + 4), _mm512_and_si512(_mm512_srli_epi32(sc47, 8 * j), byte));
+            mn[j] = _mm512_and_si512(_mm512_srli_epi32(mn03, 8 * j), byte);
+            mn[j + 4] = _mm512_and_si512(_mm512_srli_epi32(mn47, 8 * j), byte);
+        }
+        for (int p = 0; p < 4; ++p) /* m_2p in the low 16 bits of a lane, m_2p+1 in the high */
+            _mm512_storeu_si512(out + UNPACKED_MINS + 64 * p, _mm512_or_si512(mn[2 * p], _mm512_slli_epi32(mn[2 * p + 1], 16)));
+        _mm512_storeu_ps(out + UNPACKED_D, f16x16(w));
+        _mm512_storeu_ps(out + UNPACKED_DMIN, f16x16(w + 32));
+    }
+}
+
+/* Group `w` (x16 Q6_K, K features) into out: the 16 int8 scales widened, d, the codes q (0..63). */
+static void unpack_q6_K_x16(const uint8_t *w, int64_t K, uint8_t *out) {
+    const __m512i low4 = _mm512_set1_epi8(15), low2 = _mm512_set1_epi8(3);
+    for (int64_t i = 0; i < K / QK_K; ++i, w += X16 * sizeof(block_q6_K), out += unpacked_sb_bytes(1)) {
+        for (int s = 0; s < 16; ++s)
+            _mm512_storeu_si512(out + UNPACKED_SCALES + 64 * s,
+                                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 32 + 16 * s))));
+        _mm512_storeu_ps(out + UNPACKED_D, f16x16(w));
+        for (int h = 0; h < 2; ++h)
+            for (int c = 0; c < 8; ++c) { /* part p: features 128 h + 32 p + 4 c, unit 32 h + 8 p + c */
+                const uint8_t *unit = w + 288 + 192 * (8 * h + c);
+                const __m512i l0 = _mm512_loadu_si512(unit), l1 = _mm512_loadu_si512(unit + 64);
+                const __m512i hb = _mm512_loadu_si512(unit + 128);
+                uint8_t *q = out + UNPACKED_CODES + 64 * (32 * h + c);
+                _mm512_storeu_si512(q, _mm512_or_si512(_mm512_and_si512(l0, low4), _mm512_slli_epi16(_mm512_and_si512(hb, low2), 4)));
+                _mm512_storeu_si512(q + 64 * 8, _mm512_or_si512(_mm512_and_si512(l1, low4),
+                                                                _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 2), low2), 4)));
+                _mm512_storeu_si512(q + 64 * 16, _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l0, 4), low4),
+                                                                 _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 4), low2), 4)));
+                _mm512_storeu_si512(q + 64 * 24, _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l1, 4), low4),
+                                                                 _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 6), low2), 4)));
+            }
+    }
+}
+
+/* `rows` rows of x (act_q8_K [., K / QK_K], a_row super-blocks a row) times one or two unpacked groups u[0], u[1]
+ * (`two`), plus bias (16 entries a group), into y's first 16 (32) columns (leading dimension ld_y). q6: Q6_K, else
+ * Q4_K. Inlined with constant rows, two and q6. */
+static inline __attribute__((always_inline)) void tile_unpacked(int q6, const uint8_t *const u[2],
+                                                                const uint8_t *const w[2], int two,
+                                                                const act_q8_K *a, const int32_t *offsets,
+                                                                int64_t a_row, int rows,
+                                                                int64_t K, const float *bias, float *y,
+                                                                int64_t ld_y) {
+    const int G = two ? 2 : 1;
+    __m512 acc[UNPACKED_TILE_ROWS][2];
+    for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < K / QK_K; ++i) {
+        const uint8_t *sb[2] = {u[0] + i * unpacked_sb_bytes(q6), u[1] + i * unpacked_sb_bytes(q6)};
+        __m512i sum[UNPACKED_TILE_ROWS][2];
+        for (int r = 0; r < rows; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
+        const int subs = q6 ? 16 : 8, units = q6 ? 4 : 8; /* sub-blocks, and 4-feature units a sub-block */
+        for (int s = 0; s < subs; ++s) {
+            __m512i part[UNPACKED_TILE_ROWS][2];
+            for (int r = 0; r < rows; ++r) /* Q6_K: sum(sc (q - 32) x) = sc (sum(q x) - 32 sum(x)) */
+                part[r][0] = part[r][1] = q6 ? _mm512_set1_epi32(offsets[(r * a_row + i) * UNPACKED_OFFSETS + s])
+                                            : _mm512_setzero_si512();
+            for (int c = 0; c < units; ++c) {
+                const int unit = s * units + c;
+                __m512i wv[2];
+                for (int h = 0; h < G; ++h) {
+                    if (q6) {
+                        wv[h] = _mm512_loadu_si512(sb[h] + UNPACKED_CODES + 64 * unit);
+                    } else { /* the group's own codes: sub-block s in the low (even s) or high nibbles of unit 8 (s / 2) + c */
+                        const __m512i v = _mm512_loadu_si512(w[h] + i * X16 * sizeof(block_q4_K) + 256 + 64 * (8 * (s / 2) + c));
+                        wv[h] = _mm512_and_si512(s & 1 ? _mm512_srli_epi16(v, 4) : v, _mm512_set1_epi8(15));
+                    }
+                }
+                for (int r = 0; r < rows; ++r) {
+                    const __m512i xb = codes4(a[r * a_row + i].qs, 4 * unit);
+                    for (int h = 0; h < G; ++h) part[r][h] = _mm512_dpbusd_epi32(part[r][h], wv[h], xb);
+                }
+            }
+            for (int h = 0; h < G; ++h) {
+                const __m512i scale = _mm512_loadu_si512(sb[h] + UNPACKED_SCALES + 64 * s);
+                for (int r = 0; r < rows; ++r) sum[r][h] = _mm512_add_epi32(sum[r][h], _mm512_mullo_epi32(scale, part[r][h]));
+            }
+        }
+        for (int r = 0; r < rows; ++r) {
+            const act_q8_K *x = a + r * a_row + i;
+            const __m512 xd = _mm512_set1_ps(x->d);
+            for (int h = 0; h < G; ++h)
+                acc[r][h] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps((const float *)(sb[h] + UNPACKED_D)), xd),
+                                            _mm512_cvtepi32_ps(sum[r][h]), acc[r][h]);
+            if (!q6) { /* mins: sum_j m_j (x's sum of sub-block j), as int16 pairs */
+                __m512i mins[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+                for (int p = 0; p < 4; ++p) {
+                    const __m512i pair = _mm512_set1_epi32(offsets[(r * a_row + i) * UNPACKED_OFFSETS + 16 + p]);
+                    for (int h = 0; h < G; ++h)
+                        mins[h] = _mm512_dpwssd_epi32(mins[h], _mm512_loadu_si512(sb[h] + UNPACKED_MINS + 64 * p), pair);
+                }
+                for (int h = 0; h < G; ++h)
+                    acc[r][h] = _mm512_fnmadd_ps(_mm512_mul_ps(_mm512_loadu_ps((const float *)(sb[h] + UNPACKED_DMIN)), xd),
+                                                 _mm512_cvtepi32_ps(mins[h]), acc[r][h]);
+            }
+        }
+    }
+    for (int h = 0; h < G; ++h) {
+        const __m512 b = _mm512_loadu_ps(bias + X16 * h);
+        for (int r = 0; r < rows; ++r) _mm512_storeu_ps(y + r * ld_y + X16 * h, _mm512_add_ps(acc[r][h], b));
+    }
+}
+
+/* Rows 0 .. M - 1 of x times the unpacked groups (tile_unpacked's arguments), in tiles of as equal sizes as
+ * UNPACKED_TILE_ROWS allows (8 rows: 2 of 4, not 6 and 2). */
+static void rows_times_unpacked(int q6, const uint8_t *const u[2], const uint8_t *const w[2], int two, const act_q8_K *a, const int32_t *offsets,
+                                int64_t M, int64_t K, const float *bias, float *y, int64_t ld_y) {
+    const int64_t a_row = K / QK_K, tiles = (M + UNPACKED_TILE_ROWS - 1) / UNPACKED_TILE_ROWS;
+    for (int64_t t = 0, m = 0; t < tiles; ++t) {
+        const int rows = (int)(M / tiles + (t < M % tiles));
+        const act_q8_K *am = a + m * a_row;
+        const int32_t *om = offsets + m * a_row * UNPACKED_OFFSETS;
+        float *ym = y + m * ld_y;
+#define TILE(Q6, TWO, R) tile_unpacked(Q6, u, w, TWO, am, om, a_row, R, K, bias, ym, ld_y)
+#define ROWS(Q6, TWO)                                \
+    switch (rows) {                                  \
+    case 1: TILE(Q6, TWO, 1); break;                 \
+    case 2: TILE(Q6, TWO, 2); break;                 \
+    case 3: TILE(Q6, TWO, 3); break;                 \
+    case 4: TILE(Q6, TWO, 4); break;                 \
+    case 5: TILE(Q6, TWO, 5); break;                 \
+    default: TILE(Q6, TWO, UNPACKED_TILE_ROWS); break; \
+    }
+        if (q6) {
+            if (two) ROWS(1, 1) else ROWS(1, 0)
+        } else {
+            if (two) ROWS(0, 1) else ROWS(0, 0)
+        }
+#undef ROWS
+#undef TILE
+        m += rows;
+    }
+}
+
+/* A row's super-block of x (act_q8_K) as the int32 offsets[UNPACKED_OFFSETS] that tile_unpacked broadcasts: -32 times
+ * each sum of 16 (Q6_K's q - 32), then the sums of 32 in int16 pairs (sub-blocks 2 p, 2 p + 1; Q4_K's mins). */
+static inline void unpacked_offsets(const act_q8_K *x, int32_t *offsets) {
+    for (int s = 0; s < 16; ++s) offsets[s] = -32 * x->bsums[s];
+    for (int p = 0; p < 4; ++p) {
+        const int32_t lo = x->bsums[4 * p] + x->bsums[4 * p + 1], hi = x->bsums[4 * p + 2] + x->bsums[4 * p + 3];
+        offsets[16 + p] = (int32_t)((uint32_t)(uint16_t)lo | (uint32_t)hi << 16);
+    }
+}
+
+#endif /* GGML_AVX512 */
+#endif

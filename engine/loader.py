@@ -182,7 +182,8 @@ def gguf_source(model_dir: Path) -> Path | None:
 
 def _write_metadata(gguf_path: Path, out: Path) -> None:
     """The GGUF's config (transformers' reading, completed by ``gguf_config.complete_config``), generation config
-    and tokenizer (with its chat template) as a Hugging Face directory, then the manifest last."""
+    and tokenizer (with its chat template) as a Hugging Face directory, then the manifest last. A ``bert`` file,
+    which transformers does not read, is written by ``gguf_bert.write_bert_directory``."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     from engine.model_files.gguf import GGUFFile

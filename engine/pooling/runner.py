@@ -63,7 +63,10 @@ class PoolingRunner:
             )
         self.device = resolve_device(config.device)
         # NOTE: every tensor in the weights' dtype (bfloat16 matmuls run on AVX512-BF16 / AMX through oneDNN)
-        _, self.dtype = model_dtypes(config.dtype, self.device, model_dir, self.hf_config)
+        compute_dtype, self.dtype = model_dtypes(config.dtype, self.device, model_dir, self.hf_config)
+        gguf = gguf_source(model_dir)
+        if gguf is not None and config.dtype == "auto":  # a GGUF's quantized blocks multiply float32 x, as a decoder's
+            self.dtype = compute_dtype
         self.vocab_size: int = self.hf_config.vocab_size
         self.max_model_len = pooling.max_length
         num_labels = pooling.num_labels if pooling.task == "classify" else None
@@ -75,7 +78,6 @@ class PoolingRunner:
         # matmul at 2048 rows on a Zen 5; bfloat16 ones stay on oneDNN, which all-bfloat16 layers outran
         # the panels' float32 inputs with (MiniLM: 0.58 against 0.64-1.0 s for 64 chunks)
         packed = self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.library() is not None
-        gguf = gguf_source(model_dir)
         if gguf is not None:  # a BERT GGUF (engine.model_files.gguf_bert): its tensors in the file's types
             loaded = load_gguf_encoder(
                 model, gguf, self.hf_config.num_hidden_layers, self.hf_config.num_attention_heads, self.dtype,

@@ -53,6 +53,9 @@ def test_tiny_bert_gguf_equals_its_directory(tiny_encoder_factory, tmp_path: Pat
     np.testing.assert_allclose(np.linalg.norm(ours, axis=-1), 1.0, atol=1e-5)
     if file_type == "Q8_0":
         assert engine.runner.weights.modules == {"Q8_0": 2 * 4}  # served in its blocks: 4 linears a layer
+        auto = Engine(model=str(path), device="cpu")  # dtype "auto" keeps the blocks too
+        assert auto.runner.weights.modules == {"Q8_0": 2 * 4}
+        np.testing.assert_allclose(_embed(auto, TEXTS), ours, atol=1e-6)
     alone = np.array([_embed(engine, [t])[0] for t in TEXTS])
     np.testing.assert_allclose(alone, ours, atol=1e-5)
 

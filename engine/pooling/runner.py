@@ -78,6 +78,8 @@ class PoolingRunner:
         # matmul at 2048 rows on a Zen 5; bfloat16 ones stay on oneDNN, which all-bfloat16 layers outran
         # the panels' float32 inputs with (MiniLM: 0.58 against 0.64-1.0 s for 64 chunks)
         packed = self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.library() is not None
+        if gguf is not None and num_labels is not None:
+            raise ModelLoadError(f"{str(gguf)!r}: a GGUF BERT embedder has no classification head; it cannot score")
         if gguf is not None:  # a BERT GGUF (engine.model_files.gguf_bert): its tensors in the file's types
             loaded = load_gguf_encoder(
                 model, gguf, self.hf_config.num_hidden_layers, self.hf_config.num_attention_heads, self.dtype,

@@ -11,6 +11,8 @@ from gguf import GGUFWriter, PoolingType
 
 from engine import Engine, PoolingParams
 from engine.errors import ModelLoadError
+from engine.model_files.gguf import GGUFFile
+from engine.model_files.gguf_bert import wordpiece_vocab
 from engine.model_files.gguf_bert_writer import write_bert_gguf
 
 TEXTS = ["short", "a somewhat longer sentence about paged attention", "x " * 60, "Café naïve 東京 [SEP] mixed"]
@@ -84,6 +86,23 @@ def test_minilm_gguf_equals_sentence_transformers(minilm_dir: Path, sentence_tra
     reference = sentence_transformer.encode(SENTENCES, convert_to_numpy=True)
     assert _cosines(ours, reference).min() >= 0.9999
     assert max(len(o.prompt_token_ids) for o in outputs) == 256
+
+
+def test_phantom_space_vocab_round_trips(minilm_dir: Path, tmp_path: Path) -> None:
+    """The vocab written in llama.cpp's phantom-space form reads back as the model's vocab.txt, id for id."""
+    path = tmp_path / "minilm.gguf"
+    write_bert_gguf(minilm_dir, path, "Q8_0")
+    meta = GGUFFile(path).metadata
+    assert meta["tokenizer.ggml.tokens"][:3] == ["[PAD]", "\u2581[unused0]", "\u2581[unused1]"]
+    vocab = (minilm_dir / "vocab.txt").read_text(encoding="utf-8").split("\n")[:30522]
+    assert wordpiece_vocab(meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]) == vocab
+
+
+def test_gguf_embedder_cannot_score(tiny_encoder_factory, tmp_path: Path) -> None:
+    """convert="classify" on a BERT GGUF (no classification head in the file) is a ModelLoadError naming it."""
+    write_bert_gguf(tiny_encoder_factory("bert", st_pooling="mean"), tmp_path / "e.gguf")
+    with pytest.raises(ModelLoadError, match="has no classification head; it cannot score"):
+        Engine(model=str(tmp_path / "e.gguf"), device="cpu", convert="classify")
 
 
 def _metadata_only(path: Path, arch: str, **fields: object) -> Path:

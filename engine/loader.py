@@ -24,7 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 from engine.errors import ModelLoadError  # noqa: E402
-from engine.model_types import GGUF_ARCHITECTURES, SUPPORTED_MODEL_TYPES  # noqa: E402
+from engine.model_types import GGUF_ARCHITECTURES, GGUF_UNSERVED_EMBEDDERS, SUPPORTED_MODEL_TYPES  # noqa: E402
 from engine.paths import bundled_gguf_path, cache_root  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -92,6 +92,8 @@ def _check_model_type(model_type: str | None, path: Path) -> None:
 def _check_gguf_architecture(architecture: str, path: Path) -> None:
     if architecture not in GGUF_ARCHITECTURES:
         served = " (served from its Hugging Face directory, not from GGUF)" if architecture in SUPPORTED_MODEL_TYPES else ""
+        if architecture in GGUF_UNSERVED_EMBEDDERS:
+            served = " (an embedding model; GGUF embedders served: bert)"
         raise ModelLoadError(
             f"{str(path)!r}: unsupported GGUF architecture {architecture!r}{served}; "
             f"supported in GGUF: {', '.join(GGUF_ARCHITECTURES)}"
@@ -180,26 +182,38 @@ def gguf_source(model_dir: Path) -> Path | None:
 
 def _write_metadata(gguf_path: Path, out: Path) -> None:
     """The GGUF's config (transformers' reading, completed by ``gguf_config.complete_config``), generation config
-    and tokenizer (with its chat template) as a Hugging Face directory, then the manifest last."""
+    and tokenizer (with its chat template) as a Hugging Face directory, then the manifest last. A ``bert`` file,
+    which transformers does not read, is written by ``gguf_bert.write_bert_directory``."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     from engine.model_files.gguf import GGUFFile
+    from engine.model_files.gguf_bert import write_bert_directory
     from engine.model_files.gguf_config import complete_config
 
     start = time.perf_counter()
+    gguf = GGUFFile(gguf_path)
+    if gguf.architecture == "bert":  # transformers reads no BERT GGUF: its files are written from the metadata
+        out.mkdir(parents=True)
+        write_bert_directory(gguf, out)
+        _write_manifest(gguf_path, out, start)
+        return
     kwargs = dict(gguf_file=gguf_path.name, local_files_only=True)
     try:
         config = AutoConfig.from_pretrained(gguf_path.parent, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
     except Exception as e:  # transformers raises many kinds on a file it cannot read
         raise ModelLoadError(f"cannot read the metadata of GGUF {str(gguf_path)!r}: {e}") from None
-    config = complete_config(config, GGUFFile(gguf_path))  # what transformers leaves out
+    config = complete_config(config, gguf)  # what transformers leaves out
     out.mkdir(parents=True)
     if hasattr(config, "quantization_config"):  # the weights are read from the file, not through transformers
         del config.quantization_config
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
+    _write_manifest(gguf_path, out, start)
+
+
+def _write_manifest(gguf_path: Path, out: Path, start: float) -> None:
     files = {
         str(f.relative_to(out)): (f.stat().st_size, _file_digest(f)) for f in sorted(out.rglob("*")) if f.is_file()
     }

@@ -29,4 +29,9 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "phi3": "phi3",  # Phi-3, Phi-3.5, Phi-4-mini
     "gemma2": "gemma2",
     "gemma3": "gemma3_text",
+    "bert": "bert",  # BERT embedders (all-MiniLM, bge, e5) with their WordPiece vocab: engine.model_files.gguf_bert
 }
+# llama.cpp's other embedding architectures: refused by name (their Hugging Face directories say what is served)
+GGUF_UNSERVED_EMBEDDERS = (
+    "nomic-bert", "nomic-bert-moe", "jina-bert-v2", "jina-bert-v3", "modern-bert", "neo-bert", "eurobert",
+)

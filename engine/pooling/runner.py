@@ -6,6 +6,7 @@ block the engine's block pool needs, with no tensor behind it).
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -16,9 +17,11 @@ from engine import cpu_kernels
 from engine.config import EngineConfig
 from engine.errors import ModelLoadError, ParameterError
 from engine.layers.linear import Linear
+from engine.loader import gguf_source
 from engine.model_types import ENCODER_MODEL_TYPES
 from engine.pooling.decoder import Decoder, decoder_state_dict
 from engine.pooling.encoder import BatchLayout, Encoder, encoder_state_dict
+from engine.pooling.gguf_encoder import load_gguf_encoder
 from engine.pooling.model_config import PoolingConfig
 from engine.pooling.params import PoolingParams
 from engine.pooling.tokens import PoolingInput
@@ -60,7 +63,10 @@ class PoolingRunner:
             )
         self.device = resolve_device(config.device)
         # NOTE: every tensor in the weights' dtype (bfloat16 matmuls run on AVX512-BF16 / AMX through oneDNN)
-        _, self.dtype = model_dtypes(config.dtype, self.device, model_dir, self.hf_config)
+        compute_dtype, self.dtype = model_dtypes(config.dtype, self.device, model_dir, self.hf_config)
+        gguf = gguf_source(model_dir)
+        if gguf is not None and config.dtype == "auto":  # a GGUF's quantized blocks multiply float32 x, as a decoder's
+            self.dtype = compute_dtype
         self.vocab_size: int = self.hf_config.vocab_size
         self.max_model_len = pooling.max_length
         num_labels = pooling.num_labels if pooling.task == "classify" else None
@@ -68,6 +74,38 @@ class PoolingRunner:
             raise ModelLoadError(f"{str(model_dir)!r}: a cross-encoder scores with one label; this one has {num_labels}")
         with torch.device("meta"):
             model = Encoder(self.hf_config, num_labels) if encoder else Decoder(self.hf_config, num_labels is not None)
+        # NOTE: float32 linears on CPU run the engine's own kernels (packed panels), 2.3x oneDNN's float32
+        # matmul at 2048 rows on a Zen 5; bfloat16 ones stay on oneDNN, which all-bfloat16 layers outran
+        # the panels' float32 inputs with (MiniLM: 0.58 against 0.64-1.0 s for 64 chunks)
+        packed = self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.library() is not None
+        if gguf is not None and num_labels is not None:
+            raise ModelLoadError(f"{str(gguf)!r}: a GGUF BERT embedder has no classification head; it cannot score")
+        if gguf is not None:  # a BERT GGUF (engine.model_files.gguf_bert): its tensors in the file's types
+            loaded = load_gguf_encoder(
+                model, gguf, self.hf_config.num_hidden_layers, self.hf_config.num_attention_heads, self.dtype,
+                self.device, native_blocks=packed,
+            )  # fmt: skip
+            state, nbytes = loaded.state, loaded.nbytes
+        else:
+            state = self._safetensors_state(model_dir, encoder, num_labels)
+            nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        model.load_state_dict(state, strict=True, assign=True)
+        if packed:
+            for linear in (m for m in model.modules() if isinstance(m, Linear) and m.quantized is None):
+                linear.pack()
+        self.model = model.eval()
+        dtype_name = str(self.dtype).removeprefix("torch.")
+        kinds = Counter(m.quantized.kind if m.quantized is not None else dtype_name for m in model.modules()
+                        if isinstance(m, Linear))  # fmt: skip
+        products = "float32 (packed panels)" if packed else dtype_name
+        if any(kind != dtype_name for kind in kinds):  # a GGUF's quantized blocks, served as they are
+            products = f"int8 blocks of x ({cpu_kernels.ggml_linear_path()}); {products} for float weights"
+        self.weights = WeightsSummary("gguf" if gguf is not None else None, kinds, nbytes, products)
+        self.num_pooled_batches = 0  # what it ran, for Engine.stats()
+        self.num_pooled_requests = 0
+        self.num_pooled_tokens = 0
+
+    def _safetensors_state(self, model_dir: Path, encoder: bool, num_labels: int | None) -> dict[str, torch.Tensor]:
         weights: dict[str, torch.Tensor] = {}
         for file in sorted(model_dir.glob("*.safetensors")):
             weights.update(load_file(file))
@@ -80,22 +118,7 @@ class PoolingRunner:
             raise ModelLoadError(f"{str(model_dir)!r}: tensor {e.args[0]!r} missing from the checkpoint") from None
         if encoder and num_labels is not None and "head_out.weight" not in state:
             raise ModelLoadError(f"{str(model_dir)!r}: no sequence-classification head in the checkpoint")
-        state = {k: v.to(self.device, self.dtype) for k, v in state.items()}
-        model.load_state_dict(state, strict=True, assign=True)
-        # NOTE: float32 linears on CPU run the engine's own kernels (packed panels), 2.3x oneDNN's float32
-        # matmul at 2048 rows on a Zen 5; bfloat16 ones stay on oneDNN, which all-bfloat16 layers outran
-        # the panels' float32 inputs with (MiniLM: 0.58 against 0.64-1.0 s for 64 chunks)
-        packed = self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.library() is not None
-        if packed:
-            for linear in (m for m in model.modules() if isinstance(m, Linear)):
-                linear.pack()
-        self.model = model.eval()
-        products = "float32 (packed panels)" if packed else str(self.dtype).removeprefix("torch.")
-        self.weights = WeightsSummary(None, products=products)
-        self.weights.nbytes = sum(t.numel() * t.element_size() for t in state.values())
-        self.num_pooled_batches = 0  # what it ran, for Engine.stats()
-        self.num_pooled_requests = 0
-        self.num_pooled_tokens = 0
+        return {k: v.to(self.device, self.dtype) for k, v in state.items()}
 
     def close(self) -> None:
         """Nothing to release beyond the tensors."""

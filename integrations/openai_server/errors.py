@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 
 from aiohttp import web
 from pydantic import ValidationError
@@ -64,6 +65,15 @@ def retry_after(seconds: float) -> str:
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)
+
+
+def model_not_found(model: str, served: Sequence[str]) -> ApiError:
+    """The 404 for a ``model`` this server does not serve to the key: it names the field and the models the key may use."""
+    which = ", ".join(repr(name) for name in served) if served else "none to this key"
+    return ApiError(
+        404, f"model: {model!r} does not exist or this key may not use it; the models served: {which}", param="model",
+        code="model_not_found",
+    )  # fmt: skip
 
 
 def from_validation(exc: ValidationError) -> ApiError:

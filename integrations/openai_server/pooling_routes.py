@@ -91,7 +91,7 @@ async def _client_and_body(request: web.Request, kind: type[_PoolingBody]) -> tu
     state.require_serving()
     tenant = request[TENANT]
     body = await parse_body(request, kind, tenant)
-    serving = state.require_serving(body.model, pooling=True)
+    serving = state.require_serving(body.model, tenant=tenant, pooling=True)
     check_common(body, serving, tenant)
     return serving.client(tenant.name, tenant.policy), body, state, serving.model_name
 

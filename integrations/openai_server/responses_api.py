@@ -75,9 +75,10 @@ def add_routes(app: web.Application, config: ResponsesConfig | None = None, kv_c
 
 async def create(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    serving = state.require_serving()
+    state.require_serving()
     tenant = request[TENANT]
     body = await parse_body(request, ResponseRequest, tenant)
+    serving = state.require_serving(body.model, tenant=tenant)
     check_common(body, serving, tenant)
     client = serving.client(tenant.name, tenant.policy)
     task = asyncio.current_task()

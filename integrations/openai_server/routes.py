@@ -72,7 +72,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = _state(request)
     state.require_serving()
     body = await parse_body(request, p.ChatCompletionRequest, _tenant(request))
-    serving = state.require_serving(body.model)
+    serving = state.require_serving(body.model, tenant=_tenant(request))
     check_common(body, serving, _tenant(request))
     return await _Run(request, state, serving, body, "chat").execute()
 
@@ -81,7 +81,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state = _state(request)
     state.require_serving()
     body = await parse_body(request, p.CompletionRequest, _tenant(request))
-    serving = state.require_serving(body.model)
+    serving = state.require_serving(body.model, tenant=_tenant(request))
     check_common(body, serving, _tenant(request))
     prompts = body.prompts()
     if not prompts or any(len(x) == 0 for x in prompts):

@@ -63,9 +63,10 @@ def add_routes(app: web.Application) -> None:
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    serving = request.app[STATE].require_serving()
+    request.app[STATE].require_serving()
     tenant = request[TENANT]
     body = await parse_body(request, TokenizeRequest, tenant)
+    serving = request.app[STATE].require_serving(body.model, tenant=tenant)
     check_common(body, serving, tenant)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give a prompt or messages, not both", param="prompt")
@@ -89,9 +90,10 @@ async def tokenize(request: web.Request) -> web.Response:
 
 
 async def detokenize(request: web.Request) -> web.Response:
-    serving = request.app[STATE].require_serving()
+    request.app[STATE].require_serving()
     tenant = request[TENANT]
     body = await parse_body(request, DetokenizeRequest, tenant)
+    serving = request.app[STATE].require_serving(body.model, tenant=tenant)
     check_common(body, serving, tenant)
     tokenizer = serving.engine.tokenizer
     vocab = len(tokenizer)

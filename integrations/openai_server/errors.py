@@ -69,9 +69,9 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 def model_not_found(model: str, served: Sequence[str]) -> ApiError:
     """The 404 for a ``model`` this server does not serve to the key: it names the field and the models the key may use."""
-    which = ", ".join(repr(name) for name in served) if served else "none to this key"
+    which = ", ".join(repr(name) for name in served) if served else "none"
     return ApiError(
-        404, f"model: {model!r} does not exist or this key may not use it; the models served: {which}", param="model",
+        404, f"model: {model!r} does not exist or this key may not use it; the models served to this key: {which}", param="model",
         code="model_not_found",
     )  # fmt: skip
 

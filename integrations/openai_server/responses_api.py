@@ -87,7 +87,9 @@ async def create(request: web.Request) -> web.StreamResponse:
     with state.track(new_id("responses"), task) as shutdown, cancel_on_disconnect(request, task):
         try:
             try:
-                stream = await request.app[RESPONDER].open(client, body, origin=origin(request), stream=body.stream)
+                stream = await request.app[RESPONDER].open(
+                    client, body, origin=origin(request), stream=body.stream, model=serving.model_name
+                )
             except PagedError as exc:
                 raise from_sdk(exc, None) from None
             async with contextlib.aclosing(stream):

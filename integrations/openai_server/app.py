@@ -40,7 +40,7 @@ from integrations.openai_server.journal_replay import JournalReplays
 from integrations.openai_server.policy import ROUTES, ServerPolicy, route_of
 from integrations.openai_server.wire_pieces import rate_limit_headers
 from integrations.openai_server.serving import Serving
-from integrations.openai_server.state import STATE, TENANT, Phase, ServerState, parse_keys
+from integrations.openai_server.state import SERVING, STATE, TENANT, Phase, ServerState, parse_keys
 from sdk.images import ImageLimits
 from sdk.responses.config import ResponsesConfig
 
@@ -293,7 +293,7 @@ async def _auth_middleware(request: web.Request, handler) -> web.StreamResponse:
 async def _add_rate_limit_headers(request: web.Request, response: web.StreamResponse) -> None:
     """OpenAI's ``x-ratelimit-*`` headers on every answer to a tenant with rate limits."""
     tenant = request.get(TENANT)
-    serving = request.app[STATE].serving
+    serving = request.get(SERVING) or request.app[STATE].serving
     limiter = serving.limiter(tenant.name) if tenant is not None and serving is not None else None
     if limiter is not None:
         response.headers.update(rate_limit_headers(limiter.state()))

@@ -30,7 +30,7 @@ from integrations.openai_server.errors import ApiError, bad_request, from_sdk
 from integrations.openai_server.intake import check_common, origin, parse_body
 from integrations.openai_server.metrics import PREFIX
 from integrations.openai_server.sse import EventStream
-from integrations.openai_server.state import STATE, TENANT, cancel_on_disconnect
+from integrations.openai_server.state import STATE, TENANT, cancel_on_disconnect, route_request
 from sdk.errors import PagedError
 from sdk.responses.config import ResponsesConfig
 from sdk.responses.pins import RELEASE_REASONS
@@ -78,7 +78,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     state.require_serving()
     tenant = request[TENANT]
     body = await parse_body(request, ResponseRequest, tenant)
-    serving = state.require_serving(body.model, tenant=tenant)
+    serving = route_request(request, body.model)
     check_common(body, serving, tenant)
     client = serving.client(tenant.name, tenant.policy)
     task = asyncio.current_task()

@@ -173,6 +173,14 @@ def cancel_on_disconnect(request: web.Request, task: asyncio.Task) -> Iterator[N
 
 STATE = web.AppKey("paged_state", ServerState)
 TENANT = web.RequestKey("paged_tenant", Tenant)
+SERVING = web.RequestKey("paged_serving", Serving)  # the model a request was routed to (its rate-limit headers')
+
+
+def route_request(request: web.Request, model: str | None, pooling: bool = False) -> Serving:
+    """``ServerState.require_serving`` for the request's tenant, noted on the request (``SERVING``)."""
+    serving = request.app[STATE].require_serving(model, tenant=request[TENANT], pooling=pooling)
+    request[SERVING] = serving
+    return serving
 
 
 def parse_keys(api_key: str | Sequence[str] | Mapping[str, str] | None) -> dict[str, str]:

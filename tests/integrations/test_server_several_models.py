@@ -25,7 +25,7 @@ HI = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0, "max_tokens": 6, "ignore_eos": True, "return_token_ids": True}
 POLICY = ServerPolicy(tenants=(
     Tenant("root", keys=("sk-root",)),
-    Tenant("ann", keys=("sk-ann",), policy=TenantPolicy(max_tokens=3), models=(NAMES[1],)),
+    Tenant("ann", keys=("sk-ann",), policy=TenantPolicy(max_tokens=3, requests_per_minute=100), models=(NAMES[1],)),
 ))  # fmt: skip
 
 
@@ -54,10 +54,12 @@ class _StepWatch:
                 self.now -= 1
 
 
-def _post(server, path: str, body: dict, key: str = "sk-root") -> tuple[int, dict]:
+def _post(server, path: str, body: dict, key: str = "sk-root", headers: dict | None = None) -> tuple[int, dict]:
     async def go() -> tuple[int, dict]:
         async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}) as session:
             async with session.post(server.root + path, json=body) as resp:
+                if headers is not None:
+                    headers.update(resp.headers)
                 return resp.status, await resp.json()
 
     return server.call(go())
@@ -122,6 +124,9 @@ def test_each_model_answers_its_requests(live_server, models, tmp_path, monkeypa
     assert status == 404 and reply["error"]["message"].endswith(f"served to this key: {NAMES[1]!r}")  # ann's one model
     status, reply = _post(server, "/v1/chat/completions", {"model": NAMES[1], "messages": HI, "max_tokens": 4}, "sk-ann")
     assert status == 400 and reply["error"]["param"] == "max_tokens"  # her cap holds on the model she uses
+    headers: dict = {}
+    status, _ = _post(server, "/v1/chat/completions", {"model": NAMES[1], "messages": HI}, "sk-ann", headers)
+    assert status == 200 and headers["x-ratelimit-limit-requests"] == "100"  # the limits of the model she used
     status, reply = _post(server, "/v1/chat/completions", {"messages": HI, "max_tokens": 2})
     assert status == 200  # the server goes on
 

@@ -10,7 +10,9 @@ Two derived gauges: ``paged_kv_cache_usage`` (used / total blocks) and
 ``paged_http_requests_total{route,status}``, ``paged_pooling_requests_total{route}``,
 ``paged_pooling_prompt_tokens_total{route}`` and ``paged_requests_continued_total`` (the fleet's failover). The pooling engines' batches (``stats()["pooling"]``, every
 engine of the server together) are ``paged_pooling_{inputs,tokens,batches}_total{kind}`` and the histograms
-``paged_pooling_{queue_time_seconds,compute_time_seconds,batch_size}{kind}``. docs/server.md lists them all.
+``paged_pooling_{queue_time_seconds,compute_time_seconds,batch_size}{kind}``. With several chat models
+(``paged serve --model A --model B``) every engine family has a ``model`` label, one series per model (the pooling
+families stay summed). docs/server.md lists them all.
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ from integrations.openai_server.app import create_app
 from integrations.openai_server.command import add_arguments, make_app
 from integrations.openai_server.policy import ServerPolicy, Tenant
 from integrations.openai_server.state import STATE
+from integrations.top import Figures
+from integrations.top import scrape as top_scrape
 from sdk import TenantPolicy
 from sdk.hooks import AuditLog
 
@@ -148,6 +150,8 @@ def test_each_model_answers_its_requests(live_server, models, tmp_path, monkeypa
     for name in NAMES:
         assert samples[f'paged_generation_tokens_total{{model="{name}"}}'] > 0
         assert samples[f'paged_kv_blocks_used{{model="{name}"}}'] == 0
+    top = Figures(top_scrape(server.root, "sk-root"), None)  # paged top: a row per model, the figures summed
+    assert top.models() == sorted(NAMES) and top.value("paged_kv_blocks_total") == 2 * CONFIG["num_blocks"]
 
 
 def test_serve_flags_name_each_model(models):

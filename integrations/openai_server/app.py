@@ -229,9 +229,7 @@ async def _load(
     state.collector.bind_models(state.stats)
     if replays is not None:
         try:
-            for chat_serving in state.servings():  # NOTE: each entry runs on the model it was journalled for
-                if not chat_serving.is_pooling:
-                    replays.start(state, chat_serving)
+            replays.start(state, [s for s in state.servings() if not s.is_pooling])
         except Exception:  # noqa: BLE001 - the journal is kept for the next start; this one serves
             logger.exception("journal: replaying %s failed", replays.journal.directory)
     if state.phase is Phase.STARTING:

@@ -115,6 +115,13 @@ def create_app(
     """
     chat_models = _chat_models(model, served_model_name)
     _check_names([name for _, name in chat_models] + [model_name(path) for path in pooling_models])
+    sized = any(engine_config.get(k) is not None for k in ("kv_cache_memory", "num_blocks"))
+    if len(chat_models) > 1 and not sized and engine_config.get("device", "auto") != "cpu":
+        logger.warning(
+            "%d chat models without kv_cache_memory: on a GPU each engine's KV cache takes a share of the memory "
+            "free as it loads, so the first takes the most; give kv_cache_memory (each engine's) to split it",
+            len(chat_models),
+        )
     state = ServerState(policy=(policy or ServerPolicy()).with_keys(parse_keys(api_key)), drain_timeout=drain_timeout)
     kv_cache_dir = engine_config.get("kv_cache_dir")
     replays = None

@@ -76,7 +76,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, repeatable: Collection
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """Every ``EngineConfig`` field as the flags set it (defaults included), ``model`` too; a repeated flag's first value."""
+    """Every ``EngineConfig`` field as the flags set it (defaults included), ``model`` too; a repeated flag's first."""
     values = {k.name: getattr(args, k.name) for k in knobs_of(EngineConfig)}
     # NOTE: only a repeatable flag's value is a list (SETTINGS values are dicts)
     return {name: value[0] if isinstance(value, list) else value for name, value in values.items()}

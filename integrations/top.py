@@ -357,7 +357,8 @@ def render(figures: Figures, url: str, problem: str | None = None) -> Any:
                 _num(f.value("paged_num_requests_running", model=model)),
                 _num(f.value("paged_num_requests_waiting", model=model)),
                 _num(f.rate("paged_generation_tokens_total", model=model), ".1f"),
-                f"{_num(f.value('paged_kv_blocks_used', model=model))} / {_num(f.value('paged_kv_blocks_total', model=model))}",
+                f"{_num(f.value('paged_kv_blocks_used', model=model))} / "
+                f"{_num(f.value('paged_kv_blocks_total', model=model))}",
                 _ms(f.quantile("paged_ttft_seconds", 0.99, True, model=model)),
             )
         parts += [Text(""), models]

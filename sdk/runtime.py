@@ -145,7 +145,8 @@ class Runtime(Closing, AsyncClosing):
             from sdk.errors import NotFoundError
 
             names = ", ".join(repr(e.model_name) for e in engines)
-            raise NotFoundError(f"model: {model!r} is not a model of this runtime; its chat models: {names}", param="model")
+            message = f"model: {model!r} is not a model of this runtime; its chat models: {names}"
+            raise NotFoundError(message, param="model")
         return found
 
     def pooling_engine(self, task: str) -> AsyncEngine:
@@ -167,7 +168,9 @@ class Runtime(Closing, AsyncClosing):
             # NOTE: loading weights blocks for seconds; it runs off the event loop. The worker gets the state,
             # not a bound method: a pool thread may hold its callable after start() returns, and a runtime
             # it held would outlive its last reference and keep its engine running.
-            await asyncio.to_thread(_load, state, self._model, self._engine_config, self._pooling_models, self._chat_models)
+            await asyncio.to_thread(
+                _load, state, self._model, self._engine_config, self._pooling_models, self._chat_models
+            )
         if state.pooling and not state.steps_shared:
             for engine in state.pooling.values():
                 await engine.share_steps()
@@ -239,7 +242,7 @@ def _load(
     state: _State, model: str | None, engine_config: dict[str, Any], pooling_models: dict[str, str],
     chat_models: Sequence[str] = (),
 ) -> None:  # fmt: skip
-    """Load the engines (the chat ones, then the pooling ones) into ``state`` unless loaded or the runtime closed meanwhile."""
+    """Load the engines (the chat ones, then the pooling ones) into ``state`` unless loaded or the runtime closed."""
     with state.lock:
         if state.closed:
             raise RuntimeError("the runtime is closed")

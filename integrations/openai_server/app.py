@@ -178,10 +178,12 @@ def _chat_models(model: Any, served_model_name: str | Sequence[str] | None) -> l
     Raises:
         ParameterError: a list of served names whose length is not the models'.
     """
-    paths = [None if model is None else str(model)] if model is None or isinstance(model, (str, PathLike)) else [str(m) for m in model]
+    one = model is None or isinstance(model, (str, PathLike))
+    paths = [None if model is None else str(model)] if one else [str(m) for m in model]
     if not paths:
         raise ParameterError("model", "model: give at least one model (or None for the bundled one)")
-    names = [served_model_name] if served_model_name is None or isinstance(served_model_name, str) else list(served_model_name)
+    one_name = served_model_name is None or isinstance(served_model_name, str)
+    names = [served_model_name] if one_name else list(served_model_name)
     if names == [None]:
         names = [None] * len(paths)
     if len(names) != len(paths):

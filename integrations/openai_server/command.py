@@ -260,7 +260,9 @@ def make_app(args: argparse.Namespace) -> web.Application:
             raise ValueError(f"model path {model} does not exist")
     names = args.served_model_name
     if names is not None and len(names) != len(models):
-        raise ValueError(f"--served-model-name given {len(names)} times for {len(models)} --model: name each model, in order")
+        raise ValueError(
+            f"--served-model-name given {len(names)} times for {len(models)} --model: name each model, in order"
+        )
     if len(models) > 1 and getattr(args, "replicas", None):
         raise ValueError("--replicas serves one model: each replica would load every --model")
     for path in args.pooling_model or ():

@@ -68,12 +68,10 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def model_not_found(model: str, served: Sequence[str]) -> ApiError:
-    """The 404 for a ``model`` this server does not serve to the key: it names the field and the models the key may use."""
+    """The 404 for a ``model`` not served to the key: it names the field and the models the key may use."""
     which = ", ".join(repr(name) for name in served) if served else "none"
-    return ApiError(
-        404, f"model: {model!r} does not exist or this key may not use it; the models served to this key: {which}", param="model",
-        code="model_not_found",
-    )  # fmt: skip
+    message = f"model: {model!r} does not exist or this key may not use it; the models served to this key: {which}"
+    return ApiError(404, message, param="model", code="model_not_found")
 
 
 def from_validation(exc: ValidationError) -> ApiError:

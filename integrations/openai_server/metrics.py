@@ -105,7 +105,9 @@ class EngineCollector(Collector):
         models = [([name] if labelled else [], stats) for name, stats in by_model.items()]
         extra = ["model"] if labelled else []
 
-        def family(kind: type[Any], name: str, doc: str, labels: list[str], samples: Iterable[tuple[list[str], float]]) -> Any:
+        def family(
+            kind: type[Any], name: str, doc: str, labels: list[str], samples: Iterable[tuple[list[str], float]]
+        ) -> Any:
             metric = kind(PREFIX + name, doc, labels=extra + labels)
             for values, value in samples:
                 metric.add_metric(values, float(value))
@@ -128,8 +130,8 @@ class EngineCollector(Collector):
         ]  # fmt: skip
         if hit_rates:
             yield family(
-                GaugeMetricFamily, "prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens queried.",
-                [], hit_rates,
+                GaugeMetricFamily, "prefix_cache_hit_rate",
+                "Prompt tokens served from the prefix cache / prompt tokens queried.", [], hit_rates,
             )  # fmt: skip
         if any("request_success" in s for _, s in models):
             yield family(
@@ -142,8 +144,8 @@ class EngineCollector(Collector):
             yield family(
                 GaugeMetricFamily, "tenant_requests", "Requests of each active tenant, running or waiting.",
                 ["tenant", "state"],
-                ((m + [tenant, state], states[state]) for m, s in models for tenant, states in s.get("tenant_requests", {}).items()
-                 for state in ("running", "waiting")),
+                ((m + [tenant, state], states[state]) for m, s in models
+                 for tenant, states in s.get("tenant_requests", {}).items() for state in ("running", "waiting")),
             )  # fmt: skip
         if any("tenant_computed_tokens" in s for _, s in models):
             yield family(

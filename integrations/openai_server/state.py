@@ -93,12 +93,17 @@ class ServerState:
         chat = [servings[0], *(s for s in servings[1:] if not s.is_pooling)]
         by_model = {s.model_name: dict(s.stats()) for s in chat}
         main = by_model[servings[0].model_name]
-        pooling = [s.stats().get("pooling") if s.is_pooling else by_model[s.model_name].pop("pooling", None) for s in servings[1:]]
+        # NOTE: the pooling figures go once, under the main model: the other chat engines' leave theirs
+        pooling = [
+            s.stats().get("pooling") if s.is_pooling else by_model[s.model_name].pop("pooling", None) for s in servings[1:]
+        ]
         if "pooling" in main and any(pooling):
             main["pooling"] = merge_pooling(main["pooling"], *(p for p in pooling if p))
         return by_model
 
-    def require_serving(self, model: str | None = None, *, tenant: Tenant | None = None, pooling: bool = False) -> Serving:
+    def require_serving(
+        self, model: str | None = None, *, tenant: Tenant | None = None, pooling: bool = False
+    ) -> Serving:
         """The serving glue of the model a request names, or a 503 while starting, restarting, draining or dead.
 
         ``model`` None: the main model's (the first served), or on a ``pooling`` route the first pooling

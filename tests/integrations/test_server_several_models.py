@@ -16,6 +16,7 @@ from integrations.openai_server.app import create_app
 from integrations.openai_server.command import add_arguments, make_app
 from integrations.openai_server.policy import ServerPolicy, Tenant
 from integrations.openai_server.state import STATE
+from integrations.serve_command import run
 from integrations.top import Figures
 from integrations.top import scrape as top_scrape
 from sdk import TenantPolicy
@@ -168,3 +169,4 @@ def test_serve_flags_name_each_model(models):
         make_app(parser.parse_args(argv[:6]))
     with pytest.raises(ValueError, match="served as 'x'"):
         make_app(parser.parse_args(["--model", str(models[0]), "--model", str(models[1]), *["--served-model-name", "x"] * 2]))
+    assert run(parser.parse_args([*argv, "--replicas", "2"])) == 2  # a fleet serves one model: refused before Ray starts

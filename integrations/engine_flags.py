@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, TypeVar
 
 from engine.config import EngineConfig
@@ -55,20 +55,31 @@ def flag_name(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds one flag per ``EngineConfig`` field, in the "engine" and "admission limits" groups."""
+def add_engine_arguments(parser: argparse.ArgumentParser, repeatable: Collection[str] = ()) -> None:
+    """Adds one flag per ``EngineConfig`` field, in the "engine" and "admission limits" groups.
+
+    A field in ``repeatable`` may be given several times (``paged serve --model A --model B``): its
+    value is then the list of what was given, and ``engine_kwargs`` takes the first.
+    """
     engine = parser.add_argument_group("engine")
     admission = parser.add_argument_group(
         "admission limits", "beyond them a new request is refused (EngineOverloaded; HTTP 429 from paged serve)"
     )
     for k in knobs_of(EngineConfig):
         group = admission if k.name in ADMISSION_FIELDS else engine
-        group.add_argument(flag_name(k.name), dest=k.name, default=k.default, help=_help(k), **_parse_options(k))
+        options = _parse_options(k)
+        text = _help(k)
+        if k.name in repeatable:
+            options["action"] = "append"
+            text = text.replace(" (default: ", " Repeat the flag for several. (default: ")
+        group.add_argument(flag_name(k.name), dest=k.name, default=k.default, help=text, **options)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """Every ``EngineConfig`` field as the flags set it (defaults included), ``model`` too."""
-    return {k.name: getattr(args, k.name) for k in knobs_of(EngineConfig)}
+    """Every ``EngineConfig`` field as the flags set it (defaults included), ``model`` too; a repeated flag's first."""
+    values = {k.name: getattr(args, k.name) for k in knobs_of(EngineConfig)}
+    # NOTE: only a repeatable flag's value is a list (SETTINGS values are dicts)
+    return {name: value[0] if isinstance(value, list) else value for name, value in values.items()}
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

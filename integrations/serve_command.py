@@ -28,6 +28,9 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.replicas is not None:
         engine_config(args)
+        if len(args.model or ()) > 1:
+            logger.error("--replicas serves one model: each replica would load every --model")
+            return 2
         from integrations.ray.fleet import serve_fleet  # needs the ``ray`` extra
 
         return serve_fleet(args, make_app)

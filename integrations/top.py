@@ -4,7 +4,8 @@ Every ``--interval`` seconds it scrapes ``/metrics`` (with the API key) and show
 running and waiting, KV blocks used and cached, token utilization, prefix hit rate, output
 tokens/s, pooling (embedding, rerank, score) requests and tokens read per second and inputs per
 batch, TTFT / ITL / end-to-end p50 and p99 (and each pooling kind's queue and compute time),
-preemptions and per-tenant load. Rates and
+preemptions and per-tenant load; a server of several chat models (``paged serve --model A --model B``)
+adds a row per model, the other figures summing over them. Rates and
 "last 10 s" quantiles come from the difference between this scrape and the oldest one kept
 within ``WINDOW_S``; quantiles are interpolated inside histogram buckets, as Prometheus'
 ``histogram_quantile`` does. A metric the server does not export shows as ``-``.
@@ -231,6 +232,10 @@ class Figures:
         recent_buckets = [(le, _delta(count, then.get(le)) or 0.0) for le, count in now]
         return histogram_quantile(q, recent_buckets)
 
+    def models(self) -> list[str]:
+        """The chat models of a server that serves several (its engine metrics carry a ``model`` label)."""
+        return self.current.label_values("paged_kv_blocks_total", "model")
+
     def tenants(self) -> list[str]:
         names = set(self.current.label_values("paged_tenant_requests", "tenant"))
         names.update(self.current.label_values("paged_tenant_computed_tokens_total", "tenant"))
@@ -341,7 +346,23 @@ def render(figures: Figures, url: str, problem: str | None = None) -> Any:
 
     top_row = Table.grid(padding=(0, 4))
     top_row.add_row(requests, kv, throughput)
-    return Group(header, status, top_row, Text(""), latency, Text(""), tenants)
+    parts = [header, status, top_row, Text(""), latency, Text(""), tenants]
+    if f.models():  # NOTE: the tables above sum over the models; this one shows each
+        models = Table(title="Models", title_justify="left", box=None, pad_edge=False)
+        for name in ("model", "running", "waiting", "output tok/s", "blocks used / total", "TTFT p99 window"):
+            models.add_column(name, justify="left" if name == "model" else "right")
+        for model in f.models():
+            models.add_row(
+                model,
+                _num(f.value("paged_num_requests_running", model=model)),
+                _num(f.value("paged_num_requests_waiting", model=model)),
+                _num(f.rate("paged_generation_tokens_total", model=model), ".1f"),
+                f"{_num(f.value('paged_kv_blocks_used', model=model))} / "
+                f"{_num(f.value('paged_kv_blocks_total', model=model))}",
+                _ms(f.quantile("paged_ttft_seconds", 0.99, True, model=model)),
+            )
+        parts += [Text(""), models]
+    return Group(*parts)
 
 
 # ------------------------------------------------------------------------------------ the loop

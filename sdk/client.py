@@ -493,4 +493,6 @@ def _make_transport(settings: ClientSettings) -> tuple[Transport, Runtime]:
         return HttpTransport(settings.base_url, api_key=settings.api_key, model=settings.model), Runtime()
     if runtime is None:
         runtime = Runtime(settings.model, **settings.engine_config)
-    return InProcessTransport(runtime, settings.reasoning_parser, settings.image_limits), runtime
+    # NOTE: with a runtime given, model names one of its chat models; a runtime of the client's own holds that one
+    model = settings.model if settings.runtime is not None else None
+    return InProcessTransport(runtime, settings.reasoning_parser, settings.image_limits, model), runtime

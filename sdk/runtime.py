@@ -13,6 +13,11 @@ chat on the first and embed, rerank and score on the others:
         client = Client(runtime=runtime)
         client.embed(chunks), client.rerank(question, hits), client.chat(prompt)
 
+Several chat models (a list of ``model``) load an engine each; a client picks one by its name (None: the first):
+
+    with Runtime([LLAMA, QWEN]) as runtime:
+        llama, qwen = Client(runtime=runtime), Client(runtime=runtime, model="Qwen2-0.5B-Instruct")
+
 The engines of a process step in turn (``engine.driver.STEP_LOCK``): each step has all of torch's
 threads and no two steps contend for the cores. A pooling engine beside the chat model runs at most
 ``SHARED_POOLING_BUDGET`` tokens a step, so an embedding burst holds a chat decode for one small batch.
@@ -23,9 +28,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import threading
 import weakref
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -47,6 +53,7 @@ class _State:
     closed: bool = False
     # the pooling engines beside the chat engine, by the task they serve ("embed", "score"); always owned
     pooling: dict[str, AsyncEngine] = field(default_factory=dict)
+    chat: list[AsyncEngine] = field(default_factory=list)  # the chat engines beside the first, in order; always owned
     steps_shared: bool = False  # the pooling engines run the shared budget (set once, after they load)
     loop: asyncio.AbstractEventLoop | None = None
     thread: threading.Thread | None = None
@@ -64,13 +71,18 @@ class Runtime(Closing, AsyncClosing):
     driver dies restarts itself (``engine.supervisor``): the runtime keeps serving the same
     ``AsyncEngine``, whose ``health()`` says where it stands.
 
+    With several chat models (``model`` a list) it loads an engine for each: the first is ``engine``, and
+    ``chat_engine(name)`` is the one of that model name (a client's ``model`` with ``runtime=``); they
+    step in turn as a pooling engine does.
+
     With ``embedding_model`` (and ``rerank_model``) it loads a pooling engine beside the chat model:
     clients embed on the embedding model and rerank / score on the reranker (else on the embedding
     model, by cosine), and chat on ``model``. Every engine of the process steps in turn, and a pooling
     engine beside the chat model runs ``SHARED_POOLING_BUDGET`` tokens a step.
 
     Args:
-        model: HF directory or ``.gguf`` path; None = the bundled SmolLM2-135M-Instruct.
+        model: HF directory or ``.gguf`` path; None = the bundled SmolLM2-135M-Instruct; a list: several
+            chat models, each loaded with ``engine_config``.
         engine: a running engine to serve instead of loading one (not shut down by ``close()``).
         embedding_model: an embedding model's HF directory (``embed``; ``rerank`` / ``score`` without a reranker).
         rerank_model: a cross-encoder's HF directory (``rerank`` / ``score``).
@@ -82,9 +94,13 @@ class Runtime(Closing, AsyncClosing):
     """
 
     def __init__(
-        self, model: str | None = None, *, engine: AsyncEngine | None = None, embedding_model: str | None = None,
-        rerank_model: str | None = None, **engine_config: Any,
+        self, model: str | Sequence[str] | None = None, *, engine: AsyncEngine | None = None,
+        embedding_model: str | None = None, rerank_model: str | None = None, **engine_config: Any,
     ) -> None:  # fmt: skip
+        models = [model] if model is None or isinstance(model, (str, os.PathLike)) else [str(m) for m in model]
+        if not models:
+            raise ValueError("model: an empty list; give at least one model (or None for the bundled one)")
+        model, self._chat_models = models[0], models[1:]
         pooling = {task: str(path) for task, path in (("embed", embedding_model), ("score", rerank_model)) if path is not None}
         if engine is not None and (model is not None or engine_config or pooling):
             given = (["model"] if model is not None else []) + sorted(engine_config)
@@ -113,6 +129,26 @@ class Runtime(Closing, AsyncClosing):
             raise RuntimeError("runtime not started: await start() first")
         return state.engine
 
+    def chat_engine(self, model: str | None = None) -> AsyncEngine:
+        """The chat engine of the model named ``model`` (after ``start()``): None = the first, ``engine``.
+
+        Raises:
+            NotFoundError: no chat model of the runtime has that name (``param="model"``; it names them).
+            RuntimeError: as ``engine``.
+        """
+        engine = self.engine
+        if model is None:
+            return engine
+        engines = [engine, *self._state.chat]
+        found = next((e for e in engines if e.model_name == model), None)
+        if found is None:
+            from sdk.errors import NotFoundError
+
+            names = ", ".join(repr(e.model_name) for e in engines)
+            message = f"model: {model!r} is not a model of this runtime; its chat models: {names}"
+            raise NotFoundError(message, param="model")
+        return found
+
     def pooling_engine(self, task: str) -> AsyncEngine:
         """The engine ``embed`` (``task="embed"``) or ``rerank`` / ``score`` (``"score"``) runs on (after ``start()``):
         the embedding model's or the reranker's, when given, else the main engine (whose errors then say what
@@ -127,11 +163,14 @@ class Runtime(Closing, AsyncClosing):
         """Load the engines that are not loaded yet (off the event loop); idempotent."""
         self._check_open()
         state = self._state
-        if state.engine is None or len(state.pooling) < len(self._pooling_models):
+        loaded = len(state.pooling) == len(self._pooling_models) and len(state.chat) == len(self._chat_models)
+        if state.engine is None or not loaded:
             # NOTE: loading weights blocks for seconds; it runs off the event loop. The worker gets the state,
             # not a bound method: a pool thread may hold its callable after start() returns, and a runtime
             # it held would outlive its last reference and keep its engine running.
-            await asyncio.to_thread(_load, state, self._model, self._engine_config, self._pooling_models)
+            await asyncio.to_thread(
+                _load, state, self._model, self._engine_config, self._pooling_models, self._chat_models
+            )
         if state.pooling and not state.steps_shared:
             for engine in state.pooling.values():
                 await engine.share_steps()
@@ -173,6 +212,7 @@ class Runtime(Closing, AsyncClosing):
             engines = _owned(state) if not state.closed else []
             state.owns_engine = False  # NOTE: shut down here; the finalizer only stops the loop
             state.pooling = {}
+            state.chat = []
             state.closed = True
         for engine in engines:
             await engine.shutdown()
@@ -198,8 +238,11 @@ class Runtime(Closing, AsyncClosing):
             return state.loop
 
 
-def _load(state: _State, model: str | None, engine_config: dict[str, Any], pooling_models: dict[str, str]) -> None:
-    """Load the engine and the pooling engines into ``state`` unless loaded or the runtime closed meanwhile."""
+def _load(
+    state: _State, model: str | None, engine_config: dict[str, Any], pooling_models: dict[str, str],
+    chat_models: Sequence[str] = (),
+) -> None:  # fmt: skip
+    """Load the engines (the chat ones, then the pooling ones) into ``state`` unless loaded or the runtime closed."""
     with state.lock:
         if state.closed:
             raise RuntimeError("the runtime is closed")
@@ -207,6 +250,8 @@ def _load(state: _State, model: str | None, engine_config: dict[str, Any], pooli
 
         if state.engine is None:
             state.engine = AsyncEngine(model, **engine_config)
+        for path in chat_models[len(state.chat) :]:
+            state.chat.append(AsyncEngine(path, **engine_config))
         shared = {k: v for k, v in engine_config.items() if k in ("dtype", "device")}
         for task, path in pooling_models.items():
             if task not in state.pooling:
@@ -216,7 +261,7 @@ def _load(state: _State, model: str | None, engine_config: dict[str, Any], pooli
 def _owned(state: _State) -> list[AsyncEngine]:
     """The engines the runtime shuts down: the pooling engines, and the main one unless it was given."""
     main = [state.engine] if state.owns_engine and state.engine is not None else []
-    return [*state.pooling.values(), *main]
+    return [*state.pooling.values(), *state.chat, *main]
 
 
 def _serve(loop: asyncio.AbstractEventLoop) -> None:
@@ -238,6 +283,7 @@ def _release(state: _State) -> None:
         engines = _owned(state)
         state.owns_engine = False
         state.pooling = {}
+        state.chat = []
         state.closed = True
         loop, thread = state.loop, state.thread
     for engine in engines:

@@ -30,16 +30,17 @@ class ClientSettings:
     """A client's settings; an in-process engine by default, a remote one with ``base_url``.
 
     Raises:
-        ValueError: ``runtime`` or ``transport`` with any of model/base_url/api_key/engine_config
-            (or each other), ``base_url`` with engine_config, ``api_key`` without ``base_url``,
-            ``reasoning_parser`` or ``image_limits`` with ``base_url`` or ``transport``, or a policy
-            that isolates the cache without a ``tenant``; the message names them.
+        ValueError: ``runtime`` with any of base_url/api_key/engine_config, ``transport`` with any of
+            model/base_url/api_key/engine_config, the two together, ``base_url`` with engine_config,
+            ``api_key`` without ``base_url``, ``reasoning_parser`` or ``image_limits`` with ``base_url`` or
+            ``transport``, or a policy that isolates the cache without a ``tenant``; the message names them.
         InvalidRequestError: an unknown ``reasoning_parser``.
     """
 
     model: str | None = None
     """HF directory or ``.gguf`` path; None = the bundled SmolLM2-135M-Instruct.
-    With ``base_url``: the remote model id; None = the first one the endpoint lists."""
+    With ``base_url``: the remote model id; None = the first one the endpoint lists.
+    With ``runtime``: the name of one of its chat models (``Runtime.chat_engine``); None = its first."""
     runtime: Runtime | None = None
     """Share this runtime's engine (loaded on first use) instead of loading one."""
     base_url: str | None = None
@@ -82,7 +83,8 @@ class ClientSettings:
         named = {"model": self.model, "base_url": self.base_url, "api_key": self.api_key}
         if self.runtime is not None:
             reason = "the runtime's engine serves the requests"
-            _refuse("runtime", {**named, "transport": self.transport}, self.engine_config, reason)
+            # NOTE: model names one of the runtime's chat models here
+            _refuse("runtime", {**named, "model": None, "transport": self.transport}, self.engine_config, reason)
             return
         remote = self.transport is not None or self.base_url is not None
         where = "transport" if self.transport is not None else "base_url"

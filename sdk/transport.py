@@ -215,21 +215,29 @@ class InProcessTransport(Transport):
         reasoning_parser: how chat replies' reasoning is split from their text: ``"auto"``
             (from the chat template), ``"none"``, or a family (``sdk.reasoning.REASONING_PARSERS``).
         image_limits: what a request's images may be (``sdk.images.ImageLimits``); None = its defaults.
+        model: which of the runtime's chat models it runs on, by name (``Runtime.chat_engine``); None = the first.
 
     Raises:
         InvalidRequestError: an unknown ``reasoning_parser``.
     """
 
     def __init__(
-        self, runtime: Runtime | AsyncEngine, reasoning_parser: str = "auto", image_limits: ImageLimits | None = None
-    ) -> None:
+        self, runtime: Runtime | AsyncEngine, reasoning_parser: str = "auto", image_limits: ImageLimits | None = None,
+        model: str | None = None,
+    ) -> None:  # fmt: skip
         self.runtime = runtime if isinstance(runtime, Runtime) else Runtime(engine=runtime)
         self.reasoning_parser = check_parser_name(reasoning_parser)
         self.image_limits = image_limits or ImageLimits()
+        self.model = model
 
     @property
     def engine(self) -> AsyncEngine:
-        return self.runtime.engine
+        """The chat engine it runs on (after ``start()``).
+
+        Raises:
+            NotFoundError: ``model`` names none of the runtime's chat models.
+        """
+        return self.runtime.engine if self.model is None else self.runtime.chat_engine(self.model)
 
     @property
     def model_name(self) -> str:

@@ -24,12 +24,14 @@ import functools
 import gc
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from os import PathLike
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from engine.errors import ParameterError
+from engine.model_info import model_name
 from engine.supervisor import RestartPolicy
 from integrations.openai_server import journal_replay, pooling_routes, responses_api, routes, vllm_routes
 from integrations.openai_server.errors import ApiError, error_middleware
@@ -38,7 +40,7 @@ from integrations.openai_server.journal_replay import JournalReplays
 from integrations.openai_server.policy import ROUTES, ServerPolicy, route_of
 from integrations.openai_server.wire_pieces import rate_limit_headers
 from integrations.openai_server.serving import Serving
-from integrations.openai_server.state import STATE, TENANT, Phase, ServerState, parse_keys
+from integrations.openai_server.state import SERVING, STATE, TENANT, Phase, ServerState, parse_keys
 from sdk.images import ImageLimits
 from sdk.responses.config import ResponsesConfig
 
@@ -49,11 +51,11 @@ DEFAULT_DRAIN_TIMEOUT = 30.0  # seconds
 
 
 def create_app(
-    model: str | None = None,
+    model: str | Sequence[str] | None = None,
     *,
     api_key: str | Sequence[str] | Mapping[str, str] | None = None,
     policy: ServerPolicy | None = None,
-    served_model_name: str | None = None,
+    served_model_name: str | Sequence[str] | None = None,
     hooks: Sequence[Any] = (),
     client_max_size: int = DEFAULT_CLIENT_MAX_SIZE,
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
@@ -69,13 +71,17 @@ def create_app(
     """Build the OpenAI-compatible application; the engine starts with the app and stops with it.
 
     Args:
-        model: HF directory or ``.gguf`` path; None serves the bundled SmolLM2.
+        model: HF directory or ``.gguf`` path; None serves the bundled SmolLM2. Several (a list) serve
+            several chat models, each its own engine with ``engine_config``: a request goes to the model its
+            ``model`` names, one without it to the first; every engine of the process steps in turn
+            (``engine.driver.STEP_LOCK``), so they share the cores without contending for them.
         api_key: one key, several, or ``{tenant_name: key}``; these keys get the policy's
             default terms. Tenants (what the SDK hooks and audit see) are the names, or a
             short hash of each key. With no key here nor in ``policy``, auth is off.
         policy: the tenants, their keys and terms (``ServerPolicy``, or ``ServerPolicy.load``
             of a policy file); None = every key on ``TenantPolicy()``'s terms.
-        served_model_name: the ``model`` id clients use; defaults to the engine's model name.
+        served_model_name: the ``model`` id clients use; defaults to the engine's model name. With several
+            models, one name per model in their order (or None: each its own name).
         hooks: SDK hooks run on every request (``sdk.hooks.Hook`` instances).
         client_max_size: largest accepted request body in bytes (larger ones get 413).
         drain_timeout: seconds in-flight requests get to finish on shutdown before abort.
@@ -104,8 +110,18 @@ def create_app(
         The application; run it with ``web.run_app`` or an ``AppRunner``.
 
     Raises:
-        ParameterError: ``drain_journal`` without ``kv_cache_dir`` (``param`` names it).
+        ParameterError: ``drain_journal`` without ``kv_cache_dir``, a ``served_model_name`` list whose length is
+            not the models', or two models served under one name (``param`` names the field).
     """
+    chat_models = _chat_models(model, served_model_name)
+    _check_names([name for _, name in chat_models] + [model_name(path) for path in pooling_models])
+    sized = any(engine_config.get(k) is not None for k in ("kv_cache_memory", "num_blocks"))
+    if len(chat_models) > 1 and not sized and engine_config.get("device", "auto") != "cpu":
+        logger.warning(
+            "%d chat models without kv_cache_memory: on a GPU each engine's KV cache takes a share of the memory "
+            "free as it loads, so the first takes the most; give kv_cache_memory (each engine's) to split it",
+            len(chat_models),
+        )
     state = ServerState(policy=(policy or ServerPolicy()).with_keys(parse_keys(api_key)), drain_timeout=drain_timeout)
     kv_cache_dir = engine_config.get("kv_cache_dir")
     replays = None
@@ -127,18 +143,19 @@ def create_app(
     vllm_routes.add_routes(app)
     pooling_routes.add_routes(app)
 
-    def default_factory() -> Serving:
-        return Serving.create(
-            model, served_model_name=served_model_name, hooks=hooks, restart=restart,
+    chat = [
+        functools.partial(
+            Serving.create, path, served_model_name=name, hooks=hooks, restart=restart,
             reasoning_parser=reasoning_parser, image_limits=image_limits, **engine_config,
         )  # fmt: skip
-
-    factory = serving_factory or default_factory
+        for path, name in chat_models
+    ]
+    factory = serving_factory or chat[0]
     shared = {k: v for k, v in engine_config.items() if k in ("dtype", "device")}
-    extra = [functools.partial(Serving.create, path, hooks=hooks, restart=restart, **shared) for path in pooling_models]
+    pooling = [functools.partial(Serving.create, path, hooks=hooks, restart=restart, **shared) for path in pooling_models]
 
     async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
-        load = asyncio.create_task(_load(state, factory, extra, replays))
+        load = asyncio.create_task(_load(state, factory, chat[1:], pooling, replays))
         yield
         state.phase = Phase.DRAINING
         if not load.done():
@@ -155,19 +172,60 @@ def create_app(
     return app
 
 
+def _chat_models(model: Any, served_model_name: str | Sequence[str] | None) -> list[tuple[str | None, str]]:
+    """``(path, served name)`` of each chat model ``create_app`` serves, in order.
+
+    Raises:
+        ParameterError: a list of served names whose length is not the models'.
+    """
+    one = model is None or isinstance(model, (str, PathLike))
+    paths = [None if model is None else str(model)] if one else [str(m) for m in model]
+    if not paths:
+        raise ParameterError("model", "model: give at least one model (or None for the bundled one)")
+    one_name = served_model_name is None or isinstance(served_model_name, str)
+    names = [served_model_name] if one_name else list(served_model_name)
+    if names == [None]:
+        names = [None] * len(paths)
+    if len(names) != len(paths):
+        raise ParameterError(
+            "served_model_name",
+            f"served_model_name: {len(names)} names for {len(paths)} models; give one per model, in their order",
+        )  # fmt: skip
+    return [(path, name or model_name(path)) for path, name in zip(paths, names)]
+
+
+def _check_names(names: Sequence[str]) -> None:
+    """Each model's served name is its own: a request's ``model`` picks one.
+
+    Raises:
+        ParameterError: two models under one name.
+    """
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise ParameterError(
+                "served_model_name", f"served_model_name: two models would be served as {name!r}; name them apart",
+            )  # fmt: skip
+        seen.add(name)
+
+
 async def _load(
-    state: ServerState, factory: Callable[[], Serving], extra: Sequence[Callable[[], Serving]] = (),
-    replays: JournalReplays | None = None,
+    state: ServerState, factory: Callable[[], Serving], chat: Sequence[Callable[[], Serving]] = (),
+    pooling: Sequence[Callable[[], Serving]] = (), replays: JournalReplays | None = None,
 ) -> None:  # fmt: skip
     try:
         # NOTE: loading weights blocks; a thread keeps /health answering "starting" meanwhile.
         serving = await asyncio.to_thread(factory)
         await serving.start()
-        for make in extra:
+        # NOTE: every engine steps under engine.driver.STEP_LOCK, one step at a time with all of torch's
+        # threads: the chat models beside the first take their turns as a pooling model does, and a pooling
+        # model runs the shared budget so that a burst of it holds their decodes for one small batch.
+        for make in (*chat, *pooling):
             beside = await asyncio.to_thread(make)
             state.beside[beside.model_name] = beside
             await beside.start()
-            await beside.engine.share_steps()
+            if beside.is_pooling:
+                await beside.engine.share_steps()
     except Exception:
         logger.exception("engine failed to start")
         state.phase = Phase.DEAD
@@ -177,10 +235,10 @@ async def _load(
     gc.collect()
     gc.freeze()
     state.serving = serving
-    state.collector.bind(state.stats)
+    state.collector.bind_models(state.stats)
     if replays is not None:
         try:
-            replays.start(state, serving)
+            replays.start(state, [s for s in state.servings() if not s.is_pooling])
         except Exception:  # noqa: BLE001 - the journal is kept for the next start; this one serves
             logger.exception("journal: replaying %s failed", replays.journal.directory)
     if state.phase is Phase.STARTING:
@@ -242,7 +300,7 @@ async def _auth_middleware(request: web.Request, handler) -> web.StreamResponse:
 async def _add_rate_limit_headers(request: web.Request, response: web.StreamResponse) -> None:
     """OpenAI's ``x-ratelimit-*`` headers on every answer to a tenant with rate limits."""
     tenant = request.get(TENANT)
-    serving = request.app[STATE].serving
+    serving = request.get(SERVING) or request.app[STATE].serving
     limiter = serving.limiter(tenant.name) if tenant is not None and serving is not None else None
     if limiter is not None:
         response.headers.update(rate_limit_headers(limiter.state()))

@@ -40,8 +40,9 @@ logger = logging.getLogger(__name__)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     server = parser.add_argument_group("server")
     server.add_argument(
-        "--served-model-name", default=None,
-        help="model id clients send and /v1/models lists (default: the model's name)",
+        "--served-model-name", action="append", default=None, metavar="NAME",
+        help="model id clients send and /v1/models lists (default: the model's name); with --model repeated, "
+        "repeat it once per --model, in the same order",
     )
     server.add_argument(
         "--reasoning-parser", default="auto", choices=REASONING_PARSERS,
@@ -124,7 +125,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="how the fleet picks a replica: by prompt prefix and load, or in turn (default: %(default)s)",
     )
 
-    add_engine_arguments(parser)
+    # NOTE: --model repeated serves several chat models, each its own engine, routed by the request's model
+    add_engine_arguments(parser, repeatable=("model",))
     add_restart_arguments(parser)
     add_responses_arguments(parser)
 
@@ -244,15 +246,25 @@ def make_app(args: argparse.Namespace) -> web.Application:
         FlagError: an engine flag the config refuses.
         ValueError: a model path that does not exist, a policy file or ``--hook`` spec that does
             not load, ``--audit-replay`` without ``--audit-log``, ``--drain-journal`` without ``--kv-cache-dir``
-            or with ``--replicas``; the message names it.
+            or with ``--replicas``, ``--served-model-name`` not given once per ``--model``, several ``--model`` with
+            ``--replicas``, two models under one name; the message names it.
     """
     engine_config(args)  # checks every engine flag now; the engine itself loads after binding
     restart = restart_policy(args)
     responses = responses_config(args)
     config = engine_kwargs(args)
-    model = config.pop("model")
-    if model is not None and not Path(model).exists():
-        raise ValueError(f"model path {model} does not exist")
+    config.pop("model")
+    models = args.model or [None]
+    for model in models:
+        if model is not None and not Path(model).exists():
+            raise ValueError(f"model path {model} does not exist")
+    names = args.served_model_name
+    if names is not None and len(names) != len(models):
+        raise ValueError(
+            f"--served-model-name given {len(names)} times for {len(models)} --model: name each model, in order"
+        )
+    if len(models) > 1 and getattr(args, "replicas", None):
+        raise ValueError("--replicas serves one model: each replica would load every --model")
     for path in args.pooling_model or ():
         if not Path(path).is_dir():
             raise ValueError(f"--pooling-model {path} is not a model directory")
@@ -277,10 +289,10 @@ def make_app(args: argparse.Namespace) -> web.Application:
 
         hooks.append(AuditLog(args.audit_log, replay=args.audit_replay))
     return create_app(
-        model,
+        models[0] if len(models) == 1 else models,
         api_key=keys,
         policy=policy,
-        served_model_name=args.served_model_name,
+        served_model_name=names[0] if names is not None and len(names) == 1 else names,
         reasoning_parser=args.reasoning_parser,
         hooks=hooks,
         client_max_size=args.max_body_size,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 
 from aiohttp import web
 from pydantic import ValidationError
@@ -64,6 +65,13 @@ def retry_after(seconds: float) -> str:
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)
+
+
+def model_not_found(model: str, served: Sequence[str]) -> ApiError:
+    """The 404 for a ``model`` not served to the key: it names the field and the models the key may use."""
+    which = ", ".join(repr(name) for name in served) if served else "none"
+    message = f"model: {model!r} does not exist or this key may not use it; the models served to this key: {which}"
+    return ApiError(404, message, param="model", code="model_not_found")
 
 
 def from_validation(exc: ValidationError) -> ApiError:

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from integrations.openai_server.errors import ApiError, bad_request, from_sdk, from_validation
+from integrations.openai_server.errors import bad_request, from_sdk, from_validation, model_not_found
 from integrations.openai_server.policy import Tenant
 from integrations.openai_server.serving import Serving
 from sdk.errors import InvalidRequestError, PagedError
@@ -58,10 +58,7 @@ def check_common(body: Any, serving: Serving, tenant: Tenant) -> None:
     if (field := body.unsupported()) is not None:
         raise bad_request(f"{field} is not supported by this server", param=field)
     if body.model is not None and (body.model != serving.model_name or not tenant.may_use_model(body.model)):
-        raise ApiError(
-            404, f"the model {body.model!r} does not exist or this key may not use it", param="model",
-            code="model_not_found",
-        )  # fmt: skip
+        raise model_not_found(body.model, [serving.model_name] if tenant.may_use_model(serving.model_name) else [])
 
 
 class WireCompletionRequest(CompletionRequest):

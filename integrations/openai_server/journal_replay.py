@@ -1,6 +1,6 @@
 """Replaying the journal: a server on the ``kv_cache_dir`` of one that drained finishes the requests it journalled.
 
-At start-up (once the engine serves) each ``journal.JournalEntry`` of the served model is run
+At start-up (once the engines serve) each ``journal.JournalEntry`` of a served chat model is run on that model
 again through its tenant's SDK client as a continuation of what its caller received
 (``AsyncClient.stream(resume_token_ids=...)``, the engine's resume path): the prompt is rendered
 again, its KV comes from the prefix cache the drained server saved, and only the rest is
@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -61,9 +62,11 @@ class JournalReplays:
         self._results: OrderedDict[tuple[str, str], asyncio.Future[BaseModel]] = OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def start(self, state: ServerState, serving: Serving) -> int:
-        """Starts replaying every entry of the journal that ``serving`` can run; returns how many started."""
+    def start(self, state: ServerState, servings: Sequence[Serving]) -> int:
+        """Starts replaying every entry of the journal on the chat model it was journalled for (one of
+        ``servings``); returns how many started."""
         for entry in self.journal.load():
+            serving = next((s for s in servings if s.model_name == entry.model), servings[0])
             try:
                 requests = self._requests(state, serving, entry)
             except (ApiError, KeyError, ValueError) as exc:  # NOTE: a pydantic ValidationError is a ValueError

@@ -10,7 +10,9 @@ Two derived gauges: ``paged_kv_cache_usage`` (used / total blocks) and
 ``paged_http_requests_total{route,status}``, ``paged_pooling_requests_total{route}``,
 ``paged_pooling_prompt_tokens_total{route}`` and ``paged_requests_continued_total`` (the fleet's failover). The pooling engines' batches (``stats()["pooling"]``, every
 engine of the server together) are ``paged_pooling_{inputs,tokens,batches}_total{kind}`` and the histograms
-``paged_pooling_{queue_time_seconds,compute_time_seconds,batch_size}{kind}``. docs/server.md lists them all.
+``paged_pooling_{queue_time_seconds,compute_time_seconds,batch_size}{kind}``. With several chat models
+(``paged serve --model A --model B``) every engine family has a ``model`` label, one series per model (the pooling
+families stay summed). docs/server.md lists them all.
 """
 
 from __future__ import annotations
@@ -77,69 +79,98 @@ def _labelled(
 
 
 class EngineCollector(Collector):
-    """A collector over a ``stats()`` callable; reports nothing until one is bound."""
+    """A collector over a ``stats()`` callable; reports nothing until one is bound.
+
+    ``bind`` takes one engine's ``stats()``; ``bind_models`` each chat model's by its served name. One
+    model's figures are exported as they are; several models' carry a ``model`` label (vLLM's
+    ``model_name``), one series per model in every family, so a sum over the label is the server's whole.
+    """
 
     def __init__(self) -> None:
-        self._stats: Callable[[], Mapping[str, Any]] | None = None
+        self._stats: Callable[[], Mapping[str, Mapping[str, Any]]] | None = None
 
     def bind(self, stats: Callable[[], Mapping[str, Any]]) -> None:
+        self._stats = lambda: {"": stats()}
+
+    def bind_models(self, stats: Callable[[], Mapping[str, Mapping[str, Any]]]) -> None:
         self._stats = stats
 
     def collect(self) -> Iterator[Any]:
         if self._stats is None:
             return
-        stats = self._stats()
+        by_model = self._stats()
+        if not by_model:
+            return
+        labelled = len(by_model) > 1
+        models = [([name] if labelled else [], stats) for name, stats in by_model.items()]
+        extra = ["model"] if labelled else []
+
+        def family(
+            kind: type[Any], name: str, doc: str, labels: list[str], samples: Iterable[tuple[list[str], float]]
+        ) -> Any:
+            metric = kind(PREFIX + name, doc, labels=extra + labels)
+            for values, value in samples:
+                metric.add_metric(values, float(value))
+            return metric
+
         for key, doc in GAUGES.items():
-            if key in stats:
-                yield GaugeMetricFamily(PREFIX + key, doc, value=float(stats[key]))
+            samples = [(m, s[key]) for m, s in models if key in s]
+            if samples:
+                yield family(GaugeMetricFamily, key, doc, [], samples)
         for key, doc in COUNTERS.items():
-            if key in stats:
-                yield CounterMetricFamily(PREFIX + key, doc, value=float(stats[key]))
-        total, used = stats.get("kv_blocks_total"), stats.get("kv_blocks_used")
-        if total:
-            yield GaugeMetricFamily(
-                PREFIX + "kv_cache_usage", "Fraction of KV blocks in use.", value=used / total
-            )
-        queries, hits = stats.get("prefix_cache_queries"), stats.get("prefix_cache_hits")
-        if queries is not None and hits is not None:
-            yield GaugeMetricFamily(
-                PREFIX + "prefix_cache_hit_rate",
-                "Prompt tokens served from the prefix cache / prompt tokens queried.",
-                value=hits / queries if queries else 0.0,
-            )
-        if "request_success" in stats:
-            counts = {reason: 0 for reason in SUCCESS_REASONS} | dict(stats["request_success"])
-            yield _labelled(
-                CounterMetricFamily, "request_success", "Requests finished, by finish reason (aborts apart).",
-                ["finished_reason"], (([reason], n) for reason, n in counts.items()),
+            samples = [(m, s[key]) for m, s in models if key in s]
+            if samples:
+                yield family(CounterMetricFamily, key, doc, [], samples)
+        usage = [(m, s["kv_blocks_used"] / s["kv_blocks_total"]) for m, s in models if s.get("kv_blocks_total")]
+        if usage:
+            yield family(GaugeMetricFamily, "kv_cache_usage", "Fraction of KV blocks in use.", [], usage)
+        hit_rates = [
+            (m, s["prefix_cache_hits"] / s["prefix_cache_queries"] if s["prefix_cache_queries"] else 0.0)
+            for m, s in models if s.get("prefix_cache_queries") is not None and s.get("prefix_cache_hits") is not None
+        ]  # fmt: skip
+        if hit_rates:
+            yield family(
+                GaugeMetricFamily, "prefix_cache_hit_rate",
+                "Prompt tokens served from the prefix cache / prompt tokens queried.", [], hit_rates,
             )  # fmt: skip
-        if "tenant_requests" in stats:
-            yield _labelled(
+        if any("request_success" in s for _, s in models):
+            yield family(
+                CounterMetricFamily, "request_success", "Requests finished, by finish reason (aborts apart).",
+                ["finished_reason"],
+                ((m + [reason], n) for m, s in models if "request_success" in s
+                 for reason, n in ({reason: 0 for reason in SUCCESS_REASONS} | dict(s["request_success"])).items()),
+            )  # fmt: skip
+        if any("tenant_requests" in s for _, s in models):
+            yield family(
                 GaugeMetricFamily, "tenant_requests", "Requests of each active tenant, running or waiting.",
                 ["tenant", "state"],
-                (([tenant, state], states[state]) for tenant, states in stats["tenant_requests"].items()
-                 for state in ("running", "waiting")),
+                ((m + [tenant, state], states[state]) for m, s in models
+                 for tenant, states in s.get("tenant_requests", {}).items() for state in ("running", "waiting")),
             )  # fmt: skip
-        if "tenant_computed_tokens" in stats:
-            yield _labelled(
+        if any("tenant_computed_tokens" in s for _, s in models):
+            yield family(
                 CounterMetricFamily, "tenant_computed_tokens",
                 "Tokens computed for each tenant (its fair-share usage).", ["tenant"],
-                (([tenant], n) for tenant, n in stats["tenant_computed_tokens"].items()),
+                ((m + [tenant], n) for m, s in models for tenant, n in s.get("tenant_computed_tokens", {}).items()),
             )  # fmt: skip
-        if "spec_decode_num_accepted_tokens_per_pos" in stats:
-            yield _labelled(
+        if any("spec_decode_num_accepted_tokens_per_pos" in s for _, s in models):
+            yield family(
                 CounterMetricFamily, "spec_decode_num_accepted_tokens_per_pos",
                 "Draft tokens accepted, by position in the drafts.", ["position"],
-                (([str(position)], n) for position, n in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"])),
+                ((m + [str(position)], n) for m, s in models
+                 for position, n in enumerate(s.get("spec_decode_num_accepted_tokens_per_pos", ()))),
             )  # fmt: skip
         for key, doc in HISTOGRAMS.items():
-            if key in stats:
-                buckets, _, total_sum = histogram_parts(stats[key])
-                yield HistogramMetricFamily(
-                    PREFIX + key, doc, buckets=buckets, sum_value=total_sum
-                )
-        if "pooling" in stats:
-            yield from _pooling_families(stats["pooling"])
+            present = [(m, s[key]) for m, s in models if key in s]
+            if present:
+                histogram = HistogramMetricFamily(PREFIX + key, doc, labels=extra)
+                for m, hist in present:
+                    buckets, _, total_sum = histogram_parts(hist)
+                    histogram.add_metric(m, buckets, total_sum)
+                yield histogram
+        pooling = [s["pooling"] for _, s in models if "pooling" in s]
+        if pooling:
+            yield from _pooling_families(pooling[0])
 
 
 # the pooling engines' figures by kind (engine.pooling.pooling_stats): stats key -> (exported name, help)

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict
 from integrations.openai_server import protocol as p
 from integrations.openai_server.errors import ApiError, from_sdk
 from integrations.openai_server.intake import check_common, origin, parse_body
-from integrations.openai_server.state import STATE, TENANT, ServerState
+from integrations.openai_server.state import STATE, TENANT, ServerState, route_request
 from sdk.errors import ContentBlocked, InvalidRequestError, PagedError
 
 
@@ -91,7 +91,7 @@ async def _client_and_body(request: web.Request, kind: type[_PoolingBody]) -> tu
     state.require_serving()
     tenant = request[TENANT]
     body = await parse_body(request, kind, tenant)
-    serving = state.require_serving(body.model, pooling=True)
+    serving = route_request(request, body.model, pooling=True)
     check_common(body, serving, tenant)
     return serving.client(tenant.name, tenant.policy), body, state, serving.model_name
 

@@ -30,7 +30,7 @@ from integrations.openai_server.errors import ApiError, bad_request, from_sdk
 from integrations.openai_server.intake import check_common, origin, parse_body
 from integrations.openai_server.metrics import PREFIX
 from integrations.openai_server.sse import EventStream
-from integrations.openai_server.state import STATE, TENANT, cancel_on_disconnect
+from integrations.openai_server.state import STATE, TENANT, cancel_on_disconnect, route_request
 from sdk.errors import PagedError
 from sdk.responses.config import ResponsesConfig
 from sdk.responses.pins import RELEASE_REASONS
@@ -75,9 +75,10 @@ def add_routes(app: web.Application, config: ResponsesConfig | None = None, kv_c
 
 async def create(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    serving = state.require_serving()
+    state.require_serving()
     tenant = request[TENANT]
     body = await parse_body(request, ResponseRequest, tenant)
+    serving = route_request(request, body.model)
     check_common(body, serving, tenant)
     client = serving.client(tenant.name, tenant.policy)
     task = asyncio.current_task()
@@ -86,7 +87,9 @@ async def create(request: web.Request) -> web.StreamResponse:
     with state.track(new_id("responses"), task) as shutdown, cancel_on_disconnect(request, task):
         try:
             try:
-                stream = await request.app[RESPONDER].open(client, body, origin=origin(request), stream=body.stream)
+                stream = await request.app[RESPONDER].open(
+                    client, body, origin=origin(request), stream=body.stream, model=serving.model_name
+                )
             except PagedError as exc:
                 raise from_sdk(exc, None) from None
             async with contextlib.aclosing(stream):

@@ -21,7 +21,7 @@ from integrations.openai_server.relay import RELAY, Continuation, marker
 from integrations.openai_server.wire_pieces import chat_logprobs, completion_logprobs, token_ids, usage
 from integrations.openai_server.serving import Serving
 from integrations.openai_server.sse import EventStream
-from integrations.openai_server.state import STATE, TENANT, ServerState, cancel_on_disconnect
+from integrations.openai_server.state import STATE, TENANT, ServerState, cancel_on_disconnect, route_request
 from sdk.errors import PagedError, RequestJournalled
 from sdk.tools import collect_calls
 from sdk.types import Delta
@@ -72,7 +72,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = _state(request)
     state.require_serving()
     body = await parse_body(request, p.ChatCompletionRequest, _tenant(request))
-    serving = state.require_serving(body.model)
+    serving = route_request(request, body.model)
     check_common(body, serving, _tenant(request))
     return await _Run(request, state, serving, body, "chat").execute()
 
@@ -81,7 +81,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state = _state(request)
     state.require_serving()
     body = await parse_body(request, p.CompletionRequest, _tenant(request))
-    serving = state.require_serving(body.model)
+    serving = route_request(request, body.model)
     check_common(body, serving, _tenant(request))
     prompts = body.prompts()
     if not prompts or any(len(x) == 0 for x in prompts):

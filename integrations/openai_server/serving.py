@@ -93,6 +93,11 @@ class Serving:
         return self._served_name or self.engine.model_name
 
     @property
+    def is_pooling(self) -> bool:
+        """The model embeds or scores (an embedder, a reranker) rather than generates."""
+        return getattr(self.engine, "task", "generate") != "generate"
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from engine.pooling.pooling_stats import merge_pooling
 
-from integrations.openai_server.errors import RETRY_AFTER, ApiError
+from integrations.openai_server.errors import RETRY_AFTER, ApiError, model_not_found
 from integrations.openai_server.journal import RequestJournal
 from integrations.openai_server.metrics import EngineCollector, ServerMetrics
 from integrations.openai_server.policy import ANONYMOUS, ServerPolicy, Tenant, key_id
@@ -49,7 +49,7 @@ class ServerState:
     drain_timeout: float
     phase: Phase = Phase.STARTING
     serving: Serving | None = None  # the main model's
-    beside: dict[str, Serving] = field(default_factory=dict)  # pooling models served beside it, by name
+    beside: dict[str, Serving] = field(default_factory=dict)  # the other models (chat, then pooling), by served name
     collector: EngineCollector = field(default_factory=EngineCollector)
     metrics: ServerMetrics = field(init=False)
     # request id -> (set when shutdown aborts it, its handler task)
@@ -84,22 +84,31 @@ class ServerState:
         """Every model's serving glue: the main model's first."""
         return [s for s in (self.serving, *self.beside.values()) if s is not None]
 
-    def stats(self) -> dict[str, Any]:
-        """What ``/metrics`` exports: the main engine's figures, its ``pooling`` ones summed over every engine."""
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """What ``/metrics`` exports, by chat model (the main one first): each engine's figures, and under the
+        main model's ``pooling`` the pooling figures summed over every engine."""
         servings = self.servings()
         if not servings:
             return {}
-        stats = dict(servings[0].stats())
-        pooling = [s.stats().get("pooling") for s in servings[1:]]
-        if "pooling" in stats and any(pooling):
-            stats["pooling"] = merge_pooling(stats["pooling"], *(p for p in pooling if p))
-        return stats
+        chat = [servings[0], *(s for s in servings[1:] if not s.is_pooling)]
+        by_model = {s.model_name: dict(s.stats()) for s in chat}
+        main = by_model[servings[0].model_name]
+        # NOTE: the pooling figures go once, under the main model: the other chat engines' leave theirs
+        pooling = [
+            s.stats().get("pooling") if s.is_pooling else by_model[s.model_name].pop("pooling", None) for s in servings[1:]
+        ]
+        if "pooling" in main and any(pooling):
+            main["pooling"] = merge_pooling(main["pooling"], *(p for p in pooling if p))
+        return by_model
 
-    def require_serving(self, model: str | None = None, pooling: bool = False) -> Serving:
-        """The serving glue of ``model`` (None: the main model's; on a ``pooling`` route, the first pooling
-        model's beside it, if any), or a 503 while starting, restarting, draining or dead.
+    def require_serving(
+        self, model: str | None = None, *, tenant: Tenant | None = None, pooling: bool = False
+    ) -> Serving:
+        """The serving glue of the model a request names, or a 503 while starting, restarting, draining or dead.
 
-        A ``model`` no serving has gets the main one (whose check answers 404).
+        ``model`` None: the main model's (the first served), or on a ``pooling`` route the first pooling
+        model's beside it, if any. A ``model`` no serving has, or one ``tenant`` may not use, is a 404
+        ``model_not_found`` naming the field and the models the tenant may use.
 
         While the engine restarts, the code is the SDK's ``EngineRestarting`` one, so a remote SDK
         client retries it as it retries a request the restart cut short.
@@ -112,11 +121,15 @@ class ServerState:
                 code=EngineRestarting.code if phase is Phase.RESTARTING else f"server_{phase.value}",
                 headers={"Retry-After": RETRY_AFTER},
             )
-        if model is not None:
-            return next((s for s in self.servings() if s.model_name == model), self.serving)
-        if pooling and self.beside:
-            return next(iter(self.beside.values()))
-        return self.serving
+        if model is None:
+            if pooling:
+                return next((s for s in self.beside.values() if s.is_pooling), self.serving)
+            return self.serving
+        found = next((s for s in self.servings() if s.model_name == model), None)
+        if found is None or (tenant is not None and not tenant.may_use_model(model)):
+            served = [s.model_name for s in self.servings() if tenant is None or tenant.may_use_model(s.model_name)]
+            raise model_not_found(model, served)
+        return found
 
     def tenant_for(self, authorization: str | None) -> Tenant | None:
         """The tenant of a valid ``Authorization: Bearer <key>`` header; None when invalid."""
@@ -165,6 +178,14 @@ def cancel_on_disconnect(request: web.Request, task: asyncio.Task) -> Iterator[N
 
 STATE = web.AppKey("paged_state", ServerState)
 TENANT = web.RequestKey("paged_tenant", Tenant)
+SERVING = web.RequestKey("paged_serving", Serving)  # the model a request was routed to (its rate-limit headers')
+
+
+def route_request(request: web.Request, model: str | None, pooling: bool = False) -> Serving:
+    """``ServerState.require_serving`` for the request's tenant, noted on the request (``SERVING``)."""
+    serving = request.app[STATE].require_serving(model, tenant=request[TENANT], pooling=pooling)
+    request[SERVING] = serving
+    return serving
 
 
 def parse_keys(api_key: str | Sequence[str] | Mapping[str, str] | None) -> dict[str, str]:

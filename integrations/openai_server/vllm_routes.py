@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from integrations.openai_server.errors import bad_request, from_sdk
 from integrations.openai_server.intake import chat_message, check_common, parse_body
 from integrations.openai_server.protocol import ChatMessageParam
-from integrations.openai_server.state import STATE, TENANT
+from integrations.openai_server.state import STATE, TENANT, route_request
 from sdk.errors import PagedError
 from sdk.prompt_worker import PROMPT_WORKER
 from sdk.tools import to_tools
@@ -63,9 +63,10 @@ def add_routes(app: web.Application) -> None:
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    serving = request.app[STATE].require_serving()
+    request.app[STATE].require_serving()
     tenant = request[TENANT]
     body = await parse_body(request, TokenizeRequest, tenant)
+    serving = route_request(request, body.model)
     check_common(body, serving, tenant)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give a prompt or messages, not both", param="prompt")
@@ -89,9 +90,10 @@ async def tokenize(request: web.Request) -> web.Response:
 
 
 async def detokenize(request: web.Request) -> web.Response:
-    serving = request.app[STATE].require_serving()
+    request.app[STATE].require_serving()
     tenant = request[TENANT]
     body = await parse_body(request, DetokenizeRequest, tenant)
+    serving = route_request(request, body.model)
     check_common(body, serving, tenant)
     tokenizer = serving.engine.tokenizer
     vocab = len(tokenizer)

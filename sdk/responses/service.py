@@ -79,9 +79,12 @@ class Responder:
         self.pins = ConversationPins(self.config)
 
     async def open(
-        self, client: ChatClient, request: Any, *, origin: RequestOrigin | None = None, stream: bool = True
+        self, client: ChatClient, request: Any, *, origin: RequestOrigin | None = None, stream: bool = True,
+        model: str | None = None,
     ) -> AsyncIterator[ResponseEvent]:
         """Start ``request`` (a ``ResponseRequest``) on ``client``; its events, from ``response.created``.
+
+        ``model`` is the model id the response names (a server's served name); None = the client's model.
 
         The reply's first output is awaited here, so a bad request, an unknown
         ``previous_response_id``, a refusal by a hook or the engine raise from this call,
@@ -109,7 +112,7 @@ class Responder:
             conversation = await self._fit(client, tenant, conversation, chat)
             chat = chat.model_copy(update={"messages": conversation.messages})
         await client.start()
-        response = _response(request, client.model_name)
+        response = _response(request, model or client.model_name)
         want_logprobs = chat.logprobs is not None
         deltas = client.stream(chat, origin=origin)
         try:

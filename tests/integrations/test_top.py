@@ -116,6 +116,35 @@ def test_figures_rates_and_windowed_quantiles():
     assert history.add(Scrape.parse(AFTER, at=41.0)).base.time == 31.0
 
 
+def test_several_models_sum_and_each_has_a_row():
+    """A server of several chat models labels its engine metrics by model: the figures sum them, and a Models
+    table shows each one's load."""
+    from rich.console import Console
+
+    from integrations.top import render
+
+    def scrape(tokens: int, at: float) -> Scrape:
+        lines = [
+            f'paged_{name}{{model="{model}"}} {value}'
+            for model, scale in (("llama", 1), ("qwen", 2))
+            for name, value in (("kv_blocks_total", 64), ("kv_blocks_used", 4 * scale), ("num_requests_running", scale),
+                                ("generation_tokens_total", tokens * scale))
+        ]  # fmt: skip
+        return Scrape.parse("\n".join(lines) + "\n", at=at)
+
+    history = History()
+    history.add(scrape(100, at=10.0))
+    f = history.add(scrape(200, at=12.0))
+    assert f.models() == ["llama", "qwen"] and f.value("paged_kv_blocks_total") == 128
+    assert f.rate("paged_generation_tokens_total") == pytest.approx(150.0)
+    assert f.rate("paged_generation_tokens_total", model="qwen") == pytest.approx(100.0)
+    console = Console(width=160, record=True)
+    console.print(render(f, "http://x"))
+    rows = {line.split()[0]: line.split() for line in console.export_text().splitlines() if line.split()[:1] in (["llama"], ["qwen"])}
+    assert rows["llama"][1:4] == ["1", "-", "50.0"] and rows["qwen"][1:4] == ["2", "-", "100.0"]
+    assert f.value("paged_num_requests_running") == 3 and not Figures(Scrape.parse("", at=1.0), None).models()
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model_factory):
     """One keyed server over a tiny llama."""

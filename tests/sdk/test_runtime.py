@@ -200,9 +200,10 @@ async def test_run_sync_from_the_loop_thread_raises(fake_engine):
 
 
 def test_conflicting_settings_are_named(fake_engine):
-    """runtime= with model, engine fields, base_url or transport, and engine= with model or fields, are refused."""
+    """runtime= with engine fields, base_url or transport, and engine= with model or fields, are refused (a model
+    with runtime= names one of its chat models)."""
     runtime = Runtime(engine=fake_engine)
-    with pytest.raises(ValueError, match=r"runtime and model, num_blocks both given"):
+    with pytest.raises(ValueError, match=r"runtime and num_blocks both given"):
         AsyncClient("m", runtime=runtime, num_blocks=8)
     with pytest.raises(ValueError, match=r"runtime and base_url both given"):
         Client(runtime=runtime, base_url="http://127.0.0.1:1")

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 _SOURCES = (
     "vec.h", "kernels.h", "linear.h", "linear_layout.h", "linear_path.h", "linear_tiles16.h", "bf16_kernels.h",
     "attention_amx.h", "attention_dot.h", "attention_rows.h", "attention_split.h", "attention.c", "attention_bf16.c", "attention_i8.c",
-    "elementwise.c",
+    "elementwise.c", "memory_read.c",
     "linear.c", "linear_path.c", "linear_bf16.c", "linear_int8.c", "token_mask.c", "argmax.c", "decoder.c",
     "ggml_blocks.h", "ggml_generic.h", "ggml_avx2.h", "ggml_x16.h", "ggml_avx512.h", "ggml_unpacked.h", "linear_ggml.c",
 )
@@ -164,6 +164,7 @@ _SIGNATURES = {
     "ggml_linear_path": [],
     "ggml_linear_limit": [ctypes.c_int],
     "ggml_unpacked_rows": [_I64],
+    "memory_read": [_PTR, _I64],  # data, bytes
     "ggml_x16_type_for": [ctypes.c_int32, _I64],  # ggml type, rows
     "ggml_x16_pack": [ctypes.c_int32, _PTR, _I64, _I64, _PTR],  # ggml type, data, rows, in features, out
     # ggml type, data, rows, in features, first output row, codes, scales
@@ -190,7 +191,7 @@ _RETURN_STATUS = {
     "ggml_x16_type_for", "ggml_x16_pack", "ggml_int8_panels",
 }
 _RESTYPES = {name: ctypes.c_int for name in _RETURN_STATUS} | {
-    "decoder_scratch": ctypes.c_int64, "ggml_type_row_bytes": ctypes.c_int64,
+    "decoder_scratch": ctypes.c_int64, "ggml_type_row_bytes": ctypes.c_int64, "memory_read": ctypes.c_uint64,
 }  # else void
 
 

@@ -10,6 +10,11 @@ What llama-bench measures, measured on the engine the same way:
 
 Each is repeated ``--rounds`` times after an untimed warm-up of both, every prompt fresh (nothing comes
 from the prefix cache); the rate is the mean of the repetitions' rates, as llama-bench reports it.
+
+Unless ``--no-ceiling``, beside them the bound memory sets: a decode step reads every linear weight's bytes
+(``stats()["weights"]["bytes"]``) and the KV cache of its tokens (``depth`` + half the new ones on average) once,
+so this machine's read speed (``ceiling.read_bandwidth``) over those bytes is the most tokens a second batch 1 can
+decode without reading fewer bytes.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from integrations.bench.ceiling import read_bandwidth
 from integrations.bench.engine_runs import EngineSpec, greedy_params, run_batch
 from integrations.bench.report import ENGINE
 
@@ -24,13 +30,14 @@ WARM_UP_TOKENS = 8
 
 
 def engine_batch1(
-    spec: EngineSpec, prompt_tokens: int, gen_tokens: int, repetitions: int, depth: int = 0
+    spec: EngineSpec, prompt_tokens: int, gen_tokens: int, repetitions: int, depth: int = 0, ceiling: bool = True
 ) -> dict[str, Any]:
     """The engine's batch-1 decode (with ``depth`` tokens in the cache) and prefill rates.
 
     Returns:
-        ``{"name", "decode_tok_s", "prefill_tok_s", "decode_samples", "prefill_samples", "weights"}``, the last what
-        its linear weights ran as (``stats()["weights"]``).
+        ``{"name", "decode_tok_s", "prefill_tok_s", "decode_samples", "prefill_samples", "weights", "ceiling"}``:
+        ``weights`` what its linear weights ran as (``stats()["weights"]``), ``ceiling`` ``memory_ceiling``'s
+        (None without ``ceiling``).
     """
     engine = spec.build()
     rng = random.Random(spec.settings.get("seed") or 0)
@@ -57,6 +64,29 @@ def engine_batch1(
         "decode_samples": decode,
         "prefill_samples": prefill,
         "weights": engine.stats().get("weights"),
+        "ceiling": memory_ceiling(engine, depth, gen_tokens) if ceiling else None,
+    }
+
+
+def memory_ceiling(engine: Any, depth: int, gen_tokens: int) -> dict[str, Any] | None:
+    """The decode rate this machine's memory allows the engine: ``{"read_gb_s", "weight_bytes", "kv_bytes_per_token",
+    "bytes_per_token", "tok_s"}``; None where the weights' bytes or the KV cache are not the driver's to count (a
+    GPU, ranks in other processes)."""
+    weights = engine.stats().get("weights") or {}
+    kv = getattr(engine.runner, "kv_cache", None)
+    if not weights.get("bytes") or kv is None or kv.device.type != "cpu":
+        return None
+    cached = kv.shape[2] * kv.shape[3]  # blocks x block size
+    scales = getattr(engine.runner, "kv_scales", None)  # an int8 cache's float32 scales
+    kv_per_token = (kv.nbytes + (scales.nbytes if scales is not None else 0)) / cached
+    step = weights["bytes"] + kv_per_token * (depth + gen_tokens / 2)
+    bandwidth = read_bandwidth()
+    return {
+        "read_gb_s": bandwidth / 1e9,
+        "weight_bytes": weights["bytes"],
+        "kv_bytes_per_token": kv_per_token,
+        "bytes_per_token": step,
+        "tok_s": bandwidth / step,
     }
 
 
@@ -106,6 +136,15 @@ def format_batch1(batch1: dict[str, Any]) -> str:
     for r in batch1["results"]:
         samples = " / ".join(f"{v:.1f}" for v in r["decode_samples"])
         lines.append(f"- {r['name']}: decode each repetition {samples} tok/s")
+    ceiling = batch1["results"][0].get("ceiling")
+    if ceiling:
+        kv = ceiling["bytes_per_token"] - ceiling["weight_bytes"]
+        lines.append(
+            f"- memory bound: this machine reads {ceiling['read_gb_s']:.1f} GB/s on {batch1['threads']} threads; a "
+            f"decode step reads {ceiling['bytes_per_token'] / 1e6:.0f} MB (weights {ceiling['weight_bytes'] / 1e6:.0f} "
+            f"MB, KV cache {kv / 1e6:.0f} MB): at most {ceiling['tok_s']:.1f} tok/s, the engine at "
+            f"{batch1['results'][0]['decode_tok_s'] / ceiling['tok_s']:.0%} of it"
+        )
     return "\n".join(lines)
 
 

@@ -1,10 +1,12 @@
-"""The machine's own ceiling for a model: matmul throughput at the model's linear-layer shapes.
+"""The machine's own ceilings for a model: matmul throughput at its linear-layer shapes, and memory-read speed.
 
 A decode step of ``batch`` sequences multiplies a ``[batch, in]`` activation by every
 linear layer's ``[in, out]`` weight once per token, so a token costs
 ``2 * params_in_matmuls`` FLOPs. Timing exactly those matmuls at the run's dtype gives the
 best tokens/s the machine can reach for this model if everything else (attention,
 norms, sampling, Python) were free; the engine's throughput is reported as a fraction of it.
+At batch 1 a decode step reads every weight byte and the KV cache once: ``read_bandwidth``
+measures how fast this machine reads memory, which bounds that step (``batch1``).
 """
 
 from __future__ import annotations
@@ -77,6 +79,22 @@ def _best_seconds(fn: Callable[[], Any], min_time_s: float) -> float:
             best = min(best, (time.perf_counter() - start) / reps)
             if time.perf_counter() >= deadline:
                 return best
+
+
+def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes a second this machine reads from memory on the run's threads: the best of ``repeats`` reads of a
+    buffer of ``nbytes`` (far past the caches), 64 bytes a load (``memory_read.c``; torch's sum without the
+    kernels)."""
+    buffer = torch.ones(nbytes // 4)
+    lib = cpu_kernels.library()
+    read = (lambda: lib.memory_read(buffer.data_ptr(), buffer.nbytes)) if lib is not None else buffer.sum
+    read()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        read()
+        best = min(best, time.perf_counter() - start)
+    return buffer.nbytes / best
 
 
 def measure_ceiling(

@@ -138,7 +138,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--batch-size", type=_int_list, default=[32], help="embed: sentence-transformers' batch sizes (comma-separated)"
     )
     parser.add_argument("--queries", type=_positive_int, default=20, help="embed: single-query calls timed each")
-    parser.add_argument("--no-ceiling", action="store_true", help="skip the matmul ceiling measurement")
+    parser.add_argument(
+        "--no-ceiling", action="store_true",
+        help="skip the matmul ceiling measurement (batch1: the memory-read bound)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     http_command.add_arguments(parser)
     add_engine_arguments(parser)
@@ -267,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
         depth = args.depth or 0
         prompt_tokens = args.prompt_tokens or args.depth or DEFAULT_PROMPT_TOKENS
         bar.set_postfix_str("engine")
-        rows = [engine_batch1(spec, prompt_tokens, args.max_tokens, args.rounds, depth)]
+        rows = [engine_batch1(spec, prompt_tokens, args.max_tokens, args.rounds, depth, not args.no_ceiling)]
         if llamacpp is not None:
             bar.set_postfix_str("llama-bench")
             rows.append(
@@ -336,7 +339,7 @@ def run(args: argparse.Namespace) -> int:
             args.profile_dir,
         )
     ceiling = None
-    if not args.no_ceiling:
+    if not args.no_ceiling and args.workload != BATCH1:  # batch 1's bound is memory's, in its section
         bar.set_postfix_str("matmul ceiling")
         # NOTE: the engine's compute dtype: float32 over bfloat16 weights on CPU (its kernels pick the bfloat16 path).
         ceiling = measure_ceiling(model_dir, compute_dtype, weight_dtype)

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from engine.model_files.gguf import GGUFFile
 from engine.model_files.gguf_writer import write_gguf
-from integrations.bench import llamacpp_runs
+from integrations.bench import batch1, ceiling, llamacpp_runs
 from integrations.bench.llamacpp_runs import LlamaCpp, LlamaCppMissing, LlamaCppRunFailed, find_llamacpp
 from integrations.bench.report import ENGINE
 from integrations.cli import main
@@ -270,6 +271,37 @@ def test_batch1_at_depth_times_the_decode_after_the_prompt(
     assert "| contender | decode tok/s (tg4 @ d200) | x engine | prefill tok/s (pp200) | x engine |" in (
         capsys.readouterr().out
     )
+
+
+def test_batch1_sets_the_decode_beside_the_bound_memory_reads_give(
+    tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """Without --no-ceiling, batch1 reports the machine's memory-read speed and the decode rate it allows: the
+    weights' bytes plus the KV cache of the tokens a step attends to (the depth and half the new ones), once a
+    step."""
+    monkeypatch.setattr(batch1, "read_bandwidth", lambda: 10e9)
+    out = tmp_path / "m.json"
+    rc = main([
+        "bench", "--model", str(tiny_gguf), "--workload", "batch1", "--depth", "40", "--max-tokens", "8",
+        "--threads", "1", "--no-progress", "--json", str(out),
+    ])  # fmt: skip
+    assert rc == 0
+    report = json.loads(out.read_text())
+    engine = report["batch1"]["results"][0]
+    ceiling = engine["ceiling"]
+    meta = GGUFFile(tiny_gguf).metadata
+    heads, kv_heads = meta["llama.attention.head_count"], meta["llama.attention.head_count_kv"]
+    kv_values = meta["llama.block_count"] * 2 * kv_heads * meta["llama.embedding_length"] // heads  # K and V a token
+    assert ceiling["kv_bytes_per_token"] in (2 * kv_values, 4 * kv_values)  # a bfloat16 or float32 cache
+    assert report["ceiling"] is None and ceiling["weight_bytes"] == engine["weights"]["bytes"] > 0
+    assert ceiling["bytes_per_token"] == pytest.approx(ceiling["weight_bytes"] + ceiling["kv_bytes_per_token"] * (40 + 4))
+    assert ceiling["tok_s"] == pytest.approx(10e9 / ceiling["bytes_per_token"]) and ceiling["read_gb_s"] == 10.0
+    assert f"at most {ceiling['tok_s']:.1f} tok/s" in capsys.readouterr().out
+
+
+def test_the_machine_reads_memory_at_a_measured_rate() -> None:
+    """read_bandwidth times a real read of a buffer past the caches: a rate any machine exceeds."""
+    assert ceiling.read_bandwidth(1 << 26, 2) > 1e8
 
 
 def test_depth_applies_to_batch1_alone(tiny_gguf: Path, capsys: pytest.CaptureFixture) -> None:

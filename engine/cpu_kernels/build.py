@@ -46,7 +46,7 @@ BF16_LINEAR_PATHS = ("widened", "avx512-bf16", "amx")
 BF16_ATTENTION_PATHS = ("widened", "avx512-bf16", "amx")
 # What linear_w8a8 multiplies on, by the C enum's value: int8 sums in plain C, AVX512-VNNI.
 INT8_LINEAR_PATHS = ("generic", "avx512-vnni")
-# What linear_ggml runs on, by the C enum's value: plain C, AVX2, AVX512-VNNI (Q4_0, Q4_K and Q6_K repacked in
+# What linear_ggml runs on, by the C enum's value: plain C, AVX2, AVX512-VNNI (Q4_0, Q8_0, Q4_K and Q6_K repacked in
 # groups of 16 rows at load, ggml_x16.h; the other types on AVX2).
 GGML_LINEAR_PATHS = ("generic", "avx2", "avx512-vnni")
 # Where attention fetches the cache lines of the next chunk, by attention_fetch_into's level: the machine's

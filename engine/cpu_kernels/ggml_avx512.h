@@ -57,6 +57,26 @@ static inline __attribute__((always_inline)) void tile_q4_0_x16(const uint8_t *w
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + X16 * r, acc[r]);
 }
 
+/* Q8_0: w = d q, the codes stored as q + 128, so a column's block is d x.d (sum((q + 128) x) - 128 sum(x)), the sum
+ * starting from x.start = -128 sum(x). */
+static inline __attribute__((always_inline)) void tile_q8_0_x16(const uint8_t *w, const act_q8 *a, int64_t a_row,
+                                                                int R, int64_t K, float *out) {
+    __m512 acc[GGML_TILE_ROWS];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < K / QK; ++i, w += X16 * sizeof(block_q8_0)) {
+        __m512i codes[8];
+        for (int c = 0; c < 8; ++c) codes[c] = _mm512_loadu_si512(w + 32 + 64 * c);
+        const __m512 d = f16x16(w);
+        for (int r = 0; r < R; ++r) {
+            const act_q8 *x = a + r * a_row + i;
+            __m512i sum = _mm512_set1_epi32(x->start);
+            for (int c = 0; c < 8; ++c) sum = _mm512_dpbusd_epi32(sum, codes[c], codes4(x->qs, 4 * c));
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x->d)), _mm512_cvtepi32_ps(sum), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + X16 * r, acc[r]);
+}
+
 /* Q4_K: w = d sc_j q - dmin m_j for sub-block j; the 16 rows' 6-bit scales and mins unpacked as k4_scales does,
  * a lane a row: bytes 0..3 of sc03 are sc_0..3, of sc47 sc_4..7, and so for the mins. */
 static inline __attribute__((always_inline)) void tile_q4_K_x16(const uint8_t *w, const act_q8_K *a, int64_t a_row,

@@ -52,8 +52,9 @@ _Static_assert(sizeof(block_q5_K) == 176, "block_q5_K");
 _Static_assert(sizeof(block_q6_K) == 210, "block_q6_K");
 
 /* Activations for the legacy types: a row's blocks of 32 as int8 (x ~ d q, d = max |x| / 127), with
- * s = d sum(q) for the types whose weights carry an offset. */
-typedef struct { int8_t qs[QK]; float d, s; } act_q8;
+ * s = d sum(q) for the types whose weights carry an offset, and start = -128 sum(q), where the sum of an x16
+ * Q8_0 block's codes (stored as q + 128) starts. */
+typedef struct { int8_t qs[QK]; float d, s; int32_t start; } act_q8;
 
 /* Activations for the K-quants: a row's super-blocks of 256 as int8 (one d), the int sums of each 16
  * (Q6_K's offset), and d times the sums of each 32 (Q4_K's and Q5_K's mins). 352 bytes: the codes of
@@ -93,7 +94,9 @@ static inline void k4_scales(const uint8_t *q, uint8_t sc[8], uint8_t mn[8]) {
 
 /* Bytes per row of K features of a type (an x16 type: its file type's), 0 for a type not served here or K not a multiple of its block. */
 static inline int64_t ggml_row_bytes(int type, int64_t K) {
-    if (type == GGML_X16 + GGML_Q4_0 || type == GGML_X16 + GGML_Q4_K || type == GGML_X16 + GGML_Q6_K) type -= GGML_X16;
+    if (type == GGML_X16 + GGML_Q4_0 || type == GGML_X16 + GGML_Q8_0 || type == GGML_X16 + GGML_Q4_K ||
+        type == GGML_X16 + GGML_Q6_K)
+        type -= GGML_X16;
     switch (type) {
     case GGML_F32: return 4 * K;
     case GGML_F16: case GGML_BF16: return 2 * K;

@@ -182,6 +182,89 @@ static void rows_times_unpacked(int q6, const uint8_t *const u[2], const uint8_t
     }
 }
 
+/* `rows` rows of x (act_q8 [., K / QK], a_row blocks a row) times one or two x16 Q4_0 or Q8_0 groups w[0], w[1] read
+ * in place (their codes need no unpacking: Q4_0's a mask, or a shift and a mask, a load), plus bias, into y: the
+ * steps of tile_q4_0_x16 and tile_q8_0_x16, each broadcast of x feeding both groups. Inlined with constant q4, rows
+ * and two. */
+static inline __attribute__((always_inline)) void tile_legacy_pair(int q4, const uint8_t *const w[2], int two,
+                                                                   const act_q8 *a, int64_t a_row, int rows, int64_t K,
+                                                                   const float *bias, float *y, int64_t ld_y) {
+    const int G = two ? 2 : 1;
+    const int64_t block = X16 * (q4 ? sizeof(block_q4_0) : sizeof(block_q8_0));
+    const __m512i low4 = _mm512_set1_epi8(15);
+    __m512 acc[UNPACKED_TILE_ROWS][2];
+    for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < K / QK; ++i) {
+        const uint8_t *b[2] = {w[0] + i * block, w[1] + i * block};
+        __m512i sum[UNPACKED_TILE_ROWS][2];
+        for (int r = 0; r < rows; ++r)
+            sum[r][0] = sum[r][1] = q4 ? _mm512_setzero_si512() : _mm512_set1_epi32(a[r * a_row + i].start);
+        for (int c = 0; c < (q4 ? 4 : 8); ++c) {
+            __m512i wv[2][2]; /* Q4_0: the low nibbles (features 4 c ..) and the high ones (16 + 4 c ..) */
+            for (int h = 0; h < G; ++h) {
+                const __m512i v = _mm512_loadu_si512(b[h] + 32 + 64 * c);
+                wv[h][0] = q4 ? _mm512_and_si512(v, low4) : v;
+                if (q4) wv[h][1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            }
+            for (int r = 0; r < rows; ++r) {
+                const int8_t *x = a[r * a_row + i].qs;
+                const __m512i x0 = codes4(x, 4 * c);
+                for (int h = 0; h < G; ++h) sum[r][h] = _mm512_dpbusd_epi32(sum[r][h], wv[h][0], x0);
+                if (q4) {
+                    const __m512i x1 = codes4(x, 16 + 4 * c);
+                    for (int h = 0; h < G; ++h) sum[r][h] = _mm512_dpbusd_epi32(sum[r][h], wv[h][1], x1);
+                }
+            }
+        }
+        for (int h = 0; h < G; ++h) {
+            const __m512 d = f16x16(b[h]);
+            for (int r = 0; r < rows; ++r) {
+                const act_q8 *x = a + r * a_row + i;
+                if (q4) /* Q4_0: d (x.d sum(q x) - 8 x.s) */
+                    acc[r][h] = _mm512_fmadd_ps(d, _mm512_fmsub_ps(_mm512_cvtepi32_ps(sum[r][h]), _mm512_set1_ps(x->d),
+                                                                   _mm512_set1_ps(8.0f * x->s)), acc[r][h]);
+                else
+                    acc[r][h] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x->d)), _mm512_cvtepi32_ps(sum[r][h]),
+                                                acc[r][h]);
+            }
+        }
+    }
+    for (int h = 0; h < G; ++h) {
+        const __m512 bv = _mm512_loadu_ps(bias + X16 * h);
+        for (int r = 0; r < rows; ++r) _mm512_storeu_ps(y + r * ld_y + X16 * h, _mm512_add_ps(acc[r][h], bv));
+    }
+}
+
+/* Rows 0 .. M - 1 of x times one or two x16 Q4_0 (q4) or Q8_0 groups, in tiles of as equal sizes as
+ * UNPACKED_TILE_ROWS allows. */
+static void rows_times_legacy_pair(int q4, const uint8_t *const w[2], int two, const act_q8 *a, int64_t M, int64_t K,
+                                   const float *bias, float *y, int64_t ld_y) {
+    const int64_t a_row = K / QK, tiles = (M + UNPACKED_TILE_ROWS - 1) / UNPACKED_TILE_ROWS;
+    for (int64_t t = 0, m = 0; t < tiles; ++t) {
+        const int rows = (int)(M / tiles + (t < M % tiles));
+        const act_q8 *am = a + m * a_row;
+        float *ym = y + m * ld_y;
+#define TILE(Q4, TWO, R) tile_legacy_pair(Q4, w, TWO, am, a_row, R, K, bias, ym, ld_y)
+#define ROWS(Q4, TWO)                                  \
+    switch (rows) {                                    \
+    case 1: TILE(Q4, TWO, 1); break;                   \
+    case 2: TILE(Q4, TWO, 2); break;                   \
+    case 3: TILE(Q4, TWO, 3); break;                   \
+    case 4: TILE(Q4, TWO, 4); break;                   \
+    case 5: TILE(Q4, TWO, 5); break;                   \
+    default: TILE(Q4, TWO, UNPACKED_TILE_ROWS); break; \
+    }
+        if (q4) {
+            if (two) ROWS(1, 1) else ROWS(1, 0)
+        } else {
+            if (two) ROWS(0, 1) else ROWS(0, 0)
+        }
+#undef ROWS
+#undef TILE
+        m += rows;
+    }
+}
+
 /* A row's super-block of x (act_q8_K) as the int32 offsets[UNPACKED_OFFSETS] that tile_unpacked broadcasts: -32 times
  * each sum of 16 (Q6_K's q - 32), then the sums of 32 in int16 pairs (sub-blocks 2 p, 2 p + 1; Q4_K's mins). */
 static inline void unpacked_offsets(const act_q8_K *x, int32_t *offsets) {

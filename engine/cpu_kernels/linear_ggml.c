@@ -132,6 +132,7 @@ static void quantize_block_q8(const float *x, act_q8 *out) {
     int32_t sums[QK / 16];
     out->d = quantize_int8(x, QK, out->qs, sums);
     out->s = out->d * (float)(sums[0] + sums[1]);
+    out->start = -128 * (sums[0] + sums[1]);
 }
 
 static void quantize_block_q8_K(const float *x, act_q8_K *b) {
@@ -225,6 +226,7 @@ static void tile_x16(int type, const uint8_t *w, const activations *a, int64_t m
     }
     switch (type) {
     case GGML_X16 + GGML_Q4_0: ROWS_CASE(tile_q4_0_x16, q8, QK)
+    case GGML_X16 + GGML_Q8_0: ROWS_CASE(tile_q8_0_x16, q8, QK)
     case GGML_X16 + GGML_Q4_K: ROWS_CASE(tile_q4_K_x16, q8_K, QK_K)
     default: ROWS_CASE(tile_q6_K_x16, q8_K, QK_K)
     }
@@ -239,7 +241,7 @@ static void tile_x16(int type, const uint8_t *w, const activations *a, int64_t m
  * its blocks do not divide; -3 when the activations' scratch cannot be allocated. */
 int linear_ggml_f32(const float *x, int64_t ld_x, int64_t M, const ggml_part *parts, int64_t num_parts, int64_t K,
                     const float *bias, float *y, int64_t ld_y) {
-    int needs_q8 = 0, needs_q8_K = 0, any_x16 = 0, failed = 0;
+    int needs_q8 = 0, needs_q8_K = 0, any_x16 = 0, k_pairs = 0, failed = 0;
     int64_t N = 0, max_row_bytes = 0, num_pairs = 0;
     const int path = ggml_linear_path();
     /* the parts whose groups this call unpacks once (unpacked[p]), and their pairs of groups (32 columns) */
@@ -254,17 +256,18 @@ int linear_ggml_f32(const float *x, int64_t ld_x, int64_t M, const ggml_part *pa
         unpacked[p] = 0;
 #ifdef GGML_AVX512 /* a part off a group boundary runs a row at a time below, whatever M: so it stays */
         unpacked[p] = path == GGML_PATH_AVX512 && M >= unpacked_min_rows && N % GROUP_COLS == 0 &&
-                      (parts[p].type == GGML_X16 + GGML_Q4_K || parts[p].type == GGML_X16 + GGML_Q6_K);
+                      ggml_is_x16(parts[p].type);
 #endif
         N += parts[p].rows;
         num_pairs += unpacked[p] ? (parts[p].rows / X16 + 1) / 2 : 0;
+        k_pairs |= unpacked[p] && ggml_act(parts[p].type) == ACT_Q8_K; /* pairs whose scales are unpacked */
     }
     if (M == 0 || N == 0) return 0;
     activations a = {x, ld_x, NULL, NULL, K};
     act_q8 *q8 = NULL;
     act_q8_K *q8_K = NULL;
-    int32_t *offsets = NULL; /* [M][K / QK_K][UNPACKED_OFFSETS] for the unpacked groups */
-    if (num_pairs && (offsets = malloc((size_t)(M * (K / QK_K) * UNPACKED_OFFSETS) * sizeof(int32_t))) == NULL) return -3;
+    int32_t *offsets = NULL; /* [M][K / QK_K][UNPACKED_OFFSETS] for the K-quants' unpacked groups */
+    if (k_pairs && (offsets = malloc((size_t)(M * (K / QK_K) * UNPACKED_OFFSETS) * sizeof(int32_t))) == NULL) return -3;
     if ((needs_q8 && (q8 = aligned_alloc(64, (size_t)(M * (K / QK) * sizeof(act_q8) + 63) / 64 * 64)) == NULL) ||
         (needs_q8_K && (q8_K = aligned_alloc(64, (size_t)(M * (K / QK_K) * sizeof(act_q8_K)))) == NULL)) {
         free(offsets);
@@ -288,32 +291,40 @@ int linear_ggml_f32(const float *x, int64_t ld_x, int64_t M, const ggml_part *pa
         }
 #ifdef GGML_AVX512
         if (num_pairs) { /* a thread unpacks a pair of groups into its scratch, then every row passes over it */
+            uint8_t *scratch = NULL;
+            if (k_pairs) {
 #pragma omp for schedule(static)
-            for (int64_t i = 0; i < M * (K / QK_K); ++i) unpacked_offsets(q8_K + i, offsets + i * UNPACKED_OFFSETS);
-            uint8_t *scratch = aligned_alloc(64, (size_t)(2 * (K / QK_K) * unpacked_sb_bytes(1)));
-            if (scratch == NULL) {
+                for (int64_t i = 0; i < M * (K / QK_K); ++i) unpacked_offsets(q8_K + i, offsets + i * UNPACKED_OFFSETS);
+                if ((scratch = aligned_alloc(64, (size_t)(2 * (K / QK_K) * unpacked_sb_bytes(1)))) == NULL) {
 #pragma omp atomic write
-                failed = 1;
+                    failed = 1;
+                }
             }
 #pragma omp for schedule(guided) nowait
             for (int64_t i = 0; i < num_pairs; ++i) {
-                if (scratch == NULL) continue;
                 int64_t p = 0, first = 0, pair = i; /* pair i: the part, its first column, the pair within it */
                 for (;; first += parts[p++].rows) {
                     const int64_t here = unpacked[p] ? (parts[p].rows / X16 + 1) / 2 : 0;
                     if (pair < here) break;
                     pair -= here;
                 }
-                const int q6 = parts[p].type == GGML_X16 + GGML_Q6_K, two = 2 * (pair + 1) * X16 <= parts[p].rows;
+                const int type = parts[p].type - GGML_X16, two = 2 * (pair + 1) * X16 <= parts[p].rows;
                 const int64_t row_bytes = ggml_row_bytes(parts[p].type, K), local = 2 * pair * X16;
-                const uint8_t *u[2] = {scratch, scratch + (K / QK_K) * unpacked_sb_bytes(q6)}, *w[2] = {NULL, NULL};
+                const uint8_t *w[2] = {NULL, NULL};
+                for (int h = 0; h < 1 + two; ++h) w[h] = parts[p].data + (local + h * X16) * row_bytes;
+                float b[2 * X16] = {0};
+                if (bias != NULL) memcpy(b, bias + first + local, (1 + two) * X16 * sizeof(float));
+                if (type == GGML_Q4_0 || type == GGML_Q8_0) {
+                    rows_times_legacy_pair(type == GGML_Q4_0, w, two, q8, M, K, b, y + first + local, ld_y);
+                    continue;
+                }
+                if (scratch == NULL) continue; /* out of memory: reported after the region */
+                const int q6 = type == GGML_Q6_K;
+                const uint8_t *u[2] = {scratch, scratch + (K / QK_K) * unpacked_sb_bytes(q6)};
                 for (int h = 0; h < 1 + two; ++h) {
-                    w[h] = parts[p].data + (local + h * X16) * row_bytes;
                     if (q6) unpack_q6_K_x16(w[h], K, (uint8_t *)u[h]);
                     else unpack_q4_K_x16(w[h], K, (uint8_t *)u[h]);
                 }
-                float b[2 * X16] = {0};
-                if (bias != NULL) memcpy(b, bias + first + local, (1 + two) * X16 * sizeof(float));
                 rows_times_unpacked(q6, u, w, two, q8_K, offsets, M, K, b, y + first + local, ld_y);
             }
             free(scratch);

@@ -143,7 +143,7 @@ def ggml_parts(parts: list[tuple[int, torch.Tensor]]) -> ctypes.Array:
 
 def ggml_repacked(type_id: int, data: torch.Tensor, in_features: int) -> tuple[int, torch.Tensor]:
     """A part ``(ggml type id, uint8 rows [rows, row bytes])`` in the layout this CPU's path multiplies fastest:
-    Q4_0, Q4_K and Q6_K rows in groups of 16 (``ggml_x16.h``, a new tensor of the same bytes, under the x16 type
+    Q4_0, Q8_0, Q4_K and Q6_K rows in groups of 16 (``ggml_x16.h``, a new tensor of the same bytes, under the x16 type
     id) on the AVX512-VNNI path; else the part as it is."""
     lib = loaded()
     x16 = lib.ggml_x16_type_for(type_id, data.shape[0])

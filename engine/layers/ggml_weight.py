@@ -5,7 +5,7 @@ A ``GGMLWeight`` is a ``[N, K]`` weight as one or more parts of consecutive outp
 kernel multiplies the blocks in place (``cpu_kernels.linear_ggml``, ``linear_ggml.c``): x is quantized to int8
 blocks as llama.cpp does and the products are integer sums, so a layer reads its weights' bytes and nothing
 more. ``GGML_NATIVE`` lists the types served so; a model's tensors of other types are dequantized at load.
-On the AVX512-VNNI path, Q4_0, Q4_K and Q6_K parts are repacked once, here, into groups of 16 rows in the same
+On the AVX512-VNNI path, Q4_0, Q8_0, Q4_K and Q6_K parts are repacked once, here, into groups of 16 rows in the same
 bytes (``cpu_kernels.ggml_repacked``), which that path multiplies 16 columns at a time.
 """
 

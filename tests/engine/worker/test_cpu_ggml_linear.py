@@ -97,7 +97,7 @@ def _largest(reference: np.ndarray) -> float:
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])
 @pytest.mark.parametrize("out", [37, 48])
 def test_matmul_equals_float64_of_the_dequantized_weight(path: str, type_name: str, rows: int, out: int) -> None:
-    """Batch 1 and batched (tiles of 1-4 rows of x), a bias; 48 output columns (on AVX512-VNNI, Q4_0, Q4_K and Q6_K
+    """Batch 1 and batched (tiles of 1-4 rows of x), a bias; 48 output columns (on AVX512-VNNI, Q4_0, Q8_0, Q4_K and Q6_K
     repacked in groups of 16) or 37 (groups of 16 and a remainder, the file's layout)."""
     features = 512
     raw = random_rows(type_name, out, features)
@@ -147,7 +147,7 @@ def test_the_paths_agree(path: str) -> None:
     for type_name in GGML_NATIVE:
         raw = random_rows(type_name, 32, 512, seed=9)
         weight = weight_of(type_name, raw, 512)
-        repacked = path == "avx512-vnni" and type_name in ("Q4_0", "Q4_K", "Q6_K")
+        repacked = path == "avx512-vnni" and type_name in ("Q4_0", "Q8_0", "Q4_K", "Q6_K")
         assert weight.c_parts[0].type == TYPE_IDS[type_name] + (1000 if repacked else 0)
         fast = weight.matmul(x, None)
         outputs = {}
@@ -195,14 +195,14 @@ def test_a_repacked_part_off_a_group_boundary_is_served(path: str) -> None:
 
 
 @pytest.mark.parametrize("rows", [4, 7, 13, 64])
-def test_k_quant_pairs_unpacked_once_give_the_group_tiles_bits(path: str, rows: int) -> None:
+def test_pairs_of_groups_give_the_group_tiles_bits(path: str, rows: int) -> None:
     """From 4 rows of x, AVX512-VNNI multiplies Q4_K and Q6_K groups in pairs whose scales (and Q6_K's codes) it
-    unpacks once a call (``ggml_unpacked.h``): the same bits as the one-group tiles, for pairs, a lone group, parts
-    off a group boundary and a bias."""
+    unpacks once a call, and Q8_0 groups in pairs as they are (``ggml_unpacked.h``): the same bits as the one-group
+    tiles, for pairs, a lone group, parts off a group boundary and a bias."""
     if path != "avx512-vnni":
         pytest.skip("the unpacked pairs are an AVX512-VNNI path")
     features = 512
-    shards = [("Q4_K", 64), ("Q6_K", 48), ("Q8_0", 3), ("Q4_K", 16), ("Q6_K", 32)]
+    shards = [("Q4_K", 64), ("Q6_K", 48), ("Q8_0", 48), ("Q4_0", 32), ("Q8_0", 3), ("Q4_K", 16), ("Q6_K", 32)]
     raws = [random_rows(name, n, features, seed=20 + i) for i, (name, n) in enumerate(shards)]
     weight = GGMLWeight.from_numpy([(name, raw) for (name, _), raw in zip(shards, raws)], features)
     x = torch.from_numpy(np.random.default_rng(21).standard_normal((rows, features)).astype(np.float32))

@@ -8,7 +8,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Protocol, Union
 
 from engine.chat_pace import CHAT_PACE, ChatPace
 from engine.errors import EngineError
@@ -43,13 +43,26 @@ class PoolingRequest:
     arrival_time: float = field(default_factory=time.monotonic)  # when the caller asked (its queue time starts)
 
 
+class BatchRun(Protocol):
+    """A batch set up by the runner (``PoolingRunner.start``), run a layer at a time."""
+
+    num_stages: int
+
+    @property
+    def done(self) -> bool: ...
+
+    def advance(self) -> None: ...
+
+    def values(self) -> list: ...
+
+
 @dataclass(slots=True)
 class _Running:
     """A batch between two of its layers: its requests (the runner's order), its run, when it started, its seconds."""
 
     kind: str
     requests: list[PoolingRequest]
-    run: object  # PoolingBatchRun, or a test's stand-in: num_stages, done, advance(), values()
+    run: BatchRun | None  # None only for a batch that failed to start
     num_tokens: int
     started: float
     compute_s: float = 0.0

@@ -137,11 +137,18 @@ def main() -> None:
     parser.add_argument("--embeddings", type=int, default=100)
     parser.add_argument("--chunk-tokens", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--pooling-time-fraction", type=float, default=None,
+        help="the server's --pooling-time-fraction (share of a chat step the embedder may run between two); "
+        "default: the engine's",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     port = _free_port()
     command = [sys.executable, "-m", "integrations.cli", "serve", "--port", str(port)]
     command += ["--pooling-model", args.pooling_model] + (["--model", args.model] if args.model else [])
+    if args.pooling_time_fraction is not None:
+        command += ["--pooling-time-fraction", str(args.pooling_time_fraction)]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         report = asyncio.run(_run(args, f"http://127.0.0.1:{port}", proc))

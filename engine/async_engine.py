@@ -97,16 +97,17 @@ class AsyncEngine:
         )
 
     def _start_engine(self) -> Engine:
-        """A fresh engine for a restart: the first one's settings and KV cache size, and its shared step budget."""
+        """A fresh engine for a restart: the first one's settings and KV cache size, and its shared steps."""
         engine = Engine(config=self._restart_config)
         if self._shares_steps and engine.pooling is not None:
             engine.pooling.share_steps()
         return engine
 
     async def share_steps(self) -> None:
-        """A pooling engine beside a chat model in this process: from now on (and after a restart) it runs
-        ``SHARED_POOLING_BUDGET`` tokens a step, so a chat decode waits at most one small batch for it.
-        A no-op for a generative model.
+        """A pooling engine beside a chat model in this process: from now on (and after a restart), while a chat
+        engine of the process has requests, its turn between two chat steps runs at most that engine's
+        ``pooling_time_fraction`` of a chat step, a layer of a batch at a time (``PoolingQueue``); with no chat
+        request it runs whole batches of its full budget. A no-op for a generative model.
 
         Raises:
             EngineRestarting, EngineError: as ``call()``.
@@ -408,6 +409,6 @@ class AsyncEngine:
 
 
 def _share_steps(engine: Engine) -> None:
-    """Driver thread: the engine's pooling queue runs the shared budget (see ``AsyncEngine.share_steps``)."""
+    """Driver thread: the engine's pooling queue yields to the process's chat engines (``AsyncEngine.share_steps``)."""
     if engine.pooling is not None:
         engine.pooling.share_steps()

@@ -114,6 +114,14 @@ class EngineConfig:
         "None = prompt chunks take all of max_num_batched_tokens that the decodes leave.",
         gt=0.0, le=3600.0,
     )  # fmt: skip
+    pooling_time_fraction: float = knob(
+        0.25,
+        "While this (chat) engine has requests, the pooling engines beside it in the process (an embedder, a reranker) "
+        "run at most this fraction of its measured step time between two of its steps: their batches run a layer "
+        "at a time and resume where they stopped (one layer a turn at least, so embeddings always progress). "
+        "With no chat request, pooling runs whole batches of its full budget.",
+        gt=0.0, le=16.0,
+    )  # fmt: skip
     max_model_len: int | None = knob(None, "Longest prompt + completion in tokens; None = the model's.", ge=1, le=1 << 24)
     enable_prefix_caching: bool = knob(True, "Share the KV blocks of equal prompt prefixes between requests.")
     kv_cache_dir: str | os.PathLike[str] | None = knob(

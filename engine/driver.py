@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from engine.admission import Admission
+from engine.chat_pace import CHAT_PACE
 from engine.commands import Abort, Add, Call, Command, Pin, Stop, posted_to, public_pin_id, refuse, resolve
 from engine.errors import EngineError
 from engine.outputs import Delta, PinnedPrefix, Received
@@ -87,27 +89,44 @@ class Driver:
         Raises:
             BaseException: whatever killed the drive (a fault outside the per-step isolation).
         """
-        while True:
-            idle = not engine.has_unfinished_requests()
-            commands = [self.inbox.get()] if idle else []
+        # NOTE: a chat engine tells the pooling engines beside it whether it has requests (before it queues for its
+        # turn, so that a pooling batch in progress yields after its current layer) and how long its steps take
+        pace = CHAT_PACE if engine.pooling is None else None
+        fraction = engine.config.pooling_time_fraction
+        try:
             while True:
-                try:
-                    commands.append(self.inbox.get_nowait())
-                except queue.Empty:
-                    break
-            for command in commands:
-                if isinstance(command, Stop):
-                    engine.abort_request(list(self._flights))
-                    self._emit(generation, engine.pop_deltas(), {})
-                    return
-                self._handle(engine, generation, command)
-            with STEP_LOCK:
-                deltas = engine.step_deltas()
-            failures = engine.pop_failures()
-            self._publish(engine)
-            self._emit(generation, deltas, failures)
-            if self.resumption.suspects:  # NOTE: the next suspect runs once the one before has left
-                self.resume(engine, generation)
+                idle = not engine.has_unfinished_requests()
+                if idle and pace is not None:
+                    pace.set_active(id(self), False, fraction)
+                commands = [self.inbox.get()] if idle else []
+                while True:
+                    try:
+                        commands.append(self.inbox.get_nowait())
+                    except queue.Empty:
+                        break
+                for command in commands:
+                    if isinstance(command, Stop):
+                        engine.abort_request(list(self._flights))
+                        self._emit(generation, engine.pop_deltas(), {})
+                        return
+                    self._handle(engine, generation, command)
+                active = pace is not None and engine.has_unfinished_requests()
+                if active:
+                    pace.set_active(id(self), True, fraction)
+                with STEP_LOCK:
+                    started = time.perf_counter()
+                    deltas = engine.step_deltas()
+                    elapsed = time.perf_counter() - started
+                if active:
+                    pace.observe(id(self), elapsed)
+                failures = engine.pop_failures()
+                self._publish(engine)
+                self._emit(generation, deltas, failures)
+                if self.resumption.suspects:  # NOTE: the next suspect runs once the one before has left
+                    self.resume(engine, generation)
+        finally:
+            if pace is not None:
+                pace.forget(id(self))
 
     def unpin(self, engine: Engine, pin_id: str) -> None:
         """Releases ``engine``'s pin ``pin_id``; one still computing fails its waiter."""

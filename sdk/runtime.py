@@ -19,8 +19,9 @@ Several chat models (a list of ``model``) load an engine each; a client picks on
         llama, qwen = Client(runtime=runtime), Client(runtime=runtime, model="Qwen2-0.5B-Instruct")
 
 The engines of a process step in turn (``engine.driver.STEP_LOCK``): each step has all of torch's
-threads and no two steps contend for the cores. A pooling engine beside the chat model runs at most
-``SHARED_POOLING_BUDGET`` tokens a step, so an embedding burst holds a chat decode for one small batch.
+threads and no two steps contend for the cores. While the chat model has requests, a pooling engine beside
+it runs at most ``pooling_time_fraction`` of a chat step between two of them (a batch a layer at a time), so
+an embedding burst stretches a chat decode's inter-token latency by that fraction at most.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class _State:
     # the pooling engines beside the chat engine, by the task they serve ("embed", "score"); always owned
     pooling: dict[str, AsyncEngine] = field(default_factory=dict)
     chat: list[AsyncEngine] = field(default_factory=list)  # the chat engines beside the first, in order; always owned
-    steps_shared: bool = False  # the pooling engines run the shared budget (set once, after they load)
+    steps_shared: bool = False  # the pooling engines yield to the chat engines (set once, after they load)
     loop: asyncio.AbstractEventLoop | None = None
     thread: threading.Thread | None = None
     lock: threading.RLock = field(default_factory=threading.RLock)
@@ -77,8 +78,8 @@ class Runtime(Closing, AsyncClosing):
 
     With ``embedding_model`` (and ``rerank_model``) it loads a pooling engine beside the chat model:
     clients embed on the embedding model and rerank / score on the reranker (else on the embedding
-    model, by cosine), and chat on ``model``. Every engine of the process steps in turn, and a pooling
-    engine beside the chat model runs ``SHARED_POOLING_BUDGET`` tokens a step.
+    model, by cosine), and chat on ``model``. Every engine of the process steps in turn, and while the chat
+    model has requests a pooling engine runs at most ``pooling_time_fraction`` of a chat step between two.
 
     Args:
         model: HF directory or ``.gguf`` path; None = the bundled SmolLM2-135M-Instruct; a list: several

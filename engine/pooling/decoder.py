@@ -71,15 +71,27 @@ class Decoder(nn.Module):
         self.score_weight = nn.Parameter(torch.empty(config.hidden_size)) if scores else None
 
     def forward(self, token_ids: torch.Tensor, token_type_ids: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+        x, extra = self.begin(token_ids, token_type_ids, layout)
+        for i in range(len(self.layers)):
+            x = self.run_layer(i, x, extra, layout)
+        return self.end(x)
+
+    # NOTE: forward in parts, as Encoder's; ``extra`` is the rotary (cos, sin) every layer reads
+
+    def begin(self, token_ids: torch.Tensor, token_type_ids: torch.Tensor, layout: BatchLayout):
         x = self.embed_tokens(token_ids)
         inv_freq = 1.0 / self.rope_theta ** (
             torch.arange(0, self.head_dim, 2, device=x.device, dtype=torch.float32) / self.head_dim
         )
         angles = layout.positions.float()[:, None] * inv_freq[None, :]  # [T, D / 2]
         angles = torch.cat((angles, angles), dim=-1)[:, None, :]  # [T, 1, D]
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin, layout)
+        return x, (angles.cos().to(x.dtype), angles.sin().to(x.dtype))
+
+    def run_layer(self, i: int, x: torch.Tensor, extra, layout: BatchLayout) -> torch.Tensor:
+        cos, sin = extra
+        return self.layers[i](x, cos, sin, layout)
+
+    def end(self, x: torch.Tensor) -> torch.Tensor:
         return _rms_norm(x, self.norm, self.eps)
 
 

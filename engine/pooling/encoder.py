@@ -102,14 +102,26 @@ class Encoder(nn.Module):
 
     def forward(self, token_ids: torch.Tensor, token_type_ids: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
         """Hidden states of every token: ``[T, hidden]``."""
+        x, extra = self.begin(token_ids, token_type_ids, layout)
+        for i in range(len(self.layers)):
+            x = self.run_layer(i, x, extra, layout)
+        return self.end(x)
+
+    # NOTE: begin / run_layer / end are forward in parts, so that a batch can stop between two layers and go on
+    # later (engine.pooling.runner.PoolingBatchRun); ``extra`` is what every layer reads besides x (here nothing)
+
+    def begin(self, token_ids: torch.Tensor, token_type_ids: torch.Tensor, layout: BatchLayout) -> tuple[torch.Tensor, None]:
         x = (
             self.word_embeddings(token_ids)
             + self.position_embeddings(layout.positions + self.position_offset)
             + self.token_type_embeddings(token_type_ids)
         )
-        x = self.embed_norm(x)
-        for layer in self.layers:
-            x = layer(x, layout)
+        return self.embed_norm(x), None
+
+    def run_layer(self, i: int, x: torch.Tensor, extra: None, layout: BatchLayout) -> torch.Tensor:
+        return self.layers[i](x, layout)
+
+    def end(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
     def classify(self, cls_states: torch.Tensor) -> torch.Tensor:

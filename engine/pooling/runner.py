@@ -123,8 +123,22 @@ class PoolingRunner:
     def close(self) -> None:
         """Nothing to release beyond the tensors."""
 
+    def start(self, kind: str, inputs: list[PoolingInput], params: list[PoolingParams]) -> PoolingBatchRun:
+        """A batch of ``kind`` (``"embed"`` / ``"score"``) set up to run a layer at a time (``PoolingBatchRun``)."""
+        return PoolingBatchRun(self, kind, inputs, params)
+
+    def embed(self, inputs: list[PoolingInput], params: list[PoolingParams]) -> list[list[float]]:
+        """Each input's embedding, pooled as the model says, cut to ``dimensions``, normalized as asked."""
+        return self.start("embed", inputs, params).run_to_end()
+
+    def score(self, inputs: list[PoolingInput], params: list[PoolingParams]) -> list[float]:
+        """Each pair's score: the one-label logit, its sigmoid where ``use_activation`` (vLLM's default).
+
+        An encoder reads its first token's state, a decoder (Qwen3-Reranker) its last one's."""
+        return self.start("score", inputs, params).run_to_end()
+
     @torch.inference_mode()
-    def _hidden(self, inputs: list[PoolingInput]) -> tuple[torch.Tensor, BatchLayout]:
+    def _begin(self, inputs: list[PoolingInput]) -> tuple[torch.Tensor, object, BatchLayout]:
         lengths = [len(i.token_ids) for i in inputs]
         self.num_pooled_batches += 1
         self.num_pooled_requests += len(inputs)
@@ -137,12 +151,11 @@ class PoolingRunner:
             [t for i in inputs for t in (i.token_type_ids if segmented and i.token_type_ids else [0] * len(i.token_ids))],
             device=self.device,
         )
-        return self.model(ids, types, layout), layout
+        x, extra = self.model.begin(ids, types, layout)
+        return x, extra, layout
 
     @torch.inference_mode()
-    def embed(self, inputs: list[PoolingInput], params: list[PoolingParams]) -> list[list[float]]:
-        """Each input's embedding, pooled as the model says, cut to ``dimensions``, normalized as asked."""
-        hidden, layout = self._hidden(inputs)  # [T, hidden]
+    def _embeddings(self, hidden: torch.Tensor, layout: BatchLayout, params: list[PoolingParams]) -> list[list[float]]:
         pooled = pool(hidden.float(), layout.lengths, self.pooling.pooling)  # [B, hidden]
         out = []
         for row, p in zip(pooled, params):
@@ -154,14 +167,51 @@ class PoolingRunner:
         return out
 
     @torch.inference_mode()
-    def score(self, inputs: list[PoolingInput], params: list[PoolingParams]) -> list[float]:
-        """Each pair's score: the one-label logit, its sigmoid where ``use_activation`` (vLLM's default).
-
-        An encoder reads its first token's state, a decoder (Qwen3-Reranker) its last one's."""
-        hidden, layout = self._hidden(inputs)
+    def _scores(self, hidden: torch.Tensor, layout: BatchLayout, params: list[PoolingParams]) -> list[float]:
         states = pool(hidden, layout.lengths, "last" if self.model.causal else "cls")
         logits = self.model.classify(states).float()[:, 0]  # [B]: the first label's logit
         return [float(torch.sigmoid(x)) if p.use_activation else float(x) for x, p in zip(logits, params)]
+
+
+class PoolingBatchRun:
+    """One packed batch through the model a layer at a time: ``advance()`` runs the next layer, ``values()`` pools
+    once ``done``. Between two layers it holds only the batch's hidden states, so it can wait for another engine's
+    step (``PoolingQueue``: a pooling batch beside a chat model spreads its layers over the chat's steps).
+
+    Attributes:
+        num_stages: the model's layers; done: every layer ran.
+    """
+
+    def __init__(self, runner: PoolingRunner, kind: str, inputs: list[PoolingInput], params: list[PoolingParams]) -> None:
+        self._runner, self._kind, self._params = runner, kind, params
+        self._hidden, self._extra, self._layout = runner._begin(inputs)  # [T, hidden]
+        self.num_stages = len(runner.model.layers)
+        self._next = 0
+
+    @property
+    def done(self) -> bool:
+        return self._next >= self.num_stages
+
+    @torch.inference_mode()
+    def advance(self) -> None:
+        """Runs the next layer."""
+        self._hidden = self._runner.model.run_layer(self._next, self._hidden, self._extra, self._layout)
+        self._next += 1
+
+    def values(self) -> list:
+        """Each input's embedding (``embed``) or score (``score``), in the batch's order; once ``done``."""
+        assert self.done, "values() of a batch whose layers have not all run"
+        runner = self._runner
+        with torch.inference_mode():
+            hidden = runner.model.end(self._hidden)
+        if self._kind == "embed":
+            return runner._embeddings(hidden, self._layout, self._params)
+        return runner._scores(hidden, self._layout, self._params)
+
+    def run_to_end(self) -> list:
+        while not self.done:
+            self.advance()
+        return self.values()
 
 
 def yes_no_weight(weights: dict[str, torch.Tensor], model_dir: Path) -> torch.Tensor:

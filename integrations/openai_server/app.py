@@ -219,7 +219,8 @@ async def _load(
         await serving.start()
         # NOTE: every engine steps under engine.driver.STEP_LOCK, one step at a time with all of torch's
         # threads: the chat models beside the first take their turns as a pooling model does, and a pooling
-        # model runs the shared budget so that a burst of it holds their decodes for one small batch.
+        # model yields to them (share_steps): while they have requests, its turn is pooling_time_fraction of
+        # their step, a layer of its batch at a time.
         for make in (*chat, *pooling):
             beside = await asyncio.to_thread(make)
             state.beside[beside.model_name] = beside

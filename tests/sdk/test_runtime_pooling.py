@@ -1,5 +1,5 @@
-"""One Runtime holding a chat model and an embedder: chat, embed and rerank from one client, the embedder on the
-shared step budget, and chat decodes going on while an embedding burst runs."""
+"""One Runtime holding a chat model and an embedder: chat, embed and rerank from one client, the embedder yielding
+to the chat model's steps, and chat decodes going on while an embedding burst runs."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.pooling.pooling_queue import SHARED_POOLING_BUDGET
+from engine.chat_pace import CHAT_PACE
 from sdk import AsyncClient, Client, Runtime
 from sdk.hooks import AuditLog
 from tests.support.minilm import shipped_minilm_dir
@@ -35,7 +35,7 @@ def reference():
 
 def test_one_runtime_serves_chat_embed_and_rerank(chat_dir, reference, tmp_path) -> None:
     """A client of the runtime chats on the chat model and embeds / reranks on the embedder (its answers, its
-    name in results and audit records); the embedder runs the shared budget; close() stops both engines."""
+    name in results and audit records); the embedder yields to the chat model; close() stops both engines."""
     audit = tmp_path / "audit.jsonl"
     with Runtime(str(chat_dir), embedding_model=MINILM, dtype="float32", num_blocks=64) as runtime:
         client = Client(runtime=runtime, hooks=[AuditLog(audit)])
@@ -49,7 +49,7 @@ def test_one_runtime_serves_chat_embed_and_rerank(chat_dir, reference, tmp_path)
         assert ranked.results[0].index == 1 and ranked.model == reference.model_name
         embedder = runtime.pooling_engine("embed")
         assert embedder is not runtime.engine and runtime.pooling_engine("score") is embedder
-        assert runtime.run_sync(embedder.call(lambda e: e.pooling.token_budget)) == SHARED_POOLING_BUDGET
+        assert runtime.run_sync(embedder.call(lambda e: e.pooling.pace)) is CHAT_PACE  # it yields to the chat model
         assert client.stats()["pooling_requests"] == len(DOCS) + 1 + len(DOCS)  # rerank: the query once, each document
     records = [json.loads(line) for line in audit.read_text().splitlines()]
     assert [(r["kind"], r["model"]) for r in records] == [
@@ -103,9 +103,9 @@ def test_engine_with_a_pooling_model_is_refused() -> None:
 
 
 async def test_chat_decodes_while_an_embedding_burst_runs(chat_dir) -> None:
-    """With 120 max-length inputs queued on the embedder (one 256-token batch each), a 12-token chat reply
-    finishes while most of the burst still waits: the engines take turns a step each, so the burst does not
-    hold the chat model's decodes until it is done."""
+    """With 120 max-length inputs queued on the embedder, a 12-token chat reply finishes while most of the burst
+    still waits: the engines take turns, the embedder's a bounded part of a chat step, so the burst does not hold
+    the chat model's decodes until it is done."""
     runtime = Runtime(str(chat_dir), embedding_model=MINILM, dtype="float32", num_blocks=64)
     burst: list[asyncio.Future] = []
     try:

@@ -21,19 +21,30 @@ class _Clock:
         return self.now
 
 
+class _Run:
+    """A batch of one layer that takes one second of the fake clock."""
+
+    num_stages = 1
+
+    def __init__(self, clock: _Clock, kind: str, num_inputs: int) -> None:
+        self.clock, self.kind, self.num_inputs, self.done = clock, kind, num_inputs, False
+
+    def advance(self) -> None:
+        self.clock.now += 1.0
+        self.done = True
+
+    def values(self):
+        return [[0.0] if self.kind == "embed" else 0.5 for _ in range(self.num_inputs)]
+
+
 class _Runner:
     """Runs a batch in one second of the fake clock."""
 
     def __init__(self, clock: _Clock) -> None:
         self.clock = clock
 
-    def embed(self, inputs, params):
-        self.clock.now += 1.0
-        return [[0.0] for _ in inputs]
-
-    def score(self, inputs, params):
-        self.clock.now += 1.0
-        return [0.5 for _ in inputs]
+    def start(self, kind, inputs, params):
+        return _Run(self.clock, kind, len(inputs))
 
 
 def _request(i: int, kind: str, num_tokens: int) -> PoolingRequest:

@@ -11,6 +11,7 @@ import logging
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,15 @@ KEY = "sk-fleet"
 ENGINE = {"num_blocks": 512, "block_size": 16, "max_num_seqs": 16, "max_model_len": 512}
 APP = "paged"
 ROOT = Path(__file__).resolve().parents[2]
+PROMPT = (  # a completion prompt of two full blocks
+    "The old lighthouse keeper on the northern cliffs had kept the light burning for forty years, through storms "
+    "and calm nights alike, and he had a long story to tell:"
+)
+# NOTE: a fault test waits as long as the fleet took to start, twice (at least MIN_PATIENCE): a replica's
+# replacement loads a model as a starting fleet does, and on a starved machine both take minutes.
+MIN_PATIENCE = 120.0  # seconds
+STATUS_POLL = 0.2  # seconds between looks at Serve's status
+STARTED: dict[str, float] = {}  # "seconds": how long the fixture's fleet took to start
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +64,9 @@ def fleet(model_dir, audit_path):
             "model": model_dir, "replicas": 2, "replica_cpus": 0.5, "api_key": [KEY], "audit_log": str(audit_path),
             "hook": ["tests.support.fleet_gate:make_hooks"], **ENGINE,
         }  # fmt: skip
+        began = time.monotonic()
         serve.run(app_builder(flags), name=APP, route_prefix="/")
+        STARTED["seconds"] = time.monotonic() - began
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -156,7 +168,8 @@ async def test_killed_replica_every_request_ends_and_fleet_recovers(fleet):
     """Kill a replica under load: each request gets a result or a retryable error; Ray brings the replica back."""
     import openai
 
-    client = openai.AsyncOpenAI(base_url=f"{fleet}/v1", api_key=KEY, max_retries=0, timeout=60)
+    await _whole()
+    client = openai.AsyncOpenAI(base_url=f"{fleet}/v1", api_key=KEY, max_retries=0, timeout=_patience())
     model = (await client.models.list()).data[0].id
     before = _replica_names()
     assert len(before) == 2
@@ -183,12 +196,12 @@ async def test_killed_replica_every_request_ends_and_fleet_recovers(fleet):
             return "retryable"
 
     tasks = [asyncio.ensure_future(one(i, stream=i % 2 == 0)) for i in range(12)]
-    await asyncio.wait_for(started.wait(), 30)
+    await asyncio.wait_for(started.wait(), _patience())
     ray.kill(ray.get_actor(before[0], namespace="serve"), no_restart=True)
-    outcomes = await asyncio.wait_for(asyncio.gather(*tasks), 90)
+    outcomes = await asyncio.wait_for(asyncio.gather(*tasks), _patience())
     assert set(outcomes) <= {"ok", "retryable"} and "ok" in outcomes, outcomes
 
-    await _replaced([before[0]])
+    await _whole(killed=[before[0]])
     replies = await asyncio.gather(*(
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": f"Hi {i}"}], max_tokens=2)
         for i in range(4)
@@ -222,16 +235,26 @@ def test_tensor_parallel_replica_is_one_packed_placement_group(model_dir):
     app_builder({"model": model_dir, "replicas": 2, "replica_cpus": 0.5, "tensor_parallel_size": 2})
 
 
-async def _replaced(killed: list[str]) -> None:
-    """Waits until Ray Serve runs two replicas again, none of them ``killed``."""
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
+def _patience() -> float:
+    """Seconds a fault test waits for the fleet (a replacement, a stream that goes on): see MIN_PATIENCE."""
+    return max(MIN_PATIENCE, 2 * STARTED["seconds"])
+
+
+async def _whole(killed: Sequence[str] = ()) -> None:
+    """Waits until Serve reports the engine deployment healthy with its two replicas running, none of them ``killed``.
+
+    Serve's controller notices a killed replica at its next health check, stops it and starts a
+    replacement; until the replacement's engine serves, the deployment is unhealthy.
+    """
+    deadline = time.monotonic() + _patience()
+    while True:
+        engine = (await asyncio.to_thread(serve.status)).applications[APP].deployments["engine"]
         names = _replica_names()
-        engine = serve.status().applications[APP].deployments["engine"]
-        if len(names) == 2 and not set(killed) & set(names) and engine.replica_states.get("RUNNING") == 2:
+        if engine.status == "HEALTHY" and engine.replica_states == {"RUNNING": 2} and not set(killed) & set(names):
             return
-        await asyncio.sleep(1)
-    pytest.fail(f"the killed replicas were not replaced: {_replica_names()}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"the fleet is not whole after {_patience():.0f} s: {engine}, replicas {names}, killed {killed}")
+        await asyncio.sleep(STATUS_POLL)
 
 
 @pytest.mark.parametrize("route", ["chat", "completion"])
@@ -240,13 +263,15 @@ async def test_a_replica_killed_mid_stream_leaves_the_clients_stream_whole(fleet
     chunk for chunk the unkilled run's (greedy and seeded), with one id, no error, and the whole run's usage."""
     import openai
 
-    client = openai.AsyncOpenAI(base_url=f"{fleet}/v1", api_key=KEY, max_retries=0, timeout=60)
+    await _whole()  # NOTE: the stream goes on on the replica that is not killed: it must be running
+    client = openai.AsyncOpenAI(base_url=f"{fleet}/v1", api_key=KEY, max_retries=0, timeout=_patience())
     model = (await client.models.list()).data[0].id
     samplings = {"greedy": {"temperature": 0}, "seeded": {"temperature": 1.0, "seed": 11}}
     opening = 1 if route == "chat" else 0  # a chat stream's first chunk carries the role, no token
 
     def create(sampling: dict, **extra):
-        # NOTE: one prompt for both streams: prefix affinity sends them to one replica, the one killed
+        # NOTE: one prompt for both streams: prefix affinity sends them to one replica, the one killed. Each
+        # prompt holds full blocks (a prompt under one block has no hash to route by: its streams go anywhere)
         common = {
             "model": model, "max_tokens": 48, "stream": True, "stream_options": {"include_usage": True},
             "extra_body": {"ignore_eos": True}, **sampling, **extra,
@@ -254,7 +279,7 @@ async def test_a_replica_killed_mid_stream_leaves_the_clients_stream_whole(fleet
         if route == "chat":
             messages = [{"role": "user", "content": "Tell a long story about a lighthouse."}]
             return client.chat.completions.create(messages=messages, **common)
-        return client.completions.create(prompt="The lighthouse keeper had a long story to tell:", **common)
+        return client.completions.create(prompt=PROMPT, **common)
 
     received = {name: asyncio.Event() for name in samplings}
 
@@ -274,16 +299,13 @@ async def test_a_replica_killed_mid_stream_leaves_the_clients_stream_whole(fleet
     tasks = {name: asyncio.ensure_future(held_stream(name, gate)) for name, gate in gates.items()}
     holders = set()
     for name, gate in gates.items():
-        await asyncio.wait_for(received[name].wait(), 60)
-        async with asyncio.timeout(60):
-            while not (gate / "held").exists():  # NOTE: the hook writes it once the client has HOLD_AFTER tokens
-                await asyncio.sleep(0.01)
-        holders.add((gate / "held").read_text())
+        await asyncio.wait_for(received[name].wait(), _patience())
+        holders.add(await _held_on(gate))
     for name in holders:
         ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
     for gate in gates.values():
         (gate / "go").touch()
-    killed = {name: await asyncio.wait_for(task, 120) for name, task in tasks.items()}
+    killed = {name: await asyncio.wait_for(task, _patience()) for name, task in tasks.items()}
 
     for name, chunks in killed.items():
         assert {c.id for c in chunks} == {chunks[0].id}, name
@@ -293,7 +315,15 @@ async def test_a_replica_killed_mid_stream_leaves_the_clients_stream_whole(fleet
         assert (usage.prompt_tokens, usage.completion_tokens) == (expected.prompt_tokens, 48), name
     now = _continued(fleet)
     assert sum(n - continued.get(replica, 0) for replica, n in now.items()) == len(samplings)  # both went on elsewhere
-    await _replaced(sorted(holders))
+    await _whole(killed=sorted(holders))
+
+
+async def _held_on(gate: Path) -> str:
+    """The actor name of the replica that holds the gated stream, once the client has its HOLD_AFTER tokens."""
+    async with asyncio.timeout(_patience()):
+        while not (gate / "held").exists():  # NOTE: the hook writes it once the client has HOLD_AFTER tokens
+            await asyncio.sleep(0.01)
+    return (gate / "held").read_text()
 
 
 def _continued(fleet: str) -> dict[str, float]:

@@ -11,6 +11,7 @@ import logging
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -35,6 +36,7 @@ PROMPT = (  # a completion prompt of two full blocks
 # NOTE: a fault test waits as long as the fleet took to start, twice (at least MIN_PATIENCE): a replica's
 # replacement loads a model as a starting fleet does, and on a starved machine both take minutes.
 MIN_PATIENCE = 120.0  # seconds
+DRAIN_TIMEOUT = 10.0  # seconds: Serve stops a replica 5 s after it, streams or not
 STATUS_POLL = 0.2  # seconds between looks at Serve's status
 STARTED: dict[str, float] = {}  # "seconds": how long the fixture's fleet took to start
 
@@ -62,10 +64,11 @@ def fleet(model_dir, audit_path):
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         flags = {
             "model": model_dir, "replicas": 2, "replica_cpus": 0.5, "api_key": [KEY], "audit_log": str(audit_path),
-            "hook": ["tests.support.fleet_gate:make_hooks"], **ENGINE,
+            "hook": ["tests.support.fleet_gate:make_hooks"], "drain_timeout": DRAIN_TIMEOUT, **ENGINE,
         }  # fmt: skip
         began = time.monotonic()
-        serve.run(app_builder(flags), name=APP, route_prefix="/")
+        # NOTE: external_scaler_enabled: a test scales the engine deployment as an operator's scaler does
+        serve.run(app_builder(flags), name=APP, route_prefix="/", external_scaler_enabled=True)
         STARTED["seconds"] = time.monotonic() - began
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -318,12 +321,88 @@ async def test_a_replica_killed_mid_stream_leaves_the_clients_stream_whole(fleet
     await _whole(killed=sorted(holders))
 
 
+async def test_a_replica_stopped_gracefully_finishes_or_hands_over_its_streams(fleet, tmp_path):
+    """Scaling down to one replica while streams run on both: a stream the stopped replica can finish within Serve's
+    graceful shutdown timeout finishes there; one it cannot goes on on the other replica when Serve stops it at the
+    deadline. Each equals the run nothing stopped; the fleet serves on and scales back up."""
+    import openai
+
+    await _whole()
+    client = openai.AsyncOpenAI(base_url=f"{fleet}/v1", api_key=KEY, max_retries=0, timeout=_patience())
+    model = (await client.models.list()).data[0].id
+
+    def create(i: int, **extra):
+        # NOTE: a first block of its own: a stream goes to the least-loaded replica, not where another one runs
+        return client.completions.create(
+            model=model, prompt=f"Story {i}. {PROMPT}", max_tokens=32, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}, **extra,
+        )  # fmt: skip
+
+    async def held_stream(i: int) -> list:
+        return [chunk async for chunk in await create(i, extra_headers={GATE_HEADER: str(tmp_path / str(i))})]
+
+    holders: dict[int, str] = {}
+    tasks: dict[int, asyncio.Future] = {}
+    for i in range(12):  # NOTE: until each replica holds two streams (a stream goes to the less loaded one)
+        (tmp_path / str(i)).mkdir()
+        tasks[i] = asyncio.ensure_future(held_stream(i))
+        holders[i] = await _held_on(tmp_path / str(i))
+        if len(set(holders.values())) == 2 and min(Counter(holders.values()).values()) >= 2:
+            break
+    assert min(Counter(holders.values()).values()) >= 2, holders
+    unstopped = {i: _deltas([c async for c in await create(i)]) for i in tasks}
+    continued = _continued(fleet)
+
+    await _scale(1)
+    stopping = await _stopping()
+    drained, *handed_over = [i for i, name in holders.items() if name == stopping]
+    for i in [i for i, name in holders.items() if name != stopping] + [drained]:
+        (tmp_path / str(i) / "go").touch()
+    streamed = {drained: _deltas(await asyncio.wait_for(tasks[drained], _patience()))}
+    async with asyncio.timeout(_patience()):
+        while stopping in _replica_names():  # NOTE: the held streams keep it draining until Serve's deadline
+            await asyncio.sleep(STATUS_POLL)
+    for i in handed_over:
+        (tmp_path / str(i) / "go").touch()
+    streamed |= {i: _deltas(await asyncio.wait_for(task, _patience())) for i, task in tasks.items() if i != drained}
+    assert streamed == unstopped
+    now = _continued(fleet)
+    assert sum(n - continued.get(replica, 0) for replica, n in now.items()) == len(handed_over)
+
+    await _scale(2)
+    await _whole()
+
+
 async def _held_on(gate: Path) -> str:
     """The actor name of the replica that holds the gated stream, once the client has its HOLD_AFTER tokens."""
     async with asyncio.timeout(_patience()):
         while not (gate / "held").exists():  # NOTE: the hook writes it once the client has HOLD_AFTER tokens
             await asyncio.sleep(0.01)
     return (gate / "held").read_text()
+
+
+async def _scale(num_replicas: int) -> None:
+    """Sets the engine deployment's replicas as an external scaler does (Serve's scale API calls the controller so)."""
+    from ray.serve._private.common import DeploymentID
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    await controller.update_deployment_replicas.remote(DeploymentID(name="engine", app_name=APP), num_replicas)
+
+
+async def _stopping() -> str:
+    """The actor name of the engine replica Serve is stopping, once its controller reports one."""
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    async with asyncio.timeout(_patience()):
+        while True:
+            details = await controller.get_serve_instance_details.remote()
+            replicas = details["applications"][APP]["deployments"]["engine"]["replicas"]
+            stopping = [r["actor_name"] for r in replicas if r["state"] == "STOPPING"]
+            if stopping:
+                return stopping[0]
+            await asyncio.sleep(STATUS_POLL)
 
 
 def _continued(fleet: str) -> dict[str, float]:

@@ -244,20 +244,32 @@ def _patience() -> float:
 
 
 async def _whole(killed: Sequence[str] = ()) -> None:
-    """Waits until Serve reports the engine deployment healthy with its two replicas running, none of them ``killed``.
+    """Waits until Serve's controller has the engine deployment healthy, its replicas two running ones, neither of
+    them ``killed`` (actor names).
 
-    Serve's controller notices a killed replica at its next health check, stops it and starts a
-    replacement; until the replacement's engine serves, the deployment is unhealthy.
+    The controller notices a killed replica at its next health check (until then it still counts
+    it as running, though its actor's name is gone), stops it and starts a replacement; until the
+    replacement's engine serves, the deployment is unhealthy.
     """
     deadline = time.monotonic() + _patience()
     while True:
         engine = (await asyncio.to_thread(serve.status)).applications[APP].deployments["engine"]
-        names = _replica_names()
-        if engine.status == "HEALTHY" and engine.replica_states == {"RUNNING": 2} and not set(killed) & set(names):
+        replicas = await _replicas()
+        running = {name for name, state in replicas.items() if state == "RUNNING"}
+        if engine.status == "HEALTHY" and len(replicas) == len(running) == 2 and not set(killed) & running:
             return
         if time.monotonic() > deadline:
-            pytest.fail(f"the fleet is not whole after {_patience():.0f} s: {engine}, replicas {names}, killed {killed}")
+            pytest.fail(f"the fleet is not whole after {_patience():.0f} s: {engine}, replicas {replicas}, killed {killed}")
         await asyncio.sleep(STATUS_POLL)
+
+
+async def _replicas() -> dict[str, str]:
+    """The engine replicas Serve's controller holds: actor name -> state (``RUNNING``, ``STARTING``, ``STOPPING``...)."""
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    details = await controller.get_serve_instance_details.remote()
+    return {r["actor_name"]: r["state"] for r in details["applications"][APP]["deployments"]["engine"]["replicas"]}
 
 
 @pytest.mark.parametrize("route", ["chat", "completion"])
@@ -355,6 +367,7 @@ async def test_a_replica_stopped_gracefully_finishes_or_hands_over_its_streams(f
 
     await _scale(1)
     stopping = await _stopping()
+    assert stopping in holders.values(), (stopping, holders)
     drained, *handed_over = [i for i, name in holders.items() if name == stopping]
     for i in [i for i, name in holders.items() if name != stopping] + [drained]:
         (tmp_path / str(i) / "go").touch()
@@ -392,14 +405,9 @@ async def _scale(num_replicas: int) -> None:
 
 async def _stopping() -> str:
     """The actor name of the engine replica Serve is stopping, once its controller reports one."""
-    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
-
-    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
     async with asyncio.timeout(_patience()):
         while True:
-            details = await controller.get_serve_instance_details.remote()
-            replicas = details["applications"][APP]["deployments"]["engine"]["replicas"]
-            stopping = [r["actor_name"] for r in replicas if r["state"] == "STOPPING"]
+            stopping = [name for name, state in (await _replicas()).items() if state == "STOPPING"]
             if stopping:
                 return stopping[0]
             await asyncio.sleep(STATUS_POLL)

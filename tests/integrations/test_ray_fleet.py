@@ -37,6 +37,7 @@ PROMPT = (  # a completion prompt of two full blocks
 # replacement loads a model as a starting fleet does, and on a starved machine both take minutes.
 MIN_PATIENCE = 120.0  # seconds
 DRAIN_TIMEOUT = 10.0  # seconds: Serve stops a replica 5 s after it, streams or not
+PROXY_PATIENCE = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
 STATUS_POLL = 0.2  # seconds between looks at Serve's status
 STARTED: dict[str, float] = {}  # "seconds": how long the fixture's fleet took to start
 
@@ -57,8 +58,13 @@ def fleet(model_dir, audit_path):
     from integrations.ray.config import app_builder
 
     logging.getLogger("ray.serve").setLevel(logging.ERROR)
-    # NOTE: a cluster of its own ("local"), not one another process on the machine runs
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+    # NOTE: Serve's controller kills a proxy that is not ready in 3 checks of 5 s, and serve.start then fails on the
+    # proxy it waited for: on a starved machine a proxy takes longer to import. Its processes inherit this env.
+    with pytest.MonkeyPatch.context() as env:
+        for name, seconds in PROXY_PATIENCE.items():
+            env.setenv(name, seconds)
+        # NOTE: a cluster of its own ("local"), not one another process on the machine runs
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -1,7 +1,7 @@
 """RequestJournal: the requests a drain cut off, kept under ``<kv_cache_dir>/journal`` for the next server to finish.
 
-With ``drain_journal`` on, a chat or completion request still running when SIGTERM's drain
-times out is written here instead of only ending with an error: its wire body (prompt and
+With ``drain_journal`` on, a chat, completion or stored Responses API request still running when
+SIGTERM's drain times out is written here instead of only ending with an error: its wire body (prompt and
 sampling knobs, seed included), its route, id and tenant, and the output its caller already
 received (token ids and text; the whole output so far for a request that was not streamed).
 A server started on the same ``kv_cache_dir`` replays each entry as a continuation
@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 _SUFFIX = ".json"
 _PLAIN_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
-ROUTES = ("chat", "completion")
+ROUTES = ("chat", "completion", "response")
 
 
 @dataclass
@@ -37,7 +37,7 @@ class JournalEntry:
 
     request_id: str
     route: str
-    """``chat`` or ``completion``: which wire body ``body`` is."""
+    """``chat``, ``completion`` or ``response``: which wire body ``body`` is."""
     tenant: str
     model: str
     """The served model's name: an entry of another model is not replayed."""

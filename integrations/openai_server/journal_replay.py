@@ -7,7 +7,9 @@ again, its KV comes from the prefix cache the drained server saved, and only the
 generated. The whole result (what the caller got, then the rest) is kept by request id in a
 bounded store, and the entry leaves the journal. A client fetches it with
 ``GET /v1/chat/completions/{completion_id}`` (OpenAI's stored chat completion route; a
-completion's at ``GET /v1/completions/{completion_id}``), which waits while the replay runs.
+completion's at ``GET /v1/completions/{completion_id}``), which waits while the replay runs. A
+Responses API entry goes on through the server's responder (``Responder.open(resume=...)``) under
+its id and creation time, and is stored: ``GET /v1/responses/{response_id}`` waits for it.
 
 An entry that cannot be replayed (another model, a tenant the policy no longer has, a body or
 tokens the engine refuses) is logged and skipped; start-up goes on. A replay the admission or
@@ -31,9 +33,12 @@ from integrations.openai_server import protocol as p
 from integrations.openai_server.errors import ApiError, from_sdk
 from integrations.openai_server.intake import sdk_requests
 from integrations.openai_server.journal import JournalEntry, RequestJournal
+from integrations.openai_server.responses_api import REPLAYED, RESPONDER
 from integrations.openai_server.routes import reply_message
 from integrations.openai_server.wire_pieces import token_ids, usage
 from sdk.errors import EngineRestarting, InvalidRequestError, OverloadedError, PagedError
+from sdk.responses.service import Progress, Responder
+from sdk.responses.types import TERMINAL_EVENTS, ResponseRequest
 from sdk.types import Delta
 
 if TYPE_CHECKING:
@@ -45,7 +50,9 @@ logger = logging.getLogger(__name__)
 MAX_RESULTS = 1024  # replayed results kept; past it the oldest finished ones are dropped
 REPLAY_RETRIES = 8  # a replay the admission or rate limits refuse is tried again, waiting from REPLAY_BACKOFF, doubling
 REPLAY_BACKOFF = 0.05
-_BODIES: dict[str, type[BaseModel]] = {"chat": p.ChatCompletionRequest, "completion": p.CompletionRequest}
+_BODIES: dict[str, type[BaseModel]] = {
+    "chat": p.ChatCompletionRequest, "completion": p.CompletionRequest, "response": ResponseRequest,
+}  # fmt: skip
 
 
 class JournalReplays:
@@ -61,6 +68,7 @@ class JournalReplays:
         self.max_results = max_results
         self._results: OrderedDict[tuple[str, str], asyncio.Future[BaseModel]] = OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
+        self.responder: Responder | None = None  # the server's, for Responses API entries (``add_routes``)
 
     def start(self, state: ServerState, servings: Sequence[Serving]) -> int:
         """Starts replaying every entry of the journal on the chat model it was journalled for (one of
@@ -116,6 +124,11 @@ class JournalReplays:
         if entry.model != serving.model_name:
             raise _OtherModel(f"model: journalled for {entry.model!r}, this server serves {serving.model_name!r}")
         body = _BODIES[entry.route].model_validate(entry.body)
+        if entry.route == "response":
+            if self.responder is None:
+                raise _OtherModel("route: this server does not serve the Responses API")
+            state.policy.tenant(entry.tenant)
+            return [body]
         requests, _ = sdk_requests(body, entry.route)  # type: ignore[arg-type]
         if len(requests) != 1 or (requests[0].n or 1) != 1:
             raise ApiError(400, "body: a journal entry continues one completion of one prompt")
@@ -128,8 +141,11 @@ class JournalReplays:
     ) -> None:  # fmt: skip
         tenant = state.policy.tenant(entry.tenant)
         client = serving.client(tenant.name, tenant.policy)
-        request = requests[0].model_copy(update={"request_id": entry.request_id})
         received = Delta(entry.request_id, 0, entry.text, list(entry.token_ids), reasoning=entry.reasoning)
+        if entry.route == "response":
+            await self._replay_response(client, serving.model_name, entry, requests[0], received, future)
+            return
+        request = requests[0].model_copy(update={"request_id": entry.request_id})
         deltas = [received]
         for attempt in range(REPLAY_RETRIES + 1):
             if entry.route == "chat":
@@ -153,6 +169,43 @@ class JournalReplays:
                 future.set_exception(exc)
                 return
         future.set_result(_result(entry, serving.model_name, deltas))
+        self.journal.remove(entry.request_id)
+        self._shrink()
+
+    async def _replay_response(
+        self, client: Any, model: str, entry: JournalEntry, body: Any, received: Delta,
+        future: asyncio.Future[BaseModel],
+    ) -> None:
+        """A Responses API entry: the response goes on under its id and is stored (``GET /v1/responses/{id}``)."""
+        assert self.responder is not None
+        resume = Progress(entry.request_id, entry.created, [received] if received.token_ids else [])
+        response = None
+        for attempt in range(REPLAY_RETRIES + 1):
+            try:
+                events = await self.responder.open(client, body, stream=False, model=model, resume=resume)
+            except (OverloadedError, EngineRestarting) as exc:  # NOTE: refused before it started: try again later
+                if attempt < REPLAY_RETRIES:
+                    await asyncio.sleep(max(REPLAY_BACKOFF * 2**attempt, getattr(exc, "retry_after", 0.0)))
+                    continue
+                self._skip(entry, f"{type(exc).__name__}: {exc}", remove=False)
+                future.set_exception(exc)
+                return
+            except PagedError as exc:
+                self._skip(entry, f"{type(exc).__name__}: {exc}", remove=isinstance(exc, InvalidRequestError))
+                future.set_exception(exc)
+                return
+            try:
+                async with contextlib.aclosing(events):
+                    async for event in events:
+                        if event.type in TERMINAL_EVENTS:
+                            response = event.response
+            except PagedError as exc:  # NOTE: failed after its start: left for the next server
+                self._skip(entry, f"{type(exc).__name__}: {exc}", remove=False)
+                future.set_exception(exc)
+                return
+            break
+        assert response is not None
+        future.set_result(response)
         self.journal.remove(entry.request_id)
         self._shrink()
 
@@ -204,6 +257,9 @@ REPLAYS = web.AppKey("paged_journal_replays", JournalReplays)
 def add_routes(app: web.Application, replays: JournalReplays) -> None:
     """The routes that fetch a replayed request's result by its id."""
     app[REPLAYS] = replays
+    if RESPONDER in app:  # NOTE: a journalled response is finished by the server's responder and stored there
+        replays.responder = app[RESPONDER]
+        app[REPLAYED] = replays.result
     app.router.add_get("/v1/chat/completions/{completion_id}", retrieve)
     app.router.add_get("/v1/completions/{completion_id}", retrieve)
 

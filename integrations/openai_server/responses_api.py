@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +27,16 @@ from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from integrations.openai_server.errors import ApiError, bad_request, from_sdk
+from integrations.openai_server.errors import RETRY_AFTER, ApiError, bad_request, from_sdk
 from integrations.openai_server.intake import check_common, origin, parse_body
+from integrations.openai_server.journal import JournalEntry
 from integrations.openai_server.metrics import PREFIX
 from integrations.openai_server.sse import EventStream
 from integrations.openai_server.state import STATE, TENANT, cancel_on_disconnect, route_request
-from sdk.errors import PagedError
+from sdk.errors import PagedError, RequestJournalled
 from sdk.responses.config import ResponsesConfig
 from sdk.responses.pins import RELEASE_REASONS
-from sdk.responses.service import Responder
+from sdk.responses.service import LOGPROBS_INCLUDE, Progress, Responder
 from sdk.responses.store import ResponseStore
 from sdk.responses.types import (
     TERMINAL_EVENTS,
@@ -46,7 +48,11 @@ from sdk.responses.types import (
     new_id,
 )
 
+logger = logging.getLogger(__name__)
+
 RESPONDER = web.AppKey("paged_responder", Responder)
+# (tenant, response id) -> once a journal replay of that response ended; set by the journal's replays
+REPLAYED = web.AppKey("paged_responses_replayed", Callable[[str, str], Awaitable[Any]])
 DROP_REASONS = ("size", "age", "deleted")
 MAX_PAGE = 100  # input items per page, as OpenAI's ``limit``
 DEFAULT_PAGE = 20
@@ -84,11 +90,13 @@ async def create(request: web.Request) -> web.StreamResponse:
     task = asyncio.current_task()
     assert task is not None
     events = EventStream(request)
+    progress = Progress()
     with state.track(new_id("responses"), task) as shutdown, cancel_on_disconnect(request, task):
         try:
             try:
                 stream = await request.app[RESPONDER].open(
-                    client, body, origin=origin(request), stream=body.stream, model=serving.model_name
+                    client, body, origin=origin(request), stream=body.stream, model=serving.model_name,
+                    progress=progress,
                 )
             except PagedError as exc:
                 raise from_sdk(exc, None) from None
@@ -100,13 +108,42 @@ async def create(request: web.Request) -> web.StreamResponse:
             if not shutdown.is_set():
                 raise  # the client went away: nothing to answer
             task.uncancel()
-            error = ApiError(503, "the server shut down before the response finished", code="shutdown")
+            error = _journal(request, body, progress, serving.model_name) or ApiError(
+                503, "the server shut down before the response finished", code="shutdown"
+            )
             if not events.started:
                 return error.response()
             with contextlib.suppress(ConnectionError):
                 await events.send(error.body())
                 await events.end()
             return events.response
+
+
+def _journal(request: web.Request, body: ResponseRequest, progress: Progress, model: str) -> ApiError | None:
+    """Writes a response the drain cut off to the journal, when there is one and the response can go on: stored
+    (its result is fetched by id), started, without tools or logprobs. Its answer, or None."""
+    state = request.app[STATE]
+    include = body.include or ()
+    if (
+        state.journal is None or not body.store or not progress.response_id or body.tools
+        or body.top_logprobs is not None or LOGPROBS_INCLUDE in include
+    ):  # fmt: skip
+        return None
+    entry = JournalEntry(
+        progress.response_id, "response", request[TENANT].name, model,
+        body.model_dump(mode="json", exclude_unset=True), progress.token_ids,
+        "".join(d.text for d in progress.deltas), "".join(d.reasoning for d in progress.deltas), progress.created_at,
+    )  # fmt: skip
+    try:
+        state.journal.write(entry)
+    except OSError:
+        logger.exception("journal: could not write %s", entry.request_id)
+        return None
+    message = (
+        f"the server shut down before the response finished; it was journalled as {entry.request_id}: a server "
+        f"restarted on the same kv_cache_dir finishes and stores it (GET /v1/responses/{entry.request_id})"
+    )
+    return ApiError(503, message, code=RequestJournalled.code, headers={"Retry-After": RETRY_AFTER}, request_id=entry.request_id)
 
 
 async def _stream(events: EventStream, stream: AsyncIterator[ResponseEvent]) -> web.StreamResponse:
@@ -125,6 +162,13 @@ async def _collect(stream: AsyncIterator[ResponseEvent]) -> web.Response:
 
 
 async def retrieve(request: web.Request) -> web.Response:
+    """The stored response; one a journal replay is finishing is answered once the replay ends."""
+    replayed = request.app.get(REPLAYED)
+    if replayed is not None:
+        try:
+            await replayed(request[TENANT].name, request.match_info["response_id"])
+        except PagedError as exc:
+            raise from_sdk(exc, None) from None
     return _json(_lookup(request).response)
 
 

@@ -29,6 +29,10 @@ ROUND_ROBIN_ROUTER = "ray.serve.experimental.round_robin_router.RoundRobinRouter
 ROUTING_STATS_PERIOD = 2.0  # seconds between a replica's reports of the prefixes it caches
 ONGOING_PER_SEQ = 4  # a replica takes up to this many requests per engine sequence slot (the rest queue in Ray)
 INGRESS_CPUS = 0.25  # the ingress hashes prompts and relays bytes
+# NOTE: Serve notices a dead replica at its next health check (its default period is 10 s) and only then starts
+# the replacement, whose model load is most of the gap; a check reads the server's phase and costs nothing.
+HEALTH_CHECK_PERIOD = 2.0  # seconds
+REPLICA_STOP_MARGIN = 5.0  # seconds a stopping replica gets beyond its server's --drain-timeout
 
 
 def replica_resources(cpus: float, gpus: float, ranks: int) -> dict[str, Any]:
@@ -66,13 +70,17 @@ def build_app(args: argparse.Namespace, make_app: Callable[[argparse.Namespace],
         request_router_config=RequestRouterConfig(
             request_router_class=router, request_routing_stats_period_s=ROUTING_STATS_PERIOD
         ),
-        graceful_shutdown_timeout_s=args.drain_timeout + 5.0,
+        graceful_shutdown_timeout_s=args.drain_timeout + REPLICA_STOP_MARGIN,
+        health_check_period_s=HEALTH_CHECK_PERIOD,
     )
     ingress = serve.deployment(
         Ingress,
         name="ingress",
         max_ongoing_requests=max_ongoing * (args.replicas or 1),
         ray_actor_options={"num_cpus": INGRESS_CPUS},
+        # NOTE: the ingress relays the replicas' streams: it stops after them, so a stream a draining replica
+        # finishes (or ends with its journal's answer) reaches its client rather than a cut connection.
+        graceful_shutdown_timeout_s=args.drain_timeout + 2 * REPLICA_STOP_MARGIN,
     )
     return ingress.bind(replica.bind(args, make_app), args)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import ValidationError
@@ -62,7 +63,23 @@ class ChatClient(Protocol):
 
     async def start(self) -> None: ...
 
-    def stream(self, messages: ChatRequest, *, origin: RequestOrigin | None = None) -> AsyncIterator[Delta]: ...
+    def stream(
+        self, messages: ChatRequest, *, origin: RequestOrigin | None = None, resume_token_ids: list[int] | None = None
+    ) -> AsyncIterator[Delta]: ...
+
+
+@dataclass
+class Progress:
+    """How far a response got: its id and creation time, and the deltas whose events its caller was sent (all of
+    them so far for one not streamed). A server's drain journals it; a replay goes on from it (``Responder.open``)."""
+
+    response_id: str = ""
+    created_at: int = 0
+    deltas: list[Delta] = field(default_factory=list)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for d in self.deltas for t in d.token_ids]
 
 
 class Responder:
@@ -80,11 +97,15 @@ class Responder:
 
     async def open(
         self, client: ChatClient, request: Any, *, origin: RequestOrigin | None = None, stream: bool = True,
-        model: str | None = None,
-    ) -> AsyncIterator[ResponseEvent]:
+        model: str | None = None, progress: Progress | None = None, resume: Progress | None = None,
+    ) -> AsyncIterator[ResponseEvent]:  # fmt: skip
         """Start ``request`` (a ``ResponseRequest``) on ``client``; its events, from ``response.created``.
 
         ``model`` is the model id the response names (a server's served name); None = the client's model.
+        ``progress`` is filled as the events go: the response's id, then each delta before its events.
+        ``resume`` goes on with a response another server cut off (in process, as a drain's journal
+        replay does): the response keeps its id and creation time, its output starts with the deltas
+        its caller received, and the engine generates only the rest.
 
         The reply's first output is awaited here, so a bad request, an unknown
         ``previous_response_id``, a refusal by a hook or the engine raise from this call,
@@ -113,8 +134,14 @@ class Responder:
             chat = chat.model_copy(update={"messages": conversation.messages})
         await client.start()
         response = _response(request, model or client.model_name)
+        if resume is not None:
+            response = response.model_copy(update={"id": resume.response_id, "created_at": resume.created_at})
+            deltas = client.stream(chat, origin=origin, resume_token_ids=resume.token_ids)
+        else:
+            deltas = client.stream(chat, origin=origin)
+        if progress is not None:
+            progress.response_id, progress.created_at = response.id, response.created_at
         want_logprobs = chat.logprobs is not None
-        deltas = client.stream(chat, origin=origin)
         try:
             first = await anext(deltas)
         except PagedError as exc:
@@ -124,7 +151,9 @@ class Responder:
             await deltas.aclose()  # type: ignore[attr-defined]
             raise
         run = _Run(self, client, request, conversation, chat, cache_salt, previous)
-        return run.events(ResponseBuilder(response, want_logprobs=want_logprobs), first, deltas, stream)
+        received = resume.deltas if resume is not None else []
+        builder = ResponseBuilder(response, want_logprobs=want_logprobs)
+        return run.events(builder, [*received, first], deltas, stream, progress or Progress())
 
     def lookup(self, tenant: str, response_id: str, param: str) -> StoredResponse:
         """The tenant's stored response of that id.
@@ -201,12 +230,15 @@ class _Run:
         self.previous = previous
 
     async def events(
-        self, builder: ResponseBuilder, first: Delta, stream: AsyncIterator[Delta], report_failures: bool
-    ) -> AsyncIterator[ResponseEvent]:
+        self, builder: ResponseBuilder, opening: list[Delta], stream: AsyncIterator[Delta], report_failures: bool,
+        progress: Progress,
+    ) -> AsyncIterator[ResponseEvent]:  # fmt: skip
+        """``opening``: the deltas already out of ``stream`` (a resumed response's received ones first)."""
         try:
             for event in builder.start():
                 yield event
-            delta: Delta | None = first
+            pending = list(opening)
+            delta: Delta | None = pending.pop(0)
             while delta is not None:
                 if delta.usage is not None:  # the reply's last delta
                     events = builder.finish(delta)
@@ -214,9 +246,10 @@ class _Run:
                     for event in events:
                         yield event
                     return
+                progress.deltas.append(delta)  # NOTE: before its events: they go out once yielded
                 for event in builder.add(delta):
                     yield event
-                delta = await anext(stream, None)
+                delta = pending.pop(0) if pending else await anext(stream, None)
         except PagedError as exc:
             error = _at_wire_param(exc, self.conversation)
             if not report_failures:

@@ -11,6 +11,8 @@ import logging
 import subprocess
 import sys
 import time
+from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,17 @@ KEY = "sk-fleet"
 ENGINE = {"num_blocks": 512, "block_size": 16, "max_num_seqs": 16, "max_model_len": 512}
 APP = "paged"
 ROOT = Path(__file__).resolve().parents[2]
+PROMPT = (  # a completion prompt of two full blocks
+    "The old lighthouse keeper on the northern cliffs had kept the light burning for forty years, through storms "
+    "and calm nights alike, and he had a long story to tell:"
+)
+# NOTE: a fault test waits as long as the fleet took to start, twice (at least MIN_PATIENCE): a replica's
+# replacement loads a model as a starting fleet does, and on a starved machine both take minutes.
+MIN_PATIENCE = 120.0  # seconds
+DRAIN_TIMEOUT = 10.0  # seconds: Serve stops a replica 5 s after it, streams or not
+PROXY_PATIENCE = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
+STATUS_POLL = 0.2  # seconds between looks at Serve's status
+STARTED: dict[str, float] = {}  # "seconds": how long the fixture's fleet took to start
 
 
 @pytest.fixture(scope="module")
@@ -45,16 +58,24 @@ def fleet(model_dir, audit_path):
     from integrations.ray.config import app_builder
 
     logging.getLogger("ray.serve").setLevel(logging.ERROR)
-    # NOTE: a cluster of its own ("local"), not one another process on the machine runs
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+    # NOTE: Serve's controller kills a proxy that is not ready in 3 checks of 5 s, and serve.start then fails on the
+    # proxy it waited for: on a starved machine a proxy takes longer to import. Its processes inherit this env.
+    with pytest.MonkeyPatch.context() as env:
+        for name, seconds in PROXY_PATIENCE.items():
+            env.setenv(name, seconds)
+        # NOTE: a cluster of its own ("local"), not one another process on the machine runs
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         flags = {
             "model": model_dir, "replicas": 2, "replica_cpus": 0.5, "api_key": [KEY], "audit_log": str(audit_path),
-            "hook": ["tests.support.fleet_gate:make_hooks"], **ENGINE,
+            "hook": ["tests.support.fleet_gate:make_hooks"], "drain_timeout": DRAIN_TIMEOUT, **ENGINE,
         }  # fmt: skip
-        serve.run(app_builder(flags), name=APP, route_prefix="/")
+        began = time.monotonic()
+        # NOTE: external_scaler_enabled: a test scales the engine deployment as an operator's scaler does
+        serve.run(app_builder(flags), name=APP, route_prefix="/", external_scaler_enabled=True)
+        STARTED["seconds"] = time.monotonic() - began
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -156,7 +177,8 @@ async def test_killed_replica_every_request_ends_and_fleet_recovers(fleet):
     """Kill a replica under load: each request gets a result or a retryable error; Ray brings the replica back."""
     import openai
 
-    client = openai.AsyncOpenAI(base_url=f"{fleet}/v1", api_key=KEY, max_retries=0, timeout=60)
+    await _whole()
+    client = openai.AsyncOpenAI(base_url=f"{fleet}/v1", api_key=KEY, max_retries=0, timeout=_patience())
     model = (await client.models.list()).data[0].id
     before = _replica_names()
     assert len(before) == 2
@@ -183,12 +205,12 @@ async def test_killed_replica_every_request_ends_and_fleet_recovers(fleet):
             return "retryable"
 
     tasks = [asyncio.ensure_future(one(i, stream=i % 2 == 0)) for i in range(12)]
-    await asyncio.wait_for(started.wait(), 30)
+    await asyncio.wait_for(started.wait(), _patience())
     ray.kill(ray.get_actor(before[0], namespace="serve"), no_restart=True)
-    outcomes = await asyncio.wait_for(asyncio.gather(*tasks), 90)
+    outcomes = await asyncio.wait_for(asyncio.gather(*tasks), _patience())
     assert set(outcomes) <= {"ok", "retryable"} and "ok" in outcomes, outcomes
 
-    await _replaced([before[0]])
+    await _whole(killed=[before[0]])
     replies = await asyncio.gather(*(
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": f"Hi {i}"}], max_tokens=2)
         for i in range(4)
@@ -222,16 +244,38 @@ def test_tensor_parallel_replica_is_one_packed_placement_group(model_dir):
     app_builder({"model": model_dir, "replicas": 2, "replica_cpus": 0.5, "tensor_parallel_size": 2})
 
 
-async def _replaced(killed: list[str]) -> None:
-    """Waits until Ray Serve runs two replicas again, none of them ``killed``."""
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        names = _replica_names()
-        engine = serve.status().applications[APP].deployments["engine"]
-        if len(names) == 2 and not set(killed) & set(names) and engine.replica_states.get("RUNNING") == 2:
+def _patience() -> float:
+    """Seconds a fault test waits for the fleet (a replacement, a stream that goes on): see MIN_PATIENCE."""
+    return max(MIN_PATIENCE, 2 * STARTED["seconds"])
+
+
+async def _whole(killed: Sequence[str] = ()) -> None:
+    """Waits until Serve's controller has the engine deployment healthy, its replicas two running ones, neither of
+    them ``killed`` (actor names).
+
+    The controller notices a killed replica at its next health check (until then it still counts
+    it as running, though its actor's name is gone), stops it and starts a replacement; until the
+    replacement's engine serves, the deployment is unhealthy.
+    """
+    deadline = time.monotonic() + _patience()
+    while True:
+        engine = (await asyncio.to_thread(serve.status)).applications[APP].deployments["engine"]
+        replicas = await _replicas()
+        running = {name for name, state in replicas.items() if state == "RUNNING"}
+        if engine.status == "HEALTHY" and len(replicas) == len(running) == 2 and not set(killed) & running:
             return
-        await asyncio.sleep(1)
-    pytest.fail(f"the killed replicas were not replaced: {_replica_names()}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"the fleet is not whole after {_patience():.0f} s: {engine}, replicas {replicas}, killed {killed}")
+        await asyncio.sleep(STATUS_POLL)
+
+
+async def _replicas() -> dict[str, str]:
+    """The engine replicas Serve's controller holds: actor name -> state (``RUNNING``, ``STARTING``, ``STOPPING``...)."""
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    details = await controller.get_serve_instance_details.remote()
+    return {r["actor_name"]: r["state"] for r in details["applications"][APP]["deployments"]["engine"]["replicas"]}
 
 
 @pytest.mark.parametrize("route", ["chat", "completion"])
@@ -240,13 +284,15 @@ async def test_a_replica_killed_mid_stream_leaves_the_clients_stream_whole(fleet
     chunk for chunk the unkilled run's (greedy and seeded), with one id, no error, and the whole run's usage."""
     import openai
 
-    client = openai.AsyncOpenAI(base_url=f"{fleet}/v1", api_key=KEY, max_retries=0, timeout=60)
+    await _whole()  # NOTE: the stream goes on on the replica that is not killed: it must be running
+    client = openai.AsyncOpenAI(base_url=f"{fleet}/v1", api_key=KEY, max_retries=0, timeout=_patience())
     model = (await client.models.list()).data[0].id
     samplings = {"greedy": {"temperature": 0}, "seeded": {"temperature": 1.0, "seed": 11}}
     opening = 1 if route == "chat" else 0  # a chat stream's first chunk carries the role, no token
 
     def create(sampling: dict, **extra):
-        # NOTE: one prompt for both streams: prefix affinity sends them to one replica, the one killed
+        # NOTE: one prompt for both streams: prefix affinity sends them to one replica, the one killed. Each
+        # prompt holds full blocks (a prompt under one block has no hash to route by: its streams go anywhere)
         common = {
             "model": model, "max_tokens": 48, "stream": True, "stream_options": {"include_usage": True},
             "extra_body": {"ignore_eos": True}, **sampling, **extra,
@@ -254,7 +300,7 @@ async def test_a_replica_killed_mid_stream_leaves_the_clients_stream_whole(fleet
         if route == "chat":
             messages = [{"role": "user", "content": "Tell a long story about a lighthouse."}]
             return client.chat.completions.create(messages=messages, **common)
-        return client.completions.create(prompt="The lighthouse keeper had a long story to tell:", **common)
+        return client.completions.create(prompt=PROMPT, **common)
 
     received = {name: asyncio.Event() for name in samplings}
 
@@ -274,16 +320,13 @@ async def test_a_replica_killed_mid_stream_leaves_the_clients_stream_whole(fleet
     tasks = {name: asyncio.ensure_future(held_stream(name, gate)) for name, gate in gates.items()}
     holders = set()
     for name, gate in gates.items():
-        await asyncio.wait_for(received[name].wait(), 60)
-        async with asyncio.timeout(60):
-            while not (gate / "held").exists():  # NOTE: the hook writes it once the client has HOLD_AFTER tokens
-                await asyncio.sleep(0.01)
-        holders.add((gate / "held").read_text())
+        await asyncio.wait_for(received[name].wait(), _patience())
+        holders.add(await _held_on(gate))
     for name in holders:
         ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
     for gate in gates.values():
         (gate / "go").touch()
-    killed = {name: await asyncio.wait_for(task, 120) for name, task in tasks.items()}
+    killed = {name: await asyncio.wait_for(task, _patience()) for name, task in tasks.items()}
 
     for name, chunks in killed.items():
         assert {c.id for c in chunks} == {chunks[0].id}, name
@@ -293,7 +336,87 @@ async def test_a_replica_killed_mid_stream_leaves_the_clients_stream_whole(fleet
         assert (usage.prompt_tokens, usage.completion_tokens) == (expected.prompt_tokens, 48), name
     now = _continued(fleet)
     assert sum(n - continued.get(replica, 0) for replica, n in now.items()) == len(samplings)  # both went on elsewhere
-    await _replaced(sorted(holders))
+    await _whole(killed=sorted(holders))
+
+
+async def test_a_replica_stopped_gracefully_finishes_or_hands_over_its_streams(fleet, tmp_path):
+    """Scaling down to one replica while streams run on both: a stream the stopped replica can finish within Serve's
+    graceful shutdown timeout finishes there; one it cannot goes on on the other replica when Serve stops it at the
+    deadline. Each equals the run nothing stopped; the fleet serves on and scales back up."""
+    import openai
+
+    await _whole()
+    client = openai.AsyncOpenAI(base_url=f"{fleet}/v1", api_key=KEY, max_retries=0, timeout=_patience())
+    model = (await client.models.list()).data[0].id
+
+    def create(i: int, **extra):
+        # NOTE: a first block of its own: a stream goes to the least-loaded replica, not where another one runs
+        return client.completions.create(
+            model=model, prompt=f"Story {i}. {PROMPT}", max_tokens=32, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}, **extra,
+        )  # fmt: skip
+
+    async def held_stream(i: int) -> list:
+        return [chunk async for chunk in await create(i, extra_headers={GATE_HEADER: str(tmp_path / str(i))})]
+
+    holders: dict[int, str] = {}
+    tasks: dict[int, asyncio.Future] = {}
+    for i in range(12):  # NOTE: until each replica holds two streams (a stream goes to the less loaded one)
+        (tmp_path / str(i)).mkdir()
+        tasks[i] = asyncio.ensure_future(held_stream(i))
+        holders[i] = await _held_on(tmp_path / str(i))
+        if len(set(holders.values())) == 2 and min(Counter(holders.values()).values()) >= 2:
+            break
+    assert min(Counter(holders.values()).values()) >= 2, holders
+    unstopped = {i: _deltas([c async for c in await create(i)]) for i in tasks}
+    continued = _continued(fleet)
+
+    await _scale(1)
+    stopping = await _stopping()
+    assert stopping in holders.values(), (stopping, holders)
+    drained, *handed_over = [i for i, name in holders.items() if name == stopping]
+    for i in [i for i, name in holders.items() if name != stopping] + [drained]:
+        (tmp_path / str(i) / "go").touch()
+    streamed = {drained: _deltas(await asyncio.wait_for(tasks[drained], _patience()))}
+    async with asyncio.timeout(_patience()):
+        while stopping in _replica_names():  # NOTE: the held streams keep it draining until Serve's deadline
+            await asyncio.sleep(STATUS_POLL)
+    for i in handed_over:
+        (tmp_path / str(i) / "go").touch()
+    streamed |= {i: _deltas(await asyncio.wait_for(task, _patience())) for i, task in tasks.items() if i != drained}
+    assert streamed == unstopped
+    now = _continued(fleet)
+    assert sum(n - continued.get(replica, 0) for replica, n in now.items()) == len(handed_over)
+
+    await _scale(2)
+    await _whole()
+
+
+async def _held_on(gate: Path) -> str:
+    """The actor name of the replica that holds the gated stream, once the client has its HOLD_AFTER tokens."""
+    async with asyncio.timeout(_patience()):
+        while not (gate / "held").exists():  # NOTE: the hook writes it once the client has HOLD_AFTER tokens
+            await asyncio.sleep(0.01)
+    return (gate / "held").read_text()
+
+
+async def _scale(num_replicas: int) -> None:
+    """Sets the engine deployment's replicas as an external scaler does (Serve's scale API calls the controller so)."""
+    from ray.serve._private.common import DeploymentID
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    await controller.update_deployment_replicas.remote(DeploymentID(name="engine", app_name=APP), num_replicas)
+
+
+async def _stopping() -> str:
+    """The actor name of the engine replica Serve is stopping, once its controller reports one."""
+    async with asyncio.timeout(_patience()):
+        while True:
+            stopping = [name for name, state in (await _replicas()).items() if state == "STOPPING"]
+            if stopping:
+                return stopping[0]
+            await asyncio.sleep(STATUS_POLL)
 
 
 def _continued(fleet: str) -> dict[str, float]:

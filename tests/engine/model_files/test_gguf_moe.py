@@ -94,7 +94,8 @@ def test_f32_file_runs_to_the_source_logits_and_greedy_tokens(moe, private_cache
 def test_q8_0_experts_are_their_row_ranges_of_the_file_and_run_only_when_routed(
     moe, private_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Each expert's projections hold the file's Q8_0 blocks of its rows (not dequantized); a decode step runs
+    """Each expert's projections hold the file's Q8_0 blocks of its rows (not dequantized, in the kernels' layout); a
+    decode step runs
     exactly the experts its token is routed to; the logits are those of the source's weights rounded to Q8_0."""
     arch, source, hf = moe
     path = write_gguf(source, tmp_path / "moe-Q8_0.gguf", "Q8_0")
@@ -108,7 +109,8 @@ def test_q8_0_experts_are_their_row_ranges_of_the_file_and_run_only_when_routed(
             info = gguf.tensors[f"blk.{index}.ffn_down_exps.weight"]
             rows = info.shape[1]
             expected = gguf.read(info.name, rows=range(e * rows, (e + 1) * rows))
-            assert torch.equal(down.parts[0].data, torch.from_numpy(expected))
+            laid_out = GGMLWeight.from_numpy([("Q8_0", expected)], down.in_features)  # as the kernels lay blocks out
+            assert torch.equal(down.parts[0].data, laid_out.parts[0].data)
             assert expert.gate_up_proj.quantized.kind == "Q8_0"
             experts[id(down)] = experts[id(expert.gate_up_proj.quantized)] = (index, e)
     assert not runner.weights.dequantized

@@ -95,7 +95,7 @@ static inline void k4_scales(const uint8_t *q, uint8_t sc[8], uint8_t mn[8]) {
 /* Bytes per row of K features of a type (an x16 type: its file type's), 0 for a type not served here or K not a multiple of its block. */
 static inline int64_t ggml_row_bytes(int type, int64_t K) {
     if (type == GGML_X16 + GGML_Q4_0 || type == GGML_X16 + GGML_Q8_0 || type == GGML_X16 + GGML_Q4_K ||
-        type == GGML_X16 + GGML_Q6_K)
+        type == GGML_X16 + GGML_Q5_K || type == GGML_X16 + GGML_Q6_K)
         type -= GGML_X16;
     switch (type) {
     case GGML_F32: return 4 * K;

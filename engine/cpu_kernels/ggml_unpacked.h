@@ -1,4 +1,5 @@
-/* The x16 K-quants (Q4_K, Q6_K) at several rows: a pair of groups' scales (and Q6_K's codes) unpacked once a call.
+/* The x16 types at several rows, in pairs of groups: the K-quants' scales (and Q5_K's and Q6_K's codes) unpacked
+ * once a call, Q4_0's and Q8_0's codes read in place.
  *
  * ggml_avx512.h's tiles unpack a super-block's packed scales and mins (and Q6_K's 6-bit codes from three bit
  * fields) for each tile of GGML_TILE_ROWS rows and one group of 16 columns, so at 64 rows that unpacking, not the
@@ -7,7 +8,9 @@
  *   scales int32 [sub-blocks][16]: Q4_K's 8 sc_j, Q6_K's 16 sc_s;
  *   Q4_K: mins as int16 pairs [4][16][2] (m_2p, m_2p+1), for VPDPWSSD against pairs of x's sums of 32;
  *   d [16] and (Q4_K) dmin [16] in float32;
- *   Q6_K: codes uint8 [64 units][16 columns][4], unit u the codes q (0..63) of features 4 u .. 4 u + 3.
+ *   Q5_K, Q6_K: codes uint8 [64 units][16 columns][4], unit u the codes q (0..31, 0..63) of features 4 u .. 4 u + 3.
+ * Q5_K has no group tile (its five-bit codes cost the same to rebuild for one row as for six): its groups go in
+ * pairs at every row count, so its outputs too keep their bits whatever the batch.
  * Q4_K's codes are read from the group as they are (a mask or a shift and a mask a load): unpacking them into the
  * scratch was slower, Q6_K's three-field codes the other way round. Tiles of UNPACKED_TILE_ROWS rows then multiply
  * both groups, each broadcast of x feeding two VPDPBUSD. The integer sums are the x16 tiles' (exact, so their
@@ -30,14 +33,16 @@
 #define UNPACKED_OFFSETS 20   /* int32 a row's super-block of x: unpacked_offsets */
 #define UNPACKED_TILE_ROWS 6  /* rows of x a tile: 6 x 2 groups x 3 accumulators (float, super-block, sub-block) */
 
-/* Bytes of a group's unpacked super-block: Q6_K's holds its codes too. */
-static inline int64_t unpacked_sb_bytes(int q6) { return q6 ? UNPACKED_CODES + 64 * 64 : UNPACKED_CODES; }
+/* Bytes of a group's unpacked super-block of `type` (Q4_K, Q5_K, Q6_K): Q5_K's and Q6_K's hold their codes too. */
+static inline int64_t unpacked_sb_bytes(int type) { return type == GGML_Q4_K ? UNPACKED_CODES : UNPACKED_CODES + 64 * 64; }
 
-/* Group `w` (x16 Q4_K, K features): its scales, mins and d's into out, a super-block every unpacked_sb_bytes(0). */
-static void unpack_q4_K_x16(const uint8_t *w, int64_t K, uint8_t *out) {
+/* Group `w` (x16 Q4_K, or Q5_K with q5, K features): its scales, mins and d's into out, a super-block every
+ * unpacked_sb_bytes; Q5_K's codes too, each low nibble with its fifth bit (sub-block s: bit s of its qh byte). */
+static void unpack_k4_x16(int q5, const uint8_t *w, int64_t K, uint8_t *out) {
     const __m512i low4 = _mm512_set1_epi8(15), low6 = _mm512_set1_epi8(0x3f), two = _mm512_set1_epi8(3),
-                  byte = _mm512_set1_epi32(0xff);
-    for (int64_t i = 0; i < K / QK_K; ++i, w += X16 * sizeof(block_q4_K), out += unpacked_sb_bytes(0)) {
+                  byte = _mm512_set1_epi32(0xff), one = _mm512_set1_epi8(1);
+    const int64_t block = X16 * (q5 ? sizeof(block_q5_K) : sizeof(block_q4_K));
+    for (int64_t i = 0; i < K / QK_K; ++i, w += block, out += unpacked_sb_bytes(q5 ? GGML_Q5_K : GGML_Q4_K)) {
         const __m512i A = _mm512_loadu_si512(w + 64), B = _mm512_loadu_si512(w + 128), C = _mm512_loadu_si512(w + 192);
         const __m512i sc03 = _mm512_and_si512(A, low6), mn03 = _mm512_and_si512(B, low6);
         const __m512i sc47 = _mm512_or_si512(_mm512_and_si512(C, low4),
@@ -55,13 +60,21 @@ static void unpack_q4_K_x16(const uint8_t *w, int64_t K, uint8_t *out) {
             _mm512_storeu_si512(out + UNPACKED_MINS + 64 * p, _mm512_or_si512(mn[2 * p], _mm512_slli_epi32(mn[2 * p + 1], 16)));
         _mm512_storeu_ps(out + UNPACKED_D, f16x16(w));
         _mm512_storeu_ps(out + UNPACKED_DMIN, f16x16(w + 32));
+        if (!q5) continue;
+        for (int s = 0; s < 8; ++s) /* qh unit c at 256, qs unit 8 g + c at 768 (ggml_x16.h) */
+            for (int c = 0; c < 8; ++c) {
+                const __m512i v = _mm512_loadu_si512(w + 768 + 64 * (8 * (s / 2) + c)), h = _mm512_loadu_si512(w + 256 + 64 * c);
+                const __m512i lo = _mm512_and_si512(s & 1 ? _mm512_srli_epi16(v, 4) : v, low4);
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(h, s), one);
+                _mm512_storeu_si512(out + UNPACKED_CODES + 64 * (8 * s + c), _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4)));
+            }
     }
 }
 
 /* Group `w` (x16 Q6_K, K features) into out: the 16 int8 scales widened, d, the codes q (0..63). */
 static void unpack_q6_K_x16(const uint8_t *w, int64_t K, uint8_t *out) {
     const __m512i low4 = _mm512_set1_epi8(15), low2 = _mm512_set1_epi8(3);
-    for (int64_t i = 0; i < K / QK_K; ++i, w += X16 * sizeof(block_q6_K), out += unpacked_sb_bytes(1)) {
+    for (int64_t i = 0; i < K / QK_K; ++i, w += X16 * sizeof(block_q6_K), out += unpacked_sb_bytes(GGML_Q6_K)) {
         for (int s = 0; s < 16; ++s)
             _mm512_storeu_si512(out + UNPACKED_SCALES + 64 * s,
                                 _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 32 + 16 * s))));
@@ -84,19 +97,19 @@ static void unpack_q6_K_x16(const uint8_t *w, int64_t K, uint8_t *out) {
 }
 
 /* `rows` rows of x (act_q8_K [., K / QK_K], a_row super-blocks a row) times one or two unpacked groups u[0], u[1]
- * (`two`), plus bias (16 entries a group), into y's first 16 (32) columns (leading dimension ld_y). q6: Q6_K, else
- * Q4_K. Inlined with constant rows, two and q6. */
-static inline __attribute__((always_inline)) void tile_unpacked(int q6, const uint8_t *const u[2],
+ * (`two`) of `type` (Q4_K, Q5_K, Q6_K; Q4_K's codes read from w), plus bias (16 entries a group), into y's first
+ * 16 (32) columns (leading dimension ld_y). Inlined with constant type, rows and two. */
+static inline __attribute__((always_inline)) void tile_unpacked(int type, const uint8_t *const u[2],
                                                                 const uint8_t *const w[2], int two,
                                                                 const act_q8_K *a, const int32_t *offsets,
                                                                 int64_t a_row, int rows,
                                                                 int64_t K, const float *bias, float *y,
                                                                 int64_t ld_y) {
-    const int G = two ? 2 : 1;
+    const int G = two ? 2 : 1, q6 = type == GGML_Q6_K;
     __m512 acc[UNPACKED_TILE_ROWS][2];
     for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t i = 0; i < K / QK_K; ++i) {
-        const uint8_t *sb[2] = {u[0] + i * unpacked_sb_bytes(q6), u[1] + i * unpacked_sb_bytes(q6)};
+        const uint8_t *sb[2] = {u[0] + i * unpacked_sb_bytes(type), u[1] + i * unpacked_sb_bytes(type)};
         __m512i sum[UNPACKED_TILE_ROWS][2];
         for (int r = 0; r < rows; ++r) sum[r][0] = sum[r][1] = _mm512_setzero_si512();
         const int subs = q6 ? 16 : 8, units = q6 ? 4 : 8; /* sub-blocks, and 4-feature units a sub-block */
@@ -109,7 +122,7 @@ static inline __attribute__((always_inline)) void tile_unpacked(int q6, const ui
                 const int unit = s * units + c;
                 __m512i wv[2];
                 for (int h = 0; h < G; ++h) {
-                    if (q6) {
+                    if (type != GGML_Q4_K) {
                         wv[h] = _mm512_loadu_si512(sb[h] + UNPACKED_CODES + 64 * unit);
                     } else { /* the group's own codes: sub-block s in the low (even s) or high nibbles of unit 8 (s / 2) + c */
                         const __m512i v = _mm512_loadu_si512(w[h] + i * X16 * sizeof(block_q4_K) + 256 + 64 * (8 * (s / 2) + c));
@@ -153,29 +166,35 @@ static inline __attribute__((always_inline)) void tile_unpacked(int q6, const ui
 
 /* Rows 0 .. M - 1 of x times the unpacked groups (tile_unpacked's arguments), in tiles of as equal sizes as
  * UNPACKED_TILE_ROWS allows (8 rows: 2 of 4, not 6 and 2). */
-static void rows_times_unpacked(int q6, const uint8_t *const u[2], const uint8_t *const w[2], int two, const act_q8_K *a, const int32_t *offsets,
-                                int64_t M, int64_t K, const float *bias, float *y, int64_t ld_y) {
+static void rows_times_unpacked(int type, const uint8_t *const u[2], const uint8_t *const w[2], int two,
+                                const act_q8_K *a, const int32_t *offsets, int64_t M, int64_t K, const float *bias,
+                                float *y, int64_t ld_y) {
     const int64_t a_row = K / QK_K, tiles = (M + UNPACKED_TILE_ROWS - 1) / UNPACKED_TILE_ROWS;
     for (int64_t t = 0, m = 0; t < tiles; ++t) {
         const int rows = (int)(M / tiles + (t < M % tiles));
         const act_q8_K *am = a + m * a_row;
         const int32_t *om = offsets + m * a_row * UNPACKED_OFFSETS;
         float *ym = y + m * ld_y;
-#define TILE(Q6, TWO, R) tile_unpacked(Q6, u, w, TWO, am, om, a_row, R, K, bias, ym, ld_y)
-#define ROWS(Q6, TWO)                                \
-    switch (rows) {                                  \
-    case 1: TILE(Q6, TWO, 1); break;                 \
-    case 2: TILE(Q6, TWO, 2); break;                 \
-    case 3: TILE(Q6, TWO, 3); break;                 \
-    case 4: TILE(Q6, TWO, 4); break;                 \
-    case 5: TILE(Q6, TWO, 5); break;                 \
-    default: TILE(Q6, TWO, UNPACKED_TILE_ROWS); break; \
+#define TILE(T, TWO, R) tile_unpacked(T, u, w, TWO, am, om, a_row, R, K, bias, ym, ld_y)
+#define ROWS(T, TWO)                                \
+    switch (rows) {                                 \
+    case 1: TILE(T, TWO, 1); break;                 \
+    case 2: TILE(T, TWO, 2); break;                 \
+    case 3: TILE(T, TWO, 3); break;                 \
+    case 4: TILE(T, TWO, 4); break;                 \
+    case 5: TILE(T, TWO, 5); break;                 \
+    default: TILE(T, TWO, UNPACKED_TILE_ROWS); break; \
     }
-        if (q6) {
-            if (two) ROWS(1, 1) else ROWS(1, 0)
-        } else {
-            if (two) ROWS(0, 1) else ROWS(0, 0)
+#define TYPE(T)                              \
+    case T:                                  \
+        if (two) ROWS(T, 1) else ROWS(T, 0) \
+        break;
+        switch (type) {
+            TYPE(GGML_Q4_K)
+            TYPE(GGML_Q5_K)
+            TYPE(GGML_Q6_K)
         }
+#undef TYPE
 #undef ROWS
 #undef TILE
         m += rows;

@@ -1,4 +1,4 @@
-/* Weights of Q4_0, Q8_0, Q4_K and Q6_K repacked at load into groups of 16 rows ("x16"), so that one 512-bit vector
+/* Weights of Q4_0, Q8_0, Q4_K, Q5_K and Q6_K repacked at load into groups of 16 rows ("x16"), so that one 512-bit vector
  * holds the same 4 bytes of 16 rows and a dot product yields 16 output columns at once (ggml_avx512.h), with
  * the 16 rows' scales side by side for one conversion (llama.cpp's repacked "Q4_0_8x8" idea, 16 rows wide).
  *
@@ -9,6 +9,7 @@
  *   Q8_0 (544): d[16], then qs in 8 units of [16][4], each code stored as q + 128 (its top bit flipped), the
  *     unsigned operand VPDPBUSD takes;
  *   Q4_K (2304): d[16], dmin[16], the 12 scale bytes as 3 units of [16][4], then qs in 32 units of [16][4];
+ *   Q5_K (2816): Q4_K's d, dmin and scales, then qh in 8 units of [16][4] (from 256), then qs in 32 (from 768);
  *   Q6_K (3360): d[16], the 16 int8 scales as [16 scales][16 rows], then the codes in the order the kernel reads
  *     them: for each half h and unit c of 8, ql's units 16 h + c and 16 h + 8 + c and qh's unit 8 h + c.
  * A part keeps its rows' count and bytes; its type id becomes the x16 one (GGML_X16 + the file's type), which
@@ -27,7 +28,9 @@ static inline int ggml_base_type(int type) { return type >= GGML_X16 ? type - GG
 
 /* The type's x16 id, or -1 where it has no x16 layout. */
 static inline int ggml_x16_type(int type) {
-    return type == GGML_Q4_0 || type == GGML_Q8_0 || type == GGML_Q4_K || type == GGML_Q6_K ? GGML_X16 + type : -1;
+    return type == GGML_Q4_0 || type == GGML_Q8_0 || type == GGML_Q4_K || type == GGML_Q5_K || type == GGML_Q6_K
+               ? GGML_X16 + type
+               : -1;
 }
 
 /* Bytes of one block of the (file's) type, and its features. */
@@ -36,6 +39,7 @@ static inline int64_t ggml_block_bytes(int type) {
     case GGML_Q4_0: return sizeof(block_q4_0);
     case GGML_Q8_0: return sizeof(block_q8_0);
     case GGML_Q4_K: return sizeof(block_q4_K);
+    case GGML_Q5_K: return sizeof(block_q5_K);
     case GGML_Q6_K: return sizeof(block_q6_K);
     default: return 0;
     }
@@ -50,6 +54,7 @@ static inline int64_t x16_offset(int type, int r, int j) {
         j -= 2;
         return 32 + 64 * (j / 4) + 4 * r + j % 4;
     case GGML_Q4_K:
+    case GGML_Q5_K: /* Q5_K: qh's 32 bytes between the scales and qs */
         if (j < 4) return 32 * (j / 2) + 2 * r + j % 2;
         if (j < 16) return 64 + 64 * ((j - 4) / 4) + 4 * r + (j - 4) % 4;
         j -= 16;

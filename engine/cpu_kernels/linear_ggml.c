@@ -228,7 +228,8 @@ static void tile_x16(int type, const uint8_t *w, const activations *a, int64_t m
     case GGML_X16 + GGML_Q4_0: ROWS_CASE(tile_q4_0_x16, q8, QK)
     case GGML_X16 + GGML_Q8_0: ROWS_CASE(tile_q8_0_x16, q8, QK)
     case GGML_X16 + GGML_Q4_K: ROWS_CASE(tile_q4_K_x16, q8_K, QK_K)
-    default: ROWS_CASE(tile_q6_K_x16, q8_K, QK_K)
+    case GGML_X16 + GGML_Q6_K: ROWS_CASE(tile_q6_K_x16, q8_K, QK_K)
+    default: return; /* Q5_K has no group tile: its groups go in pairs at every row count */
     }
 #undef ROWS_CASE
 }
@@ -255,8 +256,8 @@ int linear_ggml_f32(const float *x, int64_t ld_x, int64_t M, const ggml_part *pa
         max_row_bytes = row_bytes > max_row_bytes ? row_bytes : max_row_bytes;
         unpacked[p] = 0;
 #ifdef GGML_AVX512 /* a part off a group boundary runs a row at a time below, whatever M: so it stays */
-        unpacked[p] = path == GGML_PATH_AVX512 && M >= unpacked_min_rows && N % GROUP_COLS == 0 &&
-                      ggml_is_x16(parts[p].type);
+        unpacked[p] = path == GGML_PATH_AVX512 && N % GROUP_COLS == 0 && ggml_is_x16(parts[p].type) &&
+                      (M >= unpacked_min_rows || parts[p].type == GGML_X16 + GGML_Q5_K); /* Q5_K: no group tile */
 #endif
         N += parts[p].rows;
         num_pairs += unpacked[p] ? (parts[p].rows / X16 + 1) / 2 : 0;
@@ -295,7 +296,7 @@ int linear_ggml_f32(const float *x, int64_t ld_x, int64_t M, const ggml_part *pa
             if (k_pairs) {
 #pragma omp for schedule(static)
                 for (int64_t i = 0; i < M * (K / QK_K); ++i) unpacked_offsets(q8_K + i, offsets + i * UNPACKED_OFFSETS);
-                if ((scratch = aligned_alloc(64, (size_t)(2 * (K / QK_K) * unpacked_sb_bytes(1)))) == NULL) {
+                if ((scratch = aligned_alloc(64, (size_t)(2 * (K / QK_K) * unpacked_sb_bytes(GGML_Q6_K)))) == NULL) {
 #pragma omp atomic write
                     failed = 1;
                 }
@@ -319,13 +320,12 @@ int linear_ggml_f32(const float *x, int64_t ld_x, int64_t M, const ggml_part *pa
                     continue;
                 }
                 if (scratch == NULL) continue; /* out of memory: reported after the region */
-                const int q6 = type == GGML_Q6_K;
-                const uint8_t *u[2] = {scratch, scratch + (K / QK_K) * unpacked_sb_bytes(q6)};
+                const uint8_t *u[2] = {scratch, scratch + (K / QK_K) * unpacked_sb_bytes(type)};
                 for (int h = 0; h < 1 + two; ++h) {
-                    if (q6) unpack_q6_K_x16(w[h], K, (uint8_t *)u[h]);
-                    else unpack_q4_K_x16(w[h], K, (uint8_t *)u[h]);
+                    if (type == GGML_Q6_K) unpack_q6_K_x16(w[h], K, (uint8_t *)u[h]);
+                    else unpack_k4_x16(type == GGML_Q5_K, w[h], K, (uint8_t *)u[h]);
                 }
-                rows_times_unpacked(q6, u, w, two, q8_K, offsets, M, K, b, y + first + local, ld_y);
+                rows_times_unpacked(type, u, w, two, q8_K, offsets, M, K, b, y + first + local, ld_y);
             }
             free(scratch);
         }

@@ -122,7 +122,7 @@ def test_legacy_types_take_any_multiple_of_32_features(path: str, type_name: str
     assert np.abs(y - expected).max() <= 1e-5 * _largest(expected)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q4_0", "Q8_0", "BF16"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q8_0", "BF16"])
 @pytest.mark.parametrize("out", [21, 32])
 def test_a_row_of_x_gives_the_same_bits_alone_and_batched(path: str, type_name: str, out: int) -> None:
     """x's rows are quantized one by one and every output computed by the same steps, so a request's results do
@@ -147,7 +147,7 @@ def test_the_paths_agree(path: str) -> None:
     for type_name in GGML_NATIVE:
         raw = random_rows(type_name, 32, 512, seed=9)
         weight = weight_of(type_name, raw, 512)
-        repacked = path == "avx512-vnni" and type_name in ("Q4_0", "Q8_0", "Q4_K", "Q6_K")
+        repacked = path == "avx512-vnni" and type_name in ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
         assert weight.c_parts[0].type == TYPE_IDS[type_name] + (1000 if repacked else 0)
         fast = weight.matmul(x, None)
         outputs = {}
@@ -202,7 +202,7 @@ def test_pairs_of_groups_give_the_group_tiles_bits(path: str, rows: int) -> None
     if path != "avx512-vnni":
         pytest.skip("the unpacked pairs are an AVX512-VNNI path")
     features = 512
-    shards = [("Q4_K", 64), ("Q6_K", 48), ("Q8_0", 48), ("Q4_0", 32), ("Q8_0", 3), ("Q4_K", 16), ("Q6_K", 32)]
+    shards = [("Q4_K", 64), ("Q6_K", 48), ("Q8_0", 48), ("Q4_0", 32), ("Q5_K", 48), ("Q8_0", 3), ("Q4_K", 16), ("Q6_K", 32)]
     raws = [random_rows(name, n, features, seed=20 + i) for i, (name, n) in enumerate(shards)]
     weight = GGMLWeight.from_numpy([(name, raw) for (name, _), raw in zip(shards, raws)], features)
     x = torch.from_numpy(np.random.default_rng(21).standard_normal((rows, features)).astype(np.float32))

@@ -45,8 +45,10 @@ BF16_LINEAR_PATHS = ("widened", "avx512-bf16", "amx")
 # widened cache, AVX512-BF16 dot products (attention_dot.h), AMX tiles (attention_amx.h).
 BF16_ATTENTION_PATHS = ("widened", "avx512-bf16", "amx")
 # What an encoder's bidirectional attention of bfloat16 inputs runs on, by the C enum's value (encoder_attention.c):
-# float32 vectors over the widened inputs, AVX512-BF16 dot products.
+# float32 vectors over the widened inputs, AVX512-BF16 dot products; as a cap, "auto" is the dot products where
+# they out-run the widened FMAs, and capping at "avx512-bf16" takes them wherever the CPU has them.
 BF16_ENCODER_ATTENTION_PATHS = ("widened", "avx512-bf16")
+ENCODER_ATTENTION_CAPS = (*BF16_ENCODER_ATTENTION_PATHS, "auto")
 # What linear_w8a8 multiplies on, by the C enum's value: int8 sums in plain C, AVX512-VNNI.
 INT8_LINEAR_PATHS = ("generic", "avx512-vnni")
 # What linear_ggml runs on, by the C enum's value: plain C, AVX2, AVX512-VNNI (Q4_0, Q4_K and Q6_K repacked in
@@ -211,7 +213,7 @@ def library() -> ctypes.CDLL | None:
     ``PAGED_BF16_LINEAR`` (one of ``BF16_LINEAR_PATHS``) caps the bfloat16 linear path, e.g.
     ``widened`` to compute bfloat16 weights in float32 on a CPU with bfloat16 arithmetic;
     ``PAGED_BF16_ATTENTION`` (one of ``BF16_ATTENTION_PATHS``) the path of shared keys in a bfloat16 cache;
-    ``PAGED_BF16_ENCODER_ATTENTION`` (one of ``BF16_ENCODER_ATTENTION_PATHS``) that of an encoder's bfloat16 attention;
+    ``PAGED_BF16_ENCODER_ATTENTION`` (one of ``ENCODER_ATTENTION_CAPS``) that of an encoder's bfloat16 attention;
     ``PAGED_INT8_LINEAR`` (one of ``INT8_LINEAR_PATHS``) the path of int8 products;
     ``PAGED_GGML_LINEAR`` (one of ``GGML_LINEAR_PATHS``) the path of GGUF-type weights;
     ``PAGED_ATTENTION_FETCH`` (one of ``ATTENTION_FETCH``) the cache level attention fetches ahead into;
@@ -239,8 +241,7 @@ def library() -> ctypes.CDLL | None:
     for variable, paths, choose, default in (
         ("PAGED_BF16_LINEAR", BF16_LINEAR_PATHS, lib.linear_bf16_limit, BF16_LINEAR_PATHS[-1]),
         ("PAGED_BF16_ATTENTION", BF16_ATTENTION_PATHS, lib.attention_bf16_limit, BF16_ATTENTION_PATHS[-1]),
-        ("PAGED_BF16_ENCODER_ATTENTION", BF16_ENCODER_ATTENTION_PATHS, lib.encoder_attention_bf16_limit,
-         BF16_ENCODER_ATTENTION_PATHS[-1]),
+        ("PAGED_BF16_ENCODER_ATTENTION", ENCODER_ATTENTION_CAPS, lib.encoder_attention_bf16_limit, "auto"),
         ("PAGED_INT8_LINEAR", INT8_LINEAR_PATHS, lib.linear_int8_limit, INT8_LINEAR_PATHS[-1]),
         ("PAGED_GGML_LINEAR", GGML_LINEAR_PATHS, lib.ggml_linear_limit, GGML_LINEAR_PATHS[-1]),
         ("PAGED_ATTENTION_FETCH", ATTENTION_FETCH, lib.attention_fetch_into, "auto"),

@@ -33,17 +33,20 @@
 #define KEY_BLOCK (16 * KEY_VECS)
 #define MAX_ENCODER_HEAD_DIM 256
 
-enum { ENCODER_WIDENED = 0, ENCODER_DOT = 1 };
-static int encoder_limit = ENCODER_DOT;
+/* The paths of bfloat16 inputs, and as a cap the machine's choice between them (ENCODER_AUTO). */
+enum { ENCODER_WIDENED = 0, ENCODER_DOT = 1, ENCODER_AUTO = 2 };
+static int encoder_limit = ENCODER_AUTO;
 
 /* Caps the path of bfloat16 inputs at `limit` (an ENCODER_ value): tests, PAGED_BF16_ENCODER_ATTENTION. */
 void encoder_attention_bf16_limit(int limit) { encoder_limit = limit; }
 
-/* The path bfloat16 inputs of head_dim D take on this build and CPU: the dot products where the CPU has them,
- * D is a multiple of 32, and they out-run the widened FMAs (dot_outruns_fma) or the cap names them. */
+/* The path bfloat16 inputs of head_dim D take on this build and CPU: the dot products where the CPU has them
+ * and D is a multiple of 32, if the cap names them or (uncapped) they out-run the widened FMAs
+ * (dot_outruns_fma). */
 int encoder_attention_bf16_path(int64_t D) {
 #ifdef __AVX512BF16__
-    if (D % 32 == 0 && (encoder_limit == ENCODER_DOT && dot_outruns_fma())) return ENCODER_DOT;
+    if (D % 32 == 0 && (encoder_limit == ENCODER_DOT || (encoder_limit == ENCODER_AUTO && dot_outruns_fma())))
+        return ENCODER_DOT;
 #endif
     (void)D;
     return ENCODER_WIDENED;

@@ -58,9 +58,36 @@ static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * 
  * float32 core: keys transposed (kt [D][Lp], zero past L), values as rows of v (ld v_ld).
  */
 
-/* Row r of s [TILE_ROWS][Lp]: scores of the tile's queries qt [TILE_ROWS][D] against every key. */
-static inline void f32_scores(const float *restrict qt, const float *restrict kt, int64_t Lp, int D,
-                              float *restrict s) {
+static inline vf16 max16(vf16 a, vf16 b) {
+    const vi16 gt = a > b;
+    return (vf16)(((vi16)a & gt) | ((vi16)b & ~gt));
+}
+
+/* x with its lanes from `valid` on (keys past the input's end) set to -inf. */
+static inline vf16 keys_before(vf16 x, int64_t valid) {
+    const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const vi16 in = lane < (int32_t)(valid < 16 ? valid : 16);
+    return (vf16)(((vi16)x & in) | ((vi16)((vf16){0} - INFINITY) & ~in));
+}
+
+/* Scaled scores x of keys j .. j + 15 into row r of s, and into r's running maximum m over the first L keys. */
+static inline void put_scores(vf16 x, float *restrict row, int64_t j, int64_t L, vf16 *restrict m) {
+    *(vf16 *)(row + j) = x;
+    *m = max16(*m, j + 16 <= L ? x : keys_before(x, L - j));
+}
+
+static inline float max_lane(vf16 m) {
+    float mx = m[0];
+    for (int i = 1; i < 16; ++i) mx = m[i] > mx ? m[i] : mx;
+    return mx;
+}
+
+/* Row r of s [TILE_ROWS][Lp]: the scaled scores of the tile's queries qt [TILE_ROWS][D] against every key; mx[r]
+ * the row's maximum over the first L keys. */
+static inline void f32_scores(const float *restrict qt, const float *restrict kt, int64_t Lp, int64_t L, int D,
+                              float scale, float *restrict s, float *restrict mx) {
+    vf16 m[TILE_ROWS];
+    for (int r = 0; r < TILE_ROWS; ++r) m[r] = (vf16){0} - INFINITY;
     for (int64_t j = 0; j < Lp; j += KEY_BLOCK) {
         vf16 a[TILE_ROWS][KEY_VECS];
         for (int r = 0; r < TILE_ROWS; ++r)
@@ -74,35 +101,55 @@ static inline void f32_scores(const float *restrict qt, const float *restrict kt
             }
         }
         for (int r = 0; r < TILE_ROWS; ++r)
-            for (int c = 0; c < KEY_VECS; ++c) *(vf16 *)(s + r * Lp + j + 16 * c) = a[r][c];
+            for (int c = 0; c < KEY_VECS; ++c) *(vf16 *)(s + r * Lp + j + 16 * c) = a[r][c] * scale;
+    }
+    /* NOTE: the maxima in a pass of their own: kept beside the accumulators above they spill (0.87x) */
+    for (int r = 0; r < TILE_ROWS; ++r) {
+        for (int64_t j = 0; j < Lp; j += 16) {
+            const vf16 x = *(const vf16 *)(s + r * Lp + j);
+            m[r] = max16(m[r], j + 16 <= L ? x : keys_before(x, L - j));
+        }
+        mx[r] = max_lane(m[r]);
     }
 }
 
-/* Each row of s: scaled, exponentiated against its maximum over the first L keys (0 past them); each row's
- * 1 / sum of its weights into inv. */
-static inline void softmax_rows(float *restrict s, int64_t L, int64_t Lp, float scale, float *restrict inv) {
-    for (int r = 0; r < TILE_ROWS; ++r) {
-        float *restrict row = s + r * Lp;
-        for (int64_t j = L; j < Lp; ++j) row[j] = -INFINITY;
-        vf16 m = (vf16){0} - INFINITY;
-        for (int64_t j = 0; j < Lp; j += 16) {
-            const vf16 x = *(vf16 *)(row + j) * scale;
-            *(vf16 *)(row + j) = x;
-            const vi16 gt = x > m;
-            m = (vf16)(((vi16)x & gt) | ((vi16)m & ~gt));
-        }
-        float mx = m[0];
-        for (int i = 1; i < 16; ++i) mx = m[i] > mx ? m[i] : mx;
-        vf16 sum = (vf16){0};
-        for (int64_t j = 0; j < Lp; j += 16) {
-            const vf16 p = vexp16(*(vf16 *)(row + j) - mx);
-            *(vf16 *)(row + j) = p;
-            sum += p;
-        }
-        float total = 0.0f;
-        for (int i = 0; i < 16; ++i) total += sum[i];
-        inv[r] = 1.0f / total;
+/* exp(x) for x <= 0 (vexp16's contract: exactly 0 below -30 and for -inf), with AVX-512's scalef where there. */
+static inline vf16 exp16(vf16 x) {
+#ifdef __AVX512F__
+    const __m512 lo = _mm512_set1_ps(-30.0f);
+    const __mmask16 keep = _mm512_cmp_ps_mask((__m512)x, lo, _CMP_GE_OQ);
+    const __m512 y = _mm512_max_ps((__m512)x, lo);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(y, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), y);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r); /* ln2 split in two, as vexp */
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return (vf16)_mm512_maskz_scalef_ps(keep, p, n);
+#else
+    return vexp16(x);
+#endif
+}
+
+/* Weights of row `row` (scaled scores; keys from L on ignored) against its maximum mx: exp, into `row` itself
+ * (0 past L); returns 1 / their sum. */
+static inline float f32_weights(float *restrict row, int64_t L, int64_t Lp, float mx) {
+    vf16 sum = (vf16){0};
+    for (int64_t j = 0; j < Lp; j += 16) {
+        vf16 x = *(vf16 *)(row + j) - mx;
+        if (j + 16 > L) x = keys_before(x, L - j);
+        const vf16 p = exp16(x);
+        *(vf16 *)(row + j) = p;
+        sum += p;
     }
+    float total = 0.0f;
+    for (int i = 0; i < 16; ++i) total += sum[i];
+    return 1.0f / total;
 }
 
 /* o [TILE_ROWS][D] = the weights p [TILE_ROWS][Lp] (first L keys) times the value rows v, scaled by inv. */
@@ -139,9 +186,11 @@ static inline void f32_values(const float *restrict p, int64_t Lp, int64_t L, co
  * keys' values; queries and weights as bfloat16 rows (read as pairs).
  */
 #ifdef __AVX512BF16__
-static inline void dot_scores(const uint16_t *restrict qb, const uint32_t *restrict kp, int64_t Lp, int D,
-                              float *restrict s) {
+static inline void dot_scores(const uint16_t *restrict qb, const uint32_t *restrict kp, int64_t Lp, int64_t L,
+                              int D, float scale, float *restrict s, float *restrict mx) {
     const int P = D / 2;
+    vf16 m[TILE_ROWS];
+    for (int r = 0; r < TILE_ROWS; ++r) m[r] = (vf16){0} - INFINITY;
     const uint32_t *restrict qp = (const uint32_t *)qb; /* [TILE_ROWS][P] */
     for (int64_t j = 0; j < Lp; j += 32) {
         __m512 a[TILE_ROWS][2];
@@ -157,10 +206,26 @@ static inline void dot_scores(const uint16_t *restrict qb, const uint32_t *restr
             }
         }
         for (int r = 0; r < TILE_ROWS; ++r) {
-            _mm512_store_ps(s + r * Lp + j, a[r][0]);
-            _mm512_store_ps(s + r * Lp + j + 16, a[r][1]);
+            put_scores((vf16)a[r][0] * scale, s + r * Lp, j, L, &m[r]);
+            put_scores((vf16)a[r][1] * scale, s + r * Lp, j + 16, L, &m[r]);
         }
     }
+    for (int r = 0; r < TILE_ROWS; ++r) mx[r] = max_lane(m[r]);
+}
+
+/* f32_weights rounded to bfloat16 into pb (0 past L); returns 1 / the sum of the unrounded weights. */
+static inline float dot_weights(const float *restrict row, int64_t L, int64_t Lp, float mx, uint16_t *restrict pb) {
+    vf16 sum = (vf16){0};
+    for (int64_t j = 0; j < Lp; j += 16) {
+        vf16 x = *(const vf16 *)(row + j) - mx;
+        if (j + 16 > L) x = keys_before(x, L - j);
+        const vf16 p = exp16(x);
+        _mm256_store_si256((__m256i *)(pb + j), (__m256i)_mm512_cvtneps_pbh((__m512)p));
+        sum += p;
+    }
+    float total = 0.0f;
+    for (int i = 0; i < 16; ++i) total += sum[i];
+    return 1.0f / total;
 }
 
 /* o rows (bfloat16, ld o_ld, the first `rows`) = weights pb [TILE_ROWS][Lp] (bfloat16) x values vp, times inv. */
@@ -224,7 +289,7 @@ static void dot_item(const uint16_t *restrict q, int64_t q_ld, const uint16_t *r
             _mm512_store_si512(vp + u * D + d, interleave16(a, b, 0));
             _mm512_store_si512(vp + u * D + d + 16, interleave16(a, b, 16));
         }
-    float inv[TILE_ROWS];
+    float inv[TILE_ROWS], mx[TILE_ROWS];
     for (int64_t t = q0; t < q1; t += TILE_ROWS) {
         const int rows = q1 - t < TILE_ROWS ? (int)(q1 - t) : TILE_ROWS;
         for (int r = 0; r < TILE_ROWS; ++r) {
@@ -233,11 +298,8 @@ static void dot_item(const uint16_t *restrict q, int64_t q_ld, const uint16_t *r
             else
                 memset(qb + r * D, 0, D * sizeof *qb);
         }
-        dot_scores(qb, kp, Lp, D, s);
-        softmax_rows(s, L, Lp, scale, inv);
-        for (int r = 0; r < TILE_ROWS; ++r)
-            for (int64_t j = 0; j < Lp; j += 16)
-                _mm256_store_si256((__m256i *)(pb + r * Lp + j), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(s + r * Lp + j)));
+        dot_scores(qb, kp, Lp, L, D, scale, s, mx);
+        for (int r = 0; r < TILE_ROWS; ++r) inv[r] = dot_weights(s + r * Lp, L, Lp, mx[r], pb + r * Lp);
         dot_values(pb, Lp, vp, D, inv, rows, out + t * o_ld, o_ld);
     }
 }
@@ -261,7 +323,7 @@ static void widened_item(const void *q, int64_t q_ld, const void *k, int64_t k_l
             for (int d = 0; d < D; ++d) vw[j * D + d] = bf16_to_f32(((const uint16_t *)v)[j * v_ld + d]);
         vr = vw, vr_ld = D;
     }
-    float inv[TILE_ROWS];
+    float inv[TILE_ROWS], mx[TILE_ROWS];
     for (int64_t t = q0; t < q1; t += TILE_ROWS) {
         const int rows = q1 - t < TILE_ROWS ? (int)(q1 - t) : TILE_ROWS;
         for (int r = 0; r < TILE_ROWS; ++r)
@@ -269,8 +331,8 @@ static void widened_item(const void *q, int64_t q_ld, const void *k, int64_t k_l
                 qt[r * D + d] = r >= rows ? 0.0f
                                 : bf16    ? bf16_to_f32(((const uint16_t *)q)[(t + r) * q_ld + d])
                                           : ((const float *)q)[(t + r) * q_ld + d];
-        f32_scores(qt, kt, Lp, D, s);
-        softmax_rows(s, L, Lp, scale, inv);
+        f32_scores(qt, kt, Lp, L, D, scale, s, mx);
+        for (int r = 0; r < TILE_ROWS; ++r) inv[r] = f32_weights(s + r * Lp, L, Lp, mx[r]);
         f32_values(s, Lp, L, vr, vr_ld, D, inv, ot);
         for (int r = 0; r < rows; ++r)
             for (int d = 0; d < D; ++d) {

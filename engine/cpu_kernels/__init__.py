@@ -4,6 +4,8 @@ they cannot be built, and every caller keeps its pure-PyTorch path).
 - ``attention``: paged attention of query-token rows (decode tokens and prefill tokens
   alike), and ``store_kv``, the new tokens' cache writes, over a float32 or bfloat16 cache
   (``attention.c``, ``attention_bf16.c``), for the CPU attention backend (``attention_ops``);
+- ``encoder_attention``: an encoder's bidirectional attention over a packed variable-length batch, float32 or
+  bfloat16 (AVX512-BF16 dot products where the CPU has them) (``encoder_attention.c``, ``encoder_ops``);
 - ``rms_norm``, ``rotary``, ``silu_and_mul``: a decoder layer's element-wise parts
   (``elementwise.c``), which the layers call for float32 CPU tensors (``row_ops``);
 - ``linear``: linear layers over a weight (float32 or bfloat16) packed once into panels of
@@ -25,8 +27,11 @@ from engine.cpu_kernels.attention_ops import (
     bf16_attention_path, slot_error, store_kv, supports, tile_lanes,
 )  # fmt: skip
 from engine.cpu_kernels.build import (
-    ATTENTION_FETCH, ATTENTION_SPLIT, BF16_ATTENTION_PATHS, BF16_LINEAR_PATHS, GGML_LINEAR_PATHS, INT8_LINEAR_PATHS,
+    ATTENTION_FETCH, ATTENTION_SPLIT, BF16_ATTENTION_PATHS, BF16_ENCODER_ATTENTION_PATHS, BF16_LINEAR_PATHS, GGML_LINEAR_PATHS, INT8_LINEAR_PATHS,
     library,
+)  # fmt: skip
+from engine.cpu_kernels.encoder_ops import (
+    bf16_encoder_attention_path, encoder_attention, encoder_supports,
 )  # fmt: skip
 from engine.cpu_kernels.linear_ops import (
     LINEAR_PANEL, QUANTIZED_FLOAT_ROWS, bf16_linear_path, ggml_int8_panels, ggml_linear_path, ggml_parts, ggml_repacked,
@@ -37,10 +42,10 @@ from engine.cpu_kernels.row_ops import (
 )  # fmt: skip
 
 __all__ = [
-    "ATTENTION_FETCH", "ATTENTION_SPLIT", "BF16_ATTENTION_PATHS", "BF16_LINEAR_PATHS", "GGML_LINEAR_PATHS", "INT8_LINEAR_PATHS",
+    "ATTENTION_FETCH", "ATTENTION_SPLIT", "BF16_ATTENTION_PATHS", "BF16_ENCODER_ATTENTION_PATHS", "BF16_LINEAR_PATHS", "GGML_LINEAR_PATHS", "INT8_LINEAR_PATHS",
     "LINEAR_PANEL", "MAX_BLOCK_SIZE", "MAX_GROUP", "MAX_HEAD_DIM", "QUANTIZED_FLOAT_ROWS", "AttentionTiles",
     "apply_token_bitmask", "argmax_rows", "attention", "attention_error", "attention_fetch", "bf16_attention_path",
-    "bf16_linear_path", "ggml_int8_panels", "ggml_linear_path", "ggml_parts", "ggml_repacked", "ggml_rows", "int8_linear_path", "library",
+    "bf16_encoder_attention_path", "bf16_linear_path", "encoder_attention", "encoder_supports", "ggml_int8_panels", "ggml_linear_path", "ggml_parts", "ggml_repacked", "ggml_rows", "int8_linear_path", "library",
     "linear", "linear_ggml", "linear_quantized", "pack_linear_weight", "packed_rows", "position_error", "rms_norm",
     "rotary", "serves", "silu_and_mul", "slot_error", "store_kv", "supports", "tile_lanes",
 ]  # fmt: skip

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 _SOURCES = (
     "vec.h", "kernels.h", "linear.h", "linear_layout.h", "linear_path.h", "linear_tiles16.h", "bf16_kernels.h",
     "attention_amx.h", "attention_dot.h", "attention_rows.h", "attention_split.h", "attention.c", "attention_bf16.c", "attention_i8.c",
-    "elementwise.c", "memory_read.c",
+    "encoder_attention.c", "elementwise.c", "memory_read.c",
     "linear.c", "linear_path.c", "linear_bf16.c", "linear_int8.c", "token_mask.c", "argmax.c", "decoder.c",
     "ggml_blocks.h", "ggml_generic.h", "ggml_avx2.h", "ggml_x16.h", "ggml_avx512.h", "ggml_unpacked.h", "linear_ggml.c",
 )
@@ -44,9 +44,14 @@ BF16_LINEAR_PATHS = ("widened", "avx512-bf16", "amx")
 # What a multi-row tile's shared keys in a bfloat16 cache run, by the C enum's value: float32 vectors over the
 # widened cache, AVX512-BF16 dot products (attention_dot.h), AMX tiles (attention_amx.h).
 BF16_ATTENTION_PATHS = ("widened", "avx512-bf16", "amx")
+# What an encoder's bidirectional attention of bfloat16 inputs runs on, by the C enum's value (encoder_attention.c):
+# float32 vectors over the widened inputs, AVX512-BF16 dot products; as a cap, "auto" is the dot products where
+# they out-run the widened FMAs, and capping at "avx512-bf16" takes them wherever the CPU has them.
+BF16_ENCODER_ATTENTION_PATHS = ("widened", "avx512-bf16")
+ENCODER_ATTENTION_CAPS = (*BF16_ENCODER_ATTENTION_PATHS, "auto")
 # What linear_w8a8 multiplies on, by the C enum's value: int8 sums in plain C, AVX512-VNNI.
 INT8_LINEAR_PATHS = ("generic", "avx512-vnni")
-# What linear_ggml runs on, by the C enum's value: plain C, AVX2, AVX512-VNNI (Q4_0, Q8_0, Q4_K and Q6_K repacked in
+# What linear_ggml runs on, by the C enum's value: plain C, AVX2, AVX512-VNNI (Q4_0, Q8_0, Q4_K, Q5_K and Q6_K repacked in
 # groups of 16 rows at load, ggml_x16.h; the other types on AVX2).
 GGML_LINEAR_PATHS = ("generic", "avx2", "avx512-vnni")
 # Where attention fetches the cache lines of the next chunk, by attention_fetch_into's level: the machine's
@@ -130,6 +135,10 @@ _SIGNATURES = {
     ],
     # k and its two strides, v and its two strides, slots, rows, width, k_cache, v_cache, number of slots
     "store_kv_f32": [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64],
+    # q, its row stride, k, its, v, its, cu_seqlens, number of sequences, heads, head_dim, scale, out, its row stride
+    "encoder_attention_f32": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, *[_I64] * 3, _F32, _PTR, _I64],
+    "encoder_attention_bf16_path": [_I64],  # head_dim
+    "encoder_attention_bf16_limit": [ctypes.c_int],
     # x, ld, residual, ld, weight, rows, width, eps, out, residual_out, their ld
     "rms_norm_f32": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _F32, _PTR, _PTR, _I64],
     # x, ld, rows, intermediate size, out, ld
@@ -175,7 +184,9 @@ _SIGNATURES = {
     "decoder_forward": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR],
 }
 # The kernels built for a bfloat16 cache or weight take the float32 ones' arguments.
-_SIGNATURES |= {f"{name}_bf16": _SIGNATURES[f"{name}_f32"] for name in ("paged_attention", "store_kv", "linear")}
+_SIGNATURES |= {
+    f"{name}_bf16": _SIGNATURES[f"{name}_f32"] for name in ("paged_attention", "store_kv", "linear", "encoder_attention")
+}
 # An int8 cache's kernels: the float32 ones' arguments and the scales (k_scales, v_scales: [num_blocks, Hkv]).
 _SIGNATURES |= {
     "paged_attention_i8": [*_SIGNATURES["paged_attention_f32"], _PTR, _PTR],
@@ -187,7 +198,8 @@ _SIGNATURES |= {
 _RETURN_STATUS = {
     "paged_attention_f32", "paged_attention_bf16", "paged_attention_i8", "store_kv_f32", "store_kv_bf16", "store_kv_i8", "rotary_f32", "linear_q8_f32",
     "linear_w8a8_f32", "linear_int8_path", "linear_bf16", "linear_bf16_path", "attention_bf16_path", "attention_max_lanes",
-    "attention_fetch_level", "decoder_forward", "linear_ggml_f32", "ggml_dequantize_rows", "ggml_linear_path",
+    "attention_fetch_level", "encoder_attention_f32", "encoder_attention_bf16", "encoder_attention_bf16_path",
+    "decoder_forward", "linear_ggml_f32", "ggml_dequantize_rows", "ggml_linear_path",
     "ggml_x16_type_for", "ggml_x16_pack", "ggml_int8_panels",
 }
 _RESTYPES = {name: ctypes.c_int for name in _RETURN_STATUS} | {
@@ -202,6 +214,7 @@ def library() -> ctypes.CDLL | None:
     ``PAGED_BF16_LINEAR`` (one of ``BF16_LINEAR_PATHS``) caps the bfloat16 linear path, e.g.
     ``widened`` to compute bfloat16 weights in float32 on a CPU with bfloat16 arithmetic;
     ``PAGED_BF16_ATTENTION`` (one of ``BF16_ATTENTION_PATHS``) the path of shared keys in a bfloat16 cache;
+    ``PAGED_BF16_ENCODER_ATTENTION`` (one of ``ENCODER_ATTENTION_CAPS``) that of an encoder's bfloat16 attention;
     ``PAGED_INT8_LINEAR`` (one of ``INT8_LINEAR_PATHS``) the path of int8 products;
     ``PAGED_GGML_LINEAR`` (one of ``GGML_LINEAR_PATHS``) the path of GGUF-type weights;
     ``PAGED_ATTENTION_FETCH`` (one of ``ATTENTION_FETCH``) the cache level attention fetches ahead into;
@@ -229,6 +242,7 @@ def library() -> ctypes.CDLL | None:
     for variable, paths, choose, default in (
         ("PAGED_BF16_LINEAR", BF16_LINEAR_PATHS, lib.linear_bf16_limit, BF16_LINEAR_PATHS[-1]),
         ("PAGED_BF16_ATTENTION", BF16_ATTENTION_PATHS, lib.attention_bf16_limit, BF16_ATTENTION_PATHS[-1]),
+        ("PAGED_BF16_ENCODER_ATTENTION", ENCODER_ATTENTION_CAPS, lib.encoder_attention_bf16_limit, "auto"),
         ("PAGED_INT8_LINEAR", INT8_LINEAR_PATHS, lib.linear_int8_limit, INT8_LINEAR_PATHS[-1]),
         ("PAGED_GGML_LINEAR", GGML_LINEAR_PATHS, lib.ggml_linear_limit, GGML_LINEAR_PATHS[-1]),
         ("PAGED_ATTENTION_FETCH", ATTENTION_FETCH, lib.attention_fetch_into, "auto"),

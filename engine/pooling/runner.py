@@ -20,7 +20,7 @@ from engine.layers.linear import Linear
 from engine.loader import gguf_source
 from engine.model_types import ENCODER_MODEL_TYPES
 from engine.pooling.decoder import Decoder, decoder_state_dict
-from engine.pooling.encoder import BatchLayout, Encoder, encoder_state_dict
+from engine.pooling.encoder import BatchLayout, Encoder, encoder_state_dict, is_kernel_served
 from engine.pooling.gguf_encoder import load_gguf_encoder
 from engine.pooling.model_config import PoolingConfig
 from engine.pooling.params import PoolingParams
@@ -94,6 +94,9 @@ class PoolingRunner:
             for linear in (m for m in model.modules() if isinstance(m, Linear) and m.quantized is None):
                 linear.pack()
         self.model = model.eval()
+        head_dim = self.hf_config.hidden_size // self.hf_config.num_attention_heads
+        if is_kernel_served(self.device, model.causal) and cpu_kernels.encoder_supports(head_dim, self.dtype):
+            self.attention = "CPU kernel over packed inputs (bidirectional, no KV cache, no padding)"
         dtype_name = str(self.dtype).removeprefix("torch.")
         kinds = Counter(m.quantized.kind if m.quantized is not None else dtype_name for m in model.modules()
                         if isinstance(m, Linear))  # fmt: skip

@@ -84,7 +84,9 @@ def engine_setting(record: Record) -> str:
     setting = record["protocol"]["dtype"] + (f" + {quantization}" if quantization else "")
     setting += f" ({file_type})" if quantization == "gguf" and file_type else ""
     batched = (weights or {}).get("batched")
-    return setting + (f" + w8a8 from {batched['min_rows']} rows" if batched else "")
+    setting += f" + w8a8 from {batched['min_rows']} rows" if batched else ""
+    kv = (record["protocol"].get("engine") or {}).get("kv_cache_dtype")
+    return setting + (f", {kv} KV cache" if kv not in (None, "auto") else "")
 
 
 def is_default_engine(record: Record) -> bool:
@@ -335,12 +337,17 @@ class Group:
     peer: str
     records: list[Record]
 
+    def latest(self) -> list[Record]:
+        """The runs of the latest day made at the commit of its last run: a row sums up the code as it stands."""
+        day = latest_day(self.records)
+        return [r for r in day if r["commit"] == day[-1]["commit"]]
+
     def samples(self) -> list[Sample]:
-        return [s for r in latest_day(self.records) for s in samples(r, self.peer, self.measure)]
+        return [s for r in self.latest() for s in samples(r, self.peer, self.measure)]
 
     @property
     def last(self) -> Record:
-        return latest_day(self.records)[-1]
+        return self.latest()[-1]
 
 
 def groups(records: Iterable[Record]) -> list[Group]:

@@ -390,13 +390,16 @@ def _run_embed(args: argparse.Namespace) -> int:
     from integrations.bench.embed import embed_bench, format_embed
 
     baselines = args.baselines if args.compare else []
-    if any(b not in ("sentence-transformers", vllm_runs.VLLM) for b in baselines):
+    if any(b not in ("sentence-transformers", vllm_runs.VLLM, llamacpp_runs.LLAMACPP) for b in baselines):
         raise FlagError(
-            "--workload embed compares the engine with sentence-transformers and vLLM: "
-            "--baselines sentence-transformers,vllm"
+            "--workload embed compares the engine with sentence-transformers, vLLM and llama.cpp: "
+            "--baselines sentence-transformers,vllm,llamacpp"
         )
-    # a missing vLLM environment is a usage error before any run
+    # a missing vLLM environment or llama.cpp build is a usage error before any run
     vllm_python = vllm_runs.vllm_python(args.vllm_python) if vllm_runs.VLLM in baselines else None
+    llamacpp = None
+    if llamacpp_runs.LLAMACPP in baselines:
+        llamacpp = llamacpp_runs.find_llamacpp(args.llamacpp_dir, tools=(llamacpp_runs.SERVER_TOOL,))
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     fields = engine_kwargs(args)
@@ -405,7 +408,7 @@ def _run_embed(args: argparse.Namespace) -> int:
         raise FlagError("--workload embed needs an embedding model: --model DIR")
     report = embed_bench(
         str(model), fields, args.num_requests, args.chunk_tokens, args.batch_size, baselines, args.rounds, args.queries,
-        vllm_python=vllm_python,
+        vllm_python=vllm_python, llamacpp=llamacpp,
     )
     report["machine"] = machine_info()
     print(format_embed(report))  # noqa: T201

@@ -7,17 +7,21 @@ The engine gets all chunks in one ``Engine.embed`` call (its token-budget batche
 single-query latency is the median of ``--queries`` one-text calls, the contenders taking turns call by call.
 vLLM (``--baselines vllm``) runs in its own environment's process after the others, its rounds and queries
 in a row, in the engine's dtype; its vectors of the first chunks are held to the engine's (least cosine).
+llama.cpp (``--baselines llamacpp``) runs ``llama-server --embedding`` on a GGUF of the same model (a BERT
+directory written as F32, or F16 for an engine in a 16-bit dtype, by ``gguf_bert_writer``) on the same threads,
+after the others: requests of 32 chunks all sent at once, 8 sequences a batch.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-from integrations.bench import vllm_runs
+from integrations.bench import llamacpp_runs, vllm_runs
 
 ENGINE = "paged"
 SENTENCE_TRANSFORMERS = "sentence-transformers"
@@ -49,9 +53,11 @@ def _timed(fn: Any) -> float:
 def embed_bench(
     model: str, engine_fields: dict[str, Any], num_chunks: int, chunk_tokens: int, batch_sizes: list[int],
     baselines: list[str], rounds: int, num_queries: int, vllm_python: Path | None = None,
+    llamacpp: llamacpp_runs.LlamaCpp | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """Runs the contenders (vLLM, when in ``baselines``, with ``vllm_python``: its environment's python); returns
-    ``{"rows": [{"name", "chunks_per_s", "tokens_per_s", "query_ms", ...}], ...}``."""
+    """Runs the contenders (vLLM, when in ``baselines``, with ``vllm_python``: its environment's python; llama.cpp
+    with the ``llamacpp`` build); returns ``{"rows": [{"name", "chunks_per_s", "tokens_per_s", "query_ms", ...}],
+    ...}``."""
     import torch
 
     from engine import Engine
@@ -93,6 +99,8 @@ def embed_bench(
     dtype = str(engine.runner.dtype).removeprefix("torch.")
     if vllm_runs.VLLM in baselines:
         rows.append(_vllm_row(engine, vllm_python, chunks, dtype, rounds, num_queries, num_tokens))
+    if llamacpp is not None:
+        rows.append(_llamacpp_row(engine, llamacpp, chunks, rounds, num_queries, num_tokens))
     return {
         "rows": rows, "num_chunks": num_chunks, "chunk_tokens": chunk_tokens, "num_tokens": num_tokens,
         "threads": torch.get_num_threads(), "dtype": dtype,
@@ -113,6 +121,38 @@ def _vllm_row(
         "tokens_per_s": num_tokens / wall, "query_ms": statistics.median(result["query_s"]) * 1000,
         "rounds_s": result["rounds_s"], "startup_s": result["init_s"],
         "min_cosine": min(cosine(a, b) for a, b in zip(ours, result["embeddings"])),
+    }  # fmt: skip
+
+
+def _llamacpp_row(
+    engine: Any, build: llamacpp_runs.LlamaCpp, chunks: list[str], rounds: int, num_queries: int, num_tokens: int
+) -> dict[str, Any]:  # fmt: skip
+    """llama-server's row: the model written as a GGUF (kept in the cache beside the engine's other conversions),
+    its rounds and queries; its vectors' least cosine to the engine's."""
+    import torch
+
+    from engine.model_files.gguf_bert_writer import write_bert_gguf
+    from engine.paths import cache_root
+    from engine.pooling.api import cosine
+
+    file_type = "F32" if engine.runner.dtype == torch.float32 else "F16"
+    source = Path(engine.model_dir).resolve()
+    key = hashlib.sha256(f"{source}:{(source / 'config.json').stat().st_mtime_ns}".encode()).hexdigest()[:12]
+    gguf = cache_root() / "gguf-embedders" / f"{source.name}-{key}-{file_type}.gguf"
+    if not gguf.exists():
+        gguf.parent.mkdir(parents=True, exist_ok=True)
+        partial = gguf.with_suffix(".partial")
+        write_bert_gguf(engine.model_dir, partial, file_type)
+        partial.rename(gguf)
+    threads = torch.get_num_threads()
+    result = llamacpp_runs.run_llama_server_embed(build, gguf, chunks, threads, rounds, QUERY, num_queries)
+    ours = [o.outputs.embedding for o in engine.embed(chunks[: len(result["embeddings"])])]
+    wall = statistics.median(result["rounds_s"])
+    return {
+        "name": f"llama.cpp llama-server {file_type}, {llamacpp_runs.EMBED_SLOTS} slots", "wall_s": wall,
+        "chunks_per_s": len(chunks) / wall, "tokens_per_s": num_tokens / wall,
+        "query_ms": statistics.median(result["query_s"]) * 1000, "rounds_s": result["rounds_s"],
+        "startup_s": result["startup_s"], "min_cosine": min(cosine(a, b) for a, b in zip(ours, result["embeddings"])),
     }  # fmt: skip
 
 

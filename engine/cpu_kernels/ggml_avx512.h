@@ -77,28 +77,35 @@ static inline __attribute__((always_inline)) void tile_q8_0_x16(const uint8_t *w
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + X16 * r, acc[r]);
 }
 
-/* Q4_K: w = d sc_j q - dmin m_j for sub-block j; the 16 rows' 6-bit scales and mins unpacked as k4_scales does,
- * a lane a row: bytes 0..3 of sc03 are sc_0..3, of sc47 sc_4..7, and so for the mins. */
-static inline __attribute__((always_inline)) void tile_q4_K_x16(const uint8_t *w, const act_q8_K *a, int64_t a_row,
-                                                                int R, int64_t K, float *out) {
+/* A Q4_K (or Q5_K) x16 block's 16 rows' 6-bit scales sc[j] and mins mn[j] of sub-blocks j = 0..7, a lane a row,
+ * unpacked from the 3 units of scale bytes at w + 64 as k4_scales does: bytes 0..3 of the first unit's masked
+ * lanes are sc_0..3, and so on. */
+static inline __attribute__((always_inline)) void k4_x16_scales(const uint8_t *w, __m512i sc[8], __m512i mn[8]) {
     const __m512i low4 = _mm512_set1_epi8(15), low6 = _mm512_set1_epi8(0x3f), two = _mm512_set1_epi8(3),
                   byte = _mm512_set1_epi32(0xff);
+    const __m512i A = _mm512_loadu_si512(w + 64), B = _mm512_loadu_si512(w + 128), C = _mm512_loadu_si512(w + 192);
+    const __m512i sc03 = _mm512_and_si512(A, low6), mn03 = _mm512_and_si512(B, low6);
+    const __m512i sc47 = _mm512_or_si512(_mm512_and_si512(C, low4),
+                                         _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(A, 6), two), 4));
+    const __m512i mn47 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(C, 4), low4),
+                                         _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(B, 6), two), 4));
+    for (int j = 0; j < 4; ++j) {
+        sc[j] = _mm512_and_si512(_mm512_srli_epi32(sc03, 8 * j), byte);
+        sc[j + 4] = _mm512_and_si512(_mm512_srli_epi32(sc47, 8 * j), byte);
+        mn[j] = _mm512_and_si512(_mm512_srli_epi32(mn03, 8 * j), byte);
+        mn[j + 4] = _mm512_and_si512(_mm512_srli_epi32(mn47, 8 * j), byte);
+    }
+}
+
+/* Q4_K: w = d sc_j q - dmin m_j for sub-block j (k4_x16_scales). */
+static inline __attribute__((always_inline)) void tile_q4_K_x16(const uint8_t *w, const act_q8_K *a, int64_t a_row,
+                                                                int R, int64_t K, float *out) {
+    const __m512i low4 = _mm512_set1_epi8(15);
     __m512 acc[GGML_TILE_ROWS];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t i = 0; i < K / QK_K; ++i, w += X16 * sizeof(block_q4_K)) {
-        const __m512i A = _mm512_loadu_si512(w + 64), B = _mm512_loadu_si512(w + 128), C = _mm512_loadu_si512(w + 192);
-        const __m512i sc03 = _mm512_and_si512(A, low6), mn03 = _mm512_and_si512(B, low6);
-        const __m512i sc47 = _mm512_or_si512(_mm512_and_si512(C, low4),
-                                             _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(A, 6), two), 4));
-        const __m512i mn47 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(C, 4), low4),
-                                             _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(B, 6), two), 4));
         __m512i sc[8], mn[8];
-        for (int j = 0; j < 4; ++j) {
-            sc[j] = _mm512_and_si512(_mm512_srli_epi32(sc03, 8 * j), byte);
-            sc[j + 4] = _mm512_and_si512(_mm512_srli_epi32(sc47, 8 * j), byte);
-            mn[j] = _mm512_and_si512(_mm512_srli_epi32(mn03, 8 * j), byte);
-            mn[j + 4] = _mm512_and_si512(_mm512_srli_epi32(mn47, 8 * j), byte);
-        }
+        k4_x16_scales(w, sc, mn);
         const __m512 d = f16x16(w), dmin = f16x16(w + 32);
         const uint8_t *qs = w + 256;
         __m512i sum[GGML_TILE_ROWS], mins[GGML_TILE_ROWS];

@@ -39,23 +39,12 @@ static inline int64_t unpacked_sb_bytes(int type) { return type == GGML_Q4_K ? U
 /* Group `w` (x16 Q4_K, or Q5_K with q5, K features): its scales, mins and d's into out, a super-block every
  * unpacked_sb_bytes; Q5_K's codes too, each low nibble with its fifth bit (sub-block s: bit s of its qh byte). */
 static void unpack_k4_x16(int q5, const uint8_t *w, int64_t K, uint8_t *out) {
-    const __m512i low4 = _mm512_set1_epi8(15), low6 = _mm512_set1_epi8(0x3f), two = _mm512_set1_epi8(3),
-                  byte = _mm512_set1_epi32(0xff), one = _mm512_set1_epi8(1);
+    const __m512i low4 = _mm512_set1_epi8(15), one = _mm512_set1_epi8(1);
     const int64_t block = X16 * (q5 ? sizeof(block_q5_K) : sizeof(block_q4_K));
     for (int64_t i = 0; i < K / QK_K; ++i, w += block, out += unpacked_sb_bytes(q5 ? GGML_Q5_K : GGML_Q4_K)) {
-        const __m512i A = _mm512_loadu_si512(w + 64), B = _mm512_loadu_si512(w + 128), C = _mm512_loadu_si512(w + 192);
-        const __m512i sc03 = _mm512_and_si512(A, low6), mn03 = _mm512_and_si512(B, low6);
-        const __m512i sc47 = _mm512_or_si512(_mm512_and_si512(C, low4),
-                                             _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(A, 6), two), 4));
-        const __m512i mn47 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(C, 4), low4),
-                                             _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(B, 6), two), 4));
-        __m512i mn[8];
-        for (int j = 0; j < 4; ++j) {
-            _mm512_storeu_si512(out + UNPACKED_SCALES + 64 * j, _mm512_and_si512(_mm512_srli_epi32(sc03, 8 * j), byte));
-            _mm512_storeu_si512(out + UNPACKED_SCALES + 64 * (j + 4), _mm512_and_si512(_mm512_srli_epi32(sc47, 8 * j), byte));
-            mn[j] = _mm512_and_si512(_mm512_srli_epi32(mn03, 8 * j), byte);
-            mn[j + 4] = _mm512_and_si512(_mm512_srli_epi32(mn47, 8 * j), byte);
-        }
+        __m512i sc[8], mn[8];
+        k4_x16_scales(w, sc, mn);
+        for (int j = 0; j < 8; ++j) _mm512_storeu_si512(out + UNPACKED_SCALES + 64 * j, sc[j]);
         for (int p = 0; p < 4; ++p) /* m_2p in the low 16 bits of a lane, m_2p+1 in the high */
             _mm512_storeu_si512(out + UNPACKED_MINS + 64 * p, _mm512_or_si512(mn[2 * p], _mm512_slli_epi32(mn[2 * p + 1], 16)));
         _mm512_storeu_ps(out + UNPACKED_D, f16x16(w));

@@ -18,6 +18,8 @@
 #ifndef PAGED_ATTENTION_DOT_H
 #define PAGED_ATTENTION_DOT_H
 
+#include "bf16_kernels.h" /* interleave_words */
+
 #define DOT_KEYS 8   /* keys scored together: 8 x 3 accumulators */
 #define DOT_DIMS 8   /* head-dim elements of the output accumulated together */
 #define DOT_CHUNK 64 /* keys a chunk: scored, weighted and multiplied by their values together */
@@ -27,17 +29,6 @@ static inline __m512bh pair_lanes(__m512 lo, __m512 hi) {
     static const uint16_t order[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
                                        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
     return (__m512bh)_mm512_permutexvar_epi16(_mm512_loadu_si512(order), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-}
-
-/* Words 0 .. 15 of a and b interleaved (a in the low halves): pairs of elements 0 .. 15; `from` 16 for 16 .. 31. */
-static inline __m512i interleave_words(__m512i a, __m512i b, int from) {
-    static const uint16_t order[2][32] = {
-        {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-         8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
-        {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-         24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63},
-    };
-    return _mm512_permutex2var_epi16(a, _mm512_loadu_si512(order[from / 16]), b);
 }
 
 /* Scores s[u * QV + j] of the keys at k_cache + rows[u], u < KEYS, against the query pairs qp, for KEYS and QV

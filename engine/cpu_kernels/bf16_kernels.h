@@ -21,6 +21,17 @@
 
 int dot_outruns_fma(void); /* linear_path.c: whether VDPBF16PS out-runs FMAs on the widened values here */
 
+/* Words 0 .. 15 of a and b interleaved (a in the low halves): pairs of elements 0 .. 15; `from` 16 for 16 .. 31. */
+static inline __m512i interleave_words(__m512i a, __m512i b, int from) {
+    static const uint16_t order[2][32] = {
+        {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+         8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
+        {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+         24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63},
+    };
+    return _mm512_permutex2var_epi16(a, _mm512_loadu_si512(order[from / 16]), b);
+}
+
 /* Columns 0 .. cols - 1 plus bias of one row of y. */
 static inline void bf16_store_row(__m512 acc, const float *bias, float *y, int64_t cols) {
     _mm512_mask_storeu_ps(y, (__mmask16)((1u << cols) - 1), _mm512_add_ps(acc, _mm512_loadu_ps(bias)));

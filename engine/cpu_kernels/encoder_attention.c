@@ -254,17 +254,6 @@ static inline void dot_values(const uint16_t *restrict pb, int64_t Lp, const uin
     }
 }
 
-/* Words 0 .. 15 (from = 0) or 16 .. 31 (from = 16) of a and b interleaved, a in the low halves. */
-static inline __m512i interleave16(__m512i a, __m512i b, int from) {
-    static const uint16_t order[2][32] = {
-        {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-         8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
-        {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-         24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63},
-    };
-    return _mm512_permutex2var_epi16(a, _mm512_loadu_si512(order[from / 16]), b);
-}
-
 /* One work item on the dot path: queries [q0, q1) of a sequence of L tokens, one head. */
 static void dot_item(const uint16_t *restrict q, int64_t q_ld, const uint16_t *restrict k, int64_t k_ld,
                      const uint16_t *restrict v, int64_t v_ld, int64_t L, int64_t q0, int64_t q1, int D, float scale,
@@ -286,8 +275,8 @@ static void dot_item(const uint16_t *restrict q, int64_t q_ld, const uint16_t *r
             const int64_t j = 2 * u;
             const __m512i a = j < L ? _mm512_loadu_si512(v + j * v_ld + d) : _mm512_setzero_si512();
             const __m512i b = j + 1 < L ? _mm512_loadu_si512(v + (j + 1) * v_ld + d) : _mm512_setzero_si512();
-            _mm512_store_si512(vp + u * D + d, interleave16(a, b, 0));
-            _mm512_store_si512(vp + u * D + d + 16, interleave16(a, b, 16));
+            _mm512_store_si512(vp + u * D + d, interleave_words(a, b, 0));
+            _mm512_store_si512(vp + u * D + d + 16, interleave_words(a, b, 16));
         }
     float inv[TILE_ROWS], mx[TILE_ROWS];
     for (int64_t t = q0; t < q1; t += TILE_ROWS) {

@@ -12,6 +12,7 @@
 #define GGML_AVX2 1
 
 #include <immintrin.h>
+#include <math.h>
 
 #include "ggml_blocks.h"
 
@@ -98,9 +99,10 @@ static inline __attribute__((always_inline)) void tile_q8_avx2(int type, const u
     __m256 even[GGML_TILE_ROWS], odd[GGML_TILE_ROWS];
     float off[GGML_TILE_ROWS];
     for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps(), off[r] = 0.0f;
-    const int64_t nb = K / QK;
+    const int64_t nb = K / QK, block = ggml_row_bytes(type, QK);
     int64_t i = 0;
     for (; i + 2 <= nb; i += 2) {
+        prefetch_ahead(w + i * block), prefetch_ahead(w + (i + 1) * block);
         __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
         float d0, m0, d1, m1;
         const __m256i q0 = legacy_block(type, w, i, &s0, &d0, &m0);
@@ -109,7 +111,7 @@ static inline __attribute__((always_inline)) void tile_q8_avx2(int type, const u
             const act_q8 *x = a + r * a_row + i;
             even[r] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * x[0].d), legacy_dot(type, q0, s0, x), even[r]);
             odd[r] = _mm256_fmadd_ps(_mm256_set1_ps(d1 * x[1].d), legacy_dot(type, q1, s1, x + 1), odd[r]);
-            if (offset) off[r] += m0 * x[0].s + m1 * x[1].s;
+            if (offset) off[r] = fmaf(m1, x[1].s, fmaf(m0, x[0].s, off[r])); /* fused whatever R: the same bits */
         }
     }
     if (i < nb) {
@@ -119,7 +121,7 @@ static inline __attribute__((always_inline)) void tile_q8_avx2(int type, const u
         for (int r = 0; r < R; ++r) {
             const act_q8 *x = a + r * a_row + i;
             even[r] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * x->d), legacy_dot(type, q0, s0, x), even[r]);
-            if (offset) off[r] += m0 * x->s;
+            if (offset) off[r] = fmaf(m0, x->s, off[r]);
         }
     }
     for (int r = 0; r < R; ++r) out[r] = hsum8(_mm256_add_ps(even[r], odd[r])) + off[r];
@@ -141,6 +143,7 @@ static inline __attribute__((always_inline)) void tile_k4_avx2(int q5, const uin
         const block_q4_K *b4 = (const block_q4_K *)w + i;
         const block_q5_K *b5 = (const block_q5_K *)w + i;
         const uint8_t *qs = q5 ? b5->qs : b4->qs;
+        for (int l = 0; l < 3; ++l) prefetch_ahead((const uint8_t *)(q5 ? (const void *)b5 : (const void *)b4) + 64 * l);
         uint8_t sc[8], mn[8];
         k4_scales(q5 ? b5->scales : b4->scales, sc, mn);
         const __m128i sc8 = _mm_loadl_epi64((const __m128i *)sc), mn8 = _mm_loadl_epi64((const __m128i *)mn);
@@ -183,6 +186,7 @@ static inline __attribute__((always_inline)) void tile_q6_K_avx2(const uint8_t *
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t i = 0; i < K / QK_K; ++i) {
         const block_q6_K *b = (const block_q6_K *)w + i;
+        for (int l = 0; l < 4; ++l) prefetch_ahead((const uint8_t *)b + 64 * l);
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b->scales)); /* 16 scales */
         __m256i sum[GGML_TILE_ROWS];
         for (int r = 0; r < R; ++r) /* the codes' offset: -32 sum_s sc_s sum(x of s) */

@@ -39,6 +39,7 @@ static inline __attribute__((always_inline)) void tile_q4_0_x16(const uint8_t *w
         __m512i lo[4], hi[4];
         for (int c = 0; c < 4; ++c) {
             const __m512i v = _mm512_loadu_si512(w + 32 + 64 * c);
+            prefetch_ahead(w + 64 * c);
             lo[c] = _mm512_and_si512(v, low4), hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
         }
         const __m512 d = f16x16(w);
@@ -66,6 +67,7 @@ static inline __attribute__((always_inline)) void tile_q8_0_x16(const uint8_t *w
     for (int64_t i = 0; i < K / QK; ++i, w += X16 * sizeof(block_q8_0)) {
         __m512i codes[8];
         for (int c = 0; c < 8; ++c) codes[c] = _mm512_loadu_si512(w + 32 + 64 * c);
+        for (int c = 0; c < 9; ++c) prefetch_ahead(w + 64 * c); /* a block of 16 rows: 544 bytes */
         const __m512 d = f16x16(w);
         for (int r = 0; r < R; ++r) {
             const act_q8 *x = a + r * a_row + i;
@@ -105,6 +107,7 @@ static inline __attribute__((always_inline)) void tile_q4_K_x16(const uint8_t *w
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t i = 0; i < K / QK_K; ++i, w += X16 * sizeof(block_q4_K)) {
         __m512i sc[8], mn[8];
+        for (int l = 0; l < 4; ++l) prefetch_ahead(w + 64 * l); /* d, dmin and the scales */
         k4_x16_scales(w, sc, mn);
         const __m512 d = f16x16(w), dmin = f16x16(w + 32);
         const uint8_t *qs = w + 256;
@@ -120,6 +123,7 @@ static inline __attribute__((always_inline)) void tile_q4_K_x16(const uint8_t *w
             for (int r = 0; r < R; ++r) s_lo[r] = s_hi[r] = _mm512_setzero_si512();
             for (int c = 0; c < 8; ++c) {
                 const __m512i v = _mm512_loadu_si512(qs + 64 * (8 * g + c));
+                prefetch_ahead(qs + 64 * (8 * g + c));
                 const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
                 for (int r = 0; r < R; ++r) {
                     const int8_t *x = a[r * a_row + i].qs + 64 * g;
@@ -150,6 +154,7 @@ static inline __attribute__((always_inline)) void tile_q6_K_x16(const uint8_t *w
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t i = 0; i < K / QK_K; ++i, w += X16 * sizeof(block_q6_K)) {
         const uint8_t *codes = w + 288;
+        for (int l = 0; l < 5; ++l) prefetch_ahead(w + 64 * l); /* d and the scales */
         __m512i sum[GGML_TILE_ROWS];
         for (int r = 0; r < R; ++r) sum[r] = _mm512_setzero_si512();
 #pragma GCC unroll 2
@@ -164,6 +169,7 @@ static inline __attribute__((always_inline)) void tile_q6_K_x16(const uint8_t *w
                     const uint8_t *unit = codes + 192 * (8 * h + c);
                     const __m512i l0 = _mm512_loadu_si512(unit), l1 = _mm512_loadu_si512(unit + 64);
                     const __m512i hb = _mm512_loadu_si512(unit + 128);
+                    for (int l = 0; l < 3; ++l) prefetch_ahead(unit + 64 * l);
                     __m512i q[4];
                     q[0] = _mm512_or_si512(_mm512_and_si512(l0, low4), _mm512_slli_epi16(_mm512_and_si512(hb, low2), 4));
                     q[1] = _mm512_or_si512(_mm512_and_si512(l1, low4),

@@ -43,6 +43,8 @@ static void unpack_k4_x16(int q5, const uint8_t *w, int64_t K, uint8_t *out) {
     const int64_t block = X16 * (q5 ? sizeof(block_q5_K) : sizeof(block_q4_K));
     for (int64_t i = 0; i < K / QK_K; ++i, w += block, out += unpacked_sb_bytes(q5 ? GGML_Q5_K : GGML_Q4_K)) {
         __m512i sc[8], mn[8];
+        for (int64_t l = 0; l < block; l += 64) _mm_prefetch((const char *)w + l, _MM_HINT_T1); /* codes: the tiles' */
+        for (int l = 0; l < 4; ++l) prefetch_ahead(w + 64 * l);
         k4_x16_scales(w, sc, mn);
         for (int j = 0; j < 8; ++j) _mm512_storeu_si512(out + UNPACKED_SCALES + 64 * j, sc[j]);
         for (int p = 0; p < 4; ++p) /* m_2p in the low 16 bits of a lane, m_2p+1 in the high */
@@ -64,6 +66,7 @@ static void unpack_k4_x16(int q5, const uint8_t *w, int64_t K, uint8_t *out) {
 static void unpack_q6_K_x16(const uint8_t *w, int64_t K, uint8_t *out) {
     const __m512i low4 = _mm512_set1_epi8(15), low2 = _mm512_set1_epi8(3);
     for (int64_t i = 0; i < K / QK_K; ++i, w += X16 * sizeof(block_q6_K), out += unpacked_sb_bytes(GGML_Q6_K)) {
+        for (int l = 0; l < 5; ++l) prefetch_ahead(w + 64 * l);
         for (int s = 0; s < 16; ++s)
             _mm512_storeu_si512(out + UNPACKED_SCALES + 64 * s,
                                 _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 32 + 16 * s))));
@@ -73,6 +76,7 @@ static void unpack_q6_K_x16(const uint8_t *w, int64_t K, uint8_t *out) {
                 const uint8_t *unit = w + 288 + 192 * (8 * h + c);
                 const __m512i l0 = _mm512_loadu_si512(unit), l1 = _mm512_loadu_si512(unit + 64);
                 const __m512i hb = _mm512_loadu_si512(unit + 128);
+                for (int l = 0; l < 3; ++l) prefetch_ahead(unit + 64 * l);
                 uint8_t *q = out + UNPACKED_CODES + 64 * (32 * h + c);
                 _mm512_storeu_si512(q, _mm512_or_si512(_mm512_and_si512(l0, low4), _mm512_slli_epi16(_mm512_and_si512(hb, low2), 4)));
                 _mm512_storeu_si512(q + 64 * 8, _mm512_or_si512(_mm512_and_si512(l1, low4),
@@ -192,11 +196,12 @@ static void rows_times_unpacked(int type, const uint8_t *const u[2], const uint8
 
 /* `rows` rows of x (act_q8 [., K / QK], a_row blocks a row) times one or two x16 Q4_0 or Q8_0 groups w[0], w[1] read
  * in place (their codes need no unpacking: Q4_0's a mask, or a shift and a mask, a load), plus bias, into y: the
- * steps of tile_q4_0_x16 and tile_q8_0_x16, each broadcast of x feeding both groups. Inlined with constant q4, rows
- * and two. */
+ * steps of tile_q4_0_x16 and tile_q8_0_x16, each broadcast of x feeding both groups. The first tile of a pair
+ * (`ahead`) prefetches Q4_0's groups for the others (Q8_0's twice as many codes a byte of x keep it busy enough
+ * that prefetching cost more than it saved). Inlined with constant q4, rows and two. */
 static inline __attribute__((always_inline)) void tile_legacy_pair(int q4, const uint8_t *const w[2], int two,
                                                                    const act_q8 *a, int64_t a_row, int rows, int64_t K,
-                                                                   const float *bias, float *y, int64_t ld_y) {
+                                                                   const float *bias, float *y, int64_t ld_y, int ahead) {
     const int G = two ? 2 : 1;
     const int64_t block = X16 * (q4 ? sizeof(block_q4_0) : sizeof(block_q8_0));
     const __m512i low4 = _mm512_set1_epi8(15);
@@ -211,6 +216,7 @@ static inline __attribute__((always_inline)) void tile_legacy_pair(int q4, const
             __m512i wv[2][2]; /* Q4_0: the low nibbles (features 4 c ..) and the high ones (16 + 4 c ..) */
             for (int h = 0; h < G; ++h) {
                 const __m512i v = _mm512_loadu_si512(b[h] + 32 + 64 * c);
+                if (ahead && q4) prefetch_ahead(b[h] + 64 * c);
                 wv[h][0] = q4 ? _mm512_and_si512(v, low4) : v;
                 if (q4) wv[h][1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
             }
@@ -252,7 +258,7 @@ static void rows_times_legacy_pair(int q4, const uint8_t *const w[2], int two, c
         const int rows = (int)(M / tiles + (t < M % tiles));
         const act_q8 *am = a + m * a_row;
         float *ym = y + m * ld_y;
-#define TILE(Q4, TWO, R) tile_legacy_pair(Q4, w, TWO, am, a_row, R, K, bias, ym, ld_y)
+#define TILE(Q4, TWO, R) tile_legacy_pair(Q4, w, TWO, am, a_row, R, K, bias, ym, ld_y, t == 0)
 #define ROWS(Q4, TWO)                                  \
     switch (rows) {                                    \
     case 1: TILE(Q4, TWO, 1); break;                   \

@@ -101,8 +101,8 @@ class Drafter:
         """The lowest acceptance among ``num_running`` running requests: ``PRIOR`` counts for those never verified."""
         if self._lowest is None:
             self._lowest = min((s.acceptance for s in self._back_off.values()), default=PRIOR)
-        # NOTE: every request with a state is unfinished (``free``), so fewer states than running requests
-        # means one is running unverified
+        # NOTE: a state is freed the step after its request finished (``free``), so fewer states than running
+        # requests means one is running unverified (a step late at most: a stale state can hide one)
         return min(self._lowest, PRIOR) if len(self._back_off) < num_running else self._lowest
 
     def observe(self, req_id: str, num_drafts: int, num_accepted: int) -> None:

@@ -182,3 +182,19 @@ def test_scheduler_passes_whether_the_batch_drains() -> None:
     out = s.schedule()
     drafted = {x.req_id for x in out.scheduled if x.num_draft_tokens}
     assert drafted == {f"r{i}" for i in range(7)}
+
+
+def test_draining_batch_with_auto_matches_greedy(tiny_model_factory, small_tokenizer_dir) -> None:
+    """Four copy-heavy requests, none waiting once admitted: auto drafts while the batch's lowest acceptance pays
+    (weight-bound steps pinned), and every request's tokens are those without speculation."""
+    model_dir = str(tiny_model_factory("llama", tokenizer_dir=small_tokenizer_dir))
+    settings = dict(num_blocks=256, block_size=4, max_num_seqs=4, max_num_batched_tokens=256)
+    prompts = [COPY, [3, 4] + COPY, COPY[5:] + COPY, [9] + COPY]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in Engine(model_dir, **settings).generate(prompts, params, use_tqdm=False)]
+    auto = Engine(model_dir, speculative_config=SPEC, **settings)
+    auto.scheduler.step_cost.decode_coefficients = lambda: (0.02, 0.001)  # type: ignore[method-assign]
+    got = [o.outputs[0].token_ids for o in auto.generate(prompts, params, use_tqdm=False)]
+    assert got == plain
+    assert auto.stats()["spec_decode_num_draft_tokens"] > 0
+    assert auto.kv.num_free_blocks == auto.kv.num_blocks

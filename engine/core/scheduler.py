@@ -56,9 +56,10 @@ class Scheduler:
         kv_cache_manager: The block tables; the scheduler allocates and frees through it.
         max_num_seqs: Most requests running at once.
         max_num_batched_tokens: Most tokens computed in one step.
-        propose: ``propose(request, max_drafts, num_rows)``: the draft tokens to verify after a decoding
+        propose: ``propose(request, max_drafts, num_rows, draining)``: the draft tokens to verify after a decoding
             request's next token, ``num_rows`` the batch the step heads to (running and waiting requests, up
-            to ``max_num_seqs``; speculative decoding: ``engine.spec_decode``), None = none.
+            to ``max_num_seqs``), ``draining`` whether none waits (speculative decoding: ``engine.spec_decode``),
+            None = none.
             Drafts take budget after one token for each decode behind, before any prompt chunk.
         encoder_budget: bounds the image rows a step encodes (a multimodal model), None = no images.
         step_time_target: Seconds a step that holds decodes should take at most: its prompt chunks are
@@ -70,7 +71,7 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        propose: Callable[[Request, int, int], Sequence[int]] | None = None,
+        propose: Callable[[Request, int, int, bool], Sequence[int]] | None = None,
         encoder_budget: EncoderBudget | None = None,
         step_time_target: float | None = None,
         step_cost: StepCost | None = None,
@@ -343,6 +344,7 @@ class Scheduler:
         # NOTE: drafts are weighed at the batch the step heads to (every running and waiting request, up to
         # max_num_seqs): while prompts wait, they would take the budget the admissions need.
         num_rows = min(len(running) + self.fair.num_waiting, self.max_num_seqs)
+        draining = not self.fair.num_waiting
         preempted = False
         i = 0
         while i < len(running) and budget > 0 and len(scheduled) < cap:
@@ -354,7 +356,7 @@ class Scheduler:
                 continue
             num_behind -= 1
             # NOTE: drafts leave one token of budget to every decode behind.
-            drafts = self._drafts(request, budget - num_behind, num_rows) if self.propose is not None else ()
+            drafts = self._drafts(request, budget - num_behind, num_rows, draining) if self.propose is not None else ()
             num_new = 1 + len(drafts)
             block_ids = allocate_slots(request.req_id, token_ids, start, num_new, cache_salt=request.cache_salt)
             if block_ids is None and drafts:  # NOTE: drafts never preempt another request
@@ -381,7 +383,7 @@ class Scheduler:
             i += 1
         return preempted, budget
 
-    def _drafts(self, request: Request, max_num_tokens: int, num_rows: int) -> Sequence[int]:
+    def _drafts(self, request: Request, max_num_tokens: int, num_rows: int, draining: bool) -> Sequence[int]:
         """The drafts to verify after ``request``'s next token: ``max_num_tokens`` in all at most, within
         ``max_tokens`` and the length cap."""
         room = max_num_tokens - 1
@@ -390,7 +392,7 @@ class Scheduler:
             room = min(room, max_tokens - request.num_output_tokens - 1)
         if request.max_num_tokens is not None:
             room = min(room, request.max_num_tokens - request.num_tokens - 1)
-        return self.propose(request, room, num_rows) if room > 0 else ()  # type: ignore[misc]
+        return self.propose(request, room, num_rows, draining) if room > 0 else ()  # type: ignore[misc]
 
     def _check_stop(self, request: Request, token_id: int, hit_stop_string: bool) -> RequestStatus | None:
         num_output = request.num_output_tokens

@@ -135,7 +135,7 @@ def test_config_is_checked_naming_the_field_and_limit() -> None:
 def test_scheduler_budgets_drafts_and_rollback_frees_their_blocks() -> None:
     kv = KVCacheManager(num_blocks=16, block_size=4)
     drafts = {"a": [9, 9, 9, 9, 9], "b": [8, 8]}
-    scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=6, propose=lambda r, m, n: drafts[r.req_id][:m])
+    scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=6, propose=lambda r, m, n, d: drafts[r.req_id][:m])
     params = SamplingParams(max_tokens=100, ignore_eos=True)
     for i, req_id in enumerate("ab"):
         scheduler.add_request(Request(req_id, [1, 2, 3], params, arrival_seq=i))
@@ -161,7 +161,7 @@ def test_scheduler_budgets_drafts_and_rollback_frees_their_blocks() -> None:
 
 def test_drafts_stop_at_max_tokens_and_the_length_cap() -> None:
     kv = KVCacheManager(num_blocks=16, block_size=4)
-    scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, propose=lambda r, m, n: [9] * m)
+    scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, propose=lambda r, m, n, d: [9] * m)
     scheduler.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True)))
     scheduler.add_request(Request("b", [1, 2, 3], SamplingParams(max_tokens=50), arrival_seq=1, max_num_tokens=6))
     out = scheduler.schedule()

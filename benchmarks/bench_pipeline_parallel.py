@@ -11,6 +11,7 @@ schedules and samples).
 
     python benchmarks/bench_pipeline_parallel.py      # a random Llama: hidden 1024, 16 layers, 16 heads, 8 KV heads
     python benchmarks/bench_pipeline_parallel.py --model path/to/hf-dir --prompts 16 --tokens 64 --rounds 3
+    python benchmarks/bench_pipeline_parallel.py --model path/to/smollm2-1.7b --dtype bfloat16 --prompts 16
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtype", default="float32", help="the engines' dtype (bfloat16 for a model of a real size)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         run(args, args.model or str(_random_llama(Path(tmp))))
@@ -60,7 +62,7 @@ def main() -> None:
 def run(args: argparse.Namespace, model: str) -> None:
     prompts = [[100 + 37 * i + j for j in range(16 + 3 * i)] for i in range(args.prompts)]
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
-    options = dict(dtype="float32", device="cpu", enable_prefix_caching=False, num_blocks=64 * args.prompts)
+    options = dict(dtype=args.dtype, device="cpu", enable_prefix_caching=False, num_blocks=64 * args.prompts)
     engines = {name: Engine(model, **options, **layout) for name, layout in LAYOUTS.items()}
     engines["pp=2, one step in flight"].steps_in_flight = None  # each step through the whole pipe, then sampled
     rates: dict[str, list[float]] = {name: [] for name in LAYOUTS}

@@ -62,7 +62,10 @@ def main() -> None:
 def run(args: argparse.Namespace, model: str) -> None:
     prompts = [[100 + 37 * i + j for j in range(16 + 3 * i)] for i in range(args.prompts)]
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
-    options = dict(dtype=args.dtype, device="cpu", enable_prefix_caching=False, num_blocks=64 * args.prompts)
+    # NOTE: the blocks the prompts and their tokens fill (16 tokens a block), and as many again: four engines' caches
+    # of a real-size model fit the machine
+    num_blocks = 2 * sum(-(-(len(prompt) + args.tokens) // 16) for prompt in prompts)
+    options = dict(dtype=args.dtype, device="cpu", enable_prefix_caching=False, num_blocks=num_blocks)
     engines = {name: Engine(model, **options, **layout) for name, layout in LAYOUTS.items()}
     engines["pp=2, one step in flight"].steps_in_flight = None  # each step through the whole pipe, then sampled
     rates: dict[str, list[float]] = {name: [] for name in LAYOUTS}

@@ -52,7 +52,8 @@ class AsyncEngine:
 
     Attributes:
         tokenizer: the model's Hugging Face tokenizer, for the caller's thread(s).
-        model_name, max_model_len, accepts_images, image_placeholder: as ``Engine``'s.
+        model_name, model_dir, max_model_len, accepts_images, image_placeholder: as ``Engine``'s.
+        dtype, device: what the weights run in and on (every fresh engine the same): readable while one starts.
 
     Args:
         model: A Hugging Face model directory or a ``.gguf`` file; None = the bundled SmolLM2.
@@ -80,6 +81,8 @@ class AsyncEngine:
         self._processor = engine.processor.for_callers()
         self.tokenizer = self._processor.tokenizer
         self.model_name = engine.model_name
+        self.model_dir = engine.model_dir
+        self.dtype, self.device = engine.runner.dtype, engine.runner.device
         self.max_model_len = engine.max_model_len
         self.accepts_images = engine.accepts_images
         self.image_placeholder = engine.image_placeholder

@@ -91,11 +91,12 @@ def model_source(transport: Transport) -> ModelSource | None:
 
     if not isinstance(transport.engine, AsyncEngine):
         return None
-    engine = transport.engine.engine
-    config, runner = engine.config, engine.runner
+    # NOTE: the AsyncEngine's own record, not its live Engine: a client's first request may come while a fresh one starts
+    engine = transport.engine
+    config = engine.config
     settings = {
-        "dtype": str(runner.dtype).removeprefix("torch."),
-        "device": runner.device.type,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "device": engine.device.type,
         "quantization": config.quantization,
         "attention_backend": config.attention_backend,
         "max_model_len": engine.max_model_len,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import threading
 import time
 import weakref
 
@@ -100,6 +101,46 @@ async def test_killing_the_driver_mid_load_ends_every_request_and_a_fresh_engine
         gc.collect()
         assert dead() is None, "the dead engine is still referenced"
     finally:
+        await engine.shutdown()
+
+
+async def test_a_clients_first_request_while_a_fresh_engine_starts(model_dir, monkeypatch) -> None:
+    """A client whose first request comes while the fresh engine is still loading: without retries it gets the
+    retryable EngineRestarting (the SDK's, as any request then), with max_retries it is retried until the engine
+    serves and finishes; its start never needs the live engine."""
+    engine = AsyncEngine(str(model_dir), restart=FAST, **ENGINE_CONFIG)
+    loading = threading.Event()  # the fresh engine's load waits on it: the restart holds until the test sets it
+    real_engine = async_engine_module.Engine
+
+    def held_load(*args: object, **kwargs: object) -> object:
+        loading.wait(timeout=120.0)
+        return real_engine(*args, **kwargs)
+
+    monkeypatch.setattr(async_engine_module, "Engine", held_load)
+    try:
+        with inject_fault(engine, "schedule"):
+            _, error = await stream_until_restart(AsyncClient(transport=InProcessTransport(engine)), PROMPTS[0], 4)
+        assert isinstance(error, EngineRestarting) and engine.health().status == "restarting"
+        with pytest.raises(EngineRestarting):
+            await AsyncClient(transport=InProcessTransport(engine)).complete(PROMPTS[1], max_tokens=4)
+        transport = InProcessTransport(engine)
+        tried = asyncio.Event()
+        generate = transport.generate
+
+        def first_try(request: object) -> object:
+            tried.set()
+            return generate(request)
+
+        transport.generate = first_try  # type: ignore[method-assign]
+        retrying = AsyncClient(transport=transport, max_retries=12)
+        pending = asyncio.ensure_future(retrying.complete(PROMPTS[2], max_tokens=4, temperature=0.0, ignore_eos=True))
+        await asyncio.wait_for(tried.wait(), 60.0)  # its first try met the restart
+        assert engine.health().status == "restarting"
+        loading.set()
+        result = await asyncio.wait_for(pending, 120.0)
+        assert len(result.token_ids) == 4 and engine.health().restarts == 1
+    finally:
+        loading.set()
         await engine.shutdown()
 
 

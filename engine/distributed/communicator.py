@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import datetime
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+
+from engine.errors import ModelLoadError
 
 START_TIMEOUT_S = 300.0  # ranks joining the group (each loads its shard meanwhile)
 
@@ -99,3 +102,28 @@ def open_store(port: int, size: int, is_master: bool, host: str = "127.0.0.1") -
         host, port, size, is_master, timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
         wait_for_workers=False,
     )  # fmt: skip
+
+
+def arrive(store: dist.Store, rank: int) -> None:
+    """Says in the group's store that ``rank`` started and is about to join its groups (``wait_for_ranks``)."""
+    store.set(f"arrived/{rank}", "1")
+
+
+def wait_for_ranks(store: dist.Store, size: int, failed: Callable[[], str | None]) -> None:
+    """Waits until ranks 1 .. ``size`` - 1 have arrived, up to START_TIMEOUT_S.
+
+    Joining a group waits only the collective timeout for the others, and a rank's process (spawned, or a Ray
+    worker) can take longer than that to start on a busy machine; so rank 0 joins once all have arrived.
+    ``failed()`` says why a rank ended while starting (None: none did), so that such a rank ends the wait at once.
+
+    Raises:
+        ModelLoadError: a rank failed to start, or did not arrive in time.
+    """
+    keys = [f"arrived/{rank}" for rank in range(1, size)]
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not store.check(keys):
+        if (error := failed()) is not None:
+            raise ModelLoadError(error)
+        if time.monotonic() > deadline:
+            raise ModelLoadError(f"the ranks did not start within {START_TIMEOUT_S:g} s")
+        time.sleep(0.05)

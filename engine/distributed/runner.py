@@ -15,7 +15,7 @@ import torch
 from engine.config import EngineConfig
 from engine.core.kv_layout import KVLayout, split_payload
 from engine.core.scheduler_output import SchedulerOutput
-from engine.distributed.communicator import START_TIMEOUT_S, PendingRecv
+from engine.distributed.communicator import START_TIMEOUT_S, PendingRecv, wait_for_ranks
 from engine.distributed.kv_transfer import KVCall
 from engine.distributed.pipeline import PipelineLinks, join_groups
 from engine.distributed.workers import WorkerGroup
@@ -78,6 +78,7 @@ class ParallelRunner(ModelRunner):
             self.workers = WorkerGroup(config, model_dir, layers)
         try:
             try:
+                wait_for_ranks(self.workers.store, size, self.workers.start_error)
                 tp, pp = join_groups(self.workers.store, 0, tp_size, layers, device, self.workers.timeout_s)
                 self.comm = tp.comm
                 super().__init__(config, model_dir, tp, pp)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.config import EngineConfig
-from engine.distributed.communicator import open_store
+from engine.distributed.communicator import arrive, open_store
 from engine.distributed.kv_transfer import KVCall, run_kv_call
 from engine.distributed.pipeline import join_groups
 from engine.errors import KVTransferFailed, ModelLoadError
@@ -62,6 +62,7 @@ def build_rank(rank: int, spec: WorkerSpec, device_index: int, threads: int) -> 
     else:
         torch.set_num_threads(threads)
     store = open_store(spec.store_port, spec.size, is_master=False, host=spec.store_host)
+    arrive(store, rank)
     tp, pp = join_groups(store, rank, spec.config.tensor_parallel_size, spec.layers, device, spec.timeout_s)
     return ModelRunner(spec.config, spec.model_dir, tp, pp)
 

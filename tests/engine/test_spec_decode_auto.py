@@ -52,15 +52,22 @@ def test_acceptance_below_break_even_stops_a_requests_drafts() -> None:
     assert drafter.propose(request, 8, num_rows=1)
 
 
-def test_scheduler_proposes_no_drafts_at_64_rows() -> None:
-    """64 decoding requests whose text repeats: with costs measured, auto proposes nothing; at 1 row it does."""
+def _decoding(num: int) -> tuple[StepCost, Drafter, Scheduler]:
+    """``num`` requests whose text repeats, each past its first token, in a scheduler that drafts with ``auto``
+    over fitted step costs (0.02 s a step, 1 ms a row)."""
     cost = fitted(base=0.02, per_row=0.001)
     drafter = Drafter(SpeculativeConfig(**SPEC), cost)
-    s = Scheduler(KVCacheManager(1024, 4, True), 64, 4096, propose=drafter.propose, step_cost=cost)
-    for i in range(64):
+    s = Scheduler(KVCacheManager(1024, 4, True), num, 4096, propose=drafter.propose, step_cost=cost)
+    for i in range(num):
         s.add_request(Request(f"r{i}", COPY, SamplingParams(max_tokens=50), arrival_seq=i))
     out = s.schedule()
-    s.update_from_output([s.requests[x.req_id] for x in out.scheduled], [PASSAGE[6]] * 64)
+    s.update_from_output([s.requests[x.req_id] for x in out.scheduled], [PASSAGE[6]] * num)
+    return cost, drafter, s
+
+
+def test_scheduler_proposes_no_drafts_at_64_rows() -> None:
+    """64 decoding requests whose text repeats: with costs measured, auto proposes nothing; at 1 row it does."""
+    cost, drafter, s = _decoding(64)
     out = s.schedule()
     assert len(out.scheduled) == 64 and not any(x.num_draft_tokens for x in out.scheduled)
     alone = Scheduler(KVCacheManager(64, 4, True), 1, 64, propose=drafter.propose, step_cost=cost)
@@ -164,13 +171,7 @@ def test_a_draining_batch_drafts_only_while_its_lowest_acceptance_pays() -> None
 def test_scheduler_passes_whether_the_batch_drains() -> None:
     """Eight decoding requests, one of them accepting little: no drafts while none waits, drafts for the others
     once a request waits (its admission keeps the batch full)."""
-    cost = fitted(base=0.02, per_row=0.001)
-    drafter = Drafter(SpeculativeConfig(**SPEC), cost)
-    s = Scheduler(KVCacheManager(1024, 4, True), 8, 4096, propose=drafter.propose, step_cost=cost)
-    for i in range(8):
-        s.add_request(Request(f"r{i}", COPY, SamplingParams(max_tokens=50), arrival_seq=i))
-    out = s.schedule()
-    s.update_from_output([s.requests[x.req_id] for x in out.scheduled], [PASSAGE[6]] * 8)
+    _, drafter, s = _decoding(8)
     for _ in range(10):
         for i in range(8):
             drafter.observe(f"r{i}", 4, 1 if i == 7 else 4)

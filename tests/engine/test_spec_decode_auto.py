@@ -153,7 +153,7 @@ def test_a_draining_batch_drafts_only_while_its_lowest_acceptance_pays() -> None
     every request's drafts at a batch size where its own acceptance would not pay; with requests waiting, or once
     it has finished, the others draft again."""
     drafter = Drafter(SpeculativeConfig(**SPEC), fitted(base=0.02, per_row=0.001))
-    good, poor = Request("good", COPY, SamplingParams(max_tokens=50)), Request("poor", COPY, SamplingParams(max_tokens=50))
+    good = Request("good", COPY, SamplingParams(max_tokens=50))
     for _ in range(10):
         drafter.observe("good", 4, 4)
         drafter.observe("poor", 4, 1)

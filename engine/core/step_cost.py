@@ -32,6 +32,7 @@ class StepCost:
         self._steps: deque[tuple[int, int, float]] = deque(maxlen=WINDOW)  # (decode tokens, prompt tokens, s)
         self._coef: tuple[float, float, float] | None = None  # (base, per decode token, per prompt token)
         self._decode_coef: tuple[float, float] | None = None  # (base, per decode token), steps of decodes alone
+        self._decode_fitted = False  # whether _decode_coef is the window's (None: no step of decodes alone)
 
     @property
     def num_steps(self) -> int:
@@ -44,6 +45,7 @@ class StepCost:
             return
         self._steps.append((decode_tokens, prompt_tokens, seconds))
         self._coef = self._decode_coef = None
+        self._decode_fitted = False
 
     def coefficients(self) -> tuple[float, float, float] | None:
         """``(base, per decode token, per prompt token)`` seconds; None before any step was measured."""
@@ -55,7 +57,8 @@ class StepCost:
         """``(base, per decode token)`` seconds fitted on the window's steps without prompt tokens; None while it
         holds none. Steps all of one decode count fit the least-norm split of their time (a share ``1 / (1 + n^2)``
         of it as base at ``n`` decodes): half at one decode, nearly none at many."""
-        if self._decode_coef is None:
+        if not self._decode_fitted:  # NOTE: once a step, however many requests ask
+            self._decode_fitted = True
             steps = [(decode, seconds) for decode, prompt, seconds in self._steps if prompt == 0]
             if steps:
                 data = np.asarray(steps, dtype=np.float64)

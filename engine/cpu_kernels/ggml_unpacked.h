@@ -43,7 +43,8 @@ static void unpack_k4_x16(int q5, const uint8_t *w, int64_t K, uint8_t *out) {
     const int64_t block = X16 * (q5 ? sizeof(block_q5_K) : sizeof(block_q4_K));
     for (int64_t i = 0; i < K / QK_K; ++i, w += block, out += unpacked_sb_bytes(q5 ? GGML_Q5_K : GGML_Q4_K)) {
         __m512i sc[8], mn[8];
-        for (int64_t l = 0; l < block; l += 64) _mm_prefetch((const char *)w + l, _MM_HINT_T1); /* codes: the tiles' */
+        if (!q5) /* Q4_K's codes, which the tiles read in place (Q5_K's are read just below) */
+            for (int64_t l = 0; l < block; l += 64) _mm_prefetch((const char *)w + l, _MM_HINT_T1);
         for (int l = 0; l < 4; ++l) prefetch_ahead(w + 64 * l);
         k4_x16_scales(w, sc, mn);
         for (int j = 0; j < 8; ++j) _mm512_storeu_si512(out + UNPACKED_SCALES + 64 * j, sc[j]);

@@ -1,13 +1,12 @@
 """What pipeline and tensor parallelism give an engine on CPU: one process against two pipeline stages (with a
 step per stage in flight, as the engine runs them, and with one step in flight) and two tensor-parallel ranks
-(gloo, each process a half of the cores), and the first pipeline stage's idle time.
+(gloo, each process a half of the cores), and each pipeline stage's idle time.
 
 Each layout's engine generates the same greedy batch, round after round (layouts alternating within a round, so
 that a loaded machine weighs on all alike); the table gives the median tokens per second and, for the pipeline,
-the most steps in the pipe at once and the share of the wall time the first stage (the driver) was idle: waiting
-for logits, or for the next stage to take its hidden states (``runner.pipeline_wait_seconds``). With one step in
-flight the last stage idles at most the rest of the wall time (while the driver embeds, runs its layers,
-schedules and samples).
+the most steps in the pipe at once and the share of the wall time each stage was idle
+(``runner.stage_wait_seconds_per_stage()``): the first stage (the driver) waiting for logits or for the next stage
+to take its hidden states, the last waiting for the first's hidden states.
 
     python benchmarks/bench_pipeline_parallel.py      # a random Llama: hidden 1024, 16 layers, 16 heads, 8 KV heads
     python benchmarks/bench_pipeline_parallel.py --model path/to/hf-dir --prompts 16 --tokens 64 --rounds 3
@@ -69,27 +68,32 @@ def run(args: argparse.Namespace, model: str) -> None:
     engines = {name: Engine(model, **options, **layout) for name, layout in LAYOUTS.items()}
     engines["pp=2, one step in flight"].steps_in_flight = None  # each step through the whole pipe, then sampled
     rates: dict[str, list[float]] = {name: [] for name in LAYOUTS}
-    waits: dict[str, list[float]] = {name: [] for name in PIPELINES}
+    waits: dict[str, list[list[float]]] = {name: [] for name in PIPELINES}  # each round's idle share per stage
     outputs = {}
     for _ in range(args.rounds):
         for name, engine in engines.items():
-            wait = getattr(engine.runner, "pipeline_wait_seconds", 0.0)
+            before = engine.runner.stage_wait_seconds_per_stage() if name in PIPELINES else []
             start = time.perf_counter()
             outputs[name] = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
             wall = time.perf_counter() - start
             rates[name].append(args.prompts * args.tokens / wall)
             if name in PIPELINES:
-                waits[name].append((engine.runner.pipeline_wait_seconds - wait) / wall)
+                after = engine.runner.stage_wait_seconds_per_stage()
+                waits[name].append([(a - b) / wall for a, b in zip(after, before, strict=True)])
     in_flight = {name: max(1, getattr(engines[name].runner, "max_steps_in_flight", 0)) for name in PIPELINES}
     for engine in engines.values():
         engine.close()
     same = all(out == outputs["one process"] for out in outputs.values())
     print(f"{args.prompts} prompts x {args.tokens} tokens, {args.rounds} rounds; greedy tokens equal across "
           f"layouts: {same}")
-    print("| layout | tokens/s (median) | steps in flight | stage 0 idle |")
+    print("| layout | tokens/s (median) | steps in flight | idle: stage 0 / stage 1 |")
     print("| --- | --- | --- | --- |")
     for name in LAYOUTS:
-        pipe = f" {in_flight[name]} | {statistics.median(waits[name]):.0%} |" if name in PIPELINES else " | |"
+        if name in PIPELINES:
+            idle = " / ".join(f"{statistics.median(stage):.0%}" for stage in zip(*waits[name], strict=True))
+            pipe = f" {in_flight[name]} | {idle} |"
+        else:
+            pipe = " | |"
         print(f"| {name} | {statistics.median(rates[name]):.1f} |" + pipe)
 
 

@@ -144,7 +144,10 @@ def check_pipeline_parallel(hf_config, size: int) -> None:
 
 
 class StageLinks(Protocol):
-    """What a pipeline stage sends to and receives from the others (``engine.distributed.pipeline``)."""
+    """What a pipeline stage sends to and receives from the others (``engine.distributed.pipeline``);
+    ``wait_seconds``, the time it spent waiting on them so far (its idle time)."""
+
+    wait_seconds: float
 
     def all_reduce_min(self, value: int) -> int:
         """The least of every rank's ``value`` (all stages, all tensor-parallel ranks)."""

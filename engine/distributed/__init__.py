@@ -8,8 +8,8 @@ shards (a share of a stage's heads, a stage's layers).
 - ``workers``: the driver's ``WorkerGroup`` (one spawned process per rank > 0, each step's ``SchedulerOutput``
   sent to all) and the rank workers' loop.
 - ``ray_workers``: ``RayWorkerGroup``, the same group as Ray actors in one placement group, across nodes.
-- ``kv_transfer``: ``KVCall``, the driver's calls on the ranks' runners between steps: persisted KV blocks
-  (``kv_cache_dir``) in and out of every rank's shard.
+- ``rank_calls``: ``RankCall``, the driver's calls on the ranks' runners between steps: persisted KV blocks
+  (``kv_cache_dir``) in and out of every rank's shard, each stage's idle time.
 - ``runner``: ``ParallelRunner``, rank 0's model runner: its own shard plus the group; under a pipeline, steps
   sent into the pipe (``submit``) and their logits taken in order (``collect``), several in flight at once.
 """

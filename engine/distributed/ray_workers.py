@@ -1,7 +1,7 @@
 """The rank processes of a group as Ray actors (``distributed_executor_backend="ray"``), which may sit on other
 nodes: one actor per rank > 0 in one placement group of a bundle per actor, the driver (rank 0) serving the
 group's store on its node's address. The same interface as ``workers.WorkerGroup``: each step is a call on every
-actor, in order (an actor runs its calls one after another), and so is each ``KVCall`` between steps."""
+actor, in order (an actor runs its calls one after another), and so is each ``RankCall`` between steps."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.distributed.communicator import open_store
-from engine.distributed.kv_transfer import KVCall, run_kv_call
+from engine.distributed.rank_calls import RankCall, run_rank_call
 from engine.distributed.workers import COLLECTIVE_TIMEOUT_S, WorkerSpec, build_rank
 from engine.errors import KVTransferFailed, ModelLoadError, ParameterError
 from engine.worker.model_runner import resolve_device
@@ -35,9 +35,9 @@ class RankActor:
         return {"rank": self.rank, "node_id": context.get_node_id(), "pid": os.getpid(),
                 "address": ray.util.get_node_ip_address()}
 
-    def kv_call(self, call: KVCall) -> object:
+    def rank_call(self, call: RankCall) -> object:
         """Runs ``call`` between steps (no collective is pending: a call that fails raises to the driver)."""
-        return run_kv_call(self.runner, call)
+        return run_rank_call(self.runner, call)
 
     def step(self, step: object) -> None:
         """Runs one step; a step that fails ends the actor's process, so that the driver's collective fails at
@@ -131,15 +131,15 @@ class RayWorkerGroup:
         for actor in self.actors:
             actor.step.remote(step)
 
-    def call(self, calls: list[KVCall]) -> list[object]:
-        """Calls each actor's ``kv_call`` (``calls[0]`` on rank 1) after the steps sent before; returns their
+    def call(self, calls: list[RankCall]) -> list[object]:
+        """Calls each actor's ``rank_call`` (``calls[0]`` on rank 1) after the steps sent before; returns their
         answers in rank order.
 
         Raises:
             KVTransferFailed: an actor's call raised; or an actor died or did not answer within ``timeout_s``,
                 and the group is stopped.
         """
-        refs = [actor.kv_call.remote(call) for actor, call in zip(self.actors, calls, strict=True)]
+        refs = [actor.rank_call.remote(call) for actor, call in zip(self.actors, calls, strict=True)]
         try:
             return self._ray.get(refs, timeout=self.timeout_s)
         except (self._ray.exceptions.GetTimeoutError, self._ray.exceptions.RayActorError) as exc:

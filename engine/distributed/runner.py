@@ -16,7 +16,7 @@ from engine.config import EngineConfig
 from engine.core.kv_layout import KVLayout, split_payload
 from engine.core.scheduler_output import SchedulerOutput
 from engine.distributed.communicator import START_TIMEOUT_S, PendingRecv, wait_for_ranks
-from engine.distributed.kv_transfer import KVCall
+from engine.distributed.rank_calls import RankCall
 from engine.distributed.pipeline import PipelineLinks, join_groups
 from engine.distributed.workers import WorkerGroup
 from engine.errors import KVTransferFailed, ModelLoadError, ParameterError, WorkerGroupFailed
@@ -38,7 +38,7 @@ class ParallelRunner(ModelRunner):
     are in the pipe at once (``engine.step_pipeline``); ``execute_model`` runs one step through the whole pipe.
 
     Persisted KV blocks (``kv_cache_dir``) move in and out of every rank's cache: a block's payload is every rank's
-    part in rank order (``engine.distributed.kv_transfer``), its layout the group's split (``KVLayout.shards``).
+    part in rank order (``engine.distributed.rank_calls``), its layout the group's split (``KVLayout.shards``).
 
     Raises:
         ParameterError: (``tensor_parallel_size``) the model does not split over that many ranks, or (on CUDA)
@@ -98,11 +98,20 @@ class ParallelRunner(ModelRunner):
         """Time rank 0 spent in all-reduces so far (the cost of splitting the model, waits on other ranks included)."""
         return 0.0 if self.comm is None else self.comm.all_reduce_seconds
 
-    @property
-    def pipeline_wait_seconds(self) -> float:
-        """Time rank 0 spent waiting for the last stage's logits so far (0 without a pipeline)."""
-        links = self.pp.links
-        return links.wait_seconds if isinstance(links, PipelineLinks) else 0.0
+    def stage_wait_seconds_per_stage(self) -> list[float]:
+        """Each pipeline stage's idle time so far (its first tensor-parallel rank's ``stage_wait_seconds``: waiting
+        on the stage before, on the next to take its hidden states, and on rank 0 for the last stage's logits),
+        stage 0 first. A call between steps: the other ranks answer once they finished the steps sent before.
+
+        Raises:
+            WorkerGroupFailed: a rank is gone or did not answer.
+        """
+        try:
+            others = self._call_ranks(lambda rank: RankCall("stage_wait_seconds"))
+        except KVTransferFailed as exc:
+            raise WorkerGroupFailed(f"a {self.kind} rank did not say its idle time: {exc}") from exc
+        waits = [self.stage_wait_seconds(), *others]
+        return [float(waits[stage * self.tp.size]) for stage in range(self.pp.size)]
 
     def close(self) -> None:
         """Stops the other ranks' processes."""
@@ -179,7 +188,7 @@ class ParallelRunner(ModelRunner):
         Raises:
             KVTransferFailed: a rank did not say its part.
         """
-        shards = (self.kv_shard(), *self._call_ranks(lambda rank: KVCall("kv_shard")))
+        shards = (self.kv_shard(), *self._call_ranks(lambda rank: RankCall("kv_shard")))
         self._layout = dataclasses.replace(super().kv_layout(), shards=shards)
         return self._layout
 
@@ -193,7 +202,7 @@ class ParallelRunner(ModelRunner):
         payloads: list[bytes] = []
         for start in range(0, len(block_ids), _KV_BATCH):
             batch = block_ids[start : start + _KV_BATCH]
-            parts = self._call_ranks(lambda rank: KVCall("read_kv_blocks", (batch,)))
+            parts = self._call_ranks(lambda rank: RankCall("read_kv_blocks", (batch,)))
             own = super().read_kv_blocks(batch)
             payloads += [b"".join(block) for block in zip(own, *parts, strict=True)]
         return payloads
@@ -211,10 +220,10 @@ class ParallelRunner(ModelRunner):
             per_rank = list(zip(*(split_payload(p, layout.shard_bytes) for p in payloads), strict=True))
         except ValueError as exc:
             raise KVTransferFailed(str(exc)) from None
-        self._call_ranks(lambda rank: KVCall("write_kv_blocks", (block_ids, [bytes(p) for p in per_rank[rank]])))
+        self._call_ranks(lambda rank: RankCall("write_kv_blocks", (block_ids, [bytes(p) for p in per_rank[rank]])))
         super().write_kv_blocks(block_ids, list(per_rank[0]))
 
-    def _call_ranks(self, call_for: Callable[[int], KVCall]) -> list[object]:
+    def _call_ranks(self, call_for: Callable[[int], RankCall]) -> list[object]:
         """Every other rank's answer to its ``call_for(rank)``, in rank order (``WorkerGroup.call``)."""
         if not self.workers.is_alive:
             raise KVTransferFailed(f"a {self.kind} rank is gone; the group serves no more")

@@ -24,7 +24,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.distributed.communicator import arrive, open_store
-from engine.distributed.kv_transfer import KVCall, run_kv_call
+from engine.distributed.rank_calls import RankCall, run_rank_call
 from engine.distributed.pipeline import join_groups
 from engine.errors import KVTransferFailed, ModelLoadError
 
@@ -82,9 +82,9 @@ def run_worker(rank: int, spec: WorkerSpec, conn: Connection) -> None:
             return
         if step is None:
             return
-        if isinstance(step, KVCall):  # NOTE: no collective is pending: a failed call is answered, not fatal
+        if isinstance(step, RankCall):  # NOTE: no collective is pending: a failed call is answered, not fatal
             try:
-                answer = ("ok", run_kv_call(runner, step))
+                answer = ("ok", run_rank_call(runner, step))
             except Exception as exc:  # noqa: BLE001 - the driver reports it
                 logger.error("rank %d failed %s:\n%s", rank, step.method, traceback.format_exc())
                 answer = ("error", f"{type(exc).__name__}: {exc}")
@@ -162,7 +162,7 @@ class WorkerGroup:
         for conn in self._conns:
             conn.send(step)
 
-    def call(self, calls: list[KVCall]) -> list[object]:
+    def call(self, calls: list[RankCall]) -> list[object]:
         """Sends each worker its call (``calls[0]`` to rank 1) and returns their answers, in rank order, once all
         have answered.
 

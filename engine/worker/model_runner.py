@@ -268,6 +268,10 @@ class ModelRunner:
             dtype_bytes=self.kv_cache_dtype.itemsize, byteorder=sys.byteorder,
         )  # fmt: skip
 
+    def stage_wait_seconds(self) -> float:
+        """Time this rank spent waiting on the other pipeline stages so far (0 without a pipeline)."""
+        return 0.0 if self.pp.links is None else self.pp.links.wait_seconds
+
     def kv_shard(self) -> KVShard:
         """This rank's part of every block: its tensor-parallel rank, stage, and the layers and KV heads it holds."""
         num_layers, _, _, _, num_kv_heads, _ = self.kv_cache.shape

@@ -64,7 +64,8 @@ def test_two_stages_give_transformers_greedy_tokens_alone_and_batched(arch, tiny
         assert len(runner._attention_layers()) == len(layers[0])
         assert runner.model.lm_head is None and runner.model.model.embed_tokens is not None
         _assert_alone_and_batched(engine, _hf_greedy(model_dir, PROMPTS))
-        assert runner.pipeline_wait_seconds > 0
+        waits = runner.stage_wait_seconds_per_stage()  # the driver waits for logits, stage 1 for hidden states
+        assert len(waits) == 2 and all(wait > 0 for wait in waits)
 
 
 def test_a_partition_whose_stages_hold_other_windows_gives_transformers_greedy_tokens(tiny_model_factory) -> None:
@@ -85,6 +86,7 @@ def test_two_stages_of_two_tensor_parallel_ranks_give_transformers_greedy_tokens
         attn = engine.runner.model.model.layers[0].self_attn
         assert attn.num_heads == engine.runner.hf_config.num_attention_heads // 2
         _assert_alone_and_batched(engine, _hf_greedy(model_dir, PROMPTS))
+        assert len(engine.runner.stage_wait_seconds_per_stage()) == 2  # ranks 0 and 2, each stage's first
 
 
 @pytest.mark.parametrize("weights", ["int8", "gguf"])

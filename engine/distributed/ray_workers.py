@@ -1,7 +1,9 @@
 """The rank processes of a group as Ray actors (``distributed_executor_backend="ray"``), which may sit on other
-nodes: one actor per rank > 0 in one placement group of a bundle per actor, the driver (rank 0) serving the
-group's store on its node's address. The same interface as ``workers.WorkerGroup``: each step is a call on every
-actor, in order (an actor runs its calls one after another), and so is each ``RankCall`` between steps."""
+nodes: one actor per rank > 0 in one placement group, the driver (rank 0) serving the group's store on its node's
+address. The group is the one the driver runs in where there is one (a Ray Serve replica's: bundle 0 is the
+driver's, rank r takes bundle r), else one of a bundle per actor this group reserves. The same interface as
+``workers.WorkerGroup``: each step is a call on every actor, in order (an actor runs its calls one after another),
+and so is each ``RankCall`` between steps."""
 
 from __future__ import annotations
 
@@ -28,12 +30,12 @@ class RankActor:
         self.runner = build_rank(rank, spec, 0, threads)  # NOTE: Ray shows the actor its own GPU as device 0
 
     def where(self) -> dict[str, Any]:
-        """The node this rank runs on (its id and address) and its process id."""
+        """The node this rank runs on (its id and address), its process id and its placement group's id."""
         import ray
 
         context = ray.get_runtime_context()
         return {"rank": self.rank, "node_id": context.get_node_id(), "pid": os.getpid(),
-                "address": ray.util.get_node_ip_address()}
+                "address": ray.util.get_node_ip_address(), "placement_group_id": context.get_placement_group_id()}
 
     def rank_call(self, call: RankCall) -> object:
         """Runs ``call`` between steps (no collective is pending: a call that fails raises to the driver)."""
@@ -50,19 +52,22 @@ class RankActor:
 
 
 class RayWorkerGroup:
-    """Ranks 1 .. size-1 of a group as Ray actors in one placement group (``config.ray_placement_strategy``, a
-    bundle of ``config.ray_bundle_cpus`` CPUs, and a GPU on CUDA, per rank), on the Ray cluster this process is
-    connected to (else a local one ``ray.init`` starts).
+    """Ranks 1 .. size-1 of a group as Ray actors on the Ray cluster this process is connected to (else a local one
+    ``ray.init`` starts). Inside a placement group of its own (a Ray Serve replica's), rank r runs in that group's
+    bundle r with the bundle's CPUs (and its GPUs on CUDA); else the group reserves one placement group of a bundle
+    of ``config.ray_bundle_cpus`` CPUs, and a GPU on CUDA, per actor (``config.ray_placement_strategy``).
 
     Raises:
-        ParameterError: (``distributed_executor_backend``) Ray is not installed; the cluster cannot hold the
-            placement group within ``config.ray_placement_timeout_s`` (the bundles and what the cluster has free).
+        ParameterError: (``distributed_executor_backend``) Ray is not installed; the placement group this process
+            runs in has fewer bundles than the group has ranks, or on CUDA a rank's bundle has no GPU; the cluster
+            cannot hold the group's own placement group within ``config.ray_placement_timeout_s`` (the bundles and
+            what the cluster has free).
     """
 
     def __init__(self, config: EngineConfig, model_dir: Path, layers: list[range]) -> None:
         try:
             import ray
-            from ray.util.placement_group import placement_group
+            from ray.util.placement_group import get_current_placement_group
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         except ImportError:
             raise ParameterError(
@@ -72,18 +77,17 @@ class RayWorkerGroup:
         if not ray.is_initialized():
             ray.init(include_dashboard=False, logging_level=logging.WARNING)
         gpu = resolve_device(config.device).type == "cuda"
-        bundle = {"CPU": config.ray_bundle_cpus, **({"GPU": 1.0} if gpu else {})}
-        bundles = [dict(bundle) for _ in range(size - 1)]
-        self._pg = placement_group(bundles, strategy=config.ray_placement_strategy)
-        ready, _ = ray.wait([self._pg.ready()], timeout=config.ray_placement_timeout_s)
-        if not ready:
-            ray.util.remove_placement_group(self._pg)
-            raise ParameterError(
-                "distributed_executor_backend",
-                f"the Ray cluster did not hold a placement group of {len(bundles)} bundles of {bundle} "
-                f"({config.ray_placement_strategy}) within {config.ray_placement_timeout_s:g} s; "
-                f"free now: {ray.available_resources()}",
-            )
+        current = get_current_placement_group()
+        # NOTE: a placement group nested in the one this process runs in would book its CPUs twice (and on a small
+        # cluster never be held), so the ranks take the caller's bundles, as vLLM's workers do; it is not ours to
+        # remove on close.
+        self._owns_pg = current is None
+        if current is None:
+            self._pg, first = _reserve(ray, config, size - 1, gpu), 0
+        else:
+            _check_bundles(current.bundle_specs, size, gpu)
+            self._pg, first = current, 1
+        bundles = self._pg.bundle_specs[first : first + size - 1]
         host = ray.util.get_node_ip_address()
         self.store = open_store(0, size, is_master=True, host=host)
         self.timeout_s = COLLECTIVE_TIMEOUT_S
@@ -91,10 +95,12 @@ class RayWorkerGroup:
         remote = ray.remote(RankActor)
         self.actors = [
             remote.options(
-                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank - 1),
-            ).remote(rank, spec, max(1, int(bundle["CPU"])))
-            for rank in range(1, size)
+                num_cpus=bundle.get("CPU", 0.0), num_gpus=bundle.get("GPU", 0.0) if gpu else 0.0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self._pg, placement_group_bundle_index=first + rank - 1
+                ),
+            ).remote(rank, spec, max(1, int(bundle.get("CPU", 0.0))))
+            for rank, bundle in enumerate(bundles, start=1)
         ]  # fmt: skip
         self._ray = ray
         self._pending: list[Any] = [actor.where.remote() for actor in self.actors]
@@ -154,10 +160,53 @@ class RayWorkerGroup:
         return not self._closed
 
     def close(self) -> None:
-        """Ends every actor and removes the placement group (idempotent)."""
+        """Ends every actor and removes the placement group the group reserved (idempotent)."""
         if self._closed:
             return
         self._closed = True
         for actor in self.actors:
             self._ray.kill(actor)
-        self._ray.util.remove_placement_group(self._pg)
+        if self._owns_pg:
+            self._ray.util.remove_placement_group(self._pg)
+
+
+def _reserve(ray: Any, config: EngineConfig, num_bundles: int, gpu: bool) -> Any:
+    """A placement group of ``num_bundles`` bundles of ``config.ray_bundle_cpus`` CPUs (and a GPU on CUDA), held.
+
+    Raises:
+        ParameterError: (``distributed_executor_backend``) the cluster did not hold it within
+            ``config.ray_placement_timeout_s``.
+    """
+    bundle = {"CPU": config.ray_bundle_cpus, **({"GPU": 1.0} if gpu else {})}
+    pg = ray.util.placement_group([dict(bundle) for _ in range(num_bundles)], strategy=config.ray_placement_strategy)
+    ready, _ = ray.wait([pg.ready()], timeout=config.ray_placement_timeout_s)
+    if not ready:
+        ray.util.remove_placement_group(pg)
+        raise ParameterError(
+            "distributed_executor_backend",
+            f"the Ray cluster did not hold a placement group of {num_bundles} bundles of {bundle} "
+            f"({config.ray_placement_strategy}) within {config.ray_placement_timeout_s:g} s; "
+            f"free now: {ray.available_resources()}",
+        )
+    return pg
+
+
+def _check_bundles(specs: list[dict[str, float]], size: int, gpu: bool) -> None:
+    """Checks that the placement group this process runs in (its bundles' ``specs``) holds ranks 1 .. size-1 in its
+    bundles 1 .. size-1.
+
+    Raises:
+        ParameterError: (``distributed_executor_backend``) fewer bundles than ranks; on CUDA, a rank's bundle
+            without a GPU.
+    """
+    if len(specs) < size:
+        raise ParameterError(
+            "distributed_executor_backend",
+            f"this process runs in a Ray placement group of {len(specs)} bundles, fewer than the group's {size} "
+            "ranks (bundle 0 is this process's, rank r takes bundle r)",
+        )
+    if gpu and (missing := [r for r in range(1, size) if specs[r].get("GPU", 0.0) <= 0]):
+        raise ParameterError(
+            "distributed_executor_backend",
+            f"the Ray placement group this process runs in has no GPU in the bundles of ranks {missing} (on CUDA)",
+        )

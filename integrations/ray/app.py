@@ -18,6 +18,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
+from engine.config import EngineConfig
 from integrations.engine_flags import engine_config
 from integrations.ray.ingress import Ingress
 from integrations.ray.replica import EngineReplica
@@ -35,10 +36,14 @@ HEALTH_CHECK_PERIOD = 2.0  # seconds
 REPLICA_STOP_MARGIN = 5.0  # seconds a stopping replica gets beyond its server's --drain-timeout
 
 
-def replica_resources(cpus: float, gpus: float, ranks: int) -> dict[str, Any]:
-    """A replica's Ray Serve resource options: ``cpus`` and ``gpus`` per rank. A replica of several ranks (tensor
-    parallel x pipeline stages) is one placement group of a bundle per rank packed on one node (its ranks are
-    processes the replica spawns), the replica's actor taking the first bundle."""
+def replica_resources(cpus: float, gpus: float, config: EngineConfig) -> dict[str, Any]:
+    """A replica's Ray Serve resource options: ``cpus`` and ``gpus`` per rank of ``config``. A replica of several
+    ranks (tensor parallel x pipeline stages) is one placement group of a bundle per rank, the replica's actor
+    taking the first bundle and rank r bundle r: packed on one node (``STRICT_PACK``) where its ranks are processes
+    the replica spawns, placed by ``config.ray_placement_strategy`` where they are Ray actors (which then run in the
+    replica's group rather than in one of their own)."""
+    ranks = config.tensor_parallel_size * config.pipeline_parallel_size
+    strategy = config.ray_placement_strategy if config.distributed_executor_backend == "ray" else "STRICT_PACK"
     actor = {"num_cpus": cpus, "num_gpus": gpus}
     if ranks == 1:
         return {"ray_actor_options": actor}
@@ -46,7 +51,7 @@ def replica_resources(cpus: float, gpus: float, ranks: int) -> dict[str, Any]:
     return {
         "ray_actor_options": actor,
         "placement_group_bundles": [dict(bundle) for _ in range(ranks)],
-        "placement_group_strategy": "STRICT_PACK",
+        "placement_group_strategy": strategy,
     }
 
 
@@ -64,9 +69,7 @@ def build_app(args: argparse.Namespace, make_app: Callable[[argparse.Namespace],
         name="engine",
         num_replicas=args.replicas or 1,
         max_ongoing_requests=max_ongoing,
-        **replica_resources(
-            args.replica_cpus, args.replica_gpus, config.tensor_parallel_size * config.pipeline_parallel_size
-        ),
+        **replica_resources(args.replica_cpus, args.replica_gpus, config),
         request_router_config=RequestRouterConfig(
             request_router_class=router, request_routing_stats_period_s=ROUTING_STATS_PERIOD
         ),

@@ -229,19 +229,33 @@ def test_serve_command_imports_without_ray():
 
 
 def test_tensor_parallel_replica_is_one_packed_placement_group(model_dir):
-    """A replica of N ranks reserves a bundle per rank on one node; its actor takes the first bundle."""
+    """A replica of N ranks reserves a bundle per rank, on one node where it spawns its ranks and by the engine's
+    ray_placement_strategy where they are Ray actors (in its bundles); its actor takes the first bundle."""
+    from engine import EngineConfig
     from integrations.ray.app import replica_resources
     from integrations.ray.config import app_builder
 
-    assert replica_resources(1.0, 0.0, 1) == {"ray_actor_options": {"num_cpus": 1.0, "num_gpus": 0.0}}
-    assert replica_resources(2.0, 1.0, 2) == {
+    assert replica_resources(1.0, 0.0, EngineConfig()) == {"ray_actor_options": {"num_cpus": 1.0, "num_gpus": 0.0}}
+    assert replica_resources(2.0, 1.0, EngineConfig(tensor_parallel_size=2)) == {
         "ray_actor_options": {"num_cpus": 2.0, "num_gpus": 1.0},
         "placement_group_bundles": [{"CPU": 2.0, "GPU": 1.0}, {"CPU": 2.0, "GPU": 1.0}],
         "placement_group_strategy": "STRICT_PACK",
     }
-    assert replica_resources(0.5, 0.0, 2)["placement_group_bundles"] == [{"CPU": 0.5}, {"CPU": 0.5}]
+    assert replica_resources(0.5, 0.0, EngineConfig(pipeline_parallel_size=2))["placement_group_bundles"] == [
+        {"CPU": 0.5}, {"CPU": 0.5}
+    ]  # fmt: skip
+    on_ray = EngineConfig(pipeline_parallel_size=2, tensor_parallel_size=2, distributed_executor_backend="ray")
+    assert replica_resources(0.5, 0.0, on_ray) == {
+        "ray_actor_options": {"num_cpus": 0.5, "num_gpus": 0.0},
+        "placement_group_bundles": [{"CPU": 0.5}] * 4,
+        "placement_group_strategy": "PACK",
+    }
+    spread = EngineConfig(pipeline_parallel_size=2, distributed_executor_backend="ray", ray_placement_strategy="SPREAD")
+    assert replica_resources(0.5, 0.0, spread)["placement_group_strategy"] == "SPREAD"
     # Ray Serve takes these options (the actor must fit in the first bundle)
     app_builder({"model": model_dir, "replicas": 2, "replica_cpus": 0.5, "tensor_parallel_size": 2})
+    app_builder({"model": model_dir, "replicas": 2, "replica_cpus": 0.5, "pipeline_parallel_size": 2,
+                 "distributed_executor_backend": "ray", "ray_placement_strategy": "SPREAD"})  # fmt: skip
 
 
 def _patience() -> float:

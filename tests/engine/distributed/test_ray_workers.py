@@ -2,18 +2,20 @@
 a head node without CPUs for actors and a second raylet with two CPUs and a resource label of its own. pp=2 puts
 its second stage on the second node and gives transformers' greedy tokens; a killed stage actor fails the requests
 with a typed error and returns every block; a placement group the cluster cannot hold fails start-up by its
-deadline, naming the bundles; the stage on the second node saves and loads its layers of a persisted prefix."""
+deadline, naming the bundles; the stage on the second node saves and loads its layers of a persisted prefix; an
+engine inside a placement group (as in a Serve replica) puts its ranks in that group's bundles."""
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import pytest
 
 from engine import Engine, SamplingParams
 from engine.errors import ParameterError, WorkerGroupFailed
-from tests.engine.distributed.test_pipeline_parallel import PROMPTS, _assert_alone_and_batched, _hf_greedy
+from tests.engine.distributed.test_pipeline_parallel import GREEDY, PROMPTS, _assert_alone_and_batched, _hf_greedy
 from tests.engine.test_kv_cache_dir import CONFIG, QUESTIONS, SYSTEM, answer, assert_pool_whole
 
 ray = pytest.importorskip("ray")
@@ -29,6 +31,40 @@ def _free_cpus_become(expected: float, timeout_s: float = 30.0) -> bool:
             return False
         time.sleep(0.1)
     return True
+
+
+def _replica_in(pg: Any) -> Any:
+    """What a Serve replica is, without Serve: an actor of one CPU in ``pg``'s bundle 0, its children captured. Its
+    class is defined here so that Ray carries it by value (the workers do not import the tests)."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    class Replica:
+        def start(self, model: str, options: dict[str, Any]) -> tuple[str, str] | None:
+            """Builds the engine; where it refuses, the ParameterError's field and message (Ray cannot carry the
+            error itself: it is not rebuilt from its message alone)."""
+            try:
+                self.engine = Engine(model, **options)
+            except ParameterError as exc:
+                return exc.param, str(exc)
+            return None
+
+        def generate(self, prompts: list[list[int]], params: SamplingParams) -> dict[str, Any]:
+            """The greedy tokens, the ranks' placement, and the placement groups alive: this actor's and all."""
+            outputs = self.engine.generate(prompts, params, use_tqdm=False)
+            table = ray.util.placement_group_table()
+            return {
+                "tokens": [o.outputs[0].token_ids for o in outputs],
+                "placement": self.engine.runner.workers.placement,
+                "own_group": ray.util.get_current_placement_group().id.hex(),
+                "live_groups": sorted(pg_id for pg_id, group in table.items() if group["state"] != "REMOVED"),
+            }
+
+        def close(self) -> None:
+            self.engine.close()
+
+    strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0,
+                                                placement_group_capture_child_tasks=True)  # fmt: skip
+    return ray.remote(num_cpus=1)(Replica).options(scheduling_strategy=strategy).remote()
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +141,44 @@ def test_a_persisted_prefix_is_saved_and_loaded_through_the_actors(two_nodes, ti
     with Engine(model_dir, **options) as second:
         assert answer(second, QUESTIONS) == (expected, [40, 40, 40])
         assert_pool_whole(second)
+
+
+def test_an_engine_inside_a_placement_group_puts_its_ranks_in_its_bundles(two_nodes, tiny_model_factory) -> None:
+    """pp=2 on Ray from an actor in bundle 0 of a placement group of the cluster's two CPUs (a Serve replica's
+    shape): rank 1 runs in the group's bundle 1 and no group of its own is made (one could not be held), the
+    tokens equal transformers', and the group outlives the engine's close (it is not the engine's to remove)."""
+    model_dir = tiny_model_factory("llama")
+    pg = ray.util.placement_group([{"CPU": 1.0}, {"CPU": 1.0}])
+    ray.get(pg.ready(), timeout=60)
+    replica = _replica_in(pg)
+    try:
+        options = {**OPTIONS, "pipeline_parallel_size": 2, "ray_placement_timeout_s": 5.0}
+        assert ray.get(replica.start.remote(str(model_dir), options), timeout=600) is None
+        seen = ray.get(replica.generate.remote(PROMPTS, GREEDY), timeout=600)
+        ray.get(replica.close.remote(), timeout=60)
+        [where] = seen["placement"]
+        assert where["rank"] == 1 and where["node_id"] == two_nodes
+        assert where["placement_group_id"] == seen["own_group"] == pg.id.hex()
+        assert seen["live_groups"] == [pg.id.hex()]
+        assert seen["tokens"] == _hf_greedy(model_dir, PROMPTS)
+        assert ray.util.placement_group_table(pg)["state"] == "CREATED"
+    finally:
+        ray.kill(replica)
+        ray.util.remove_placement_group(pg)
+    assert _free_cpus_become(2.0)
+
+
+def test_a_placement_group_of_fewer_bundles_than_ranks_is_refused(two_nodes, tiny_model_factory) -> None:
+    """pp=2 x tp=2 (four ranks) from inside a placement group of two bundles: a ParameterError naming both."""
+    pg = ray.util.placement_group([{"CPU": 1.0}, {"CPU": 1.0}])
+    ray.get(pg.ready(), timeout=60)
+    replica = _replica_in(pg)
+    try:
+        options = {**OPTIONS, "pipeline_parallel_size": 2, "tensor_parallel_size": 2}
+        param, message = ray.get(replica.start.remote(str(tiny_model_factory("llama")), options), timeout=600)
+        assert param == "distributed_executor_backend"
+        assert "placement group of 2 bundles, fewer than the group's 4 ranks" in message
+    finally:
+        ray.kill(replica)
+        ray.util.remove_placement_group(pg)
+    assert _free_cpus_become(2.0)

@@ -182,7 +182,10 @@ class EngineConfig:
         "PACK", "How the Ray ranks' bundles spread over nodes: PACK = as few nodes as fit, SPREAD = as many.",
         choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
     )
-    ray_bundle_cpus: float = knob(1.0, "CPUs each Ray rank's bundle reserves (and a GPU on CUDA).", gt=0.0, le=1024.0)
+    ray_bundle_cpus: float = knob(
+        1.0, "CPUs each Ray rank's bundle reserves (and a GPU on CUDA); inside a Ray placement group (a Serve "
+        "replica's), rank r takes that group's bundle r instead.", gt=0.0, le=1024.0,
+    )  # fmt: skip
     ray_placement_timeout_s: float = knob(
         60.0, "Seconds the Ray cluster has to hold the ranks' placement group before start-up fails naming it.",
         gt=0.0, le=86400.0,

@@ -1,9 +1,31 @@
-"""Errors that leave the engine. Running out of blocks inside core/ is a ``None`` return, not an error."""
+"""Errors that leave the engine. Running out of blocks inside core/ is a ``None`` return, not an error.
+
+Each pickles with its type and attributes (``_KeepsFields``), so that one raised in a Ray actor or another process
+reaches the caller as itself, not as a plain error without its fields.
+"""
 
 from __future__ import annotations
 
+from typing import Any
 
-class EngineError(RuntimeError):
+
+def _restore(cls: type[BaseException], args: tuple[Any, ...], fields: dict[str, Any]) -> BaseException:
+    error = cls.__new__(cls)
+    BaseException.__init__(error, *args)
+    error.__dict__.update(fields)
+    return error
+
+
+class _KeepsFields:
+    """Pickles an error as its class, its message and its attributes, whatever its ``__init__`` takes (the default
+    calls ``cls(*args)``, which fails for an ``__init__`` whose arguments are not the message)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        assert isinstance(self, BaseException)
+        return _restore, (type(self), self.args, self.__dict__)
+
+
+class EngineError(_KeepsFields, RuntimeError):
     """The engine failed to serve a request (a fault in a step, or the engine is dead)."""
 
 
@@ -57,7 +79,7 @@ class ModelLoadError(ValueError):
     """A model path, file or architecture the loader cannot use; the message names the path and what was expected."""
 
 
-class ParameterError(ValueError):
+class ParameterError(_KeepsFields, ValueError):
     """A setting or request field of the wrong type or outside its bounds; raised before anything is queued.
 
     Attributes:

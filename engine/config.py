@@ -187,8 +187,8 @@ class EngineConfig:
         "replica's), rank r takes that group's bundle r instead.", gt=0.0, le=1024.0,
     )  # fmt: skip
     ray_placement_timeout_s: float = knob(
-        60.0, "Seconds the Ray cluster has to hold the ranks' placement group before start-up fails naming it.",
-        gt=0.0, le=86400.0,
+        60.0, "Seconds the Ray cluster has to hold the ranks' placement group before start-up fails naming it "
+        "(none is reserved inside a Ray placement group: the ranks take its bundles).", gt=0.0, le=86400.0,
     )
     max_queued_requests: int = knob(4096, "Admission limit: waiting requests (beyond it, EngineOverloaded).", ge=1, le=1 << 30)
     max_queued_tokens: int = knob(

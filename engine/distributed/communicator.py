@@ -26,14 +26,19 @@ class Communicator:
         name: tells apart the groups one store introduces (a pipeline's whole group, each stage's own).
         timeout_s: how long a collective waits for a rank before it raises (a rank that died is noticed at
             once, its connections closed; the timeout bounds a rank that hangs).
+        failed: says why a rank ended while starting (None: none did), so that the start-up meeting
+            (``all_reduce_min``) ends at once rather than at its deadline (rank 0 passes its workers').
 
     ``all_reduce_seconds`` adds up the time spent in ``all_reduce`` (what a step pays for splitting the model).
     """
 
     def __init__(
-        self, store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float, name: str = ""
-    ) -> None:
+        self, store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float, name: str = "",
+        failed: Callable[[], str | None] = lambda: None,
+    ) -> None:  # fmt: skip
         self.rank, self.size, self.device = rank, size, device
+        self._meeting = dist.PrefixStore(f"{name}meet", store)
+        self._failed = failed
         timeout = datetime.timedelta(seconds=timeout_s)
         if device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
@@ -53,7 +58,15 @@ class Communicator:
         return x
 
     def all_reduce_min(self, value: int) -> int:
-        """The least of each rank's ``value``."""
+        """The least of each rank's ``value``; at start-up, once each rank loaded its shard (the KV blocks every rank
+        fits). The ranks first meet in the store, up to START_TIMEOUT_S: on a busy machine a rank may take longer
+        than the collective timeout to load its shard.
+
+        Raises:
+            ModelLoadError: a rank failed to start, or did not come in time.
+        """
+        self._meeting.set(f"sized/{self.rank}", "1")
+        _wait_for_keys(self._meeting, [f"sized/{rank}" for rank in range(self.size)], self._failed)
         x = torch.tensor([value], dtype=torch.int64, device=self.device)
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.MIN
@@ -119,7 +132,10 @@ def wait_for_ranks(store: dist.Store, size: int, failed: Callable[[], str | None
     Raises:
         ModelLoadError: a rank failed to start, or did not arrive in time.
     """
-    keys = [f"arrived/{rank}" for rank in range(1, size)]
+    _wait_for_keys(store, [f"arrived/{rank}" for rank in range(1, size)], failed)
+
+
+def _wait_for_keys(store: dist.Store, keys: list[str], failed: Callable[[], str | None]) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while not store.check(keys):
         if (error := failed()) is not None:

@@ -9,6 +9,7 @@ first rank sends the logits to the driver, which samples.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -65,15 +66,17 @@ class PipelineLinks:
 
 
 def join_groups(
-    store: dist.Store, rank: int, tp_size: int, layers: list[range], device: torch.device, timeout_s: float
+    store: dist.Store, rank: int, tp_size: int, layers: list[range], device: torch.device, timeout_s: float,
+    failed: Callable[[], str | None] = lambda: None,
 ) -> tuple[TensorParallel, PipelineStage]:
     """The tensor-parallel rank and pipeline stage of global ``rank`` (``len(layers)`` stages of ``tp_size`` ranks,
     stage ``s`` holding decoder layers ``layers[s]``), their groups joined through ``store``: every rank joins the
-    whole group, then its stage's own (the same order on every rank)."""
+    whole group, then its stage's own (the same order on every rank). ``failed``: ``Communicator``'s."""
     pp_size = len(layers)
     if pp_size == 1:
-        return TensorParallel(rank, tp_size, Communicator(store, rank, tp_size, device, timeout_s)), WHOLE
-    world = Communicator(store, rank, tp_size * pp_size, device, timeout_s, name="world")
+        comm = Communicator(store, rank, tp_size, device, timeout_s, failed=failed)
+        return TensorParallel(rank, tp_size, comm), WHOLE
+    world = Communicator(store, rank, tp_size * pp_size, device, timeout_s, name="world", failed=failed)
     stage, tp_rank = divmod(rank, tp_size)
     comm = Communicator(store, tp_rank, tp_size, device, timeout_s, name=f"stage{stage}") if tp_size > 1 else None
     links = PipelineLinks(world, tp_size, pp_size)

@@ -79,7 +79,9 @@ class ParallelRunner(ModelRunner):
         try:
             try:
                 wait_for_ranks(self.workers.store, size, self.workers.start_error)
-                tp, pp = join_groups(self.workers.store, 0, tp_size, layers, device, self.workers.timeout_s)
+                tp, pp = join_groups(
+                    self.workers.store, 0, tp_size, layers, device, self.workers.timeout_s, self.workers.start_error
+                )
                 self.comm = tp.comm
                 super().__init__(config, model_dir, tp, pp)
             except RuntimeError as exc:  # joining the group, or a collective of the start-up, failed: a worker says why

@@ -16,8 +16,8 @@ from engine.config import EngineConfig
 from engine.core.kv_layout import KVLayout, split_payload
 from engine.core.scheduler_output import SchedulerOutput
 from engine.distributed.communicator import START_TIMEOUT_S, PendingRecv, wait_for_ranks
-from engine.distributed.rank_calls import RankCall
 from engine.distributed.pipeline import PipelineLinks, join_groups
+from engine.distributed.rank_calls import RankCall
 from engine.distributed.workers import WorkerGroup
 from engine.errors import KVTransferFailed, ModelLoadError, ParameterError, WorkerGroupFailed
 from engine.parallel_state import check_pipeline_parallel, check_tensor_parallel, stage_layers
@@ -102,8 +102,8 @@ class ParallelRunner(ModelRunner):
 
     def stage_wait_seconds_per_stage(self) -> list[float]:
         """Each pipeline stage's idle time so far (its first tensor-parallel rank's ``stage_wait_seconds``: waiting
-        on the stage before, on the next to take its hidden states, and on rank 0 for the last stage's logits),
-        stage 0 first. A call between steps: the other ranks answer once they finished the steps sent before.
+        on the stage before, on the next to take its hidden states, and on the driver for the logits), stage 0
+        first. A call between steps: the other ranks answer once they finished the steps sent before.
 
         Raises:
             WorkerGroupFailed: a rank is gone or did not answer.

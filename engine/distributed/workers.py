@@ -24,8 +24,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.distributed.communicator import arrive, open_store
-from engine.distributed.rank_calls import RankCall, run_rank_call
 from engine.distributed.pipeline import join_groups
+from engine.distributed.rank_calls import RankCall, run_rank_call
 from engine.errors import KVTransferFailed, ModelLoadError
 
 if TYPE_CHECKING:

@@ -78,13 +78,15 @@ def test_a_partition_whose_stages_hold_other_windows_gives_transformers_greedy_t
         _assert_alone_and_batched(engine, _hf_greedy(model_dir, PROMPTS))
 
 
-def test_two_stages_of_two_tensor_parallel_ranks_give_transformers_greedy_tokens(tiny_model_factory) -> None:
-    """pp=2 x tp=2 (four ranks): transformers' tokens; the driver holds half of its stage's heads."""
-    model_dir = tiny_model_factory("qwen2")
+@pytest.mark.parametrize("arch", [arch for arch in MODELS if arch not in ("mixtral", "gemma3_text")])
+def test_two_stages_of_two_tensor_parallel_ranks_give_transformers_greedy_tokens(arch, tiny_model_factory) -> None:
+    """pp=2 x tp=2 (four ranks), every family tensor parallelism serves: transformers' tokens; the driver holds
+    half of its stage's heads."""
+    model_dir = tiny_model_factory(arch)
     with Engine(str(model_dir), pipeline_parallel_size=2, tensor_parallel_size=2, **OPTIONS) as engine:
         assert engine.runner.workers.size == 4 and engine.runner.tp.size == 2
         attn = engine.runner.model.model.layers[0].self_attn
-        assert attn.num_heads == engine.runner.hf_config.num_attention_heads // 2
+        assert attn.num_heads == engine.runner.text_config.num_attention_heads // 2
         _assert_alone_and_batched(engine, _hf_greedy(model_dir, PROMPTS))
         assert len(engine.runner.stage_wait_seconds_per_stage()) == 2  # ranks 0 and 2, each stage's first
 

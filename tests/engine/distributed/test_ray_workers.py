@@ -15,7 +15,7 @@ import pytest
 
 from engine import Engine, SamplingParams
 from engine.errors import ParameterError, WorkerGroupFailed
-from tests.engine.distributed.test_pipeline_parallel import GREEDY, PROMPTS, _assert_alone_and_batched, _hf_greedy
+from tests.engine.distributed.test_pipeline_parallel import GREEDY, MODELS, PROMPTS, _assert_alone_and_batched, _hf_greedy
 from tests.engine.test_kv_cache_dir import CONFIG, QUESTIONS, SYSTEM, answer, assert_pool_whole
 
 ray = pytest.importorskip("ray")
@@ -83,10 +83,11 @@ def two_nodes():
         cluster.shutdown()
 
 
-def test_a_stage_on_the_second_node_gives_transformers_greedy_tokens(two_nodes, tiny_model_factory) -> None:
+@pytest.mark.parametrize("arch", MODELS)
+def test_a_stage_on_the_second_node_gives_transformers_greedy_tokens(arch, two_nodes, tiny_model_factory) -> None:
     """pp=2 on Ray: rank 1 (the last stage) runs on the second node; the tokens equal transformers', alone and
     batched with prefix caching on; closing the engine ends the actor."""
-    model_dir = tiny_model_factory("llama")
+    model_dir = tiny_model_factory(arch)
     with Engine(str(model_dir), pipeline_parallel_size=2, **OPTIONS) as engine:
         [where] = engine.runner.workers.placement
         assert where["rank"] == 1 and where["node_id"] == two_nodes

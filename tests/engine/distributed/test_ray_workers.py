@@ -39,14 +39,9 @@ def _replica_in(pg: Any) -> Any:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     class Replica:
-        def start(self, model: str, options: dict[str, Any]) -> tuple[str, str] | None:
-            """Builds the engine; where it refuses, the ParameterError's field and message (Ray cannot carry the
-            error itself: it is not rebuilt from its message alone)."""
-            try:
-                self.engine = Engine(model, **options)
-            except ParameterError as exc:
-                return exc.param, str(exc)
-            return None
+        def start(self, model: str, options: dict[str, Any]) -> None:
+            """Builds the engine (an error it raises reaches the caller as itself, fields and all)."""
+            self.engine = Engine(model, **options)
 
         def generate(self, prompts: list[list[int]], params: SamplingParams) -> dict[str, Any]:
             """The greedy tokens, the ranks' placement, and the placement groups alive: this actor's and all."""
@@ -176,9 +171,9 @@ def test_a_placement_group_of_fewer_bundles_than_ranks_is_refused(two_nodes, tin
     replica = _replica_in(pg)
     try:
         options = {**OPTIONS, "pipeline_parallel_size": 2, "tensor_parallel_size": 2}
-        param, message = ray.get(replica.start.remote(str(tiny_model_factory("llama")), options), timeout=600)
-        assert param == "distributed_executor_backend"
-        assert "placement group of 2 bundles, fewer than the group's 4 ranks" in message
+        with pytest.raises(ParameterError, match="placement group of 2 bundles, fewer than the group's 4 ranks") as err:
+            ray.get(replica.start.remote(str(tiny_model_factory("llama")), options), timeout=600)
+        assert err.value.param == "distributed_executor_backend"
     finally:
         ray.kill(replica)
         ray.util.remove_placement_group(pg)

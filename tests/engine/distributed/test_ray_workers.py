@@ -15,7 +15,13 @@ import pytest
 
 from engine import Engine, SamplingParams
 from engine.errors import ParameterError, WorkerGroupFailed
-from tests.engine.distributed.test_pipeline_parallel import GREEDY, MODELS, PROMPTS, _assert_alone_and_batched, _hf_greedy
+from tests.engine.distributed.test_pipeline_parallel import (
+    GREEDY,
+    MODELS,
+    PROMPTS,
+    _assert_alone_and_batched,
+    _hf_greedy,
+)
 from tests.engine.test_kv_cache_dir import CONFIG, QUESTIONS, SYSTEM, answer, assert_pool_whole
 
 ray = pytest.importorskip("ray")
